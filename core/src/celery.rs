@@ -1,0 +1,426 @@
+//! An outbox event as a Celery task message: protocol v2 inside the kombu
+//! Redis transport's JSON envelope.
+//!
+//! A stock Celery worker crashes or loops on a message that lacks
+//! `properties`, `delivery_tag`, `delivery_info.exchange`/`routing_key`,
+//! `headers.id`, a three-element body or valid base64, so every message this
+//! module emits carries all of them; the unit tests decode and check each one.
+
+use std::borrow::Cow;
+use std::fmt::{self, Write};
+
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+/// Celery's default `argsrepr`/`kwargsrepr` limit (`saferepr` maxsize).
+const REPR_MAX_BYTES: usize = 1024;
+
+/// Headers the protocol owns. An event's own `headers` cannot override them:
+/// a user header called `id` would otherwise change the task id.
+const PROTOCOL_HEADERS: &[&str] = &[
+    "lang",
+    "task",
+    "id",
+    "root_id",
+    "parent_id",
+    "group",
+    "group_index",
+    "shadow",
+    "eta",
+    "expires",
+    "retries",
+    "timelimit",
+    "argsrepr",
+    "kwargsrepr",
+    "origin",
+    "ignore_result",
+    "replaced_task_nesting",
+    "stamped_headers",
+    "stamps",
+    "outbox_event_type",
+    "outbox_created_at",
+];
+
+/// What the encoder needs of one claimed event. Borrowed: the worker keeps
+/// the rows it claimed and encodes them without copying.
+#[derive(Debug, Clone, Copy)]
+pub struct TaskMessage<'a> {
+    pub id: Uuid,
+    pub task: &'a str,
+    pub queue: &'a str,
+    pub priority: u8,
+    pub event_type: &'a str,
+    /// `created_at` as PostgreSQL prints it (ISO 8601).
+    pub created_at: &'a str,
+    /// The payload's JSON text.
+    pub payload: &'a str,
+    /// The event's own headers, a JSON object's text, if any.
+    pub headers: Option<&'a str>,
+}
+
+/// Why one event cannot become a message. Never the broker's fault: the
+/// worker dead-letters such an event at once instead of retrying it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EncodeError {
+    PayloadNotJson(String),
+    HeadersNotObject,
+    HeadersNotJson(String),
+}
+
+impl fmt::Display for EncodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EncodeError::PayloadNotJson(e) => write!(f, "payload is not valid JSON: {e}"),
+            EncodeError::HeadersNotObject => write!(f, "headers must be a JSON object"),
+            EncodeError::HeadersNotJson(e) => write!(f, "headers are not valid JSON: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for EncodeError {}
+
+/// The Redis list a message goes to. kombu's Redis transport emulates
+/// priorities with one list per step (0, 3, 6, 9; 0 is highest): step 0 is
+/// the queue itself, any other is `queue + "\x06\x16" + step`.
+pub fn queue_key(queue: &str, priority: u8) -> Cow<'_, str> {
+    let step = [9u8, 6, 3, 0]
+        .into_iter()
+        .find(|s| *s <= priority)
+        .unwrap_or(0);
+    if step == 0 {
+        Cow::Borrowed(queue)
+    } else {
+        Cow::Owned(format!("{queue}\x06\x16{step}"))
+    }
+}
+
+/// Appends the envelope of `msg` to `out`. `delivery_tag` must be fresh for
+/// every push (kombu keys its unacked hash by it); `origin` names the sender.
+pub fn encode(
+    msg: &TaskMessage<'_>,
+    origin: &str,
+    delivery_tag: Uuid,
+    out: &mut String,
+) -> Result<(), EncodeError> {
+    let (args, kwargs) = split_payload(msg.payload)?;
+    let extra = extra_headers(msg.headers)?;
+
+    let body = format!(
+        "[{args},{kwargs},{{\"callbacks\":null,\"errbacks\":null,\"chain\":null,\"chord\":null}}]"
+    );
+    let id = msg.id.hyphenated();
+
+    out.push_str("{\"body\":\"");
+    base64_encode(body.as_bytes(), out);
+    out.push_str(
+        "\",\"content-encoding\":\"utf-8\",\"content-type\":\"application/json\",\"headers\":{",
+    );
+    // The event's own headers come first so that, should a consumer keep the
+    // last of duplicate keys, ours would still win; duplicates are dropped
+    // anyway in `extra_headers`.
+    for (key, value) in &extra {
+        push_json_str(out, key);
+        out.push(':');
+        out.push_str(&value.to_string());
+        out.push(',');
+    }
+    out.push_str("\"lang\":\"py\",\"task\":");
+    push_json_str(out, msg.task);
+    let _ = write!(
+        out,
+        ",\"id\":\"{id}\",\"root_id\":\"{id}\",\"parent_id\":null,\"group\":null,\
+         \"group_index\":null,\"shadow\":null,\"eta\":null,\"expires\":null,\"retries\":0,\
+         \"timelimit\":[null,null],\"argsrepr\":"
+    );
+    push_json_str(out, truncate(&args, REPR_MAX_BYTES));
+    out.push_str(",\"kwargsrepr\":");
+    push_json_str(out, truncate(kwargs, REPR_MAX_BYTES));
+    out.push_str(",\"origin\":");
+    push_json_str(out, origin);
+    out.push_str(
+        ",\"ignore_result\":false,\"replaced_task_nesting\":0,\"stamped_headers\":null,\
+         \"stamps\":{},\"outbox_event_type\":",
+    );
+    push_json_str(out, msg.event_type);
+    out.push_str(",\"outbox_created_at\":");
+    push_json_str(out, msg.created_at);
+    let _ = write!(
+        out,
+        "}},\"properties\":{{\"correlation_id\":\"{id}\",\"reply_to\":\"\",\"delivery_mode\":2,\
+         \"delivery_info\":{{\"exchange\":\"\",\"routing_key\":"
+    );
+    push_json_str(out, msg.queue);
+    let _ = write!(
+        out,
+        "}},\"priority\":{},\"body_encoding\":\"base64\",\"delivery_tag\":\"{}\"}}}}",
+        msg.priority,
+        delivery_tag.hyphenated()
+    );
+    Ok(())
+}
+
+/// Payload mapping: an object is the task's kwargs, an array its args, any
+/// other value its single argument. Works on the JSON text without parsing
+/// it: PostgreSQL's jsonb output is always valid JSON.
+fn split_payload(payload: &str) -> Result<(Cow<'_, str>, &str), EncodeError> {
+    let trimmed = payload.trim();
+    match trimmed.as_bytes().first() {
+        Some(b'{') => Ok((Cow::Borrowed("[]"), trimmed)),
+        Some(b'[') => Ok((Cow::Borrowed(trimmed), "{}")),
+        Some(_) => Ok((Cow::Owned(format!("[{trimmed}]")), "{}")),
+        None => Err(EncodeError::PayloadNotJson("empty".into())),
+    }
+}
+
+fn extra_headers(headers: Option<&str>) -> Result<Map<String, Value>, EncodeError> {
+    let Some(text) = headers else {
+        return Ok(Map::new());
+    };
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(mut map)) => {
+            map.retain(|key, _| !PROTOCOL_HEADERS.contains(&key.as_str()));
+            Ok(map)
+        }
+        Ok(Value::Null) => Ok(Map::new()),
+        Ok(_) => Err(EncodeError::HeadersNotObject),
+        Err(e) => Err(EncodeError::HeadersNotJson(e.to_string())),
+    }
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a char
+/// boundary.
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn push_json_str(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+const BASE64_ALPHABET: &[u8; 64] =
+    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding, as Python's `base64.b64decode` expects.
+fn base64_encode(input: &[u8], out: &mut String) {
+    out.reserve(input.len().div_ceil(3) * 4);
+    for chunk in input.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        let sextet = |shift: u32| BASE64_ALPHABET[((n >> shift) & 63) as usize] as char;
+        out.push(sextet(18));
+        out.push(sextet(12));
+        out.push(if chunk.len() > 1 { sextet(6) } else { '=' });
+        out.push(if chunk.len() > 2 { sextet(0) } else { '=' });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base64_decode(s: &str) -> Vec<u8> {
+        let value = |c: u8| BASE64_ALPHABET.iter().position(|a| *a == c).unwrap() as u32;
+        let bytes: Vec<u8> = s.bytes().filter(|c| *c != b'=').collect();
+        let mut out = Vec::new();
+        for chunk in bytes.chunks(4) {
+            let mut n = 0u32;
+            for (i, c) in chunk.iter().enumerate() {
+                n |= value(*c) << (18 - 6 * i);
+            }
+            for i in 0..chunk.len() - 1 {
+                out.push((n >> (16 - 8 * i)) as u8);
+            }
+        }
+        out
+    }
+
+    fn message<'a>(payload: &'a str, headers: Option<&'a str>) -> TaskMessage<'a> {
+        TaskMessage {
+            id: Uuid::parse_str("0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a").unwrap(),
+            task: "app.tasks.render",
+            queue: "renders",
+            priority: 0,
+            event_type: "render_job_created",
+            created_at: "2026-11-29 14:00:00.123456+00",
+            payload,
+            headers,
+        }
+    }
+
+    fn encode_value(msg: &TaskMessage<'_>) -> (Value, Value) {
+        let mut out = String::new();
+        encode(msg, "outbox_dispatch@host", Uuid::new_v4(), &mut out).unwrap();
+        let envelope: Value = serde_json::from_str(&out).expect("envelope is JSON");
+        let body_b64 = envelope["body"].as_str().expect("body is a string");
+        let body: Value = serde_json::from_slice(&base64_decode(body_b64)).expect("body is JSON");
+        (envelope, body)
+    }
+
+    #[test]
+    fn envelope_has_every_field_a_worker_requires() {
+        let msg = message(r#"{"job_id": 7}"#, None);
+        let (env, body) = encode_value(&msg);
+        let id = msg.id.to_string();
+        assert_eq!(env["content-type"], "application/json");
+        assert_eq!(env["content-encoding"], "utf-8");
+        let h = &env["headers"];
+        assert_eq!(h["lang"], "py");
+        assert_eq!(h["task"], "app.tasks.render");
+        assert_eq!(h["id"], id.as_str());
+        assert_eq!(h["root_id"], id.as_str());
+        assert_eq!(h["parent_id"], Value::Null);
+        assert_eq!(h["retries"], 0);
+        assert_eq!(h["timelimit"], serde_json::json!([null, null]));
+        assert_eq!(h["origin"], "outbox_dispatch@host");
+        assert_eq!(h["outbox_event_type"], "render_job_created");
+        assert_eq!(h["outbox_created_at"], "2026-11-29 14:00:00.123456+00");
+        assert_eq!(h["stamps"], serde_json::json!({}));
+        let p = &env["properties"];
+        assert_eq!(p["correlation_id"], id.as_str());
+        assert_eq!(p["reply_to"], "");
+        assert_eq!(p["delivery_mode"], 2);
+        assert_eq!(p["delivery_info"]["exchange"], "");
+        assert_eq!(p["delivery_info"]["routing_key"], "renders");
+        assert_eq!(p["priority"], 0);
+        assert_eq!(p["body_encoding"], "base64");
+        assert!(Uuid::parse_str(p["delivery_tag"].as_str().unwrap()).is_ok());
+        let body = body.as_array().expect("body is an array");
+        assert_eq!(body.len(), 3);
+        assert_eq!(body[0], serde_json::json!([]));
+        assert_eq!(body[1], serde_json::json!({"job_id": 7}));
+        assert_eq!(
+            body[2],
+            serde_json::json!({"callbacks": null, "errbacks": null, "chain": null, "chord": null})
+        );
+    }
+
+    #[test]
+    fn payload_maps_to_args_and_kwargs() {
+        let cases = [
+            (
+                r#"{"a": 1}"#,
+                serde_json::json!([]),
+                serde_json::json!({"a": 1}),
+            ),
+            (
+                r#"[1, "x"]"#,
+                serde_json::json!([1, "x"]),
+                serde_json::json!({}),
+            ),
+            ("42", serde_json::json!([42]), serde_json::json!({})),
+            (
+                r#""text""#,
+                serde_json::json!(["text"]),
+                serde_json::json!({}),
+            ),
+            ("null", serde_json::json!([null]), serde_json::json!({})),
+        ];
+        for (payload, args, kwargs) in cases {
+            let (env, body) = encode_value(&message(payload, None));
+            assert_eq!(body[0], args, "args of {payload}");
+            assert_eq!(body[1], kwargs, "kwargs of {payload}");
+            let argsrepr = env["headers"]["argsrepr"].as_str().unwrap();
+            assert_eq!(serde_json::from_str::<Value>(argsrepr).unwrap(), args);
+        }
+    }
+
+    #[test]
+    fn delivery_tag_is_fresh_and_id_is_stable() {
+        let msg = message("{}", None);
+        let (a, _) = encode_value(&msg);
+        let (b, _) = encode_value(&msg);
+        assert_eq!(a["headers"]["id"], b["headers"]["id"]);
+        assert_ne!(
+            a["properties"]["delivery_tag"],
+            b["properties"]["delivery_tag"]
+        );
+    }
+
+    #[test]
+    fn extra_headers_travel_but_cannot_override_the_protocol() {
+        let headers = r#"{"traceparent": "00-abc-def-01", "id": "evil", "task": "evil"}"#;
+        let msg = message("{}", Some(headers));
+        let mut out = String::new();
+        encode(&msg, "o", Uuid::new_v4(), &mut out).unwrap();
+        assert_eq!(out.matches("\"id\":").count(), 1, "one id header: {out}");
+        let (env, _) = encode_value(&msg);
+        assert_eq!(env["headers"]["traceparent"], "00-abc-def-01");
+        assert_eq!(env["headers"]["id"], msg.id.to_string().as_str());
+        assert_eq!(env["headers"]["task"], "app.tasks.render");
+    }
+
+    #[test]
+    fn headers_that_are_not_an_object_are_refused() {
+        let mut out = String::new();
+        let err = encode(&message("{}", Some("[1]")), "o", Uuid::new_v4(), &mut out);
+        assert_eq!(err, Err(EncodeError::HeadersNotObject));
+    }
+
+    #[test]
+    fn strings_are_escaped() {
+        let mut msg = message("{}", None);
+        msg.task = "we\"ird\\task\n\u{1}";
+        msg.queue = "q\"ueue";
+        let (env, _) = encode_value(&msg);
+        assert_eq!(env["headers"]["task"], "we\"ird\\task\n\u{1}");
+        assert_eq!(env["properties"]["delivery_info"]["routing_key"], "q\"ueue");
+    }
+
+    #[test]
+    fn reprs_are_truncated_on_a_char_boundary() {
+        let long = format!("{{\"k\": \"{}\"}}", "é".repeat(2000));
+        let (env, body) = encode_value(&message(&long, None));
+        let repr = env["headers"]["kwargsrepr"].as_str().unwrap();
+        assert!(repr.len() <= REPR_MAX_BYTES);
+        assert_eq!(body[1]["k"].as_str().unwrap().chars().count(), 2000);
+    }
+
+    #[test]
+    fn priority_selects_the_kombu_list() {
+        assert_eq!(queue_key("celery", 0), "celery");
+        assert_eq!(queue_key("celery", 2), "celery");
+        assert_eq!(queue_key("celery", 3), "celery\x06\x163");
+        assert_eq!(queue_key("celery", 5), "celery\x06\x163");
+        assert_eq!(queue_key("celery", 6), "celery\x06\x166");
+        assert_eq!(queue_key("celery", 9), "celery\x06\x169");
+    }
+
+    #[test]
+    fn base64_round_trips_every_length() {
+        let data: Vec<u8> = (0..=255u8).collect();
+        for len in 0..40 {
+            let mut out = String::new();
+            base64_encode(&data[..len], &mut out);
+            assert_eq!(out.len() % 4, 0);
+            assert_eq!(base64_decode(&out), &data[..len]);
+        }
+        let mut out = String::new();
+        base64_encode(b"any carnal pleas", &mut out);
+        assert_eq!(out, "YW55IGNhcm5hbCBwbGVhcw==");
+    }
+}

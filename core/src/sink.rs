@@ -1,0 +1,231 @@
+//! The broker end: one Redis connection, batches pushed in one pipelined
+//! round trip, and a clear line between the broker's fault (the connection)
+//! and one event's fault (Redis answered an error for its push).
+//!
+//! Every call is bounded by `timeout`: a background worker must keep
+//! answering SIGTERM, and a blocking read would not.
+
+use std::fmt;
+use std::time::Duration;
+
+use redis::{Client, Connection, ConnectionInfo, IntoConnectionInfo, Value};
+
+/// Why the broker could not be used. The batch in flight is not the events'
+/// fault: it goes back to pending without spending retries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SinkError {
+    /// `outbox.redis_url` does not parse.
+    InvalidUrl(String),
+    /// Connecting (or authenticating) failed.
+    Connect(String),
+    /// The broker did not answer within the timeout.
+    Timeout,
+    /// An established connection broke.
+    ConnectionLost(String),
+}
+
+impl SinkError {
+    /// A short stable name, for logs and metric labels.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            SinkError::InvalidUrl(_) => "invalid_url",
+            SinkError::Connect(_) => "connect_failed",
+            SinkError::Timeout => "timeout",
+            SinkError::ConnectionLost(_) => "connection_lost",
+        }
+    }
+
+    fn from_redis(err: &redis::RedisError, connected: bool) -> SinkError {
+        if err.is_timeout() {
+            SinkError::Timeout
+        } else if connected {
+            SinkError::ConnectionLost(err.to_string())
+        } else {
+            SinkError::Connect(err.to_string())
+        }
+    }
+}
+
+impl fmt::Display for SinkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SinkError::InvalidUrl(e) => write!(f, "invalid outbox.redis_url: {e}"),
+            SinkError::Connect(e) => write!(f, "cannot connect to Redis: {e}"),
+            SinkError::Timeout => write!(f, "Redis did not answer within outbox.redis_timeout"),
+            SinkError::ConnectionLost(e) => write!(f, "lost the Redis connection: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for SinkError {}
+
+/// Messages bound for one Redis list: pushed with a single multi-value LPUSH,
+/// in order, so that a BRPOP consumer sees them first to last.
+#[derive(Debug, Default)]
+pub struct KeyBatch {
+    pub key: String,
+    pub messages: Vec<String>,
+}
+
+pub struct Sink {
+    client: Client,
+    connection: Option<Connection>,
+    timeout: Duration,
+    display_url: String,
+}
+
+impl Sink {
+    /// Parses the URL; connects lazily.
+    pub fn new(url: &str, timeout: Duration) -> Result<Sink, SinkError> {
+        let info: ConnectionInfo = url
+            .into_connection_info()
+            .map_err(|e| SinkError::InvalidUrl(format!("{} ({})", redact_url(url), e)))?;
+        let client = Client::open(info).map_err(|e| SinkError::InvalidUrl(e.to_string()))?;
+        Ok(Sink {
+            client,
+            connection: None,
+            timeout,
+            display_url: redact_url(url),
+        })
+    }
+
+    /// The broker's address with any credentials masked.
+    pub fn display_url(&self) -> &str {
+        &self.display_url
+    }
+
+    pub fn is_connected(&self) -> bool {
+        self.connection.is_some()
+    }
+
+    pub fn disconnect(&mut self) {
+        self.connection = None;
+    }
+
+    /// Connects if not connected, and proves the connection with a PING.
+    pub fn connect(&mut self) -> Result<(), SinkError> {
+        if self.connection.is_none() {
+            let connection = self
+                .client
+                .get_connection_with_timeout(self.timeout)
+                .map_err(|e| SinkError::from_redis(&e, false))?;
+            for set in [Connection::set_read_timeout, Connection::set_write_timeout] {
+                set(&connection, Some(self.timeout))
+                    .map_err(|e| SinkError::Connect(e.to_string()))?;
+            }
+            self.connection = Some(connection);
+        }
+        self.ping()
+    }
+
+    /// One PING round trip; drops the connection when it fails.
+    pub fn ping(&mut self) -> Result<(), SinkError> {
+        let connection = self
+            .connection
+            .as_mut()
+            .ok_or(SinkError::ConnectionLost("not connected".into()))?;
+        let result = redis::cmd("PING").query::<String>(connection);
+        result.map(drop).map_err(|e| self.fail(&e))
+    }
+
+    /// Pushes every batch in one pipelined round trip. The outer error is the
+    /// broker's (nothing can be assumed delivered); the inner results are one
+    /// per batch, in order: `Err` holds the error Redis answered for that key
+    /// (e.g. WRONGTYPE), the fault of those events alone.
+    pub fn push(&mut self, batches: &[KeyBatch]) -> Result<Vec<Result<(), String>>, SinkError> {
+        let mut pipe = redis::pipe();
+        for batch in batches.iter().filter(|b| !b.messages.is_empty()) {
+            pipe.cmd("LPUSH").arg(&batch.key).arg(&batch.messages);
+        }
+        let packed = pipe.get_packed_pipeline();
+        let connection = self
+            .connection
+            .as_mut()
+            .ok_or(SinkError::ConnectionLost("not connected".into()))?;
+        if let Err(e) = connection.send_packed_command(&packed) {
+            return Err(self.fail(&e));
+        }
+        let mut outcomes = Vec::with_capacity(batches.len());
+        for batch in batches {
+            if batch.messages.is_empty() {
+                outcomes.push(Ok(()));
+                continue;
+            }
+            let connection = self.connection.as_mut().expect("connected above");
+            match connection.recv_response() {
+                Ok(reply @ Value::ServerError(_)) => {
+                    let err = reply.extract_error().expect_err("a server error");
+                    outcomes.push(Err(err.to_string()));
+                }
+                Ok(_) => outcomes.push(Ok(())),
+                Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+                    return Err(self.fail(&e));
+                }
+                Err(e) => outcomes.push(Err(e.to_string())),
+            }
+        }
+        Ok(outcomes)
+    }
+
+    fn fail(&mut self, err: &redis::RedisError) -> SinkError {
+        self.connection = None;
+        SinkError::from_redis(err, true)
+    }
+}
+
+/// `redis://user:secret@host:6379/0` → `redis://***@host:6379/0`: logs,
+/// views and errors may show where the broker is, never a credential.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "(unparsable URL)".to_string();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{tail}"),
+        None => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_are_redacted() {
+        assert_eq!(redact_url("redis://u:pw@h:6379/0"), "redis://***@h:6379/0");
+        assert_eq!(redact_url("redis://:pw@h"), "redis://***@h");
+        assert_eq!(
+            redact_url("rediss://user:p@ss@h:1/2?x=1"),
+            "rediss://***@h:1/2?x=1"
+        );
+        assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
+        assert_eq!(redact_url("garbage"), "(unparsable URL)");
+    }
+
+    #[test]
+    fn a_malformed_url_is_refused_without_echoing_secrets() {
+        let err = Sink::new(
+            "redis://user:secret@host:notaport/0",
+            Duration::from_secs(1),
+        )
+        .err()
+        .expect("refused");
+        assert_eq!(err.reason(), "invalid_url");
+        assert!(!err.to_string().contains("secret"), "{err}");
+    }
+
+    #[test]
+    fn an_unreachable_broker_is_a_connect_error() {
+        // Port 1 on loopback: nothing listens there, the refusal is immediate.
+        let mut sink = Sink::new("redis://127.0.0.1:1/0", Duration::from_secs(1)).unwrap();
+        let err = sink.connect().unwrap_err();
+        assert!(matches!(err, SinkError::Connect(_)), "{err:?}");
+        assert!(!sink.is_connected());
+        let err = sink.push(&[KeyBatch {
+            key: "q".into(),
+            messages: vec!["m".into()],
+        }]);
+        assert!(matches!(err, Err(SinkError::ConnectionLost(_))));
+    }
+}

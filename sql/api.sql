@@ -1,0 +1,124 @@
+-- outbox_dispatch: the SQL API and the views. Runs after the Rust
+-- functions (outbox_uuid_v7, outbox_events_inserted, outbox_workers) exist.
+
+ALTER TABLE outbox.events ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7();
+
+-- Every insert path (outbox_enqueue() or an ORM's INSERT) wakes the
+-- dispatchers when its transaction commits. Once per statement, not per row.
+CREATE TRIGGER events_wake_dispatchers
+    AFTER INSERT ON outbox.events
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.outbox_events_inserted();
+
+-- Enqueue one event in the caller's transaction; returns its id, which is
+-- also the Celery task id. Every argument is checked first, with an error
+-- that names it and its limit; nothing is inserted when one is refused.
+-- No SET search_path: every name is schema-qualified, and a SET clause would
+-- cost a configuration save and restore on each call.
+CREATE FUNCTION @extschema@.outbox_enqueue(
+    event_type text,
+    payload    jsonb,
+    queue      text     DEFAULT NULL,
+    task       text     DEFAULT NULL,
+    headers    jsonb    DEFAULT NULL,
+    delay      interval DEFAULT NULL,
+    priority   integer  DEFAULT 0
+) RETURNS uuid
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    max_name_bytes CONSTANT integer := 255;
+    max_payload    bigint;
+    payload_bytes  integer;
+    resolved_queue text := pg_catalog.coalesce(queue,
+                               pg_catalog.current_setting('outbox.default_queue', true), 'celery');
+    new_id         uuid;
+BEGIN
+    IF event_type IS NULL OR event_type = '' THEN
+        RAISE EXCEPTION 'outbox_enqueue: event_type must not be null or empty'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF pg_catalog.octet_length(event_type) > max_name_bytes THEN
+        RAISE EXCEPTION 'outbox_enqueue: event_type is % bytes, the limit is % bytes',
+            pg_catalog.octet_length(event_type), max_name_bytes
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF resolved_queue = '' OR pg_catalog.octet_length(resolved_queue) > max_name_bytes THEN
+        RAISE EXCEPTION 'outbox_enqueue: queue is % bytes, it must be 1 to % bytes',
+            pg_catalog.octet_length(resolved_queue), max_name_bytes
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF task = '' OR pg_catalog.octet_length(task) > max_name_bytes THEN
+        RAISE EXCEPTION 'outbox_enqueue: task is % bytes, it must be 1 to % bytes',
+            pg_catalog.octet_length(task), max_name_bytes
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF payload IS NULL THEN
+        RAISE EXCEPTION 'outbox_enqueue: payload must not be null (use ''{}'' for a task without arguments)'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    max_payload := pg_catalog.pg_size_bytes(pg_catalog.current_setting('outbox.max_payload_bytes'));
+    payload_bytes := pg_catalog.octet_length(payload::text);
+    IF payload_bytes > max_payload THEN
+        RAISE EXCEPTION 'outbox_enqueue: payload is % bytes, over outbox.max_payload_bytes (% bytes)',
+            payload_bytes, max_payload
+            USING ERRCODE = 'program_limit_exceeded';
+    END IF;
+    IF headers IS NOT NULL AND pg_catalog.jsonb_typeof(headers) <> 'object' THEN
+        RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, not %',
+            pg_catalog.jsonb_typeof(headers)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF delay < interval '0' THEN
+        RAISE EXCEPTION 'outbox_enqueue: delay must not be negative (got %)', delay
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF priority IS NULL OR priority NOT BETWEEN 0 AND 9 THEN
+        RAISE EXCEPTION 'outbox_enqueue: priority is %, it must be 0 (highest) to 9', priority
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+
+    INSERT INTO outbox.events (event_type, payload, queue, task, headers, priority, available_at)
+    VALUES (event_type, payload, resolved_queue, task, headers, priority,
+            pg_catalog.clock_timestamp() + pg_catalog.coalesce(delay, interval '0'))
+    RETURNING id INTO new_id;
+    RETURN new_id;
+END
+$$;
+
+COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer) IS
+    'Enqueue an event in the current transaction; it is delivered as a Celery task after COMMIT.';
+
+-- One row per status, zero counts included.
+CREATE VIEW outbox.status AS
+SELECT s.status,
+       pg_catalog.count(e.id) AS count,
+       pg_catalog.min(e.created_at) AS oldest_created_at,
+       pg_catalog.now() - pg_catalog.min(e.created_at) AS age,
+       CASE WHEN s.status = 'pending' THEN
+           pg_catalog.coalesce(
+               pg_catalog.now() - pg_catalog.min(e.available_at) FILTER (WHERE e.available_at <= pg_catalog.now()),
+               interval '0')
+       END AS lag
+  FROM pg_catalog.unnest(pg_catalog.enum_range(NULL::outbox.event_status)) AS s(status)
+  LEFT JOIN outbox.events AS e ON e.status = s.status
+ GROUP BY s.status
+ ORDER BY s.status;
+
+COMMENT ON VIEW outbox.status IS
+    'Events per status; lag is how long the oldest due pending event has waited.';
+
+CREATE VIEW outbox.workers AS
+SELECT * FROM @extschema@.outbox_workers();
+
+COMMENT ON VIEW outbox.workers IS 'One row per dispatcher background worker.';
+
+CREATE VIEW outbox.dead_letters AS
+SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
+       retry_count, last_error, created_at
+  FROM outbox.events
+ WHERE status = 'failed';
+
+COMMENT ON VIEW outbox.dead_letters IS 'Events that failed outbox.max_retries times, with their last error.';
+
+-- Dispatchers waiting for this extension to exist start at this commit.
+SELECT @extschema@.outbox_wake();

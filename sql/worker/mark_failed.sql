@@ -1,0 +1,13 @@
+-- Events $1 failed for a reason of their own ($3). Each goes back to pending
+-- after its backoff ($4 milliseconds), or to failed (the dead letter) when it
+-- has no retries left; $2 says which.
+UPDATE outbox.events AS e
+   SET status = f.status::outbox.event_status,
+       retry_count = e.retry_count + 1,
+       last_error = f.error,
+       available_at = now() + f.delay_ms * interval '1 millisecond',
+       processing_started_at = NULL,
+       claimed_by = NULL
+  FROM unnest($1::uuid[], $2::text[], $3::text[], $4::float8[]) AS f(id, status, error, delay_ms)
+ WHERE e.id = f.id
+   AND e.status = 'processing'

@@ -1,0 +1,80 @@
+//! The SQL functions written in Rust. `outbox_enqueue()` itself is SQL
+//! (sql/api.sql): an INSERT whose trigger does the waking.
+
+use std::ffi::{c_char, CString};
+
+use pgrx::prelude::*;
+
+use crate::{config, slots, wake};
+
+extern "C-unwind" {
+    /// commands/async.h, which pgrx does not bind.
+    fn Async_Notify(channel: *const c_char, payload: *const c_char);
+}
+
+/// A new UUIDv7: time-ordered, so the primary key index stays compact.
+#[pg_extern(volatile, parallel_safe)]
+fn outbox_uuid_v7() -> pgrx::Uuid {
+    pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
+}
+
+/// Nudges the dispatchers now, without waiting for a commit.
+#[pg_extern(volatile, parallel_unsafe)]
+fn outbox_wake() {
+    wake::now();
+}
+
+/// AFTER INSERT ... FOR EACH STATEMENT on `outbox.events`: every insert path,
+/// `outbox_enqueue()` or an ORM's INSERT, wakes the dispatchers at commit,
+/// and NOTIFYs `outbox.notify_channel` when `outbox.notify` is on.
+#[pg_trigger]
+fn outbox_events_inserted<'a>(
+    _trigger: &'a pgrx::PgTrigger<'a>,
+) -> Result<Option<PgHeapTuple<'a, pgrx::AllocatedByPostgres>>, pgrx::PgTriggerError> {
+    wake::at_commit();
+    if let Some(channel) = config::notify_channel() {
+        notify(&channel);
+    }
+    Ok(None)
+}
+
+fn notify(channel: &CString) {
+    // SAFETY: both strings outlive the call; Async_Notify copies them and
+    // reports a bad channel name (empty, too long) as an ERROR.
+    unsafe {
+        pgrx::pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
+            Async_Notify(channel.as_ptr(), c"".as_ptr())
+        })
+    };
+}
+
+/// One row per dispatcher slot `outbox.workers` asks for: the view's source.
+#[pg_extern(volatile, parallel_safe)]
+fn outbox_workers() -> TableIterator<
+    'static,
+    (
+        name!(worker, i32),
+        name!(pid, Option<i32>),
+        name!(state, String),
+        name!(connected, bool),
+        name!(started_at, Option<TimestampWithTimeZone>),
+        name!(last_heartbeat, Option<TimestampWithTimeZone>),
+        name!(last_error, Option<String>),
+        name!(events_dispatched, i64),
+    ),
+> {
+    let timestamp = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
+    let rows = slots::report(config::workers()).into_iter().map(move |r| {
+        (
+            r.index,
+            r.pid,
+            r.state.to_string(),
+            r.connected,
+            timestamp(r.started_at),
+            timestamp(r.last_heartbeat),
+            r.last_error,
+            r.dispatched,
+        )
+    });
+    TableIterator::new(rows.collect::<Vec<_>>())
+}

@@ -1,0 +1,253 @@
+//! Every `outbox.*` setting, and [`Settings`], the plain snapshot of them a
+//! dispatcher works from between two reloads.
+//!
+//! Ranges are enforced by PostgreSQL itself, which names the setting and
+//! its limits when a value is refused. Values that cannot be checked by a
+//! range (the broker URL, the database) are checked where they are used,
+//! and a bad one shows in `outbox.workers.last_error` instead of taking the
+//! server down.
+
+use std::ffi::{CStr, CString};
+use std::time::Duration;
+
+use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
+
+/// Upper bound of `outbox.workers`: the dispatcher slots in shared memory.
+pub const MAX_WORKERS: usize = 32;
+
+pub static DATABASE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"postgres"));
+pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
+pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
+pub static REDIS_URL: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"redis://127.0.0.1:6379/0"));
+pub static DEFAULT_QUEUE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"celery"));
+pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
+pub static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
+pub static MAX_RETRIES: GucSetting<i32> = GucSetting::<i32>::new(3);
+pub static RETRY_BACKOFF_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
+pub static RECONNECT_DELAY_MIN_MS: GucSetting<i32> = GucSetting::<i32>::new(3_000);
+pub static RECONNECT_DELAY_MAX_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+pub static REDIS_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
+pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(false);
+pub static NOTIFY_CHANNEL: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"outbox_new"));
+pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+
+const HOUR_MS: i32 = 3_600_000;
+
+/// Defines the settings; called from `_PG_init` in every process that loads
+/// the library, so that `SET`, `SHOW` and the trigger see them everywhere.
+pub fn register() {
+    let ms = GucFlags::UNIT_MS;
+    string(
+        c"outbox.database",
+        c"Database the dispatchers connect to.",
+        &DATABASE,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.workers",
+        c"Number of dispatcher background workers.",
+        c"FOR UPDATE SKIP LOCKED makes several safe. Each takes a max_worker_processes slot.",
+        &WORKERS,
+        0,
+        MAX_WORKERS as i32,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"outbox.enabled",
+        c"Dispatch events; off pauses the dispatchers without a restart.",
+        c"",
+        &ENABLED,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    string(
+        c"outbox.redis_url",
+        c"Broker URL (redis://[user:password@]host:port/db). May hold a password: superusers only.",
+        &REDIS_URL,
+        GucContext::Sighup,
+        GucFlags::SUPERUSER_ONLY,
+    );
+    string(
+        c"outbox.default_queue",
+        c"Queue (Redis list) of events enqueued without one.",
+        &DEFAULT_QUEUE,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    int(
+        c"outbox.batch_size",
+        c"Events claimed and pushed per round trip.",
+        &BATCH_SIZE,
+        1,
+        100_000,
+        GucFlags::default(),
+    );
+    int(
+        c"outbox.poll_interval",
+        c"Safety poll: the longest a dispatcher sleeps without a wake.",
+        &POLL_INTERVAL_MS,
+        10,
+        24 * HOUR_MS,
+        ms,
+    );
+    int(
+        c"outbox.max_retries",
+        c"Failed pushes of one event before it is dead-lettered.",
+        &MAX_RETRIES,
+        1,
+        1000,
+        GucFlags::default(),
+    );
+    int(
+        c"outbox.retry_backoff",
+        c"Base of the exponential backoff between retries of one event.",
+        &RETRY_BACKOFF_MS,
+        0,
+        HOUR_MS,
+        ms,
+    );
+    int(
+        c"outbox.reconnect_delay_min",
+        c"Shortest wait before reconnecting to the broker.",
+        &RECONNECT_DELAY_MIN_MS,
+        10,
+        HOUR_MS,
+        ms,
+    );
+    int(
+        c"outbox.reconnect_delay_max",
+        c"Longest wait before reconnecting to the broker.",
+        &RECONNECT_DELAY_MAX_MS,
+        10,
+        HOUR_MS,
+        ms,
+    );
+    int(
+        c"outbox.redis_timeout",
+        c"Timeout of every broker connect, read and write.",
+        &REDIS_TIMEOUT_MS,
+        100,
+        600_000,
+        ms,
+    );
+    GucRegistry::define_bool_guc(
+        c"outbox.notify",
+        c"Inserts into outbox.events also NOTIFY outbox.notify_channel.",
+        c"For external listeners. Off by default: NOTIFY serializes committing transactions on one lock.",
+        &NOTIFY,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    string(
+        c"outbox.notify_channel",
+        c"Channel of that NOTIFY.",
+        &NOTIFY_CHANNEL,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_payload_bytes",
+        c"Largest payload outbox_enqueue() accepts and a dispatcher pushes.",
+        c"",
+        &MAX_PAYLOAD_BYTES,
+        1,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::UNIT_BYTE,
+    );
+}
+
+fn string(
+    name: &'static CStr,
+    description: &'static CStr,
+    setting: &'static GucSetting<Option<CString>>,
+    context: GucContext,
+    flags: GucFlags,
+) {
+    GucRegistry::define_string_guc(name, description, c"", setting, context, flags);
+}
+
+/// A reloadable (`sighup`) integer setting.
+fn int(
+    name: &'static CStr,
+    description: &'static CStr,
+    setting: &'static GucSetting<i32>,
+    min: i32,
+    max: i32,
+    flags: GucFlags,
+) {
+    GucRegistry::define_int_guc(
+        name,
+        description,
+        c"",
+        setting,
+        min,
+        max,
+        GucContext::Sighup,
+        flags,
+    );
+}
+
+fn text(setting: &GucSetting<Option<CString>>) -> String {
+    setting
+        .get()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn millis(setting: &GucSetting<i32>) -> Duration {
+    Duration::from_millis(setting.get().max(0) as u64)
+}
+
+/// The database named by `outbox.database`.
+pub fn database() -> String {
+    text(&DATABASE)
+}
+
+/// The number of dispatchers `outbox.workers` asks for.
+pub fn workers() -> usize {
+    WORKERS.get().clamp(0, MAX_WORKERS as i32) as usize
+}
+
+pub fn notify_channel() -> Option<CString> {
+    NOTIFY.get().then(|| NOTIFY_CHANNEL.get()).flatten()
+}
+
+/// What a dispatcher needs of the settings, read at start and after each
+/// SIGHUP; plain data, so that nothing below the main loop touches a GUC.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub enabled: bool,
+    pub redis_url: String,
+    pub batch_size: usize,
+    pub poll_interval: Duration,
+    pub max_retries: i32,
+    pub retry_backoff: Duration,
+    pub reconnect_delay_min: Duration,
+    pub reconnect_delay_max: Duration,
+    pub redis_timeout: Duration,
+    pub max_payload_bytes: usize,
+}
+
+impl Settings {
+    pub fn current() -> Settings {
+        Settings {
+            enabled: ENABLED.get(),
+            redis_url: text(&REDIS_URL),
+            batch_size: BATCH_SIZE.get().max(1) as usize,
+            poll_interval: millis(&POLL_INTERVAL_MS),
+            max_retries: MAX_RETRIES.get(),
+            retry_backoff: millis(&RETRY_BACKOFF_MS),
+            reconnect_delay_min: millis(&RECONNECT_DELAY_MIN_MS),
+            reconnect_delay_max: millis(&RECONNECT_DELAY_MAX_MS),
+            redis_timeout: millis(&REDIS_TIMEOUT_MS),
+            max_payload_bytes: MAX_PAYLOAD_BYTES.get().max(1) as usize,
+        }
+    }
+}

@@ -1,0 +1,34 @@
+//! outbox_dispatch: the transactional outbox inside PostgreSQL.
+//!
+//! Applications insert events in their own transactions; background
+//! workers deliver the committed ones to Redis as Celery tasks. The pure
+//! logic (message encoding, backoff, the Redis sink) is in the
+//! `outbox_core` crate; this crate is the PostgreSQL glue around it.
+
+use pgrx::prelude::*;
+
+mod api;
+mod config;
+mod slots;
+mod wake;
+mod worker;
+
+::pgrx::pg_module_magic!();
+
+extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
+extension_sql_file!("../sql/api.sql", name = "api", finalize);
+
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    config::register();
+    // SAFETY: a flag the postmaster sets while loading preloaded libraries.
+    if !unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+        warning!(
+            "outbox_dispatch is loaded without shared_preload_libraries: no dispatcher will run. \
+             Add it to shared_preload_libraries in postgresql.conf and restart the server."
+        );
+        return;
+    }
+    slots::init();
+    worker::register(config::workers());
+}

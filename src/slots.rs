@@ -1,0 +1,238 @@
+//! The dispatchers' slots in shared memory: who each dispatcher is (its
+//! `pgprocno`, so that committing backends can set its latch), what it is
+//! doing, and its last error, for `outbox.workers`.
+//!
+//! Everything a committing backend touches is an atomic: waking the
+//! dispatchers takes no lock. The error texts sit behind one LWLock; only
+//! dispatchers write them, and only on failures.
+
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, AtomicU8, Ordering};
+
+use pgrx::prelude::*;
+use pgrx::shmem::AssertPGRXSharedMemory;
+use pgrx::{pg_shmem_init, PgAtomic, PgLwLock};
+
+use crate::config::MAX_WORKERS;
+
+/// Longest `last_error` kept, in bytes.
+const ERROR_BYTES: usize = 512;
+
+/// What a dispatcher is doing, as `outbox.workers.state` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum State {
+    Stopped = 0,
+    Starting,
+    WaitingForExtension,
+    Idle,
+    Draining,
+    Reconnecting,
+    Paused,
+}
+
+impl State {
+    const ALL: [State; 7] = [
+        State::Stopped,
+        State::Starting,
+        State::WaitingForExtension,
+        State::Idle,
+        State::Draining,
+        State::Reconnecting,
+        State::Paused,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Stopped => "stopped",
+            State::Starting => "starting",
+            State::WaitingForExtension => "waiting for extension",
+            State::Idle => "idle",
+            State::Draining => "draining",
+            State::Reconnecting => "reconnecting",
+            State::Paused => "paused",
+        }
+    }
+}
+
+#[repr(C)]
+pub struct Slot {
+    /// `pgprocno` of the running dispatcher, -1 when none runs.
+    procno: AtomicI32,
+    pid: AtomicI32,
+    state: AtomicU8,
+    connected: AtomicBool,
+    /// Timestamps are PostgreSQL `TimestampTz` (µs since 2000-01-01), 0 = never.
+    started_at: AtomicI64,
+    last_heartbeat: AtomicI64,
+    dispatched: AtomicU64,
+}
+
+#[repr(C)]
+pub struct Slots([Slot; MAX_WORKERS]);
+
+static SLOTS: PgAtomic<AssertPGRXSharedMemory<Slots>> =
+    unsafe { PgAtomic::new(c"outbox_dispatch_slots") };
+static ERRORS: PgLwLock<[[u8; ERROR_BYTES]; MAX_WORKERS]> =
+    unsafe { PgLwLock::new(c"outbox_dispatch_errors") };
+
+/// Set in the postmaster when the library is preloaded; forked backends
+/// inherit it. Without it there is no shared memory to touch.
+static READY: AtomicBool = AtomicBool::new(false);
+
+/// Requests the shared memory; `_PG_init` calls this only while preloading.
+pub fn init() {
+    pg_shmem_init!(
+        SLOTS = unsafe {
+            AssertPGRXSharedMemory::new(Slots(std::array::from_fn(|_| Slot {
+                procno: AtomicI32::new(-1),
+                pid: AtomicI32::new(0),
+                state: AtomicU8::new(State::Stopped as u8),
+                connected: AtomicBool::new(false),
+                started_at: AtomicI64::new(0),
+                last_heartbeat: AtomicI64::new(0),
+                dispatched: AtomicU64::new(0),
+            })))
+        }
+    );
+    pg_shmem_init!(ERRORS = [[0; ERROR_BYTES]; MAX_WORKERS]);
+    READY.store(true, Ordering::Relaxed);
+}
+
+fn slots() -> Option<&'static Slots> {
+    READY.load(Ordering::Relaxed).then(|| &**SLOTS.get())
+}
+
+/// Sets the latch of every running dispatcher. Cannot fail: safe inside a
+/// commit callback.
+pub fn wake_all() {
+    let Some(slots) = slots() else { return };
+    // SAFETY: ProcGlobal is set up before any backend runs; procno is
+    // bounds-checked against allProcCount before indexing allProcs.
+    unsafe {
+        let global = pg_sys::ProcGlobal;
+        if global.is_null() {
+            return;
+        }
+        for slot in &slots.0 {
+            let procno = slot.procno.load(Ordering::Acquire);
+            if procno >= 0 && (procno as u32) < (*global).allProcCount {
+                pg_sys::SetLatch(&raw mut (*(*global).allProcs.add(procno as usize)).procLatch);
+            }
+        }
+    }
+}
+
+/// The running dispatcher's handle on its slot.
+pub struct Own(usize);
+
+impl Own {
+    /// Publishes this process as dispatcher `index`; the slot is cleared
+    /// again when the process exits, however it exits.
+    pub fn take(index: usize) -> Own {
+        let slot = &slots().expect("dispatchers run only when preloaded").0[index];
+        // SAFETY: a background worker has a PGPROC by the time it runs.
+        let (procno, pid, now) = unsafe {
+            (
+                (*pg_sys::MyProc).pgprocno,
+                pg_sys::MyProcPid,
+                pg_sys::GetCurrentTimestamp(),
+            )
+        };
+        slot.pid.store(pid, Ordering::Relaxed);
+        slot.started_at.store(now, Ordering::Relaxed);
+        slot.connected.store(false, Ordering::Relaxed);
+        slot.state.store(State::Starting as u8, Ordering::Relaxed);
+        slot.procno.store(procno, Ordering::Release);
+        unsafe { pg_sys::before_shmem_exit(Some(release), pg_sys::Datum::from(index)) };
+        Own(index)
+    }
+
+    fn slot(&self) -> &'static Slot {
+        &slots().expect("owned slots exist").0[self.0]
+    }
+
+    pub fn set_state(&self, state: State) {
+        self.slot().state.store(state as u8, Ordering::Relaxed);
+    }
+
+    pub fn set_connected(&self, connected: bool) {
+        let slot = self.slot();
+        slot.connected.store(connected, Ordering::Relaxed);
+        if connected {
+            slot.last_heartbeat
+                .store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
+        }
+    }
+
+    pub fn add_dispatched(&self, n: u64) {
+        self.slot().dispatched.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Records the last error (already free of credentials); `None` clears it.
+    pub fn set_error(&self, error: Option<&str>) {
+        let mut errors = ERRORS.exclusive();
+        let buf = &mut errors[self.0];
+        let text = error.unwrap_or("").as_bytes();
+        let mut len = text.len().min(ERROR_BYTES - 1);
+        while len > 0 && std::str::from_utf8(&text[..len]).is_err() {
+            len -= 1;
+        }
+        buf[..len].copy_from_slice(&text[..len]);
+        buf[len] = 0;
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn release(_code: i32, arg: pg_sys::Datum) {
+    if let Some(slots) = slots() {
+        let slot = &slots.0[arg.value()];
+        slot.procno.store(-1, Ordering::Release);
+        slot.pid.store(0, Ordering::Relaxed);
+        slot.connected.store(false, Ordering::Relaxed);
+        slot.state.store(State::Stopped as u8, Ordering::Relaxed);
+    }
+}
+
+/// One row of `outbox.workers`.
+pub struct Report {
+    pub index: i32,
+    pub pid: Option<i32>,
+    pub state: &'static str,
+    pub connected: bool,
+    pub started_at: Option<i64>,
+    pub last_heartbeat: Option<i64>,
+    pub last_error: Option<String>,
+    pub dispatched: i64,
+}
+
+/// The first `count` slots, as they are now.
+pub fn report(count: usize) -> Vec<Report> {
+    let Some(slots) = slots() else {
+        return Vec::new();
+    };
+    let errors = ERRORS.share();
+    slots.0[..count.min(MAX_WORKERS)]
+        .iter()
+        .enumerate()
+        .map(|(index, slot)| {
+            let error = &errors[index];
+            let len = error.iter().position(|b| *b == 0).unwrap_or(ERROR_BYTES);
+            let state = slot.state.load(Ordering::Relaxed);
+            let nonzero = |t: i64| (t != 0).then_some(t);
+            Report {
+                index: index as i32,
+                pid: Some(slot.pid.load(Ordering::Relaxed)).filter(|p| *p != 0),
+                state: State::ALL
+                    .get(state as usize)
+                    .copied()
+                    .unwrap_or(State::Stopped)
+                    .name(),
+                connected: slot.connected.load(Ordering::Relaxed),
+                started_at: nonzero(slot.started_at.load(Ordering::Relaxed)),
+                last_heartbeat: nonzero(slot.last_heartbeat.load(Ordering::Relaxed)),
+                last_error: (len > 0).then(|| String::from_utf8_lossy(&error[..len]).into_owned()),
+                dispatched: slot.dispatched.load(Ordering::Relaxed) as i64,
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,49 @@
+//! Waking the dispatchers when a transaction that added events commits.
+//!
+//! PostgreSQL refuses LISTEN in a background worker, and NOTIFY serializes
+//! committers on one lock, so the trigger only marks the transaction; one
+//! transaction callback per backend, registered the first time, sets the
+//! dispatchers' latches at commit, once the rows are visible (the approach
+//! of PostgreSQL's own ApplyLauncherWakeupAtCommit). A rollback or PREPARE
+//! clears the mark: prepared transactions are left to the safety poll.
+
+use std::cell::Cell;
+
+use pgrx::pg_sys::XactEvent;
+use pgrx::prelude::*;
+
+use crate::slots;
+
+thread_local! {
+    static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
+    static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Wake the dispatchers when the current transaction commits.
+pub fn at_commit() {
+    if !CALLBACK_REGISTERED.replace(true) {
+        // SAFETY: registered once per backend, for the life of the backend.
+        unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
+    }
+    WAKE_AT_COMMIT.set(true);
+}
+
+/// Wake the dispatchers now.
+pub fn now() {
+    slots::wake_all();
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    match event {
+        XactEvent::XACT_EVENT_COMMIT | XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
+            if WAKE_AT_COMMIT.replace(false) {
+                slots::wake_all();
+            }
+        }
+        XactEvent::XACT_EVENT_ABORT
+        | XactEvent::XACT_EVENT_PARALLEL_ABORT
+        | XactEvent::XACT_EVENT_PREPARE => WAKE_AT_COMMIT.set(false),
+        _ => {}
+    }
+}

@@ -1,0 +1,226 @@
+//! The dispatcher's statements against `outbox.events` (the SQL is in
+//! sql/worker/). Each public function is one short transaction: no
+//! transaction is ever held open across broker I/O.
+
+use std::time::Duration;
+
+use pgrx::bgworkers::BackgroundWorker;
+use pgrx::datum::DatumWithOid;
+use pgrx::pg_sys::{PgBuiltInOids, PgOid};
+use pgrx::prelude::*;
+use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiError};
+
+/// One claimed event, copied out of SPI memory.
+#[derive(Debug, Clone)]
+pub struct ClaimedEvent {
+    pub id: uuid::Uuid,
+    pub event_type: String,
+    pub payload: String,
+    pub queue: String,
+    pub task: String,
+    pub headers: Option<String>,
+    pub priority: u8,
+    pub retry_count: i32,
+    pub created_at: String,
+}
+
+/// What a claim found.
+pub enum Claim {
+    /// The extension is not created in this database (yet, or any more).
+    NoExtension,
+    Claimed {
+        events: Vec<ClaimedEvent>,
+        /// Set when the claim found fewer events than it asked for: how long
+        /// until the earliest delayed event falls due, if any waits.
+        next_due: Option<Duration>,
+    },
+}
+
+/// An event that failed for a reason of its own.
+pub struct Failure {
+    pub id: uuid::Uuid,
+    /// Dead-lettered (`failed`) rather than retried.
+    pub dead: bool,
+    pub error: String,
+    pub delay: Duration,
+}
+
+/// The plans, prepared the first time the table exists and kept for the
+/// life of the dispatcher.
+struct Plans {
+    claim: OwnedPreparedStatement,
+    next_due: OwnedPreparedStatement,
+    mark_dispatched: OwnedPreparedStatement,
+    mark_failed: OwnedPreparedStatement,
+    release: OwnedPreparedStatement,
+}
+
+pub struct Store {
+    dispatcher: i32,
+    plans: Option<Plans>,
+}
+
+const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
+const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
+const FLOAT8_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8ARRAYOID);
+const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
+
+impl Plans {
+    fn prepare(client: &SpiClient<'_>) -> Result<Plans, SpiError> {
+        let prepare = |sql: &str, args: &[PgOid]| client.prepare_mut(sql, args).map(|p| p.keep());
+        Ok(Plans {
+            claim: prepare(include_str!("../../sql/worker/claim.sql"), &[INT4, INT4])?,
+            next_due: prepare(include_str!("../../sql/worker/next_due.sql"), &[])?,
+            mark_dispatched: prepare(
+                include_str!("../../sql/worker/mark_dispatched.sql"),
+                &[UUID_ARRAY],
+            )?,
+            mark_failed: prepare(
+                include_str!("../../sql/worker/mark_failed.sql"),
+                &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY, FLOAT8_ARRAY],
+            )?,
+            release: prepare(
+                include_str!("../../sql/worker/release.sql"),
+                &[UUID_ARRAY, INT4],
+            )?,
+        })
+    }
+}
+
+fn extension_exists() -> bool {
+    // SAFETY: a catalog lookup inside a transaction.
+    unsafe { pg_sys::get_extension_oid(c"outbox_dispatch".as_ptr(), true) != pg_sys::InvalidOid }
+}
+
+fn to_pg(ids: impl IntoIterator<Item = uuid::Uuid>) -> Vec<pgrx::Uuid> {
+    ids.into_iter()
+        .map(|id| pgrx::Uuid::from_bytes(*id.as_bytes()))
+        .collect()
+}
+
+impl Store {
+    pub fn new(dispatcher: usize) -> Store {
+        Store {
+            dispatcher: dispatcher as i32,
+            plans: None,
+        }
+    }
+
+    /// Runs `body` in a transaction with the plans ready; `None` when the
+    /// extension does not exist in this database.
+    fn with_plans<R>(
+        &mut self,
+        body: impl FnOnce(&mut SpiClient<'_>, &Plans, i32) -> Result<R, SpiError>,
+    ) -> Result<Option<R>, SpiError> {
+        let dispatcher = self.dispatcher;
+        let plans = &mut self.plans;
+        BackgroundWorker::transaction(std::panic::AssertUnwindSafe(|| {
+            if !extension_exists() {
+                *plans = None;
+                return Ok(None);
+            }
+            Spi::connect_mut(|client| {
+                if plans.is_none() {
+                    *plans = Some(Plans::prepare(client)?);
+                }
+                let plans = plans.as_ref().expect("prepared above");
+                body(client, plans, dispatcher).map(Some)
+            })
+        }))
+    }
+
+    /// Is the extension created in this database?
+    pub fn extension_exists(&mut self) -> Result<bool, SpiError> {
+        self.with_plans(|_, _, _| Ok(()))
+            .map(|found| found.is_some())
+    }
+
+    /// Returns to pending whatever this dispatcher held when it last died.
+    pub fn release_own(&mut self) -> Result<u64, SpiError> {
+        self.release_where(None)
+    }
+
+    /// Returns `ids` to pending without spending a retry.
+    pub fn release(&mut self, ids: impl IntoIterator<Item = uuid::Uuid>) -> Result<u64, SpiError> {
+        self.release_where(Some(to_pg(ids)))
+    }
+
+    fn release_where(&mut self, ids: Option<Vec<pgrx::Uuid>>) -> Result<u64, SpiError> {
+        let released = self.with_plans(|client, plans, dispatcher| {
+            let args: [DatumWithOid; 2] = [ids.into(), dispatcher.into()];
+            Ok(client.update(&plans.release, None, &args)?.len() as u64)
+        })?;
+        Ok(released.unwrap_or(0))
+    }
+
+    /// Claims up to `limit` due events.
+    pub fn claim(&mut self, limit: usize) -> Result<Claim, SpiError> {
+        let claimed = self.with_plans(|client, plans, dispatcher| {
+            let args: [DatumWithOid; 2] = [(limit as i32).into(), dispatcher.into()];
+            let table = client.update(&plans.claim, None, &args)?;
+            let mut events = Vec::with_capacity(table.len());
+            for row in table {
+                let Some(id) = row.get::<pgrx::Uuid>(1)? else {
+                    continue;
+                };
+                events.push(ClaimedEvent {
+                    id: uuid::Uuid::from_bytes(*id.as_bytes()),
+                    event_type: row.get(2)?.unwrap_or_default(),
+                    payload: row.get(3)?.unwrap_or_default(),
+                    queue: row.get(4)?.unwrap_or_default(),
+                    task: row.get(5)?.unwrap_or_default(),
+                    headers: row.get(6)?,
+                    priority: row.get::<i16>(7)?.unwrap_or(0).clamp(0, 9) as u8,
+                    retry_count: row.get(8)?.unwrap_or(0),
+                    created_at: row.get(9)?.unwrap_or_default(),
+                });
+            }
+            let next_due = if events.len() < limit {
+                let seconds: Option<f64> = client
+                    .select(&plans.next_due, None, &[])?
+                    .first()
+                    .get_one()?;
+                seconds.map(|s| Duration::from_secs_f64(s.max(0.0)))
+            } else {
+                None
+            };
+            Ok(Claim::Claimed { events, next_due })
+        })?;
+        Ok(claimed.unwrap_or(Claim::NoExtension))
+    }
+
+    /// Records the outcome of one push: `dispatched` are in Redis,
+    /// `failures` go back to pending or to the dead letter.
+    pub fn mark(
+        &mut self,
+        dispatched: &[uuid::Uuid],
+        failures: &[Failure],
+    ) -> Result<(), SpiError> {
+        self.with_plans(|client, plans, _| {
+            if !dispatched.is_empty() {
+                let args: [DatumWithOid; 1] = [to_pg(dispatched.iter().copied()).into()];
+                client.update(&plans.mark_dispatched, None, &args)?;
+            }
+            if !failures.is_empty() {
+                let status = |f: &Failure| if f.dead { "failed" } else { "pending" }.to_string();
+                let args: [DatumWithOid; 4] = [
+                    to_pg(failures.iter().map(|f| f.id)).into(),
+                    failures.iter().map(status).collect::<Vec<_>>().into(),
+                    failures
+                        .iter()
+                        .map(|f| f.error.clone())
+                        .collect::<Vec<_>>()
+                        .into(),
+                    failures
+                        .iter()
+                        .map(|f| f.delay.as_secs_f64() * 1000.0)
+                        .collect::<Vec<_>>()
+                        .into(),
+                ];
+                client.update(&plans.mark_failed, None, &args)?;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    }
+}
