@@ -29,7 +29,7 @@ DECLARE
     max_name_bytes CONSTANT integer := 255;
     max_payload    bigint;
     payload_bytes  integer;
-    resolved_queue text := pg_catalog.coalesce(queue,
+    resolved_queue text := coalesce(queue,
                                pg_catalog.current_setting('outbox.default_queue', true), 'celery');
     new_id         uuid;
 BEGIN
@@ -79,7 +79,7 @@ BEGIN
 
     INSERT INTO outbox.events (event_type, payload, queue, task, headers, priority, available_at)
     VALUES (event_type, payload, resolved_queue, task, headers, priority,
-            pg_catalog.clock_timestamp() + pg_catalog.coalesce(delay, interval '0'))
+            pg_catalog.clock_timestamp() + coalesce(delay, interval '0'))
     RETURNING id INTO new_id;
     RETURN new_id;
 END
@@ -95,7 +95,7 @@ SELECT s.status,
        pg_catalog.min(e.created_at) AS oldest_created_at,
        pg_catalog.now() - pg_catalog.min(e.created_at) AS age,
        CASE WHEN s.status = 'pending' THEN
-           pg_catalog.coalesce(
+           coalesce(
                pg_catalog.now() - pg_catalog.min(e.available_at) FILTER (WHERE e.available_at <= pg_catalog.now()),
                interval '0')
        END AS lag

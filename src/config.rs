@@ -37,10 +37,10 @@ pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 10
 
 const HOUR_MS: i32 = 3_600_000;
 
-/// Defines the settings; called from `_PG_init` in every process that loads
-/// the library, so that `SET`, `SHOW` and the trigger see them everywhere.
-pub fn register() {
-    let ms = GucFlags::UNIT_MS;
+/// Defines the settings only the postmaster reads. PostgreSQL refuses to
+/// define them once the server runs, so `_PG_init` calls this only while
+/// preloading.
+pub fn register_postmaster() {
     string(
         c"outbox.database",
         c"Database the dispatchers connect to.",
@@ -58,6 +58,12 @@ pub fn register() {
         GucContext::Postmaster,
         GucFlags::default(),
     );
+}
+
+/// Defines the other settings; called from `_PG_init` in every process that
+/// loads the library, so that `SET`, `SHOW` and the trigger see them.
+pub fn register() {
+    let ms = GucFlags::UNIT_MS;
     GucRegistry::define_bool_guc(
         c"outbox.enabled",
         c"Dispatch events; off pauses the dispatchers without a restart.",

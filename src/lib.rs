@@ -29,6 +29,7 @@ pub extern "C-unwind" fn _PG_init() {
         );
         return;
     }
+    config::register_postmaster();
     slots::init();
     worker::register(config::workers());
 }

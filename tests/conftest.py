@@ -1,0 +1,35 @@
+import pytest
+
+from harness import CeleryWorker, Cluster, Redis
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = Redis()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def cluster(redis_server):
+    """One cluster for the tests that need no special postmaster settings."""
+    pg = Cluster(redis_server.url)
+    pg.sql("CREATE EXTENSION outbox_dispatch")
+    yield pg
+    pg.close()
+
+
+@pytest.fixture(scope="session")
+def celery_worker(redis_server):
+    worker = CeleryWorker(redis_server.url)
+    yield worker
+    worker.close()
+
+
+@pytest.fixture
+def outbox(cluster, redis_server):
+    """The shared cluster with an empty outbox and an empty Redis."""
+    cluster.configure(enabled="on", poll_interval="60s", batch_size=100)
+    cluster.sql("TRUNCATE outbox.events")
+    redis_server.client().flushdb()
+    yield cluster

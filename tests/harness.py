@@ -1,0 +1,200 @@
+"""Real services for the integration tests: a PostgreSQL 15 cluster with the
+extension preloaded (run as the postgres user), a redis-server and a Celery
+worker. Every service gets a fresh directory under /tmp and a free port, so
+leftovers of an earlier run never get in the way."""
+
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+import redis as redis_lib
+
+PG_BIN = Path(os.environ.get("PG_BIN", "/usr/lib/postgresql/15/bin"))
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(condition, timeout=30.0, interval=0.05, message="condition"):
+    """Polls `condition` until it returns a truthy value, which it returns.
+    Deadlines are generous: these machines are shared and slow at times."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+def as_postgres(*args, **kwargs):
+    return subprocess.run(["runuser", "-u", "postgres", "--", *map(str, args)],
+                          check=True, capture_output=True, text=True, **kwargs)
+
+
+class Redis:
+    def __init__(self, *extra_args):
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="outbox-redis-")
+        self.extra_args = list(extra_args)
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", self.dir, *self.extra_args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(self._answers, timeout=20, message="redis-server to answer")
+
+    def _answers(self):
+        try:
+            return self.client().ping()
+        except redis_lib.exceptions.ConnectionError:
+            return False
+
+    def stop(self):
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+            self.proc = None
+
+    def client(self):
+        return redis_lib.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
+
+    def close(self):
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def decode(raw):
+    """A Celery message as the extension pushed it: (envelope, body)."""
+    envelope = json.loads(raw)
+    body = json.loads(base64.b64decode(envelope["body"]))
+    return envelope, body
+
+
+def queued_ids(client, key):
+    """Task ids of every message in the Redis list `key`, oldest first."""
+    return [decode(m)[0]["headers"]["id"] for m in reversed(client.lrange(key, 0, -1))]
+
+
+class Cluster:
+    """A PostgreSQL 15 cluster with outbox_dispatch preloaded."""
+
+    def __init__(self, redis_url, preload=True, **settings):
+        self.dir = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
+        os.chmod(self.dir, 0o755)
+        shutil.chown(self.dir, "postgres", "postgres")
+        self.data = self.dir / "data"
+        self.port = free_port()
+        as_postgres(PG_BIN / "initdb", "-D", self.data, "-U", "postgres", "--auth=trust",
+                    "--no-sync", "-E", "UTF8", "--locale=C")
+        conf = {
+            "port": self.port,
+            "listen_addresses": "''",
+            "unix_socket_directories": f"'{self.dir}'",
+            "fsync": "off",
+            "max_worker_processes": 40,
+            "max_prepared_transactions": 10,
+            "logging_collector": "off",
+            "log_line_prefix": "'%m [%p] '",
+            "outbox.redis_url": f"'{redis_url}'",
+            "outbox.database": "'postgres'",
+        }
+        if preload:
+            conf["shared_preload_libraries"] = "'outbox_dispatch'"
+        conf.update({f"outbox.{k}": self._quote(v) for k, v in settings.items()})
+        with open(self.data / "postgresql.conf", "a") as f:
+            for k, v in conf.items():
+                f.write(f"{k} = {v}\n")
+        self.log = self.dir / "server.log"
+        self.start()
+
+    @staticmethod
+    def _quote(value):
+        return value if isinstance(value, (int, float)) else f"'{value}'"
+
+    def pg_ctl(self, *args):
+        return as_postgres(PG_BIN / "pg_ctl", "-D", self.data, "-l", self.log, "-w", "-t", "120", *args)
+
+    def start(self):
+        self.pg_ctl("start")
+
+    def stop(self, mode="fast"):
+        self.pg_ctl("stop", "-m", mode)
+
+    def restart(self):
+        self.pg_ctl("restart", "-m", "fast")
+
+    def connect(self, autocommit=True, dbname="postgres", **kwargs):
+        return psycopg.connect(host=str(self.dir), port=self.port, user="postgres",
+                               dbname=dbname, autocommit=autocommit, **kwargs)
+
+    def sql(self, query, params=None):
+        with self.connect() as conn:
+            cur = conn.execute(query, params)
+            return cur.fetchall() if cur.description else None
+
+    def value(self, query, params=None):
+        rows = self.sql(query, params)
+        return rows[0][0] if rows else None
+
+    def configure(self, **settings):
+        """Sets `outbox.*` settings with ALTER SYSTEM and reloads."""
+        with self.connect() as conn:
+            for k, v in settings.items():
+                conn.execute(f"ALTER SYSTEM SET outbox.{k} = {self._quote(v)}")
+            conn.execute("SELECT pg_reload_conf()")
+
+    def log_text(self):
+        return self.log.read_text(errors="replace")
+
+    def close(self):
+        try:
+            self.stop("immediate")
+        except subprocess.CalledProcessError:
+            pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class CeleryWorker:
+    """A stock Celery 5 worker running tests/celery_app.py."""
+
+    def __init__(self, broker_url, queues=("celery",)):
+        env = dict(os.environ, OUTBOX_TEST_BROKER=broker_url, PYTHONPATH=str(ROOT / "tests"))
+        self.log = tempfile.NamedTemporaryFile(prefix="outbox-celery-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [VENV_BIN / "celery", "-A", "celery_app", "worker", "--pool=solo", "--without-gossip",
+             "--without-mingle", "--without-heartbeat", "-Q", ",".join(queues), "--loglevel=INFO"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_text(self):
+        return Path(self.log.name).read_text(errors="replace")
+
+    def close(self):
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        os.unlink(self.log.name)

@@ -1,0 +1,213 @@
+"""The core path: committed events become Celery tasks in Redis, executed by
+a stock Celery worker; rolled-back ones never leave the database."""
+
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from harness import Cluster, decode, queued_ids, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def statuses(pg):
+    return dict(pg.sql("SELECT status::text, count FROM outbox.status"))
+
+
+def test_celery_worker_executes_committed_events(outbox, redis_server, celery_worker):
+    with outbox.connect(autocommit=False) as conn:
+        ids = [
+            str(conn.execute("SELECT outbox_enqueue('tests.record', %s::jsonb, headers => %s::jsonb)",
+                             (json.dumps({"job_id": n}), json.dumps({"traceparent": f"00-{n}"}))).fetchone()[0])
+            for n in range(3)
+        ]
+        conn.commit()
+
+    client = redis_server.client()
+    wait_until(lambda: client.hlen("executed") == 3, timeout=60, message="Celery to run 3 tasks")
+    for n, event_id in enumerate(ids):
+        received = json.loads(client.hget("executed", event_id))  # task id == event id
+        assert received["kwargs"] == {"job_id": n}
+        assert received["args"] == []
+        assert received["event_type"] == "tests.record"
+        assert received["traceparent"] == f"00-{n}"
+    wait_until(lambda: statuses(outbox)["dispatched"] == 3, message="rows marked dispatched")
+
+
+def test_rolled_back_events_never_reach_redis(outbox, redis_server):
+    client = redis_server.client()
+    with outbox.connect(autocommit=False) as conn:
+        doomed = conn.execute("SELECT outbox_enqueue('doomed', '{}', queue => 'q_rollback')").fetchone()[0]
+        conn.rollback()
+    with outbox.connect(autocommit=False) as conn:
+        conn.execute("SAVEPOINT s")
+        in_savepoint = conn.execute("SELECT outbox_enqueue('doomed', '{}', queue => 'q_rollback')").fetchone()[0]
+        conn.execute("ROLLBACK TO SAVEPOINT s")
+        kept = conn.execute("SELECT outbox_enqueue('kept', '{}', queue => 'q_rollback')").fetchone()[0]
+        conn.commit()
+
+    wait_until(lambda: queued_ids(client, "q_rollback"), message="the committed event")
+    # The committed event arrived after the rolled-back ones would have.
+    assert queued_ids(client, "q_rollback") == [str(kept)]
+    assert str(doomed) not in queued_ids(client, "q_rollback")
+    assert str(in_savepoint) not in queued_ids(client, "q_rollback")
+    assert outbox.value("SELECT count(*) FROM outbox.events") == 1
+
+
+def test_orm_insert_is_dispatched(outbox, redis_server):
+    event_id = outbox.value(
+        "INSERT INTO outbox.events (event_type, payload, queue) "
+        "VALUES ('orders.created', '[1, 2]', 'q_orm') RETURNING id")
+    client = redis_server.client()
+    wait_until(lambda: client.llen("q_orm") == 1, message="the ORM-inserted event")
+    envelope, body = decode(client.lindex("q_orm", 0))
+    assert envelope["headers"]["id"] == str(event_id)
+    assert envelope["headers"]["task"] == "orders.created"  # task defaults to event_type
+    assert body[0] == [1, 2] and body[1] == {}
+    # UUIDv7: the version nibble says 7.
+    assert str(event_id)[14] == "7"
+
+
+def test_commit_wakes_an_idle_dispatcher(outbox, redis_server):
+    """With a 60 s safety poll, only the commit-time wake can deliver within
+    the deadline."""
+    outbox.configure(poll_interval="60s")
+    wait_until(lambda: outbox.value("SELECT bool_and(state = 'idle') FROM outbox.workers"),
+               message="idle dispatchers")
+    client = redis_server.client()
+    with outbox.connect(autocommit=False) as conn:
+        event_id = conn.execute("SELECT outbox_enqueue('woken', '{}', queue => 'q_wake')").fetchone()[0]
+        conn.commit()
+    wait_until(lambda: queued_ids(client, "q_wake") == [str(event_id)], timeout=10,
+               message="the event within 10 s of COMMIT")
+
+
+def test_delayed_event_waits_for_available_at(outbox, redis_server):
+    client = redis_server.client()
+    event_id = outbox.value("SELECT outbox_enqueue('later', '{}', queue => 'q_delay', delay => '3 seconds')")
+    assert client.llen("q_delay") == 0
+    status, due = outbox.sql("SELECT status::text, available_at > now() FROM outbox.events")[0]
+    assert status == "pending" and due
+    wait_until(lambda: client.llen("q_delay") == 1, timeout=30, message="the delayed event")
+    assert queued_ids(client, "q_delay") == [str(event_id)]
+    # Pushed no earlier than it was due (the dispatcher marks after pushing).
+    assert outbox.value("SELECT dispatched_at >= available_at FROM outbox.events")
+
+
+def test_priority_selects_the_kombu_list(outbox, redis_server):
+    outbox.sql("SELECT outbox_enqueue('urgent', '{}', queue => 'q_prio', priority => 0)")
+    outbox.sql("SELECT outbox_enqueue('relaxed', '{}', queue => 'q_prio', priority => 7)")
+    client = redis_server.client()
+    wait_until(lambda: client.llen("q_prio") == 1 and client.llen("q_prio\x06\x166") == 1,
+               message="one message per priority list")
+    envelope, _ = decode(client.lindex("q_prio\x06\x166", 0))
+    assert envelope["properties"]["priority"] == 7
+
+
+BAD_INPUTS = [
+    ("SELECT outbox_enqueue(NULL, '{}')", "event_type must not be null or empty"),
+    ("SELECT outbox_enqueue('', '{}')", "event_type must not be null or empty"),
+    ("SELECT outbox_enqueue(repeat('e', 256), '{}')", "event_type is 256 bytes, the limit is 255 bytes"),
+    ("SELECT outbox_enqueue('e', '{}', queue => repeat('q', 300))", "queue is 300 bytes, it must be 1 to 255 bytes"),
+    ("SELECT outbox_enqueue('e', '{}', queue => '')", "queue is 0 bytes, it must be 1 to 255 bytes"),
+    ("SELECT outbox_enqueue('e', '{}', task => repeat('t', 256))", "task is 256 bytes, it must be 1 to 255 bytes"),
+    ("SELECT outbox_enqueue('e', NULL)", "payload must not be null"),
+    ("SELECT outbox_enqueue('e', jsonb_build_object('x', repeat('p', 2000)))",
+     "payload is 2009 bytes, over outbox.max_payload_bytes (1024 bytes)"),
+    ("SELECT outbox_enqueue('e', '{}', headers => '[1]')", "headers must be a JSON object, not array"),
+    ("SELECT outbox_enqueue('e', '{}', delay => '-1 minute')", "delay must not be negative (got -00:01:00)"),
+    ("SELECT outbox_enqueue('e', '{}', priority => 10)", "priority is 10, it must be 0 (highest) to 9"),
+]
+
+
+@pytest.mark.parametrize("query,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_is_refused_with_a_clear_error(outbox, query, message):
+    with outbox.connect(autocommit=False) as conn:
+        conn.execute("SET outbox.max_payload_bytes = '1kB'")
+        conn.execute("SELECT outbox_enqueue('fine', '{}', queue => 'q_bad')")
+        with pytest.raises(psycopg.Error) as err:
+            conn.execute(query)
+        conn.rollback()
+    assert f"outbox_enqueue: {message}" in str(err.value)
+    assert outbox.value("SELECT count(*) FROM outbox.events") == 0
+
+
+def test_orm_insert_is_checked_by_constraints(outbox):
+    with pytest.raises(psycopg.errors.CheckViolation, match="events_event_type_length"):
+        outbox.sql("INSERT INTO outbox.events (event_type) VALUES ('')")
+    with pytest.raises(psycopg.errors.CheckViolation, match="events_headers_object"):
+        outbox.sql("INSERT INTO outbox.events (event_type, headers) VALUES ('e', '\"x\"')")
+    assert outbox.value("SELECT count(*) FROM outbox.events") == 0
+
+
+def test_status_view_lists_every_status(outbox):
+    outbox.configure(enabled="off")
+    wait_until(lambda: outbox.value("SELECT bool_and(state = 'paused') FROM outbox.workers"),
+               message="paused dispatchers")
+    outbox.sql("SELECT outbox_enqueue('e', '{}', queue => 'q_status') FROM generate_series(1, 4)")
+    rows = {r[0]: r[1:] for r in outbox.sql("SELECT status::text, count, oldest_created_at IS NOT NULL, lag FROM outbox.status")}
+    assert set(rows) == {"pending", "processing", "dispatched", "processed", "failed"}
+    assert rows["pending"][:2] == (4, True)
+    assert rows["dispatched"][0] == 0 and rows["dispatched"][2] is None
+
+
+def test_worker_queries_are_served_by_indexes(outbox):
+    outbox.configure(enabled="off")
+    outbox.sql("SELECT outbox_enqueue('e', '{}', queue => 'q_plan') FROM generate_series(1, 2000)")
+    outbox.sql("ANALYZE outbox.events")
+    queries = {
+        "claim.sql": ("(int, int)", "(100, 0)", "events_pending_idx"),
+        "next_due.sql": ("", "", "events_pending_idx"),
+        "release.sql": ("(uuid[], int)", "(NULL, 0)", "events_processing_idx"),
+    }
+    with outbox.connect() as conn:
+        conn.execute("SET enable_seqscan = off")
+        for name, (types, args, index) in queries.items():
+            sql = (ROOT / "sql" / "worker" / name).read_text()
+            conn.execute(f"PREPARE q{types} AS {sql}")
+            plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN EXECUTE q{args}"))
+            conn.execute("DEALLOCATE q")
+            assert index in plan, f"{name}:\n{plan}"
+            assert "Seq Scan" not in plan, f"{name}:\n{plan}"
+
+
+def test_two_dispatchers_deliver_10000_events_exactly_once(redis_server):
+    pg = Cluster(redis_server.url, workers=2, batch_size=100)
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        wait_until(lambda: pg.value("SELECT count(*) FROM outbox.workers WHERE pid IS NOT NULL") == 2,
+                   message="two dispatchers")
+        client = redis_server.client()
+        client.delete("q_10k")
+        with pg.connect(autocommit=False) as conn:
+            for _ in range(100):
+                conn.execute("SELECT outbox_enqueue('bulk', jsonb_build_object('n', n), queue => 'q_10k') "
+                             "FROM generate_series(1, 100) n")
+                conn.commit()
+        wait_until(lambda: pg.value("SELECT count(*) FROM outbox.events WHERE status = 'dispatched'") == 10000,
+                   timeout=180, message="10,000 dispatched rows")
+        ids = queued_ids(client, "q_10k")
+        assert len(ids) == 10000
+        assert len(set(ids)) == 10000
+        assert set(ids) == {str(r[0]) for r in pg.sql("SELECT id FROM outbox.events")}
+        dispatched_by = pg.value("SELECT sum(events_dispatched) FROM outbox.workers")
+        assert dispatched_by == 10000
+    finally:
+        pg.close()
+
+
+def test_without_preloading_the_library_warns_and_does_not_crash(redis_server):
+    pg = Cluster(redis_server.url, preload=False)
+    try:
+        with pg.connect() as conn:
+            notices = []
+            conn.add_notice_handler(lambda d: notices.append(d.message_primary))
+            conn.execute("CREATE EXTENSION outbox_dispatch")
+            assert any("loaded without shared_preload_libraries" in n for n in notices), notices
+            conn.execute("SELECT outbox_enqueue('e', '{}')")
+            assert conn.execute("SELECT count(*) FROM outbox.workers").fetchone()[0] == 0
+        assert pg.value("SELECT count(*) FROM outbox.events WHERE status = 'pending'") == 1
+    finally:
+        pg.close()
