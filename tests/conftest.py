@@ -14,9 +14,11 @@ def redis_server():
 def cluster(redis_server):
     """One cluster for the tests that need no special postmaster settings."""
     pg = Cluster(redis_server.url)
-    pg.sql("CREATE EXTENSION outbox_dispatch")
-    yield pg
-    pg.close()
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        yield pg
+    finally:
+        pg.close()
 
 
 @pytest.fixture(scope="session")
