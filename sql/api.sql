@@ -1,5 +1,5 @@
--- outbox_dispatch: the SQL API and the views. Runs after the Rust
--- functions (outbox_uuid_v7, outbox_events_inserted, outbox_workers) exist.
+-- outbox_dispatch: the SQL API and the views. Runs last, after the
+-- functions written in Rust (src/api.rs, src/metrics.rs) exist.
 
 ALTER TABLE outbox.events ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7();
 
@@ -88,6 +88,56 @@ $$;
 COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer) IS
     'Enqueue an event in the current transaction; it is delivered as a Celery task after COMMIT.';
 
+-- A failed event back to pending, its retries reset. Returns whether it was
+-- failed.
+CREATE FUNCTION @extschema@.outbox_retry(id uuid) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    UPDATE outbox.events AS e
+       SET status = 'pending',
+           retry_count = 0,
+           available_at = pg_catalog.clock_timestamp(),
+           processing_started_at = NULL,
+           claimed_by = NULL
+     WHERE e.id = outbox_retry.id
+       AND e.status = 'failed';
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM @extschema@.outbox_wake();
+    RETURN true;
+END
+$$;
+
+-- Every failed event (created at least older_than ago, when given) back to
+-- pending, retries reset. Returns how many.
+CREATE FUNCTION @extschema@.outbox_retry_failed(older_than interval DEFAULT NULL) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    retried bigint;
+BEGIN
+    IF older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox_retry_failed: older_than must not be negative (got %)', older_than
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    UPDATE outbox.events AS e
+       SET status = 'pending',
+           retry_count = 0,
+           available_at = pg_catalog.clock_timestamp(),
+           processing_started_at = NULL,
+           claimed_by = NULL
+     WHERE e.status = 'failed'
+       AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than);
+    GET DIAGNOSTICS retried = ROW_COUNT;
+    IF retried > 0 THEN
+        PERFORM @extschema@.outbox_wake();
+    END IF;
+    RETURN retried;
+END
+$$;
+
 -- One row per status, zero counts included.
 CREATE VIEW outbox.status AS
 SELECT s.status,
@@ -111,6 +161,12 @@ CREATE VIEW outbox.workers AS
 SELECT * FROM @extschema@.outbox_workers();
 
 COMMENT ON VIEW outbox.workers IS 'One row per dispatcher background worker.';
+
+CREATE VIEW outbox.metrics AS
+SELECT * FROM @extschema@.outbox_metrics();
+
+COMMENT ON VIEW outbox.metrics IS
+    'One row per metric sample (Prometheus style); outbox_metrics_prometheus() renders the same as text.';
 
 CREATE VIEW outbox.dead_letters AS
 SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,

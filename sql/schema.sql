@@ -49,9 +49,11 @@ COMMENT ON TABLE outbox.events IS
 -- The claim: due pending events, oldest due first.
 CREATE INDEX events_pending_idx ON outbox.events (available_at) WHERE status = 'pending';
 -- Stuck claims, and the claims a restarted dispatcher releases.
-CREATE INDEX events_processing_idx ON outbox.events (claimed_by, processing_started_at)
+CREATE INDEX events_processing_idx ON outbox.events (processing_started_at, claimed_by)
     WHERE status = 'processing';
 -- Unacknowledged dispatched events.
 CREATE INDEX events_dispatched_idx ON outbox.events (dispatched_at) WHERE status = 'dispatched';
 -- Dead letters.
 CREATE INDEX events_failed_idx ON outbox.events (created_at) WHERE status = 'failed';
+-- The lifecycle sweeper's deletes.
+CREATE INDEX events_processed_idx ON outbox.events (processed_at) WHERE status = 'processed';

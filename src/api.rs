@@ -5,6 +5,7 @@ use std::ffi::{c_char, CString};
 
 use pgrx::prelude::*;
 
+use crate::metrics::{self, Counter};
 use crate::{config, slots, wake};
 
 extern "C-unwind" {
@@ -18,10 +19,28 @@ fn outbox_uuid_v7() -> pgrx::Uuid {
     pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
 }
 
-/// Nudges the dispatchers now, without waiting for a commit.
+/// Nudges the dispatchers now, and again when the current transaction
+/// commits (rows it changed are visible only then).
 #[pg_extern(volatile, parallel_unsafe)]
 fn outbox_wake() {
     wake::now();
+    wake::at_commit();
+}
+
+/// The consumer confirms an event: dispatched → processed. Returns whether
+/// the event was waiting for it. With `outbox.ack_timeout` > 0, events not
+/// acknowledged in time are sent again.
+#[pg_extern(volatile, parallel_unsafe)]
+fn outbox_ack(id: pgrx::Uuid) -> bool {
+    let acked = Spi::connect_mut(|client| {
+        let updated = client.update(include_str!("../sql/ack.sql"), None, &[id.into()])?;
+        Ok::<_, pgrx::spi::SpiError>(!updated.is_empty())
+    })
+    .unwrap_or_else(|e| error!("outbox_ack: {e}"));
+    if acked {
+        metrics::add(Counter::Acked, 1);
+    }
+    acked
 }
 
 /// AFTER INSERT ... FOR EACH STATEMENT on `outbox.events`: every insert path,
@@ -42,9 +61,7 @@ fn notify(channel: &CString) {
     // SAFETY: both strings outlive the call; Async_Notify copies them and
     // reports a bad channel name (empty, too long) as an ERROR.
     unsafe {
-        pgrx::pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
-            Async_Notify(channel.as_ptr(), c"".as_ptr())
-        })
+        pgrx::pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| Async_Notify(channel.as_ptr(), c"".as_ptr()))
     };
 }
 

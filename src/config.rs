@@ -15,14 +15,12 @@ use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 /// Upper bound of `outbox.workers`: the dispatcher slots in shared memory.
 pub const MAX_WORKERS: usize = 32;
 
-pub static DATABASE: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(c"postgres"));
+pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 pub static REDIS_URL: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"redis://127.0.0.1:6379/0"));
-pub static DEFAULT_QUEUE: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(c"celery"));
+pub static DEFAULT_QUEUE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"celery"));
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 pub static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
 pub static MAX_RETRIES: GucSetting<i32> = GucSetting::<i32>::new(3);
@@ -30,6 +28,12 @@ pub static RETRY_BACKOFF_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
 pub static RECONNECT_DELAY_MIN_MS: GucSetting<i32> = GucSetting::<i32>::new(3_000);
 pub static RECONNECT_DELAY_MAX_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 pub static REDIS_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
+pub static PROCESSING_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(300);
+pub static ACK_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
+pub static SWEEP_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(300);
+pub static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
+pub static LIFECYCLE_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
+pub static HEARTBEAT_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(30);
 pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static NOTIFY_CHANNEL: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_new"));
@@ -142,6 +146,56 @@ pub fn register() {
         600_000,
         ms,
     );
+    let s = GucFlags::UNIT_S;
+    const DAY_S: i32 = 86_400;
+    int(
+        c"outbox.processing_timeout",
+        c"Claims older than this are stuck: the sweeper returns them to pending.",
+        &PROCESSING_TIMEOUT_S,
+        1,
+        DAY_S,
+        s,
+    );
+    int(
+        c"outbox.ack_timeout",
+        c"Dispatched events not acknowledged within this are sent again; 0 turns acknowledgements off.",
+        &ACK_TIMEOUT_S,
+        0,
+        30 * DAY_S,
+        s,
+    );
+    int(
+        c"outbox.sweep_interval",
+        c"Period of the stuck and unacknowledged sweepers.",
+        &SWEEP_INTERVAL_S,
+        1,
+        DAY_S,
+        s,
+    );
+    int(
+        c"outbox.retention",
+        c"Processed events (dispatched ones with acknowledgements off) are kept this long.",
+        &RETENTION_S,
+        1,
+        3650 * DAY_S,
+        s,
+    );
+    int(
+        c"outbox.lifecycle_interval",
+        c"Period of the sweeper that deletes events older than outbox.retention.",
+        &LIFECYCLE_INTERVAL_S,
+        1,
+        DAY_S,
+        s,
+    );
+    int(
+        c"outbox.heartbeat_interval",
+        c"Period of the broker PING while idle.",
+        &HEARTBEAT_INTERVAL_S,
+        1,
+        DAY_S,
+        s,
+    );
     GucRegistry::define_bool_guc(
         c"outbox.notify",
         c"Inserts into outbox.events also NOTIFY outbox.notify_channel.",
@@ -188,27 +242,19 @@ fn int(
     max: i32,
     flags: GucFlags,
 ) {
-    GucRegistry::define_int_guc(
-        name,
-        description,
-        c"",
-        setting,
-        min,
-        max,
-        GucContext::Sighup,
-        flags,
-    );
+    GucRegistry::define_int_guc(name, description, c"", setting, min, max, GucContext::Sighup, flags);
 }
 
 fn text(setting: &GucSetting<Option<CString>>) -> String {
-    setting
-        .get()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default()
+    setting.get().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 fn millis(setting: &GucSetting<i32>) -> Duration {
     Duration::from_millis(setting.get().max(0) as u64)
+}
+
+fn seconds(setting: &GucSetting<i32>) -> Duration {
+    Duration::from_secs(setting.get().max(0) as u64)
 }
 
 /// The database named by `outbox.database`.
@@ -239,6 +285,13 @@ pub struct Settings {
     pub reconnect_delay_max: Duration,
     pub redis_timeout: Duration,
     pub max_payload_bytes: usize,
+    pub processing_timeout: Duration,
+    /// Zero: acknowledgements are off.
+    pub ack_timeout: Duration,
+    pub sweep_interval: Duration,
+    pub retention: Duration,
+    pub lifecycle_interval: Duration,
+    pub heartbeat_interval: Duration,
 }
 
 impl Settings {
@@ -254,6 +307,12 @@ impl Settings {
             reconnect_delay_max: millis(&RECONNECT_DELAY_MAX_MS),
             redis_timeout: millis(&REDIS_TIMEOUT_MS),
             max_payload_bytes: MAX_PAYLOAD_BYTES.get().max(1) as usize,
+            processing_timeout: seconds(&PROCESSING_TIMEOUT_S),
+            ack_timeout: seconds(&ACK_TIMEOUT_S),
+            sweep_interval: seconds(&SWEEP_INTERVAL_S),
+            retention: seconds(&RETENTION_S),
+            lifecycle_interval: seconds(&LIFECYCLE_INTERVAL_S),
+            heartbeat_interval: seconds(&HEARTBEAT_INTERVAL_S),
         }
     }
 }

@@ -9,6 +9,7 @@ use pgrx::prelude::*;
 
 mod api;
 mod config;
+mod metrics;
 mod slots;
 mod wake;
 mod worker;
@@ -31,5 +32,6 @@ pub extern "C-unwind" fn _PG_init() {
     }
     config::register_postmaster();
     slots::init();
+    metrics::init();
     worker::register(config::workers());
 }

@@ -13,6 +13,7 @@ use pgrx::shmem::AssertPGRXSharedMemory;
 use pgrx::{pg_shmem_init, PgAtomic, PgLwLock};
 
 use crate::config::MAX_WORKERS;
+use crate::metrics::WakeSource;
 
 /// Longest `last_error` kept, in bytes.
 const ERROR_BYTES: usize = 512;
@@ -65,13 +66,14 @@ pub struct Slot {
     started_at: AtomicI64,
     last_heartbeat: AtomicI64,
     dispatched: AtomicU64,
+    /// Bits `1 << WakeSource` of the wakes since the dispatcher last looked.
+    wake_sources: AtomicU8,
 }
 
 #[repr(C)]
 pub struct Slots([Slot; MAX_WORKERS]);
 
-static SLOTS: PgAtomic<AssertPGRXSharedMemory<Slots>> =
-    unsafe { PgAtomic::new(c"outbox_dispatch_slots") };
+static SLOTS: PgAtomic<AssertPGRXSharedMemory<Slots>> = unsafe { PgAtomic::new(c"outbox_dispatch_slots") };
 static ERRORS: PgLwLock<[[u8; ERROR_BYTES]; MAX_WORKERS]> =
     unsafe { PgLwLock::new(c"outbox_dispatch_errors") };
 
@@ -91,6 +93,7 @@ pub fn init() {
                 started_at: AtomicI64::new(0),
                 last_heartbeat: AtomicI64::new(0),
                 dispatched: AtomicU64::new(0),
+                wake_sources: AtomicU8::new(0),
             })))
         }
     );
@@ -102,9 +105,9 @@ fn slots() -> Option<&'static Slots> {
     READY.load(Ordering::Relaxed).then(|| &**SLOTS.get())
 }
 
-/// Sets the latch of every running dispatcher. Cannot fail: safe inside a
-/// commit callback.
-pub fn wake_all() {
+/// Sets the latch of every running dispatcher, noting why. Cannot fail:
+/// safe inside a commit callback.
+pub fn wake_all(source: WakeSource) {
     let Some(slots) = slots() else { return };
     // SAFETY: ProcGlobal is set up before any backend runs; procno is
     // bounds-checked against allProcCount before indexing allProcs.
@@ -116,6 +119,7 @@ pub fn wake_all() {
         for slot in &slots.0 {
             let procno = slot.procno.load(Ordering::Acquire);
             if procno >= 0 && (procno as u32) < (*global).allProcCount {
+                slot.wake_sources.fetch_or(1 << source as u8, Ordering::Relaxed);
                 pg_sys::SetLatch(&raw mut (*(*global).allProcs.add(procno as usize)).procLatch);
             }
         }
@@ -131,13 +135,8 @@ impl Own {
     pub fn take(index: usize) -> Own {
         let slot = &slots().expect("dispatchers run only when preloaded").0[index];
         // SAFETY: a background worker has a PGPROC by the time it runs.
-        let (procno, pid, now) = unsafe {
-            (
-                (*pg_sys::MyProc).pgprocno,
-                pg_sys::MyProcPid,
-                pg_sys::GetCurrentTimestamp(),
-            )
-        };
+        let (procno, pid, now) =
+            unsafe { ((*pg_sys::MyProc).pgprocno, pg_sys::MyProcPid, pg_sys::GetCurrentTimestamp()) };
         slot.pid.store(pid, Ordering::Relaxed);
         slot.started_at.store(now, Ordering::Relaxed);
         slot.connected.store(false, Ordering::Relaxed);
@@ -159,9 +158,18 @@ impl Own {
         let slot = self.slot();
         slot.connected.store(connected, Ordering::Relaxed);
         if connected {
-            slot.last_heartbeat
-                .store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
+            slot.last_heartbeat.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
         }
+    }
+
+    /// The sources of the wakes since the last call, as `1 << WakeSource` bits.
+    pub fn take_wake_sources(&self) -> u8 {
+        self.slot().wake_sources.swap(0, Ordering::Relaxed)
+    }
+
+    /// Records that the broker answered.
+    pub fn heartbeat(&self) {
+        self.slot().last_heartbeat.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::Relaxed);
     }
 
     pub fn add_dispatched(&self, n: u64) {
@@ -222,11 +230,7 @@ pub fn report(count: usize) -> Vec<Report> {
             Report {
                 index: index as i32,
                 pid: Some(slot.pid.load(Ordering::Relaxed)).filter(|p| *p != 0),
-                state: State::ALL
-                    .get(state as usize)
-                    .copied()
-                    .unwrap_or(State::Stopped)
-                    .name(),
+                state: State::ALL.get(state as usize).copied().unwrap_or(State::Stopped).name(),
                 connected: slot.connected.load(Ordering::Relaxed),
                 started_at: nonzero(slot.started_at.load(Ordering::Relaxed)),
                 last_heartbeat: nonzero(slot.last_heartbeat.load(Ordering::Relaxed)),

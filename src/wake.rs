@@ -12,6 +12,7 @@ use std::cell::Cell;
 use pgrx::pg_sys::XactEvent;
 use pgrx::prelude::*;
 
+use crate::metrics::WakeSource;
 use crate::slots;
 
 thread_local! {
@@ -30,7 +31,7 @@ pub fn at_commit() {
 
 /// Wake the dispatchers now.
 pub fn now() {
-    slots::wake_all();
+    slots::wake_all(WakeSource::Manual);
 }
 
 #[pg_guard]
@@ -38,7 +39,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
     match event {
         XactEvent::XACT_EVENT_COMMIT | XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
             if WAKE_AT_COMMIT.replace(false) {
-                slots::wake_all();
+                slots::wake_all(WakeSource::Commit);
             }
         }
         XactEvent::XACT_EVENT_ABORT

@@ -20,10 +20,7 @@ pub fn random_unit() -> f64 {
 /// never above `max`.
 pub fn reconnect_delay(min: Duration, max: Duration, attempt: u32, unit: f64) -> Duration {
     let max = max.max(min);
-    let ceiling = min
-        .saturating_mul(1u32 << attempt.min(16))
-        .saturating_mul(2)
-        .min(max);
+    let ceiling = min.saturating_mul(1u32 << attempt.min(16)).saturating_mul(2).min(max);
     min + (ceiling - min).mul_f64(unit.clamp(0.0, 1.0))
 }
 
@@ -33,9 +30,7 @@ pub fn reconnect_delay(min: Duration, max: Duration, attempt: u32, unit: f64) ->
 pub fn retry_delay(base: Duration, failures: u32, unit: f64) -> Duration {
     let exponent = failures.saturating_sub(1).min(20);
     let nominal = base.saturating_mul(1u32 << exponent).min(MAX_RETRY_DELAY);
-    nominal
-        .mul_f64(0.5 + unit.clamp(0.0, 1.0))
-        .min(MAX_RETRY_DELAY)
+    nominal.mul_f64(0.5 + unit.clamp(0.0, 1.0)).min(MAX_RETRY_DELAY)
 }
 
 #[cfg(test)]

@@ -83,10 +83,7 @@ impl std::error::Error for EncodeError {}
 /// priorities with one list per step (0, 3, 6, 9; 0 is highest): step 0 is
 /// the queue itself, any other is `queue + "\x06\x16" + step`.
 pub fn queue_key(queue: &str, priority: u8) -> Cow<'_, str> {
-    let step = [9u8, 6, 3, 0]
-        .into_iter()
-        .find(|s| *s <= priority)
-        .unwrap_or(0);
+    let step = [9u8, 6, 3, 0].into_iter().find(|s| *s <= priority).unwrap_or(0);
     if step == 0 {
         Cow::Borrowed(queue)
     } else {
@@ -105,16 +102,13 @@ pub fn encode(
     let (args, kwargs) = split_payload(msg.payload)?;
     let extra = extra_headers(msg.headers)?;
 
-    let body = format!(
-        "[{args},{kwargs},{{\"callbacks\":null,\"errbacks\":null,\"chain\":null,\"chord\":null}}]"
-    );
+    let body =
+        format!("[{args},{kwargs},{{\"callbacks\":null,\"errbacks\":null,\"chain\":null,\"chord\":null}}]");
     let id = msg.id.hyphenated();
 
     out.push_str("{\"body\":\"");
     base64_encode(body.as_bytes(), out);
-    out.push_str(
-        "\",\"content-encoding\":\"utf-8\",\"content-type\":\"application/json\",\"headers\":{",
-    );
+    out.push_str("\",\"content-encoding\":\"utf-8\",\"content-type\":\"application/json\",\"headers\":{");
     // The event's own headers come first so that, should a consumer keep the
     // last of duplicate keys, ours would still win; duplicates are dropped
     // anyway in `extra_headers`.
@@ -218,18 +212,13 @@ fn push_json_str(out: &mut String, s: &str) {
     out.push('"');
 }
 
-const BASE64_ALPHABET: &[u8; 64] =
-    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+const BASE64_ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
 /// Standard base64 with padding, as Python's `base64.b64decode` expects.
 fn base64_encode(input: &[u8], out: &mut String) {
     out.reserve(input.len().div_ceil(3) * 4);
     for chunk in input.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
+        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
         let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
         let sextet = |shift: u32| BASE64_ALPHABET[((n >> shift) & 63) as usize] as char;
         out.push(sextet(18));
@@ -322,22 +311,10 @@ mod tests {
     #[test]
     fn payload_maps_to_args_and_kwargs() {
         let cases = [
-            (
-                r#"{"a": 1}"#,
-                serde_json::json!([]),
-                serde_json::json!({"a": 1}),
-            ),
-            (
-                r#"[1, "x"]"#,
-                serde_json::json!([1, "x"]),
-                serde_json::json!({}),
-            ),
+            (r#"{"a": 1}"#, serde_json::json!([]), serde_json::json!({"a": 1})),
+            (r#"[1, "x"]"#, serde_json::json!([1, "x"]), serde_json::json!({})),
             ("42", serde_json::json!([42]), serde_json::json!({})),
-            (
-                r#""text""#,
-                serde_json::json!(["text"]),
-                serde_json::json!({}),
-            ),
+            (r#""text""#, serde_json::json!(["text"]), serde_json::json!({})),
             ("null", serde_json::json!([null]), serde_json::json!({})),
         ];
         for (payload, args, kwargs) in cases {
@@ -355,10 +332,7 @@ mod tests {
         let (a, _) = encode_value(&msg);
         let (b, _) = encode_value(&msg);
         assert_eq!(a["headers"]["id"], b["headers"]["id"]);
-        assert_ne!(
-            a["properties"]["delivery_tag"],
-            b["properties"]["delivery_tag"]
-        );
+        assert_ne!(a["properties"]["delivery_tag"], b["properties"]["delivery_tag"]);
     }
 
     #[test]

@@ -25,13 +25,20 @@ pub enum SinkError {
 }
 
 impl SinkError {
+    /// Every [`SinkError::reason`], in the order of [`SinkError::reason_index`].
+    pub const REASONS: [&'static str; 4] = ["invalid_url", "connect_failed", "timeout", "connection_lost"];
+
     /// A short stable name, for logs and metric labels.
     pub fn reason(&self) -> &'static str {
+        Self::REASONS[self.reason_index()]
+    }
+
+    pub fn reason_index(&self) -> usize {
         match self {
-            SinkError::InvalidUrl(_) => "invalid_url",
-            SinkError::Connect(_) => "connect_failed",
-            SinkError::Timeout => "timeout",
-            SinkError::ConnectionLost(_) => "connection_lost",
+            SinkError::InvalidUrl(_) => 0,
+            SinkError::Connect(_) => 1,
+            SinkError::Timeout => 2,
+            SinkError::ConnectionLost(_) => 3,
         }
     }
 
@@ -81,12 +88,7 @@ impl Sink {
             .into_connection_info()
             .map_err(|e| SinkError::InvalidUrl(format!("{} ({})", redact_url(url), e)))?;
         let client = Client::open(info).map_err(|e| SinkError::InvalidUrl(e.to_string()))?;
-        Ok(Sink {
-            client,
-            connection: None,
-            timeout,
-            display_url: redact_url(url),
-        })
+        Ok(Sink { client, connection: None, timeout, display_url: redact_url(url) })
     }
 
     /// The broker's address with any credentials masked.
@@ -110,8 +112,7 @@ impl Sink {
                 .get_connection_with_timeout(self.timeout)
                 .map_err(|e| SinkError::from_redis(&e, false))?;
             for set in [Connection::set_read_timeout, Connection::set_write_timeout] {
-                set(&connection, Some(self.timeout))
-                    .map_err(|e| SinkError::Connect(e.to_string()))?;
+                set(&connection, Some(self.timeout)).map_err(|e| SinkError::Connect(e.to_string()))?;
             }
             self.connection = Some(connection);
         }
@@ -120,10 +121,7 @@ impl Sink {
 
     /// One PING round trip; drops the connection when it fails.
     pub fn ping(&mut self) -> Result<(), SinkError> {
-        let connection = self
-            .connection
-            .as_mut()
-            .ok_or(SinkError::ConnectionLost("not connected".into()))?;
+        let connection = self.connection.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
         let result = redis::cmd("PING").query::<String>(connection);
         result.map(drop).map_err(|e| self.fail(&e))
     }
@@ -138,10 +136,7 @@ impl Sink {
             pipe.cmd("LPUSH").arg(&batch.key).arg(&batch.messages);
         }
         let packed = pipe.get_packed_pipeline();
-        let connection = self
-            .connection
-            .as_mut()
-            .ok_or(SinkError::ConnectionLost("not connected".into()))?;
+        let connection = self.connection.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
         if let Err(e) = connection.send_packed_command(&packed) {
             return Err(self.fail(&e));
         }
@@ -195,22 +190,15 @@ mod tests {
     fn credentials_are_redacted() {
         assert_eq!(redact_url("redis://u:pw@h:6379/0"), "redis://***@h:6379/0");
         assert_eq!(redact_url("redis://:pw@h"), "redis://***@h");
-        assert_eq!(
-            redact_url("rediss://user:p@ss@h:1/2?x=1"),
-            "rediss://***@h:1/2?x=1"
-        );
+        assert_eq!(redact_url("rediss://user:p@ss@h:1/2?x=1"), "rediss://***@h:1/2?x=1");
         assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
         assert_eq!(redact_url("garbage"), "(unparsable URL)");
     }
 
     #[test]
     fn a_malformed_url_is_refused_without_echoing_secrets() {
-        let err = Sink::new(
-            "redis://user:secret@host:notaport/0",
-            Duration::from_secs(1),
-        )
-        .err()
-        .expect("refused");
+        let err =
+            Sink::new("redis://user:secret@host:notaport/0", Duration::from_secs(1)).err().expect("refused");
         assert_eq!(err.reason(), "invalid_url");
         assert!(!err.to_string().contains("secret"), "{err}");
     }
@@ -222,10 +210,7 @@ mod tests {
         let err = sink.connect().unwrap_err();
         assert!(matches!(err, SinkError::Connect(_)), "{err:?}");
         assert!(!sink.is_connected());
-        let err = sink.push(&[KeyBatch {
-            key: "q".into(),
-            messages: vec!["m".into()],
-        }]);
+        let err = sink.push(&[KeyBatch { key: "q".into(), messages: vec!["m".into()] }]);
         assert!(matches!(err, Err(SinkError::ConnectionLost(_))));
     }
 }

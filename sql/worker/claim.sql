@@ -24,4 +24,5 @@ RETURNING e.id,
           e.headers::text,
           e.priority,
           e.retry_count,
-          e.created_at::text
+          e.created_at::text,
+          extract(epoch FROM e.created_at)::float8

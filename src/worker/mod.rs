@@ -10,18 +10,17 @@ mod store;
 
 use std::time::{Duration, Instant};
 
-use pgrx::bgworkers::{
-    BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags,
-};
+use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
 use pgrx::prelude::*;
 
 use outbox_core::backoff;
 use outbox_core::sink::{redact_url, Sink, SinkError};
 
 use crate::config::{self, Settings};
+use crate::metrics::{self, Counter, PushFailure, WakeSource};
 use crate::slots::{self, State};
 use push::RetryPolicy;
-use store::{Claim, Store};
+use store::{Claim, Store, SWEEP_BATCH};
 
 /// How soon the postmaster restarts a dispatcher that exited: after an
 /// error, a `pg_terminate_backend`, or a database that does not exist.
@@ -58,7 +57,8 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
             dispatcher.reconfigure(Settings::current());
         }
         let nap = dispatcher.step();
-        wait_for_wake(nap);
+        let timed_out = wait_for_wake(nap);
+        dispatcher.count_wake(timed_out);
     }
     log!("outbox dispatcher {index} stopping");
     // Exit code 1: a zero exit would unregister the worker until the next
@@ -79,6 +79,9 @@ struct Dispatcher {
     next_connect: Option<Instant>,
     /// Claims left by an earlier life of this dispatcher were released.
     released_own: bool,
+    next_sweep: Instant,
+    next_lifecycle: Instant,
+    next_heartbeat: Instant,
 }
 
 impl Dispatcher {
@@ -93,7 +96,26 @@ impl Dispatcher {
             reconnect_attempt: 0,
             next_connect: None,
             released_own: false,
+            next_sweep: Instant::now(),
+            next_lifecycle: Instant::now(),
+            next_heartbeat: Instant::now(),
         }
+    }
+
+    /// Counts what ended the last sleep: a commit, `outbox_wake()`, or the
+    /// timer (the safety poll, or whatever else fell due first).
+    fn count_wake(&self, timed_out: bool) {
+        let sources = self.slot.take_wake_sources();
+        let source = if sources & (1 << WakeSource::Commit as u8) != 0 {
+            WakeSource::Commit
+        } else if sources & (1 << WakeSource::Manual as u8) != 0 {
+            WakeSource::Manual
+        } else if timed_out {
+            WakeSource::Poll
+        } else {
+            return;
+        };
+        metrics::woke(source);
     }
 
     fn log_start(&self) {
@@ -101,7 +123,8 @@ impl Dispatcher {
         log!(
             "outbox_dispatcher_starting worker={} database={} redis_url={} enabled={} batch_size={} \
              poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
-             reconnect_delay={:?}..{:?}",
+             reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
+             ack_timeout={:?} sweep_interval={:?} retention={:?} lifecycle_interval={:?}",
             self.index,
             config::database(),
             redact_url(&s.redis_url),
@@ -113,6 +136,12 @@ impl Dispatcher {
             s.redis_timeout,
             s.reconnect_delay_min,
             s.reconnect_delay_max,
+            s.heartbeat_interval,
+            s.processing_timeout,
+            s.ack_timeout,
+            s.sweep_interval,
+            s.retention,
+            s.lifecycle_interval,
         );
     }
 
@@ -129,6 +158,10 @@ impl Dispatcher {
             self.next_connect = None;
         }
         self.settings = settings;
+        let now = Instant::now();
+        self.next_sweep = self.next_sweep.min(now + self.settings.sweep_interval);
+        self.next_lifecycle = self.next_lifecycle.min(now + self.settings.lifecycle_interval);
+        self.next_heartbeat = self.next_heartbeat.min(now + self.settings.heartbeat_interval);
         log!("outbox dispatcher {} reloaded its settings", self.index);
         self.log_start();
     }
@@ -140,12 +173,9 @@ impl Dispatcher {
             self.slot.set_state(State::Paused);
             return poll;
         }
+        self.sweep_if_due();
         if !self.connected() {
-            if !self
-                .store
-                .extension_exists()
-                .unwrap_or_else(|e| report_store_error(e))
-            {
+            if !self.store.extension_exists().unwrap_or_else(|e| report_store_error(e)) {
                 self.slot.set_state(State::WaitingForExtension);
                 return poll;
             }
@@ -154,10 +184,7 @@ impl Dispatcher {
             }
         }
         if !self.released_own {
-            let released = self
-                .store
-                .release_own()
-                .unwrap_or_else(|e| report_store_error(e));
+            let released = self.store.release_own().unwrap_or_else(|e| report_store_error(e));
             if released > 0 {
                 log!(
                     "outbox dispatcher {} released {released} events it held before it restarted",
@@ -166,7 +193,78 @@ impl Dispatcher {
             }
             self.released_own = true;
         }
-        self.drain()
+        if let Some(wait) = self.heartbeat_if_due() {
+            return wait;
+        }
+        let nap = self.drain();
+        let now = Instant::now();
+        [self.next_sweep, self.next_lifecycle, self.next_heartbeat]
+            .into_iter()
+            .map(|at| at.saturating_duration_since(now))
+            .fold(nap, Duration::min)
+    }
+
+    /// Runs the sweepers whose time has come, each in bounded batches.
+    fn sweep_if_due(&mut self) {
+        let now = Instant::now();
+        let s = self.settings.clone();
+        if now >= self.next_sweep {
+            self.next_sweep = now + s.sweep_interval;
+            let rescued = self.sweep_all(|store| store.sweep_stuck(s.processing_timeout));
+            metrics::add(Counter::StuckRescued, rescued);
+            if rescued > 0 {
+                log!(
+                    "outbox dispatcher {}: {rescued} events stuck in processing returned to pending",
+                    self.index
+                );
+            }
+            if !s.ack_timeout.is_zero() {
+                let resent = self.sweep_all(|store| store.sweep_unacked(s.ack_timeout));
+                metrics::add(Counter::UnackedResent, resent);
+                if resent > 0 {
+                    log!(
+                        "outbox dispatcher {}: {resent} unacknowledged events will be sent again",
+                        self.index
+                    );
+                }
+            }
+        }
+        if now >= self.next_lifecycle {
+            self.next_lifecycle = now + s.lifecycle_interval;
+            let acks_off = s.ack_timeout.is_zero();
+            let purged = self.sweep_all(|store| store.purge(s.retention, acks_off));
+            metrics::add(Counter::Purged, purged);
+        }
+    }
+
+    /// Repeats a bounded sweep until it finds less than a full batch.
+    fn sweep_all(&mut self, mut sweep: impl FnMut(&mut Store) -> Result<u64, pgrx::spi::SpiError>) -> u64 {
+        let mut total = 0;
+        loop {
+            let n = sweep(&mut self.store).unwrap_or_else(|e| report_store_error(e));
+            total += n;
+            if n < SWEEP_BATCH as u64 || interrupt_pending() {
+                return total;
+            }
+        }
+    }
+
+    /// PINGs the broker when a heartbeat is due; returns the reconnect wait
+    /// when it failed.
+    fn heartbeat_if_due(&mut self) -> Option<Duration> {
+        let now = Instant::now();
+        if now < self.next_heartbeat {
+            return None;
+        }
+        self.next_heartbeat = now + self.settings.heartbeat_interval;
+        let sink = self.sink.as_mut().expect("connected before the heartbeat");
+        match sink.ping() {
+            Ok(()) => {
+                self.slot.heartbeat();
+                None
+            }
+            Err(e) => Some(self.broker_failed(&e)),
+        }
     }
 
     fn connected(&self) -> bool {
@@ -190,6 +288,7 @@ impl Dispatcher {
                 }
                 self.reconnect_attempt = 0;
                 self.next_connect = None;
+                self.next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
                 self.slot.set_connected(true);
                 self.slot.set_error(None);
                 None
@@ -209,6 +308,7 @@ impl Dispatcher {
         );
         self.reconnect_attempt = self.reconnect_attempt.saturating_add(1);
         self.next_connect = Some(Instant::now() + delay);
+        metrics::reconnect(error);
         self.slot.set_state(State::Reconnecting);
         self.slot.set_connected(false);
         self.slot.set_error(Some(&error.to_string()));
@@ -231,10 +331,7 @@ impl Dispatcher {
             max_payload_bytes: self.settings.max_payload_bytes,
         };
         loop {
-            let claim = self
-                .store
-                .claim(self.settings.batch_size)
-                .unwrap_or_else(|e| report_store_error(e));
+            let claim = self.store.claim(self.settings.batch_size).unwrap_or_else(|e| report_store_error(e));
             let (events, next_due) = match claim {
                 Claim::NoExtension => {
                     self.slot.set_state(State::WaitingForExtension);
@@ -254,11 +351,17 @@ impl Dispatcher {
                         .mark(&outcome.dispatched, &outcome.failures)
                         .unwrap_or_else(|e| report_store_error(e));
                     self.slot.add_dispatched(outcome.dispatched.len() as u64);
+                    if !outcome.dispatched.is_empty() {
+                        self.slot.heartbeat();
+                        self.next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
+                    }
+                    let dead = outcome.failures.iter().filter(|f| f.dead).count() as u64;
+                    metrics::add(Counter::DeadLetters, dead);
+                    metrics::add(Counter::Retries, outcome.failures.len() as u64 - dead);
                 }
                 Err(e) => {
-                    self.store
-                        .release(events.iter().map(|e| e.id))
-                        .unwrap_or_else(|e| report_store_error(e));
+                    metrics::push_failed(PushFailure::of(&e), events.len() as u64);
+                    self.store.release(events.iter().map(|e| e.id)).unwrap_or_else(|e| report_store_error(e));
                     return self.broker_failed(&e);
                 }
             }
@@ -302,18 +405,21 @@ fn reload_requested() -> bool {
 
 /// Sleeps on the latch for at most `timeout`; a commit wake, SIGHUP or
 /// SIGTERM ends the sleep early. Exits at once if the postmaster died.
-fn wait_for_wake(timeout: Duration) {
+/// Returns whether the time ran out.
+fn wait_for_wake(timeout: Duration) -> bool {
     let ms = timeout.as_millis().min(i32::MAX as u128) as std::ffi::c_long;
-    unsafe {
-        pg_sys::WaitLatch(
+    let events = unsafe {
+        let events = pg_sys::WaitLatch(
             pg_sys::MyLatch,
             (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
             ms,
             pg_sys::PG_WAIT_EXTENSION,
         );
         pg_sys::ResetLatch(pg_sys::MyLatch);
-    }
+        events
+    };
     check_for_interrupts!();
+    events & pg_sys::WL_TIMEOUT as i32 != 0
 }
 
 /// The dispatcher's own status changes need not wait for the WAL flush: a

@@ -9,6 +9,7 @@ use outbox_core::celery::{self, TaskMessage};
 use outbox_core::sink::{KeyBatch, Sink, SinkError};
 
 use super::store::{ClaimedEvent, Failure};
+use crate::metrics::{self, PushFailure};
 
 /// What one push did to each event of the batch.
 #[derive(Default)]
@@ -33,12 +34,7 @@ impl RetryPolicy {
         } else {
             backoff::retry_delay(self.backoff, failures as u32, backoff::random_unit())
         };
-        Failure {
-            id: event.id,
-            dead,
-            error,
-            delay,
-        }
+        Failure { id: event.id, dead, error, delay }
     }
 }
 
@@ -63,6 +59,7 @@ pub fn push(
                 policy.max_payload_bytes
             );
             outcome.failures.push(policy.failure(event, error, false));
+            metrics::push_failed(PushFailure::Unencodable, 1);
             continue;
         }
         let mut message = String::with_capacity(event.payload.len() * 2 + 1024);
@@ -82,17 +79,13 @@ pub fn push(
             &mut message,
         );
         if let Err(e) = encoded {
-            outcome
-                .failures
-                .push(policy.failure(event, e.to_string(), false));
+            outcome.failures.push(policy.failure(event, e.to_string(), false));
+            metrics::push_failed(PushFailure::Unencodable, 1);
             continue;
         }
         let key = celery::queue_key(&event.queue, event.priority);
         let slot = *by_key.entry(key.to_string()).or_insert_with(|| {
-            batches.push(KeyBatch {
-                key: key.to_string(),
-                messages: Vec::new(),
-            });
+            batches.push(KeyBatch { key: key.to_string(), messages: Vec::new() });
             members.push(Vec::new());
             batches.len() - 1
         });
@@ -104,17 +97,26 @@ pub fn push(
         return Ok(outcome);
     }
     let results = sink.push(&batches)?;
+    let now =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    let mut latencies = Vec::with_capacity(events.len());
     for (result, indexes) in results.into_iter().zip(members) {
         match result {
-            Ok(()) => outcome
-                .dispatched
-                .extend(indexes.iter().map(|i| events[*i].id)),
-            Err(error) => outcome.failures.extend(
-                indexes
-                    .iter()
-                    .map(|i| policy.failure(&events[*i], format!("Redis: {error}"), true)),
-            ),
+            Ok(()) => {
+                outcome.dispatched.extend(indexes.iter().map(|i| events[*i].id));
+                latencies.extend(indexes.iter().map(|i| (now - events[*i].created_epoch).max(0.0)));
+            }
+            Err(error) => {
+                metrics::push_failed(PushFailure::RedisError, indexes.len() as u64);
+                let error = format!("Redis: {error}");
+                outcome
+                    .failures
+                    .extend(indexes.iter().map(|i| policy.failure(&events[*i], error.clone(), true)));
+            }
         }
+    }
+    if !latencies.is_empty() {
+        metrics::observe_batch(&latencies);
     }
     Ok(outcome)
 }

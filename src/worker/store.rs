@@ -22,6 +22,8 @@ pub struct ClaimedEvent {
     pub priority: u8,
     pub retry_count: i32,
     pub created_at: String,
+    /// `created_at` in seconds since the Unix epoch, for the latency histogram.
+    pub created_epoch: f64,
 }
 
 /// What a claim found.
@@ -53,6 +55,9 @@ struct Plans {
     mark_dispatched: OwnedPreparedStatement,
     mark_failed: OwnedPreparedStatement,
     release: OwnedPreparedStatement,
+    sweep_stuck: OwnedPreparedStatement,
+    sweep_unacked: OwnedPreparedStatement,
+    purge: OwnedPreparedStatement,
 }
 
 pub struct Store {
@@ -64,6 +69,11 @@ const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
 const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
 const FLOAT8_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8ARRAYOID);
 const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
+const FLOAT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8OID);
+const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
+
+/// Rows a sweeper touches per transaction.
+pub const SWEEP_BATCH: usize = 1000;
 
 impl Plans {
     fn prepare(client: &SpiClient<'_>) -> Result<Plans, SpiError> {
@@ -71,18 +81,15 @@ impl Plans {
         Ok(Plans {
             claim: prepare(include_str!("../../sql/worker/claim.sql"), &[INT4, INT4])?,
             next_due: prepare(include_str!("../../sql/worker/next_due.sql"), &[])?,
-            mark_dispatched: prepare(
-                include_str!("../../sql/worker/mark_dispatched.sql"),
-                &[UUID_ARRAY],
-            )?,
+            mark_dispatched: prepare(include_str!("../../sql/worker/mark_dispatched.sql"), &[UUID_ARRAY])?,
             mark_failed: prepare(
                 include_str!("../../sql/worker/mark_failed.sql"),
                 &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY, FLOAT8_ARRAY],
             )?,
-            release: prepare(
-                include_str!("../../sql/worker/release.sql"),
-                &[UUID_ARRAY, INT4],
-            )?,
+            release: prepare(include_str!("../../sql/worker/release.sql"), &[UUID_ARRAY, INT4])?,
+            sweep_stuck: prepare(include_str!("../../sql/worker/sweep_stuck.sql"), &[FLOAT8, INT4])?,
+            sweep_unacked: prepare(include_str!("../../sql/worker/sweep_unacked.sql"), &[FLOAT8, INT4])?,
+            purge: prepare(include_str!("../../sql/worker/purge.sql"), &[FLOAT8, INT4, BOOL])?,
         })
     }
 }
@@ -93,17 +100,12 @@ fn extension_exists() -> bool {
 }
 
 fn to_pg(ids: impl IntoIterator<Item = uuid::Uuid>) -> Vec<pgrx::Uuid> {
-    ids.into_iter()
-        .map(|id| pgrx::Uuid::from_bytes(*id.as_bytes()))
-        .collect()
+    ids.into_iter().map(|id| pgrx::Uuid::from_bytes(*id.as_bytes())).collect()
 }
 
 impl Store {
     pub fn new(dispatcher: usize) -> Store {
-        Store {
-            dispatcher: dispatcher as i32,
-            plans: None,
-        }
+        Store { dispatcher: dispatcher as i32, plans: None }
     }
 
     /// Runs `body` in a transaction with the plans ready; `None` when the
@@ -131,8 +133,7 @@ impl Store {
 
     /// Is the extension created in this database?
     pub fn extension_exists(&mut self) -> Result<bool, SpiError> {
-        self.with_plans(|_, _, _| Ok(()))
-            .map(|found| found.is_some())
+        self.with_plans(|_, _, _| Ok(())).map(|found| found.is_some())
     }
 
     /// Returns to pending whatever this dispatcher held when it last died.
@@ -173,13 +174,11 @@ impl Store {
                     priority: row.get::<i16>(7)?.unwrap_or(0).clamp(0, 9) as u8,
                     retry_count: row.get(8)?.unwrap_or(0),
                     created_at: row.get(9)?.unwrap_or_default(),
+                    created_epoch: row.get(10)?.unwrap_or(0.0),
                 });
             }
             let next_due = if events.len() < limit {
-                let seconds: Option<f64> = client
-                    .select(&plans.next_due, None, &[])?
-                    .first()
-                    .get_one()?;
+                let seconds: Option<f64> = client.select(&plans.next_due, None, &[])?.first().get_one()?;
                 seconds.map(|s| Duration::from_secs_f64(s.max(0.0)))
             } else {
                 None
@@ -189,13 +188,42 @@ impl Store {
         Ok(claimed.unwrap_or(Claim::NoExtension))
     }
 
+    /// Returns to pending up to [`SWEEP_BATCH`] events claimed longer than
+    /// `timeout` ago.
+    pub fn sweep_stuck(&mut self, timeout: Duration) -> Result<u64, SpiError> {
+        self.sweep(|p| &p.sweep_stuck, timeout, None)
+    }
+
+    /// Returns to pending up to [`SWEEP_BATCH`] events dispatched longer
+    /// than `timeout` ago and never acknowledged.
+    pub fn sweep_unacked(&mut self, timeout: Duration) -> Result<u64, SpiError> {
+        self.sweep(|p| &p.sweep_unacked, timeout, None)
+    }
+
+    /// Deletes up to [`SWEEP_BATCH`] finished events older than `retention`;
+    /// with `acks_off`, dispatched ones count as finished.
+    pub fn purge(&mut self, retention: Duration, acks_off: bool) -> Result<u64, SpiError> {
+        self.sweep(|p| &p.purge, retention, Some(acks_off))
+    }
+
+    fn sweep(
+        &mut self,
+        plan: fn(&Plans) -> &OwnedPreparedStatement,
+        age: Duration,
+        acks_off: Option<bool>,
+    ) -> Result<u64, SpiError> {
+        let swept = self.with_plans(|client, plans, _| {
+            let mut args: Vec<DatumWithOid> =
+                vec![(age.as_secs_f64() * 1000.0).into(), (SWEEP_BATCH as i32).into()];
+            args.extend(acks_off.map(DatumWithOid::from));
+            Ok(client.update(plan(plans), None, &args)?.len() as u64)
+        })?;
+        Ok(swept.unwrap_or(0))
+    }
+
     /// Records the outcome of one push: `dispatched` are in Redis,
     /// `failures` go back to pending or to the dead letter.
-    pub fn mark(
-        &mut self,
-        dispatched: &[uuid::Uuid],
-        failures: &[Failure],
-    ) -> Result<(), SpiError> {
+    pub fn mark(&mut self, dispatched: &[uuid::Uuid], failures: &[Failure]) -> Result<(), SpiError> {
         self.with_plans(|client, plans, _| {
             if !dispatched.is_empty() {
                 let args: [DatumWithOid; 1] = [to_pg(dispatched.iter().copied()).into()];
@@ -206,16 +234,8 @@ impl Store {
                 let args: [DatumWithOid; 4] = [
                     to_pg(failures.iter().map(|f| f.id)).into(),
                     failures.iter().map(status).collect::<Vec<_>>().into(),
-                    failures
-                        .iter()
-                        .map(|f| f.error.clone())
-                        .collect::<Vec<_>>()
-                        .into(),
-                    failures
-                        .iter()
-                        .map(|f| f.delay.as_secs_f64() * 1000.0)
-                        .collect::<Vec<_>>()
-                        .into(),
+                    failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>().into(),
+                    failures.iter().map(|f| f.delay.as_secs_f64() * 1000.0).collect::<Vec<_>>().into(),
                 ];
                 client.update(&plans.mark_failed, None, &args)?;
             }
