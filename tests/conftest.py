@@ -31,7 +31,8 @@ def celery_worker(redis_server):
 @pytest.fixture
 def outbox(cluster, redis_server):
     """The shared cluster with an empty outbox and an empty Redis."""
-    cluster.configure(enabled="on", poll_interval="60s", batch_size=100)
+    cluster.sql("ALTER SYSTEM RESET ALL")
+    cluster.configure(enabled="on")
     cluster.sql("TRUNCATE outbox.events")
     redis_server.client().flushdb()
     yield cluster

@@ -169,6 +169,21 @@ class Cluster:
     def log_text(self):
         return self.log.read_text(errors="replace")
 
+    def metric(self, name, **labels):
+        """The value of one sample of outbox.metrics."""
+        return self.value("SELECT value FROM outbox.metrics WHERE name = %s AND labels = %s::jsonb",
+                          (name, json.dumps(labels)))
+
+    def dispatcher_pids(self):
+        return [r[0] for r in self.sql("SELECT pid FROM outbox.workers WHERE pid IS NOT NULL")]
+
+    def wait_idle(self):
+        wait_until(lambda: self.value("SELECT bool_and(state = 'idle') FROM outbox.workers"),
+                   timeout=60, message="idle dispatchers")
+
+    def count(self, status):
+        return self.value("SELECT count(*) FROM outbox.events WHERE status = %s", (status,))
+
     def close(self):
         try:
             self.stop("immediate")

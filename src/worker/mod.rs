@@ -260,7 +260,7 @@ impl Dispatcher {
         let sink = self.sink.as_mut().expect("connected before the heartbeat");
         match sink.ping() {
             Ok(()) => {
-                self.slot.heartbeat();
+                self.broker_answered();
                 None
             }
             Err(e) => Some(self.broker_failed(&e)),
@@ -288,13 +288,19 @@ impl Dispatcher {
                 }
                 self.reconnect_attempt = 0;
                 self.next_connect = None;
-                self.next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
                 self.slot.set_connected(true);
+                self.broker_answered();
                 self.slot.set_error(None);
                 None
             }
             Err(e) => Some(self.broker_failed(&e)),
         }
+    }
+
+    /// The broker just answered: that is as good as a heartbeat.
+    fn broker_answered(&mut self) {
+        self.slot.heartbeat();
+        self.next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
     }
 
     /// Records a broker failure; returns the delay before the next attempt.
@@ -330,6 +336,8 @@ impl Dispatcher {
             backoff: self.settings.retry_backoff,
             max_payload_bytes: self.settings.max_payload_bytes,
         };
+        // Events given back with a backoff fall due before the poll.
+        let mut nap = poll;
         loop {
             let claim = self.store.claim(self.settings.batch_size).unwrap_or_else(|e| report_store_error(e));
             let (events, next_due) = match claim {
@@ -341,7 +349,7 @@ impl Dispatcher {
             };
             if events.is_empty() {
                 self.slot.set_state(State::Idle);
-                return next_due.map_or(poll, |due| due.min(poll));
+                return next_due.map_or(nap, |due| due.min(nap));
             }
             self.slot.set_state(State::Draining);
             let sink = self.sink.as_mut().expect("connected before draining");
@@ -352,12 +360,15 @@ impl Dispatcher {
                         .unwrap_or_else(|e| report_store_error(e));
                     self.slot.add_dispatched(outcome.dispatched.len() as u64);
                     if !outcome.dispatched.is_empty() {
-                        self.slot.heartbeat();
-                        self.next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
+                        self.broker_answered();
                     }
-                    let dead = outcome.failures.iter().filter(|f| f.dead).count() as u64;
-                    metrics::add(Counter::DeadLetters, dead);
-                    metrics::add(Counter::Retries, outcome.failures.len() as u64 - dead);
+                    let retried = outcome.failures.iter().filter(|f| !f.dead);
+                    if let Some(soonest) = retried.clone().map(|f| f.delay).min() {
+                        nap = nap.min(soonest);
+                    }
+                    let retries = retried.count() as u64;
+                    metrics::add(Counter::Retries, retries);
+                    metrics::add(Counter::DeadLetters, outcome.failures.len() as u64 - retries);
                 }
                 Err(e) => {
                     metrics::push_failed(PushFailure::of(&e), events.len() as u64);
@@ -367,7 +378,7 @@ impl Dispatcher {
             }
             if events.len() < self.settings.batch_size {
                 self.slot.set_state(State::Idle);
-                return next_due.map_or(poll, |due| due.min(poll));
+                return next_due.map_or(nap, |due| due.min(nap));
             }
             if interrupt_pending() {
                 return Duration::ZERO;

@@ -1,0 +1,263 @@
+"""The chaos suite: every fault path, proven by counting events in Redis and
+rows by status. Every committed event reaches Redis at least once; none is
+dead-lettered for the broker's faults."""
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from harness import Cluster, Redis, queued_ids, wait_until
+
+
+def load(pg, n, queue, per_statement=1000):
+    """Commits `n` events to `queue`, `per_statement` per transaction."""
+    with pg.connect(autocommit=False) as conn:
+        for start in range(0, n, per_statement):
+            conn.execute("SELECT outbox_enqueue('load', jsonb_build_object('n', n), queue => %s) "
+                         "FROM generate_series(%s::int, %s::int) n", (queue, start, min(n, start + per_statement) - 1))
+            conn.commit()
+
+
+def all_ids(pg):
+    return {str(r[0]) for r in pg.sql("SELECT id FROM outbox.events")}
+
+
+def test_safety_poll_delivers_events_committed_without_a_wake(outbox, redis_server):
+    """PREPARE TRANSACTION / COMMIT PREPARED fires no commit callback."""
+    outbox.configure(poll_interval="1s")
+    outbox.wait_idle()
+    with outbox.connect(autocommit=False) as conn:
+        event_id = conn.execute("SELECT outbox_enqueue('prepared', '{}', queue => 'q_2pc')").fetchone()[0]
+        conn.execute("PREPARE TRANSACTION 'outbox_2pc'")
+    outbox.sql("COMMIT PREPARED 'outbox_2pc'")
+    client = redis_server.client()
+    wait_until(lambda: queued_ids(client, "q_2pc") == [str(event_id)], message="the prepared event")
+
+
+def test_terminated_dispatcher_restarts_and_delivers_everything(outbox, redis_server):
+    outbox.configure(enabled="off", batch_size=100)
+    load(outbox, 20000, "q_term")
+    outbox.configure(enabled="on")
+    wait_until(lambda: outbox.count("dispatched") >= 2000, message="the drain to be under way")
+    [pid] = outbox.dispatcher_pids()
+    outbox.sql("SELECT pg_terminate_backend(%s)", (pid,))
+    wait_until(lambda: outbox.dispatcher_pids() not in ([], [pid]), timeout=60, message="a restarted dispatcher")
+    wait_until(lambda: outbox.count("dispatched") == 20000, timeout=180, message="every event dispatched")
+    seen = Counter(queued_ids(redis_server.client(), "q_term"))
+    assert set(seen) == all_ids(outbox)
+    assert sum(seen.values()) - len(seen) <= 100, "duplicates beyond one batch"
+
+
+def test_a_storm_of_commits_is_delivered_in_far_fewer_batches(outbox, redis_server):
+    outbox.wait_idle()
+    batches_before = outbox.metric("outbox_batches_total")
+    producers, per_producer = 8, 1250
+
+    def produce():
+        with outbox.connect() as conn:
+            for _ in range(per_producer):
+                conn.execute("SELECT outbox_enqueue('storm', '{}', queue => 'q_storm')")
+
+    threads = [threading.Thread(target=produce) for _ in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = producers * per_producer
+    wait_until(lambda: outbox.count("dispatched") == total, timeout=180, message="the storm dispatched")
+    batches = outbox.metric("outbox_batches_total") - batches_before
+    assert len(set(queued_ids(redis_server.client(), "q_storm"))) == total
+    assert batches <= total / 4, f"{total} events took {batches} batches"
+
+
+def test_stuck_claims_return_to_pending_and_are_delivered(outbox, redis_server):
+    outbox.configure(processing_timeout="2s", sweep_interval="1s")
+    rescued_before = outbox.metric("outbox_stuck_rescued_total")
+    # Claims of a dispatcher that no longer exists (index 7), a minute old.
+    ids = [str(r[0]) for r in outbox.sql(
+        "INSERT INTO outbox.events (event_type, queue, status, processing_started_at, claimed_by) "
+        "SELECT 'stuck', 'q_stuck', 'processing', now() - interval '1 minute', 7 "
+        "FROM generate_series(1, 5) RETURNING id")]
+    client = redis_server.client()
+    wait_until(lambda: sorted(queued_ids(client, "q_stuck")) == sorted(ids), message="the stuck events")
+    assert outbox.metric("outbox_stuck_rescued_total") - rescued_before == 5
+
+
+def test_three_dispatchers_deliver_50000_events_exactly_once(redis_server):
+    pg = Cluster(redis_server.url, workers=3, batch_size=500, enabled="off")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        load(pg, 50000, "q_50k", per_statement=5000)
+        client = redis_server.client()
+        client.delete("q_50k")
+        pg.configure(enabled="on")
+        wait_until(lambda: pg.count("dispatched") == 50000, timeout=300, message="50,000 dispatched")
+        ids = queued_ids(client, "q_50k")
+        assert len(ids) == 50000 and set(ids) == all_ids(pg)
+        per_worker = [r[0] for r in pg.sql("SELECT events_dispatched FROM outbox.workers ORDER BY worker")]
+        assert sum(per_worker) == 50000 and len(per_worker) == 3
+    finally:
+        pg.close()
+
+
+@pytest.fixture
+def persistent_redis():
+    """A Redis that keeps its data across a stop and start (AOF)."""
+    server = Redis("--appendonly", "yes", "--appendfsync", "always")
+    yield server
+    server.close()
+
+
+def test_redis_outage_loses_nothing_and_spends_no_retries(persistent_redis):
+    pg = Cluster(persistent_redis.url, reconnect_delay_min="200ms", reconnect_delay_max="1s",
+                 redis_timeout="1s", heartbeat_interval="1s")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        stop = threading.Event()
+
+        def produce():
+            with pg.connect() as conn:
+                while not stop.is_set():
+                    conn.execute("SELECT outbox_enqueue('outage', '{}', queue => 'q_outage') "
+                                 "FROM generate_series(1, 10)")
+                    time.sleep(0.05)
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        try:
+            wait_until(lambda: pg.count("dispatched") >= 50, message="events flowing")
+            persistent_redis.stop()
+            wait_until(lambda: pg.value("SELECT bool_and(state = 'reconnecting' AND NOT connected) "
+                                        "FROM outbox.workers"), message="the dispatcher to notice")
+            lost = pg.metric("outbox_reconnects_total", reason="connection_lost")
+            assert lost >= 1
+            failures = lambda: pg.metric("outbox_reconnects_total", reason="connect_failed")  # noqa: E731
+            wait_until(lambda: failures() >= 3, timeout=60, message="several reconnect cycles")
+            assert pg.value("SELECT last_error FROM outbox.workers")
+            persistent_redis.start()
+            wait_until(lambda: pg.value("SELECT connected FROM outbox.workers"), timeout=60,
+                       message="the reconnect")
+        finally:
+            stop.set()
+            producer.join()
+        total = pg.value("SELECT count(*) FROM outbox.events")
+        wait_until(lambda: pg.count("dispatched") == total, timeout=120, message="the backlog delivered")
+        assert pg.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0 OR status = 'failed'") == 0
+        assert set(queued_ids(persistent_redis.client(), "q_outage")) == all_ids(pg)
+        assert pg.value("SELECT state FROM outbox.workers") == "idle"
+        assert pg.value("SELECT last_error FROM outbox.workers") is None
+    finally:
+        pg.close()
+
+
+def test_server_crash_mid_drain_loses_nothing(redis_server):
+    pg = Cluster(redis_server.url, enabled="off", batch_size=200)
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        load(pg, 20000, "q_crash")
+        client = redis_server.client()
+        client.delete("q_crash")
+        pg.configure(enabled="on")
+        wait_until(lambda: client.llen("q_crash") >= 2000, message="the drain to be under way")
+        pg.stop("immediate")
+        pg.start()
+        assert pg.value("SELECT count(*) FROM outbox.events") == 20000
+        wait_until(lambda: pg.count("dispatched") == 20000, timeout=180, message="every event after recovery")
+        assert set(queued_ids(client, "q_crash")) == all_ids(pg)
+    finally:
+        pg.close()
+
+
+def test_rejected_pushes_retry_then_dead_letter_while_others_flow(outbox, redis_server):
+    outbox.configure(retry_backoff="100ms", max_retries=3)
+    client = redis_server.client()
+    client.set("q_wrong", "not a list")
+    dead_before = outbox.metric("outbox_dead_letters_total")
+    retries_before = outbox.metric("outbox_retries_total")
+    rejected_before = outbox.metric("outbox_push_failures_total", reason="redis_error")
+    wrong = {str(r[0]) for r in outbox.sql(
+        "SELECT outbox_enqueue('wrong', '{}', queue => 'q_wrong') FROM generate_series(1, 3)")}
+    ok = {str(r[0]) for r in outbox.sql(
+        "SELECT outbox_enqueue('ok', '{}', queue => 'q_ok') FROM generate_series(1, 3)")}
+    wait_until(lambda: set(queued_ids(client, "q_ok")) == ok, message="the other queue's events")
+    wait_until(lambda: outbox.count("failed") == 3, timeout=60, message="three dead letters")
+    rows = outbox.sql("SELECT id::text, retry_count, last_error FROM outbox.dead_letters")
+    assert {r[0] for r in rows} == wrong
+    assert all(r[1] == 3 and "WRONGTYPE" in r[2] for r in rows), rows
+    assert outbox.metric("outbox_dead_letters_total") - dead_before == 3
+    assert outbox.metric("outbox_retries_total") - retries_before == 6
+    assert outbox.metric("outbox_push_failures_total", reason="redis_error") - rejected_before == 9
+
+    client.delete("q_wrong")
+    assert outbox.value("SELECT outbox_retry_failed()") == 3
+    wait_until(lambda: set(queued_ids(client, "q_wrong")) == wrong, message="the retried events")
+    assert outbox.value("SELECT count(*) FROM outbox.events WHERE status = 'dispatched'") == 6
+    assert outbox.value("SELECT outbox_retry(%s)", (next(iter(wrong)),)) is False  # no longer failed
+
+
+def test_retry_one_failed_event(outbox, redis_server):
+    event_id = outbox.value(
+        "INSERT INTO outbox.events (event_type, queue, status, retry_count, last_error) "
+        "VALUES ('failed', 'q_retry_one', 'failed', 3, 'boom') RETURNING id")
+    assert outbox.value("SELECT outbox_retry(%s)", (event_id,)) is True
+    wait_until(lambda: queued_ids(redis_server.client(), "q_retry_one") == [str(event_id)],
+               message="the retried event")
+    assert outbox.value("SELECT retry_count FROM outbox.events") == 0
+
+
+def test_unacked_events_are_resent_and_retention_deletes_only_finished_ones(outbox, redis_server):
+    client = redis_server.client()
+    outbox.configure(ack_timeout="2s", sweep_interval="1s")
+    acked, unacked = [str(r[0]) for r in outbox.sql(
+        "SELECT outbox_enqueue('ack', '{}', queue => 'q_ack') FROM generate_series(1, 2)")]
+    wait_until(lambda: outbox.count("dispatched") == 2, message="both dispatched")
+    assert outbox.value("SELECT outbox_ack(%s)", (acked,)) is True
+    wait_until(lambda: queued_ids(client, "q_ack").count(unacked) >= 2, timeout=30,
+               message="the unacknowledged event re-sent")
+    assert queued_ids(client, "q_ack").count(acked) == 1
+    assert outbox.metric("outbox_unacked_resent_total") >= 1
+    assert outbox.metric("outbox_acked_total") >= 1
+
+    # Events that must survive any retention: a delayed pending one, a
+    # dead letter, and (acknowledgements on) a dispatched one.
+    keep = {str(r[0]) for r in outbox.sql(
+        "INSERT INTO outbox.events (event_type, queue, status, available_at, created_at) VALUES "
+        "('later', 'q_keep', 'pending', now() + interval '1 day', now() - interval '30 days'), "
+        "('dead', 'q_keep', 'failed', now(), now() - interval '30 days') RETURNING id")}
+    outbox.configure(ack_timeout="1h")
+    wait_until(lambda: outbox.value("SELECT status = 'dispatched' FROM outbox.events WHERE id = %s", (unacked,)),
+               message="the re-sent event dispatched again")
+    outbox.configure(ack_timeout="1h", retention="1s", lifecycle_interval="1s")
+    wait_until(lambda: outbox.value("SELECT count(*) FROM outbox.events WHERE id = %s", (acked,)) == 0,
+               message="the processed event purged")
+    time.sleep(2)  # a few more lifecycle rounds: nothing else may go
+    assert all_ids(outbox) == keep | {unacked}
+
+    outbox.configure(ack_timeout=0, retention="1s", lifecycle_interval="1s")
+    wait_until(lambda: all_ids(outbox) == keep, message="the dispatched event purged with acks off")
+    assert outbox.metric("outbox_purged_total") >= 2
+
+
+def test_reload_changes_batch_size_and_redis_url(outbox, redis_server):
+    second = Redis()
+    try:
+        outbox.configure(enabled="off")
+        outbox.sql("SELECT outbox_enqueue('batch', '{}', queue => 'q_batch') FROM generate_series(1, 21)")
+        batches_before = outbox.metric("outbox_batches_total")
+        outbox.configure(enabled="on", batch_size=7)
+        wait_until(lambda: outbox.count("dispatched") == 21, message="21 dispatched")
+        assert outbox.metric("outbox_batches_total") - batches_before == 3
+
+        outbox.configure(batch_size=7, redis_url=second.url)
+        wait_until(lambda: "reloaded its settings" in outbox.log_text(), message="the reload")
+        outbox.wait_idle()
+        event_id = outbox.value("SELECT outbox_enqueue('moved', '{}', queue => 'q_moved')")
+        wait_until(lambda: queued_ids(second.client(), "q_moved") == [str(event_id)],
+                   message="the event in the second Redis")
+        assert redis_server.client().llen("q_moved") == 0
+    finally:
+        outbox.sql("ALTER SYSTEM RESET outbox.redis_url")
+        outbox.sql("SELECT pg_reload_conf()")
+        second.close()
