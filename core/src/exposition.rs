@@ -93,8 +93,11 @@ pub fn histogram_samples(name: &str, bounds: &[f64], counts: &[u64], sum: f64) -
 pub fn render(families: &[(Family, Vec<Sample>)]) -> String {
     let mut out = String::new();
     for (family, samples) in families {
-        let _ = writeln!(out, "# HELP {} {}", family.name, escape_help(family.help));
-        let _ = writeln!(out, "# TYPE {} {}", family.name, family.kind.name());
+        // In the Prometheus text format a counter's HELP and TYPE name its
+        // samples, `_total` included.
+        let suffix = if family.kind == Kind::Counter { "_total" } else { "" };
+        let _ = writeln!(out, "# HELP {}{suffix} {}", family.name, escape_help(family.help));
+        let _ = writeln!(out, "# TYPE {}{suffix} {}", family.name, family.kind.name());
         for sample in samples {
             out.push_str(&sample.name);
             if !sample.labels.is_empty() {
@@ -172,7 +175,7 @@ mod tests {
         let text = render(&[(family, vec![Sample::new("outbox_x_total", 3.0).label("reason", "a\"b")])]);
         assert_eq!(
             text,
-            "# HELP outbox_x Things\\nseen.\n# TYPE outbox_x counter\noutbox_x_total{reason=\"a\\\"b\"} 3\n"
+            "# HELP outbox_x_total Things\\nseen.\n# TYPE outbox_x_total counter\noutbox_x_total{reason=\"a\\\"b\"} 3\n"
         );
     }
 

@@ -102,20 +102,19 @@ impl Dispatcher {
         }
     }
 
-    /// Counts what ended the last sleep: a commit, `outbox_wake()`, or the
-    /// timer (the safety poll, or whatever else fell due first).
+    /// Counts what ended the last sleep: commits, `outbox_wake()` calls
+    /// (each source once), or else the timer (the safety poll, or whatever
+    /// else fell due first).
     fn count_wake(&self, timed_out: bool) {
         let sources = self.slot.take_wake_sources();
-        let source = if sources & (1 << WakeSource::Commit as u8) != 0 {
-            WakeSource::Commit
-        } else if sources & (1 << WakeSource::Manual as u8) != 0 {
-            WakeSource::Manual
-        } else if timed_out {
-            WakeSource::Poll
-        } else {
-            return;
-        };
-        metrics::woke(source);
+        for source in [WakeSource::Commit, WakeSource::Manual] {
+            if sources & (1 << source as u8) != 0 {
+                metrics::woke(source);
+            }
+        }
+        if sources == 0 && timed_out {
+            metrics::woke(WakeSource::Poll);
+        }
     }
 
     fn log_start(&self) {

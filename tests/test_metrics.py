@@ -1,0 +1,116 @@
+"""Observability: shared-memory counters and histograms, outbox.metrics,
+outbox_metrics_prometheus(), outbox.workers and outbox.status. (Reconnects,
+dead letters and stuck events are counted in test_reliability.py, where
+those faults are made.)"""
+
+import re
+import time
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness import wait_until
+
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def histogram(pg, name):
+    """(buckets as [(le, cumulative)], sum, count) from outbox.metrics."""
+    rows = pg.sql("SELECT labels->>'le', value FROM outbox.metrics WHERE name = %s ORDER BY value, "
+                  "(labels->>'le') = '+Inf'", (f"{name}_bucket",))
+    return rows, pg.metric(f"{name}_sum"), pg.metric(f"{name}_count")
+
+
+def test_dispatching_n_events_moves_the_counters_by_n(outbox):
+    outbox.wait_idle()
+    dispatched = outbox.metric("outbox_dispatched_total")
+    _, _, latency_count = histogram(outbox, "outbox_dispatch_latency_seconds")
+    batches = outbox.metric("outbox_batches_total")
+    outbox.sql("SELECT outbox_enqueue('m', '{}', queue => 'q_metrics') FROM generate_series(1, 250)")
+    wait_until(lambda: outbox.count("dispatched") == 250, message="250 dispatched")
+
+    assert outbox.metric("outbox_dispatched_total") - dispatched == 250
+    buckets, latency_sum, count = histogram(outbox, "outbox_dispatch_latency_seconds")
+    assert count - latency_count == 250
+    values = [v for _, v in buckets]
+    assert values == sorted(values), "buckets are cumulative"
+    assert buckets[-1] == ("+Inf", count)
+    assert latency_sum >= 0
+    _, size_sum, size_count = histogram(outbox, "outbox_batch_size")
+    assert size_count == outbox.metric("outbox_batches_total")
+    assert outbox.metric("outbox_batches_total") > batches
+    assert abs(size_sum - outbox.metric("outbox_dispatched_total")) < 0.5
+
+
+def test_counters_survive_a_dispatcher_restart(outbox):
+    outbox.sql("SELECT outbox_enqueue('m', '{}', queue => 'q_survive') FROM generate_series(1, 10)")
+    wait_until(lambda: outbox.count("dispatched") == 10, message="10 dispatched")
+    before = outbox.metric("outbox_dispatched_total")
+    [pid] = outbox.dispatcher_pids()
+    outbox.sql("SELECT pg_terminate_backend(%s)", (pid,))
+    wait_until(lambda: outbox.dispatcher_pids() not in ([], [pid]), timeout=60, message="the restart")
+    assert outbox.metric("outbox_dispatched_total") >= before >= 10
+
+
+def test_wakeups_are_counted_by_source(outbox):
+    outbox.wait_idle()
+    commit = outbox.metric("outbox_wakeups_total", source="commit")
+    manual = outbox.metric("outbox_wakeups_total", source="manual")
+    outbox.sql("SELECT outbox_enqueue('m', '{}', queue => 'q_wakeups')")
+    wait_until(lambda: outbox.metric("outbox_wakeups_total", source="commit") > commit, message="a commit wake")
+    outbox.wait_idle()
+    outbox.sql("SELECT outbox_wake()")
+    wait_until(lambda: outbox.metric("outbox_wakeups_total", source="manual") > manual, message="a manual wake")
+    poll = outbox.metric("outbox_wakeups_total", source="poll")
+    outbox.configure(poll_interval="100ms")
+    wait_until(lambda: outbox.metric("outbox_wakeups_total", source="poll") > poll + 3, message="poll wakes")
+
+
+def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
+    outbox.sql("SELECT outbox_enqueue('m', '{}', queue => 'q_prom')")
+    wait_until(lambda: outbox.count("dispatched") == 1, message="one dispatched")
+    text = outbox.value("SELECT outbox_metrics_prometheus()")
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    expected = {
+        "outbox_dispatched": "counter", "outbox_retries": "counter", "outbox_dead_letters": "counter",
+        "outbox_stuck_rescued": "counter", "outbox_unacked_resent": "counter", "outbox_acked": "counter",
+        "outbox_purged": "counter", "outbox_batches": "counter", "outbox_push_failures": "counter",
+        "outbox_reconnects": "counter", "outbox_wakeups": "counter",
+        "outbox_dispatch_latency_seconds": "histogram", "outbox_batch_size": "histogram",
+        "outbox_workers_running": "gauge", "outbox_workers_connected": "gauge",
+        "outbox_events": "gauge", "outbox_lag_seconds": "gauge",
+    }
+    assert {name: f.type for name, f in families.items()} == expected
+    assert all(f.documentation for f in families.values())
+    for name in expected:
+        assert re.search(rf"`{name}(_total)?[`{{]", README), f"{name} is not in the README"
+    # The text and the view agree.
+    [dispatched] = families["outbox_dispatched"].samples
+    assert dispatched.value == outbox.metric("outbox_dispatched_total")
+    events = {s.labels["status"]: s.value for s in families["outbox_events"].samples}
+    assert events["dispatched"] == 1 and set(events) == {"pending", "processing", "dispatched", "processed", "failed"}
+
+
+def test_workers_view_describes_each_dispatcher(outbox):
+    outbox.wait_idle()
+    row = outbox.sql("SELECT worker, pid, state, connected, started_at <= now(), "
+                     "last_heartbeat IS NOT NULL, last_error, events_dispatched >= 0 FROM outbox.workers")
+    assert row == [(0, outbox.dispatcher_pids()[0], "idle", True, True, True, None, True)]
+    outbox.configure(enabled="off")
+    wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="paused")
+    assert "outbox_dispatcher_starting worker=0" in outbox.log_text()
+
+
+def test_lag_grows_while_paused_and_falls_to_zero_after(outbox):
+    outbox.configure(enabled="off")
+    wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="paused")
+    outbox.sql("SELECT outbox_enqueue('m', '{}', queue => 'q_lag')")
+    lag = lambda: outbox.value(  # noqa: E731
+        "SELECT extract(epoch FROM lag) FROM outbox.status WHERE status = 'pending'")
+    first = lag()
+    time.sleep(1.5)
+    assert lag() >= float(first) + 1
+    assert outbox.metric("outbox_lag_seconds") >= 1
+    outbox.configure(enabled="on")
+    wait_until(lambda: lag() == 0, message="the lag back to zero")
+    assert outbox.metric("outbox_lag_seconds") == 0
