@@ -13,13 +13,18 @@ deps:
 build: deps
 	cargo build --release
 
-# Builds and installs into the PostgreSQL that PG_CONFIG names (release build).
+EXTENSION_DIR = $(shell $(PG_CONFIG) --sharedir)/extension
+
+# Builds and installs into the PostgreSQL that PG_CONFIG names (release build),
+# with the install scripts of earlier versions and the upgrade scripts.
 install: deps
 	cargo pgrx install --release --pg-config $(PG_CONFIG)
+	install -m 644 sql/releases/*.sql sql/upgrade/*.sql $(EXTENSION_DIR)/
 
 # The same with the quicker dev profile, for the tests.
 install-dev: deps
 	cargo pgrx install --pg-config $(PG_CONFIG)
+	install -m 644 sql/releases/*.sql sql/upgrade/*.sql $(EXTENSION_DIR)/
 
 unit: deps
 	cargo test -p outbox_core

@@ -31,7 +31,9 @@ DECLARE
     payload_bytes  integer;
     resolved_queue text := coalesce(queue,
                                pg_catalog.current_setting('outbox.default_queue', true), 'celery');
-    new_id         uuid;
+    -- Made here rather than returned by the INSERT: RETURNING would need
+    -- SELECT on outbox.events, which writers are not granted.
+    new_id         uuid := @extschema@.outbox_uuid_v7();
 BEGIN
     IF event_type IS NULL OR event_type = '' THEN
         RAISE EXCEPTION 'outbox_enqueue: event_type must not be null or empty'
@@ -77,10 +79,9 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
 
-    INSERT INTO outbox.events (event_type, payload, queue, task, headers, priority, available_at)
-    VALUES (event_type, payload, resolved_queue, task, headers, priority,
-            pg_catalog.clock_timestamp() + coalesce(delay, interval '0'))
-    RETURNING id INTO new_id;
+    INSERT INTO outbox.events (id, event_type, payload, queue, task, headers, priority, available_at)
+    VALUES (new_id, event_type, payload, resolved_queue, task, headers, priority,
+            pg_catalog.clock_timestamp() + coalesce(delay, interval '0'));
     RETURN new_id;
 END
 $$;
@@ -175,6 +176,30 @@ SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, heade
  WHERE status = 'failed';
 
 COMMENT ON VIEW outbox.dead_letters IS 'Events that failed outbox.max_retries times, with their last error.';
+
+-- Privileges. PostgreSQL lets PUBLIC execute every new function; here
+-- nobody but the owner may do anything until granted (README, "Privileges").
+-- outbox_uuid_v7() stays public: it is the id default of every insert path.
+REVOKE ALL ON FUNCTION
+    @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer),
+    @extschema@.outbox_ack(uuid),
+    @extschema@.outbox_retry(uuid),
+    @extschema@.outbox_retry_failed(interval),
+    @extschema@.outbox_wake(),
+    @extschema@.outbox_workers(),
+    @extschema@.outbox_metrics(),
+    @extschema@.outbox_metrics_prometheus(),
+    @extschema@.outbox_events_inserted()
+    FROM PUBLIC;
+
+-- Monitoring: members of pg_monitor read the views that carry no payloads.
+GRANT USAGE ON SCHEMA outbox TO pg_monitor;
+GRANT SELECT ON outbox.status, outbox.workers, outbox.metrics TO pg_monitor;
+GRANT EXECUTE ON FUNCTION
+    @extschema@.outbox_workers(),
+    @extschema@.outbox_metrics(),
+    @extschema@.outbox_metrics_prometheus()
+    TO pg_monitor;
 
 -- Dispatchers waiting for this extension to exist start at this commit.
 SELECT @extschema@.outbox_wake();

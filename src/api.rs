@@ -29,8 +29,10 @@ fn outbox_wake() {
 
 /// The consumer confirms an event: dispatched → processed. Returns whether
 /// the event was waiting for it. With `outbox.ack_timeout` > 0, events not
-/// acknowledged in time are sent again.
-#[pg_extern(volatile, parallel_unsafe)]
+/// acknowledged in time are sent again. SECURITY DEFINER: a consumer role
+/// needs EXECUTE on this function, not UPDATE on the table.
+#[pg_extern(volatile, parallel_unsafe, security_definer)]
+#[search_path(pg_catalog, pg_temp)]
 fn outbox_ack(id: pgrx::Uuid) -> bool {
     let acked = Spi::connect_mut(|client| {
         let updated = client.update(include_str!("../sql/ack.sql"), None, &[id.into()])?;

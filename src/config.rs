@@ -8,6 +8,7 @@
 //! server down.
 
 use std::ffi::{CStr, CString};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
@@ -20,6 +21,7 @@ pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 pub static REDIS_URL: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"redis://127.0.0.1:6379/0"));
+pub static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 pub static DEFAULT_QUEUE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"celery"));
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 pub static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
@@ -82,6 +84,13 @@ pub fn register() {
         &REDIS_URL,
         GucContext::Sighup,
         GucFlags::SUPERUSER_ONLY,
+    );
+    string(
+        c"outbox.redis_tls_ca_file",
+        c"PEM file of the certificate authorities trusted for rediss:// URLs; empty: the system's.",
+        &REDIS_TLS_CA_FILE,
+        GucContext::Sighup,
+        GucFlags::default(),
     );
     string(
         c"outbox.default_queue",
@@ -277,6 +286,7 @@ pub fn notify_channel() -> Option<CString> {
 pub struct Settings {
     pub enabled: bool,
     pub redis_url: String,
+    pub redis_tls_ca_file: Option<PathBuf>,
     pub batch_size: usize,
     pub poll_interval: Duration,
     pub max_retries: i32,
@@ -299,6 +309,7 @@ impl Settings {
         Settings {
             enabled: ENABLED.get(),
             redis_url: text(&REDIS_URL),
+            redis_tls_ca_file: Some(text(&REDIS_TLS_CA_FILE)).filter(|f| !f.is_empty()).map(PathBuf::from),
             batch_size: BATCH_SIZE.get().max(1) as usize,
             poll_interval: millis(&POLL_INTERVAL_MS),
             max_retries: MAX_RETRIES.get(),

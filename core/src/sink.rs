@@ -6,16 +6,17 @@
 //! answering SIGTERM, and a blocking read would not.
 
 use std::fmt;
+use std::path::Path;
 use std::time::Duration;
 
-use redis::{Client, Connection, ConnectionInfo, IntoConnectionInfo, Value};
+use redis::{Client, Connection, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, TlsCertificates, Value};
 
 /// Why the broker could not be used. The batch in flight is not the events'
 /// fault: it goes back to pending without spending retries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SinkError {
-    /// `outbox.redis_url` does not parse.
-    InvalidUrl(String),
+    /// `outbox.redis_url` does not parse, or the TLS settings cannot be used.
+    InvalidConfig(String),
     /// Connecting (or authenticating) failed.
     Connect(String),
     /// The broker did not answer within the timeout.
@@ -26,7 +27,7 @@ pub enum SinkError {
 
 impl SinkError {
     /// Every [`SinkError::reason`], in the order of [`SinkError::reason_index`].
-    pub const REASONS: [&'static str; 4] = ["invalid_url", "connect_failed", "timeout", "connection_lost"];
+    pub const REASONS: [&'static str; 4] = ["invalid_config", "connect_failed", "timeout", "connection_lost"];
 
     /// A short stable name, for logs and metric labels.
     pub fn reason(&self) -> &'static str {
@@ -35,7 +36,7 @@ impl SinkError {
 
     pub fn reason_index(&self) -> usize {
         match self {
-            SinkError::InvalidUrl(_) => 0,
+            SinkError::InvalidConfig(_) => 0,
             SinkError::Connect(_) => 1,
             SinkError::Timeout => 2,
             SinkError::ConnectionLost(_) => 3,
@@ -56,7 +57,7 @@ impl SinkError {
 impl fmt::Display for SinkError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SinkError::InvalidUrl(e) => write!(f, "invalid outbox.redis_url: {e}"),
+            SinkError::InvalidConfig(e) => write!(f, "{e}"),
             SinkError::Connect(e) => write!(f, "cannot connect to Redis: {e}"),
             SinkError::Timeout => write!(f, "Redis did not answer within outbox.redis_timeout"),
             SinkError::ConnectionLost(e) => write!(f, "lost the Redis connection: {e}"),
@@ -82,13 +83,35 @@ pub struct Sink {
 }
 
 impl Sink {
-    /// Parses the URL; connects lazily.
-    pub fn new(url: &str, timeout: Duration) -> Result<Sink, SinkError> {
-        let info: ConnectionInfo = url
-            .into_connection_info()
-            .map_err(|e| SinkError::InvalidUrl(format!("{} ({})", redact_url(url), e)))?;
-        let client = Client::open(info).map_err(|e| SinkError::InvalidUrl(e.to_string()))?;
-        Ok(Sink { client, connection: None, timeout, display_url: redact_url(url) })
+    /// Parses the URL; connects lazily. For `rediss://` URLs, `ca_file`
+    /// (PEM) replaces the system's trusted certificates; the server's
+    /// certificate is verified either way.
+    pub fn new(url: &str, timeout: Duration, ca_file: Option<&Path>) -> Result<Sink, SinkError> {
+        let display_url = redact_url(url);
+        let invalid = |e: &dyn fmt::Display| {
+            SinkError::InvalidConfig(format!("invalid outbox.redis_url {display_url}: {e}"))
+        };
+        let info: ConnectionInfo = url.into_connection_info().map_err(|e| invalid(&e))?;
+        let tls = matches!(info.addr, ConnectionAddr::TcpTls { .. });
+        let client = match ca_file.filter(|_| tls) {
+            Some(path) => {
+                let pem = std::fs::read(path).map_err(|e| {
+                    SinkError::InvalidConfig(format!(
+                        "cannot read outbox.redis_tls_ca_file {}: {e}",
+                        path.display()
+                    ))
+                })?;
+                let certificates = TlsCertificates { client_tls: None, root_cert: Some(pem) };
+                Client::build_with_tls(info, certificates).map_err(|e| {
+                    SinkError::InvalidConfig(format!(
+                        "unusable outbox.redis_tls_ca_file {}: {e}",
+                        path.display()
+                    ))
+                })?
+            }
+            None => Client::open(info).map_err(|e| invalid(&e))?,
+        };
+        Ok(Sink { client, connection: None, timeout, display_url })
     }
 
     /// The broker's address with any credentials masked.
@@ -197,16 +220,28 @@ mod tests {
 
     #[test]
     fn a_malformed_url_is_refused_without_echoing_secrets() {
-        let err =
-            Sink::new("redis://user:secret@host:notaport/0", Duration::from_secs(1)).err().expect("refused");
-        assert_eq!(err.reason(), "invalid_url");
+        let err = Sink::new("redis://user:secret@host:notaport/0", Duration::from_secs(1), None)
+            .err()
+            .expect("refused");
+        assert_eq!(err.reason(), "invalid_config");
         assert!(!err.to_string().contains("secret"), "{err}");
+    }
+
+    #[test]
+    fn an_unreadable_ca_file_is_refused_by_name() {
+        let missing = Path::new("/nonexistent/ca.pem");
+        let err =
+            Sink::new("rediss://h:6379/0", Duration::from_secs(1), Some(missing)).err().expect("refused");
+        assert_eq!(err.reason(), "invalid_config");
+        assert!(err.to_string().contains("outbox.redis_tls_ca_file /nonexistent/ca.pem"), "{err}");
+        // Plain redis:// ignores the CA file.
+        assert!(Sink::new("redis://h:6379/0", Duration::from_secs(1), Some(missing)).is_ok());
     }
 
     #[test]
     fn an_unreachable_broker_is_a_connect_error() {
         // Port 1 on loopback: nothing listens there, the refusal is immediate.
-        let mut sink = Sink::new("redis://127.0.0.1:1/0", Duration::from_secs(1)).unwrap();
+        let mut sink = Sink::new("redis://127.0.0.1:1/0", Duration::from_secs(1), None).unwrap();
         let err = sink.connect().unwrap_err();
         assert!(matches!(err, SinkError::Connect(_)), "{err:?}");
         assert!(!sink.is_connected());

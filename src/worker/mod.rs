@@ -47,7 +47,16 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     let index = arg.value();
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     let slot = slots::Own::take(index);
-    BackgroundWorker::connect_worker_to_spi(Some(&config::database()), None);
+    // A database that does not exist ends this process with a FATAL inside
+    // the connect, before anything could record why: say it beforehand, so
+    // that outbox.workers shows it while the postmaster restarts us every
+    // RESTART_DELAY. Cleared as soon as the connection is made.
+    let database = config::database();
+    slot.set_error(Some(&format!(
+        "cannot connect to database \"{database}\" (outbox.database); see the server log"
+    )));
+    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    slot.set_error(None);
     relax_commit_durability();
 
     let mut dispatcher = Dispatcher::new(index, slot, Settings::current());
@@ -89,7 +98,7 @@ impl Dispatcher {
         Dispatcher {
             index,
             slot,
-            sink: Sink::new(&settings.redis_url, settings.redis_timeout),
+            sink: sink_for(&settings),
             settings,
             store: Store::new(index),
             origin: format!("outbox_dispatch@{}", hostname()),
@@ -120,13 +129,15 @@ impl Dispatcher {
     fn log_start(&self) {
         let s = &self.settings;
         log!(
-            "outbox_dispatcher_starting worker={} database={} redis_url={} enabled={} batch_size={} \
+            "outbox_dispatcher_starting worker={} database={} redis_url={} redis_tls_ca_file={:?} \
+             enabled={} batch_size={} \
              poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
              reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
              ack_timeout={:?} sweep_interval={:?} retention={:?} lifecycle_interval={:?}",
             self.index,
             config::database(),
             redact_url(&s.redis_url),
+            s.redis_tls_ca_file,
             s.enabled,
             s.batch_size,
             s.poll_interval,
@@ -148,10 +159,9 @@ impl Dispatcher {
         if settings == self.settings {
             return;
         }
-        if (&settings.redis_url, settings.redis_timeout)
-            != (&self.settings.redis_url, self.settings.redis_timeout)
-        {
-            self.sink = Sink::new(&settings.redis_url, settings.redis_timeout);
+        let broker = |s: &Settings| (s.redis_url.clone(), s.redis_timeout, s.redis_tls_ca_file.clone());
+        if broker(&settings) != broker(&self.settings) {
+            self.sink = sink_for(&settings);
             self.slot.set_connected(false);
             self.reconnect_attempt = 0;
             self.next_connect = None;
@@ -384,6 +394,11 @@ impl Dispatcher {
             }
         }
     }
+}
+
+/// A sink for the broker the settings name (not connected yet).
+fn sink_for(settings: &Settings) -> Result<Sink, SinkError> {
+    Sink::new(&settings.redis_url, settings.redis_timeout, settings.redis_tls_ca_file.as_deref())
 }
 
 /// An SPI failure is not something the loop can repair: report it as an
