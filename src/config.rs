@@ -11,6 +11,7 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use outbox_core::sink::BrokerConfig;
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 
 /// Upper bound of `outbox.workers`: the dispatcher slots in shared memory.
@@ -21,6 +22,7 @@ pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 pub static REDIS_URL: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"redis://127.0.0.1:6379/0"));
+pub static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 pub static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 pub static DEFAULT_QUEUE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"celery"));
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
@@ -82,6 +84,13 @@ pub fn register() {
         c"outbox.redis_url",
         c"Broker URL (redis://[user:password@]host:port/db). May hold a password: superusers only.",
         &REDIS_URL,
+        GucContext::Sighup,
+        GucFlags::SUPERUSER_ONLY,
+    );
+    string(
+        c"outbox.redis_password_file",
+        c"File holding the broker password (first line); keeps it out of outbox.redis_url and the server log.",
+        &REDIS_PASSWORD_FILE,
         GucContext::Sighup,
         GucFlags::SUPERUSER_ONLY,
     );
@@ -258,6 +267,11 @@ fn text(setting: &GucSetting<Option<CString>>) -> String {
     setting.get().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
+/// A file setting; empty means none.
+fn path(setting: &GucSetting<Option<CString>>) -> Option<PathBuf> {
+    Some(text(setting)).filter(|f| !f.is_empty()).map(PathBuf::from)
+}
+
 fn millis(setting: &GucSetting<i32>) -> Duration {
     Duration::from_millis(setting.get().max(0) as u64)
 }
@@ -285,15 +299,13 @@ pub fn notify_channel() -> Option<CString> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
     pub enabled: bool,
-    pub redis_url: String,
-    pub redis_tls_ca_file: Option<PathBuf>,
+    pub broker: BrokerConfig,
     pub batch_size: usize,
     pub poll_interval: Duration,
     pub max_retries: i32,
     pub retry_backoff: Duration,
     pub reconnect_delay_min: Duration,
     pub reconnect_delay_max: Duration,
-    pub redis_timeout: Duration,
     pub max_payload_bytes: usize,
     pub processing_timeout: Duration,
     /// Zero: acknowledgements are off.
@@ -308,15 +320,18 @@ impl Settings {
     pub fn current() -> Settings {
         Settings {
             enabled: ENABLED.get(),
-            redis_url: text(&REDIS_URL),
-            redis_tls_ca_file: Some(text(&REDIS_TLS_CA_FILE)).filter(|f| !f.is_empty()).map(PathBuf::from),
+            broker: BrokerConfig {
+                url: text(&REDIS_URL),
+                timeout: millis(&REDIS_TIMEOUT_MS),
+                tls_ca_file: path(&REDIS_TLS_CA_FILE),
+                password_file: path(&REDIS_PASSWORD_FILE),
+            },
             batch_size: BATCH_SIZE.get().max(1) as usize,
             poll_interval: millis(&POLL_INTERVAL_MS),
             max_retries: MAX_RETRIES.get(),
             retry_backoff: millis(&RETRY_BACKOFF_MS),
             reconnect_delay_min: millis(&RECONNECT_DELAY_MIN_MS),
             reconnect_delay_max: millis(&RECONNECT_DELAY_MAX_MS),
-            redis_timeout: millis(&REDIS_TIMEOUT_MS),
             max_payload_bytes: MAX_PAYLOAD_BYTES.get().max(1) as usize,
             processing_timeout: seconds(&PROCESSING_TIMEOUT_S),
             ack_timeout: seconds(&ACK_TIMEOUT_S),

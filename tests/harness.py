@@ -48,10 +48,14 @@ def as_postgres(*args, **kwargs):
 
 
 class Redis:
-    def __init__(self, *extra_args):
+    """A redis-server on a free port; `password` sets `requirepass`, and the
+    test client uses it."""
+
+    def __init__(self, *extra_args, password=None):
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="outbox-redis-")
-        self.extra_args = list(extra_args)
+        self.password = password
+        self.extra_args = list(extra_args) + (["--requirepass", password] if password else [])
         self.proc = None
         self.start()
 
@@ -79,7 +83,7 @@ class Redis:
             self.proc = None
 
     def client(self):
-        return redis_lib.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
+        return redis_lib.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10)
 
     def close(self):
         self.stop()

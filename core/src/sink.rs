@@ -6,7 +6,7 @@
 //! answering SIGTERM, and a blocking read would not.
 
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use redis::{Client, Connection, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, TlsCertificates, Value};
@@ -67,6 +67,21 @@ impl fmt::Display for SinkError {
 
 impl std::error::Error for SinkError {}
 
+/// Where the broker is and how to reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerConfig {
+    /// `redis://` or `rediss://` (TLS).
+    pub url: String,
+    /// Timeout of every connect, read and write.
+    pub timeout: Duration,
+    /// PEM file of the certificate authorities trusted for `rediss://`;
+    /// `None`: the system's. The server's certificate is verified either way.
+    pub tls_ca_file: Option<PathBuf>,
+    /// File holding the password, which then stays out of the URL (and so
+    /// out of the server log, where PostgreSQL prints a changed setting).
+    pub password_file: Option<PathBuf>,
+}
+
 /// Messages bound for one Redis list: pushed with a single multi-value LPUSH,
 /// in order, so that a BRPOP consumer sees them first to last.
 #[derive(Debug, Default)]
@@ -83,24 +98,23 @@ pub struct Sink {
 }
 
 impl Sink {
-    /// Parses the URL; connects lazily. For `rediss://` URLs, `ca_file`
-    /// (PEM) replaces the system's trusted certificates; the server's
-    /// certificate is verified either way.
-    pub fn new(url: &str, timeout: Duration, ca_file: Option<&Path>) -> Result<Sink, SinkError> {
-        let display_url = redact_url(url);
-        let invalid = |e: &dyn fmt::Display| {
-            SinkError::InvalidConfig(format!("invalid outbox.redis_url {display_url}: {e}"))
-        };
-        let info: ConnectionInfo = url.into_connection_info().map_err(|e| invalid(&e))?;
+    /// Parses the URL and reads the files the configuration names;
+    /// connects lazily.
+    pub fn new(config: &BrokerConfig) -> Result<Sink, SinkError> {
+        let display_url = redact_url(&config.url);
+        let mut info: ConnectionInfo =
+            config.url.as_str().into_connection_info().map_err(|e| {
+                SinkError::InvalidConfig(format!("invalid outbox.redis_url {display_url}: {e}"))
+            })?;
+        if let Some(path) = &config.password_file {
+            let text = read_setting_file("outbox.redis_password_file", path)?;
+            info.redis.password =
+                Some(String::from_utf8_lossy(&text).trim_end_matches(['\r', '\n']).to_string());
+        }
         let tls = matches!(info.addr, ConnectionAddr::TcpTls { .. });
-        let client = match ca_file.filter(|_| tls) {
+        let client = match config.tls_ca_file.as_ref().filter(|_| tls) {
             Some(path) => {
-                let pem = std::fs::read(path).map_err(|e| {
-                    SinkError::InvalidConfig(format!(
-                        "cannot read outbox.redis_tls_ca_file {}: {e}",
-                        path.display()
-                    ))
-                })?;
+                let pem = read_setting_file("outbox.redis_tls_ca_file", path)?;
                 let certificates = TlsCertificates { client_tls: None, root_cert: Some(pem) };
                 Client::build_with_tls(info, certificates).map_err(|e| {
                     SinkError::InvalidConfig(format!(
@@ -109,9 +123,9 @@ impl Sink {
                     ))
                 })?
             }
-            None => Client::open(info).map_err(|e| invalid(&e))?,
+            None => Client::open(info).map_err(|e| SinkError::InvalidConfig(e.to_string()))?,
         };
-        Ok(Sink { client, connection: None, timeout, display_url })
+        Ok(Sink { client, connection: None, timeout: config.timeout, display_url })
     }
 
     /// The broker's address with any credentials masked.
@@ -191,6 +205,11 @@ impl Sink {
     }
 }
 
+fn read_setting_file(setting: &str, path: &Path) -> Result<Vec<u8>, SinkError> {
+    std::fs::read(path)
+        .map_err(|e| SinkError::InvalidConfig(format!("cannot read {setting} {}: {e}", path.display())))
+}
+
 /// `redis://user:secret@host:6379/0` → `redis://***@host:6379/0`: logs,
 /// views and errors may show where the broker is, never a credential.
 pub fn redact_url(url: &str) -> String {
@@ -218,30 +237,44 @@ mod tests {
         assert_eq!(redact_url("garbage"), "(unparsable URL)");
     }
 
+    fn config(url: &str) -> BrokerConfig {
+        BrokerConfig {
+            url: url.into(),
+            timeout: Duration::from_secs(1),
+            tls_ca_file: None,
+            password_file: None,
+        }
+    }
+
     #[test]
     fn a_malformed_url_is_refused_without_echoing_secrets() {
-        let err = Sink::new("redis://user:secret@host:notaport/0", Duration::from_secs(1), None)
-            .err()
-            .expect("refused");
+        let err = Sink::new(&config("redis://user:secret@host:notaport/0")).err().expect("refused");
         assert_eq!(err.reason(), "invalid_config");
         assert!(!err.to_string().contains("secret"), "{err}");
     }
 
     #[test]
     fn an_unreadable_ca_file_is_refused_by_name() {
-        let missing = Path::new("/nonexistent/ca.pem");
-        let err =
-            Sink::new("rediss://h:6379/0", Duration::from_secs(1), Some(missing)).err().expect("refused");
+        let missing = PathBuf::from("/nonexistent/ca.pem");
+        let tls = BrokerConfig { tls_ca_file: Some(missing.clone()), ..config("rediss://h:6379/0") };
+        let err = Sink::new(&tls).err().expect("refused");
         assert_eq!(err.reason(), "invalid_config");
         assert!(err.to_string().contains("outbox.redis_tls_ca_file /nonexistent/ca.pem"), "{err}");
         // Plain redis:// ignores the CA file.
-        assert!(Sink::new("redis://h:6379/0", Duration::from_secs(1), Some(missing)).is_ok());
+        assert!(Sink::new(&BrokerConfig { tls_ca_file: Some(missing), ..config("redis://h:6379/0") }).is_ok());
+    }
+
+    #[test]
+    fn an_unreadable_password_file_is_refused_by_name() {
+        let broker = BrokerConfig { password_file: Some("/nonexistent/pw".into()), ..config("redis://h/0") };
+        let err = Sink::new(&broker).err().expect("refused");
+        assert!(err.to_string().contains("cannot read outbox.redis_password_file /nonexistent/pw"), "{err}");
     }
 
     #[test]
     fn an_unreachable_broker_is_a_connect_error() {
         // Port 1 on loopback: nothing listens there, the refusal is immediate.
-        let mut sink = Sink::new("redis://127.0.0.1:1/0", Duration::from_secs(1), None).unwrap();
+        let mut sink = Sink::new(&config("redis://127.0.0.1:1/0")).unwrap();
         let err = sink.connect().unwrap_err();
         assert!(matches!(err, SinkError::Connect(_)), "{err:?}");
         assert!(!sink.is_connected());

@@ -98,7 +98,7 @@ impl Dispatcher {
         Dispatcher {
             index,
             slot,
-            sink: sink_for(&settings),
+            sink: Sink::new(&settings.broker),
             settings,
             store: Store::new(index),
             origin: format!("outbox_dispatch@{}", hostname()),
@@ -129,21 +129,23 @@ impl Dispatcher {
     fn log_start(&self) {
         let s = &self.settings;
         log!(
-            "outbox_dispatcher_starting worker={} database={} redis_url={} redis_tls_ca_file={:?} \
+            "outbox_dispatcher_starting worker={} database={} redis_url={} redis_password_file={:?} \
+             redis_tls_ca_file={:?} \
              enabled={} batch_size={} \
              poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
              reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
              ack_timeout={:?} sweep_interval={:?} retention={:?} lifecycle_interval={:?}",
             self.index,
             config::database(),
-            redact_url(&s.redis_url),
-            s.redis_tls_ca_file,
+            redact_url(&s.broker.url),
+            s.broker.password_file,
+            s.broker.tls_ca_file,
             s.enabled,
             s.batch_size,
             s.poll_interval,
             s.max_retries,
             s.retry_backoff,
-            s.redis_timeout,
+            s.broker.timeout,
             s.reconnect_delay_min,
             s.reconnect_delay_max,
             s.heartbeat_interval,
@@ -159,9 +161,8 @@ impl Dispatcher {
         if settings == self.settings {
             return;
         }
-        let broker = |s: &Settings| (s.redis_url.clone(), s.redis_timeout, s.redis_tls_ca_file.clone());
-        if broker(&settings) != broker(&self.settings) {
-            self.sink = sink_for(&settings);
+        if settings.broker != self.settings.broker {
+            self.sink = Sink::new(&settings.broker);
             self.slot.set_connected(false);
             self.reconnect_attempt = 0;
             self.next_connect = None;
@@ -293,7 +294,8 @@ impl Dispatcher {
         match result {
             Ok(()) => {
                 if self.reconnect_attempt > 0 {
-                    log!("outbox dispatcher {} reconnected to Redis", self.index);
+                    let url = self.sink.as_ref().map_or("", Sink::display_url);
+                    log!("outbox dispatcher {} reconnected to Redis at {url}", self.index);
                 }
                 self.reconnect_attempt = 0;
                 self.next_connect = None;
@@ -394,11 +396,6 @@ impl Dispatcher {
             }
         }
     }
-}
-
-/// A sink for the broker the settings name (not connected yet).
-fn sink_for(settings: &Settings) -> Result<Sink, SinkError> {
-    Sink::new(&settings.redis_url, settings.redis_timeout, settings.redis_tls_ca_file.as_deref())
 }
 
 /// An SPI failure is not something the loop can repair: report it as an
