@@ -49,13 +49,6 @@ const HOUR_MS: i32 = 3_600_000;
 /// define them once the server runs, so `_PG_init` calls this only while
 /// preloading.
 pub fn register_postmaster() {
-    string(
-        c"outbox.database",
-        c"Database the dispatchers connect to.",
-        &DATABASE,
-        GucContext::Postmaster,
-        GucFlags::default(),
-    );
     GucRegistry::define_int_guc(
         c"outbox.workers",
         c"Number of dispatcher background workers.",
@@ -71,6 +64,13 @@ pub fn register_postmaster() {
 /// Defines the other settings; called from `_PG_init` in every process that
 /// loads the library, so that `SET`, `SHOW` and the trigger see them.
 pub fn register() {
+    string(
+        c"outbox.database",
+        c"Database the dispatchers connect to; a change restarts them.",
+        &DATABASE,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
     let ms = GucFlags::UNIT_MS;
     GucRegistry::define_bool_guc(
         c"outbox.enabled",

@@ -48,24 +48,32 @@ def as_postgres(*args, **kwargs):
 
 
 class Redis:
-    """A redis-server on a free port; `password` sets `requirepass`, and the
-    test client uses it."""
+    """A redis-server on a free port. `password` sets `requirepass`; `tls`, a
+    directory with server.pem, server.key and ca.pem, makes the port TLS-only.
+    The test client follows both."""
 
-    def __init__(self, *extra_args, password=None):
+    def __init__(self, *extra_args, password=None, tls=None):
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="outbox-redis-")
         self.password = password
+        self.tls = tls
         self.extra_args = list(extra_args) + (["--requirepass", password] if password else [])
         self.proc = None
         self.start()
 
     @property
     def url(self):
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self):
+        if self.tls:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
+                     "--tls-cert-file", str(self.tls / "server.pem"), "--tls-key-file", str(self.tls / "server.key"),
+                     "--tls-ca-cert-file", str(self.tls / "ca.pem")]
+        else:
+            ports = ["--port", str(self.port)]
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+            ["redis-server", *ports, "--bind", "127.0.0.1",
              "--save", "", "--appendonly", "no", "--dir", self.dir, *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until(self._answers, timeout=20, message="redis-server to answer")
@@ -83,7 +91,8 @@ class Redis:
             self.proc = None
 
     def client(self):
-        return redis_lib.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10)
+        tls = {"ssl": True, "ssl_ca_certs": str(self.tls / "ca.pem")} if self.tls else {}
+        return redis_lib.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10, **tls)
 
     def close(self):
         self.stop()
@@ -150,8 +159,8 @@ class Cluster:
     def restart(self):
         self.pg_ctl("restart", "-m", "fast")
 
-    def connect(self, autocommit=True, dbname="postgres", **kwargs):
-        return psycopg.connect(host=str(self.dir), port=self.port, user="postgres",
+    def connect(self, autocommit=True, dbname="postgres", user="postgres", **kwargs):
+        return psycopg.connect(host=str(self.dir), port=self.port, user=user,
                                dbname=dbname, autocommit=autocommit, **kwargs)
 
     def sql(self, query, params=None):

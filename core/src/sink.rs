@@ -91,28 +91,35 @@ pub struct KeyBatch {
 }
 
 pub struct Sink {
-    client: Client,
+    config: BrokerConfig,
+    /// The parsed URL, before the files add to it.
+    info: ConnectionInfo,
     connection: Option<Connection>,
-    timeout: Duration,
     display_url: String,
 }
 
 impl Sink {
-    /// Parses the URL and reads the files the configuration names;
-    /// connects lazily.
+    /// Parses the URL; connects lazily.
     pub fn new(config: &BrokerConfig) -> Result<Sink, SinkError> {
         let display_url = redact_url(&config.url);
-        let mut info: ConnectionInfo =
+        let info =
             config.url.as_str().into_connection_info().map_err(|e| {
                 SinkError::InvalidConfig(format!("invalid outbox.redis_url {display_url}: {e}"))
             })?;
-        if let Some(path) = &config.password_file {
+        Ok(Sink { config: config.clone(), info, connection: None, display_url })
+    }
+
+    /// A client for the next connection. The files are read each time, so
+    /// that a rotated password or CA file takes effect at the next connect.
+    fn client(&self) -> Result<Client, SinkError> {
+        let mut info = self.info.clone();
+        if let Some(path) = &self.config.password_file {
             let text = read_setting_file("outbox.redis_password_file", path)?;
             info.redis.password =
                 Some(String::from_utf8_lossy(&text).trim_end_matches(['\r', '\n']).to_string());
         }
         let tls = matches!(info.addr, ConnectionAddr::TcpTls { .. });
-        let client = match config.tls_ca_file.as_ref().filter(|_| tls) {
+        match self.config.tls_ca_file.as_ref().filter(|_| tls) {
             Some(path) => {
                 let pem = read_setting_file("outbox.redis_tls_ca_file", path)?;
                 let certificates = TlsCertificates { client_tls: None, root_cert: Some(pem) };
@@ -121,11 +128,10 @@ impl Sink {
                         "unusable outbox.redis_tls_ca_file {}: {e}",
                         path.display()
                     ))
-                })?
+                })
             }
-            None => Client::open(info).map_err(|e| SinkError::InvalidConfig(e.to_string()))?,
-        };
-        Ok(Sink { client, connection: None, timeout: config.timeout, display_url })
+            None => Client::open(info).map_err(|e| SinkError::InvalidConfig(e.to_string())),
+        }
     }
 
     /// The broker's address with any credentials masked.
@@ -144,12 +150,13 @@ impl Sink {
     /// Connects if not connected, and proves the connection with a PING.
     pub fn connect(&mut self) -> Result<(), SinkError> {
         if self.connection.is_none() {
+            let timeout = self.config.timeout;
             let connection = self
-                .client
-                .get_connection_with_timeout(self.timeout)
+                .client()?
+                .get_connection_with_timeout(timeout)
                 .map_err(|e| SinkError::from_redis(&e, false))?;
             for set in [Connection::set_read_timeout, Connection::set_write_timeout] {
-                set(&connection, Some(self.timeout)).map_err(|e| SinkError::Connect(e.to_string()))?;
+                set(&connection, Some(timeout)).map_err(|e| SinkError::Connect(e.to_string()))?;
             }
             self.connection = Some(connection);
         }
@@ -257,17 +264,18 @@ mod tests {
     fn an_unreadable_ca_file_is_refused_by_name() {
         let missing = PathBuf::from("/nonexistent/ca.pem");
         let tls = BrokerConfig { tls_ca_file: Some(missing.clone()), ..config("rediss://h:6379/0") };
-        let err = Sink::new(&tls).err().expect("refused");
+        let err = Sink::new(&tls).unwrap().connect().unwrap_err();
         assert_eq!(err.reason(), "invalid_config");
         assert!(err.to_string().contains("outbox.redis_tls_ca_file /nonexistent/ca.pem"), "{err}");
-        // Plain redis:// ignores the CA file.
-        assert!(Sink::new(&BrokerConfig { tls_ca_file: Some(missing), ..config("redis://h:6379/0") }).is_ok());
+        // Plain redis:// ignores the CA file: the refusal comes from port 1.
+        let plain = BrokerConfig { tls_ca_file: Some(missing), ..config("redis://127.0.0.1:1/0") };
+        assert_eq!(Sink::new(&plain).unwrap().connect().unwrap_err().reason(), "connect_failed");
     }
 
     #[test]
     fn an_unreadable_password_file_is_refused_by_name() {
         let broker = BrokerConfig { password_file: Some("/nonexistent/pw".into()), ..config("redis://h/0") };
-        let err = Sink::new(&broker).err().expect("refused");
+        let err = Sink::new(&broker).unwrap().connect().unwrap_err();
         assert!(err.to_string().contains("cannot read outbox.redis_password_file /nonexistent/pw"), "{err}");
     }
 

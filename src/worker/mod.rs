@@ -63,6 +63,10 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     dispatcher.log_start();
     while !shutdown_requested() {
         if reload_requested() {
+            if config::database() != database {
+                log!("outbox dispatcher {index}: outbox.database changed; restarting to connect to it");
+                unsafe { pg_sys::proc_exit(1) }
+            }
             dispatcher.reconfigure(Settings::current());
         }
         let nap = dispatcher.step();
@@ -88,6 +92,8 @@ struct Dispatcher {
     next_connect: Option<Instant>,
     /// Claims left by an earlier life of this dispatcher were released.
     released_own: bool,
+    /// The extension was found missing (and that was logged).
+    extension_missing: bool,
     next_sweep: Instant,
     next_lifecycle: Instant,
     next_heartbeat: Instant,
@@ -105,6 +111,7 @@ impl Dispatcher {
             reconnect_attempt: 0,
             next_connect: None,
             released_own: false,
+            extension_missing: false,
             next_sweep: Instant::now(),
             next_lifecycle: Instant::now(),
             next_heartbeat: Instant::now(),
@@ -186,8 +193,7 @@ impl Dispatcher {
         self.sweep_if_due();
         if !self.connected() {
             if !self.store.extension_exists().unwrap_or_else(|e| report_store_error(e)) {
-                self.slot.set_state(State::WaitingForExtension);
-                return poll;
+                return self.wait_for_extension();
             }
             if let Some(wait) = self.connect() {
                 return wait;
@@ -277,6 +283,22 @@ impl Dispatcher {
         }
     }
 
+    /// Notes (and logs, once) that the extension is not created; returns
+    /// the sleep. `CREATE EXTENSION` wakes the dispatchers when it commits.
+    fn wait_for_extension(&mut self) -> Duration {
+        if !self.extension_missing {
+            self.extension_missing = true;
+            log!(
+                "outbox dispatcher {}: extension outbox_dispatch is not created in database \"{}\"; \
+                 waiting for CREATE EXTENSION",
+                self.index,
+                config::database()
+            );
+        }
+        self.slot.set_state(State::WaitingForExtension);
+        self.settings.poll_interval
+    }
+
     fn connected(&self) -> bool {
         self.sink.as_ref().is_ok_and(Sink::is_connected)
     }
@@ -352,12 +374,10 @@ impl Dispatcher {
         loop {
             let claim = self.store.claim(self.settings.batch_size).unwrap_or_else(|e| report_store_error(e));
             let (events, next_due) = match claim {
-                Claim::NoExtension => {
-                    self.slot.set_state(State::WaitingForExtension);
-                    return poll;
-                }
+                Claim::NoExtension => return self.wait_for_extension(),
                 Claim::Claimed { events, next_due } => (events, next_due),
             };
+            self.extension_missing = false;
             if events.is_empty() {
                 self.slot.set_state(State::Idle);
                 return next_due.map_or(nap, |due| due.min(nap));

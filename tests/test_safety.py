@@ -1,0 +1,343 @@
+"""Safety and operations: privileges, secrets, Redis AUTH and TLS, bad
+settings that must not crash-loop the server, DROP/CREATE EXTENSION and the
+upgrade from the previous version."""
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from harness import Cluster, Redis, queued_ids, wait_until
+
+ENQUEUE = "outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer)"
+
+
+def public_file(directory, name, text):
+    """A file the postgres user can read (the dispatchers run as it)."""
+    path = Path(directory) / name
+    path.write_text(text)
+    path.chmod(0o644)
+    return path
+
+
+@pytest.fixture
+def secrets_dir():
+    directory = tempfile.mkdtemp(prefix="outbox-secrets-")
+    os.chmod(directory, 0o755)
+    yield Path(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+# -- privileges ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def roles(cluster):
+    """The roles of the README's "Privileges" section."""
+    cluster.sql("""
+        DO $$ BEGIN
+            CREATE ROLE outbox_app LOGIN;
+            CREATE ROLE outbox_consumer LOGIN;
+            CREATE ROLE outbox_watcher LOGIN IN ROLE pg_monitor;
+            CREATE ROLE outbox_nobody LOGIN;
+        EXCEPTION WHEN duplicate_object THEN NULL;
+        END $$""")
+    cluster.sql(f"""
+        GRANT USAGE ON SCHEMA outbox TO outbox_app;
+        GRANT INSERT ON outbox.events TO outbox_app;
+        GRANT EXECUTE ON FUNCTION {ENQUEUE} TO outbox_app;
+        GRANT EXECUTE ON FUNCTION outbox_ack(uuid) TO outbox_consumer""")
+    return cluster
+
+
+def as_role(pg, role):
+    return pg.connect(user=role)
+
+
+def denied(pg, role, query, params=None):
+    with as_role(pg, role) as conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(query, params)
+
+
+def test_an_application_role_can_enqueue_and_nothing_more(outbox, roles, redis_server):
+    with as_role(outbox, "outbox_app") as conn:
+        event_id = conn.execute("SELECT outbox_enqueue('granted', '{}', queue => 'q_priv')").fetchone()[0]
+        conn.execute("INSERT INTO outbox.events (event_type, queue) VALUES ('orm', 'q_priv')")
+    wait_until(lambda: len(queued_ids(redis_server.client(), "q_priv")) == 2, message="both events")
+    assert str(event_id) in queued_ids(redis_server.client(), "q_priv")
+    for query in ["SELECT * FROM outbox.events", "UPDATE outbox.events SET status = 'failed'",
+                  "DELETE FROM outbox.events", "TABLE outbox.status", "TABLE outbox.dead_letters",
+                  "SELECT outbox_retry_failed()", "SELECT outbox_wake()",
+                  "SELECT outbox_ack(gen_random_uuid())", "SHOW outbox.redis_url",
+                  "SHOW outbox.redis_password_file"]:
+        denied(outbox, "outbox_app", query)
+
+
+def test_a_consumer_role_can_acknowledge_and_nothing_more(outbox, roles):
+    event_id = outbox.value("SELECT outbox_enqueue('ack', '{}', queue => 'q_consumer')")
+    wait_until(lambda: outbox.count("dispatched") == 1, message="dispatched")
+    with as_role(outbox, "outbox_consumer") as conn:
+        assert conn.execute("SELECT outbox_ack(%s)", (event_id,)).fetchone()[0] is True
+    assert outbox.count("processed") == 1
+    for query in ["SELECT * FROM outbox.events", "SELECT outbox_enqueue('e', '{}')",
+                  "UPDATE outbox.events SET status = 'pending'"]:
+        denied(outbox, "outbox_consumer", query)
+
+
+def test_pg_monitor_members_read_the_views_but_no_payloads(outbox, roles):
+    with as_role(outbox, "outbox_watcher") as conn:
+        assert len(conn.execute("TABLE outbox.status").fetchall()) == 5
+        assert conn.execute("SELECT count(*) FROM outbox.workers").fetchone()[0] == 1
+        assert conn.execute("SELECT count(*) FROM outbox.metrics").fetchone()[0] > 0
+        assert "outbox_dispatched_total" in conn.execute("SELECT outbox_metrics_prometheus()").fetchone()[0]
+    for query in ["SELECT payload FROM outbox.events", "TABLE outbox.dead_letters",
+                  "SELECT outbox_enqueue('e', '{}')", "SELECT outbox_retry_failed()"]:
+        denied(outbox, "outbox_watcher", query)
+
+
+def test_an_ungranted_role_can_do_nothing(outbox, roles):
+    for query in ["SELECT outbox_enqueue('e', '{}')", "INSERT INTO outbox.events (event_type) VALUES ('e')",
+                  "TABLE outbox.status", "TABLE outbox.workers", "SELECT outbox_wake()",
+                  "SELECT outbox_metrics_prometheus()", "SHOW outbox.redis_url"]:
+        denied(outbox, "outbox_nobody", query)
+
+
+def test_row_level_security_does_not_hide_events_from_the_dispatchers(outbox, roles, redis_server):
+    outbox.sql("""
+        ALTER TABLE outbox.events ENABLE ROW LEVEL SECURITY;
+        ALTER TABLE outbox.events FORCE ROW LEVEL SECURITY;
+        CREATE POLICY tenant_insert ON outbox.events FOR INSERT TO outbox_app
+            WITH CHECK (headers->>'tenant' = current_setting('app.tenant'))""")
+    try:
+        with as_role(outbox, "outbox_app") as conn:
+            conn.execute("SET app.tenant = 't1'")
+            conn.execute("SELECT outbox_enqueue('tenant', '{}', queue => 'q_rls', headers => '{\"tenant\": \"t1\"}')")
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
+                conn.execute("SELECT outbox_enqueue('tenant', '{}', queue => 'q_rls', headers => '{\"tenant\": \"t2\"}')")
+        wait_until(lambda: len(queued_ids(redis_server.client(), "q_rls")) == 1, message="the tenant's event")
+        wait_until(lambda: outbox.count("dispatched") == 1, message="the tenant's event marked")
+    finally:
+        outbox.sql("""
+            DROP POLICY tenant_insert ON outbox.events;
+            ALTER TABLE outbox.events NO FORCE ROW LEVEL SECURITY;
+            ALTER TABLE outbox.events DISABLE ROW LEVEL SECURITY""")
+
+
+# -- secrets, AUTH and TLS ----------------------------------------------------
+
+def assert_secret_hidden(pg, secret):
+    assert secret not in str(pg.sql("SELECT * FROM outbox.workers"))
+    assert secret not in str(pg.sql("SELECT * FROM outbox.metrics"))
+    assert secret not in pg.value("SELECT outbox_metrics_prometheus()")
+    assert secret not in pg.log_text()
+
+
+def test_a_wrong_password_is_reported_without_leaking_and_recovers(outbox, secrets_dir):
+    server = Redis(password="right-horse-battery")
+    try:
+        password_file = public_file(secrets_dir, "redis-password", "wrong-staple-42\n")
+        outbox.configure(redis_url=f"redis://127.0.0.1:{server.port}/0", redis_password_file=str(password_file),
+                         reconnect_delay_min="200ms", reconnect_delay_max="500ms")
+        wait_until(lambda: "auth" in (outbox.value("SELECT last_error FROM outbox.workers") or "").lower(),
+                   message="the authentication failure")
+        assert outbox.value("SELECT state FROM outbox.workers") == "reconnecting"
+        assert_secret_hidden(outbox, "wrong-staple-42")
+
+        password_file.write_text("right-horse-battery\n")  # rotated: read at the next attempt
+        event_id = outbox.value("SELECT outbox_enqueue('auth', '{}', queue => 'q_auth')")
+        wait_until(lambda: queued_ids(server.client(), "q_auth") == [str(event_id)], message="delivery with AUTH")
+        assert outbox.value("SELECT last_error FROM outbox.workers") is None
+        assert_secret_hidden(outbox, "right-horse-battery")
+    finally:
+        server.close()
+
+
+def test_an_acl_user_from_the_url_with_its_password_from_a_file(outbox, secrets_dir):
+    server = Redis(password="admin-secret")
+    try:
+        server.client().acl_setuser("outbox", enabled=True, passwords=["+acl-secret"], keys=["*"],
+                                    commands=["+@all"])
+        password_file = public_file(secrets_dir, "acl-password", "acl-secret\n")
+        outbox.configure(redis_url=f"redis://outbox@127.0.0.1:{server.port}/0",
+                         redis_password_file=str(password_file))
+        event_id = outbox.value("SELECT outbox_enqueue('acl', '{}', queue => 'q_acl')")
+        wait_until(lambda: queued_ids(server.client(), "q_acl") == [str(event_id)], message="delivery as ACL user")
+        assert_secret_hidden(outbox, "acl-secret")
+    finally:
+        server.close()
+
+
+def test_redis_settings_are_hidden_from_ordinary_roles(outbox, roles):
+    for setting in ("outbox.redis_url", "outbox.redis_password_file"):
+        denied(outbox, "outbox_nobody", f"SHOW {setting}")
+        denied(outbox, "outbox_nobody", "SELECT current_setting(%s)", (setting,))
+        with as_role(outbox, "outbox_nobody") as conn:
+            hidden = conn.execute("SELECT count(*) FROM pg_settings WHERE name = %s", (setting,)).fetchone()[0]
+        assert hidden == 0
+
+
+def openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def tls_files():
+    """A CA, a server certificate it signed for 127.0.0.1, and a second CA
+    that signed nothing."""
+    directory = Path(tempfile.mkdtemp(prefix="outbox-tls-"))
+    os.chmod(directory, 0o755)
+    for ca in ("ca", "other-ca"):
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN=outbox test {ca}",
+                "-keyout", f"{ca}.key", "-out", f"{ca}.pem", cwd=directory)
+    (directory / "san.ext").write_text("subjectAltName = IP:127.0.0.1, DNS:localhost\n")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", "server.key", "-out", "server.csr", cwd=directory)
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", "san.ext", "-out", "server.pem", cwd=directory)
+    for f in directory.iterdir():
+        f.chmod(0o644)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def tls_redis(tls_files):
+    server = Redis(tls=tls_files)
+    yield server
+    server.close()
+
+
+def test_tls_with_a_trusted_ca_delivers_and_an_untrusted_one_is_refused(outbox, tls_files, tls_redis):
+    url = tls_redis.url
+    outbox.configure(redis_url=url, redis_tls_ca_file=str(tls_files / "other-ca.pem"),
+                     reconnect_delay_min="200ms", reconnect_delay_max="500ms")
+    wait_until(lambda: "certificate" in (outbox.value("SELECT last_error FROM outbox.workers") or "").lower(),
+               message="the untrusted certificate refused")
+    assert outbox.value("SELECT connected FROM outbox.workers") is False
+
+    outbox.configure(redis_url=url, redis_tls_ca_file=str(tls_files / "ca.pem"))
+    event_id = outbox.value("SELECT outbox_enqueue('tls', '{}', queue => 'q_tls')")
+    wait_until(lambda: queued_ids(tls_redis.client(), "q_tls") == [str(event_id)], message="delivery over TLS")
+
+
+# -- bad settings ---------------------------------------------------------------
+
+def reconnect_lines(pg):
+    return len(re.findall(r"outbox dispatcher 0: .*; reconnecting in", pg.log_text()))
+
+
+@pytest.mark.parametrize("url,error", [
+    ("redis://user:pw-in-bad-url@127.0.0.1:notaport/0", "invalid outbox.redis_url"),
+    ("redis://127.0.0.1:1/0", "cannot connect to Redis"),
+], ids=["malformed", "unreachable"])
+def test_a_bad_broker_setting_is_reported_at_a_bounded_rate_and_recovers(outbox, redis_server, url, error):
+    outbox.configure(redis_url=url, reconnect_delay_min="1s", reconnect_delay_max="2s")
+    wait_until(lambda: error in (outbox.value("SELECT last_error FROM outbox.workers") or ""),
+               message="the error in outbox.workers")
+    assert "pw-in-bad-url" not in outbox.value("SELECT last_error FROM outbox.workers")
+    before, start = reconnect_lines(outbox), time.monotonic()
+    time.sleep(4)
+    attempts = reconnect_lines(outbox) - before
+    assert 1 <= attempts <= (time.monotonic() - start) / 1.0 + 1, f"{attempts} attempts: a tight loop"
+    outbox.configure(redis_url=redis_server.url)
+    event_id = outbox.value("SELECT outbox_enqueue('fixed', '{}', queue => 'q_fixed')")
+    wait_until(lambda: queued_ids(redis_server.client(), "q_fixed") == [str(event_id)], message="delivery after the fix")
+
+
+def test_an_out_of_range_setting_is_refused_and_the_server_stays_up(outbox, redis_server):
+    with pytest.raises(psycopg.errors.InvalidParameterValue,
+                       match=r'0 is outside the valid range for parameter "outbox.batch_size" \(1 \.\. 100000\)'):
+        outbox.sql("ALTER SYSTEM SET outbox.batch_size = 0")
+    with open(outbox.data / "postgresql.conf", "a") as conf:
+        conf.write("outbox.poll_interval = -5\n")
+    try:
+        outbox.sql("SELECT pg_reload_conf()")
+        wait_until(lambda: 'parameter "outbox.poll_interval"' in outbox.log_text(), message="the refusal logged")
+        event_id = outbox.value("SELECT outbox_enqueue('still', '{}', queue => 'q_range')")
+        wait_until(lambda: queued_ids(redis_server.client(), "q_range") == [str(event_id)], message="delivery")
+    finally:
+        text = (outbox.data / "postgresql.conf").read_text().replace("outbox.poll_interval = -5\n", "")
+        (outbox.data / "postgresql.conf").write_text(text)
+        outbox.sql("SELECT pg_reload_conf()")
+
+
+def test_a_missing_database_restarts_at_a_bounded_rate_and_recovers(redis_server):
+    pg = Cluster(redis_server.url, database="no_such_db")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        wait_until(lambda: 'cannot connect to database "no_such_db"' in
+                   (pg.value("SELECT last_error FROM outbox.workers") or ""), message="the reason shown")
+        time.sleep(6)
+        attempts = pg.log_text().count('database "no_such_db" does not exist')
+        assert 1 <= attempts <= 4, f"{attempts} attempts in a few seconds"
+        pg.configure(database="postgres")
+        event_id = pg.value("SELECT outbox_enqueue('found', '{}', queue => 'q_db')")
+        wait_until(lambda: queued_ids(redis_server.client(), "q_db") == [str(event_id)], timeout=60,
+                   message="delivery once outbox.database names a database")
+        assert pg.value("SELECT last_error FROM outbox.workers") is None
+    finally:
+        pg.close()
+
+
+# -- extension lifecycle ----------------------------------------------------------
+
+def test_drop_and_create_extension_while_dispatchers_run(redis_server):
+    pg = Cluster(redis_server.url, poll_interval="500ms")
+    waiting = "is not created in database"
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.wait_idle()
+        for round_trip in range(2):
+            pg.sql("DROP EXTENSION outbox_dispatch")
+            wait_until(lambda: pg.log_text().count(waiting) > round_trip, message="the dispatcher noticing")
+            pg.sql("CREATE EXTENSION outbox_dispatch")
+            event_id = pg.value("SELECT outbox_enqueue('again', '{}', queue => 'q_recreated')")
+            wait_until(lambda: str(event_id) in queued_ids(redis_server.client(), "q_recreated"),
+                       message="delivery after CREATE EXTENSION")
+        assert " ERROR: " not in pg.log_text(), "a dispatcher failed around DROP/CREATE"
+        assert len(pg.dispatcher_pids()) == 1
+    finally:
+        pg.close()
+
+
+CATALOG_STATE = """
+SELECT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')',
+       p.prosecdef, p.proconfig, p.proacl::text, md5(p.prosrc)
+  FROM pg_proc p JOIN pg_depend d ON d.objid = p.oid AND d.deptype = 'e'
+  JOIN pg_extension e ON e.oid = d.refobjid AND e.extname = 'outbox_dispatch'
+UNION ALL
+SELECT c.relname, NULL, c.reloptions, c.relacl::text, md5(coalesce(pg_get_viewdef(c.oid), ''))
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = 'outbox'
+ORDER BY 1
+"""
+
+
+def test_upgrade_from_the_previous_version_keeps_events_flowing(redis_server):
+    pg = Cluster(redis_server.url)
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch VERSION '0.1.0'")
+        first = pg.value("SELECT outbox_enqueue('old', '{}', queue => 'q_upgrade')")
+        wait_until(lambda: pg.count("dispatched") == 1, message="0.1.0 dispatching")
+        pg.configure(enabled="off")
+        second = pg.value("SELECT outbox_enqueue('pending', '{}', queue => 'q_upgrade')")
+        pg.sql("ALTER EXTENSION outbox_dispatch UPDATE")
+        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "0.2.0"
+        pg.configure(enabled="on")
+        third = pg.value("SELECT outbox_enqueue('new', '{}', queue => 'q_upgrade')")
+        wait_until(lambda: set(queued_ids(redis_server.client(), "q_upgrade")) == {str(first), str(second), str(third)},
+                   message="events from before and after the update")
+
+        # An updated installation is the same as a fresh one.
+        pg.sql("CREATE DATABASE fresh")
+        with pg.connect(dbname="fresh") as conn:
+            conn.execute("CREATE EXTENSION outbox_dispatch")
+            fresh = conn.execute(CATALOG_STATE).fetchall()
+        assert pg.sql(CATALOG_STATE) == fresh
+    finally:
+        pg.close()
