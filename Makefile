@@ -3,7 +3,7 @@ PG_CONFIG ?= /usr/lib/postgresql/15/bin/pg_config
 PYTHON    := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all deps build install install-dev test unit integration demo stop bench clean
+.PHONY: all deps build install install-dev test unit integration demo stop bench package clean
 
 all: build
 
@@ -34,6 +34,10 @@ integration: install-dev
 
 test: unit integration
 
+# An archive to install on a server without Rust (see the README).
+package: deps
+	PG_CONFIG=$(PG_CONFIG) ./scripts/package.sh
+
 demo: install
 	./scripts/demo.sh start
 
@@ -42,4 +46,4 @@ stop:
 
 clean:
 	cargo clean
-	rm -rf .venv .run
+	rm -rf .venv dist
