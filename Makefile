@@ -44,6 +44,13 @@ demo: install
 stop:
 	./scripts/demo.sh stop
 
+# Throughput, latency and enqueue cost against the raw ceilings (release
+# build; about 10 minutes; sizes: BENCH_* variables, see bench/run.py).
+bench: install
+	.venv/bin/pip install -q -r bench/requirements.txt
+	cargo build --release -p outbox_core --example push_ceiling
+	$(PYTHON) bench/run.py
+
 clean:
 	cargo clean
 	rm -rf .venv dist

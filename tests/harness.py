@@ -114,7 +114,9 @@ def queued_ids(client, key):
 class Cluster:
     """A PostgreSQL 15 cluster with outbox_dispatch preloaded."""
 
-    def __init__(self, redis_url, preload=True, **settings):
+    def __init__(self, redis_url, preload=True, server_conf=None, **settings):
+        """`settings` are outbox.* settings; `server_conf` overrides any other
+        line of postgresql.conf (the tests run with fsync off)."""
         self.dir = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
         os.chmod(self.dir, 0o755)
         shutil.chown(self.dir, "postgres", "postgres")
@@ -136,6 +138,7 @@ class Cluster:
         }
         if preload:
             conf["shared_preload_libraries"] = "'outbox_dispatch'"
+        conf.update(server_conf or {})
         conf.update({f"outbox.{k}": self._quote(v) for k, v in settings.items()})
         with open(self.data / "postgresql.conf", "a") as f:
             for k, v in conf.items():

@@ -1,0 +1,370 @@
+"""`make bench`: drain throughput against the raw ceilings, commit-to-Redis
+latency at a steady rate, enqueue cost, and dispatcher memory. Runs its own
+PostgreSQL 15 (fsync on, as in production) and Redis, with the release build
+installed by the Makefile, and writes bench/results/latest.md and
+bench/results/latest.png.
+
+Sizes come from the environment (defaults in brackets): BENCH_EVENTS
+[200000], BENCH_BATCHES [100,1000,5000], BENCH_WORKERS [1,2], BENCH_RATE
+[2000] events/s for BENCH_SECONDS [30], BENCH_PGBENCH_SECONDS [15],
+BENCH_PAYLOAD_BYTES [100]."""
+
+import json
+import multiprocessing
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from harness import PG_BIN, Cluster, Redis, wait_until  # noqa: E402
+
+EVENTS = int(os.environ.get("BENCH_EVENTS", 200_000))
+BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "100,1000,5000").split(",")]
+WORKERS = [int(w) for w in os.environ.get("BENCH_WORKERS", "1,2").split(",")]
+RATE = int(os.environ.get("BENCH_RATE", 2000))
+SECONDS = int(os.environ.get("BENCH_SECONDS", 30))
+PGBENCH_SECONDS = int(os.environ.get("BENCH_PGBENCH_SECONDS", 15))
+PAYLOAD_BYTES = int(os.environ.get("BENCH_PAYLOAD_BYTES", 100))
+RESULTS = ROOT / "bench" / "results"
+SERVER_CONF = {"fsync": "on", "shared_buffers": "'512MB'", "max_wal_size": "'4GB'", "checkpoint_timeout": "'15min'"}
+
+PAYLOAD = json.dumps({"n": 1, "pad": "x" * max(0, PAYLOAD_BYTES - 20)})
+LOAD = ("SELECT outbox_enqueue('bench', %s::jsonb, queue => 'bench') FROM generate_series(1, %s)")
+
+
+def log(*args):
+    print("bench:", *args, flush=True)
+
+
+def load(pg, n):
+    with pg.connect() as conn:
+        for start in range(0, n, 10_000):
+            conn.execute(LOAD, (PAYLOAD, min(10_000, n - start)))
+        conn.execute("VACUUM ANALYZE outbox.events")
+
+
+def memory_kb(pid):
+    """(RSS, private anonymous RSS) of a process, in kB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    kb = lambda key: int(fields.get(key, "0 kB").split()[0])  # noqa: E731
+    return kb("VmRSS"), kb("RssAnon")
+
+
+def drain(pg, redis, workers, batch):
+    """Events per second from enabling the dispatchers to the last push, and
+    the dispatchers' memory along the way."""
+    pg.configure(enabled="off", batch_size=batch)
+    pg.sql("TRUNCATE outbox.events")
+    redis.client().flushall()
+    load(pg, EVENTS)
+    pids = pg.dispatcher_pids()
+    assert len(pids) == workers, pids
+    before = pg.metric("outbox_dispatched_total")
+    samples = []
+    started = time.monotonic()
+    pg.configure(enabled="on", batch_size=batch)
+    while pg.metric("outbox_dispatched_total") - before < EVENTS:
+        done = pg.metric("outbox_dispatched_total") - before
+        samples.append((done, [memory_kb(p) for p in pids]))
+        time.sleep(0.1)
+    elapsed = time.monotonic() - started
+    wait_until(lambda: pg.count("dispatched") == EVENTS, timeout=120, message="every row marked")
+    assert redis.client().llen("bench") == EVENTS
+    samples.append((EVENTS, [memory_kb(p) for p in pids]))
+    return EVENTS / elapsed, samples
+
+
+def sql_ceiling(pg, batch):
+    """Claim and mark the same rows in the same batches, with no Redis: the
+    dispatcher's own statements in a server-side loop, a commit per batch."""
+    pg.configure(enabled="off")
+    pg.sql("TRUNCATE outbox.events")
+    load(pg, EVENTS)
+    claim = (ROOT / "sql/worker/claim.sql").read_text().replace("$1", str(batch)).replace("$2", "0")
+    mark = (ROOT / "sql/worker/mark_dispatched.sql").read_text().replace("$1", "claimed")
+    body = f"""
+        DO $$
+        DECLARE claimed uuid[];
+        BEGIN
+            SET LOCAL synchronous_commit = off;
+            LOOP
+                WITH c AS ({claim}) SELECT array_agg(id) INTO claimed FROM c;
+                EXIT WHEN claimed IS NULL;
+                {mark};
+                COMMIT;
+                SET LOCAL synchronous_commit = off;
+            END LOOP;
+        END $$"""
+    started = time.monotonic()
+    pg.sql(body)
+    elapsed = time.monotonic() - started
+    assert pg.count("dispatched") == EVENTS
+    return EVENTS / elapsed
+
+
+def redis_ceiling(redis, batch):
+    redis.client().flushall()
+    out = subprocess.run([str(ROOT / "target/release/examples/push_ceiling"), redis.url, str(EVENTS), str(batch),
+                          str(len(PAYLOAD))], check=True, capture_output=True, text=True)
+    return float(out.stdout.strip())
+
+
+def produce(host, port, rate, seconds, out):
+    """One producer process: `rate` one-event transactions per second; sends
+    {event id: time COMMIT returned} back."""
+    import psycopg
+    committed = {}
+    with psycopg.connect(host=host, port=port, user="postgres", dbname="postgres", autocommit=True) as conn:
+        start = time.time()
+        for i in range(rate * seconds):
+            due = start + i / rate
+            pause = due - time.time()
+            if pause > 0:
+                time.sleep(pause)
+            event_id = conn.execute("SELECT outbox_enqueue('bench', %s::jsonb, queue => 'bench_latency')",
+                                    (PAYLOAD,)).fetchone()[0]
+            committed[str(event_id)] = time.time()
+    out.put(("committed", committed))
+
+
+def consume(redis_port, total, out):
+    """The consumer process: pops each message as it arrives; sends
+    {task id: arrival time} back."""
+    import redis as redis_lib
+    client = redis_lib.Redis(host="127.0.0.1", port=redis_port)
+    arrived = {}
+    while len(arrived) < total:
+        popped = client.brpop(["bench_latency"], timeout=30)
+        if popped is None:
+            break
+        now = time.time()
+        arrived[json.loads(popped[1])["headers"]["id"]] = now
+    out.put(("arrived", arrived))
+
+
+def latency(pg, redis):
+    pg.configure(enabled="on", batch_size=100)
+    pg.sql("TRUNCATE outbox.events")
+    redis.client().flushall()
+    pg.wait_idle()
+    producers = 4
+    total = RATE // producers * producers * SECONDS
+    results = multiprocessing.Queue()
+    consumer = multiprocessing.Process(target=consume, args=(redis.port, total, results))
+    consumer.start()
+    procs = [multiprocessing.Process(target=produce, args=(str(pg.dir), pg.port, RATE // producers, SECONDS, results))
+             for _ in range(producers)]
+    for p in procs:
+        p.start()
+    times = {"committed": {}, "arrived": {}}
+    for _ in range(producers + 1):
+        kind, part = results.get(timeout=SECONDS + 120)
+        times[kind].update(part)
+    for p in procs + [consumer]:
+        p.join()
+    committed, arrived = times["committed"], times["arrived"]
+    lat = sorted(max(0.0, arrived[i] - committed[i]) * 1000 for i in committed if i in arrived)
+    pick = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]  # noqa: E731
+    return {"events": len(committed), "missing": len(committed) - len(lat), "p50": pick(0.50),
+            "p95": pick(0.95), "p99": pick(0.99), "max": lat[-1], "all": lat,
+            "achieved_rate": len(committed) / SECONDS}
+
+
+def pgbench(pg, script, name):
+    path = pg.dir / f"{name}.sql"
+    path.write_text(script)
+    out = subprocess.run(["runuser", "-u", "postgres", "--", str(PG_BIN / "pgbench"), "-n", "-c", "8", "-j", "2",
+                          "-T", str(PGBENCH_SECONDS), "-f", str(path), "-h", str(pg.dir), "-p", str(pg.port),
+                          "postgres"], check=True, capture_output=True, text=True)
+    return float(re.search(r"tps = ([\d.]+) \(without initial connection time\)", out.stdout).group(1))
+
+
+def enqueue_cost(pg):
+    pg.configure(enabled="off")
+    pg.sql("TRUNCATE outbox.events")
+    pg.sql("DROP TABLE IF EXISTS bench_plain")
+    pg.sql("CREATE TABLE bench_plain (LIKE outbox.events INCLUDING ALL)")
+    payload = PAYLOAD.replace("'", "''")
+    enqueue = f"SELECT outbox_enqueue('bench', '{payload}', queue => 'bench_enqueue');\n"
+    plain = f"INSERT INTO bench_plain (event_type, payload, queue) VALUES ('bench', '{payload}', 'bench_enqueue');\n"
+    orm = f"INSERT INTO outbox.events (event_type, payload, queue) VALUES ('bench', '{payload}', 'bench_enqueue');\n"
+    result = {"plain INSERT (no trigger)": pgbench(pg, plain, "plain")}
+    result["outbox_enqueue(), notify off"] = pgbench(pg, enqueue, "enqueue")
+    result["INSERT INTO outbox.events, notify off"] = pgbench(pg, orm, "orm")
+    pg.configure(enabled="off", notify="on")
+    result["outbox_enqueue(), notify on"] = pgbench(pg, enqueue, "enqueue_notify")
+    pg.configure(enabled="off", notify="off")
+    pg.sql("DROP TABLE bench_plain")
+    pg.sql("TRUNCATE outbox.events")
+    return result
+
+
+def machine():
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal"))) // 1024 // 1024
+    run = lambda *cmd: subprocess.run(cmd, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return (f"{os.cpu_count()} × {cpu}, {mem} GiB RAM, Linux {platform.release()}; "
+            f"{run(str(PG_BIN / 'postgres'), '--version')}; {run('redis-server', '--version').split(' sha')[0]}; "
+            f"{run('rustc', '--version')}")
+
+
+def memory_summary(samples):
+    """RSS at the start, peak and end of a drain (summed over dispatchers),
+    and private memory after a quarter and at the end of the events."""
+    rss = [sum(r for r, _ in mems) for _, mems in samples]
+    anon_at = lambda fraction: next(sum(a for _, a in mems) for done, mems in samples  # noqa: E731
+                                    if done >= fraction * EVENTS)
+    return {"rss_start": rss[0], "rss_peak": max(rss), "rss_end": rss[-1],
+            "anon_quarter": anon_at(0.25), "anon_end": anon_at(1.0)}
+
+
+def write_report(r):
+    smaller = {b: min(r["ceiling_sql"][b], r["ceiling_redis"][b]) for b in BATCHES}
+    best = max(r["drain"].items(), key=lambda kv: kv[1] / smaller[kv[0][1]])
+    (best_workers, best_batch), best_rate = best
+    lat, enq = r["latency"], r["enqueue"]
+    plain = enq["plain INSERT (no trigger)"]
+    flat = all(m["anon_end"] <= m["anon_quarter"] * 1.10 + 1024 for m in r["memory"].values())
+    lines = [
+        "# outbox_dispatch benchmark", "",
+        f"Machine: {r['machine']}.", "",
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {EVENTS} events of "
+        f"{len(PAYLOAD)}-byte payloads per drain; PostgreSQL with fsync on, shared_buffers 512MB; "
+        "release build. `make bench` writes this file; sizes are set by BENCH_* variables (bench/run.py).", "",
+        "## Targets", "",
+        "| target | result | met |", "|---|---|---|",
+        f"| drain ≥ 50% of the raw ceiling at the best batch size | {best_rate:,.0f} events/s = "
+        f"{best_rate / smaller[best_batch]:.0%} of {smaller[best_batch]:,.0f} "
+        f"({best_workers} dispatcher(s), batch {best_batch}) | {'yes' if best_rate >= 0.5 * smaller[best_batch] else 'no'} |",
+        f"| p99 commit → Redis ≤ 10 ms at {RATE} events/s | p99 {lat['p99']:.1f} ms "
+        f"(achieved {lat['achieved_rate']:,.0f} events/s) | {'yes' if lat['p99'] <= 10 else 'no'} |",
+        f"| enqueue TPS ≥ 85% of a plain INSERT's (notify off) | "
+        f"{enq['outbox_enqueue(), notify off'] / plain:.0%} | "
+        f"{'yes' if enq['outbox_enqueue(), notify off'] >= 0.85 * plain else 'no'} |",
+        f"| dispatcher RSS flat (no growth with events) | private memory after 25% → 100% of the events: "
+        + ", ".join(f"{m['anon_quarter']:,} → {m['anon_end']:,} kB" for m in r["memory"].values())
+        + f" | {'yes' if flat else 'no'} |", "",
+        "## Drain throughput", "",
+        "Pending events loaded while `outbox.enabled = off`, then enabled; events per second from the "
+        "reload to the last push. The ceilings run the same sizes on the same machine: SQL = the "
+        "dispatcher's claim and mark statements in a server-side loop with no Redis; Redis = "
+        "pre-encoded messages pushed by multi-value LPUSH, one round trip per batch, with the "
+        "dispatcher's client.", "",
+        "| dispatchers | batch | events/s | SQL ceiling | Redis ceiling | of the smaller ceiling |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (workers, batch), rate in sorted(r["drain"].items()):
+        lines.append(f"| {workers} | {batch} | {rate:,.0f} | {r['ceiling_sql'][batch]:,.0f} | "
+                     f"{r['ceiling_redis'][batch]:,.0f} | {rate / smaller[batch]:.0%} |")
+    lines += [
+        "", "## Latency: COMMIT → message in Redis", "",
+        f"{RATE} one-event transactions per second from 4 client processes for {SECONDS} s; a consumer "
+        "process pops each message as it arrives (BRPOP). Latency = arrival time − the time the "
+        "producer's COMMIT returned, same clock. One dispatcher, batch 100.", "",
+        "| offered | achieved | events | p50 | p95 | p99 | max | not arrived |", "|---|---|---|---|---|---|---|---|",
+        f"| {RATE}/s | {lat['achieved_rate']:,.0f}/s | {lat['events']:,} | {lat['p50']:.2f} ms | {lat['p95']:.2f} ms | "
+        f"{lat['p99']:.2f} ms | {lat['max']:.2f} ms | {lat['missing']} |",
+        "", "## Enqueue cost", "",
+        f"pgbench, 8 clients, {PGBENCH_SECONDS} s, one statement per transaction, dispatchers paused. "
+        "The plain table is `outbox.events` copied with `LIKE ... INCLUDING ALL` (same columns, defaults, "
+        "indexes), without the trigger.", "",
+        "| workload | TPS | vs plain INSERT |", "|---|---|---|",
+    ]
+    for name, tps in enq.items():
+        lines.append(f"| {name} | {tps:,.0f} | {tps / plain:.0%} |")
+    lines += ["", "## Dispatcher memory during the drain", "",
+              "Summed over the dispatchers; RSS includes the shared buffers a dispatcher touched, private "
+              "(RssAnon) is its own heap.", "",
+              "| dispatchers | batch | RSS start | RSS peak | RSS end | private at 25% | private at 100% |",
+              "|---|---|---|---|---|---|---|"]
+    for (workers, batch), m in sorted(r["memory"].items()):
+        lines.append(f"| {workers} | {batch} | {m['rss_start']:,} kB | {m['rss_peak']:,} kB | {m['rss_end']:,} kB | "
+                     f"{m['anon_quarter']:,} kB | {m['anon_end']:,} kB |")
+    lines += ["", "![throughput, latency and enqueue cost](latest.png)", ""]
+    (RESULTS / "latest.md").write_text("\n".join(lines))
+
+
+def plot(r):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 5))
+    width = 0.8 / (len(WORKERS) + 2)
+    for i, batch in enumerate(BATCHES):
+        bars = [(f"{w} dispatcher(s)", r["drain"][(w, batch)]) for w in WORKERS]
+        bars += [("SQL ceiling", r["ceiling_sql"][batch]), ("Redis ceiling", r["ceiling_redis"][batch])]
+        for j, (label, value) in enumerate(bars):
+            ax1.bar(i + j * width, value, width, label=label if i == 0 else None, color=f"C{j}")
+    ax1.set_xticks([i + width * (len(WORKERS) + 1) / 2 for i in range(len(BATCHES))], [str(b) for b in BATCHES])
+    ax1.set_xlabel("batch size")
+    ax1.set_ylabel("events / s")
+    ax1.set_title(f"Drain of {EVENTS:,} events")
+    ax1.legend()
+
+    lat = r["latency"]["all"]
+    ax2.plot(lat, [i / len(lat) for i in range(len(lat))])
+    ax2.axvline(10, color="grey", linestyle="--", label="10 ms target")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("COMMIT → Redis (ms)")
+    ax2.set_ylabel("fraction of events")
+    ax2.set_title(f"Latency at {RATE} events/s")
+    ax2.legend()
+
+    names = list(r["enqueue"])
+    ax3.barh(names, [r["enqueue"][n] for n in names], color="C2")
+    ax3.set_xlabel("TPS (pgbench, 8 clients)")
+    ax3.set_title("Enqueue cost")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "latest.png", dpi=110)
+
+
+def main():
+    RESULTS.mkdir(exist_ok=True)
+    r = {"machine": machine(), "drain": {}, "memory": {}, "ceiling_sql": {}, "ceiling_redis": {}}
+    redis = Redis()
+    try:
+        for workers in WORKERS:
+            pg = Cluster(redis.url, server_conf=SERVER_CONF, workers=workers, enabled="off")
+            try:
+                pg.sql("CREATE EXTENSION outbox_dispatch")
+                wait_until(lambda: len(pg.dispatcher_pids()) == workers, message="the dispatchers")
+                for batch in BATCHES:
+                    log(f"drain: {workers} dispatcher(s), batch {batch}")
+                    rate, samples = drain(pg, redis, workers, batch)
+                    r["drain"][(workers, batch)] = rate
+                    r["memory"][(workers, batch)] = memory_summary(samples)
+                    log(f"  {rate:,.0f} events/s")
+                if workers != WORKERS[0]:
+                    continue
+                for batch in BATCHES:
+                    r["ceiling_sql"][batch] = sql_ceiling(pg, batch)
+                    r["ceiling_redis"][batch] = redis_ceiling(redis, batch)
+                    log(f"ceilings, batch {batch}: SQL {r['ceiling_sql'][batch]:,.0f}/s, "
+                        f"Redis {r['ceiling_redis'][batch]:,.0f}/s")
+                log(f"latency at {RATE}/s for {SECONDS}s")
+                r["latency"] = latency(pg, redis)
+                log(f"  p50 {r['latency']['p50']:.2f} ms, p99 {r['latency']['p99']:.2f} ms")
+                log("enqueue cost (pgbench)")
+                r["enqueue"] = enqueue_cost(pg)
+                log(f"  {r['enqueue']}")
+            finally:
+                pg.close()
+    finally:
+        redis.close()
+    write_report(r)
+    plot(r)
+    print((RESULTS / "latest.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
