@@ -4,9 +4,12 @@
 ALTER TABLE outbox.events ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7();
 
 -- Every insert path (outbox_enqueue() or an ORM's INSERT) wakes the
--- dispatchers when its transaction commits. Once per statement, not per row.
+-- dispatchers when its transaction commits. Once per statement, not per row;
+-- BEFORE rather than AFTER, which would queue an after-trigger event per
+-- statement. (An INSERT that then fails aborts the transaction, and with it
+-- the wake; one caught by a savepoint costs a spurious wake at most.)
 CREATE TRIGGER events_wake_dispatchers
-    AFTER INSERT ON outbox.events
+    BEFORE INSERT ON outbox.events
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.outbox_events_inserted();
 
 -- Enqueue one event in the caller's transaction; returns its id, which is
@@ -27,54 +30,60 @@ LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
     max_name_bytes CONSTANT integer := 255;
-    max_payload    bigint;
-    payload_bytes  integer;
-    resolved_queue text := coalesce(queue,
-                               pg_catalog.current_setting('outbox.default_queue', true), 'celery');
+    max_payload    CONSTANT integer := @extschema@.outbox_max_payload_bytes();
+    resolved_queue CONSTANT text := coalesce(queue,
+                                      pg_catalog.current_setting('outbox.default_queue', true), 'celery');
     -- Made here rather than returned by the INSERT: RETURNING would need
     -- SELECT on outbox.events, which writers are not granted.
-    new_id         uuid := @extschema@.outbox_uuid_v7();
+    new_id         CONSTANT uuid := @extschema@.outbox_uuid_v7();
 BEGIN
-    IF event_type IS NULL OR event_type = '' THEN
-        RAISE EXCEPTION 'outbox_enqueue: event_type must not be null or empty'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF pg_catalog.octet_length(event_type) > max_name_bytes THEN
-        RAISE EXCEPTION 'outbox_enqueue: event_type is % bytes, the limit is % bytes',
-            pg_catalog.octet_length(event_type), max_name_bytes
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF resolved_queue = '' OR pg_catalog.octet_length(resolved_queue) > max_name_bytes THEN
-        RAISE EXCEPTION 'outbox_enqueue: queue is % bytes, it must be 1 to % bytes',
-            pg_catalog.octet_length(resolved_queue), max_name_bytes
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF task = '' OR pg_catalog.octet_length(task) > max_name_bytes THEN
-        RAISE EXCEPTION 'outbox_enqueue: task is % bytes, it must be 1 to % bytes',
-            pg_catalog.octet_length(task), max_name_bytes
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF payload IS NULL THEN
-        RAISE EXCEPTION 'outbox_enqueue: payload must not be null (use ''{}'' for a task without arguments)'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    max_payload := pg_catalog.pg_size_bytes(pg_catalog.current_setting('outbox.max_payload_bytes'));
-    payload_bytes := pg_catalog.octet_length(payload::text);
-    IF payload_bytes > max_payload THEN
-        RAISE EXCEPTION 'outbox_enqueue: payload is % bytes, over outbox.max_payload_bytes (% bytes)',
-            payload_bytes, max_payload
-            USING ERRCODE = 'program_limit_exceeded';
-    END IF;
-    IF headers IS NOT NULL AND pg_catalog.jsonb_typeof(headers) <> 'object' THEN
-        RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, not %',
-            pg_catalog.jsonb_typeof(headers)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF delay < interval '0' THEN
-        RAISE EXCEPTION 'outbox_enqueue: delay must not be negative (got %)', delay
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF priority IS NULL OR priority NOT BETWEEN 0 AND 9 THEN
+    -- One test for the common case; the ones inside say what is wrong.
+    IF event_type IS NULL OR payload IS NULL OR priority IS NULL
+       OR pg_catalog.octet_length(event_type) NOT BETWEEN 1 AND max_name_bytes
+       OR pg_catalog.octet_length(resolved_queue) NOT BETWEEN 1 AND max_name_bytes
+       OR pg_catalog.octet_length(task) NOT BETWEEN 1 AND max_name_bytes
+       OR pg_catalog.pg_column_size(payload) > max_payload
+       OR pg_catalog.jsonb_typeof(headers) <> 'object'
+       OR delay < interval '0'
+       OR priority NOT BETWEEN 0 AND 9
+    THEN
+        IF event_type IS NULL OR event_type = '' THEN
+            RAISE EXCEPTION 'outbox_enqueue: event_type must not be null or empty'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF pg_catalog.octet_length(event_type) > max_name_bytes THEN
+            RAISE EXCEPTION 'outbox_enqueue: event_type is % bytes, the limit is % bytes',
+                pg_catalog.octet_length(event_type), max_name_bytes
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF resolved_queue = '' OR pg_catalog.octet_length(resolved_queue) > max_name_bytes THEN
+            RAISE EXCEPTION 'outbox_enqueue: queue is % bytes, it must be 1 to % bytes',
+                pg_catalog.octet_length(resolved_queue), max_name_bytes
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF task = '' OR pg_catalog.octet_length(task) > max_name_bytes THEN
+            RAISE EXCEPTION 'outbox_enqueue: task is % bytes, it must be 1 to % bytes',
+                pg_catalog.octet_length(task), max_name_bytes
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF payload IS NULL THEN
+            RAISE EXCEPTION 'outbox_enqueue: payload must not be null (use ''{}'' for a task without arguments)'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF pg_catalog.pg_column_size(payload) > max_payload THEN
+            RAISE EXCEPTION 'outbox_enqueue: payload is % bytes, over outbox.max_payload_bytes (% bytes)',
+                pg_catalog.pg_column_size(payload), max_payload
+                USING ERRCODE = 'program_limit_exceeded';
+        END IF;
+        IF pg_catalog.jsonb_typeof(headers) <> 'object' THEN
+            RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, not %',
+                pg_catalog.jsonb_typeof(headers)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF delay < interval '0' THEN
+            RAISE EXCEPTION 'outbox_enqueue: delay must not be negative (got %)', delay
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
         RAISE EXCEPTION 'outbox_enqueue: priority is %, it must be 0 (highest) to 9', priority
             USING ERRCODE = 'invalid_parameter_value';
     END IF;

@@ -19,6 +19,13 @@ fn outbox_uuid_v7() -> pgrx::Uuid {
     pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
 }
 
+/// `outbox.max_payload_bytes` in bytes: what `outbox_enqueue()` compares a
+/// payload with, without parsing the setting's text ('1MB') on every call.
+#[pg_extern(stable, parallel_safe)]
+fn outbox_max_payload_bytes() -> i32 {
+    config::MAX_PAYLOAD_BYTES.get()
+}
+
 /// Nudges the dispatchers now, and again when the current transaction
 /// commits (rows it changed are visible only then).
 #[pg_extern(volatile, parallel_unsafe)]
@@ -45,7 +52,7 @@ fn outbox_ack(id: pgrx::Uuid) -> bool {
     acked
 }
 
-/// AFTER INSERT ... FOR EACH STATEMENT on `outbox.events`: every insert path,
+/// BEFORE INSERT ... FOR EACH STATEMENT on `outbox.events`: every insert path,
 /// `outbox_enqueue()` or an ORM's INSERT, wakes the dispatchers at commit,
 /// and NOTIFYs `outbox.notify_channel` when `outbox.notify` is on.
 #[pg_trigger]

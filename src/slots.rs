@@ -105,8 +105,9 @@ fn slots() -> Option<&'static Slots> {
     READY.load(Ordering::Relaxed).then(|| &**SLOTS.get())
 }
 
-/// Sets the latch of every running dispatcher, noting why. Cannot fail:
-/// safe inside a commit callback.
+/// Sets the latch of every running dispatcher, noting why. Commits leave
+/// paused dispatchers asleep (a reload wakes them when `outbox.enabled`
+/// turns on). Cannot fail: safe inside a commit callback.
 pub fn wake_all(source: WakeSource) {
     let Some(slots) = slots() else { return };
     // SAFETY: ProcGlobal is set up before any backend runs; procno is
@@ -118,6 +119,10 @@ pub fn wake_all(source: WakeSource) {
         }
         for slot in &slots.0 {
             let procno = slot.procno.load(Ordering::Acquire);
+            let paused = slot.state.load(Ordering::Relaxed) == State::Paused as u8;
+            if matches!(source, WakeSource::Commit) && paused {
+                continue;
+            }
             if procno >= 0 && (procno as u32) < (*global).allProcCount {
                 slot.wake_sources.fetch_or(1 << source as u8, Ordering::Relaxed);
                 pg_sys::SetLatch(&raw mut (*(*global).allProcs.add(procno as usize)).procLatch);
