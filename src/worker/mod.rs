@@ -20,7 +20,7 @@ use crate::config::{self, Settings};
 use crate::metrics::{self, Counter, PushFailure, WakeSource};
 use crate::slots::{self, State};
 use push::RetryPolicy;
-use store::{Claim, Store, SWEEP_BATCH};
+use store::{Claim, Outcome, Store, SWEEP_BATCH};
 
 /// How soon the postmaster restarts a dispatcher that exited: after an
 /// error, a `pg_terminate_backend`, or a database that does not exist.
@@ -361,18 +361,23 @@ impl Dispatcher {
     }
 
     /// Claims, pushes and marks batches until the queue is empty; returns how
-    /// long to sleep.
+    /// long to sleep. Each batch's outcome is recorded in the transaction
+    /// that claims the next one.
     fn drain(&mut self) -> Duration {
-        let poll = self.settings.poll_interval;
         let policy = RetryPolicy {
             max_retries: self.settings.max_retries,
             backoff: self.settings.retry_backoff,
             max_payload_bytes: self.settings.max_payload_bytes,
         };
         // Events given back with a backoff fall due before the poll.
-        let mut nap = poll;
+        let mut nap = self.settings.poll_interval;
+        let mut settled = Outcome::default();
         loop {
-            let claim = self.store.claim(self.settings.batch_size).unwrap_or_else(|e| report_store_error(e));
+            let claim = self
+                .store
+                .settle_and_claim(&settled, self.settings.batch_size)
+                .unwrap_or_else(|e| report_store_error(e));
+            nap = nap.min(account(&settled));
             let (events, next_due) = match claim {
                 Claim::NoExtension => return self.wait_for_extension(),
                 Claim::Claimed { events, next_due } => (events, next_due),
@@ -384,38 +389,36 @@ impl Dispatcher {
             }
             self.slot.set_state(State::Draining);
             let sink = self.sink.as_mut().expect("connected before draining");
-            match push::push(sink, &events, &self.origin, &policy) {
-                Ok(outcome) => {
-                    self.store
-                        .mark(&outcome.dispatched, &outcome.failures)
-                        .unwrap_or_else(|e| report_store_error(e));
-                    self.slot.add_dispatched(outcome.dispatched.len() as u64);
-                    if !outcome.dispatched.is_empty() {
-                        self.broker_answered();
-                    }
-                    let retried = outcome.failures.iter().filter(|f| !f.dead);
-                    if let Some(soonest) = retried.clone().map(|f| f.delay).min() {
-                        nap = nap.min(soonest);
-                    }
-                    let retries = retried.count() as u64;
-                    metrics::add(Counter::Retries, retries);
-                    metrics::add(Counter::DeadLetters, outcome.failures.len() as u64 - retries);
-                }
+            settled = match push::push(sink, &events, &self.origin, &policy) {
+                Ok(outcome) => outcome,
                 Err(e) => {
                     metrics::push_failed(PushFailure::of(&e), events.len() as u64);
                     self.store.release(events.iter().map(|e| e.id)).unwrap_or_else(|e| report_store_error(e));
                     return self.broker_failed(&e);
                 }
-            }
-            if events.len() < self.settings.batch_size {
-                self.slot.set_state(State::Idle);
-                return next_due.map_or(nap, |due| due.min(nap));
+            };
+            self.slot.add_dispatched(settled.dispatched.len() as u64);
+            if !settled.dispatched.is_empty() {
+                self.broker_answered();
             }
             if interrupt_pending() {
+                self.store.settle(&settled).unwrap_or_else(|e| report_store_error(e));
+                account(&settled);
                 return Duration::ZERO;
             }
         }
     }
+}
+
+/// Counts the retries and dead letters of a recorded outcome; returns how
+/// soon the first retry falls due (`Duration::MAX` without retries).
+fn account(settled: &Outcome) -> Duration {
+    let retried = settled.failures.iter().filter(|f| !f.dead);
+    let soonest = retried.clone().map(|f| f.delay).min().unwrap_or(Duration::MAX);
+    let retries = retried.count() as u64;
+    metrics::add(Counter::Retries, retries);
+    metrics::add(Counter::DeadLetters, settled.failures.len() as u64 - retries);
+    soonest
 }
 
 /// An SPI failure is not something the loop can repair: report it as an

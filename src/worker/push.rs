@@ -8,15 +8,8 @@ use outbox_core::backoff;
 use outbox_core::celery::{self, TaskMessage};
 use outbox_core::sink::{KeyBatch, Sink, SinkError};
 
-use super::store::{ClaimedEvent, Failure};
+use super::store::{ClaimedEvent, Failure, Outcome};
 use crate::metrics::{self, PushFailure};
-
-/// What one push did to each event of the batch.
-#[derive(Default)]
-pub struct Outcome {
-    pub dispatched: Vec<uuid::Uuid>,
-    pub failures: Vec<Failure>,
-}
 
 /// How the dispatcher treats one event's failure.
 pub struct RetryPolicy {

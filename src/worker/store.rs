@@ -32,10 +32,19 @@ pub enum Claim {
     NoExtension,
     Claimed {
         events: Vec<ClaimedEvent>,
-        /// Set when the claim found fewer events than it asked for: how long
-        /// until the earliest delayed event falls due, if any waits.
+        /// Set when the claim found nothing: how long until the earliest
+        /// delayed event falls due, if any waits.
         next_due: Option<Duration>,
     },
+}
+
+/// What one push did to each event of its batch, to be recorded.
+#[derive(Default)]
+pub struct Outcome {
+    /// In Redis.
+    pub dispatched: Vec<uuid::Uuid>,
+    /// Back to pending after a backoff, or to the dead letter.
+    pub failures: Vec<Failure>,
 }
 
 /// An event that failed for a reason of its own.
@@ -154,9 +163,12 @@ impl Store {
         Ok(released.unwrap_or(0))
     }
 
-    /// Claims up to `limit` due events.
-    pub fn claim(&mut self, limit: usize) -> Result<Claim, SpiError> {
+    /// Records `settled` (the previous push's outcome; may be empty) and
+    /// claims up to `limit` due events, in one transaction: a dispatcher
+    /// under load spends one transaction per batch, not two.
+    pub fn settle_and_claim(&mut self, settled: &Outcome, limit: usize) -> Result<Claim, SpiError> {
         let claimed = self.with_plans(|client, plans, dispatcher| {
+            mark(client, plans, settled)?;
             let args: [DatumWithOid; 2] = [(limit as i32).into(), dispatcher.into()];
             let table = client.update(&plans.claim, None, &args)?;
             let mut events = Vec::with_capacity(table.len());
@@ -177,7 +189,7 @@ impl Store {
                     created_epoch: row.get(10)?.unwrap_or(0.0),
                 });
             }
-            let next_due = if events.len() < limit {
+            let next_due = if events.is_empty() {
                 let seconds: Option<f64> = client.select(&plans.next_due, None, &[])?.first().get_one()?;
                 seconds.map(|s| Duration::from_secs_f64(s.max(0.0)))
             } else {
@@ -186,6 +198,12 @@ impl Store {
             Ok(Claim::Claimed { events, next_due })
         })?;
         Ok(claimed.unwrap_or(Claim::NoExtension))
+    }
+
+    /// Records `settled` on its own, when no claim is to follow.
+    pub fn settle(&mut self, settled: &Outcome) -> Result<(), SpiError> {
+        self.with_plans(|client, plans, _| mark(client, plans, settled))?;
+        Ok(())
     }
 
     /// Returns to pending up to [`SWEEP_BATCH`] events claimed longer than
@@ -220,27 +238,25 @@ impl Store {
         })?;
         Ok(swept.unwrap_or(0))
     }
+}
 
-    /// Records the outcome of one push: `dispatched` are in Redis,
-    /// `failures` go back to pending or to the dead letter.
-    pub fn mark(&mut self, dispatched: &[uuid::Uuid], failures: &[Failure]) -> Result<(), SpiError> {
-        self.with_plans(|client, plans, _| {
-            if !dispatched.is_empty() {
-                let args: [DatumWithOid; 1] = [to_pg(dispatched.iter().copied()).into()];
-                client.update(&plans.mark_dispatched, None, &args)?;
-            }
-            if !failures.is_empty() {
-                let status = |f: &Failure| if f.dead { "failed" } else { "pending" }.to_string();
-                let args: [DatumWithOid; 4] = [
-                    to_pg(failures.iter().map(|f| f.id)).into(),
-                    failures.iter().map(status).collect::<Vec<_>>().into(),
-                    failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>().into(),
-                    failures.iter().map(|f| f.delay.as_secs_f64() * 1000.0).collect::<Vec<_>>().into(),
-                ];
-                client.update(&plans.mark_failed, None, &args)?;
-            }
-            Ok(())
-        })?;
-        Ok(())
+/// Records one push's outcome: `dispatched` are in Redis, `failures` go back
+/// to pending or to the dead letter.
+fn mark(client: &mut SpiClient<'_>, plans: &Plans, outcome: &Outcome) -> Result<(), SpiError> {
+    if !outcome.dispatched.is_empty() {
+        let args: [DatumWithOid; 1] = [to_pg(outcome.dispatched.iter().copied()).into()];
+        client.update(&plans.mark_dispatched, None, &args)?;
     }
+    let failures = &outcome.failures;
+    if !failures.is_empty() {
+        let status = |f: &Failure| if f.dead { "failed" } else { "pending" }.to_string();
+        let args: [DatumWithOid; 4] = [
+            to_pg(failures.iter().map(|f| f.id)).into(),
+            failures.iter().map(status).collect::<Vec<_>>().into(),
+            failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>().into(),
+            failures.iter().map(|f| f.delay.as_secs_f64() * 1000.0).collect::<Vec<_>>().into(),
+        ];
+        client.update(&plans.mark_failed, None, &args)?;
+    }
+    Ok(())
 }
