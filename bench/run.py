@@ -140,17 +140,20 @@ def produce(host, port, rate, seconds, out):
 
 
 def consume(redis_port, total, out):
-    """The consumer process: pops each message as it arrives; sends
-    {task id: arrival time} back."""
+    """The consumer process: pops whatever has arrived (BLMPOP, up to 1000
+    at a time) and stamps it; decodes only at the end, so that decoding
+    never delays the next stamp. Sends {task id: arrival time} back."""
     import redis as redis_lib
     client = redis_lib.Redis(host="127.0.0.1", port=redis_port)
-    arrived = {}
-    while len(arrived) < total:
-        popped = client.brpop(["bench_latency"], timeout=30)
+    stamped, count = [], 0
+    while count < total:
+        popped = client.blmpop(30, 1, "bench_latency", direction="RIGHT", count=1000)
         if popped is None:
             break
         now = time.time()
-        arrived[json.loads(popped[1])["headers"]["id"]] = now
+        stamped.append((now, popped[1]))
+        count += len(popped[1])
+    arrived = {json.loads(m)["headers"]["id"]: now for now, messages in stamped for m in messages}
     out.put(("arrived", arrived))
 
 
@@ -246,8 +249,10 @@ def memory_summary(samples):
 
 def write_report(r):
     smaller = {b: min(r["ceiling_sql"][b], r["ceiling_redis"][b]) for b in BATCHES}
-    best = max(r["drain"].items(), key=lambda kv: kv[1] / smaller[kv[0][1]])
-    (best_workers, best_batch), best_rate = best
+    # The best drain against the best the machine allows at any batch size.
+    (best_workers, best_batch), best_rate = max(r["drain"].items(), key=lambda kv: kv[1])
+    ceiling_batch = max(BATCHES, key=lambda b: smaller[b])
+    ceiling = smaller[ceiling_batch]
     lat, enq = r["latency"], r["enqueue"]
     plain = enq["plain INSERT (no trigger)"]
     flat = all(m["anon_end"] <= m["anon_quarter"] * 1.10 + 1024 for m in r["memory"].values())
@@ -259,9 +264,9 @@ def write_report(r):
         "release build. `make bench` writes this file; sizes are set by BENCH_* variables (bench/run.py).", "",
         "## Targets", "",
         "| target | result | met |", "|---|---|---|",
-        f"| drain ≥ 50% of the raw ceiling at the best batch size | {best_rate:,.0f} events/s = "
-        f"{best_rate / smaller[best_batch]:.0%} of {smaller[best_batch]:,.0f} "
-        f"({best_workers} dispatcher(s), batch {best_batch}) | {'yes' if best_rate >= 0.5 * smaller[best_batch] else 'no'} |",
+        f"| drain ≥ 50% of the raw ceiling at the best batch size | best drain {best_rate:,.0f} events/s "
+        f"({best_workers} dispatcher(s), batch {best_batch}) = {best_rate / ceiling:.0%} of the best ceiling, "
+        f"{ceiling:,.0f} events/s (batch {ceiling_batch}) | {'yes' if best_rate >= 0.5 * ceiling else 'no'} |",
         f"| p99 commit → Redis ≤ 10 ms at {RATE} events/s | p99 {lat['p99']:.1f} ms "
         f"(achieved {lat['achieved_rate']:,.0f} events/s) | {'yes' if lat['p99'] <= 10 else 'no'} |",
         f"| enqueue TPS ≥ 85% of a plain INSERT's (notify off) | "
@@ -286,8 +291,8 @@ def write_report(r):
     lines += [
         "", "## Latency: COMMIT → message in Redis", "",
         f"{RATE} one-event transactions per second from 4 client processes for {SECONDS} s; a consumer "
-        "process pops each message as it arrives (BRPOP). Latency = arrival time − the time the "
-        "producer's COMMIT returned, same clock. One dispatcher, batch 100.", "",
+        "process pops messages as they arrive (BLMPOP) and stamps them. Latency = arrival time − the "
+        "time the producer's COMMIT returned, same clock. One dispatcher, batch 100; autovacuum on.", "",
         "| offered | achieved | events | p50 | p95 | p99 | max | not arrived |", "|---|---|---|---|---|---|---|---|",
         f"| {RATE}/s | {lat['achieved_rate']:,.0f}/s | {lat['events']:,} | {lat['p50']:.2f} ms | {lat['p95']:.2f} ms | "
         f"{lat['p99']:.2f} ms | {lat['max']:.2f} ms | {lat['missing']} |",

@@ -2,6 +2,8 @@
 rows by status. Every committed event reaches Redis at least once; none is
 dead-lettered for the broker's faults."""
 
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -261,3 +263,30 @@ def test_reload_changes_batch_size_and_redis_url(outbox, redis_server):
         outbox.sql("ALTER SYSTEM RESET outbox.redis_url")
         outbox.sql("SELECT pg_reload_conf()")
         second.close()
+
+
+def test_signals_during_redis_calls_do_not_break_the_connection(outbox, redis_server):
+    """PostgreSQL signals its processes routinely (SIGUSR1 for invalidation
+    catch-up, SIGHUP for reloads); a signal must not fail a Redis read or
+    write (EINTR) and pass for a broken connection."""
+    outbox.configure(enabled="off", batch_size=50)
+    load(outbox, 20000, "q_signals")
+    reconnects = outbox.value("SELECT sum(value) FROM outbox.metrics WHERE name = 'outbox_reconnects_total'")
+    [pid] = outbox.dispatcher_pids()
+    stop = threading.Event()
+
+    def pester():
+        while not stop.is_set():
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(0.0005)
+
+    pesterer = threading.Thread(target=pester)
+    pesterer.start()
+    try:
+        outbox.configure(enabled="on", batch_size=50)
+        wait_until(lambda: outbox.count("dispatched") == 20000, timeout=180, message="every event")
+    finally:
+        stop.set()
+        pesterer.join()
+    assert outbox.value("SELECT sum(value) FROM outbox.metrics WHERE name = 'outbox_reconnects_total'") == reconnects
+    assert set(queued_ids(redis_server.client(), "q_signals")) == all_ids(outbox)

@@ -6,6 +6,7 @@
 //! SIGTERM and SIGHUP are answered promptly even while Redis is down.
 
 mod push;
+mod signals;
 mod store;
 
 use std::time::{Duration, Instant};
@@ -274,7 +275,11 @@ impl Dispatcher {
         }
         self.next_heartbeat = now + self.settings.heartbeat_interval;
         let sink = self.sink.as_mut().expect("connected before the heartbeat");
-        match sink.ping() {
+        let pinged = {
+            let _held = signals::hold();
+            sink.ping()
+        };
+        match pinged {
             Ok(()) => {
                 self.broker_answered();
                 None
@@ -310,7 +315,10 @@ impl Dispatcher {
             return Some(at - now);
         }
         let result = match &mut self.sink {
-            Ok(sink) => sink.connect(),
+            Ok(sink) => {
+                let _held = signals::hold();
+                sink.connect()
+            }
             Err(e) => Err(e.clone()),
         };
         match result {
@@ -389,7 +397,11 @@ impl Dispatcher {
             }
             self.slot.set_state(State::Draining);
             let sink = self.sink.as_mut().expect("connected before draining");
-            settled = match push::push(sink, &events, &self.origin, &policy) {
+            let pushed = {
+                let _held = signals::hold();
+                push::push(sink, &events, &self.origin, &policy)
+            };
+            settled = match pushed {
                 Ok(outcome) => outcome,
                 Err(e) => {
                     metrics::push_failed(PushFailure::of(&e), events.len() as u64);
