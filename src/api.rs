@@ -75,6 +75,8 @@ fn notify(channel: &CString) {
 }
 
 /// One row per dispatcher slot `outbox.workers` asks for: the view's source.
+// pgrx reads the column names from the signature, so the row type stays here.
+#[allow(clippy::type_complexity)]
 #[pg_extern(volatile, parallel_safe)]
 fn outbox_workers() -> TableIterator<
     'static,

@@ -37,10 +37,10 @@ pub fn now() {
 #[pg_guard]
 unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std::ffi::c_void) {
     match event {
-        XactEvent::XACT_EVENT_COMMIT | XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
-            if WAKE_AT_COMMIT.replace(false) {
-                slots::wake_all(WakeSource::Commit);
-            }
+        XactEvent::XACT_EVENT_COMMIT | XactEvent::XACT_EVENT_PARALLEL_COMMIT
+            if WAKE_AT_COMMIT.replace(false) =>
+        {
+            slots::wake_all(WakeSource::Commit)
         }
         XactEvent::XACT_EVENT_ABORT
         | XactEvent::XACT_EVENT_PARALLEL_ABORT
