@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import wait_until
+from harness import Cluster, wait_until
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
@@ -50,6 +50,19 @@ def test_counters_survive_a_dispatcher_restart(outbox):
     outbox.sql("SELECT pg_terminate_backend(%s)", (pid,))
     wait_until(lambda: outbox.dispatcher_pids() not in ([], [pid]), timeout=60, message="the restart")
     assert outbox.metric("outbox_dispatched_total") >= before >= 10
+
+
+def test_counters_reset_when_the_server_restarts(redis_server):
+    pg = Cluster(redis_server.url)
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.sql("SELECT outbox_enqueue('m', '{}', queue => 'q_reset') FROM generate_series(1, 5)")
+        wait_until(lambda: pg.metric("outbox_dispatched_total") == 5, message="5 dispatched")
+        pg.restart()
+        assert pg.metric("outbox_dispatched_total") == 0
+        assert pg.metric("outbox_dispatch_latency_seconds_count") == 0
+    finally:
+        pg.close()
 
 
 def test_wakeups_are_counted_by_source(outbox):
