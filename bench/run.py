@@ -1,8 +1,8 @@
 """`make bench`: drain throughput against the raw ceilings, commit-to-Redis
 latency at a steady rate, enqueue cost, and dispatcher memory. Runs its own
 PostgreSQL 15 (fsync on, as in production) and Redis, with the release build
-installed by the Makefile, and writes bench/results/latest.md and
-bench/results/latest.png.
+installed by the Makefile, and writes bench/results/latest.md,
+bench/results/latest.png and the raw numbers in bench/results/latest.json.
 
 Sizes come from the environment (defaults in brackets): BENCH_EVENTS
 [200000], BENCH_BATCHES [100,1000,5000], BENCH_WORKERS [1,2], BENCH_RATE
@@ -401,6 +401,9 @@ def main():
         redis.close()
     write_report(r)
     plot(r)
+    raw = {key: {str(k): v for k, v in value.items() if k != "all"} if isinstance(value, dict) else value
+           for key, value in r.items()}
+    (RESULTS / "latest.json").write_text(json.dumps(raw, indent=1))
     print((RESULTS / "latest.md").read_text())
 
 

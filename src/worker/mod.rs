@@ -59,6 +59,7 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
     slot.set_error(None);
     relax_commit_durability();
+    return_large_buffers();
 
     let mut dispatcher = Dispatcher::new(index, slot, Settings::current());
     dispatcher.log_start();
@@ -224,10 +225,11 @@ impl Dispatcher {
     /// Runs the sweepers whose time has come, each in bounded batches.
     fn sweep_if_due(&mut self) {
         let now = Instant::now();
-        let s = self.settings.clone();
+        let s = &self.settings;
+        let (processing_timeout, ack_timeout, retention) = (s.processing_timeout, s.ack_timeout, s.retention);
         if now >= self.next_sweep {
-            self.next_sweep = now + s.sweep_interval;
-            let rescued = self.sweep_all(|store| store.sweep_stuck(s.processing_timeout));
+            self.next_sweep = now + self.settings.sweep_interval;
+            let rescued = self.sweep_all(|store| store.sweep_stuck(processing_timeout));
             metrics::add(Counter::StuckRescued, rescued);
             if rescued > 0 {
                 log!(
@@ -235,8 +237,8 @@ impl Dispatcher {
                     self.index
                 );
             }
-            if !s.ack_timeout.is_zero() {
-                let resent = self.sweep_all(|store| store.sweep_unacked(s.ack_timeout));
+            if !ack_timeout.is_zero() {
+                let resent = self.sweep_all(|store| store.sweep_unacked(ack_timeout));
                 metrics::add(Counter::UnackedResent, resent);
                 if resent > 0 {
                     log!(
@@ -247,9 +249,8 @@ impl Dispatcher {
             }
         }
         if now >= self.next_lifecycle {
-            self.next_lifecycle = now + s.lifecycle_interval;
-            let acks_off = s.ack_timeout.is_zero();
-            let purged = self.sweep_all(|store| store.purge(s.retention, acks_off));
+            self.next_lifecycle = now + self.settings.lifecycle_interval;
+            let purged = self.sweep_all(|store| store.purge(retention, ack_timeout.is_zero()));
             metrics::add(Counter::Purged, purged);
         }
     }
@@ -491,6 +492,17 @@ fn relax_commit_durability() {
             pg_sys::GucSource::PGC_S_OVERRIDE,
         );
     }
+}
+
+/// A batch's buffers (messages, the packed pipeline) run to megabytes and
+/// vary in size from batch to batch. By default glibc raises its mmap
+/// threshold after the first such buffer is freed and serves the next ones
+/// from the heap, which then fragments and keeps the dispatcher's memory
+/// high. A fixed threshold maps every buffer over 128 kB and unmaps it when
+/// freed: memory stays flat however many events pass.
+fn return_large_buffers() {
+    // SAFETY: mallopt only tunes this process's allocator.
+    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
 }
 
 fn hostname() -> String {
