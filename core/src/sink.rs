@@ -197,10 +197,10 @@ impl Sink {
                     outcomes.push(Err(err.to_string()));
                 }
                 Ok(_) => outcomes.push(Ok(())),
-                Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
-                    return Err(self.fail(&e));
-                }
-                Err(e) => outcomes.push(Err(e.to_string())),
+                // Errors Redis answers arrive as values above; anything else
+                // (I/O, timeout, an unparsable reply) leaves the stream in an
+                // unknown state: the connection is done for.
+                Err(e) => return Err(self.fail(&e)),
             }
         }
         Ok(outcomes)
