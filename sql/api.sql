@@ -15,8 +15,10 @@ CREATE TRIGGER events_wake_dispatchers
 -- Enqueue one event in the caller's transaction; returns its id, which is
 -- also the Celery task id. Every argument is checked first, with an error
 -- that names it and its limit; nothing is inserted when one is refused.
--- No SET search_path: every name is schema-qualified, and a SET clause would
--- cost a configuration save and restore on each call.
+-- The payload's size is its JSON text, as the message carries it. The
+-- search_path is pinned (as on every function here): operators such as >=
+-- would otherwise resolve through a schema the database owner controls,
+-- and a superuser calling this would run the owner's code.
 CREATE FUNCTION @extschema@.outbox_enqueue(
     event_type text,
     payload    jsonb,
@@ -27,6 +29,7 @@ CREATE FUNCTION @extschema@.outbox_enqueue(
     priority   integer  DEFAULT 0
 ) RETURNS uuid
 LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     max_name_bytes CONSTANT integer := 255;
@@ -36,13 +39,14 @@ DECLARE
     -- Made here rather than returned by the INSERT: RETURNING would need
     -- SELECT on outbox.events, which writers are not granted.
     new_id         CONSTANT uuid := @extschema@.outbox_uuid_v7();
+    payload_bytes  CONSTANT integer := pg_catalog.octet_length(payload::text);
 BEGIN
     -- One test for the common case; the ones inside say what is wrong.
     IF event_type IS NULL OR payload IS NULL OR priority IS NULL
        OR pg_catalog.octet_length(event_type) NOT BETWEEN 1 AND max_name_bytes
        OR pg_catalog.octet_length(resolved_queue) NOT BETWEEN 1 AND max_name_bytes
        OR pg_catalog.octet_length(task) NOT BETWEEN 1 AND max_name_bytes
-       OR pg_catalog.pg_column_size(payload) > max_payload
+       OR payload_bytes > max_payload
        OR pg_catalog.jsonb_typeof(headers) <> 'object'
        OR delay < interval '0'
        OR priority NOT BETWEEN 0 AND 9
@@ -70,9 +74,9 @@ BEGIN
             RAISE EXCEPTION 'outbox_enqueue: payload must not be null (use ''{}'' for a task without arguments)'
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
-        IF pg_catalog.pg_column_size(payload) > max_payload THEN
-            RAISE EXCEPTION 'outbox_enqueue: payload is % bytes, over outbox.max_payload_bytes (% bytes)',
-                pg_catalog.pg_column_size(payload), max_payload
+        IF payload_bytes > max_payload THEN
+            RAISE EXCEPTION 'outbox_enqueue: payload is % bytes of JSON, over outbox.max_payload_bytes (% bytes)',
+                payload_bytes, max_payload
                 USING ERRCODE = 'program_limit_exceeded';
         END IF;
         IF pg_catalog.jsonb_typeof(headers) <> 'object' THEN
@@ -102,6 +106,7 @@ COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, i
 -- failed.
 CREATE FUNCTION @extschema@.outbox_retry(id uuid) RETURNS boolean
 LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     UPDATE outbox.events AS e
@@ -124,6 +129,7 @@ $$;
 -- pending, retries reset. Returns how many.
 CREATE FUNCTION @extschema@.outbox_retry_failed(older_than interval DEFAULT NULL) RETURNS bigint
 LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     retried bigint;

@@ -2,6 +2,20 @@
 -- Functions live in the extension's schema (public by default), data and
 -- views in schema outbox.
 
+-- Events travel as JSON text in UTF-8: the dispatchers read payloads and
+-- names as UTF-8, and a database in another encoding would garble or refuse
+-- them at dispatch, long after the commit. Refuse it here, up front.
+DO $$
+BEGIN
+    IF pg_catalog.getdatabaseencoding() OPERATOR(pg_catalog.<>) 'UTF8' THEN
+        RAISE EXCEPTION 'outbox_dispatch needs a UTF8 database; database "%" is %',
+            pg_catalog.current_database(), pg_catalog.getdatabaseencoding()
+            USING ERRCODE = 'feature_not_supported',
+                  HINT = 'CREATE DATABASE … ENCODING ''UTF8'' TEMPLATE template0, and create the extension there.';
+    END IF;
+END
+$$;
+
 CREATE SCHEMA outbox;
 COMMENT ON SCHEMA outbox IS 'Transactional outbox: events delivered to Redis as Celery tasks';
 
@@ -45,6 +59,10 @@ WITH (
 
 COMMENT ON TABLE outbox.events IS
     'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
+
+-- pg_dump keeps the events (undelivered ones above all): the table belongs
+-- to the extension, whose member tables are otherwise dumped empty.
+SELECT pg_catalog.pg_extension_config_dump('outbox.events', '');
 
 -- The claim: due pending events, oldest due first.
 CREATE INDEX events_pending_idx ON outbox.events (available_at) WHERE status = 'pending';

@@ -89,6 +89,7 @@ fn outbox_workers() -> TableIterator<
         name!(last_heartbeat, Option<TimestampWithTimeZone>),
         name!(last_error, Option<String>),
         name!(events_dispatched, i64),
+        name!(broker_persistence, Option<String>),
     ),
 > {
     let timestamp = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
@@ -102,6 +103,7 @@ fn outbox_workers() -> TableIterator<
             timestamp(r.last_heartbeat),
             r.last_error,
             r.dispatched,
+            r.broker_persistence.map(str::to_string),
         )
     });
     TableIterator::new(rows.collect::<Vec<_>>())

@@ -42,6 +42,7 @@ pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static NOTIFY_CHANNEL: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_new"));
 pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+pub static MAX_BATCH_BYTES_KB: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024);
 
 const HOUR_MS: i32 = 3_600_000;
 
@@ -229,6 +230,14 @@ pub fn register() {
         GucContext::Userset,
         GucFlags::default(),
     );
+    int(
+        c"outbox.max_batch_bytes",
+        c"Most bytes of messages pushed in one round trip; larger batches take several.",
+        &MAX_BATCH_BYTES_KB,
+        64,
+        1024 * 1024,
+        GucFlags::UNIT_KB,
+    );
     GucRegistry::define_int_guc(
         c"outbox.max_payload_bytes",
         c"Largest payload outbox_enqueue() accepts and a dispatcher pushes.",
@@ -239,6 +248,14 @@ pub fn register() {
         GucContext::Suset,
         GucFlags::UNIT_BYTE,
     );
+}
+
+/// Reserves the `outbox.` prefix, once every setting is defined: a
+/// misspelled `outbox.*` line in postgresql.conf is then reported, not
+/// silently kept as a placeholder.
+pub fn reserve_prefix() {
+    // SAFETY: called from _PG_init after the definitions.
+    unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"outbox".as_ptr()) };
 }
 
 fn string(
@@ -306,8 +323,10 @@ pub struct Settings {
     pub retry_backoff: Duration,
     pub reconnect_delay_min: Duration,
     pub reconnect_delay_max: Duration,
-    pub max_payload_bytes: usize,
+    /// `outbox.processing_timeout`, raised to the longest a push may take.
     pub processing_timeout: Duration,
+    /// The value set, when it was raised.
+    pub processing_timeout_set: Option<Duration>,
     /// Zero: acknowledgements are off.
     pub ack_timeout: Duration,
     pub sweep_interval: Duration,
@@ -318,22 +337,27 @@ pub struct Settings {
 
 impl Settings {
     pub fn current() -> Settings {
+        let broker = BrokerConfig {
+            url: text(&REDIS_URL),
+            timeout: millis(&REDIS_TIMEOUT_MS),
+            tls_ca_file: path(&REDIS_TLS_CA_FILE),
+            password_file: path(&REDIS_PASSWORD_FILE),
+            max_batch_bytes: MAX_BATCH_BYTES_KB.get().max(1) as usize * 1024,
+        };
+        let batch_size = BATCH_SIZE.get().max(1) as usize;
+        let longest = longest_push(&broker, batch_size, MAX_PAYLOAD_BYTES.get().max(1) as usize);
+        let processing_timeout = seconds(&PROCESSING_TIMEOUT_S);
         Settings {
             enabled: ENABLED.get(),
-            broker: BrokerConfig {
-                url: text(&REDIS_URL),
-                timeout: millis(&REDIS_TIMEOUT_MS),
-                tls_ca_file: path(&REDIS_TLS_CA_FILE),
-                password_file: path(&REDIS_PASSWORD_FILE),
-            },
-            batch_size: BATCH_SIZE.get().max(1) as usize,
+            broker,
+            batch_size,
             poll_interval: millis(&POLL_INTERVAL_MS),
             max_retries: MAX_RETRIES.get(),
             retry_backoff: millis(&RETRY_BACKOFF_MS),
             reconnect_delay_min: millis(&RECONNECT_DELAY_MIN_MS),
             reconnect_delay_max: millis(&RECONNECT_DELAY_MAX_MS),
-            max_payload_bytes: MAX_PAYLOAD_BYTES.get().max(1) as usize,
-            processing_timeout: seconds(&PROCESSING_TIMEOUT_S),
+            processing_timeout: processing_timeout.max(longest),
+            processing_timeout_set: (processing_timeout < longest).then_some(processing_timeout),
             ack_timeout: seconds(&ACK_TIMEOUT_S),
             sweep_interval: seconds(&SWEEP_INTERVAL_S),
             retention: seconds(&RETENTION_S),
@@ -341,4 +365,17 @@ impl Settings {
             heartbeat_interval: seconds(&HEARTBEAT_INTERVAL_S),
         }
     }
+}
+
+/// The longest a claim may stay in processing while its dispatcher is
+/// alive: a connect, and one timeout per round trip of a batch of the
+/// largest messages, with a margin of one more. A shorter
+/// `outbox.processing_timeout` would let the sweeper hand a live claim to
+/// another dispatcher and send its events twice.
+fn longest_push(broker: &BrokerConfig, batch_size: usize, max_payload_bytes: usize) -> Duration {
+    // A message is the payload in base64 (4/3) plus the envelope.
+    let message = max_payload_bytes.saturating_mul(4) / 3 + 2048;
+    let round_trips = batch_size.saturating_mul(message).div_ceil(broker.max_batch_bytes.max(1));
+    let seconds = broker.timeout.as_secs_f64() * (round_trips as f64 + 2.0);
+    Duration::from_secs(seconds.ceil() as u64)
 }

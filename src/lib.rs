@@ -31,6 +31,7 @@ pub extern "C-unwind" fn _PG_init() {
         return;
     }
     config::register_postmaster();
+    config::reserve_prefix();
     slots::init();
     metrics::init();
     worker::register(config::workers());

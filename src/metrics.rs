@@ -14,7 +14,7 @@ use pgrx::{pg_shmem_init, PgAtomic};
 use outbox_core::exposition::{
     self, bucket_index, histogram_samples, Family, Kind, Sample, BATCH_SIZE_BOUNDS, LATENCY_BOUNDS_SECONDS,
 };
-use outbox_core::sink::SinkError;
+use outbox_core::sink::{SinkError, SERVER_CONDITIONS};
 
 use crate::{config, slots};
 
@@ -38,10 +38,11 @@ pub enum PushFailure {
     Timeout,
     RedisError,
     Unencodable,
+    Refused,
 }
 
 impl PushFailure {
-    const NAMES: [&'static str; 4] = ["connection", "timeout", "redis_error", "unencodable"];
+    const NAMES: [&'static str; 5] = ["connection", "timeout", "redis_error", "unencodable", "refused"];
 
     pub fn of(error: &SinkError) -> PushFailure {
         match error {
@@ -90,6 +91,7 @@ pub struct Metrics {
     counters: [AtomicU64; 8],
     push_failures: [AtomicU64; PushFailure::NAMES.len()],
     reconnects: [AtomicU64; SinkError::REASONS.len()],
+    refusals: [AtomicU64; SERVER_CONDITIONS.len()],
     wakeups: [AtomicU64; WakeSource::NAMES.len()],
     latency: Histogram<LATENCY_BUCKETS>,
     batch_size: Histogram<BATCH_BUCKETS>,
@@ -107,6 +109,7 @@ pub fn init() {
                 counters: Default::default(),
                 push_failures: Default::default(),
                 reconnects: Default::default(),
+                refusals: Default::default(),
                 wakeups: Default::default(),
                 latency: Histogram { buckets: Default::default(), sum_micros: AtomicU64::new(0) },
                 batch_size: Histogram { buckets: Default::default(), sum_micros: AtomicU64::new(0) },
@@ -132,9 +135,16 @@ pub fn push_failed(reason: PushFailure, events: u64) {
     }
 }
 
-pub fn reconnect(reason: &SinkError) {
-    if let Some(m) = metrics() {
-        m.reconnects[reason.reason_index()].fetch_add(1, Ordering::Relaxed);
+/// A broker failure that made a dispatcher reconnect; a refusal is also
+/// counted by the server's condition.
+pub fn reconnect(error: &SinkError) {
+    let Some(m) = metrics() else { return };
+    let reason =
+        SinkError::REASONS.iter().position(|r| *r == error.reason()).expect("every reason is listed");
+    m.reconnects[reason].fetch_add(1, Ordering::Relaxed);
+    if let SinkError::Refused(condition, _) = error {
+        let index = SERVER_CONDITIONS.iter().position(|(_, c)| c == condition).expect("a listed condition");
+        m.refusals[index].fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -224,6 +234,13 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
             Kind::Counter,
         );
         families.push((reconnects, labelled(reconnects.name, "reason", &SinkError::REASONS, &m.reconnects)));
+        let refusals = family(
+            "outbox_broker_refusals",
+            "Pushes Redis refused for a condition of the server (OOM, READONLY, ...), by condition.",
+            Kind::Counter,
+        );
+        let conditions: Vec<&'static str> = SERVER_CONDITIONS.iter().map(|(_, c)| *c).collect();
+        families.push((refusals, labelled(refusals.name, "condition", &conditions, &m.refusals)));
         let wakeups = family("outbox_wakeups", "Dispatcher wake-ups, by source.", Kind::Counter);
         families.push((wakeups, labelled(wakeups.name, "source", &WakeSource::NAMES, &m.wakeups)));
         let latency = family(
@@ -258,7 +275,8 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
 }
 
 fn status_samples() -> (Vec<Sample>, f64) {
-    let query = "SELECT status::text, count, extract(epoch FROM lag)::float8 FROM outbox.status";
+    let query =
+        "SELECT status::pg_catalog.text, count, pg_catalog.date_part('epoch', lag) FROM outbox.status";
     let mut lag = 0.0;
     let events = Spi::connect(|client| {
         let mut samples = Vec::new();
@@ -276,8 +294,11 @@ fn status_samples() -> (Vec<Sample>, f64) {
     (events, lag)
 }
 
-/// One row per sample: the source of the view `outbox.metrics`.
+/// One row per sample: the source of the view `outbox.metrics`. The
+/// search_path is pinned: a superuser's scrape must not resolve names
+/// through a path the database owner chose.
 #[pg_extern(volatile, parallel_safe)]
+#[search_path(pg_catalog, pg_temp)]
 fn outbox_metrics(
 ) -> TableIterator<'static, (name!(name, String), name!(labels, pgrx::JsonB), name!(value, f64))> {
     let rows: Vec<_> = families()
@@ -291,6 +312,7 @@ fn outbox_metrics(
 /// The same samples as Prometheus text exposition, for a scrape through any
 /// SQL-to-metrics exporter.
 #[pg_extern(volatile, parallel_safe)]
+#[search_path(pg_catalog, pg_temp)]
 fn outbox_metrics_prometheus() -> String {
     exposition::render(&families())
 }

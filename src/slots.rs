@@ -12,6 +12,8 @@ use pgrx::prelude::*;
 use pgrx::shmem::AssertPGRXSharedMemory;
 use pgrx::{pg_shmem_init, PgAtomic, PgLwLock};
 
+use outbox_core::sink::Persistence;
+
 use crate::config::MAX_WORKERS;
 use crate::metrics::WakeSource;
 
@@ -29,10 +31,12 @@ pub enum State {
     Draining,
     Reconnecting,
     Paused,
+    /// A statement failed (a lock not granted in time, say): retrying.
+    Blocked,
 }
 
 impl State {
-    const ALL: [State; 7] = [
+    const ALL: [State; 8] = [
         State::Stopped,
         State::Starting,
         State::WaitingForExtension,
@@ -40,6 +44,7 @@ impl State {
         State::Draining,
         State::Reconnecting,
         State::Paused,
+        State::Blocked,
     ];
 
     pub fn name(self) -> &'static str {
@@ -51,6 +56,7 @@ impl State {
             State::Draining => "draining",
             State::Reconnecting => "reconnecting",
             State::Paused => "paused",
+            State::Blocked => "blocked",
         }
     }
 }
@@ -68,10 +74,16 @@ pub struct Slot {
     dispatched: AtomicU64,
     /// Bits `1 << WakeSource` of the wakes since the dispatcher last looked.
     wake_sources: AtomicU8,
+    /// How the broker persists data: 1 + index in `Persistence::ALL`, 0 = not known.
+    persistence: AtomicU8,
 }
 
 #[repr(C)]
-pub struct Slots([Slot; MAX_WORKERS]);
+pub struct Slots {
+    slots: [Slot; MAX_WORKERS],
+    /// Index of the dispatcher doing housekeeping (sweeps, purge), -1 = none.
+    housekeeper: AtomicI32,
+}
 
 static SLOTS: PgAtomic<AssertPGRXSharedMemory<Slots>> = unsafe { PgAtomic::new(c"outbox_dispatch_slots") };
 static ERRORS: PgLwLock<[[u8; ERROR_BYTES]; MAX_WORKERS]> =
@@ -85,16 +97,20 @@ static READY: AtomicBool = AtomicBool::new(false);
 pub fn init() {
     pg_shmem_init!(
         SLOTS = unsafe {
-            AssertPGRXSharedMemory::new(Slots(std::array::from_fn(|_| Slot {
-                procno: AtomicI32::new(-1),
-                pid: AtomicI32::new(0),
-                state: AtomicU8::new(State::Stopped as u8),
-                connected: AtomicBool::new(false),
-                started_at: AtomicI64::new(0),
-                last_heartbeat: AtomicI64::new(0),
-                dispatched: AtomicU64::new(0),
-                wake_sources: AtomicU8::new(0),
-            })))
+            AssertPGRXSharedMemory::new(Slots {
+                slots: std::array::from_fn(|_| Slot {
+                    procno: AtomicI32::new(-1),
+                    pid: AtomicI32::new(0),
+                    state: AtomicU8::new(State::Stopped as u8),
+                    connected: AtomicBool::new(false),
+                    started_at: AtomicI64::new(0),
+                    last_heartbeat: AtomicI64::new(0),
+                    dispatched: AtomicU64::new(0),
+                    wake_sources: AtomicU8::new(0),
+                    persistence: AtomicU8::new(0),
+                }),
+                housekeeper: AtomicI32::new(-1),
+            })
         }
     );
     pg_shmem_init!(ERRORS = [[0; ERROR_BYTES]; MAX_WORKERS]);
@@ -117,7 +133,7 @@ pub fn wake_all(source: WakeSource) {
         if global.is_null() {
             return;
         }
-        for slot in &slots.0 {
+        for slot in &slots.slots {
             let procno = slot.procno.load(Ordering::Acquire);
             let paused = slot.state.load(Ordering::Relaxed) == State::Paused as u8;
             if matches!(source, WakeSource::Commit) && paused {
@@ -138,13 +154,14 @@ impl Own {
     /// Publishes this process as dispatcher `index`; the slot is cleared
     /// again when the process exits, however it exits.
     pub fn take(index: usize) -> Own {
-        let slot = &slots().expect("dispatchers run only when preloaded").0[index];
+        let slot = &slots().expect("dispatchers run only when preloaded").slots[index];
         // SAFETY: a background worker has a PGPROC by the time it runs.
         let (procno, pid, now) =
             unsafe { ((*pg_sys::MyProc).pgprocno, pg_sys::MyProcPid, pg_sys::GetCurrentTimestamp()) };
         slot.pid.store(pid, Ordering::Relaxed);
         slot.started_at.store(now, Ordering::Relaxed);
         slot.connected.store(false, Ordering::Relaxed);
+        slot.persistence.store(0, Ordering::Relaxed);
         slot.state.store(State::Starting as u8, Ordering::Relaxed);
         slot.procno.store(procno, Ordering::Release);
         unsafe { pg_sys::before_shmem_exit(Some(release), pg_sys::Datum::from(index)) };
@@ -152,7 +169,7 @@ impl Own {
     }
 
     fn slot(&self) -> &'static Slot {
-        &slots().expect("owned slots exist").0[self.0]
+        &slots().expect("owned slots exist").slots[self.0]
     }
 
     pub fn set_state(&self, state: State) {
@@ -181,6 +198,21 @@ impl Own {
         self.slot().dispatched.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// Records how the broker persists what it is sent.
+    pub fn set_persistence(&self, persistence: Persistence) {
+        let code = Persistence::ALL.iter().position(|p| *p == persistence).map_or(0, |i| i as u8 + 1);
+        self.slot().persistence.store(code, Ordering::Relaxed);
+    }
+
+    /// Takes the housekeeping turn if no other dispatcher has it; the turn
+    /// ends when the returned value is dropped, or when this process exits.
+    pub fn housekeeping(&self) -> Option<Housekeeping> {
+        let slots = slots()?;
+        let me = self.0 as i32;
+        slots.housekeeper.compare_exchange(-1, me, Ordering::AcqRel, Ordering::Relaxed).ok()?;
+        Some(Housekeeping(me))
+    }
+
     /// Records the last error (already free of credentials); `None` clears it.
     pub fn set_error(&self, error: Option<&str>) {
         let mut errors = ERRORS.exclusive();
@@ -195,10 +227,23 @@ impl Own {
     }
 }
 
+/// This dispatcher's turn at housekeeping.
+pub struct Housekeeping(i32);
+
+impl Drop for Housekeeping {
+    fn drop(&mut self) {
+        if let Some(slots) = slots() {
+            let _ = slots.housekeeper.compare_exchange(self.0, -1, Ordering::AcqRel, Ordering::Relaxed);
+        }
+    }
+}
+
 #[pg_guard]
 unsafe extern "C-unwind" fn release(_code: i32, arg: pg_sys::Datum) {
     if let Some(slots) = slots() {
-        let slot = &slots.0[arg.value()];
+        let _ =
+            slots.housekeeper.compare_exchange(arg.value() as i32, -1, Ordering::AcqRel, Ordering::Relaxed);
+        let slot = &slots.slots[arg.value()];
         slot.procno.store(-1, Ordering::Release);
         slot.pid.store(0, Ordering::Relaxed);
         slot.connected.store(false, Ordering::Relaxed);
@@ -216,6 +261,7 @@ pub struct Report {
     pub last_heartbeat: Option<i64>,
     pub last_error: Option<String>,
     pub dispatched: i64,
+    pub broker_persistence: Option<&'static str>,
 }
 
 /// The first `count` slots, as they are now.
@@ -224,7 +270,7 @@ pub fn report(count: usize) -> Vec<Report> {
         return Vec::new();
     };
     let errors = ERRORS.share();
-    slots.0[..count.min(MAX_WORKERS)]
+    slots.slots[..count.min(MAX_WORKERS)]
         .iter()
         .enumerate()
         .map(|(index, slot)| {
@@ -241,6 +287,10 @@ pub fn report(count: usize) -> Vec<Report> {
                 last_heartbeat: nonzero(slot.last_heartbeat.load(Ordering::Relaxed)),
                 last_error: (len > 0).then(|| String::from_utf8_lossy(&error[..len]).into_owned()),
                 dispatched: slot.dispatched.load(Ordering::Relaxed) as i64,
+                broker_persistence: (slot.persistence.load(Ordering::Relaxed) as usize)
+                    .checked_sub(1)
+                    .and_then(|i| Persistence::ALL.get(i))
+                    .map(|p| p.name()),
             }
         })
         .collect()

@@ -75,7 +75,7 @@ def test_a_storm_of_commits_is_delivered_in_far_fewer_batches(outbox, redis_serv
 
 
 def test_stuck_claims_return_to_pending_and_are_delivered(outbox, redis_server):
-    outbox.configure(processing_timeout="2s", sweep_interval="1s")
+    outbox.configure(processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms", max_payload_bytes="10kB")
     rescued_before = outbox.metric("outbox_stuck_rescued_total")
     # Claims of a dispatcher that no longer exists (index 7), a minute old.
     ids = [str(r[0]) for r in outbox.sql(

@@ -327,7 +327,7 @@ def test_upgrade_from_the_previous_version_keeps_events_flowing(redis_server):
         pg.configure(enabled="off")
         second = pg.value("SELECT outbox_enqueue('pending', '{}', queue => 'q_upgrade')")
         pg.sql("ALTER EXTENSION outbox_dispatch UPDATE")
-        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "0.2.0"
+        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "0.3.0"
         pg.configure(enabled="on")
         third = pg.value("SELECT outbox_enqueue('new', '{}', queue => 'q_upgrade')")
         wait_until(lambda: set(queued_ids(redis_server.client(), "q_upgrade")) == {str(first), str(second), str(third)},

@@ -10,7 +10,8 @@
 use std::time::{Duration, Instant};
 
 use outbox_core::celery::{self, TaskMessage};
-use outbox_core::sink::{BrokerConfig, KeyBatch, Sink};
+use outbox_core::link::Poll;
+use outbox_core::sink::{BrokerConfig, Delivery, KeyBatch, Sink};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -49,13 +50,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         timeout: Duration::from_secs(30),
         tls_ca_file: None,
         password_file: None,
+        max_batch_bytes: usize::MAX,
     };
     let mut sink = Sink::new(&config)?;
-    sink.connect()?;
+    sink.connect(&mut Poll)?;
     let started = Instant::now();
     for batch in &batches {
-        if let Some(Err(e)) = sink.push(batch)?.into_iter().next() {
-            return Err(e.into());
+        if let Some(refused) = sink.push(batch, &mut Poll)?.into_iter().find(|d| *d != Delivery::Delivered) {
+            return Err(format!("{refused:?}").into());
         }
     }
     println!("{:.0}", n as f64 / started.elapsed().as_secs_f64());

@@ -1,9 +1,12 @@
 //! The parts of outbox_dispatch that need no PostgreSQL: the Celery message
-//! encoder, backoff arithmetic, the Redis sink and the
-//! Prometheus exposition. Plain `cargo test` covers
-//! them; the extension crate is the thin glue around them.
+//! encoder, backoff arithmetic, the Redis wire protocol and connection, the
+//! sink that pushes batches, and the Prometheus exposition. Plain
+//! `cargo test` covers them; the extension crate is the thin glue around them.
 
 pub mod backoff;
+pub mod broker_url;
 pub mod celery;
 pub mod exposition;
+pub mod link;
+pub mod resp;
 pub mod sink;

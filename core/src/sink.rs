@@ -1,56 +1,109 @@
-//! The broker end: one Redis connection, batches pushed in one pipelined
-//! round trip, and a clear line between the broker's fault (the connection)
-//! and one event's fault (Redis answered an error for its push).
+//! The broker end: one Redis connection, batches pushed in pipelined round
+//! trips of bounded size, and a clear line between the broker's fault (the
+//! connection, or a condition of the server such as OOM or READONLY) and
+//! one event's fault (an error Redis answered for its push, e.g. WRONGTYPE).
 //!
-//! Every call is bounded by `timeout`: a background worker must keep
-//! answering SIGTERM, and a blocking read would not.
+//! Every operation (connect with TLS and AUTH, a push's round trip, a PING)
+//! has one deadline, `timeout`, and waits through the caller's [`Wait`].
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use redis::{Client, Connection, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, TlsCertificates, Value};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
 
-/// Why the broker could not be used. The batch in flight is not the events'
-/// fault: it goes back to pending without spending retries.
+use crate::broker_url::{self, BrokerUrl};
+use crate::link::{Link, LinkError, Wait};
+use crate::resp::{self, Reply};
+
+/// Error replies that describe the server, not the message: the kind (the
+/// reply's first word) and the label it is counted under. A push refused
+/// with one of these goes back to pending without spending a retry.
+pub const SERVER_CONDITIONS: [(&str, &str); 10] = [
+    ("OOM", "oom"),
+    ("READONLY", "readonly"),
+    ("MASTERDOWN", "masterdown"),
+    ("LOADING", "loading"),
+    ("BUSY", "busy"),
+    ("MISCONF", "misconf"),
+    ("NOAUTH", "noauth"),
+    ("NOPERM", "noperm"),
+    ("TRYAGAIN", "tryagain"),
+    ("CLUSTERDOWN", "clusterdown"),
+];
+
+/// The label of the server condition an error reply reports, if it
+/// reports one. Any other error (WRONGTYPE, or a kind this list does not
+/// know) is the message's own: it spends one of the event's retries.
+pub fn server_condition(error: &str) -> Option<&'static str> {
+    let kind = error.split_whitespace().next().unwrap_or("");
+    SERVER_CONDITIONS.iter().find(|(k, _)| *k == kind).map(|(_, label)| *label)
+}
+
+/// Why the broker could not be used. Whatever was in flight is not the
+/// events' fault: it goes back to pending without spending retries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SinkError {
-    /// `outbox.redis_url` does not parse, or the TLS settings cannot be used.
+    /// `outbox.redis_url` does not parse, or a file it needs cannot be used.
     InvalidConfig(String),
-    /// Connecting (or authenticating) failed.
+    /// Connecting, TLS or authenticating failed.
     Connect(String),
     /// The broker did not answer within the timeout.
     Timeout,
     /// An established connection broke.
     ConnectionLost(String),
+    /// The server answered with a condition of its own (OOM, READONLY, …):
+    /// its label (see [`SERVER_CONDITIONS`]) and the reply.
+    Refused(&'static str, String),
+    /// The caller's wait gave up (a signal): the outcome is unknown.
+    Interrupted,
 }
 
 impl SinkError {
-    /// Every [`SinkError::reason`], in the order of [`SinkError::reason_index`].
-    pub const REASONS: [&'static str; 4] = ["invalid_config", "connect_failed", "timeout", "connection_lost"];
+    /// Every [`SinkError::reason`].
+    pub const REASONS: [&'static str; 6] =
+        ["invalid_config", "connect_failed", "timeout", "connection_lost", "refused", "interrupted"];
 
     /// A short stable name, for logs and metric labels.
     pub fn reason(&self) -> &'static str {
-        Self::REASONS[self.reason_index()]
-    }
-
-    pub fn reason_index(&self) -> usize {
         match self {
-            SinkError::InvalidConfig(_) => 0,
-            SinkError::Connect(_) => 1,
-            SinkError::Timeout => 2,
-            SinkError::ConnectionLost(_) => 3,
+            SinkError::InvalidConfig(_) => "invalid_config",
+            SinkError::Connect(_) => "connect_failed",
+            SinkError::Timeout => "timeout",
+            SinkError::ConnectionLost(_) => "connection_lost",
+            SinkError::Refused(..) => "refused",
+            SinkError::Interrupted => "interrupted",
         }
     }
 
-    fn from_redis(err: &redis::RedisError, connected: bool) -> SinkError {
-        if err.is_timeout() {
-            SinkError::Timeout
-        } else if connected {
-            SinkError::ConnectionLost(err.to_string())
-        } else {
-            SinkError::Connect(err.to_string())
+    fn from_link(error: LinkError, connected: bool) -> SinkError {
+        match error {
+            LinkError::Timeout => SinkError::Timeout,
+            LinkError::Interrupted => SinkError::Interrupted,
+            e if connected => SinkError::ConnectionLost(link_message(&e)),
+            e => SinkError::Connect(link_message(&e)),
         }
+    }
+
+    /// An error reply to a command that must succeed.
+    fn from_reply(error: &str, connected: bool) -> SinkError {
+        match server_condition(error) {
+            Some(condition) => SinkError::Refused(condition, error.to_string()),
+            None if connected => SinkError::ConnectionLost(format!("unexpected reply: {error}")),
+            None => SinkError::Connect(error.to_string()),
+        }
+    }
+}
+
+fn link_message(error: &LinkError) -> String {
+    match error {
+        LinkError::Timeout => "timed out".into(),
+        LinkError::Interrupted => "interrupted".into(),
+        LinkError::Resolve(e) | LinkError::Io(e) => e.clone(),
+        LinkError::Tls(e) => format!("TLS: {e}"),
+        LinkError::Protocol(e) => e.to_string(),
     }
 }
 
@@ -61,6 +114,8 @@ impl fmt::Display for SinkError {
             SinkError::Connect(e) => write!(f, "cannot connect to Redis: {e}"),
             SinkError::Timeout => write!(f, "Redis did not answer within outbox.redis_timeout"),
             SinkError::ConnectionLost(e) => write!(f, "lost the Redis connection: {e}"),
+            SinkError::Refused(_, e) => write!(f, "Redis refused the push for a reason of its own: {e}"),
+            SinkError::Interrupted => write!(f, "the Redis operation was interrupted"),
         }
     }
 }
@@ -72,7 +127,8 @@ impl std::error::Error for SinkError {}
 pub struct BrokerConfig {
     /// `redis://` or `rediss://` (TLS).
     pub url: String,
-    /// Timeout of every connect, read and write.
+    /// The deadline of every operation: a connect (with TLS and AUTH), one
+    /// round trip of a push, a PING.
     pub timeout: Duration,
     /// PEM file of the certificate authorities trusted for `rediss://`;
     /// `None`: the system's. The server's certificate is verified either way.
@@ -80,58 +136,94 @@ pub struct BrokerConfig {
     /// File holding the password, which then stays out of the URL (and so
     /// out of the server log, where PostgreSQL prints a changed setting).
     pub password_file: Option<PathBuf>,
+    /// Most bytes of messages sent in one round trip; a batch above it is
+    /// pushed in several.
+    pub max_batch_bytes: usize,
 }
 
-/// Messages bound for one Redis list: pushed with a single multi-value LPUSH,
-/// in order, so that a BRPOP consumer sees them first to last.
+/// Messages bound for one Redis list: pushed with multi-value LPUSHes in
+/// order, so that a BRPOP consumer sees them first to last.
 #[derive(Debug, Default)]
 pub struct KeyBatch {
     pub key: String,
     pub messages: Vec<String>,
 }
 
+/// What became of one message of a push.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delivery {
+    /// In the list.
+    Delivered,
+    /// Redis answered an error that belongs to the message or its key.
+    Rejected(String),
+    /// Redis answered a condition of its own (label, reply): not delivered,
+    /// and not the message's fault.
+    Refused(&'static str, String),
+}
+
+/// How the server keeps what it is sent, as its configuration says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Persistence {
+    /// Neither snapshots nor an append-only file: a restart of Redis loses
+    /// every message not yet consumed.
+    None,
+    Snapshots,
+    AppendOnly,
+    SnapshotsAndAppendOnly,
+    /// The configuration could not be read (CONFIG is not allowed).
+    Unknown,
+}
+
+impl Persistence {
+    pub const ALL: [Persistence; 5] = [
+        Persistence::None,
+        Persistence::Snapshots,
+        Persistence::AppendOnly,
+        Persistence::SnapshotsAndAppendOnly,
+        Persistence::Unknown,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Persistence::None => "none",
+            Persistence::Snapshots => "rdb",
+            Persistence::AppendOnly => "aof",
+            Persistence::SnapshotsAndAppendOnly => "rdb+aof",
+            Persistence::Unknown => "unknown",
+        }
+    }
+
+    fn from_config(save: &Reply, appendonly: &Reply) -> Persistence {
+        let value = |reply: &Reply| match reply {
+            Reply::Array(Some(pair)) if pair.len() == 2 => pair[1].text(),
+            _ => None,
+        };
+        match (value(save), value(appendonly)) {
+            (Some(save), Some(aof)) => match (!save.trim().is_empty(), aof == "yes") {
+                (false, false) => Persistence::None,
+                (true, false) => Persistence::Snapshots,
+                (false, true) => Persistence::AppendOnly,
+                (true, true) => Persistence::SnapshotsAndAppendOnly,
+            },
+            _ => Persistence::Unknown,
+        }
+    }
+}
+
 pub struct Sink {
     config: BrokerConfig,
-    /// The parsed URL, before the files add to it.
-    info: ConnectionInfo,
-    connection: Option<Connection>,
+    url: BrokerUrl,
+    link: Option<Link>,
     display_url: String,
 }
 
 impl Sink {
     /// Parses the URL; connects lazily.
     pub fn new(config: &BrokerConfig) -> Result<Sink, SinkError> {
-        let display_url = redact_url(&config.url);
-        let info =
-            config.url.as_str().into_connection_info().map_err(|e| {
-                SinkError::InvalidConfig(format!("invalid outbox.redis_url {display_url}: {e}"))
-            })?;
-        Ok(Sink { config: config.clone(), info, connection: None, display_url })
-    }
-
-    /// A client for the next connection. The files are read each time, so
-    /// that a rotated password or CA file takes effect at the next connect.
-    fn client(&self) -> Result<Client, SinkError> {
-        let mut info = self.info.clone();
-        if let Some(path) = &self.config.password_file {
-            let text = read_setting_file("outbox.redis_password_file", path)?;
-            info.redis.password =
-                Some(String::from_utf8_lossy(&text).trim_end_matches(['\r', '\n']).to_string());
-        }
-        let tls = matches!(info.addr, ConnectionAddr::TcpTls { .. });
-        match self.config.tls_ca_file.as_ref().filter(|_| tls) {
-            Some(path) => {
-                let pem = read_setting_file("outbox.redis_tls_ca_file", path)?;
-                let certificates = TlsCertificates { client_tls: None, root_cert: Some(pem) };
-                Client::build_with_tls(info, certificates).map_err(|e| {
-                    SinkError::InvalidConfig(format!(
-                        "unusable outbox.redis_tls_ca_file {}: {e}",
-                        path.display()
-                    ))
-                })
-            }
-            None => Client::open(info).map_err(|e| SinkError::InvalidConfig(e.to_string())),
-        }
+        let display_url = broker_url::redact(&config.url);
+        let url = BrokerUrl::parse(&config.url)
+            .map_err(|e| SinkError::InvalidConfig(format!("invalid outbox.redis_url {display_url}: {e}")))?;
+        Ok(Sink { config: config.clone(), url, link: None, display_url })
     }
 
     /// The broker's address with any credentials masked.
@@ -140,76 +232,164 @@ impl Sink {
     }
 
     pub fn is_connected(&self) -> bool {
-        self.connection.is_some()
+        self.link.is_some()
     }
 
     pub fn disconnect(&mut self) {
-        self.connection = None;
+        self.link = None;
     }
 
-    /// Connects if not connected, and proves the connection with a PING.
-    pub fn connect(&mut self) -> Result<(), SinkError> {
-        if self.connection.is_none() {
-            let timeout = self.config.timeout;
-            let connection = self
-                .client()?
-                .get_connection_with_timeout(timeout)
-                .map_err(|e| SinkError::from_redis(&e, false))?;
-            for set in [Connection::set_read_timeout, Connection::set_write_timeout] {
-                set(&connection, Some(timeout)).map_err(|e| SinkError::Connect(e.to_string()))?;
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.config.timeout
+    }
+
+    /// Connects (TCP, TLS, AUTH, SELECT) and proves the connection with a
+    /// PING, all within one timeout; returns how the server persists data.
+    /// The files are read at each connect, so a rotated password or CA file
+    /// takes effect at the next one.
+    pub fn connect(&mut self, waiter: &mut dyn Wait) -> Result<Persistence, SinkError> {
+        self.link = None;
+        let deadline = self.deadline();
+        let password = match &self.config.password_file {
+            Some(path) => Some(password_from_file(path)?),
+            None => self.url.password.clone(),
+        };
+        let tls = self.url.tls.then(|| tls_config(self.config.tls_ca_file.as_deref())).transpose()?;
+        let mut link = Link::connect(&self.url.host, self.url.port, tls, waiter, deadline)
+            .map_err(|e| SinkError::from_link(e, false))?;
+
+        let mut commands = Vec::new();
+        let mut checked = 0;
+        if let Some(password) = &password {
+            match &self.url.username {
+                Some(user) => resp::command(&mut commands, &["AUTH", user, password]),
+                None => resp::command(&mut commands, &["AUTH", password]),
             }
-            self.connection = Some(connection);
+            checked += 1;
         }
-        self.ping()
+        if self.url.db != 0 {
+            resp::command(&mut commands, &["SELECT", &self.url.db.to_string()]);
+            checked += 1;
+        }
+        resp::command(&mut commands, &["PING"]);
+        resp::command(&mut commands, &["CONFIG", "GET", "save"]);
+        resp::command(&mut commands, &["CONFIG", "GET", "appendonly"]);
+        let replies = link
+            .round_trip(&commands, checked + 3, waiter, deadline)
+            .map_err(|e| SinkError::from_link(e, false))?;
+        // AUTH, SELECT and PING must succeed; CONFIG may be refused by ACLs.
+        if let (Some(_), Reply::Error(e)) = (&password, &replies[0]) {
+            return Err(SinkError::Connect(format!("AUTH refused: {e}")));
+        }
+        for reply in &replies[..=checked] {
+            if let Reply::Error(e) = reply {
+                return Err(SinkError::from_reply(e, false));
+            }
+        }
+        self.link = Some(link);
+        Ok(Persistence::from_config(&replies[checked + 1], &replies[checked + 2]))
     }
 
     /// One PING round trip; drops the connection when it fails.
-    pub fn ping(&mut self) -> Result<(), SinkError> {
-        let connection = self.connection.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
-        let result = redis::cmd("PING").query::<String>(connection);
-        result.map(drop).map_err(|e| self.fail(&e))
+    pub fn ping(&mut self, waiter: &mut dyn Wait) -> Result<(), SinkError> {
+        let deadline = self.deadline();
+        let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
+        let mut command = Vec::new();
+        resp::command(&mut command, &["PING"]);
+        let reply = link.round_trip(&command, 1, waiter, deadline);
+        match reply {
+            Ok(replies) => match &replies[0] {
+                Reply::Error(e) => Err(self.fail(SinkError::from_reply(e, true))),
+                _ => Ok(()),
+            },
+            Err(e) => Err(self.fail(SinkError::from_link(e, true))),
+        }
     }
 
-    /// Pushes every batch in one pipelined round trip. The outer error is the
-    /// broker's (nothing can be assumed delivered); the inner results are one
-    /// per batch, in order: `Err` holds the error Redis answered for that key
-    /// (e.g. WRONGTYPE), the fault of those events alone.
-    pub fn push(&mut self, batches: &[KeyBatch]) -> Result<Vec<Result<(), String>>, SinkError> {
-        let mut pipe = redis::pipe();
-        for batch in batches.iter().filter(|b| !b.messages.is_empty()) {
-            pipe.cmd("LPUSH").arg(&batch.key).arg(&batch.messages);
-        }
-        let packed = pipe.get_packed_pipeline();
-        let connection = self.connection.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
-        if let Err(e) = connection.send_packed_command(&packed) {
-            return Err(self.fail(&e));
-        }
-        let mut outcomes = Vec::with_capacity(batches.len());
-        for batch in batches {
-            if batch.messages.is_empty() {
-                outcomes.push(Ok(()));
-                continue;
+    /// Pushes every batch, in as few round trips as `max_batch_bytes`
+    /// allows, each with its own deadline. The outer error is the broker's
+    /// (nothing can be assumed delivered); otherwise one [`Delivery`] per
+    /// message, in the order of `batches` and their messages.
+    pub fn push(&mut self, batches: &[KeyBatch], waiter: &mut dyn Wait) -> Result<Vec<Delivery>, SinkError> {
+        let mut deliveries = Vec::with_capacity(batches.iter().map(|b| b.messages.len()).sum());
+        for trip in plan_round_trips(batches, self.config.max_batch_bytes) {
+            let mut commands = Vec::with_capacity(trip.bytes);
+            for command in &trip.commands {
+                let messages = &batches[command.batch].messages[command.messages.clone()];
+                resp::command_with_values(&mut commands, "LPUSH", &batches[command.batch].key, messages);
             }
-            let connection = self.connection.as_mut().expect("connected above");
-            match connection.recv_response() {
-                Ok(reply @ Value::ServerError(_)) => {
-                    let err = reply.extract_error().expect_err("a server error");
-                    outcomes.push(Err(err.to_string()));
-                }
-                Ok(_) => outcomes.push(Ok(())),
-                // Errors Redis answers arrive as values above; anything else
-                // (I/O, timeout, an unparsable reply) leaves the stream in an
-                // unknown state: the connection is done for.
-                Err(e) => return Err(self.fail(&e)),
+            let deadline = self.deadline();
+            let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
+            let replies = match link.round_trip(&commands, trip.commands.len(), waiter, deadline) {
+                Ok(replies) => replies,
+                Err(e) => return Err(self.fail(SinkError::from_link(e, true))),
+            };
+            for (command, reply) in trip.commands.iter().zip(replies) {
+                let delivery = match reply {
+                    Reply::Error(e) => match server_condition(&e) {
+                        Some(condition) => Delivery::Refused(condition, e),
+                        None => Delivery::Rejected(e),
+                    },
+                    _ => Delivery::Delivered,
+                };
+                deliveries.extend(std::iter::repeat_n(delivery, command.messages.len()));
             }
         }
-        Ok(outcomes)
+        Ok(deliveries)
     }
 
-    fn fail(&mut self, err: &redis::RedisError) -> SinkError {
-        self.connection = None;
-        SinkError::from_redis(err, true)
+    fn fail(&mut self, error: SinkError) -> SinkError {
+        self.link = None;
+        error
     }
+}
+
+/// One LPUSH: messages `messages` of batch `batch`.
+#[derive(Debug, PartialEq, Eq)]
+struct Command {
+    batch: usize,
+    messages: std::ops::Range<usize>,
+}
+
+/// Commands sent together and answered together.
+#[derive(Debug, Default)]
+struct RoundTrip {
+    commands: Vec<Command>,
+    bytes: usize,
+}
+
+/// Bytes of an LPUSH besides its values: the array header, the command
+/// name, and the key's length prefix.
+const COMMAND_OVERHEAD: usize = 32;
+
+/// Cuts `batches` into round trips of about `budget` bytes of commands at
+/// most, keeping each list's messages in order. A message larger than the
+/// budget travels alone.
+fn plan_round_trips(batches: &[KeyBatch], budget: usize) -> Vec<RoundTrip> {
+    let mut trips = vec![RoundTrip::default()];
+    for (b, batch) in batches.iter().enumerate() {
+        let size = |i: usize| resp::bulk_len(batch.messages[i].len());
+        let overhead = COMMAND_OVERHEAD + batch.key.len();
+        let mut start = 0;
+        while start < batch.messages.len() {
+            let mut bytes = overhead + size(start);
+            let full = trips.last().is_some_and(|t| !t.commands.is_empty() && t.bytes + bytes > budget);
+            if full {
+                trips.push(RoundTrip::default());
+            }
+            let trip = trips.last_mut().expect("never empty");
+            let mut end = start + 1;
+            while end < batch.messages.len() && trip.bytes + bytes + size(end) <= budget {
+                bytes += size(end);
+                end += 1;
+            }
+            trip.commands.push(Command { batch: b, messages: start..end });
+            trip.bytes += bytes;
+            start = end;
+        }
+    }
+    trips.retain(|t| !t.commands.is_empty());
+    trips
 }
 
 fn read_setting_file(setting: &str, path: &Path) -> Result<Vec<u8>, SinkError> {
@@ -217,32 +397,53 @@ fn read_setting_file(setting: &str, path: &Path) -> Result<Vec<u8>, SinkError> {
         .map_err(|e| SinkError::InvalidConfig(format!("cannot read {setting} {}: {e}", path.display())))
 }
 
-/// `redis://user:secret@host:6379/0` → `redis://***@host:6379/0`: logs,
-/// views and errors may show where the broker is, never a credential.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return "(unparsable URL)".to_string();
-    };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((_, host)) => format!("{scheme}://***@{host}{tail}"),
-        None => url.to_string(),
+fn password_from_file(path: &Path) -> Result<String, SinkError> {
+    let text = read_setting_file("outbox.redis_password_file", path)?;
+    let text = String::from_utf8_lossy(&text);
+    Ok(text.lines().next().unwrap_or("").to_string())
+}
+
+/// The TLS client configuration: the CA file's authorities, or the system's.
+fn tls_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, SinkError> {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            let unusable = |e: String| {
+                SinkError::InvalidConfig(format!("unusable outbox.redis_tls_ca_file {}: {e}", path.display()))
+            };
+            let pem = read_setting_file("outbox.redis_tls_ca_file", path)?;
+            for certificate in CertificateDer::pem_slice_iter(&pem) {
+                roots
+                    .add(certificate.map_err(|e| unusable(e.to_string()))?)
+                    .map_err(|e| unusable(e.to_string()))?;
+            }
+            if roots.is_empty() {
+                return Err(unusable("no certificate in it".into()));
+            }
+        }
+        None => {
+            let (added, _) = roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+            if added == 0 {
+                return Err(SinkError::InvalidConfig(
+                    "no system certificate authorities found for rediss://; set outbox.redis_tls_ca_file"
+                        .into(),
+                ));
+            }
+        }
     }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| SinkError::InvalidConfig(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn credentials_are_redacted() {
-        assert_eq!(redact_url("redis://u:pw@h:6379/0"), "redis://***@h:6379/0");
-        assert_eq!(redact_url("redis://:pw@h"), "redis://***@h");
-        assert_eq!(redact_url("rediss://user:p@ss@h:1/2?x=1"), "rediss://***@h:1/2?x=1");
-        assert_eq!(redact_url("redis://h:6379/0"), "redis://h:6379/0");
-        assert_eq!(redact_url("garbage"), "(unparsable URL)");
-    }
+    use crate::link::Poll;
 
     fn config(url: &str) -> BrokerConfig {
         BrokerConfig {
@@ -250,7 +451,81 @@ mod tests {
             timeout: Duration::from_secs(1),
             tls_ca_file: None,
             password_file: None,
+            max_batch_bytes: 1 << 20,
         }
+    }
+
+    #[test]
+    fn server_conditions_are_told_from_message_errors() {
+        assert_eq!(server_condition("OOM command not allowed when used memory > 'maxmemory'."), Some("oom"));
+        assert_eq!(
+            server_condition("READONLY You can't write against a read only replica."),
+            Some("readonly")
+        );
+        assert_eq!(server_condition("NOPERM this user has no permissions"), Some("noperm"));
+        assert_eq!(
+            server_condition("WRONGTYPE Operation against a key holding the wrong kind of value"),
+            None
+        );
+        assert_eq!(server_condition("ERR something new"), None);
+        assert_eq!(server_condition(""), None);
+    }
+
+    #[test]
+    fn every_reason_is_listed() {
+        let errors = [
+            SinkError::InvalidConfig(String::new()),
+            SinkError::Connect(String::new()),
+            SinkError::Timeout,
+            SinkError::ConnectionLost(String::new()),
+            SinkError::Refused("oom", String::new()),
+            SinkError::Interrupted,
+        ];
+        let reasons: Vec<_> = errors.iter().map(SinkError::reason).collect();
+        assert_eq!(reasons, SinkError::REASONS);
+    }
+
+    fn batch(key: &str, sizes: &[usize]) -> KeyBatch {
+        KeyBatch { key: key.into(), messages: sizes.iter().map(|n| "m".repeat(*n)).collect() }
+    }
+
+    #[test]
+    fn round_trips_respect_the_budget_and_keep_the_order() {
+        let batches = [batch("a", &[400, 400, 400]), batch("b", &[100, 2000, 100])];
+        let trips = plan_round_trips(&batches, 1000);
+        let plan: Vec<Vec<(usize, std::ops::Range<usize>)>> = trips
+            .iter()
+            .map(|t| t.commands.iter().map(|c| (c.batch, c.messages.clone())).collect())
+            .collect();
+        assert_eq!(
+            plan,
+            vec![
+                vec![(0, 0..2)],
+                vec![(0, 2..3), (1, 0..1)],
+                vec![(1, 1..2)], // larger than the budget: alone
+                vec![(1, 2..3)],
+            ]
+        );
+        for trip in &trips[..2] {
+            assert!(trip.bytes <= 1000, "{}", trip.bytes);
+        }
+        let all = plan_round_trips(&batches, usize::MAX);
+        assert_eq!(all.len(), 1);
+        assert_eq!(all[0].commands.len(), 2);
+    }
+
+    #[test]
+    fn persistence_is_read_from_the_configuration() {
+        let pair = |name: &str, value: &str| {
+            Reply::Array(Some(vec![Reply::Bulk(Some(name.into())), Reply::Bulk(Some(value.into()))]))
+        };
+        let p = |save, aof| Persistence::from_config(&pair("save", save), &pair("appendonly", aof));
+        assert_eq!(p("", "no"), Persistence::None);
+        assert_eq!(p("3600 1 300 100", "no"), Persistence::Snapshots);
+        assert_eq!(p("", "yes"), Persistence::AppendOnly);
+        assert_eq!(p("60 1", "yes"), Persistence::SnapshotsAndAppendOnly);
+        let refused = Reply::Error("NOPERM".into());
+        assert_eq!(Persistence::from_config(&refused, &refused), Persistence::Unknown);
     }
 
     #[test]
@@ -264,18 +539,18 @@ mod tests {
     fn an_unreadable_ca_file_is_refused_by_name() {
         let missing = PathBuf::from("/nonexistent/ca.pem");
         let tls = BrokerConfig { tls_ca_file: Some(missing.clone()), ..config("rediss://h:6379/0") };
-        let err = Sink::new(&tls).unwrap().connect().unwrap_err();
+        let err = Sink::new(&tls).unwrap().connect(&mut Poll).unwrap_err();
         assert_eq!(err.reason(), "invalid_config");
         assert!(err.to_string().contains("outbox.redis_tls_ca_file /nonexistent/ca.pem"), "{err}");
         // Plain redis:// ignores the CA file: the refusal comes from port 1.
         let plain = BrokerConfig { tls_ca_file: Some(missing), ..config("redis://127.0.0.1:1/0") };
-        assert_eq!(Sink::new(&plain).unwrap().connect().unwrap_err().reason(), "connect_failed");
+        assert_eq!(Sink::new(&plain).unwrap().connect(&mut Poll).unwrap_err().reason(), "connect_failed");
     }
 
     #[test]
     fn an_unreadable_password_file_is_refused_by_name() {
         let broker = BrokerConfig { password_file: Some("/nonexistent/pw".into()), ..config("redis://h/0") };
-        let err = Sink::new(&broker).unwrap().connect().unwrap_err();
+        let err = Sink::new(&broker).unwrap().connect(&mut Poll).unwrap_err();
         assert!(err.to_string().contains("cannot read outbox.redis_password_file /nonexistent/pw"), "{err}");
     }
 
@@ -283,10 +558,102 @@ mod tests {
     fn an_unreachable_broker_is_a_connect_error() {
         // Port 1 on loopback: nothing listens there, the refusal is immediate.
         let mut sink = Sink::new(&config("redis://127.0.0.1:1/0")).unwrap();
-        let err = sink.connect().unwrap_err();
+        let err = sink.connect(&mut Poll).unwrap_err();
         assert!(matches!(err, SinkError::Connect(_)), "{err:?}");
         assert!(!sink.is_connected());
-        let err = sink.push(&[KeyBatch { key: "q".into(), messages: vec!["m".into()] }]);
+        let err = sink.push(&[batch("q", &[1])], &mut Poll);
         assert!(matches!(err, Err(SinkError::ConnectionLost(_))));
+    }
+
+    #[test]
+    fn a_silent_server_times_out_within_one_deadline() {
+        // Accepts the connection (the kernel does, on listen) and never answers.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("redis://:pw@{}/0", listener.local_addr().unwrap());
+        let started = Instant::now();
+        let err = Sink::new(&config(&url)).unwrap().connect(&mut Poll).unwrap_err();
+        assert_eq!(err, SinkError::Timeout);
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(3), "{took:?}");
+    }
+
+    /// A redis-server of our own on a free port, stopped when dropped.
+    struct Server(std::process::Child, u16);
+
+    impl Server {
+        fn start(password: &str) -> Server {
+            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let child = std::process::Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .args(["--requirepass", password])
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .expect("redis-server (make deps installs it)");
+            let server = Server(child, port);
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+                assert!(Instant::now() < deadline, "redis-server did not start");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            server
+        }
+    }
+
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn run(sink: &mut Sink, commands: &[u8], replies: usize) -> Vec<Reply> {
+        let deadline = sink.deadline();
+        sink.link.as_mut().unwrap().round_trip(commands, replies, &mut Poll, deadline).unwrap()
+    }
+
+    #[test]
+    fn pushes_reach_a_real_redis_and_its_errors_are_told_apart() {
+        let server = Server::start("s3cret");
+        let url = format!("redis://:s3cret@127.0.0.1:{}/3", server.1);
+        let mut sink = Sink::new(&BrokerConfig { max_batch_bytes: 100, ..config(&url) }).unwrap();
+        assert_eq!(sink.connect(&mut Poll).unwrap(), Persistence::None);
+        sink.ping(&mut Poll).unwrap();
+
+        let mut admin = Sink::new(&config(&url)).unwrap();
+        admin.connect(&mut Poll).unwrap();
+        let mut setup = Vec::new();
+        resp::command(&mut setup, &["SET", "wrong", "a string"]);
+        run(&mut admin, &setup, 1);
+
+        let deliveries = sink.push(&[batch("q", &[60, 60, 60]), batch("wrong", &[5])], &mut Poll).unwrap();
+        assert_eq!(deliveries[..3], [Delivery::Delivered, Delivery::Delivered, Delivery::Delivered]);
+        assert!(
+            matches!(&deliveries[3], Delivery::Rejected(e) if e.starts_with("WRONGTYPE")),
+            "{deliveries:?}"
+        );
+        let mut length = Vec::new();
+        resp::command(&mut length, &["LLEN", "q"]);
+        let replies = run(&mut admin, &length, 1);
+        assert_eq!(replies, [Reply::Integer(3)]);
+
+        let mut full = Vec::new();
+        resp::command(&mut full, &["CONFIG", "SET", "maxmemory", "1"]);
+        resp::command(&mut full, &["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+        run(&mut admin, &full, 2);
+        let deliveries = sink.push(&[batch("q", &[10])], &mut Poll).unwrap();
+        assert!(matches!(&deliveries[0], Delivery::Refused("oom", _)), "{deliveries:?}");
+
+        let wrong = format!("redis://:wrong@127.0.0.1:{}/0", server.1);
+        let err = Sink::new(&config(&wrong)).unwrap().connect(&mut Poll).unwrap_err();
+        assert!(matches!(&err, SinkError::Connect(e) if e.starts_with("AUTH refused: WRONGPASS")), "{err:?}");
     }
 }

@@ -1,28 +1,32 @@
 -- Claim up to $1 due events for dispatcher $2, oldest due first. SKIP LOCKED
 -- lets any number of dispatchers claim side by side without waiting or
--- claiming twice. Served by events_pending_idx.
+-- claiming twice. The claim's time (processing_started_at, returned last)
+-- and $2 are its token: only the holder of both may record an outcome.
+-- Served by events_pending_idx. Names are qualified: nothing here resolves
+-- through a search_path (which the dispatcher also pins).
 WITH due AS (
     SELECT id
       FROM outbox.events
      WHERE status = 'pending'
-       AND available_at <= now()
+       AND available_at <= pg_catalog.now()
      ORDER BY available_at
      LIMIT $1
        FOR UPDATE SKIP LOCKED
 )
 UPDATE outbox.events AS e
    SET status = 'processing',
-       processing_started_at = now(),
+       processing_started_at = pg_catalog.now(),
        claimed_by = $2
   FROM due
  WHERE e.id = due.id
 RETURNING e.id,
           e.event_type,
-          e.payload::text,
+          e.payload::pg_catalog.text,
           e.queue,
           coalesce(e.task, e.event_type),
-          e.headers::text,
+          e.headers::pg_catalog.text,
           e.priority,
           e.retry_count,
-          e.created_at::text,
-          extract(epoch FROM e.created_at)::float8
+          e.created_at::pg_catalog.text,
+          pg_catalog.date_part('epoch', e.created_at),
+          e.processing_started_at

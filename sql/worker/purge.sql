@@ -6,14 +6,14 @@ WITH expired AS (
     (SELECT id
        FROM outbox.events
       WHERE status = 'processed'
-        AND processed_at < now() - $1 * interval '1 millisecond'
+        AND processed_at < pg_catalog.now() - $1 * interval '1 millisecond'
       LIMIT $2)
     UNION ALL
     (SELECT id
        FROM outbox.events
       WHERE $3
         AND status = 'dispatched'
-        AND dispatched_at < now() - $1 * interval '1 millisecond'
+        AND dispatched_at < pg_catalog.now() - $1 * interval '1 millisecond'
       LIMIT $2)
 )
 DELETE FROM outbox.events AS e

@@ -5,7 +5,7 @@ WITH stuck AS (
     SELECT id
       FROM outbox.events
      WHERE status = 'processing'
-       AND processing_started_at < now() - $1 * interval '1 millisecond'
+       AND processing_started_at < pg_catalog.now() - $1 * interval '1 millisecond'
      LIMIT $2
        FOR UPDATE SKIP LOCKED
 )

@@ -5,13 +5,13 @@ WITH unacked AS (
     SELECT id
       FROM outbox.events
      WHERE status = 'dispatched'
-       AND dispatched_at < now() - $1 * interval '1 millisecond'
+       AND dispatched_at < pg_catalog.now() - $1 * interval '1 millisecond'
      LIMIT $2
        FOR UPDATE SKIP LOCKED
 )
 UPDATE outbox.events AS e
    SET status = 'pending',
-       available_at = now(),
+       available_at = pg_catalog.now(),
        processing_started_at = NULL,
        claimed_by = NULL
   FROM unacked

@@ -1,31 +1,40 @@
 //! The dispatcher background worker: wait for a wake, claim, push, mark.
 //!
-//! The loop reads like PostgreSQL's worker_spi: handle signals, do one step
-//! of work, sleep on the latch until a commit wakes us or the next thing
-//! falls due. A step never blocks longer than `outbox.redis_timeout`, so
-//! SIGTERM and SIGHUP are answered promptly even while Redis is down.
+//! The loop reads like PostgreSQL's worker_spi: handle a reload, do one
+//! step of work, sleep on the latch until a commit wakes us or the next
+//! thing falls due. SIGTERM (`die`) ends the process wherever it waits: on
+//! the latch, on the Redis socket (see `wait.rs`) or on a lock.
 
 mod push;
+mod setup;
 mod signals;
 mod store;
+mod wait;
 
 use std::time::{Duration, Instant};
 
-use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags};
+use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime};
 use pgrx::prelude::*;
 
 use outbox_core::backoff;
-use outbox_core::sink::{redact_url, Sink, SinkError};
+use outbox_core::broker_url;
+use outbox_core::sink::{Persistence, Sink, SinkError};
 
 use crate::config::{self, Settings};
 use crate::metrics::{self, Counter, PushFailure, WakeSource};
 use crate::slots::{self, State};
-use push::RetryPolicy;
-use store::{Claim, Outcome, Store, SWEEP_BATCH};
+use push::{Pushed, RetryPolicy};
+use store::{Claim, Outcome, Store, StoreError, SWEEP_BATCH};
 
 /// How soon the postmaster restarts a dispatcher that exited: after an
 /// error, a `pg_terminate_backend`, or a database that does not exist.
 const RESTART_DELAY: Duration = Duration::from_secs(5);
+
+/// How soon a statement that failed (a lock not granted, say) is tried again.
+const STORE_RETRY: Duration = Duration::from_secs(1);
+
+/// Sweeper transactions per step: housekeeping gives way to the drain.
+const HOUSEKEEPING_BATCHES: usize = 10;
 
 /// Registers `count` dispatchers; `_PG_init` calls this while preloading.
 pub fn register(count: usize) {
@@ -46,7 +55,7 @@ pub fn register(count: usize) {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     let index = arg.value();
-    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    signals::install();
     let slot = slots::Own::take(index);
     // A database that does not exist ends this process with a FATAL inside
     // the connect, before anything could record why: say it beforehand, so
@@ -58,27 +67,43 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     )));
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
     slot.set_error(None);
-    relax_commit_durability();
-    return_large_buffers();
+    setup::pin_settings();
+    setup::return_large_buffers();
 
     let mut dispatcher = Dispatcher::new(index, slot, Settings::current());
     dispatcher.log_start();
-    while !shutdown_requested() {
-        if reload_requested() {
+    loop {
+        signals::reload_if_requested();
+        if signals::take_reloaded() {
             if config::database() != database {
                 log!("outbox dispatcher {index}: outbox.database changed; restarting to connect to it");
+                // Exit code 1: the postmaster starts us again. (A zero
+                // exit would unregister the worker until the next start.)
                 unsafe { pg_sys::proc_exit(1) }
             }
             dispatcher.reconfigure(Settings::current());
         }
-        let nap = dispatcher.step();
-        let timed_out = wait_for_wake(nap);
+        let nap = dispatcher.step().min(rest());
+        let timed_out = wait::for_wake(nap);
         dispatcher.count_wake(timed_out);
     }
-    log!("outbox dispatcher {index} stopping");
-    // Exit code 1: a zero exit would unregister the worker until the next
-    // server start, and a pg_terminate_backend must not do that.
-    unsafe { pg_sys::proc_exit(1) }
+}
+
+/// Before sleeping: show the dispatcher idle and flush its table
+/// statistics, as a backend does between queries. PostgreSQL flushes at
+/// most once a second; returns how soon the rest may be flushed, so the
+/// sleep ends then (`Duration::MAX` when nothing is left).
+fn rest() -> Duration {
+    // SAFETY: plain statistics and activity reporting.
+    let pending_ms = unsafe {
+        pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null());
+        pg_sys::pgstat_report_stat(false)
+    };
+    if pending_ms > 0 {
+        Duration::from_millis(pending_ms as u64)
+    } else {
+        Duration::MAX
+    }
 }
 
 struct Dispatcher {
@@ -87,7 +112,10 @@ struct Dispatcher {
     settings: Settings,
     store: Store,
     sink: Result<Sink, SinkError>,
+    waiter: wait::Broker,
     origin: String,
+    /// The last push's outcome, not yet recorded (a statement failed).
+    unsettled: Outcome,
     /// Consecutive failed connection attempts.
     reconnect_attempt: u32,
     /// No connection attempt before this.
@@ -96,6 +124,10 @@ struct Dispatcher {
     released_own: bool,
     /// The extension was found missing (and that was logged).
     extension_missing: bool,
+    /// The last statement failed (and `last_error` says why).
+    store_failing: bool,
+    /// The broker's lack of persistence was logged.
+    persistence_warned: bool,
     next_sweep: Instant,
     next_lifecycle: Instant,
     next_heartbeat: Instant,
@@ -107,13 +139,17 @@ impl Dispatcher {
             index,
             slot,
             sink: Sink::new(&settings.broker),
+            waiter: wait::Broker { config: settings.broker.clone() },
             settings,
             store: Store::new(index),
-            origin: format!("outbox_dispatch@{}", hostname()),
+            origin: setup::origin(),
+            unsettled: Outcome::default(),
             reconnect_attempt: 0,
             next_connect: None,
             released_own: false,
             extension_missing: false,
+            store_failing: false,
+            persistence_warned: false,
             next_sweep: Instant::now(),
             next_lifecycle: Instant::now(),
             next_heartbeat: Instant::now(),
@@ -137,20 +173,30 @@ impl Dispatcher {
 
     fn log_start(&self) {
         let s = &self.settings;
+        if let Some(set) = s.processing_timeout_set {
+            warning!(
+                "outbox dispatcher {}: outbox.processing_timeout ({}s) is shorter than the longest push \
+                 (outbox.redis_timeout per round trip of outbox.batch_size events of outbox.max_payload_bytes, \
+                 outbox.max_batch_bytes per round trip); using {}s",
+                self.index,
+                set.as_secs(),
+                s.processing_timeout.as_secs()
+            );
+        }
         log!(
             "outbox_dispatcher_starting worker={} database={} redis_url={} redis_password_file={:?} \
-             redis_tls_ca_file={:?} \
-             enabled={} batch_size={} \
+             redis_tls_ca_file={:?} enabled={} batch_size={} max_batch_bytes={} \
              poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
              reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
              ack_timeout={:?} sweep_interval={:?} retention={:?} lifecycle_interval={:?}",
             self.index,
             config::database(),
-            redact_url(&s.broker.url),
+            broker_url::redact(&s.broker.url),
             s.broker.password_file,
             s.broker.tls_ca_file,
             s.enabled,
             s.batch_size,
+            s.broker.max_batch_bytes,
             s.poll_interval,
             s.max_retries,
             s.retry_backoff,
@@ -172,6 +218,7 @@ impl Dispatcher {
         }
         if settings.broker != self.settings.broker {
             self.sink = Sink::new(&settings.broker);
+            self.waiter.config = settings.broker.clone();
             self.slot.set_connected(false);
             self.reconnect_attempt = 0;
             self.next_connect = None;
@@ -192,22 +239,27 @@ impl Dispatcher {
             self.slot.set_state(State::Paused);
             return poll;
         }
-        self.sweep_if_due();
+        if let Err(e) = self.housekeep_if_due() {
+            return self.store_failed(&e);
+        }
         if !self.connected() {
-            if !self.store.extension_exists().unwrap_or_else(|e| report_store_error(e)) {
-                return self.wait_for_extension();
+            match self.store.extension_exists() {
+                Err(e) => return self.store_failed(&e),
+                Ok(false) => return self.wait_for_extension(),
+                Ok(true) => {}
             }
             if let Some(wait) = self.connect() {
                 return wait;
             }
         }
         if !self.released_own {
-            let released = self.store.release_own().unwrap_or_else(|e| report_store_error(e));
-            if released > 0 {
-                log!(
+            match self.store.release_own() {
+                Err(e) => return self.store_failed(&e),
+                Ok(0) => {}
+                Ok(released) => log!(
                     "outbox dispatcher {} released {released} events it held before it restarted",
                     self.index
-                );
+                ),
             }
             self.released_own = true;
         }
@@ -222,14 +274,21 @@ impl Dispatcher {
             .fold(nap, Duration::min)
     }
 
-    /// Runs the sweepers whose time has come, each in bounded batches.
-    fn sweep_if_due(&mut self) {
+    /// Runs the sweepers whose time has come, when no other dispatcher is
+    /// at it, for at most [`HOUSEKEEPING_BATCHES`] transactions each; what
+    /// is left falls due again at once, after the next drain.
+    fn housekeep_if_due(&mut self) -> Result<(), StoreError> {
         let now = Instant::now();
+        if now < self.next_sweep && now < self.next_lifecycle {
+            return Ok(());
+        }
+        let Some(_turn) = self.slot.housekeeping() else {
+            return Ok(());
+        };
         let s = &self.settings;
         let (processing_timeout, ack_timeout, retention) = (s.processing_timeout, s.ack_timeout, s.retention);
         if now >= self.next_sweep {
-            self.next_sweep = now + self.settings.sweep_interval;
-            let rescued = self.sweep_all(|store| store.sweep_stuck(processing_timeout));
+            let (rescued, more_stuck) = self.sweep_some(|store| store.sweep_stuck(processing_timeout))?;
             metrics::add(Counter::StuckRescued, rescued);
             if rescued > 0 {
                 log!(
@@ -237,33 +296,58 @@ impl Dispatcher {
                     self.index
                 );
             }
-            if !ack_timeout.is_zero() {
-                let resent = self.sweep_all(|store| store.sweep_unacked(ack_timeout));
-                metrics::add(Counter::UnackedResent, resent);
-                if resent > 0 {
-                    log!(
-                        "outbox dispatcher {}: {resent} unacknowledged events will be sent again",
-                        self.index
-                    );
-                }
+            let (resent, more_unacked) = if ack_timeout.is_zero() {
+                (0, false)
+            } else {
+                self.sweep_some(|store| store.sweep_unacked(ack_timeout))?
+            };
+            metrics::add(Counter::UnackedResent, resent);
+            if resent > 0 {
+                log!("outbox dispatcher {}: {resent} unacknowledged events will be sent again", self.index);
             }
+            let more = more_stuck || more_unacked;
+            self.next_sweep = if more { now } else { now + self.settings.sweep_interval };
         }
         if now >= self.next_lifecycle {
-            self.next_lifecycle = now + self.settings.lifecycle_interval;
-            let purged = self.sweep_all(|store| store.purge(retention, ack_timeout.is_zero()));
+            let (purged, more) = self.sweep_some(|store| store.purge(retention, ack_timeout.is_zero()))?;
             metrics::add(Counter::Purged, purged);
+            self.next_lifecycle = if more { now } else { now + self.settings.lifecycle_interval };
         }
+        Ok(())
     }
 
-    /// Repeats a bounded sweep until it finds less than a full batch.
-    fn sweep_all(&mut self, mut sweep: impl FnMut(&mut Store) -> Result<u64, pgrx::spi::SpiError>) -> u64 {
+    /// Repeats a bounded sweep until it finds less than a full batch, for
+    /// at most [`HOUSEKEEPING_BATCHES`] transactions; returns the rows swept
+    /// and whether more may be left.
+    fn sweep_some(
+        &mut self,
+        mut sweep: impl FnMut(&mut Store) -> Result<u64, StoreError>,
+    ) -> Result<(u64, bool), StoreError> {
         let mut total = 0;
-        loop {
-            let n = sweep(&mut self.store).unwrap_or_else(|e| report_store_error(e));
+        for _ in 0..HOUSEKEEPING_BATCHES {
+            let n = sweep(&mut self.store)?;
             total += n;
-            if n < SWEEP_BATCH as u64 || interrupt_pending() {
-                return total;
+            if n < SWEEP_BATCH as u64 || signals::interrupt_pending() {
+                return Ok((total, n == SWEEP_BATCH as u64));
             }
+        }
+        Ok((total, true))
+    }
+
+    /// A statement failed and was rolled back: show why, try again soon.
+    fn store_failed(&mut self, error: &StoreError) -> Duration {
+        self.store_failing = true;
+        self.slot.set_state(State::Blocked);
+        let message = error.to_string();
+        self.slot.set_error(Some(&message));
+        log!("outbox dispatcher {}: {message}; trying again in {}s", self.index, STORE_RETRY.as_secs());
+        STORE_RETRY
+    }
+
+    /// A statement succeeded after failing: the error no longer applies.
+    fn store_recovered(&mut self) {
+        if std::mem::take(&mut self.store_failing) {
+            self.slot.set_error(None);
         }
     }
 
@@ -275,12 +359,9 @@ impl Dispatcher {
             return None;
         }
         self.next_heartbeat = now + self.settings.heartbeat_interval;
+        store::report_running(c"outbox: PING to Redis");
         let sink = self.sink.as_mut().expect("connected before the heartbeat");
-        let pinged = {
-            let _held = signals::hold();
-            sink.ping()
-        };
-        match pinged {
+        match sink.ping(&mut self.waiter) {
             Ok(()) => {
                 self.broker_answered();
                 None
@@ -315,19 +396,18 @@ impl Dispatcher {
         if let Some(at) = self.next_connect.filter(|at| *at > now) {
             return Some(at - now);
         }
+        store::report_running(c"outbox: connecting to Redis");
         let result = match &mut self.sink {
-            Ok(sink) => {
-                let _held = signals::hold();
-                sink.connect()
-            }
+            Ok(sink) => sink.connect(&mut self.waiter),
             Err(e) => Err(e.clone()),
         };
         match result {
-            Ok(()) => {
+            Ok(persistence) => {
+                let url = self.sink.as_ref().map_or("", Sink::display_url).to_string();
                 if self.reconnect_attempt > 0 {
-                    let url = self.sink.as_ref().map_or("", Sink::display_url);
                     log!("outbox dispatcher {} reconnected to Redis at {url}", self.index);
                 }
+                self.note_persistence(persistence, &url);
                 self.reconnect_attempt = 0;
                 self.next_connect = None;
                 self.slot.set_connected(true);
@@ -339,6 +419,19 @@ impl Dispatcher {
         }
     }
 
+    /// Shows how the broker keeps messages, and warns once when it keeps
+    /// them only in memory: "nothing lost" then ends at a Redis restart.
+    fn note_persistence(&mut self, persistence: Persistence, url: &str) {
+        self.slot.set_persistence(persistence);
+        if persistence == Persistence::None && !std::mem::replace(&mut self.persistence_warned, true) {
+            warning!(
+                "outbox dispatcher {}: Redis at {url} persists nothing (no RDB snapshots, no AOF): \
+                 messages in its lists are lost if it restarts",
+                self.index
+            );
+        }
+    }
+
     /// The broker just answered: that is as good as a heartbeat.
     fn broker_answered(&mut self) {
         self.slot.heartbeat();
@@ -346,7 +439,16 @@ impl Dispatcher {
     }
 
     /// Records a broker failure; returns the delay before the next attempt.
+    /// An interrupted operation (a reload changed the broker) is no failure:
+    /// the connection is dropped and the loop goes on at once.
     fn broker_failed(&mut self, error: &SinkError) -> Duration {
+        if let Ok(sink) = &mut self.sink {
+            sink.disconnect();
+        }
+        self.slot.set_connected(false);
+        if *error == SinkError::Interrupted {
+            return Duration::ZERO;
+        }
         let s = &self.settings;
         let delay = backoff::reconnect_delay(
             s.reconnect_delay_min,
@@ -358,7 +460,6 @@ impl Dispatcher {
         self.next_connect = Some(Instant::now() + delay);
         metrics::reconnect(error);
         self.slot.set_state(State::Reconnecting);
-        self.slot.set_connected(false);
         self.slot.set_error(Some(&error.to_string()));
         log!(
             "outbox dispatcher {}: {error} (reason {}); reconnecting in {:.1}s",
@@ -373,23 +474,24 @@ impl Dispatcher {
     /// long to sleep. Each batch's outcome is recorded in the transaction
     /// that claims the next one.
     fn drain(&mut self) -> Duration {
-        let policy = RetryPolicy {
-            max_retries: self.settings.max_retries,
-            backoff: self.settings.retry_backoff,
-            max_payload_bytes: self.settings.max_payload_bytes,
-        };
+        let policy =
+            RetryPolicy { max_retries: self.settings.max_retries, backoff: self.settings.retry_backoff };
         // Events given back with a backoff fall due before the poll.
         let mut nap = self.settings.poll_interval;
-        let mut settled = Outcome::default();
         loop {
-            let claim = self
-                .store
-                .settle_and_claim(&settled, self.settings.batch_size)
-                .unwrap_or_else(|e| report_store_error(e));
+            let settled = std::mem::take(&mut self.unsettled);
+            let claim = match self.store.settle_and_claim(&settled, self.settings.batch_size) {
+                Ok(claim) => claim,
+                Err(e) => {
+                    self.unsettled = settled;
+                    return self.store_failed(&e);
+                }
+            };
+            self.store_recovered();
             nap = nap.min(account(&settled));
-            let (events, next_due) = match claim {
+            let (events, claimed_at, next_due) = match claim {
                 Claim::NoExtension => return self.wait_for_extension(),
-                Claim::Claimed { events, next_due } => (events, next_due),
+                Claim::Claimed { events, claimed_at, next_due } => (events, claimed_at, next_due),
             };
             self.extension_missing = false;
             if events.is_empty() {
@@ -397,27 +499,49 @@ impl Dispatcher {
                 return next_due.map_or(nap, |due| due.min(nap));
             }
             self.slot.set_state(State::Draining);
+            store::report_running(c"outbox: pushing a batch to Redis");
             let sink = self.sink.as_mut().expect("connected before draining");
-            let pushed = {
-                let _held = signals::hold();
-                push::push(sink, &events, &self.origin, &policy)
-            };
-            settled = match pushed {
-                Ok(outcome) => outcome,
+            let pushed = push::push(sink, &mut self.waiter, &events, claimed_at, &self.origin, &policy);
+            match pushed {
+                Ok(Pushed { outcome, refused }) => {
+                    self.slot.add_dispatched(outcome.dispatched.len() as u64);
+                    if !outcome.dispatched.is_empty() {
+                        self.broker_answered();
+                    }
+                    self.unsettled = outcome;
+                    if let Some(refusal) = refused {
+                        self.settle();
+                        return self.broker_failed(&refusal);
+                    }
+                }
                 Err(e) => {
-                    metrics::push_failed(PushFailure::of(&e), events.len() as u64);
-                    self.store.release(events.iter().map(|e| e.id)).unwrap_or_else(|e| report_store_error(e));
+                    if e != SinkError::Interrupted {
+                        metrics::push_failed(PushFailure::of(&e), events.len() as u64);
+                    }
+                    let released = events.iter().map(|e| e.id).collect();
+                    self.unsettled = Outcome { claimed_at, released, ..Outcome::default() };
+                    self.settle();
                     return self.broker_failed(&e);
                 }
-            };
-            self.slot.add_dispatched(settled.dispatched.len() as u64);
-            if !settled.dispatched.is_empty() {
-                self.broker_answered();
             }
-            if interrupt_pending() {
-                self.store.settle(&settled).unwrap_or_else(|e| report_store_error(e));
-                account(&settled);
+            if signals::interrupt_pending() {
+                self.settle();
                 return Duration::ZERO;
+            }
+        }
+    }
+
+    /// Records the last push's outcome now, when no claim is to follow;
+    /// kept for the next attempt if the statement fails.
+    fn settle(&mut self) {
+        let settled = std::mem::take(&mut self.unsettled);
+        match self.store.settle(&settled) {
+            Ok(()) => {
+                account(&settled);
+            }
+            Err(e) => {
+                self.unsettled = settled;
+                self.store_failed(&e);
             }
         }
     }
@@ -432,83 +556,4 @@ fn account(settled: &Outcome) -> Duration {
     metrics::add(Counter::Retries, retries);
     metrics::add(Counter::DeadLetters, settled.failures.len() as u64 - retries);
     soonest
-}
-
-/// An SPI failure is not something the loop can repair: report it as an
-/// ERROR, which ends this dispatcher; the postmaster starts it again after
-/// `RESTART_DELAY`, and the restarted one releases what this one held.
-fn report_store_error(e: pgrx::spi::SpiError) -> ! {
-    error!("outbox dispatcher: {e}")
-}
-
-fn shutdown_requested() -> bool {
-    unsafe { (&raw const pg_sys::ShutdownRequestPending).read_volatile() != 0 }
-}
-
-fn interrupt_pending() -> bool {
-    shutdown_requested() || unsafe { (&raw const pg_sys::ConfigReloadPending).read_volatile() != 0 }
-}
-
-/// Re-reads the configuration files after a SIGHUP.
-fn reload_requested() -> bool {
-    unsafe {
-        if (&raw const pg_sys::ConfigReloadPending).read_volatile() == 0 {
-            return false;
-        }
-        (&raw mut pg_sys::ConfigReloadPending).write_volatile(0);
-        pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP);
-    }
-    true
-}
-
-/// Sleeps on the latch for at most `timeout`; a commit wake, SIGHUP or
-/// SIGTERM ends the sleep early. Exits at once if the postmaster died.
-/// Returns whether the time ran out.
-fn wait_for_wake(timeout: Duration) -> bool {
-    let ms = timeout.as_millis().min(i32::MAX as u128) as std::ffi::c_long;
-    let events = unsafe {
-        let events = pg_sys::WaitLatch(
-            pg_sys::MyLatch,
-            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-            ms,
-            pg_sys::PG_WAIT_EXTENSION,
-        );
-        pg_sys::ResetLatch(pg_sys::MyLatch);
-        events
-    };
-    check_for_interrupts!();
-    events & pg_sys::WL_TIMEOUT as i32 != 0
-}
-
-/// The dispatcher's own status changes need not wait for the WAL flush: a
-/// mark lost in a crash only re-sends the event with the same task id, and a
-/// lost claim leaves it pending. Never lost, at most sent twice.
-fn relax_commit_durability() {
-    unsafe {
-        pg_sys::SetConfigOption(
-            c"synchronous_commit".as_ptr(),
-            c"off".as_ptr(),
-            pg_sys::GucContext::PGC_SUSET,
-            pg_sys::GucSource::PGC_S_OVERRIDE,
-        );
-    }
-}
-
-/// A batch's buffers (messages, the packed pipeline) run to megabytes and
-/// vary in size from batch to batch. By default glibc raises its mmap
-/// threshold after the first such buffer is freed and serves the next ones
-/// from the heap, which then fragments and keeps the dispatcher's memory
-/// high. A fixed threshold maps every buffer over 128 kB and unmaps it when
-/// freed: memory stays flat however many events pass.
-fn return_large_buffers() {
-    // SAFETY: mallopt only tunes this process's allocator.
-    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "localhost".to_string())
 }

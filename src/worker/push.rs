@@ -1,21 +1,21 @@
-//! Claimed events → Celery messages grouped by Redis list → one pipelined
-//! push → what became of each event.
+//! Claimed events → Celery messages grouped by Redis list → a push → what
+//! became of each event.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use outbox_core::backoff;
 use outbox_core::celery::{self, TaskMessage};
-use outbox_core::sink::{KeyBatch, Sink, SinkError};
+use outbox_core::link::Wait;
+use outbox_core::sink::{Delivery, KeyBatch, Sink, SinkError};
 
-use super::store::{ClaimedEvent, Failure, Outcome};
+use super::store::{ClaimTime, ClaimedEvent, Failure, Outcome};
 use crate::metrics::{self, PushFailure};
 
 /// How the dispatcher treats one event's failure.
 pub struct RetryPolicy {
     pub max_retries: i32,
     pub backoff: Duration,
-    pub max_payload_bytes: usize,
 }
 
 impl RetryPolicy {
@@ -31,30 +31,30 @@ impl RetryPolicy {
     }
 }
 
-/// Encodes and pushes `events`. `Err` means the broker failed and nothing
-/// may be assumed delivered; the caller gives the whole batch back.
+/// What a push did: the outcome to record, and the condition the broker
+/// refused some events for, if it did (the dispatcher then backs off).
+pub struct Pushed {
+    pub outcome: Outcome,
+    pub refused: Option<SinkError>,
+}
+
+/// Encodes and pushes `events`, claimed at `claimed_at`. `Err` means the
+/// broker failed and nothing may be assumed delivered; the caller gives the
+/// whole batch back.
 pub fn push(
     sink: &mut Sink,
+    waiter: &mut dyn Wait,
     events: &[ClaimedEvent],
+    claimed_at: Option<ClaimTime>,
     origin: &str,
     policy: &RetryPolicy,
-) -> Result<Outcome, SinkError> {
-    let mut outcome = Outcome::default();
+) -> Result<Pushed, SinkError> {
+    let mut outcome = Outcome { claimed_at, ..Outcome::default() };
     let mut batches: Vec<KeyBatch> = Vec::new();
     let mut members: Vec<Vec<usize>> = Vec::new();
     let mut by_key: HashMap<String, usize> = HashMap::new();
 
     for (i, event) in events.iter().enumerate() {
-        if event.payload.len() > policy.max_payload_bytes {
-            let error = format!(
-                "payload is {} bytes, over outbox.max_payload_bytes ({})",
-                event.payload.len(),
-                policy.max_payload_bytes
-            );
-            outcome.failures.push(policy.failure(event, error, false));
-            metrics::push_failed(PushFailure::Unencodable, 1);
-            continue;
-        }
         let mut message = String::with_capacity(event.payload.len() * 2 + 1024);
         let encoded = celery::encode(
             &TaskMessage {
@@ -87,29 +87,33 @@ pub fn push(
     }
 
     if batches.is_empty() {
-        return Ok(outcome);
+        return Ok(Pushed { outcome, refused: None });
     }
-    let results = sink.push(&batches)?;
+    let deliveries = sink.push(&batches, waiter)?;
     let now =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let mut latencies = Vec::with_capacity(events.len());
-    for (result, indexes) in results.into_iter().zip(members) {
-        match result {
-            Ok(()) => {
-                outcome.dispatched.extend(indexes.iter().map(|i| events[*i].id));
-                latencies.extend(indexes.iter().map(|i| (now - events[*i].created_epoch).max(0.0)));
+    let mut refused = None;
+    for (delivery, i) in deliveries.into_iter().zip(members.into_iter().flatten()) {
+        let event = &events[i];
+        match delivery {
+            Delivery::Delivered => {
+                outcome.dispatched.push(event.id);
+                latencies.push((now - event.created_epoch).max(0.0));
             }
-            Err(error) => {
-                metrics::push_failed(PushFailure::RedisError, indexes.len() as u64);
-                let error = format!("Redis: {error}");
-                outcome
-                    .failures
-                    .extend(indexes.iter().map(|i| policy.failure(&events[*i], error.clone(), true)));
+            Delivery::Rejected(error) => {
+                metrics::push_failed(PushFailure::RedisError, 1);
+                outcome.failures.push(policy.failure(event, format!("Redis: {error}"), true));
+            }
+            Delivery::Refused(condition, error) => {
+                metrics::push_failed(PushFailure::Refused, 1);
+                outcome.released.push(event.id);
+                refused.get_or_insert(SinkError::Refused(condition, error));
             }
         }
     }
     if !latencies.is_empty() {
         metrics::observe_batch(&latencies);
     }
-    Ok(outcome)
+    Ok(Pushed { outcome, refused })
 }

@@ -1,39 +1,74 @@
-//! Holding signals back while the dispatcher talks to Redis.
-//!
-//! A socket read or write with a timeout is not restarted after a signal
-//! handler runs, SA_RESTART or not: it fails with EINTR. PostgreSQL signals
-//! its processes routinely (SIGUSR1 for invalidation catch-up, SIGHUP for a
-//! reload), and an interrupted Redis call would look like a broken
-//! connection: the batch given back, a reconnect after seconds. So signals
-//! wait while Redis is spoken to, never longer than `outbox.redis_timeout`,
-//! and are delivered as soon as the call returns; their handlers only set
-//! flags and the latch, which the loop looks at next.
+//! The dispatcher's signals, as PostgreSQL's own workers handle them
+//! (worker_spi): SIGTERM is `die`, so that a shutdown or
+//! `pg_terminate_backend` also ends a lock wait or a long statement at
+//! once; SIGHUP only notes a reload, which the loop (or a broker wait)
+//! performs. Nothing ever holds signals back: the Redis socket is waited on
+//! together with the latch (see `wait.rs`).
 
-use std::mem::MaybeUninit;
+use std::cell::Cell;
 
-/// Signals are held from `hold()` until this is dropped.
-pub struct Held(libc::sigset_t);
+use pgrx::prelude::*;
 
-pub fn hold() -> Held {
-    // SAFETY: plain sigset manipulation; the faults a program causes itself
-    // (SIGSEGV and kin) are left deliverable.
+unsafe extern "C-unwind" {
+    /// tcop/tcopprot.h and postmaster/interrupt.h: the handlers themselves,
+    /// not pgrx's guarded wrappers (a signal handler must be the C symbol).
+    fn die(signal: i32);
+    fn SignalHandlerForConfigReload(signal: i32);
+}
+
+thread_local! {
+    /// The configuration was re-read since the loop last looked.
+    static RELOADED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Installs the handlers and unblocks signals; the first thing a
+/// dispatcher does.
+pub fn install() {
+    // SAFETY: PostgreSQL's own handlers, installed as worker_spi does; the
+    // postmaster starts background workers with signals blocked.
     unsafe {
-        let mut all = MaybeUninit::<libc::sigset_t>::uninit();
-        libc::sigfillset(all.as_mut_ptr());
-        let mut all = all.assume_init();
-        for fault in [libc::SIGSEGV, libc::SIGBUS, libc::SIGFPE, libc::SIGILL, libc::SIGABRT] {
-            libc::sigdelset(&mut all, fault);
-        }
-        let mut previous = MaybeUninit::<libc::sigset_t>::uninit();
-        libc::pthread_sigmask(libc::SIG_BLOCK, &all, previous.as_mut_ptr());
-        Held(previous.assume_init())
+        pqsignal(pg_sys::SIGHUP as i32, SignalHandlerForConfigReload);
+        pqsignal(pg_sys::SIGTERM as i32, die);
+        pg_sys::BackgroundWorkerUnblockSignals();
     }
 }
 
-impl Drop for Held {
-    fn drop(&mut self) {
-        // SAFETY: restores the mask saved by `hold`; pending signals are
-        // delivered here.
-        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.0, std::ptr::null_mut()) };
+#[cfg(not(feature = "pg18"))]
+unsafe fn pqsignal(signal: i32, handler: unsafe extern "C-unwind" fn(i32)) {
+    pg_sys::pqsignal(signal, Some(handler));
+}
+
+#[cfg(feature = "pg18")]
+unsafe fn pqsignal(signal: i32, handler: unsafe extern "C-unwind" fn(i32)) {
+    pg_sys::pqsignal_be(signal, Some(handler));
+}
+
+/// Re-reads the configuration files if a SIGHUP asked for it; returns
+/// whether it did.
+pub fn reload_if_requested() -> bool {
+    // SAFETY: flags set by the signal handler, read and cleared on the
+    // main thread, as PostgreSQL's own workers do.
+    unsafe {
+        if (&raw const pg_sys::ConfigReloadPending).read_volatile() == 0 {
+            return false;
+        }
+        (&raw mut pg_sys::ConfigReloadPending).write_volatile(0);
+        pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP);
+    }
+    RELOADED.set(true);
+    true
+}
+
+/// Whether the configuration was re-read since the last call.
+pub fn take_reloaded() -> bool {
+    RELOADED.replace(false)
+}
+
+/// A SIGTERM or a reload is waiting: a long piece of work stops early.
+pub fn interrupt_pending() -> bool {
+    // SAFETY: reads of flags the handlers set.
+    unsafe {
+        (&raw const pg_sys::ProcDiePending).read_volatile() != 0
+            || (&raw const pg_sys::ConfigReloadPending).read_volatile() != 0
     }
 }

@@ -1,14 +1,18 @@
 //! The dispatcher's statements against `outbox.events` (the SQL is in
 //! sql/worker/). Each public function is one short transaction: no
-//! transaction is ever held open across broker I/O.
+//! transaction is ever held open across broker I/O. A statement's error
+//! (a lock not granted within `lock_timeout`, say) rolls the transaction
+//! back and comes back as a [`StoreError`]; the dispatcher shows it and
+//! tries again, it does not die of it.
 
+use std::ffi::CString;
 use std::time::Duration;
 
-use pgrx::bgworkers::BackgroundWorker;
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{PgBuiltInOids, PgOid};
 use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiError};
+use pgrx::{PgSqlErrorCode, PgTryBuilder};
 
 /// One claimed event, copied out of SPI memory.
 #[derive(Debug, Clone)]
@@ -26,25 +30,41 @@ pub struct ClaimedEvent {
     pub created_epoch: f64,
 }
 
+/// When a claim was made: with the dispatcher's index, the token that
+/// proves a row is still this claim's.
+pub type ClaimTime = TimestampWithTimeZone;
+
 /// What a claim found.
 pub enum Claim {
     /// The extension is not created in this database (yet, or any more).
     NoExtension,
     Claimed {
         events: Vec<ClaimedEvent>,
+        /// The claim's token; `None` when nothing was claimed.
+        claimed_at: Option<ClaimTime>,
         /// Set when the claim found nothing: how long until the earliest
         /// delayed event falls due, if any waits.
         next_due: Option<Duration>,
     },
 }
 
-/// What one push did to each event of its batch, to be recorded.
+/// What one push did to the events of one claim, to be recorded.
 #[derive(Default)]
 pub struct Outcome {
+    pub claimed_at: Option<ClaimTime>,
     /// In Redis.
     pub dispatched: Vec<uuid::Uuid>,
     /// Back to pending after a backoff, or to the dead letter.
     pub failures: Vec<Failure>,
+    /// Not delivered for the broker's reasons: back to pending at once, no
+    /// retry spent.
+    pub released: Vec<uuid::Uuid>,
+}
+
+impl Outcome {
+    pub fn is_empty(&self) -> bool {
+        self.dispatched.is_empty() && self.failures.is_empty() && self.released.is_empty()
+    }
 }
 
 /// An event that failed for a reason of its own.
@@ -56,17 +76,51 @@ pub struct Failure {
     pub delay: Duration,
 }
 
+/// A statement failed; its transaction was rolled back.
+#[derive(Debug, Clone)]
+pub enum StoreError {
+    /// Another session holds a lock the statement needed for longer than
+    /// the dispatcher's `lock_timeout`.
+    Locked(String),
+    /// Any other error PostgreSQL raised, or SPI refused.
+    Failed(String),
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreError::Locked(e) => {
+                write!(f, "waiting for a lock on outbox.events held by another session: {e}")
+            }
+            StoreError::Failed(e) => write!(f, "database error: {e}"),
+        }
+    }
+}
+
+impl From<SpiError> for StoreError {
+    fn from(e: SpiError) -> StoreError {
+        StoreError::Failed(e.to_string())
+    }
+}
+
+/// A prepared statement and its text, which `pg_stat_activity` shows while
+/// it runs.
+struct Statement {
+    plan: OwnedPreparedStatement,
+    text: CString,
+}
+
 /// The plans, prepared the first time the table exists and kept for the
 /// life of the dispatcher.
 struct Plans {
-    claim: OwnedPreparedStatement,
-    next_due: OwnedPreparedStatement,
-    mark_dispatched: OwnedPreparedStatement,
-    mark_failed: OwnedPreparedStatement,
-    release: OwnedPreparedStatement,
-    sweep_stuck: OwnedPreparedStatement,
-    sweep_unacked: OwnedPreparedStatement,
-    purge: OwnedPreparedStatement,
+    claim: Statement,
+    next_due: Statement,
+    mark_dispatched: Statement,
+    mark_failed: Statement,
+    release: Statement,
+    sweep_stuck: Statement,
+    sweep_unacked: Statement,
+    purge: Statement,
 }
 
 pub struct Store {
@@ -80,27 +134,46 @@ const FLOAT8_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8ARRAYOID);
 const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
 const FLOAT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8OID);
 const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
+const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 
 /// Rows a sweeper touches per transaction.
 pub const SWEEP_BATCH: usize = 1000;
 
 impl Plans {
     fn prepare(client: &SpiClient<'_>) -> Result<Plans, SpiError> {
-        let prepare = |sql: &str, args: &[PgOid]| client.prepare_mut(sql, args).map(|p| p.keep());
+        let prepare = |sql: &'static str, args: &[PgOid]| {
+            let plan = client.prepare_mut(sql, args)?.keep();
+            Ok::<_, SpiError>(Statement { plan, text: CString::new(sql).expect("no NUL in SQL files") })
+        };
         Ok(Plans {
             claim: prepare(include_str!("../../sql/worker/claim.sql"), &[INT4, INT4])?,
             next_due: prepare(include_str!("../../sql/worker/next_due.sql"), &[])?,
-            mark_dispatched: prepare(include_str!("../../sql/worker/mark_dispatched.sql"), &[UUID_ARRAY])?,
+            mark_dispatched: prepare(
+                include_str!("../../sql/worker/mark_dispatched.sql"),
+                &[UUID_ARRAY, INT4, TIMESTAMPTZ],
+            )?,
             mark_failed: prepare(
                 include_str!("../../sql/worker/mark_failed.sql"),
-                &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY, FLOAT8_ARRAY],
+                &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY, FLOAT8_ARRAY, INT4, TIMESTAMPTZ],
             )?,
-            release: prepare(include_str!("../../sql/worker/release.sql"), &[UUID_ARRAY, INT4])?,
+            release: prepare(include_str!("../../sql/worker/release.sql"), &[UUID_ARRAY, INT4, TIMESTAMPTZ])?,
             sweep_stuck: prepare(include_str!("../../sql/worker/sweep_stuck.sql"), &[FLOAT8, INT4])?,
             sweep_unacked: prepare(include_str!("../../sql/worker/sweep_unacked.sql"), &[FLOAT8, INT4])?,
             purge: prepare(include_str!("../../sql/worker/purge.sql"), &[FLOAT8, INT4, BOOL])?,
         })
     }
+}
+
+/// Runs `statement`, shown as the dispatcher's activity while it runs.
+fn update(client: &mut SpiClient<'_>, statement: &Statement, args: &[DatumWithOid]) -> Result<u64, SpiError> {
+    report_running(&statement.text);
+    Ok(client.update(&statement.plan, None, args)?.len() as u64)
+}
+
+/// `pg_stat_activity` shows the dispatcher running `what`.
+pub fn report_running(what: &std::ffi::CStr) {
+    // SAFETY: PostgreSQL copies the text.
+    unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_RUNNING, what.as_ptr()) };
 }
 
 fn extension_exists() -> bool {
@@ -110,6 +183,59 @@ fn extension_exists() -> bool {
 
 fn to_pg(ids: impl IntoIterator<Item = uuid::Uuid>) -> Vec<pgrx::Uuid> {
     ids.into_iter().map(|id| pgrx::Uuid::from_bytes(*id.as_bytes())).collect()
+}
+
+/// Runs `body` in a transaction of its own and commits it; an error
+/// PostgreSQL raises inside rolls it back and is returned. The table
+/// statistics are flushed as PostgreSQL's own workers flush them, so that
+/// autovacuum sees the dispatcher's writes.
+fn transaction<R>(body: impl FnOnce() -> Result<R, SpiError>) -> Result<R, StoreError> {
+    // SAFETY: the transaction calls of worker_spi, on the main thread,
+    // outside any transaction.
+    unsafe {
+        pg_sys::SetCurrentStatementStartTimestamp();
+        pg_sys::StartTransactionCommand();
+        pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+    }
+    let result = PgTryBuilder::new(std::panic::AssertUnwindSafe(move || match body() {
+        Ok(value) => {
+            // SAFETY: ends the transaction begun above.
+            unsafe {
+                pg_sys::PopActiveSnapshot();
+                pg_sys::CommitTransactionCommand();
+            }
+            Ok(value)
+        }
+        Err(e) => {
+            // SAFETY: rolls back the transaction begun above.
+            unsafe { pg_sys::AbortCurrentTransaction() };
+            Err(StoreError::from(e))
+        }
+    }))
+    .catch_others(|caught| {
+        let error = match &caught {
+            pg_sys::panic::CaughtError::PostgresError(report) => {
+                let message = report.message().to_string();
+                if report.sql_error_code() == PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE {
+                    StoreError::Locked(message)
+                } else {
+                    StoreError::Failed(message)
+                }
+            }
+            // A bug of ours: not something to carry on from.
+            _ => caught.rethrow(),
+        };
+        // SAFETY: the error was caught inside the transaction begun above.
+        unsafe { pg_sys::AbortCurrentTransaction() };
+        Err(error)
+    })
+    .execute();
+    // SAFETY: plain statistics and activity reporting.
+    unsafe {
+        pg_sys::pgstat_report_stat(false);
+        pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_IDLE, std::ptr::null());
+    }
+    result
 }
 
 impl Store {
@@ -122,10 +248,10 @@ impl Store {
     fn with_plans<R>(
         &mut self,
         body: impl FnOnce(&mut SpiClient<'_>, &Plans, i32) -> Result<R, SpiError>,
-    ) -> Result<Option<R>, SpiError> {
+    ) -> Result<Option<R>, StoreError> {
         let dispatcher = self.dispatcher;
         let plans = &mut self.plans;
-        BackgroundWorker::transaction(std::panic::AssertUnwindSafe(|| {
+        transaction(|| {
             if !extension_exists() {
                 *plans = None;
                 return Ok(None);
@@ -137,28 +263,20 @@ impl Store {
                 let plans = plans.as_ref().expect("prepared above");
                 body(client, plans, dispatcher).map(Some)
             })
-        }))
+        })
     }
 
     /// Is the extension created in this database?
-    pub fn extension_exists(&mut self) -> Result<bool, SpiError> {
+    pub fn extension_exists(&mut self) -> Result<bool, StoreError> {
         self.with_plans(|_, _, _| Ok(())).map(|found| found.is_some())
     }
 
     /// Returns to pending whatever this dispatcher held when it last died.
-    pub fn release_own(&mut self) -> Result<u64, SpiError> {
-        self.release_where(None)
-    }
-
-    /// Returns `ids` to pending without spending a retry.
-    pub fn release(&mut self, ids: impl IntoIterator<Item = uuid::Uuid>) -> Result<u64, SpiError> {
-        self.release_where(Some(to_pg(ids)))
-    }
-
-    fn release_where(&mut self, ids: Option<Vec<pgrx::Uuid>>) -> Result<u64, SpiError> {
+    pub fn release_own(&mut self) -> Result<u64, StoreError> {
         let released = self.with_plans(|client, plans, dispatcher| {
-            let args: [DatumWithOid; 2] = [ids.into(), dispatcher.into()];
-            Ok(client.update(&plans.release, None, &args)?.len() as u64)
+            let none: Option<Vec<pgrx::Uuid>> = None;
+            let no_claim: Option<ClaimTime> = None;
+            update(client, &plans.release, &[none.into(), dispatcher.into(), no_claim.into()])
         })?;
         Ok(released.unwrap_or(0))
     }
@@ -166,12 +284,14 @@ impl Store {
     /// Records `settled` (the previous push's outcome; may be empty) and
     /// claims up to `limit` due events, in one transaction: a dispatcher
     /// under load spends one transaction per batch, not two.
-    pub fn settle_and_claim(&mut self, settled: &Outcome, limit: usize) -> Result<Claim, SpiError> {
+    pub fn settle_and_claim(&mut self, settled: &Outcome, limit: usize) -> Result<Claim, StoreError> {
         let claimed = self.with_plans(|client, plans, dispatcher| {
-            mark(client, plans, settled)?;
+            mark(client, plans, dispatcher, settled)?;
             let args: [DatumWithOid; 2] = [(limit as i32).into(), dispatcher.into()];
-            let table = client.update(&plans.claim, None, &args)?;
+            report_running(&plans.claim.text);
+            let table = client.update(&plans.claim.plan, None, &args)?;
             let mut events = Vec::with_capacity(table.len());
+            let mut claimed_at = None;
             for row in table {
                 let Some(id) = row.get::<pgrx::Uuid>(1)? else {
                     continue;
@@ -188,75 +308,93 @@ impl Store {
                     created_at: row.get(9)?.unwrap_or_default(),
                     created_epoch: row.get(10)?.unwrap_or(0.0),
                 });
+                claimed_at = row.get::<ClaimTime>(11)?;
             }
             let next_due = if events.is_empty() {
-                let seconds: Option<f64> = client.select(&plans.next_due, None, &[])?.first().get_one()?;
+                report_running(&plans.next_due.text);
+                let seconds: Option<f64> =
+                    client.select(&plans.next_due.plan, None, &[])?.first().get_one()?;
                 seconds.map(|s| Duration::from_secs_f64(s.max(0.0)))
             } else {
                 None
             };
-            Ok(Claim::Claimed { events, next_due })
+            Ok(Claim::Claimed { events, claimed_at, next_due })
         })?;
         Ok(claimed.unwrap_or(Claim::NoExtension))
     }
 
     /// Records `settled` on its own, when no claim is to follow.
-    pub fn settle(&mut self, settled: &Outcome) -> Result<(), SpiError> {
-        self.with_plans(|client, plans, _| mark(client, plans, settled))?;
+    pub fn settle(&mut self, settled: &Outcome) -> Result<(), StoreError> {
+        self.with_plans(|client, plans, dispatcher| mark(client, plans, dispatcher, settled))?;
         Ok(())
     }
 
     /// Returns to pending up to [`SWEEP_BATCH`] events claimed longer than
     /// `timeout` ago.
-    pub fn sweep_stuck(&mut self, timeout: Duration) -> Result<u64, SpiError> {
+    pub fn sweep_stuck(&mut self, timeout: Duration) -> Result<u64, StoreError> {
         self.sweep(|p| &p.sweep_stuck, timeout, None)
     }
 
     /// Returns to pending up to [`SWEEP_BATCH`] events dispatched longer
     /// than `timeout` ago and never acknowledged.
-    pub fn sweep_unacked(&mut self, timeout: Duration) -> Result<u64, SpiError> {
+    pub fn sweep_unacked(&mut self, timeout: Duration) -> Result<u64, StoreError> {
         self.sweep(|p| &p.sweep_unacked, timeout, None)
     }
 
     /// Deletes up to [`SWEEP_BATCH`] finished events older than `retention`;
     /// with `acks_off`, dispatched ones count as finished.
-    pub fn purge(&mut self, retention: Duration, acks_off: bool) -> Result<u64, SpiError> {
+    pub fn purge(&mut self, retention: Duration, acks_off: bool) -> Result<u64, StoreError> {
         self.sweep(|p| &p.purge, retention, Some(acks_off))
     }
 
     fn sweep(
         &mut self,
-        plan: fn(&Plans) -> &OwnedPreparedStatement,
+        statement: fn(&Plans) -> &Statement,
         age: Duration,
         acks_off: Option<bool>,
-    ) -> Result<u64, SpiError> {
+    ) -> Result<u64, StoreError> {
         let swept = self.with_plans(|client, plans, _| {
             let mut args: Vec<DatumWithOid> =
                 vec![(age.as_secs_f64() * 1000.0).into(), (SWEEP_BATCH as i32).into()];
             args.extend(acks_off.map(DatumWithOid::from));
-            Ok(client.update(plan(plans), None, &args)?.len() as u64)
+            update(client, statement(plans), &args)
         })?;
         Ok(swept.unwrap_or(0))
     }
 }
 
-/// Records one push's outcome: `dispatched` are in Redis, `failures` go back
-/// to pending or to the dead letter.
-fn mark(client: &mut SpiClient<'_>, plans: &Plans, outcome: &Outcome) -> Result<(), SpiError> {
+/// Records one push's outcome for the rows its claim still holds:
+/// `dispatched` are in Redis, `failures` go back to pending or to the dead
+/// letter, `released` go back to pending as they were.
+fn mark(
+    client: &mut SpiClient<'_>,
+    plans: &Plans,
+    dispatcher: i32,
+    outcome: &Outcome,
+) -> Result<(), SpiError> {
+    let Some(claimed_at) = outcome.claimed_at.filter(|_| !outcome.is_empty()) else {
+        return Ok(());
+    };
     if !outcome.dispatched.is_empty() {
-        let args: [DatumWithOid; 1] = [to_pg(outcome.dispatched.iter().copied()).into()];
-        client.update(&plans.mark_dispatched, None, &args)?;
+        let ids = to_pg(outcome.dispatched.iter().copied());
+        update(client, &plans.mark_dispatched, &[ids.into(), dispatcher.into(), claimed_at.into()])?;
     }
     let failures = &outcome.failures;
     if !failures.is_empty() {
         let status = |f: &Failure| if f.dead { "failed" } else { "pending" }.to_string();
-        let args: [DatumWithOid; 4] = [
+        let args: [DatumWithOid; 6] = [
             to_pg(failures.iter().map(|f| f.id)).into(),
             failures.iter().map(status).collect::<Vec<_>>().into(),
             failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>().into(),
             failures.iter().map(|f| f.delay.as_secs_f64() * 1000.0).collect::<Vec<_>>().into(),
+            dispatcher.into(),
+            claimed_at.into(),
         ];
-        client.update(&plans.mark_failed, None, &args)?;
+        update(client, &plans.mark_failed, &args)?;
+    }
+    if !outcome.released.is_empty() {
+        let ids = to_pg(outcome.released.iter().copied());
+        update(client, &plans.release, &[Some(ids).into(), dispatcher.into(), Some(claimed_at).into()])?;
     }
     Ok(())
 }

@@ -1,0 +1,372 @@
+//! One connection to a Redis server: a non-blocking socket, TLS or not,
+//! whose every wait goes through the caller's [`Wait`].
+//!
+//! Nothing here blocks. Inside PostgreSQL the `Wait` is the process latch
+//! together with the socket (`WaitLatchOrSocket`), so that a signal is
+//! answered while Redis is slow; elsewhere it is [`Poll`]. Every operation
+//! has one deadline, however many system calls it takes.
+
+use std::io::{self, Read, Write};
+use std::mem::MaybeUninit;
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use rustls::pki_types::ServerName;
+
+use crate::resp::{self, ProtocolError, Reply};
+
+/// What a wait is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Interest {
+    Readable,
+    Writable,
+}
+
+/// The waiter was asked to give up (a signal asked the process to do
+/// something else first): the operation is abandoned, its outcome unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interrupted;
+
+/// How a link waits.
+pub trait Wait {
+    /// Returns when `socket` is ready for its interest (with `None`, when a
+    /// short while has passed), at `deadline` at the latest, or earlier for
+    /// no reason at all: callers try again and look at the clock.
+    fn wait(&mut self, socket: Option<(RawFd, Interest)>, deadline: Instant) -> Result<(), Interrupted>;
+}
+
+/// A [`Wait`] on poll(2), for programs without a latch (tests, examples).
+pub struct Poll;
+
+/// How long a wait without a socket sleeps before the caller looks again.
+pub const NAP: Duration = Duration::from_millis(20);
+
+impl Wait for Poll {
+    fn wait(&mut self, socket: Option<(RawFd, Interest)>, deadline: Instant) -> Result<(), Interrupted> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match socket {
+            None => std::thread::sleep(left.min(NAP)),
+            Some((fd, interest)) => {
+                let events = match interest {
+                    Interest::Readable => libc::POLLIN,
+                    Interest::Writable => libc::POLLOUT,
+                };
+                let mut pollfd = libc::pollfd { fd, events, revents: 0 };
+                let ms = left.as_millis().min(i32::MAX as u128) as i32;
+                // SAFETY: one valid pollfd; EINTR just returns early.
+                unsafe { libc::poll(&mut pollfd, 1, ms) };
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why a link failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkError {
+    /// The deadline passed.
+    Timeout,
+    Interrupted,
+    /// The host name did not resolve.
+    Resolve(String),
+    /// Connecting, reading or writing failed, or the server hung up.
+    Io(String),
+    /// The TLS handshake or a TLS record failed.
+    Tls(String),
+    Protocol(ProtocolError),
+}
+
+impl From<Interrupted> for LinkError {
+    fn from(_: Interrupted) -> LinkError {
+        LinkError::Interrupted
+    }
+}
+
+pub struct Link {
+    socket: TcpStream,
+    tls: Option<Box<rustls::ClientConnection>>,
+    /// Bytes received and not yet parsed.
+    inbox: Vec<u8>,
+}
+
+/// Read size; replies to pushes are a few bytes each.
+const READ_CHUNK: usize = 16 * 1024;
+
+impl Link {
+    /// Resolves `host`, connects to the first address that answers and, with
+    /// `tls`, completes the handshake, all before `deadline`.
+    pub fn connect(
+        host: &str,
+        port: u16,
+        tls: Option<Arc<rustls::ClientConfig>>,
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<Link, LinkError> {
+        let mut last_error = LinkError::Resolve(format!("{host} has no address"));
+        for address in resolve(host, port, waiter, deadline)? {
+            match connect_socket(address, waiter, deadline) {
+                Ok(socket) => {
+                    let mut link = Link { socket, tls: None, inbox: Vec::new() };
+                    if let Some(config) = tls {
+                        link.handshake(config, host, waiter, deadline)?;
+                    }
+                    return Ok(link);
+                }
+                Err(e @ (LinkError::Timeout | LinkError::Interrupted)) => return Err(e),
+                Err(e) => last_error = e,
+            }
+        }
+        Err(last_error)
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.socket.as_raw_fd()
+    }
+
+    fn handshake(
+        &mut self,
+        config: Arc<rustls::ClientConfig>,
+        host: &str,
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<(), LinkError> {
+        let name = ServerName::try_from(host.to_string())
+            .map_err(|e| LinkError::Tls(format!("{host} is not a valid TLS server name: {e}")))?;
+        let tls = rustls::ClientConnection::new(config, name).map_err(|e| LinkError::Tls(e.to_string()))?;
+        self.tls = Some(Box::new(tls));
+        while self.tls.as_ref().is_some_and(|t| t.is_handshaking()) {
+            self.exchange_tls(waiter, deadline)?;
+        }
+        self.flush_tls(waiter, deadline)
+    }
+
+    /// One step of TLS traffic: send what is pending, else receive.
+    fn exchange_tls(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(), LinkError> {
+        let fd = self.fd();
+        let tls = self.tls.as_mut().expect("a TLS link");
+        if tls.wants_write() {
+            match tls.write_tls(&mut self.socket) {
+                Ok(_) => Ok(()),
+                Err(e) => would_block(e, fd, Interest::Writable, waiter, deadline),
+            }
+        } else {
+            match tls.read_tls(&mut self.socket) {
+                Ok(0) => Err(LinkError::Io("the server closed the connection".into())),
+                Ok(_) => tls.process_new_packets().map(drop).map_err(|e| LinkError::Tls(e.to_string())),
+                Err(e) => would_block(e, fd, Interest::Readable, waiter, deadline),
+            }
+        }
+    }
+
+    fn flush_tls(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(), LinkError> {
+        while self.tls.as_ref().is_some_and(|t| t.wants_write()) {
+            self.exchange_tls(waiter, deadline)?;
+        }
+        Ok(())
+    }
+
+    /// Sends all of `data`.
+    pub fn send(&mut self, data: &[u8], waiter: &mut dyn Wait, deadline: Instant) -> Result<(), LinkError> {
+        let fd = self.fd();
+        let mut sent = 0;
+        while sent < data.len() {
+            let written = match self.tls.as_mut() {
+                // rustls takes plaintext up to its buffer limit; the records
+                // go out below.
+                Some(tls) => tls.writer().write(&data[sent..]),
+                None => self.socket.write(&data[sent..]),
+            };
+            match written {
+                Ok(n) => sent += n,
+                Err(e) if self.tls.is_none() => would_block(e, fd, Interest::Writable, waiter, deadline)?,
+                Err(e) => return Err(LinkError::Tls(e.to_string())),
+            }
+            self.flush_tls(waiter, deadline)?;
+        }
+        Ok(())
+    }
+
+    /// Receives one reply.
+    pub fn receive(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<Reply, LinkError> {
+        loop {
+            if let Some((reply, used)) = resp::parse(&self.inbox).map_err(LinkError::Protocol)? {
+                self.inbox.drain(..used);
+                return Ok(reply);
+            }
+            self.read_more(waiter, deadline)?;
+        }
+    }
+
+    /// Sends `commands` (already encoded) and receives `replies` replies.
+    pub fn round_trip(
+        &mut self,
+        commands: &[u8],
+        replies: usize,
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<Vec<Reply>, LinkError> {
+        self.send(commands, waiter, deadline)?;
+        (0..replies).map(|_| self.receive(waiter, deadline)).collect()
+    }
+
+    fn read_more(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(), LinkError> {
+        let fd = self.fd();
+        let mut chunk = [0u8; READ_CHUNK];
+        let Some(tls) = self.tls.as_mut() else {
+            return match self.socket.read(&mut chunk) {
+                Ok(0) => Err(LinkError::Io("the server closed the connection".into())),
+                Ok(n) => {
+                    self.inbox.extend_from_slice(&chunk[..n]);
+                    Ok(())
+                }
+                Err(e) => would_block(e, fd, Interest::Readable, waiter, deadline),
+            };
+        };
+        match tls.reader().read(&mut chunk) {
+            Ok(0) => Err(LinkError::Io("the server closed the TLS session".into())),
+            Ok(n) => {
+                self.inbox.extend_from_slice(&chunk[..n]);
+                Ok(())
+            }
+            // No plaintext yet: more records are needed.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.exchange_tls(waiter, deadline),
+            Err(e) => Err(LinkError::Io(e.to_string())),
+        }
+    }
+}
+
+/// A non-blocking call that could not proceed: wait for the socket (or fail
+/// at the deadline). Any other error ends the link.
+fn would_block(
+    e: io::Error,
+    fd: RawFd,
+    interest: Interest,
+    waiter: &mut dyn Wait,
+    deadline: Instant,
+) -> Result<(), LinkError> {
+    match e.kind() {
+        io::ErrorKind::WouldBlock => {
+            if Instant::now() >= deadline {
+                return Err(LinkError::Timeout);
+            }
+            waiter.wait(Some((fd, interest)), deadline)?;
+            Ok(())
+        }
+        io::ErrorKind::Interrupted => Ok(()),
+        _ => Err(LinkError::Io(e.to_string())),
+    }
+}
+
+/// The addresses of `host`. An IP address is used as it is; a name is
+/// resolved on a helper thread (getaddrinfo cannot be interrupted) while the
+/// caller keeps waiting on its own terms.
+fn resolve(
+    host: &str,
+    port: u16,
+    waiter: &mut dyn Wait,
+    deadline: Instant,
+) -> Result<Vec<SocketAddr>, LinkError> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    let (sender, receiver) = mpsc::channel();
+    let name = host.to_string();
+    spawn_without_signals(move || {
+        let _ = sender.send((name.as_str(), port).to_socket_addrs().map(Vec::from_iter));
+    })
+    .map_err(|e| LinkError::Resolve(format!("cannot start the resolver thread: {e}")))?;
+    loop {
+        match receiver.try_recv() {
+            Ok(Ok(addresses)) => return Ok(addresses),
+            Ok(Err(e)) => return Err(LinkError::Resolve(format!("cannot resolve {host}: {e}"))),
+            Err(mpsc::TryRecvError::Disconnected) => {
+                return Err(LinkError::Resolve(format!("cannot resolve {host}")));
+            }
+            Err(mpsc::TryRecvError::Empty) if Instant::now() >= deadline => return Err(LinkError::Timeout),
+            Err(mpsc::TryRecvError::Empty) => waiter.wait(None, deadline)?,
+        }
+    }
+}
+
+/// Spawns a thread with every signal blocked, so that the process's signal
+/// handlers keep running on the thread that owns them. The caller's mask is
+/// changed only for the moment the thread is created.
+fn spawn_without_signals(body: impl FnOnce() + Send + 'static) -> io::Result<()> {
+    // SAFETY: plain signal-mask manipulation around thread creation.
+    unsafe {
+        let mut all = MaybeUninit::<libc::sigset_t>::uninit();
+        libc::sigfillset(all.as_mut_ptr());
+        let mut previous = MaybeUninit::<libc::sigset_t>::uninit();
+        libc::pthread_sigmask(libc::SIG_BLOCK, all.as_ptr(), previous.as_mut_ptr());
+        let spawned = std::thread::Builder::new().name("outbox-resolve".into()).spawn(body);
+        libc::pthread_sigmask(libc::SIG_SETMASK, previous.as_ptr(), std::ptr::null_mut());
+        spawned.map(drop)
+    }
+}
+
+/// A non-blocking TCP connection to `address`, established before `deadline`.
+fn connect_socket(
+    address: SocketAddr,
+    waiter: &mut dyn Wait,
+    deadline: Instant,
+) -> Result<TcpStream, LinkError> {
+    let io_error = |what: &str| LinkError::Io(format!("{what} {address}: {}", io::Error::last_os_error()));
+    let family = if address.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: a new socket, owned by the TcpStream from here on.
+    let socket = unsafe {
+        let fd = libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(io_error("cannot create a socket for"));
+        }
+        TcpStream::from_raw_fd(fd)
+    };
+    socket.set_nodelay(true).map_err(|e| LinkError::Io(e.to_string()))?;
+    let (storage, length) = socket_address(address);
+    // SAFETY: storage holds a sockaddr of `length` bytes.
+    let started = unsafe { libc::connect(socket.as_raw_fd(), (&raw const storage).cast(), length) };
+    if started != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINPROGRESS) {
+        return Err(io_error("cannot connect to"));
+    }
+    loop {
+        // Connected, refused or still under way: SO_ERROR and the peer tell.
+        if socket.peer_addr().is_ok() {
+            return Ok(socket);
+        }
+        if let Ok(Some(e)) = socket.take_error() {
+            return Err(LinkError::Io(format!("cannot connect to {address}: {e}")));
+        }
+        if Instant::now() >= deadline {
+            return Err(LinkError::Timeout);
+        }
+        waiter.wait(Some((socket.as_raw_fd(), Interest::Writable)), deadline)?;
+    }
+}
+
+fn socket_address(address: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: an all-zero sockaddr_storage is valid; the family's own
+    // structure is written over its start.
+    unsafe {
+        let mut storage: libc::sockaddr_storage = std::mem::zeroed();
+        let length = match address {
+            SocketAddr::V4(a) => {
+                let sin = (&raw mut storage).cast::<libc::sockaddr_in>();
+                (*sin).sin_family = libc::AF_INET as libc::sa_family_t;
+                (*sin).sin_port = a.port().to_be();
+                (*sin).sin_addr = libc::in_addr { s_addr: u32::from(*a.ip()).to_be() };
+                size_of::<libc::sockaddr_in>()
+            }
+            SocketAddr::V6(a) => {
+                let sin6 = (&raw mut storage).cast::<libc::sockaddr_in6>();
+                (*sin6).sin6_family = libc::AF_INET6 as libc::sa_family_t;
+                (*sin6).sin6_port = a.port().to_be();
+                (*sin6).sin6_addr = libc::in6_addr { s6_addr: a.ip().octets() };
+                (*sin6).sin6_flowinfo = a.flowinfo();
+                (*sin6).sin6_scope_id = a.scope_id();
+                size_of::<libc::sockaddr_in6>()
+            }
+        };
+        (storage, length as libc::socklen_t)
+    }
+}

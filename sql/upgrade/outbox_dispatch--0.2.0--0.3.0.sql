@@ -1,0 +1,126 @@
+-- outbox_dispatch 0.2.0 → 0.3.0. Frozen once released: later changes go in
+-- a script of their own.
+\echo Use "ALTER EXTENSION outbox_dispatch UPDATE" to load this file. \quit
+
+-- A database that is not UTF8 is refused at CREATE EXTENSION from 0.3.0 on;
+-- an installation that exists already in one keeps working as before.
+
+-- pg_dump keeps the events: the table belongs to the extension, whose member
+-- tables are otherwise dumped empty.
+SELECT pg_catalog.pg_extension_config_dump('outbox.events', '');
+
+-- Every function pins its search_path: a superuser calling one must not
+-- resolve operators or functions through a schema the database owner
+-- controls. outbox_enqueue also measures the payload as its JSON text, the
+-- size the dispatcher sends.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
+    event_type text,
+    payload    jsonb,
+    queue      text     DEFAULT NULL,
+    task       text     DEFAULT NULL,
+    headers    jsonb    DEFAULT NULL,
+    delay      interval DEFAULT NULL,
+    priority   integer  DEFAULT 0
+) RETURNS uuid
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    max_name_bytes CONSTANT integer := 255;
+    max_payload    CONSTANT integer := @extschema@.outbox_max_payload_bytes();
+    resolved_queue CONSTANT text := coalesce(queue,
+                                      pg_catalog.current_setting('outbox.default_queue', true), 'celery');
+    -- Made here rather than returned by the INSERT: RETURNING would need
+    -- SELECT on outbox.events, which writers are not granted.
+    new_id         CONSTANT uuid := @extschema@.outbox_uuid_v7();
+    payload_bytes  CONSTANT integer := pg_catalog.octet_length(payload::text);
+BEGIN
+    -- One test for the common case; the ones inside say what is wrong.
+    IF event_type IS NULL OR payload IS NULL OR priority IS NULL
+       OR pg_catalog.octet_length(event_type) NOT BETWEEN 1 AND max_name_bytes
+       OR pg_catalog.octet_length(resolved_queue) NOT BETWEEN 1 AND max_name_bytes
+       OR pg_catalog.octet_length(task) NOT BETWEEN 1 AND max_name_bytes
+       OR payload_bytes > max_payload
+       OR pg_catalog.jsonb_typeof(headers) <> 'object'
+       OR delay < interval '0'
+       OR priority NOT BETWEEN 0 AND 9
+    THEN
+        IF event_type IS NULL OR event_type = '' THEN
+            RAISE EXCEPTION 'outbox_enqueue: event_type must not be null or empty'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF pg_catalog.octet_length(event_type) > max_name_bytes THEN
+            RAISE EXCEPTION 'outbox_enqueue: event_type is % bytes, the limit is % bytes',
+                pg_catalog.octet_length(event_type), max_name_bytes
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF resolved_queue = '' OR pg_catalog.octet_length(resolved_queue) > max_name_bytes THEN
+            RAISE EXCEPTION 'outbox_enqueue: queue is % bytes, it must be 1 to % bytes',
+                pg_catalog.octet_length(resolved_queue), max_name_bytes
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF task = '' OR pg_catalog.octet_length(task) > max_name_bytes THEN
+            RAISE EXCEPTION 'outbox_enqueue: task is % bytes, it must be 1 to % bytes',
+                pg_catalog.octet_length(task), max_name_bytes
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF payload IS NULL THEN
+            RAISE EXCEPTION 'outbox_enqueue: payload must not be null (use ''{}'' for a task without arguments)'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF payload_bytes > max_payload THEN
+            RAISE EXCEPTION 'outbox_enqueue: payload is % bytes of JSON, over outbox.max_payload_bytes (% bytes)',
+                payload_bytes, max_payload
+                USING ERRCODE = 'program_limit_exceeded';
+        END IF;
+        IF pg_catalog.jsonb_typeof(headers) <> 'object' THEN
+            RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, not %',
+                pg_catalog.jsonb_typeof(headers)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF delay < interval '0' THEN
+            RAISE EXCEPTION 'outbox_enqueue: delay must not be negative (got %)', delay
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        RAISE EXCEPTION 'outbox_enqueue: priority is %, it must be 0 (highest) to 9', priority
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+
+    INSERT INTO outbox.events (id, event_type, payload, queue, task, headers, priority, available_at)
+    VALUES (new_id, event_type, payload, resolved_queue, task, headers, priority,
+            pg_catalog.clock_timestamp() + coalesce(delay, interval '0'));
+    RETURN new_id;
+END
+$$;
+
+ALTER FUNCTION @extschema@.outbox_retry(uuid) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION @extschema@.outbox_retry_failed(interval) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION @extschema@.outbox_metrics() SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION @extschema@.outbox_metrics_prometheus() SET search_path = pg_catalog, pg_temp;
+
+-- outbox.workers shows how the broker persists what it is sent.
+DROP VIEW outbox.workers;
+DROP FUNCTION @extschema@.outbox_workers();
+CREATE FUNCTION @extschema@."outbox_workers"() RETURNS TABLE (
+	"worker" INT,
+	"pid" INT,
+	"state" TEXT,
+	"connected" bool,
+	"started_at" timestamp with time zone,
+	"last_heartbeat" timestamp with time zone,
+	"last_error" TEXT,
+	"events_dispatched" bigint,
+	"broker_persistence" TEXT
+)
+STRICT VOLATILE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'outbox_workers_wrapper';
+
+CREATE VIEW outbox.workers AS
+SELECT * FROM @extschema@.outbox_workers();
+
+COMMENT ON VIEW outbox.workers IS 'One row per dispatcher background worker.';
+
+REVOKE ALL ON FUNCTION @extschema@.outbox_workers() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION @extschema@.outbox_workers() TO pg_monitor;
+GRANT SELECT ON outbox.workers TO pg_monitor;

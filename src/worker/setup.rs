@@ -1,0 +1,66 @@
+//! What a dispatcher sets up once connected, before its loop: the settings
+//! it pins whatever the database and role settings say, the allocator, and
+//! the name it gives as the messages' origin.
+
+use std::ffi::CStr;
+
+use pgrx::prelude::*;
+
+/// Settings every dispatcher runs with, overriding `ALTER DATABASE … SET` and
+/// `ALTER ROLE … SET`: the database owner chooses those, and the dispatcher
+/// runs as the bootstrap superuser.
+const PINNED: [(&CStr, &CStr); 7] = [
+    // Names resolve in pg_catalog only: a function or operator planted in a
+    // schema the owner controls is never called with our rights.
+    (c"search_path", c"pg_catalog, pg_temp"),
+    // A mark lost in a crash only re-sends the event with the same task id,
+    // and a lost claim leaves it pending: never lost, at most sent twice.
+    (c"synchronous_commit", c"off"),
+    // A lock held by someone else delays dispatch visibly (state blocked,
+    // last_error), not silently and not forever.
+    (c"lock_timeout", c"1s"),
+    // No statement runs without end; none is cut short by the owner's limit.
+    (c"statement_timeout", c"5min"),
+    (c"idle_in_transaction_session_timeout", c"0"),
+    // SKIP LOCKED claims need read committed, and the dispatcher writes.
+    (c"default_transaction_isolation", c"read committed"),
+    (c"default_transaction_read_only", c"off"),
+];
+
+/// Pins [`PINNED`]; called once connected to the database, whose own
+/// settings are applied by then.
+pub fn pin_settings() {
+    for (name, value) in PINNED {
+        // SAFETY: setting a GUC by name on the main thread; an override
+        // beats the database, role and configuration-file sources.
+        unsafe {
+            pg_sys::SetConfigOption(
+                name.as_ptr(),
+                value.as_ptr(),
+                pg_sys::GucContext::PGC_SUSET,
+                pg_sys::GucSource::PGC_S_OVERRIDE,
+            );
+        }
+    }
+}
+
+/// A batch's buffers (messages, the packed commands) run to megabytes and
+/// vary in size from batch to batch. By default glibc raises its mmap
+/// threshold after the first such buffer is freed and serves the next ones
+/// from the heap, which then fragments and keeps the dispatcher's memory
+/// high. A fixed threshold maps every buffer over 128 kB and unmaps it when
+/// freed: memory stays flat however many events pass.
+pub fn return_large_buffers() {
+    // SAFETY: mallopt only tunes this process's allocator.
+    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
+}
+
+/// `outbox_dispatch@<host>`: the messages' `origin` header.
+pub fn origin() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_string());
+    format!("outbox_dispatch@{host}")
+}

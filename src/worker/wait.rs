@@ -1,0 +1,76 @@
+//! How a dispatcher waits: on its latch, together with the Redis socket
+//! when there is one, as PostgreSQL's walreceiver waits on libpq's socket.
+//!
+//! A commit's wake, a SIGHUP or a SIGTERM sets the latch and so ends any
+//! wait at once: SIGTERM exits here (`CHECK_FOR_INTERRUPTS`, with `die`
+//! installed), and a SIGHUP reloads the configuration and abandons the
+//! broker operation only when the broker's settings changed.
+
+use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
+
+use pgrx::prelude::*;
+
+use outbox_core::link::{Interest, Interrupted, Wait, NAP};
+use outbox_core::sink::BrokerConfig;
+
+use super::signals;
+use crate::config::Settings;
+
+/// Sleeps on the latch for at most `timeout`; returns whether the time ran
+/// out (rather than a wake). Exits if the postmaster died or a SIGTERM came.
+pub fn for_wake(timeout: Duration) -> bool {
+    let events = latch(None, timeout);
+    events & pg_sys::WL_TIMEOUT as i32 != 0
+}
+
+/// One `WaitLatchOrSocket`; the latch is reset and interrupts are
+/// processed before returning.
+fn latch(socket: Option<(RawFd, Interest)>, timeout: Duration) -> i32 {
+    let ms = timeout.as_millis().min(i32::MAX as u128) as std::ffi::c_long;
+    let mut wanted = pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH;
+    let fd = match socket {
+        Some((fd, Interest::Readable)) => {
+            wanted |= pg_sys::WL_SOCKET_READABLE;
+            fd
+        }
+        Some((fd, Interest::Writable)) => {
+            wanted |= pg_sys::WL_SOCKET_WRITEABLE;
+            fd
+        }
+        None => pg_sys::PGINVALID_SOCKET,
+    };
+    // SAFETY: the process latch and an open socket of ours.
+    let events = unsafe {
+        let events =
+            pg_sys::WaitLatchOrSocket(pg_sys::MyLatch, wanted as i32, fd, ms, pg_sys::PG_WAIT_EXTENSION);
+        if events & pg_sys::WL_LATCH_SET as i32 != 0 {
+            pg_sys::ResetLatch(pg_sys::MyLatch);
+        }
+        events
+    };
+    check_for_interrupts!();
+    events
+}
+
+/// The [`Wait`] of broker operations.
+pub struct Broker {
+    /// The broker settings the operation runs with: a reload that changes
+    /// them abandons it.
+    pub config: BrokerConfig,
+}
+
+impl Wait for Broker {
+    fn wait(&mut self, socket: Option<(RawFd, Interest)>, deadline: Instant) -> Result<(), Interrupted> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let timeout = if socket.is_some() { left } else { left.min(NAP) };
+        let events = latch(socket, timeout);
+        if events & pg_sys::WL_LATCH_SET as i32 != 0
+            && signals::reload_if_requested()
+            && Settings::current().broker != self.config
+        {
+            return Err(Interrupted);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,343 @@
+"""Trust inside the server: a hostile database owner gains nothing, every
+wait answers a shutdown within seconds, the broker's own conditions never
+dead-letter an event, pg_dump keeps the events, and the dispatchers report
+what they do as PostgreSQL's own workers do."""
+
+import socket
+import subprocess
+import threading
+import time
+
+import psycopg
+import pytest
+
+from harness import PG_BIN, Cluster, Redis, as_postgres, queued_ids, wait_until
+
+
+def enqueue(pg, n, queue, payload="{}", dbname="postgres"):
+    with pg.connect(dbname=dbname) as conn:
+        return [str(r[0]) for r in conn.execute(
+            "SELECT outbox_enqueue('trust', %s::jsonb, queue => %s) FROM generate_series(1, %s)",
+            (payload, queue, n)).fetchall()]
+
+
+def timed_fast_stop(pg):
+    started = time.monotonic()
+    pg.stop("fast")
+    return time.monotonic() - started
+
+
+# -- a hostile database owner ---------------------------------------------------
+
+ESCALATE = """
+CREATE FUNCTION public.escalate() RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    IF pg_catalog.current_setting('is_superuser') = 'on' THEN
+        EXECUTE 'ALTER ROLE mallory SUPERUSER';
+    END IF;
+    RETURN true;
+END $$;
+CREATE FUNCTION public.now() RETURNS timestamptz LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM public.escalate();
+    RETURN pg_catalog.clock_timestamp();
+END $$;
+CREATE FUNCTION public.min(timestamptz, timestamptz) RETURNS timestamptz LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.escalate(); RETURN pg_catalog.least($1, $2); END $$;
+CREATE AGGREGATE public.min(timestamptz) (sfunc = public.min, stype = timestamptz);
+CREATE FUNCTION public.date_part(text, timestamptz) RETURNS float8 LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.escalate(); RETURN 0; END $$;
+CREATE FUNCTION public.date_part(text, interval) RETURNS float8 LANGUAGE plpgsql AS $$
+BEGIN PERFORM public.escalate(); RETURN 0; END $$;
+"""
+
+# Operators the extension's statements use, each calling escalate().
+OPERATORS = [("=", "uuid", "pg_catalog.uuid_eq"), ("=", "integer", "pg_catalog.int4eq"),
+             (">=", "integer", "pg_catalog.int4ge"), ("<=", "integer", "pg_catalog.int4le"),
+             (">", "integer", "pg_catalog.int4gt"), ("<=", "timestamptz", "pg_catalog.timestamptz_le"),
+             ("<", "timestamptz", "pg_catalog.timestamptz_lt"), ("=", "timestamptz", "pg_catalog.timestamptz_eq")]
+
+
+def plant(conn):
+    conn.execute(ESCALATE)
+    for i, (op, type_, real) in enumerate(OPERATORS):
+        conn.execute(f"""
+            CREATE FUNCTION public.evil_op{i}(a {type_}, b {type_}) RETURNS boolean LANGUAGE plpgsql AS $$
+            BEGIN PERFORM public.escalate(); RETURN {real}(a, b); END $$;
+            CREATE OPERATOR public.{op} (leftarg = {type_}, rightarg = {type_}, function = public.evil_op{i})""")
+    conn.execute("ALTER DATABASE app SET search_path = public, pg_catalog")
+
+
+def test_a_hostile_database_owner_gains_nothing_and_events_still_flow(redis_server):
+    pg = Cluster(redis_server.url, database="app", poll_interval="1s", sweep_interval="1s",
+                 lifecycle_interval="1s", heartbeat_interval="1s")
+    try:
+        pg.sql("CREATE ROLE mallory LOGIN")
+        pg.sql("CREATE DATABASE app OWNER mallory")
+        with pg.connect(dbname="app") as conn:
+            conn.execute("CREATE EXTENSION outbox_dispatch")
+        with pg.connect(dbname="app", user="mallory") as conn:
+            plant(conn)
+        # Any restart of the dispatchers picks up the database's settings.
+        with pg.connect(dbname="app") as conn:
+            pid = wait_until(lambda: conn.execute("SELECT pid FROM outbox.workers").fetchone()[0], timeout=60,
+                             message="the dispatcher connected to app")
+            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            wait_until(lambda: conn.execute("SELECT pid FROM outbox.workers").fetchone()[0] not in (None, pid),
+                       timeout=60, message="a restarted dispatcher")
+        with pg.connect(dbname="app") as conn:
+            # A superuser working in that database, with the owner's search_path.
+            assert conn.execute("SHOW search_path").fetchone()[0] == "public, pg_catalog"
+            ids = [str(r[0]) for r in conn.execute(
+                "SELECT outbox_enqueue('hostile', '{}', queue => 'q_hostile', delay => interval '1 second') "
+                "FROM generate_series(1, 5)").fetchall()]
+            conn.execute("SELECT outbox_retry_failed()")
+            conn.execute("SELECT outbox_metrics_prometheus()")
+            conn.execute("TABLE outbox.metrics")
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_hostile")) == sorted(ids), timeout=60,
+                   message="delivery in the hostile database")
+        time.sleep(3)  # heartbeats, sweeps and purges run meanwhile
+        assert pg.value("SELECT rolsuper FROM pg_roles WHERE rolname = 'mallory'") is False
+        with pg.connect(dbname="app") as conn:
+            dispatchers = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'outbox dispatcher'").fetchone()[0]
+        assert dispatchers == 1
+    finally:
+        pg.close()
+
+
+# -- every wait answers a shutdown ------------------------------------------------
+
+class SilentBroker:
+    """Accepts connections and never says a word (a proxy whose backend is gone)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.held = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self):
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.mark.parametrize("scheme", ["redis", "rediss"])
+def test_a_silent_broker_times_out_a_reload_recovers_and_shutdown_is_prompt(redis_server, scheme):
+    silent = SilentBroker()
+    silent_url = f"{scheme}://:secret@127.0.0.1:{silent.port}/0"
+    pg = Cluster(silent_url, redis_timeout="2s", reconnect_delay_min="100ms", reconnect_delay_max="200ms")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        wait_until(lambda: "within outbox.redis_timeout" in (pg.value("SELECT last_error FROM outbox.workers") or ""),
+                   timeout=30, message="last_error to say timeout")
+        assert pg.metric("outbox_reconnects_total", reason="timeout") >= 1
+        # A long timeout now: the dispatcher sits in a connect for a minute
+        # unless a reload or a shutdown reaches it.
+        pg.configure(redis_timeout="60s")
+        time.sleep(3)
+        queue = f"q_silent_{scheme}"
+        ids = enqueue(pg, 3, queue)
+        started = time.monotonic()
+        pg.configure(redis_url=redis_server.url)
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), queue)) == sorted(ids), timeout=30,
+                   message="delivery after the reload")
+        assert time.monotonic() - started < 20
+        pg.configure(redis_url=silent_url)
+        enqueue(pg, 1, queue)
+        time.sleep(3)
+        assert timed_fast_stop(pg) < 10
+    finally:
+        pg.close()
+        silent.close()
+
+
+def test_a_table_lock_shows_in_workers_and_does_not_hold_up_shutdown(outbox, redis_server):
+    outbox.wait_idle()
+    ids = enqueue(outbox, 3, "q_locked")
+    wait_until(lambda: len(queued_ids(redis_server.client(), "q_locked")) == 3, message="the first events")
+    with outbox.connect(autocommit=False) as locker:
+        locker.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+        outbox.sql("SELECT outbox_wake()")
+        wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "blocked", timeout=30,
+                   message="the dispatcher to show the lock")
+        assert "lock" in outbox.value("SELECT last_error FROM outbox.workers")
+        locker.rollback()
+    more = enqueue(outbox, 2, "q_locked")
+    wait_until(lambda: set(queued_ids(redis_server.client(), "q_locked")) == set(ids + more), message="recovery")
+    wait_until(lambda: outbox.value("SELECT last_error FROM outbox.workers") is None, message="the error cleared")
+
+
+def test_a_lock_held_during_shutdown_does_not_delay_it(redis_server):
+    pg = Cluster(redis_server.url)
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.wait_idle()
+        locker = pg.connect(autocommit=False)
+        locker.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+        pg.sql("SELECT outbox_wake()")
+        wait_until(lambda: pg.value("SELECT state FROM outbox.workers") == "blocked", timeout=30,
+                   message="the dispatcher waiting on the lock")
+        assert timed_fast_stop(pg) < 10
+        locker.close()
+    finally:
+        pg.close()
+
+
+# -- the broker's conditions are not the events' fault ------------------------------
+
+@pytest.mark.parametrize("condition", ["oom", "readonly"])
+def test_a_refusing_broker_dead_letters_nothing(condition):
+    server = Redis()
+    pg = Cluster(server.url, reconnect_delay_min="200ms", reconnect_delay_max="500ms", max_retries=1)
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.wait_idle()
+        client = server.client()
+        if condition == "oom":
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", 1)
+        else:
+            client.execute_command("REPLICAOF", "127.0.0.1", "1")
+        ids = enqueue(pg, 10, "q_refused")
+        wait_until(lambda: pg.metric("outbox_broker_refusals_total", condition=condition) >= 2, timeout=30,
+                   message=f"the {condition} refusals counted")
+        assert pg.count("failed") == 0
+        assert condition.upper() in pg.value("SELECT last_error FROM outbox.workers")
+        if condition == "oom":
+            client.config_set("maxmemory", 0)
+        else:
+            client.execute_command("REPLICAOF", "NO", "ONE")
+        wait_until(lambda: sorted(queued_ids(client, "q_refused")) == sorted(ids), timeout=60,
+                   message="every event once the condition cleared")
+        assert pg.count("failed") == 0 and pg.count("dispatched") == 10
+        assert pg.metric("outbox_reconnects_total", reason="refused") >= 2
+    finally:
+        pg.close()
+        server.close()
+
+
+# -- pg_dump ---------------------------------------------------------------------
+
+def test_pg_dump_and_restore_keep_undelivered_events(redis_server):
+    pg = Cluster(redis_server.url, enabled="off")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        ids = enqueue(pg, 10, "q_dump")
+        dump = pg.dir / "app.dump"
+        as_postgres(PG_BIN / "pg_dump", "-h", pg.dir, "-p", pg.port, "-U", "postgres", "-Fc", "-f", dump, "postgres")
+        pg.sql("CREATE DATABASE restored")
+        as_postgres(PG_BIN / "pg_restore", "-h", pg.dir, "-p", pg.port, "-U", "postgres", "-d", "restored", dump)
+        with pg.connect(dbname="restored") as conn:
+            restored = [str(r[0]) for r in conn.execute(
+                "SELECT id FROM outbox.events WHERE status = 'pending' AND queue = 'q_dump'").fetchall()]
+        assert sorted(restored) == sorted(ids)
+    finally:
+        pg.close()
+
+
+# -- statistics and activity ---------------------------------------------------------
+
+def test_dispatchers_report_statistics_and_activity(outbox, redis_server):
+    outbox.wait_idle()
+    [pid] = outbox.dispatcher_pids()
+
+    def updates():
+        outbox.sql("SELECT pg_stat_clear_snapshot()")
+        return outbox.value("SELECT n_tup_upd FROM pg_stat_user_tables WHERE relid = 'outbox.events'::regclass")
+
+    before = updates()
+    enqueue(outbox, 1000, "q_stats")
+    wait_until(lambda: outbox.count("dispatched") == 1000, message="the events dispatched")
+    # Flushed while the dispatcher keeps running: it is the same process.
+    wait_until(lambda: updates() - before >= 2000, timeout=30, message="claims and marks in pg_stat_user_tables")
+    assert outbox.dispatcher_pids() == [pid]
+    query = outbox.value("SELECT query FROM pg_stat_activity WHERE pid = %s", (pid,))
+    assert "outbox" in query, query
+
+
+def test_a_broker_without_persistence_is_reported_once(outbox):
+    outbox.wait_idle()
+    assert outbox.value("SELECT broker_persistence FROM outbox.workers") == "none"
+    assert outbox.log_text().count("persists nothing (no RDB snapshots, no AOF)") >= 1
+
+
+# -- claims and sizes ----------------------------------------------------------------
+
+def test_a_stale_holder_cannot_record_an_outcome_for_a_claim_it_lost(outbox, redis_server):
+    outbox.configure(redis_timeout="30s")
+    outbox.wait_idle()
+    client = redis_server.client()
+    client.execute_command("CLIENT", "PAUSE", 4000, "WRITE")
+    ids = enqueue(outbox, 5, "q_stale")
+    wait_until(lambda: outbox.count("processing") == 5, message="the claim, its push held up")
+    # A sweeper gave the claim to another dispatcher meanwhile.
+    outbox.sql("UPDATE outbox.events SET claimed_by = 9, processing_started_at = now() WHERE status = 'processing'")
+    wait_until(lambda: sorted(queued_ids(client, "q_stale")) == sorted(ids), timeout=30,
+               message="the held-up push to finish")
+    outbox.sql("SELECT outbox_wake()")
+    outbox.wait_idle()
+    assert outbox.sql("SELECT DISTINCT status::text, claimed_by FROM outbox.events") == [("processing", 9)]
+
+
+def test_big_payloads_travel_in_several_round_trips_without_a_reconnect(outbox, redis_server):
+    outbox.configure(batch_size=1000, max_batch_bytes="1MB")
+    outbox.wait_idle()
+    reconnects = sum(v for (v,) in outbox.sql(
+        "SELECT value FROM outbox.metrics WHERE name = 'outbox_reconnects_total'"))
+    payload = '{"blob": "%s"}' % ("x" * (1024 * 1024 - 20))
+    ids = enqueue(outbox, 12, "q_big", payload=payload)
+    wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_big")) == sorted(ids), timeout=60,
+               message="every big event")
+    assert outbox.count("failed") == 0
+    assert sum(v for (v,) in outbox.sql(
+        "SELECT value FROM outbox.metrics WHERE name = 'outbox_reconnects_total'")) == reconnects
+
+
+def test_an_accepted_payload_is_never_dead_lettered_for_its_size(outbox, redis_server):
+    outbox.configure(enabled="off")
+    ids = enqueue(outbox, 2, "q_size", payload='{"blob": "%s"}' % ("y" * 5000))
+    outbox.configure(enabled="on", max_payload_bytes="1kB")
+    wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_size")) == sorted(ids), message="both events")
+    assert outbox.count("failed") == 0
+    # What enqueue measures is the JSON text, the size that is sent.
+    with outbox.connect() as conn:
+        with pytest.raises(psycopg.errors.ProgramLimitExceeded, match="bytes of JSON, over outbox.max_payload_bytes"):
+            conn.execute("SELECT outbox_enqueue('big', %s::jsonb)", ('{"blob": "%s"}' % ("z" * 2000),))
+
+
+# -- settings and encodings -------------------------------------------------------------
+
+def test_a_misspelled_setting_is_reported(redis_server):
+    pg = Cluster(redis_server.url, server_conf={"outbox.bach_size": 10})
+    try:
+        assert 'invalid configuration parameter name "outbox.bach_size"' in pg.log_text()
+    finally:
+        pg.close()
+
+
+def test_a_database_that_is_not_utf8_is_refused_clearly(cluster):
+    cluster.sql("DROP DATABASE IF EXISTS latin")
+    cluster.sql("CREATE DATABASE latin ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    with cluster.connect(dbname="latin") as conn:
+        with pytest.raises(psycopg.errors.FeatureNotSupported, match='needs a UTF8 database; database "latin" is LATIN1'):
+            conn.execute("CREATE EXTENSION outbox_dispatch")
+        assert conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname = 'outbox'").fetchone()[0] == 0
+
+
+def test_a_processing_timeout_shorter_than_a_push_is_raised_and_said(outbox):
+    outbox.configure(processing_timeout="1s", redis_timeout="5s")
+    wait_until(lambda: "outbox.processing_timeout (1s) is shorter than the longest push" in outbox.log_text(),
+               message="the warning")
