@@ -1,5 +1,18 @@
 # outbox_dispatch. `make demo` and `make test` install whatever is missing.
-PG_CONFIG ?= /usr/lib/postgresql/15/bin/pg_config
+#
+# One PostgreSQL major at a time: PG=15 (the default, Debian's packages),
+# PG=16 or PG=18 (relocatable builds from PyPI wheels, installed under
+# /opt/outbox_dispatch), or PG_CONFIG=/path/to/pg_config for any other
+# installation of 15 to 18 (its major is read from it).
+PG ?= 15
+ifeq ($(origin PG_CONFIG),undefined)
+PG_CONFIG := $(if $(filter 15,$(PG)),/usr/lib/postgresql/15/bin/pg_config,/opt/outbox_dispatch/pg$(PG)/bin/pg_config)
+PG_MAJOR := $(PG)
+else
+PG_MAJOR = $(shell $(PG_CONFIG) --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')
+endif
+FEATURES   = --no-default-features --features pg$(PG_MAJOR)
+PG_BIN     = $(shell $(PG_CONFIG) --bindir)
 PYTHON    := .venv/bin/python
 PYTEST_ARGS ?=
 
@@ -8,48 +21,48 @@ PYTEST_ARGS ?=
 all: build
 
 deps:
-	PG_CONFIG=$(PG_CONFIG) ./scripts/deps.sh
+	PG=$(PG_MAJOR) PG_CONFIG=$(PG_CONFIG) ./scripts/deps.sh
 
 build: deps
-	cargo build --release
+	cargo build --release $(FEATURES)
 
 EXTENSION_DIR = $(shell $(PG_CONFIG) --sharedir)/extension
 
 # Builds and installs into the PostgreSQL that PG_CONFIG names (release build),
 # with the install scripts of earlier versions and the upgrade scripts.
 install: deps
-	cargo pgrx install --release --pg-config $(PG_CONFIG)
+	cargo pgrx install --release --pg-config $(PG_CONFIG) $(FEATURES)
 	install -m 644 sql/releases/*.sql sql/upgrade/*.sql $(EXTENSION_DIR)/
 
 # The same with the quicker dev profile, for the tests.
 install-dev: deps
-	cargo pgrx install --pg-config $(PG_CONFIG)
+	cargo pgrx install --pg-config $(PG_CONFIG) $(FEATURES)
 	install -m 644 sql/releases/*.sql sql/upgrade/*.sql $(EXTENSION_DIR)/
 
 unit: deps
 	cargo test -p outbox_core
 
 integration: install-dev
-	$(PYTHON) -m pytest -v tests $(PYTEST_ARGS)
+	PG_BIN=$(PG_BIN) $(PYTHON) -m pytest -v tests $(PYTEST_ARGS)
 
 test: unit integration
 
 # An archive to install on a server without Rust (see the README).
 package: deps
-	PG_CONFIG=$(PG_CONFIG) ./scripts/package.sh
+	PG_CONFIG=$(PG_CONFIG) FEATURES="$(FEATURES)" ./scripts/package.sh
 
 demo: install
-	./scripts/demo.sh start
+	PG_BIN=$(PG_BIN) ./scripts/demo.sh start
 
 stop:
-	./scripts/demo.sh stop
+	PG_BIN=$(PG_BIN) ./scripts/demo.sh stop
 
 # Throughput, latency and enqueue cost against the raw ceilings (release
 # build; about 10 minutes; sizes: BENCH_* variables, see bench/run.py).
 bench: install
 	.venv/bin/pip install -q -r bench/requirements.txt
 	cargo build --release -p outbox_core --example push_ceiling
-	$(PYTHON) bench/run.py
+	PG_BIN=$(PG_BIN) $(PYTHON) bench/run.py
 
 clean:
 	cargo clean

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `demo.sh start`: a PostgreSQL 15 cluster with outbox_dispatch preloaded, a
+# `demo.sh start`: a PostgreSQL cluster (PG_BIN, 15 by default) with outbox_dispatch preloaded, a
 # Redis and a Celery worker, all under $DEMO_DIR; enqueues events and shows
 # them executed. `demo.sh stop` stops all three.
 set -euo pipefail
@@ -34,7 +34,7 @@ start() {
     redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
         --dir "$DEMO_DIR" --daemonize yes --logfile "$DEMO_DIR/redis.log"
 
-    echo "== PostgreSQL 15 on port $PG_PORT (socket in $DEMO_DIR), as the postgres user"
+    echo "== PostgreSQL $("$PG_BIN/postgres" --version | cut -d" " -f3) on port $PG_PORT (socket in $DEMO_DIR), as the postgres user"
     as_postgres "$PG_BIN/initdb" -D "$DEMO_DIR/data" -U postgres --auth=trust -E UTF8 --locale=C >/dev/null
     cat >> "$DEMO_DIR/data/postgresql.conf" <<CONF
 port = $PG_PORT

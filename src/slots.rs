@@ -1,5 +1,5 @@
 //! The dispatchers' slots in shared memory: who each dispatcher is (its
-//! `pgprocno`, so that committing backends can set its latch), what it is
+//! proc number, so that committing backends can set its latch), what it is
 //! doing, and its last error, for `outbox.workers`.
 //!
 //! Everything a committing backend touches is an atomic: waking the
@@ -147,6 +147,18 @@ pub fn wake_all(source: WakeSource) {
     }
 }
 
+/// This process's index in `ProcGlobal->allProcs`: `MyProc->pgprocno`
+/// until PostgreSQL 16, `MyProcNumber` since 17.
+#[cfg(any(feature = "pg15", feature = "pg16"))]
+unsafe fn my_procno() -> i32 {
+    (*pg_sys::MyProc).pgprocno
+}
+
+#[cfg(any(feature = "pg17", feature = "pg18"))]
+unsafe fn my_procno() -> i32 {
+    pg_sys::MyProcNumber
+}
+
 /// The running dispatcher's handle on its slot.
 pub struct Own(usize);
 
@@ -156,8 +168,7 @@ impl Own {
     pub fn take(index: usize) -> Own {
         let slot = &slots().expect("dispatchers run only when preloaded").slots[index];
         // SAFETY: a background worker has a PGPROC by the time it runs.
-        let (procno, pid, now) =
-            unsafe { ((*pg_sys::MyProc).pgprocno, pg_sys::MyProcPid, pg_sys::GetCurrentTimestamp()) };
+        let (procno, pid, now) = unsafe { (my_procno(), pg_sys::MyProcPid, pg_sys::GetCurrentTimestamp()) };
         slot.pid.store(pid, Ordering::Relaxed);
         slot.started_at.store(now, Ordering::Relaxed);
         slot.connected.store(false, Ordering::Relaxed);

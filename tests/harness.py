@@ -1,4 +1,5 @@
-"""Real services for the integration tests: a PostgreSQL 15 cluster with the
+"""Real services for the integration tests: a PostgreSQL cluster (PG_BIN, as
+`make test PG=…` sets it; 15 by default) with the
 extension preloaded (run as the postgres user), a redis-server and a Celery
 worker. Every service gets a fresh directory under /tmp and a free port, so
 leftovers of an earlier run never get in the way."""
@@ -112,7 +113,7 @@ def queued_ids(client, key):
 
 
 class Cluster:
-    """A PostgreSQL 15 cluster with outbox_dispatch preloaded."""
+    """A PostgreSQL cluster with outbox_dispatch preloaded."""
 
     def __init__(self, redis_url, preload=True, server_conf=None, **settings):
         """`settings` are outbox.* settings; `server_conf` overrides any other
@@ -194,8 +195,11 @@ class Cluster:
         return [r[0] for r in self.sql("SELECT pid FROM outbox.workers WHERE pid IS NOT NULL")]
 
     def wait_idle(self):
-        wait_until(lambda: self.value("SELECT bool_and(state = 'idle') FROM outbox.workers"),
-                   timeout=60, message="idle dispatchers")
+        try:
+            wait_until(lambda: self.value("SELECT bool_and(state = 'idle') FROM outbox.workers"),
+                       timeout=60, message="idle dispatchers")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {self.sql('TABLE outbox.workers')}\n{self.log_text()[-3000:]}") from None
 
     def count(self, status):
         return self.value("SELECT count(*) FROM outbox.events WHERE status = %s", (status,))

@@ -6,15 +6,19 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from harness import Cluster, queued_ids, wait_until
+from harness import PG_BIN, Cluster, queued_ids, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
+PG_CONFIG = str(PG_BIN / "pg_config")
+MAJOR = subprocess.run([PG_CONFIG, "--version"], check=True, capture_output=True, text=True).stdout.split()[1].split(".")[0]
 
 
 def test_the_archive_installs_and_runs(redis_server):
-    built = subprocess.run(["./scripts/package.sh"], cwd=ROOT, env=dict(os.environ, PACKAGE_PROFILE="dev"),
+    built = subprocess.run(["./scripts/package.sh"], cwd=ROOT,
+                           env=dict(os.environ, PACKAGE_PROFILE="dev", PG_CONFIG=PG_CONFIG),
                            check=True, capture_output=True, text=True)
     archive = ROOT / built.stdout.strip().splitlines()[-1]
+    assert f"-pg{MAJOR}-" in archive.name
     with tempfile.TemporaryDirectory() as unpacked, tarfile.open(archive) as tar:
         names = {Path(n).name for n in tar.getnames()}
         assert {"outbox_dispatch.so", "outbox_dispatch.control", "outbox_dispatch--0.3.0.sql", "outbox_dispatch--0.2.0.sql",
@@ -22,8 +26,15 @@ def test_the_archive_installs_and_runs(redis_server):
                 "outbox_dispatch--0.2.0--0.3.0.sql", "install.sh"} <= names
         tar.extractall(unpacked)
         [top] = Path(unpacked).iterdir()
-        pg_config = "/usr/lib/postgresql/15/bin/pg_config"
-        subprocess.run([str(top / "install.sh")], env=dict(os.environ, PG_CONFIG=pg_config),
+        # A server of another major is refused, and nothing is copied.
+        other = Path(unpacked) / "other_pg_config"
+        other.write_text("#!/bin/sh\necho 'PostgreSQL 14.11'\n")
+        other.chmod(0o755)
+        refused = subprocess.run([str(top / "install.sh")], env=dict(os.environ, PG_CONFIG=str(other)),
+                                 capture_output=True, text=True)
+        assert refused.returncode != 0
+        assert f"is for PostgreSQL {MAJOR}; {other} is PostgreSQL 14" in refused.stderr
+        subprocess.run([str(top / "install.sh")], env=dict(os.environ, PG_CONFIG=PG_CONFIG),
                        check=True, capture_output=True)
 
     pg = Cluster(redis_server.url)
