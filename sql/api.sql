@@ -1,5 +1,5 @@
 -- outbox_dispatch: the SQL API and the views. Runs last, after the
--- functions written in Rust (src/api.rs, src/metrics.rs) exist.
+-- functions written in Rust (src/api.rs, src/views.rs) exist.
 
 ALTER TABLE outbox.events ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7();
 

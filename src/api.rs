@@ -5,8 +5,8 @@ use std::ffi::{c_char, CString};
 
 use pgrx::prelude::*;
 
-use crate::metrics::{self, Counter};
-use crate::{config, slots, wake};
+use crate::counters::{self, Counter};
+use crate::{config, wake};
 
 extern "C-unwind" {
     /// commands/async.h, which pgrx does not bind.
@@ -47,7 +47,7 @@ fn outbox_ack(id: pgrx::Uuid) -> bool {
     })
     .unwrap_or_else(|e| error!("outbox_ack: {e}"));
     if acked {
-        metrics::add(Counter::Acked, 1);
+        counters::add(Counter::Acked, 1);
     }
     acked
 }
@@ -72,39 +72,4 @@ fn notify(channel: &CString) {
     unsafe {
         pgrx::pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| Async_Notify(channel.as_ptr(), c"".as_ptr()))
     };
-}
-
-/// One row per dispatcher slot `outbox.workers` asks for: the view's source.
-// pgrx reads the column names from the signature, so the row type stays here.
-#[allow(clippy::type_complexity)]
-#[pg_extern(volatile, parallel_safe)]
-fn outbox_workers() -> TableIterator<
-    'static,
-    (
-        name!(worker, i32),
-        name!(pid, Option<i32>),
-        name!(state, String),
-        name!(connected, bool),
-        name!(started_at, Option<TimestampWithTimeZone>),
-        name!(last_heartbeat, Option<TimestampWithTimeZone>),
-        name!(last_error, Option<String>),
-        name!(events_dispatched, i64),
-        name!(broker_persistence, Option<String>),
-    ),
-> {
-    let timestamp = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
-    let rows = slots::report(config::workers()).into_iter().map(move |r| {
-        (
-            r.index,
-            r.pid,
-            r.state.to_string(),
-            r.connected,
-            timestamp(r.started_at),
-            timestamp(r.last_heartbeat),
-            r.last_error,
-            r.dispatched,
-            r.broker_persistence.map(str::to_string),
-        )
-    });
-    TableIterator::new(rows.collect::<Vec<_>>())
 }

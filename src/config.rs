@@ -45,239 +45,104 @@ pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 10
 pub static MAX_BATCH_BYTES_KB: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024);
 
 const HOUR_MS: i32 = 3_600_000;
+const DAY_S: i32 = 86_400;
 
-/// Defines the settings only the postmaster reads. PostgreSQL refuses to
-/// define them once the server runs, so `_PG_init` calls this only while
-/// preloading.
-pub fn register_postmaster() {
-    GucRegistry::define_int_guc(
-        c"outbox.workers",
-        c"Number of dispatcher background workers.",
-        c"FOR UPDATE SKIP LOCKED makes several safe. Each takes a max_worker_processes slot.",
-        &WORKERS,
-        0,
-        MAX_WORKERS as i32,
-        GucContext::Postmaster,
-        GucFlags::default(),
-    );
+/// The kind of a setting, its storage (whose default is the static's) and,
+/// for integers, the range PostgreSQL enforces and the unit.
+enum Value {
+    Bool(&'static GucSetting<bool>),
+    Int(&'static GucSetting<i32>, i32, i32, GucFlags),
+    Text(&'static GucSetting<Option<CString>>),
 }
 
-/// Defines the other settings; called from `_PG_init` in every process that
-/// loads the library, so that `SET`, `SHOW` and the trigger see them.
-pub fn register() {
-    string(
-        c"outbox.database",
-        c"Database the dispatchers connect to; a change restarts them.",
-        &DATABASE,
-        GucContext::Sighup,
-        GucFlags::default(),
-    );
-    let ms = GucFlags::UNIT_MS;
-    GucRegistry::define_bool_guc(
-        c"outbox.enabled",
-        c"Dispatch events; off pauses the dispatchers without a restart.",
-        c"",
-        &ENABLED,
-        GucContext::Sighup,
-        GucFlags::default(),
-    );
-    string(
-        c"outbox.redis_url",
-        c"Broker URL (redis://[user:password@]host:port/db). May hold a password: superusers only.",
-        &REDIS_URL,
-        GucContext::Sighup,
-        GucFlags::SUPERUSER_ONLY,
-    );
-    string(
-        c"outbox.redis_password_file",
-        c"File holding the broker password (first line); keeps it out of outbox.redis_url and the server log.",
-        &REDIS_PASSWORD_FILE,
-        GucContext::Sighup,
-        GucFlags::SUPERUSER_ONLY,
-    );
-    string(
-        c"outbox.redis_tls_ca_file",
-        c"PEM file of the certificate authorities trusted for rediss:// URLs; empty: the system's.",
-        &REDIS_TLS_CA_FILE,
-        GucContext::Sighup,
-        GucFlags::default(),
-    );
-    string(
-        c"outbox.default_queue",
-        c"Queue (Redis list) of events enqueued without one.",
-        &DEFAULT_QUEUE,
-        GucContext::Userset,
-        GucFlags::default(),
-    );
-    int(
-        c"outbox.batch_size",
-        c"Events claimed and pushed per round trip.",
-        &BATCH_SIZE,
-        1,
-        100_000,
-        GucFlags::default(),
-    );
-    int(
-        c"outbox.poll_interval",
-        c"Safety poll: the longest a dispatcher sleeps without a wake.",
-        &POLL_INTERVAL_MS,
-        10,
-        24 * HOUR_MS,
-        ms,
-    );
-    int(
-        c"outbox.max_retries",
-        c"Failed pushes of one event before it is dead-lettered.",
-        &MAX_RETRIES,
-        1,
-        1000,
-        GucFlags::default(),
-    );
-    int(
-        c"outbox.retry_backoff",
-        c"Base of the exponential backoff between retries of one event.",
-        &RETRY_BACKOFF_MS,
-        0,
-        HOUR_MS,
-        ms,
-    );
-    int(
-        c"outbox.reconnect_delay_min",
-        c"Shortest wait before reconnecting to the broker.",
-        &RECONNECT_DELAY_MIN_MS,
-        10,
-        HOUR_MS,
-        ms,
-    );
-    int(
-        c"outbox.reconnect_delay_max",
-        c"Longest wait before reconnecting to the broker.",
-        &RECONNECT_DELAY_MAX_MS,
-        10,
-        HOUR_MS,
-        ms,
-    );
-    int(
-        c"outbox.redis_timeout",
-        c"Timeout of every broker connect, read and write.",
-        &REDIS_TIMEOUT_MS,
-        100,
-        600_000,
-        ms,
-    );
-    let s = GucFlags::UNIT_S;
-    const DAY_S: i32 = 86_400;
-    int(
-        c"outbox.processing_timeout",
-        c"Claims older than this are stuck: the sweeper returns them to pending.",
-        &PROCESSING_TIMEOUT_S,
-        1,
-        DAY_S,
-        s,
-    );
-    int(
-        c"outbox.ack_timeout",
-        c"Dispatched events not acknowledged within this are sent again; 0 turns acknowledgements off.",
-        &ACK_TIMEOUT_S,
-        0,
-        30 * DAY_S,
-        s,
-    );
-    int(
-        c"outbox.sweep_interval",
-        c"Period of the stuck and unacknowledged sweepers.",
-        &SWEEP_INTERVAL_S,
-        1,
-        DAY_S,
-        s,
-    );
-    int(
-        c"outbox.retention",
-        c"Processed events (dispatched ones with acknowledgements off) are kept this long.",
-        &RETENTION_S,
-        1,
-        3650 * DAY_S,
-        s,
-    );
-    int(
-        c"outbox.lifecycle_interval",
-        c"Period of the sweeper that deletes events older than outbox.retention.",
-        &LIFECYCLE_INTERVAL_S,
-        1,
-        DAY_S,
-        s,
-    );
-    int(
-        c"outbox.heartbeat_interval",
-        c"Period of the broker PING while idle.",
-        &HEARTBEAT_INTERVAL_S,
-        1,
-        DAY_S,
-        s,
-    );
-    GucRegistry::define_bool_guc(
-        c"outbox.notify",
-        c"Inserts into outbox.events also NOTIFY outbox.notify_channel.",
-        c"For external listeners. Off by default: NOTIFY serializes committing transactions on one lock.",
-        &NOTIFY,
-        GucContext::Userset,
-        GucFlags::default(),
-    );
-    string(
-        c"outbox.notify_channel",
-        c"Channel of that NOTIFY.",
-        &NOTIFY_CHANNEL,
-        GucContext::Userset,
-        GucFlags::default(),
-    );
-    int(
-        c"outbox.max_batch_bytes",
-        c"Most bytes of messages pushed in one round trip; larger batches take several.",
-        &MAX_BATCH_BYTES_KB,
-        64,
-        1024 * 1024,
-        GucFlags::UNIT_KB,
-    );
-    GucRegistry::define_int_guc(
-        c"outbox.max_payload_bytes",
-        c"Largest payload outbox_enqueue() accepts and a dispatcher pushes.",
-        c"",
-        &MAX_PAYLOAD_BYTES,
-        1,
-        i32::MAX,
-        GucContext::Suset,
-        GucFlags::UNIT_BYTE,
-    );
-}
+/// One setting: name, context, flags, value, description.
+struct Declaration(&'static CStr, GucContext, GucFlags, Value, &'static CStr);
 
-/// Reserves the `outbox.` prefix, once every setting is defined: a
-/// misspelled `outbox.*` line in postgresql.conf is then reported, not
-/// silently kept as a placeholder.
-pub fn reserve_prefix() {
-    // SAFETY: called from _PG_init after the definitions.
-    unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"outbox".as_ptr()) };
-}
+use GucContext::{Postmaster, Sighup, Suset, Userset};
+use Value::{Bool, Int, Text};
 
-fn string(
-    name: &'static CStr,
-    description: &'static CStr,
-    setting: &'static GucSetting<Option<CString>>,
-    context: GucContext,
-    flags: GucFlags,
-) {
-    GucRegistry::define_string_guc(name, description, c"", setting, context, flags);
-}
+const NONE: GucFlags = GucFlags::empty();
+const MS: GucFlags = GucFlags::UNIT_MS;
+const S: GucFlags = GucFlags::UNIT_S;
+const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 
-/// A reloadable (`sighup`) integer setting.
-fn int(
-    name: &'static CStr,
-    description: &'static CStr,
-    setting: &'static GucSetting<i32>,
-    min: i32,
-    max: i32,
-    flags: GucFlags,
-) {
-    GucRegistry::define_int_guc(name, description, c"", setting, min, max, GucContext::Sighup, flags);
+/// Every setting, one line each; the README's settings table is checked
+/// against them (tests/test_settings.py).
+#[rustfmt::skip]
+const DECLARATIONS: [Declaration; 24] = [
+    Declaration(c"outbox.workers", Postmaster, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
+        c"Number of dispatcher background workers (each takes a max_worker_processes slot)."),
+    Declaration(c"outbox.database", Sighup, NONE, Text(&DATABASE),
+        c"Database the dispatchers connect to; a change restarts them."),
+    Declaration(c"outbox.enabled", Sighup, NONE, Bool(&ENABLED),
+        c"Dispatch events; off pauses the dispatchers without a restart."),
+    Declaration(c"outbox.redis_url", Sighup, SECRET, Text(&REDIS_URL),
+        c"Broker URL (redis://[user:password@]host:port/db). May hold a password: superusers only."),
+    Declaration(c"outbox.redis_password_file", Sighup, SECRET, Text(&REDIS_PASSWORD_FILE),
+        c"File holding the broker password (first line); keeps it out of outbox.redis_url and the server log."),
+    Declaration(c"outbox.redis_tls_ca_file", Sighup, NONE, Text(&REDIS_TLS_CA_FILE),
+        c"PEM file of the certificate authorities trusted for rediss:// URLs; empty: the system's."),
+    Declaration(c"outbox.default_queue", Userset, NONE, Text(&DEFAULT_QUEUE),
+        c"Queue (Redis list) of events enqueued without one."),
+    Declaration(c"outbox.batch_size", Sighup, NONE, Int(&BATCH_SIZE, 1, 100_000, NONE),
+        c"Events claimed per batch."),
+    Declaration(c"outbox.max_batch_bytes", Sighup, NONE, Int(&MAX_BATCH_BYTES_KB, 64, 1024 * 1024, GucFlags::UNIT_KB),
+        c"Most bytes of messages pushed in one round trip; larger batches take several."),
+    Declaration(c"outbox.poll_interval", Sighup, NONE, Int(&POLL_INTERVAL_MS, 10, 24 * HOUR_MS, MS),
+        c"Safety poll: the longest a dispatcher sleeps without a wake."),
+    Declaration(c"outbox.max_retries", Sighup, NONE, Int(&MAX_RETRIES, 1, 1000, NONE),
+        c"Failed pushes of one event before it is dead-lettered."),
+    Declaration(c"outbox.retry_backoff", Sighup, NONE, Int(&RETRY_BACKOFF_MS, 0, HOUR_MS, MS),
+        c"Base of the exponential backoff between retries of one event."),
+    Declaration(c"outbox.reconnect_delay_min", Sighup, NONE, Int(&RECONNECT_DELAY_MIN_MS, 10, HOUR_MS, MS),
+        c"Shortest wait before reconnecting to the broker."),
+    Declaration(c"outbox.reconnect_delay_max", Sighup, NONE, Int(&RECONNECT_DELAY_MAX_MS, 10, HOUR_MS, MS),
+        c"Longest wait before reconnecting to the broker."),
+    Declaration(c"outbox.redis_timeout", Sighup, NONE, Int(&REDIS_TIMEOUT_MS, 100, 600_000, MS),
+        c"Deadline of each broker operation: a connect, one round trip of a push, a PING."),
+    Declaration(c"outbox.processing_timeout", Sighup, NONE, Int(&PROCESSING_TIMEOUT_S, 1, DAY_S, S),
+        c"Claims older than this are stuck: the sweeper returns them to pending."),
+    Declaration(c"outbox.ack_timeout", Sighup, NONE, Int(&ACK_TIMEOUT_S, 0, 30 * DAY_S, S),
+        c"Dispatched events not acknowledged within this are sent again; 0 turns acknowledgements off."),
+    Declaration(c"outbox.sweep_interval", Sighup, NONE, Int(&SWEEP_INTERVAL_S, 1, DAY_S, S),
+        c"Period of the stuck and unacknowledged sweepers."),
+    Declaration(c"outbox.retention", Sighup, NONE, Int(&RETENTION_S, 1, 3650 * DAY_S, S),
+        c"Processed events (dispatched ones with acknowledgements off) are kept this long."),
+    Declaration(c"outbox.lifecycle_interval", Sighup, NONE, Int(&LIFECYCLE_INTERVAL_S, 1, DAY_S, S),
+        c"Period of the sweeper that deletes events older than outbox.retention."),
+    Declaration(c"outbox.heartbeat_interval", Sighup, NONE, Int(&HEARTBEAT_INTERVAL_S, 1, DAY_S, S),
+        c"Period of the broker PING while idle."),
+    Declaration(c"outbox.notify", Userset, NONE, Bool(&NOTIFY),
+        c"Inserts into outbox.events also NOTIFY outbox.notify_channel (serializes commits on one lock)."),
+    Declaration(c"outbox.notify_channel", Userset, NONE, Text(&NOTIFY_CHANNEL),
+        c"Channel of that NOTIFY."),
+    Declaration(c"outbox.max_payload_bytes", Suset, NONE, Int(&MAX_PAYLOAD_BYTES, 1, i32::MAX, GucFlags::UNIT_BYTE),
+        c"Largest payload outbox_enqueue() accepts, as JSON text."),
+];
+
+/// Defines the settings. The postmaster-only ones only while preloading
+/// (PostgreSQL refuses them once the server runs); the others in every
+/// process that loads the library, so that `SET`, `SHOW` and the trigger
+/// see them. Then reserves the `outbox.` prefix (when preloading): a
+/// misspelled `outbox.*` line in postgresql.conf is reported, not silently
+/// kept as a placeholder.
+pub fn register(preloading: bool) {
+    for Declaration(name, context, flags, value, description) in DECLARATIONS {
+        if matches!(context, Postmaster) && !preloading {
+            continue;
+        }
+        match value {
+            Bool(setting) => GucRegistry::define_bool_guc(name, description, c"", setting, context, flags),
+            Int(setting, min, max, unit) => {
+                GucRegistry::define_int_guc(name, description, c"", setting, min, max, context, flags | unit)
+            }
+            Text(setting) => GucRegistry::define_string_guc(name, description, c"", setting, context, flags),
+        }
+    }
+    if preloading {
+        // SAFETY: called once every setting is defined.
+        unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"outbox".as_ptr()) };
+    }
 }
 
 fn text(setting: &GucSetting<Option<CString>>) -> String {

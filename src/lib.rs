@@ -9,8 +9,9 @@ use pgrx::prelude::*;
 
 mod api;
 mod config;
-mod metrics;
+mod counters;
 mod slots;
+mod views;
 mod wake;
 mod worker;
 
@@ -21,18 +22,17 @@ extension_sql_file!("../sql/api.sql", name = "api", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
-    config::register();
     // SAFETY: a flag the postmaster sets while loading preloaded libraries.
-    if !unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+    let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
+    config::register(preloading);
+    if !preloading {
         warning!(
             "outbox_dispatch is loaded without shared_preload_libraries: no dispatcher will run. \
              Add it to shared_preload_libraries in postgresql.conf and restart the server."
         );
         return;
     }
-    config::register_postmaster();
-    config::reserve_prefix();
     slots::init();
-    metrics::init();
+    counters::init();
     worker::register(config::workers());
 }

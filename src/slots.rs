@@ -12,52 +12,35 @@ use pgrx::prelude::*;
 use pgrx::shmem::AssertPGRXSharedMemory;
 use pgrx::{pg_shmem_init, PgAtomic, PgLwLock};
 
+use outbox_core::named;
 use outbox_core::sink::Persistence;
 
 use crate::config::MAX_WORKERS;
-use crate::metrics::WakeSource;
 
 /// Longest `last_error` kept, in bytes.
 const ERROR_BYTES: usize = 512;
 
-/// What a dispatcher is doing, as `outbox.workers.state` shows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum State {
-    Stopped = 0,
-    Starting,
-    WaitingForExtension,
-    Idle,
-    Draining,
-    Reconnecting,
-    Paused,
-    /// A statement failed (a lock not granted in time, say): retrying.
-    Blocked,
+named! {
+    /// What a dispatcher is doing, as `outbox.workers.state` shows it.
+    pub enum State {
+        Stopped = "stopped",
+        Starting = "starting",
+        WaitingForExtension = "waiting for extension",
+        Idle = "idle",
+        Draining = "draining",
+        Reconnecting = "reconnecting",
+        Paused = "paused",
+        /// A statement failed (a lock not granted in time, say): retrying.
+        Blocked = "blocked",
+    }
 }
 
-impl State {
-    const ALL: [State; 8] = [
-        State::Stopped,
-        State::Starting,
-        State::WaitingForExtension,
-        State::Idle,
-        State::Draining,
-        State::Reconnecting,
-        State::Paused,
-        State::Blocked,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            State::Stopped => "stopped",
-            State::Starting => "starting",
-            State::WaitingForExtension => "waiting for extension",
-            State::Idle => "idle",
-            State::Draining => "draining",
-            State::Reconnecting => "reconnecting",
-            State::Paused => "paused",
-            State::Blocked => "blocked",
-        }
+named! {
+    /// What ended a dispatcher's sleep.
+    pub enum WakeSource {
+        Commit = "commit",
+        Poll = "poll",
+        Manual = "manual",
     }
 }
 
@@ -167,16 +150,25 @@ impl Own {
     /// again when the process exits, however it exits.
     pub fn take(index: usize) -> Own {
         let slot = &slots().expect("dispatchers run only when preloaded").slots[index];
-        // SAFETY: a background worker has a PGPROC by the time it runs.
-        let (procno, pid, now) = unsafe { (my_procno(), pg_sys::MyProcPid, pg_sys::GetCurrentTimestamp()) };
+        // SAFETY: process globals, set before a background worker runs.
+        let (pid, now) = unsafe { (pg_sys::MyProcPid, pg_sys::GetCurrentTimestamp()) };
         slot.pid.store(pid, Ordering::Relaxed);
         slot.started_at.store(now, Ordering::Relaxed);
         slot.connected.store(false, Ordering::Relaxed);
         slot.persistence.store(0, Ordering::Relaxed);
         slot.state.store(State::Starting as u8, Ordering::Relaxed);
-        slot.procno.store(procno, Ordering::Release);
         unsafe { pg_sys::before_shmem_exit(Some(release), pg_sys::Datum::from(index)) };
         Own(index)
+    }
+
+    /// Lets committing backends set this process's latch; called once the
+    /// dispatcher is connected to its database, before it first looks for
+    /// work. (Connecting may wait on the latch and reset it, which would
+    /// swallow a wake published earlier: seen on PostgreSQL 18.)
+    pub fn listen(&self) {
+        // SAFETY: a background worker has a PGPROC by the time it runs.
+        let procno = unsafe { my_procno() };
+        self.slot().procno.store(procno, Ordering::Release);
     }
 
     fn slot(&self) -> &'static Slot {
@@ -211,7 +203,7 @@ impl Own {
 
     /// Records how the broker persists what it is sent.
     pub fn set_persistence(&self, persistence: Persistence) {
-        let code = Persistence::ALL.iter().position(|p| *p == persistence).map_or(0, |i| i as u8 + 1);
+        let code = persistence.index() as u8 + 1;
         self.slot().persistence.store(code, Ordering::Relaxed);
     }
 

@@ -12,8 +12,7 @@ use std::cell::Cell;
 use pgrx::pg_sys::XactEvent;
 use pgrx::prelude::*;
 
-use crate::metrics::WakeSource;
-use crate::slots;
+use crate::slots::{self, WakeSource};
 
 thread_local! {
     static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };

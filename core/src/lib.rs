@@ -8,5 +8,6 @@ pub mod broker_url;
 pub mod celery;
 pub mod exposition;
 pub mod link;
+pub mod named;
 pub mod resp;
 pub mod sink;

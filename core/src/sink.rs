@@ -18,28 +18,44 @@ use crate::broker_url::{self, BrokerUrl};
 use crate::link::{Link, LinkError, Wait};
 use crate::resp::{self, Reply};
 
-/// Error replies that describe the server, not the message: the kind (the
-/// reply's first word) and the label it is counted under. A push refused
-/// with one of these goes back to pending without spending a retry.
-pub const SERVER_CONDITIONS: [(&str, &str); 10] = [
-    ("OOM", "oom"),
-    ("READONLY", "readonly"),
-    ("MASTERDOWN", "masterdown"),
-    ("LOADING", "loading"),
-    ("BUSY", "busy"),
-    ("MISCONF", "misconf"),
-    ("NOAUTH", "noauth"),
-    ("NOPERM", "noperm"),
-    ("TRYAGAIN", "tryagain"),
-    ("CLUSTERDOWN", "clusterdown"),
-];
+crate::named! {
+    /// Error replies that describe the server, not the message; the name is
+    /// the reply's kind (its first word) in lower case. A push refused with
+    /// one of these goes back to pending without spending a retry.
+    pub enum Condition {
+        Oom = "oom",
+        ReadOnly = "readonly",
+        MasterDown = "masterdown",
+        Loading = "loading",
+        Busy = "busy",
+        Misconf = "misconf",
+        NoAuth = "noauth",
+        NoPerm = "noperm",
+        TryAgain = "tryagain",
+        ClusterDown = "clusterdown",
+    }
+}
 
-/// The label of the server condition an error reply reports, if it
-/// reports one. Any other error (WRONGTYPE, or a kind this list does not
-/// know) is the message's own: it spends one of the event's retries.
-pub fn server_condition(error: &str) -> Option<&'static str> {
-    let kind = error.split_whitespace().next().unwrap_or("");
-    SERVER_CONDITIONS.iter().find(|(k, _)| *k == kind).map(|(_, label)| *label)
+impl Condition {
+    /// The server condition an error reply reports, if it reports one. Any
+    /// other error (WRONGTYPE, or a kind this list does not know) is the
+    /// message's own: it spends one of the event's retries.
+    pub fn of(error: &str) -> Option<Condition> {
+        let kind = error.split_whitespace().next().unwrap_or("");
+        Condition::ALL.into_iter().find(|c| c.name().eq_ignore_ascii_case(kind))
+    }
+}
+
+crate::named! {
+    /// Why the broker could not be used, as logs and metric labels say it.
+    pub enum Reason {
+        InvalidConfig = "invalid_config",
+        ConnectFailed = "connect_failed",
+        Timeout = "timeout",
+        ConnectionLost = "connection_lost",
+        Refused = "refused",
+        Interrupted = "interrupted",
+    }
 }
 
 /// Why the broker could not be used. Whatever was in flight is not the
@@ -54,27 +70,22 @@ pub enum SinkError {
     Timeout,
     /// An established connection broke.
     ConnectionLost(String),
-    /// The server answered with a condition of its own (OOM, READONLY, …):
-    /// its label (see [`SERVER_CONDITIONS`]) and the reply.
-    Refused(&'static str, String),
+    /// The server answered with a condition of its own (OOM, READONLY, …),
+    /// and the reply.
+    Refused(Condition, String),
     /// The caller's wait gave up (a signal): the outcome is unknown.
     Interrupted,
 }
 
 impl SinkError {
-    /// Every [`SinkError::reason`].
-    pub const REASONS: [&'static str; 6] =
-        ["invalid_config", "connect_failed", "timeout", "connection_lost", "refused", "interrupted"];
-
-    /// A short stable name, for logs and metric labels.
-    pub fn reason(&self) -> &'static str {
+    pub fn reason(&self) -> Reason {
         match self {
-            SinkError::InvalidConfig(_) => "invalid_config",
-            SinkError::Connect(_) => "connect_failed",
-            SinkError::Timeout => "timeout",
-            SinkError::ConnectionLost(_) => "connection_lost",
-            SinkError::Refused(..) => "refused",
-            SinkError::Interrupted => "interrupted",
+            SinkError::InvalidConfig(_) => Reason::InvalidConfig,
+            SinkError::Connect(_) => Reason::ConnectFailed,
+            SinkError::Timeout => Reason::Timeout,
+            SinkError::ConnectionLost(_) => Reason::ConnectionLost,
+            SinkError::Refused(..) => Reason::Refused,
+            SinkError::Interrupted => Reason::Interrupted,
         }
     }
 
@@ -89,7 +100,7 @@ impl SinkError {
 
     /// An error reply to a command that must succeed.
     fn from_reply(error: &str, connected: bool) -> SinkError {
-        match server_condition(error) {
+        match Condition::of(error) {
             Some(condition) => SinkError::Refused(condition, error.to_string()),
             None if connected => SinkError::ConnectionLost(format!("unexpected reply: {error}")),
             None => SinkError::Connect(error.to_string()),
@@ -156,43 +167,26 @@ pub enum Delivery {
     Delivered,
     /// Redis answered an error that belongs to the message or its key.
     Rejected(String),
-    /// Redis answered a condition of its own (label, reply): not delivered,
+    /// Redis answered a condition of its own, and the reply: not delivered,
     /// and not the message's fault.
-    Refused(&'static str, String),
+    Refused(Condition, String),
 }
 
-/// How the server keeps what it is sent, as its configuration says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Persistence {
-    /// Neither snapshots nor an append-only file: a restart of Redis loses
-    /// every message not yet consumed.
-    None,
-    Snapshots,
-    AppendOnly,
-    SnapshotsAndAppendOnly,
-    /// The configuration could not be read (CONFIG is not allowed).
-    Unknown,
+crate::named! {
+    /// How the server keeps what it is sent, as its configuration says.
+    pub enum Persistence {
+        /// Neither snapshots nor an append-only file: a restart of Redis
+        /// loses every message not yet consumed.
+        None = "none",
+        Snapshots = "rdb",
+        AppendOnly = "aof",
+        SnapshotsAndAppendOnly = "rdb+aof",
+        /// The configuration could not be read (CONFIG is not allowed).
+        Unknown = "unknown",
+    }
 }
 
 impl Persistence {
-    pub const ALL: [Persistence; 5] = [
-        Persistence::None,
-        Persistence::Snapshots,
-        Persistence::AppendOnly,
-        Persistence::SnapshotsAndAppendOnly,
-        Persistence::Unknown,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Persistence::None => "none",
-            Persistence::Snapshots => "rdb",
-            Persistence::AppendOnly => "aof",
-            Persistence::SnapshotsAndAppendOnly => "rdb+aof",
-            Persistence::Unknown => "unknown",
-        }
-    }
-
     fn from_config(save: &Reply, appendonly: &Reply) -> Persistence {
         let value = |reply: &Reply| match reply {
             Reply::Array(Some(pair)) if pair.len() == 2 => pair[1].text(),
@@ -326,7 +320,7 @@ impl Sink {
             };
             for (command, reply) in trip.commands.iter().zip(replies) {
                 let delivery = match reply {
-                    Reply::Error(e) => match server_condition(&e) {
+                    Reply::Error(e) => match Condition::of(&e) {
                         Some(condition) => Delivery::Refused(condition, e),
                         None => Delivery::Rejected(e),
                     },
@@ -457,18 +451,13 @@ mod tests {
 
     #[test]
     fn server_conditions_are_told_from_message_errors() {
-        assert_eq!(server_condition("OOM command not allowed when used memory > 'maxmemory'."), Some("oom"));
-        assert_eq!(
-            server_condition("READONLY You can't write against a read only replica."),
-            Some("readonly")
-        );
-        assert_eq!(server_condition("NOPERM this user has no permissions"), Some("noperm"));
-        assert_eq!(
-            server_condition("WRONGTYPE Operation against a key holding the wrong kind of value"),
-            None
-        );
-        assert_eq!(server_condition("ERR something new"), None);
-        assert_eq!(server_condition(""), None);
+        let of = |e| Condition::of(e).map(Condition::name);
+        assert_eq!(of("OOM command not allowed when used memory > 'maxmemory'."), Some("oom"));
+        assert_eq!(of("READONLY You can't write against a read only replica."), Some("readonly"));
+        assert_eq!(of("NOPERM this user has no permissions"), Some("noperm"));
+        assert_eq!(of("WRONGTYPE Operation against a key holding the wrong kind of value"), None);
+        assert_eq!(of("ERR something new"), None);
+        assert_eq!(of(""), None);
     }
 
     #[test]
@@ -478,11 +467,11 @@ mod tests {
             SinkError::Connect(String::new()),
             SinkError::Timeout,
             SinkError::ConnectionLost(String::new()),
-            SinkError::Refused("oom", String::new()),
+            SinkError::Refused(Condition::Oom, String::new()),
             SinkError::Interrupted,
         ];
         let reasons: Vec<_> = errors.iter().map(SinkError::reason).collect();
-        assert_eq!(reasons, SinkError::REASONS);
+        assert_eq!(reasons, Reason::ALL);
     }
 
     fn batch(key: &str, sizes: &[usize]) -> KeyBatch {
@@ -531,7 +520,7 @@ mod tests {
     #[test]
     fn a_malformed_url_is_refused_without_echoing_secrets() {
         let err = Sink::new(&config("redis://user:secret@host:notaport/0")).err().expect("refused");
-        assert_eq!(err.reason(), "invalid_config");
+        assert_eq!(err.reason(), Reason::InvalidConfig);
         assert!(!err.to_string().contains("secret"), "{err}");
     }
 
@@ -540,11 +529,14 @@ mod tests {
         let missing = PathBuf::from("/nonexistent/ca.pem");
         let tls = BrokerConfig { tls_ca_file: Some(missing.clone()), ..config("rediss://h:6379/0") };
         let err = Sink::new(&tls).unwrap().connect(&mut Poll).unwrap_err();
-        assert_eq!(err.reason(), "invalid_config");
+        assert_eq!(err.reason(), Reason::InvalidConfig);
         assert!(err.to_string().contains("outbox.redis_tls_ca_file /nonexistent/ca.pem"), "{err}");
         // Plain redis:// ignores the CA file: the refusal comes from port 1.
         let plain = BrokerConfig { tls_ca_file: Some(missing), ..config("redis://127.0.0.1:1/0") };
-        assert_eq!(Sink::new(&plain).unwrap().connect(&mut Poll).unwrap_err().reason(), "connect_failed");
+        assert_eq!(
+            Sink::new(&plain).unwrap().connect(&mut Poll).unwrap_err().reason(),
+            Reason::ConnectFailed
+        );
     }
 
     #[test]
@@ -650,7 +642,7 @@ mod tests {
         resp::command(&mut full, &["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
         run(&mut admin, &full, 2);
         let deliveries = sink.push(&[batch("q", &[10])], &mut Poll).unwrap();
-        assert!(matches!(&deliveries[0], Delivery::Refused("oom", _)), "{deliveries:?}");
+        assert!(matches!(&deliveries[0], Delivery::Refused(Condition::Oom, _)), "{deliveries:?}");
 
         let wrong = format!("redis://:wrong@127.0.0.1:{}/0", server.1);
         let err = Sink::new(&config(&wrong)).unwrap().connect(&mut Poll).unwrap_err();

@@ -5,6 +5,7 @@
 //! thing falls due. SIGTERM (`die`) ends the process wherever it waits: on
 //! the latch, on the Redis socket (see `wait.rs`) or on a lock.
 
+mod housekeeping;
 mod push;
 mod setup;
 mod signals;
@@ -21,10 +22,10 @@ use outbox_core::broker_url;
 use outbox_core::sink::{Persistence, Sink, SinkError};
 
 use crate::config::{self, Settings};
-use crate::metrics::{self, Counter, PushFailure, WakeSource};
-use crate::slots::{self, State};
+use crate::counters::{self, Counter, PushFailure};
+use crate::slots::{self, State, WakeSource};
 use push::{Pushed, RetryPolicy};
-use store::{Claim, Outcome, Store, StoreError, SWEEP_BATCH};
+use store::{Claim, Outcome, Store, StoreError};
 
 /// How soon the postmaster restarts a dispatcher that exited: after an
 /// error, a `pg_terminate_backend`, or a database that does not exist.
@@ -32,9 +33,6 @@ const RESTART_DELAY: Duration = Duration::from_secs(5);
 
 /// How soon a statement that failed (a lock not granted, say) is tried again.
 const STORE_RETRY: Duration = Duration::from_secs(1);
-
-/// Sweeper transactions per step: housekeeping gives way to the drain.
-const HOUSEKEEPING_BATCHES: usize = 10;
 
 /// Registers `count` dispatchers; `_PG_init` calls this while preloading.
 pub fn register(count: usize) {
@@ -67,6 +65,7 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     )));
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
     slot.set_error(None);
+    slot.listen();
     setup::pin_settings();
     setup::return_large_buffers();
 
@@ -128,8 +127,7 @@ struct Dispatcher {
     store_failing: bool,
     /// The broker's lack of persistence was logged.
     persistence_warned: bool,
-    next_sweep: Instant,
-    next_lifecycle: Instant,
+    housekeeping: housekeeping::Schedule,
     next_heartbeat: Instant,
 }
 
@@ -150,8 +148,7 @@ impl Dispatcher {
             extension_missing: false,
             store_failing: false,
             persistence_warned: false,
-            next_sweep: Instant::now(),
-            next_lifecycle: Instant::now(),
+            housekeeping: housekeeping::Schedule::new(),
             next_heartbeat: Instant::now(),
         }
     }
@@ -163,11 +160,11 @@ impl Dispatcher {
         let sources = self.slot.take_wake_sources();
         for source in [WakeSource::Commit, WakeSource::Manual] {
             if sources & (1 << source as u8) != 0 {
-                metrics::woke(source);
+                counters::woke(source);
             }
         }
         if sources == 0 && timed_out {
-            metrics::woke(WakeSource::Poll);
+            counters::woke(WakeSource::Poll);
         }
     }
 
@@ -225,8 +222,7 @@ impl Dispatcher {
         }
         self.settings = settings;
         let now = Instant::now();
-        self.next_sweep = self.next_sweep.min(now + self.settings.sweep_interval);
-        self.next_lifecycle = self.next_lifecycle.min(now + self.settings.lifecycle_interval);
+        self.housekeeping.reschedule(&self.settings);
         self.next_heartbeat = self.next_heartbeat.min(now + self.settings.heartbeat_interval);
         log!("outbox dispatcher {} reloaded its settings", self.index);
         self.log_start();
@@ -239,7 +235,8 @@ impl Dispatcher {
             self.slot.set_state(State::Paused);
             return poll;
         }
-        if let Err(e) = self.housekeep_if_due() {
+        if let Err(e) = self.housekeeping.run_if_due(self.index, &self.slot, &mut self.store, &self.settings)
+        {
             return self.store_failed(&e);
         }
         if !self.connected() {
@@ -268,70 +265,10 @@ impl Dispatcher {
         }
         let nap = self.drain();
         let now = Instant::now();
-        [self.next_sweep, self.next_lifecycle, self.next_heartbeat]
+        [self.housekeeping.next_due(), self.next_heartbeat]
             .into_iter()
             .map(|at| at.saturating_duration_since(now))
             .fold(nap, Duration::min)
-    }
-
-    /// Runs the sweepers whose time has come, when no other dispatcher is
-    /// at it, for at most [`HOUSEKEEPING_BATCHES`] transactions each; what
-    /// is left falls due again at once, after the next drain.
-    fn housekeep_if_due(&mut self) -> Result<(), StoreError> {
-        let now = Instant::now();
-        if now < self.next_sweep && now < self.next_lifecycle {
-            return Ok(());
-        }
-        let Some(_turn) = self.slot.housekeeping() else {
-            return Ok(());
-        };
-        let s = &self.settings;
-        let (processing_timeout, ack_timeout, retention) = (s.processing_timeout, s.ack_timeout, s.retention);
-        if now >= self.next_sweep {
-            let (rescued, more_stuck) = self.sweep_some(|store| store.sweep_stuck(processing_timeout))?;
-            metrics::add(Counter::StuckRescued, rescued);
-            if rescued > 0 {
-                log!(
-                    "outbox dispatcher {}: {rescued} events stuck in processing returned to pending",
-                    self.index
-                );
-            }
-            let (resent, more_unacked) = if ack_timeout.is_zero() {
-                (0, false)
-            } else {
-                self.sweep_some(|store| store.sweep_unacked(ack_timeout))?
-            };
-            metrics::add(Counter::UnackedResent, resent);
-            if resent > 0 {
-                log!("outbox dispatcher {}: {resent} unacknowledged events will be sent again", self.index);
-            }
-            let more = more_stuck || more_unacked;
-            self.next_sweep = if more { now } else { now + self.settings.sweep_interval };
-        }
-        if now >= self.next_lifecycle {
-            let (purged, more) = self.sweep_some(|store| store.purge(retention, ack_timeout.is_zero()))?;
-            metrics::add(Counter::Purged, purged);
-            self.next_lifecycle = if more { now } else { now + self.settings.lifecycle_interval };
-        }
-        Ok(())
-    }
-
-    /// Repeats a bounded sweep until it finds less than a full batch, for
-    /// at most [`HOUSEKEEPING_BATCHES`] transactions; returns the rows swept
-    /// and whether more may be left.
-    fn sweep_some(
-        &mut self,
-        mut sweep: impl FnMut(&mut Store) -> Result<u64, StoreError>,
-    ) -> Result<(u64, bool), StoreError> {
-        let mut total = 0;
-        for _ in 0..HOUSEKEEPING_BATCHES {
-            let n = sweep(&mut self.store)?;
-            total += n;
-            if n < SWEEP_BATCH as u64 || signals::interrupt_pending() {
-                return Ok((total, n == SWEEP_BATCH as u64));
-            }
-        }
-        Ok((total, true))
     }
 
     /// A statement failed and was rolled back: show why, try again soon.
@@ -458,13 +395,13 @@ impl Dispatcher {
         );
         self.reconnect_attempt = self.reconnect_attempt.saturating_add(1);
         self.next_connect = Some(Instant::now() + delay);
-        metrics::reconnect(error);
+        counters::reconnect(error);
         self.slot.set_state(State::Reconnecting);
         self.slot.set_error(Some(&error.to_string()));
         log!(
             "outbox dispatcher {}: {error} (reason {}); reconnecting in {:.1}s",
             self.index,
-            error.reason(),
+            error.reason().name(),
             delay.as_secs_f64()
         );
         delay
@@ -516,7 +453,7 @@ impl Dispatcher {
                 }
                 Err(e) => {
                     if e != SinkError::Interrupted {
-                        metrics::push_failed(PushFailure::of(&e), events.len() as u64);
+                        counters::push_failed(PushFailure::of(&e), events.len() as u64);
                     }
                     let released = events.iter().map(|e| e.id).collect();
                     self.unsettled = Outcome { claimed_at, released, ..Outcome::default() };
@@ -553,7 +490,7 @@ fn account(settled: &Outcome) -> Duration {
     let retried = settled.failures.iter().filter(|f| !f.dead);
     let soonest = retried.clone().map(|f| f.delay).min().unwrap_or(Duration::MAX);
     let retries = retried.count() as u64;
-    metrics::add(Counter::Retries, retries);
-    metrics::add(Counter::DeadLetters, settled.failures.len() as u64 - retries);
+    counters::add(Counter::Retries, retries);
+    counters::add(Counter::DeadLetters, settled.failures.len() as u64 - retries);
     soonest
 }

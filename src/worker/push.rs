@@ -10,7 +10,7 @@ use outbox_core::link::Wait;
 use outbox_core::sink::{Delivery, KeyBatch, Sink, SinkError};
 
 use super::store::{ClaimTime, ClaimedEvent, Failure, Outcome};
-use crate::metrics::{self, PushFailure};
+use crate::counters::{self, PushFailure};
 
 /// How the dispatcher treats one event's failure.
 pub struct RetryPolicy {
@@ -73,7 +73,7 @@ pub fn push(
         );
         if let Err(e) = encoded {
             outcome.failures.push(policy.failure(event, e.to_string(), false));
-            metrics::push_failed(PushFailure::Unencodable, 1);
+            counters::push_failed(PushFailure::Unencodable, 1);
             continue;
         }
         let key = celery::queue_key(&event.queue, event.priority);
@@ -102,18 +102,18 @@ pub fn push(
                 latencies.push((now - event.created_epoch).max(0.0));
             }
             Delivery::Rejected(error) => {
-                metrics::push_failed(PushFailure::RedisError, 1);
+                counters::push_failed(PushFailure::RedisError, 1);
                 outcome.failures.push(policy.failure(event, format!("Redis: {error}"), true));
             }
             Delivery::Refused(condition, error) => {
-                metrics::push_failed(PushFailure::Refused, 1);
+                counters::push_failed(PushFailure::Refused, 1);
                 outcome.released.push(event.id);
                 refused.get_or_insert(SinkError::Refused(condition, error));
             }
         }
     }
     if !latencies.is_empty() {
-        metrics::observe_batch(&latencies);
+        counters::observe_batch(&latencies);
     }
     Ok(Pushed { outcome, refused })
 }

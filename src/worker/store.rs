@@ -176,9 +176,24 @@ pub fn report_running(what: &std::ffi::CStr) {
     unsafe { pg_sys::pgstat_report_activity(pg_sys::BackendState::STATE_RUNNING, what.as_ptr()) };
 }
 
+/// Is the extension created? The catalog cache answers first; when it says
+/// no, the catalog itself is read with a fresh snapshot. The commit of
+/// `CREATE EXTENSION` wakes the dispatchers from its commit callback,
+/// before it sends its cache invalidations, and PostgreSQL 18 looks
+/// extensions up through a cache: a negative entry kept from before would
+/// hide the new extension, and the wake would be lost.
 fn extension_exists() -> bool {
     // SAFETY: a catalog lookup inside a transaction.
-    unsafe { pg_sys::get_extension_oid(c"outbox_dispatch".as_ptr(), true) != pg_sys::InvalidOid }
+    let cached =
+        unsafe { pg_sys::get_extension_oid(c"outbox_dispatch".as_ptr(), true) != pg_sys::InvalidOid };
+    cached
+        || Spi::get_one::<bool>(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_extension \
+              WHERE extname OPERATOR(pg_catalog.=) 'outbox_dispatch')",
+        )
+        .ok()
+        .flatten()
+        .unwrap_or(false)
 }
 
 fn to_pg(ids: impl IntoIterator<Item = uuid::Uuid>) -> Vec<pgrx::Uuid> {

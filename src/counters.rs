@@ -1,0 +1,235 @@
+//! The counters and histograms in shared memory, and their samples.
+//!
+//! Every update is one relaxed atomic add: no lock on the hot path. Shared
+//! memory outlives a dispatcher, so the numbers survive its restarts; a
+//! server restart resets them, as it resets PostgreSQL's own statistics.
+//! Each labelled family is one `named!` table, so a new counter, reason or
+//! source is one line.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use pgrx::prelude::*;
+use pgrx::shmem::AssertPGRXSharedMemory;
+use pgrx::{pg_shmem_init, PgAtomic};
+
+use outbox_core::exposition::{
+    bucket_index, histogram_samples, Family, Kind, Sample, BATCH_SIZE_BOUNDS, LATENCY_BOUNDS_SECONDS,
+};
+use outbox_core::named;
+use outbox_core::sink::{Condition, Reason, SinkError};
+
+use crate::slots::WakeSource;
+
+named! {
+    /// Plain counters: the metric's name (without `_total`) and its help.
+    pub enum Counter {
+        Dispatched = "outbox_dispatched" => "Events pushed to Redis.",
+        Retries = "outbox_retries" => "Retries scheduled after an event's push failed.",
+        DeadLetters = "outbox_dead_letters" => "Events moved to failed (the dead letter).",
+        StuckRescued = "outbox_stuck_rescued"
+            => "Events in processing longer than outbox.processing_timeout returned to pending.",
+        UnackedResent = "outbox_unacked_resent"
+            => "Dispatched events not acknowledged within outbox.ack_timeout, returned to pending.",
+        Acked = "outbox_acked" => "Events acknowledged with outbox_ack().",
+        Purged = "outbox_purged" => "Finished events deleted after outbox.retention.",
+        Batches = "outbox_batches" => "Batches pushed to Redis.",
+    }
+}
+
+named! {
+    /// Why events of a batch were not delivered.
+    pub enum PushFailure {
+        Connection = "connection",
+        Timeout = "timeout",
+        RedisError = "redis_error",
+        Unencodable = "unencodable",
+        Refused = "refused",
+    }
+}
+
+impl PushFailure {
+    pub fn of(error: &SinkError) -> PushFailure {
+        match error {
+            SinkError::Timeout => PushFailure::Timeout,
+            SinkError::Refused(..) => PushFailure::Refused,
+            _ => PushFailure::Connection,
+        }
+    }
+}
+
+#[repr(C)]
+struct Histogram<const N: usize> {
+    buckets: [AtomicU64; N],
+    /// Sum of the observations in millionths of the unit.
+    sum_micros: AtomicU64,
+}
+
+impl<const N: usize> Histogram<N> {
+    fn new() -> Self {
+        Histogram { buckets: std::array::from_fn(|_| AtomicU64::new(0)), sum_micros: AtomicU64::new(0) }
+    }
+
+    fn observe(&self, bounds: &[f64], value: f64) {
+        self.buckets[bucket_index(bounds, value)].fetch_add(1, Ordering::Relaxed);
+        self.sum_micros.fetch_add((value.max(0.0) * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    fn samples(&self, name: &str, bounds: &[f64]) -> Vec<Sample> {
+        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Ordering::Relaxed)).collect();
+        histogram_samples(name, bounds, &counts, self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6)
+    }
+}
+
+const LATENCY_BUCKETS: usize = LATENCY_BOUNDS_SECONDS.len() + 1;
+const BATCH_BUCKETS: usize = BATCH_SIZE_BOUNDS.len() + 1;
+
+#[repr(C)]
+pub struct Counters {
+    counters: [AtomicU64; Counter::COUNT],
+    push_failures: [AtomicU64; PushFailure::COUNT],
+    reconnects: [AtomicU64; Reason::COUNT],
+    refusals: [AtomicU64; Condition::COUNT],
+    wakeups: [AtomicU64; WakeSource::COUNT],
+    latency: Histogram<LATENCY_BUCKETS>,
+    batch_size: Histogram<BATCH_BUCKETS>,
+}
+
+static COUNTERS: PgAtomic<AssertPGRXSharedMemory<Counters>> =
+    unsafe { PgAtomic::new(c"outbox_dispatch_metrics") };
+static READY: AtomicBool = AtomicBool::new(false);
+
+fn zeros<const N: usize>() -> [AtomicU64; N] {
+    std::array::from_fn(|_| AtomicU64::new(0))
+}
+
+/// Requests the shared memory; `_PG_init` calls this only while preloading.
+pub fn init() {
+    pg_shmem_init!(
+        COUNTERS = unsafe {
+            AssertPGRXSharedMemory::new(Counters {
+                counters: zeros(),
+                push_failures: zeros(),
+                reconnects: zeros(),
+                refusals: zeros(),
+                wakeups: zeros(),
+                latency: Histogram::new(),
+                batch_size: Histogram::new(),
+            })
+        }
+    );
+    READY.store(true, Ordering::Relaxed);
+}
+
+fn counters() -> Option<&'static Counters> {
+    READY.load(Ordering::Relaxed).then(|| &**COUNTERS.get())
+}
+
+pub fn add(counter: Counter, n: u64) {
+    if let Some(c) = counters() {
+        c.counters[counter.index()].fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+pub fn push_failed(reason: PushFailure, events: u64) {
+    if let Some(c) = counters() {
+        c.push_failures[reason.index()].fetch_add(events, Ordering::Relaxed);
+    }
+}
+
+/// A broker failure that made a dispatcher reconnect; a refusal is also
+/// counted by the server's condition.
+pub fn reconnect(error: &SinkError) {
+    let Some(c) = counters() else { return };
+    c.reconnects[error.reason().index()].fetch_add(1, Ordering::Relaxed);
+    if let SinkError::Refused(condition, _) = error {
+        c.refusals[condition.index()].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+pub fn woke(source: WakeSource) {
+    if let Some(c) = counters() {
+        c.wakeups[source.index()].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// One pushed batch: the events dispatched, the batch size, and each
+/// event's creation-to-push latency.
+pub fn observe_batch(latencies_seconds: &[f64]) {
+    if let Some(c) = counters() {
+        c.counters[Counter::Batches.index()].fetch_add(1, Ordering::Relaxed);
+        c.counters[Counter::Dispatched.index()].fetch_add(latencies_seconds.len() as u64, Ordering::Relaxed);
+        c.batch_size.observe(&BATCH_SIZE_BOUNDS, latencies_seconds.len() as f64);
+        for latency in latencies_seconds {
+            c.latency.observe(&LATENCY_BOUNDS_SECONDS, *latency);
+        }
+    }
+}
+
+/// `name_total{label=…}` for every entry of a table.
+fn labelled(
+    name: &str,
+    label: &'static str,
+    names: impl Iterator<Item = &'static str>,
+    values: &[AtomicU64],
+) -> Vec<Sample> {
+    names
+        .zip(values)
+        .map(|(value_name, v)| {
+            Sample::new(format!("{name}_total"), v.load(Ordering::Relaxed) as f64).label(label, value_name)
+        })
+        .collect()
+}
+
+/// The samples of every counter and histogram.
+pub fn families() -> Vec<(Family, Vec<Sample>)> {
+    let Some(c) = counters() else { return Vec::new() };
+    let mut families = Vec::new();
+    for counter in Counter::ALL {
+        let f = Family { name: counter.name(), help: counter.help(), kind: Kind::Counter };
+        let value = c.counters[counter.index()].load(Ordering::Relaxed) as f64;
+        families.push((f, vec![Sample::new(format!("{}_total", f.name), value)]));
+    }
+    let labelled_families = [
+        (
+            "outbox_push_failures",
+            "Events whose push failed, by reason.",
+            "reason",
+            PushFailure::ALL.map(PushFailure::name).to_vec(),
+            &c.push_failures[..],
+        ),
+        (
+            "outbox_reconnects",
+            "Broker failures that made a dispatcher reconnect, by reason.",
+            "reason",
+            Reason::ALL.map(Reason::name).to_vec(),
+            &c.reconnects[..],
+        ),
+        (
+            "outbox_broker_refusals",
+            "Pushes Redis refused for a condition of the server (OOM, READONLY, ...), by condition.",
+            "condition",
+            Condition::ALL.map(Condition::name).to_vec(),
+            &c.refusals[..],
+        ),
+        (
+            "outbox_wakeups",
+            "Dispatcher wake-ups, by source.",
+            "source",
+            WakeSource::ALL.map(WakeSource::name).to_vec(),
+            &c.wakeups[..],
+        ),
+    ];
+    for (name, help, label, names, values) in labelled_families {
+        let f = Family { name, help, kind: Kind::Counter };
+        families.push((f, labelled(name, label, names.into_iter(), values)));
+    }
+    let latency = Family {
+        name: "outbox_dispatch_latency_seconds",
+        help: "Time from an event's created_at to its push to Redis.",
+        kind: Kind::Histogram,
+    };
+    families.push((latency, c.latency.samples(latency.name, &LATENCY_BOUNDS_SECONDS)));
+    let batch = Family { name: "outbox_batch_size", help: "Events per pushed batch.", kind: Kind::Histogram };
+    families.push((batch, c.batch_size.samples(batch.name, &BATCH_SIZE_BOUNDS)));
+    families
+}

@@ -1,0 +1,114 @@
+//! What SQL sees of the dispatchers: the functions behind `outbox.workers`,
+//! `outbox.metrics` and `outbox_metrics_prometheus()`. The counters come
+//! from shared memory (`counters.rs`), the gauges from the dispatcher
+//! slots and `outbox.status`.
+
+use pgrx::prelude::*;
+
+use outbox_core::exposition::{self, Family, Kind, Sample};
+
+use crate::{config, counters, slots};
+
+/// One row per dispatcher slot `outbox.workers` asks for: the view's source.
+// pgrx reads the column names from the signature, so the row type stays here.
+#[allow(clippy::type_complexity)]
+#[pg_extern(volatile, parallel_safe)]
+fn outbox_workers() -> TableIterator<
+    'static,
+    (
+        name!(worker, i32),
+        name!(pid, Option<i32>),
+        name!(state, String),
+        name!(connected, bool),
+        name!(started_at, Option<TimestampWithTimeZone>),
+        name!(last_heartbeat, Option<TimestampWithTimeZone>),
+        name!(last_error, Option<String>),
+        name!(events_dispatched, i64),
+        name!(broker_persistence, Option<String>),
+    ),
+> {
+    let timestamp = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
+    let rows = slots::report(config::workers()).into_iter().map(move |r| {
+        (
+            r.index,
+            r.pid,
+            r.state.to_string(),
+            r.connected,
+            timestamp(r.started_at),
+            timestamp(r.last_heartbeat),
+            r.last_error,
+            r.dispatched,
+            r.broker_persistence.map(str::to_string),
+        )
+    });
+    TableIterator::new(rows.collect::<Vec<_>>())
+}
+
+/// The counters, then gauges read from the dispatcher slots and `outbox.status`.
+fn families() -> Vec<(Family, Vec<Sample>)> {
+    let mut families = counters::families();
+    let gauge = |name, help| Family { name, help, kind: Kind::Gauge };
+
+    let workers = slots::report(config::workers());
+    let running = workers.iter().filter(|w| w.pid.is_some()).count() as f64;
+    let connected = workers.iter().filter(|w| w.connected).count() as f64;
+    families.push((
+        gauge("outbox_workers_running", "Dispatchers running."),
+        vec![Sample::new("outbox_workers_running", running)],
+    ));
+    families.push((
+        gauge("outbox_workers_connected", "Dispatchers connected to Redis."),
+        vec![Sample::new("outbox_workers_connected", connected)],
+    ));
+
+    let (events, lag) = status_samples();
+    families.push((gauge("outbox_events", "Events in outbox.events, by status."), events));
+    families.push((
+        gauge("outbox_lag_seconds", "How long the oldest due pending event has waited."),
+        vec![Sample::new("outbox_lag_seconds", lag)],
+    ));
+    families
+}
+
+fn status_samples() -> (Vec<Sample>, f64) {
+    let query =
+        "SELECT status::pg_catalog.text, count, pg_catalog.date_part('epoch', lag) FROM outbox.status";
+    let mut lag = 0.0;
+    let events = Spi::connect(|client| {
+        let mut samples = Vec::new();
+        for row in client.select(query, None, &[])? {
+            let status: String = row.get(1)?.unwrap_or_default();
+            let count: i64 = row.get(2)?.unwrap_or(0);
+            if let Some(seconds) = row.get::<f64>(3)? {
+                lag = seconds;
+            }
+            samples.push(Sample::new("outbox_events", count as f64).label("status", status));
+        }
+        Ok::<_, pgrx::spi::SpiError>(samples)
+    })
+    .unwrap_or_else(|e| error!("outbox metrics: cannot read outbox.status: {e}"));
+    (events, lag)
+}
+
+/// One row per sample: the source of the view `outbox.metrics`. The
+/// search_path is pinned: a superuser's scrape must not resolve names
+/// through a path the database owner chose.
+#[pg_extern(volatile, parallel_safe)]
+#[search_path(pg_catalog, pg_temp)]
+fn outbox_metrics(
+) -> TableIterator<'static, (name!(name, String), name!(labels, pgrx::JsonB), name!(value, f64))> {
+    let rows: Vec<_> = families()
+        .into_iter()
+        .flat_map(|(_, samples)| samples)
+        .map(|s| (s.name.clone(), pgrx::JsonB(s.labels_object()), s.value))
+        .collect();
+    TableIterator::new(rows)
+}
+
+/// The same samples as Prometheus text exposition, for a scrape through any
+/// SQL-to-metrics exporter.
+#[pg_extern(volatile, parallel_safe)]
+#[search_path(pg_catalog, pg_temp)]
+fn outbox_metrics_prometheus() -> String {
+    exposition::render(&families())
+}

@@ -1,0 +1,107 @@
+//! Housekeeping: the stuck and unacknowledged sweepers and the lifecycle
+//! purge. One dispatcher at a time does it (a turn in shared memory), for
+//! at most [`BATCHES`] transactions a step: what is left falls due again at
+//! once, after the next drain, so a large purge never stalls delivery.
+
+use std::time::{Duration, Instant};
+
+use pgrx::prelude::*;
+
+use super::signals;
+use super::store::{Store, StoreError, SWEEP_BATCH};
+use crate::config::Settings;
+use crate::counters::{self, Counter};
+use crate::slots;
+
+/// Sweeper transactions per step.
+const BATCHES: usize = 10;
+
+/// When each kind of housekeeping falls due.
+pub struct Schedule {
+    next_sweep: Instant,
+    next_lifecycle: Instant,
+}
+
+impl Schedule {
+    /// Everything is due at once after a start.
+    pub fn new() -> Schedule {
+        Schedule { next_sweep: Instant::now(), next_lifecycle: Instant::now() }
+    }
+
+    /// After a reload: a shorter interval takes effect now.
+    pub fn reschedule(&mut self, settings: &Settings) {
+        let now = Instant::now();
+        self.next_sweep = self.next_sweep.min(now + settings.sweep_interval);
+        self.next_lifecycle = self.next_lifecycle.min(now + settings.lifecycle_interval);
+    }
+
+    /// The next time something falls due.
+    pub fn next_due(&self) -> Instant {
+        self.next_sweep.min(self.next_lifecycle)
+    }
+
+    /// Runs what has fallen due, unless another dispatcher has the turn.
+    pub fn run_if_due(
+        &mut self,
+        dispatcher: usize,
+        slot: &slots::Own,
+        store: &mut Store,
+        settings: &Settings,
+    ) -> Result<(), StoreError> {
+        let now = Instant::now();
+        if now < self.next_due() {
+            return Ok(());
+        }
+        let Some(_turn) = slot.housekeeping() else {
+            return Ok(());
+        };
+        if now >= self.next_sweep {
+            let (rescued, more_stuck) = sweep_some(|| store.sweep_stuck(settings.processing_timeout))?;
+            counters::add(Counter::StuckRescued, rescued);
+            if rescued > 0 {
+                log!("outbox dispatcher {dispatcher}: {rescued} events stuck in processing returned to pending");
+            }
+            let (resent, more_unacked) = if settings.ack_timeout.is_zero() {
+                (0, false)
+            } else {
+                sweep_some(|| store.sweep_unacked(settings.ack_timeout))?
+            };
+            counters::add(Counter::UnackedResent, resent);
+            if resent > 0 {
+                log!("outbox dispatcher {dispatcher}: {resent} unacknowledged events will be sent again");
+            }
+            self.next_sweep = next(now, more_stuck || more_unacked, settings.sweep_interval);
+        }
+        if now >= self.next_lifecycle {
+            let acks_off = settings.ack_timeout.is_zero();
+            let (purged, more) = sweep_some(|| store.purge(settings.retention, acks_off))?;
+            counters::add(Counter::Purged, purged);
+            self.next_lifecycle = next(now, more, settings.lifecycle_interval);
+        }
+        Ok(())
+    }
+}
+
+/// Due again at once when work is left, else after the interval.
+fn next(now: Instant, more: bool, interval: Duration) -> Instant {
+    if more {
+        now
+    } else {
+        now + interval
+    }
+}
+
+/// Repeats a bounded sweep until it finds less than a full batch, for at
+/// most [`BATCHES`] transactions; returns the rows swept and whether more
+/// may be left.
+fn sweep_some(mut sweep: impl FnMut() -> Result<u64, StoreError>) -> Result<(u64, bool), StoreError> {
+    let mut total = 0;
+    for _ in 0..BATCHES {
+        let n = sweep()?;
+        total += n;
+        if n < SWEEP_BATCH as u64 || signals::interrupt_pending() {
+            return Ok((total, n == SWEEP_BATCH as u64));
+        }
+    }
+    Ok((total, true))
+}
