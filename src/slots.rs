@@ -163,8 +163,8 @@ impl Own {
 
     /// Lets committing backends set this process's latch; called once the
     /// dispatcher is connected to its database, before it first looks for
-    /// work. (Connecting may wait on the latch and reset it, which would
-    /// swallow a wake published earlier: seen on PostgreSQL 18.)
+    /// work: a commit before that is found by that first look, a commit
+    /// after it sets the latch.
     pub fn listen(&self) {
         // SAFETY: a background worker has a PGPROC by the time it runs.
         let procno = unsafe { my_procno() };
