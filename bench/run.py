@@ -93,14 +93,15 @@ def sql_ceiling(pg, batch):
     pg.sql("TRUNCATE outbox.events")
     load(pg, EVENTS)
     claim = (ROOT / "sql/worker/claim.sql").read_text().replace("$1", str(batch)).replace("$2", "0")
-    mark = (ROOT / "sql/worker/mark_dispatched.sql").read_text().replace("$1", "claimed")
+    mark = (ROOT / "sql/worker/mark_dispatched.sql").read_text() \
+        .replace("$1", "claimed").replace("$2", "0").replace("$3", "claimed_at")
     body = f"""
         DO $$
-        DECLARE claimed uuid[];
+        DECLARE claimed uuid[]; claimed_at timestamptz;
         BEGIN
             SET LOCAL synchronous_commit = off;
             LOOP
-                WITH c AS ({claim}) SELECT array_agg(id) INTO claimed FROM c;
+                WITH c AS ({claim}) SELECT array_agg(id), max(processing_started_at) INTO claimed, claimed_at FROM c;
                 EXIT WHEN claimed IS NULL;
                 {mark};
                 COMMIT;

@@ -117,7 +117,7 @@ const DECLARATIONS: [Declaration; 24] = [
     Declaration(c"outbox.notify_channel", Userset, NONE, Text(&NOTIFY_CHANNEL),
         c"Channel of that NOTIFY."),
     Declaration(c"outbox.max_payload_bytes", Suset, NONE, Int(&MAX_PAYLOAD_BYTES, 1, i32::MAX, GucFlags::UNIT_BYTE),
-        c"Largest payload outbox_enqueue() accepts, as JSON text."),
+        c"Largest payload outbox_enqueue() accepts (its jsonb size); dispatchers do not check it again."),
 ];
 
 /// Defines the settings. The postmaster-only ones only while preloading

@@ -115,7 +115,7 @@ BAD_INPUTS = [
     ("SELECT outbox_enqueue('e', '{}', task => repeat('t', 256))", "task is 256 bytes, it must be 1 to 255 bytes"),
     ("SELECT outbox_enqueue('e', NULL)", "payload must not be null"),
     ("SELECT outbox_enqueue('e', jsonb_build_object('x', repeat('p', 2000)))",
-     "payload is 2009 bytes of JSON, over outbox.max_payload_bytes (1024 bytes)"),
+     "payload is 2017 bytes as jsonb, over outbox.max_payload_bytes (1024 bytes)"),
     ("SELECT outbox_enqueue('e', '{}', headers => '[1]')", "headers must be a JSON object, not array"),
     ("SELECT outbox_enqueue('e', '{}', delay => '-1 minute')", "delay must not be negative (got -00:01:00)"),
     ("SELECT outbox_enqueue('e', '{}', priority => 10)", "priority is 10, it must be 0 (highest) to 9"),
