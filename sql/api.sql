@@ -190,11 +190,12 @@ COMMENT ON VIEW outbox.metrics IS
 
 CREATE VIEW outbox.dead_letters AS
 SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
-       retry_count, last_error, created_at
+       retry_count, last_error, created_at, deliveries
   FROM outbox.events
  WHERE status = 'failed';
 
-COMMENT ON VIEW outbox.dead_letters IS 'Events that failed outbox.max_retries times, with their last error.';
+COMMENT ON VIEW outbox.dead_letters IS
+    'Failed events with their last error: outbox.max_retries failed pushes, or never acknowledged after outbox.max_redeliveries re-sends.';
 
 -- Privileges. PostgreSQL lets PUBLIC execute every new function; here
 -- nobody but the owner may do anything until granted (README, "Privileges").

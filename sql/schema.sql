@@ -37,6 +37,7 @@ CREATE TABLE outbox.events (
                           CONSTRAINT events_priority_range CHECK (priority BETWEEN 0 AND 9),
     status                outbox.event_status NOT NULL DEFAULT 'pending',
     retry_count           integer NOT NULL DEFAULT 0,
+    deliveries            integer NOT NULL DEFAULT 0,  -- times pushed to Redis
     created_at            timestamptz NOT NULL DEFAULT clock_timestamp(),
     available_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
     processing_started_at timestamptz,

@@ -33,7 +33,8 @@ pub static RECONNECT_DELAY_MIN_MS: GucSetting<i32> = GucSetting::<i32>::new(3_00
 pub static RECONNECT_DELAY_MAX_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 pub static REDIS_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
 pub static PROCESSING_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(300);
-pub static ACK_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
+pub static ACK_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(0);
+pub static MAX_REDELIVERIES: GucSetting<i32> = GucSetting::<i32>::new(5);
 pub static SWEEP_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 pub static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
 pub static LIFECYCLE_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
@@ -69,7 +70,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 24] = [
+const DECLARATIONS: [Declaration; 25] = [
     Declaration(c"outbox.workers", Postmaster, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
         c"Number of dispatcher background workers (each takes a max_worker_processes slot)."),
     Declaration(c"outbox.database", Sighup, NONE, Text(&DATABASE),
@@ -103,7 +104,9 @@ const DECLARATIONS: [Declaration; 24] = [
     Declaration(c"outbox.processing_timeout", Sighup, NONE, Int(&PROCESSING_TIMEOUT_S, 1, DAY_S, S),
         c"Claims older than this are stuck: the sweeper returns them to pending."),
     Declaration(c"outbox.ack_timeout", Sighup, NONE, Int(&ACK_TIMEOUT_S, 0, 30 * DAY_S, S),
-        c"Dispatched events not acknowledged within this are sent again; 0 turns acknowledgements off."),
+        c"Dispatched events not acknowledged within this are sent again; 0 (the default) turns acknowledgements off."),
+    Declaration(c"outbox.max_redeliveries", Sighup, NONE, Int(&MAX_REDELIVERIES, 0, 1000, NONE),
+        c"Re-sends of an unacknowledged event before it is failed."),
     Declaration(c"outbox.sweep_interval", Sighup, NONE, Int(&SWEEP_INTERVAL_S, 1, DAY_S, S),
         c"Period of the stuck and unacknowledged sweepers."),
     Declaration(c"outbox.retention", Sighup, NONE, Int(&RETENTION_S, 1, 3650 * DAY_S, S),
@@ -194,6 +197,7 @@ pub struct Settings {
     pub processing_timeout_set: Option<Duration>,
     /// Zero: acknowledgements are off.
     pub ack_timeout: Duration,
+    pub max_redeliveries: i32,
     pub sweep_interval: Duration,
     pub retention: Duration,
     pub lifecycle_interval: Duration,
@@ -224,6 +228,7 @@ impl Settings {
             processing_timeout: processing_timeout.max(longest),
             processing_timeout_set: (processing_timeout < longest).then_some(processing_timeout),
             ack_timeout: seconds(&ACK_TIMEOUT_S),
+            max_redeliveries: MAX_REDELIVERIES.get(),
             sweep_interval: seconds(&SWEEP_INTERVAL_S),
             retention: seconds(&RETENTION_S),
             lifecycle_interval: seconds(&LIFECYCLE_INTERVAL_S),

@@ -30,6 +30,8 @@ named! {
             => "Events in processing longer than outbox.processing_timeout returned to pending.",
         UnackedResent = "outbox_unacked_resent"
             => "Dispatched events not acknowledged within outbox.ack_timeout, returned to pending.",
+        UnackedFailed = "outbox_unacked_failed"
+            => "Dispatched events never acknowledged after outbox.max_redeliveries re-sends, moved to failed.",
         Acked = "outbox_acked" => "Events acknowledged with outbox_ack().",
         Purged = "outbox_purged" => "Finished events deleted after outbox.retention.",
         Batches = "outbox_batches" => "Batches pushed to Redis.",

@@ -242,6 +242,22 @@ def test_unacked_events_are_resent_and_retention_deletes_only_finished_ones(outb
     assert outbox.metric("outbox_purged_total") >= 2
 
 
+def test_acknowledgements_are_off_by_default_and_redelivery_is_bounded(outbox, redis_server):
+    assert outbox.value("SHOW outbox.ack_timeout") == "0"
+    client = redis_server.client()
+    failed_before = outbox.metric("outbox_unacked_failed_total")
+    outbox.configure(ack_timeout="1s", max_redeliveries=2, sweep_interval="1s")
+    [event_id] = [str(r[0]) for r in outbox.sql("SELECT outbox_enqueue('never_acked', '{}', queue => 'q_bounded')")]
+    wait_until(lambda: outbox.count("failed") == 1, timeout=60, message="the event failed after its re-sends")
+    assert queued_ids(client, "q_bounded") == [event_id] * 3  # the first send and two re-sends
+    deliveries, last_error = outbox.sql("SELECT deliveries, last_error FROM outbox.dead_letters")[0]
+    assert deliveries == 3
+    assert last_error == "not acknowledged after 3 sends (outbox.max_redeliveries = 2)"
+    assert outbox.metric("outbox_unacked_failed_total") - failed_before == 1
+    time.sleep(3)  # failed is final: no further sends
+    assert len(queued_ids(client, "q_bounded")) == 3
+
+
 def test_reload_changes_batch_size_and_redis_url(outbox, redis_server):
     second = Redis()
     try:

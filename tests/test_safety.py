@@ -322,8 +322,12 @@ def test_upgrade_from_the_previous_version_keeps_events_flowing(redis_server):
     pg = Cluster(redis_server.url)
     try:
         pg.sql("CREATE EXTENSION outbox_dispatch VERSION '0.1.0'")
+        # The library is newer than the SQL: the dispatchers wait, visibly.
         first = pg.value("SELECT outbox_enqueue('old', '{}', queue => 'q_upgrade')")
-        wait_until(lambda: pg.count("dispatched") == 1, message="0.1.0 dispatching")
+        wait_until(lambda: "run ALTER EXTENSION outbox_dispatch UPDATE" in
+                   (pg.value("SELECT last_error FROM outbox.workers") or ""), message="the version mismatch shown")
+        assert pg.value("SELECT state FROM outbox.workers") == "blocked"
+        assert pg.count("pending") == 1
         pg.configure(enabled="off")
         second = pg.value("SELECT outbox_enqueue('pending', '{}', queue => 'q_upgrade')")
         pg.sql("ALTER EXTENSION outbox_dispatch UPDATE")

@@ -99,6 +99,20 @@ ALTER FUNCTION @extschema@.outbox_retry_failed(interval) SET search_path = pg_ca
 ALTER FUNCTION @extschema@.outbox_metrics() SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION @extschema@.outbox_metrics_prometheus() SET search_path = pg_catalog, pg_temp;
 
+-- Sends are counted, so that waiting for acknowledgements is bounded
+-- (outbox.max_redeliveries). Events dispatched before the update count from
+-- zero: they get one send more than the bound.
+ALTER TABLE outbox.events ADD COLUMN deliveries integer NOT NULL DEFAULT 0;
+
+CREATE OR REPLACE VIEW outbox.dead_letters AS
+SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
+       retry_count, last_error, created_at, deliveries
+  FROM outbox.events
+ WHERE status = 'failed';
+
+COMMENT ON VIEW outbox.dead_letters IS
+    'Failed events with their last error: outbox.max_retries failed pushes, or never acknowledged after outbox.max_redeliveries re-sends.';
+
 -- outbox.workers shows how the broker persists what it is sent.
 DROP VIEW outbox.workers;
 DROP FUNCTION @extschema@.outbox_workers();

@@ -3,6 +3,7 @@
 UPDATE outbox.events
    SET status = 'dispatched',
        dispatched_at = pg_catalog.now(),
+       deliveries = deliveries + 1,
        last_error = NULL
  WHERE id = ANY($1)
    AND status = 'processing'

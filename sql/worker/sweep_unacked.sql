@@ -1,8 +1,10 @@
 -- Dispatched more than $1 milliseconds ago and never acknowledged with
--- outbox_ack(): send up to $2 of them again, under the same task id.
+-- outbox_ack(): up to $2 of them are sent again under the same task id, or,
+-- once re-sent $3 (outbox.max_redeliveries) times already, failed with a
+-- last_error that says so. Returns, per event, whether it was failed.
 -- Served by events_dispatched_idx.
 WITH unacked AS (
-    SELECT id
+    SELECT id, deliveries > $3 AS exhausted
       FROM outbox.events
      WHERE status = 'dispatched'
        AND dispatched_at < pg_catalog.now() - $1 * interval '1 millisecond'
@@ -10,9 +12,14 @@ WITH unacked AS (
        FOR UPDATE SKIP LOCKED
 )
 UPDATE outbox.events AS e
-   SET status = 'pending',
+   SET status = (CASE WHEN unacked.exhausted THEN 'failed' ELSE 'pending' END)::outbox.event_status,
+       last_error = CASE WHEN unacked.exhausted
+                         THEN pg_catalog.format('not acknowledged after %s sends (outbox.max_redeliveries = %s)',
+                                                e.deliveries, $3)
+                         ELSE e.last_error END,
        available_at = pg_catalog.now(),
        processing_started_at = NULL,
        claimed_by = NULL
   FROM unacked
  WHERE e.id = unacked.id
+RETURNING unacked.exhausted

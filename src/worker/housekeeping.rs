@@ -61,14 +61,25 @@ impl Schedule {
             if rescued > 0 {
                 log!("outbox dispatcher {dispatcher}: {rescued} events stuck in processing returned to pending");
             }
-            let (resent, more_unacked) = if settings.ack_timeout.is_zero() {
+            let mut failed = 0;
+            let (swept, more_unacked) = if settings.ack_timeout.is_zero() {
                 (0, false)
             } else {
-                sweep_some(|| store.sweep_unacked(settings.ack_timeout))?
+                sweep_some(|| {
+                    let (resent, gave_up) =
+                        store.sweep_unacked(settings.ack_timeout, settings.max_redeliveries)?;
+                    failed += gave_up;
+                    Ok(resent + gave_up)
+                })?
             };
+            let resent = swept - failed;
             counters::add(Counter::UnackedResent, resent);
-            if resent > 0 {
-                log!("outbox dispatcher {dispatcher}: {resent} unacknowledged events will be sent again");
+            counters::add(Counter::UnackedFailed, failed);
+            if resent > 0 || failed > 0 {
+                log!(
+                    "outbox dispatcher {dispatcher}: {resent} unacknowledged events will be sent again, \
+                     {failed} failed after outbox.max_redeliveries re-sends"
+                );
             }
             self.next_sweep = next(now, more_stuck || more_unacked, settings.sweep_interval);
         }

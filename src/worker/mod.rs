@@ -123,8 +123,8 @@ struct Dispatcher {
     released_own: bool,
     /// The extension was found missing (and that was logged).
     extension_missing: bool,
-    /// The last statement failed (and `last_error` says why).
-    store_failing: bool,
+    /// The last statement failed with this error (which `last_error` shows).
+    store_failing: Option<String>,
     /// The broker's lack of persistence was logged.
     persistence_warned: bool,
     housekeeping: housekeeping::Schedule,
@@ -146,7 +146,7 @@ impl Dispatcher {
             next_connect: None,
             released_own: false,
             extension_missing: false,
-            store_failing: false,
+            store_failing: None,
             persistence_warned: false,
             housekeeping: housekeeping::Schedule::new(),
             next_heartbeat: Instant::now(),
@@ -185,7 +185,7 @@ impl Dispatcher {
              redis_tls_ca_file={:?} enabled={} batch_size={} max_batch_bytes={} \
              poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
              reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
-             ack_timeout={:?} sweep_interval={:?} retention={:?} lifecycle_interval={:?}",
+             ack_timeout={:?} max_redeliveries={} sweep_interval={:?} retention={:?} lifecycle_interval={:?}",
             self.index,
             config::database(),
             broker_url::redact(&s.broker.url),
@@ -203,6 +203,7 @@ impl Dispatcher {
             s.heartbeat_interval,
             s.processing_timeout,
             s.ack_timeout,
+            s.max_redeliveries,
             s.sweep_interval,
             s.retention,
             s.lifecycle_interval,
@@ -271,19 +272,26 @@ impl Dispatcher {
             .fold(nap, Duration::min)
     }
 
-    /// A statement failed and was rolled back: show why, try again soon.
+    /// A statement failed and was rolled back: show why (logged once while
+    /// it repeats), try again soon.
     fn store_failed(&mut self, error: &StoreError) -> Duration {
-        self.store_failing = true;
         self.slot.set_state(State::Blocked);
         let message = error.to_string();
-        self.slot.set_error(Some(&message));
-        log!("outbox dispatcher {}: {message}; trying again in {}s", self.index, STORE_RETRY.as_secs());
+        if self.store_failing.as_deref() != Some(message.as_str()) {
+            self.slot.set_error(Some(&message));
+            log!(
+                "outbox dispatcher {}: {message}; trying again every {}s",
+                self.index,
+                STORE_RETRY.as_secs()
+            );
+            self.store_failing = Some(message);
+        }
         STORE_RETRY
     }
 
     /// A statement succeeded after failing: the error no longer applies.
     fn store_recovered(&mut self) {
-        if std::mem::take(&mut self.store_failing) {
+        if self.store_failing.take().is_some() {
             self.slot.set_error(None);
         }
     }

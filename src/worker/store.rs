@@ -136,6 +136,19 @@ const FLOAT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8OID);
 const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 
+/// What a transaction with the plans came to.
+enum Ran<R> {
+    Done(R),
+    NoExtension,
+    /// The extension's SQL is of another version than this library (the
+    /// library was installed, `ALTER EXTENSION … UPDATE` not yet run).
+    Outdated(String),
+}
+
+const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
+const INSTALLED_VERSION: &str =
+    "SELECT extversion FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'outbox_dispatch'";
+
 /// Rows a sweeper touches per transaction.
 pub const SWEEP_BATCH: usize = 1000;
 
@@ -158,7 +171,10 @@ impl Plans {
             )?,
             release: prepare(include_str!("../../sql/worker/release.sql"), &[UUID_ARRAY, INT4, TIMESTAMPTZ])?,
             sweep_stuck: prepare(include_str!("../../sql/worker/sweep_stuck.sql"), &[FLOAT8, INT4])?,
-            sweep_unacked: prepare(include_str!("../../sql/worker/sweep_unacked.sql"), &[FLOAT8, INT4])?,
+            sweep_unacked: prepare(
+                include_str!("../../sql/worker/sweep_unacked.sql"),
+                &[FLOAT8, INT4, INT4],
+            )?,
             purge: prepare(include_str!("../../sql/worker/purge.sql"), &[FLOAT8, INT4, BOOL])?,
         })
     }
@@ -266,19 +282,33 @@ impl Store {
     ) -> Result<Option<R>, StoreError> {
         let dispatcher = self.dispatcher;
         let plans = &mut self.plans;
-        transaction(|| {
+        let ran = transaction(|| {
             if !extension_exists() {
                 *plans = None;
-                return Ok(None);
+                return Ok(Ran::NoExtension);
+            }
+            if plans.is_none() {
+                let installed = Spi::get_one::<String>(INSTALLED_VERSION)?.unwrap_or_default();
+                if installed != LIBRARY_VERSION {
+                    return Ok(Ran::Outdated(installed));
+                }
             }
             Spi::connect_mut(|client| {
                 if plans.is_none() {
                     *plans = Some(Plans::prepare(client)?);
                 }
                 let plans = plans.as_ref().expect("prepared above");
-                body(client, plans, dispatcher).map(Some)
+                body(client, plans, dispatcher).map(Ran::Done)
             })
-        })
+        })?;
+        match ran {
+            Ran::Done(result) => Ok(Some(result)),
+            Ran::NoExtension => Ok(None),
+            Ran::Outdated(installed) => Err(StoreError::Failed(format!(
+                "outbox_dispatch {installed} is installed in this database and the library is \
+                 {LIBRARY_VERSION}: run ALTER EXTENSION outbox_dispatch UPDATE"
+            ))),
+        }
     }
 
     /// Is the extension created in this database?
@@ -350,10 +380,33 @@ impl Store {
         self.sweep(|p| &p.sweep_stuck, timeout, None)
     }
 
-    /// Returns to pending up to [`SWEEP_BATCH`] events dispatched longer
-    /// than `timeout` ago and never acknowledged.
-    pub fn sweep_unacked(&mut self, timeout: Duration) -> Result<u64, StoreError> {
-        self.sweep(|p| &p.sweep_unacked, timeout, None)
+    /// Up to [`SWEEP_BATCH`] events dispatched longer than `timeout` ago
+    /// and never acknowledged: back to pending to be sent again, or failed
+    /// when re-sent `max_redeliveries` times already. Returns how many of
+    /// each: (resent, failed).
+    pub fn sweep_unacked(
+        &mut self,
+        timeout: Duration,
+        max_redeliveries: i32,
+    ) -> Result<(u64, u64), StoreError> {
+        let swept = self.with_plans(|client, plans, _| {
+            let args: [DatumWithOid; 3] = [
+                (timeout.as_secs_f64() * 1000.0).into(),
+                (SWEEP_BATCH as i32).into(),
+                max_redeliveries.into(),
+            ];
+            report_running(&plans.sweep_unacked.text);
+            let (mut resent, mut failed) = (0, 0);
+            for row in client.update(&plans.sweep_unacked.plan, None, &args)? {
+                if row.get::<bool>(1)?.unwrap_or(false) {
+                    failed += 1;
+                } else {
+                    resent += 1;
+                }
+            }
+            Ok((resent, failed))
+        })?;
+        Ok(swept.unwrap_or((0, 0)))
     }
 
     /// Deletes up to [`SWEEP_BATCH`] finished events older than `retention`;
