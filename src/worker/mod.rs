@@ -272,13 +272,14 @@ impl Dispatcher {
             .fold(nap, Duration::min)
     }
 
-    /// A statement failed and was rolled back: show why (logged once while
-    /// it repeats), try again soon.
+    /// A statement failed and was rolled back: show why (in the log once
+    /// while it repeats), try again soon.
     fn store_failed(&mut self, error: &StoreError) -> Duration {
         self.slot.set_state(State::Blocked);
         let message = error.to_string();
+        // Set every time: a broker success in between may have cleared it.
+        self.slot.set_error(Some(&message));
         if self.store_failing.as_deref() != Some(message.as_str()) {
-            self.slot.set_error(Some(&message));
             log!(
                 "outbox dispatcher {}: {message}; trying again every {}s",
                 self.index,
