@@ -41,6 +41,7 @@ install-dev: deps
 
 unit: deps
 	cargo test -p outbox_core
+	$(PYTHON) -m pytest -q python/tests
 
 integration: install-dev
 	PG_BIN=$(PG_BIN) $(PYTHON) -m pytest -v tests $(PYTEST_ARGS)

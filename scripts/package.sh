@@ -3,7 +3,8 @@
 # that PG_CONFIG names: dist/outbox_dispatch-<version>-pg<major>-<arch>.tar.gz,
 # holding the shared library, the control file, every install and upgrade
 # script, and install.sh, which copies them where the target server's
-# pg_config says and refuses a server of another major.
+# pg_config says and refuses a server of another major; and the Python
+# package's wheel, dist/outbox_dispatch-<version>-py3-none-any.whl.
 # PACKAGE_PROFILE=dev packages the quicker debug build (the tests use it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,3 +50,12 @@ chmod 755 "$root/install.sh"
 mkdir -p dist
 tar -C "$staging" -czf "dist/$name.tar.gz" "$name"
 echo "dist/$name.tar.gz"
+
+# The Python package (python/), a wheel for any platform, of the same version.
+wheel_version=$(sed -n 's/^version = "\(.*\)"/\1/p' python/pyproject.toml)
+if [[ "$wheel_version" != "$version" ]]; then
+    echo "package.sh: python/pyproject.toml says $wheel_version, Cargo.toml $version" >&2
+    exit 1
+fi
+.venv/bin/python -m pip wheel -q --no-deps --wheel-dir dist ./python >/dev/null
+echo "dist/outbox_dispatch-$version-py3-none-any.whl"

@@ -15,8 +15,9 @@ CREATE TRIGGER events_wake_dispatchers
 -- Enqueue one event in the caller's transaction; returns its id, which is
 -- also the Celery task id. Every argument is checked first, with an error
 -- that names it and its limit; nothing is inserted when one is refused.
--- The payload's size is its stored (jsonb) size, the one measure: the
--- dispatchers never refuse an accepted event for its size.
+-- The payload's size is its stored (jsonb) size, args included, the one
+-- measure: the dispatchers never refuse an accepted event for its size.
+-- expires counts from now, as Celery's does (not from the end of delay).
 -- Every name is qualified, operators included (OPERATOR(pg_catalog.…)):
 -- nothing resolves through a search_path the database owner may have set.
 -- (A SET search_path clause would do the same at about a tenth of enqueue
@@ -28,7 +29,9 @@ CREATE FUNCTION @extschema@.outbox_enqueue(
     task       text     DEFAULT NULL,
     headers    jsonb    DEFAULT NULL,
     delay      interval DEFAULT NULL,
-    priority   integer  DEFAULT 0
+    priority   integer  DEFAULT 0,
+    expires    interval DEFAULT NULL,
+    args       jsonb    DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql VOLATILE
 AS $$
@@ -40,10 +43,12 @@ DECLARE
     -- Made here rather than returned by the INSERT: RETURNING would need
     -- SELECT on outbox.events, which writers are not granted.
     new_id         CONSTANT pg_catalog.uuid := @extschema@.outbox_uuid_v7();
-    payload_bytes  CONSTANT integer := pg_catalog.pg_column_size(payload);
+    payload_bytes  CONSTANT integer := pg_catalog.pg_column_size(payload)
+                                       OPERATOR(pg_catalog.+) coalesce(pg_catalog.pg_column_size(args), 0);
     event_bytes    CONSTANT integer := pg_catalog.octet_length(event_type);
     queue_bytes    CONSTANT integer := pg_catalog.octet_length(resolved_queue);
     task_bytes     CONSTANT integer := pg_catalog.octet_length(task);
+    enqueued_at    CONSTANT timestamptz := pg_catalog.clock_timestamp();
 BEGIN
     -- One test for the common case; the ones inside say what is wrong.
     IF event_type IS NULL OR payload IS NULL OR priority IS NULL
@@ -54,6 +59,9 @@ BEGIN
        OR pg_catalog.jsonb_typeof(headers) OPERATOR(pg_catalog.<>) 'object'
        OR delay OPERATOR(pg_catalog.<) interval '0'
        OR priority OPERATOR(pg_catalog.<) 0 OR priority OPERATOR(pg_catalog.>) 9
+       OR expires OPERATOR(pg_catalog.<=) interval '0'
+       OR pg_catalog.jsonb_typeof(args) OPERATOR(pg_catalog.<>) 'array'
+       OR (args IS NOT NULL AND pg_catalog.jsonb_typeof(payload) OPERATOR(pg_catalog.<>) 'object')
     THEN
         IF event_type IS NULL OR event_bytes OPERATOR(pg_catalog.=) 0 THEN
             RAISE EXCEPTION 'outbox_enqueue: event_type must not be null or empty'
@@ -81,7 +89,8 @@ BEGIN
         IF payload_bytes OPERATOR(pg_catalog.>) max_payload THEN
             RAISE EXCEPTION 'outbox_enqueue: payload is % bytes as jsonb, over outbox.max_payload_bytes (% bytes)',
                 payload_bytes, max_payload
-                USING ERRCODE = 'program_limit_exceeded';
+                USING ERRCODE = 'program_limit_exceeded',
+                      HINT = 'args count towards it.';
         END IF;
         IF pg_catalog.jsonb_typeof(headers) OPERATOR(pg_catalog.<>) 'object' THEN
             RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, not %',
@@ -92,18 +101,33 @@ BEGIN
             RAISE EXCEPTION 'outbox_enqueue: delay must not be negative (got %)', delay
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
+        IF expires OPERATOR(pg_catalog.<=) interval '0' THEN
+            RAISE EXCEPTION 'outbox_enqueue: expires must be positive (got %)', expires
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF pg_catalog.jsonb_typeof(args) OPERATOR(pg_catalog.<>) 'array' THEN
+            RAISE EXCEPTION 'outbox_enqueue: args must be a JSON array, not %', pg_catalog.jsonb_typeof(args)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF args IS NOT NULL AND pg_catalog.jsonb_typeof(payload) OPERATOR(pg_catalog.<>) 'object' THEN
+            RAISE EXCEPTION 'outbox_enqueue: with args, payload must be a JSON object (the keyword arguments), not %',
+                pg_catalog.jsonb_typeof(payload)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
         RAISE EXCEPTION 'outbox_enqueue: priority is %, it must be 0 (highest) to 9', priority
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
 
-    INSERT INTO outbox.events (id, event_type, payload, queue, task, headers, priority, available_at)
-    VALUES (new_id, event_type, payload, resolved_queue, task, headers, priority,
-            pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) coalesce(delay, interval '0'));
+    INSERT INTO outbox.events (id, event_type, payload, args, queue, task, headers, priority,
+                               available_at, expires_at)
+    VALUES (new_id, event_type, payload, args, resolved_queue, task, headers, priority,
+            enqueued_at OPERATOR(pg_catalog.+) coalesce(delay, interval '0'),
+            enqueued_at OPERATOR(pg_catalog.+) expires);
     RETURN new_id;
 END
 $$;
 
-COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer) IS
+COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb) IS
     'Enqueue an event in the current transaction; it is delivered as a Celery task after COMMIT.';
 
 -- A failed event back to pending, its retries reset. Returns whether it was
@@ -201,7 +225,7 @@ COMMENT ON VIEW outbox.dead_letters IS
 -- nobody but the owner may do anything until granted (README, "Privileges").
 -- outbox_uuid_v7() stays public: it is the id default of every insert path.
 REVOKE ALL ON FUNCTION
-    @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer),
+    @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb),
     @extschema@.outbox_ack(uuid),
     @extschema@.outbox_retry(uuid),
     @extschema@.outbox_retry_failed(interval),

@@ -27,6 +27,8 @@ CREATE TABLE outbox.events (
     event_type            text NOT NULL
                           CONSTRAINT events_event_type_length CHECK (octet_length(event_type) BETWEEN 1 AND 255),
     payload               jsonb NOT NULL DEFAULT '{}',
+    args                  jsonb  -- positional arguments; the payload (an object) is then the keyword ones
+                          CONSTRAINT events_args_array CHECK (jsonb_typeof(args) = 'array'),
     queue                 text NOT NULL DEFAULT coalesce(current_setting('outbox.default_queue', true), 'celery')
                           CONSTRAINT events_queue_length CHECK (octet_length(queue) BETWEEN 1 AND 255),
     task                  text  -- NULL: the task is named like the event_type
@@ -40,11 +42,13 @@ CREATE TABLE outbox.events (
     deliveries            integer NOT NULL DEFAULT 0,  -- times pushed to Redis
     created_at            timestamptz NOT NULL DEFAULT clock_timestamp(),
     available_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+    expires_at            timestamptz,  -- not sent after this (Celery's expires)
     processing_started_at timestamptz,
     dispatched_at         timestamptz,
     processed_at          timestamptz,
     last_error            text,
-    claimed_by            integer  -- index of the dispatcher that claimed it
+    claimed_by            integer,  -- index of the dispatcher that claimed it
+    CONSTRAINT events_args_with_kwargs CHECK (args IS NULL OR jsonb_typeof(payload) = 'object')
 )
 -- A queue table churns: every row is inserted, updated two or three times
 -- and deleted. Vacuum and analyze it after a small fraction of changes

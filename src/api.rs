@@ -5,7 +5,7 @@ use std::ffi::{c_char, CString};
 
 use pgrx::prelude::*;
 
-use crate::counters::{self, Counter};
+use crate::counters::{self, AckSource};
 use crate::{config, wake};
 
 extern "C-unwind" {
@@ -47,7 +47,7 @@ fn outbox_ack(id: pgrx::Uuid) -> bool {
     })
     .unwrap_or_else(|e| error!("outbox_ack: {e}"));
     if acked {
-        counters::add(Counter::Acked, 1);
+        counters::acked(AckSource::Sql, 1);
     }
     acked
 }

@@ -43,6 +43,8 @@ pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static NOTIFY_CHANNEL: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_new"));
 pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+pub static REPORT_KEY: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"outbox_dispatch.reports"));
 pub static MAX_BATCH_BYTES_KB: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024);
 
 const HOUR_MS: i32 = 3_600_000;
@@ -70,7 +72,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 25] = [
+const DECLARATIONS: [Declaration; 26] = [
     Declaration(c"outbox.workers", Postmaster, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
         c"Number of dispatcher background workers (each takes a max_worker_processes slot)."),
     Declaration(c"outbox.database", Sighup, NONE, Text(&DATABASE),
@@ -115,6 +117,8 @@ const DECLARATIONS: [Declaration; 25] = [
         c"Period of the sweeper that deletes events older than outbox.retention."),
     Declaration(c"outbox.heartbeat_interval", Sighup, NONE, Int(&HEARTBEAT_INTERVAL_S, 1, DAY_S, S),
         c"Period of the broker PING while idle."),
+    Declaration(c"outbox.report_key", Sighup, NONE, Text(&REPORT_KEY),
+        c"Redis list Celery workers running outbox_dispatch.celery report outcomes to; empty: none asked for or read."),
     Declaration(c"outbox.notify", Userset, NONE, Bool(&NOTIFY),
         c"Inserts into outbox.events also NOTIFY outbox.notify_channel (serializes commits on one lock)."),
     Declaration(c"outbox.notify_channel", Userset, NONE, Text(&NOTIFY_CHANNEL),
@@ -202,6 +206,8 @@ pub struct Settings {
     pub retention: Duration,
     pub lifecycle_interval: Duration,
     pub heartbeat_interval: Duration,
+    /// Where workers report outcomes; `None`: reports are off.
+    pub report_key: Option<String>,
 }
 
 impl Settings {
@@ -233,6 +239,7 @@ impl Settings {
             retention: seconds(&RETENTION_S),
             lifecycle_interval: seconds(&LIFECYCLE_INTERVAL_S),
             heartbeat_interval: seconds(&HEARTBEAT_INTERVAL_S),
+            report_key: Some(text(&REPORT_KEY)).filter(|k| !k.is_empty()),
         }
     }
 }

@@ -32,7 +32,9 @@ named! {
             => "Dispatched events not acknowledged within outbox.ack_timeout, returned to pending.",
         UnackedFailed = "outbox_unacked_failed"
             => "Dispatched events never acknowledged after outbox.max_redeliveries re-sends, moved to failed.",
-        Acked = "outbox_acked" => "Events acknowledged with outbox_ack().",
+        TaskFailures = "outbox_task_failures"
+            => "Events whose Celery task failed, or that a worker refused, as reported by outbox_dispatch.celery.",
+        Expired = "outbox_expired" => "Events not sent because they expired first.",
         Purged = "outbox_purged" => "Finished events deleted after outbox.retention.",
         Batches = "outbox_batches" => "Batches pushed to Redis.",
     }
@@ -46,6 +48,26 @@ named! {
         RedisError = "redis_error",
         Unencodable = "unencodable",
         Refused = "refused",
+    }
+}
+
+named! {
+    /// Who confirmed that an event was processed.
+    pub enum AckSource {
+        /// `outbox_ack()`.
+        Sql = "sql",
+        /// A report from a Celery worker running `outbox_dispatch.celery`.
+        Celery = "celery",
+    }
+}
+
+named! {
+    /// Why a report from a Celery worker changed nothing.
+    pub enum ReportIgnored {
+        /// Its event is gone (purged) or already final.
+        Stale = "stale",
+        /// Not a report this version understands.
+        Malformed = "malformed",
     }
 }
 
@@ -92,6 +114,8 @@ pub struct Counters {
     reconnects: [AtomicU64; Reason::COUNT],
     refusals: [AtomicU64; Condition::COUNT],
     wakeups: [AtomicU64; WakeSource::COUNT],
+    acks: [AtomicU64; AckSource::COUNT],
+    reports_ignored: [AtomicU64; ReportIgnored::COUNT],
     latency: Histogram<LATENCY_BUCKETS>,
     batch_size: Histogram<BATCH_BUCKETS>,
 }
@@ -114,6 +138,8 @@ pub fn init() {
                 reconnects: zeros(),
                 refusals: zeros(),
                 wakeups: zeros(),
+                acks: zeros(),
+                reports_ignored: zeros(),
                 latency: Histogram::new(),
                 batch_size: Histogram::new(),
             })
@@ -151,6 +177,18 @@ pub fn reconnect(error: &SinkError) {
 pub fn woke(source: WakeSource) {
     if let Some(c) = counters() {
         c.wakeups[source.index()].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+pub fn acked(source: AckSource, n: u64) {
+    if let Some(c) = counters() {
+        c.acks[source.index()].fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+pub fn reports_ignored(reason: ReportIgnored, n: u64) {
+    if let Some(c) = counters() {
+        c.reports_ignored[reason.index()].fetch_add(n, Ordering::Relaxed);
     }
 }
 
@@ -219,6 +257,20 @@ pub fn families() -> Vec<(Family, Vec<Sample>)> {
             "source",
             WakeSource::ALL.map(WakeSource::name).to_vec(),
             &c.wakeups[..],
+        ),
+        (
+            "outbox_acked",
+            "Events confirmed processed, by source: outbox_ack() or a Celery worker's report.",
+            "source",
+            AckSource::ALL.map(AckSource::name).to_vec(),
+            &c.acks[..],
+        ),
+        (
+            "outbox_reports_ignored",
+            "Reports from Celery workers that changed nothing, by reason.",
+            "reason",
+            ReportIgnored::ALL.map(ReportIgnored::name).to_vec(),
+            &c.reports_ignored[..],
         ),
     ];
     for (name, help, label, names, values) in labelled_families {

@@ -36,6 +36,18 @@ named! {
 }
 
 named! {
+    /// Work one dispatcher at a time does.
+    pub enum Turn {
+        /// The sweepers and the lifecycle purge.
+        Housekeeping = "housekeeping",
+        /// Collecting the outcomes Celery workers report: the report list
+        /// is read and trimmed from its head, so two at once would trim
+        /// each other's reports.
+        Reports = "reports",
+    }
+}
+
+named! {
     /// What ended a dispatcher's sleep.
     pub enum WakeSource {
         Commit = "commit",
@@ -64,8 +76,8 @@ pub struct Slot {
 #[repr(C)]
 pub struct Slots {
     slots: [Slot; MAX_WORKERS],
-    /// Index of the dispatcher doing housekeeping (sweeps, purge), -1 = none.
-    housekeeper: AtomicI32,
+    /// Index of the dispatcher that has each [`Turn`], -1 = none.
+    turns: [AtomicI32; Turn::COUNT],
 }
 
 static SLOTS: PgAtomic<AssertPGRXSharedMemory<Slots>> = unsafe { PgAtomic::new(c"outbox_dispatch_slots") };
@@ -92,7 +104,7 @@ pub fn init() {
                     wake_sources: AtomicU8::new(0),
                     persistence: AtomicU8::new(0),
                 }),
-                housekeeper: AtomicI32::new(-1),
+                turns: std::array::from_fn(|_| AtomicI32::new(-1)),
             })
         }
     );
@@ -207,13 +219,13 @@ impl Own {
         self.slot().persistence.store(code, Ordering::Relaxed);
     }
 
-    /// Takes the housekeeping turn if no other dispatcher has it; the turn
-    /// ends when the returned value is dropped, or when this process exits.
-    pub fn housekeeping(&self) -> Option<Housekeeping> {
+    /// Takes `turn` if no other dispatcher has it; the turn ends when the
+    /// returned value is dropped, or when this process exits.
+    pub fn take_turn(&self, turn: Turn) -> Option<Held> {
         let slots = slots()?;
         let me = self.0 as i32;
-        slots.housekeeper.compare_exchange(-1, me, Ordering::AcqRel, Ordering::Relaxed).ok()?;
-        Some(Housekeeping(me))
+        slots.turns[turn.index()].compare_exchange(-1, me, Ordering::AcqRel, Ordering::Relaxed).ok()?;
+        Some(Held(turn, me))
     }
 
     /// Records the last error (already free of credentials); `None` clears it.
@@ -230,13 +242,14 @@ impl Own {
     }
 }
 
-/// This dispatcher's turn at housekeeping.
-pub struct Housekeeping(i32);
+/// A turn this dispatcher has.
+pub struct Held(Turn, i32);
 
-impl Drop for Housekeeping {
+impl Drop for Held {
     fn drop(&mut self) {
         if let Some(slots) = slots() {
-            let _ = slots.housekeeper.compare_exchange(self.0, -1, Ordering::AcqRel, Ordering::Relaxed);
+            let _ =
+                slots.turns[self.0.index()].compare_exchange(self.1, -1, Ordering::AcqRel, Ordering::Relaxed);
         }
     }
 }
@@ -244,8 +257,9 @@ impl Drop for Housekeeping {
 #[pg_guard]
 unsafe extern "C-unwind" fn release(_code: i32, arg: pg_sys::Datum) {
     if let Some(slots) = slots() {
-        let _ =
-            slots.housekeeper.compare_exchange(arg.value() as i32, -1, Ordering::AcqRel, Ordering::Relaxed);
+        for turn in &slots.turns {
+            let _ = turn.compare_exchange(arg.value() as i32, -1, Ordering::AcqRel, Ordering::Relaxed);
+        }
         let slot = &slots.slots[arg.value()];
         slot.procno.store(-1, Ordering::Release);
         slot.pid.store(0, Ordering::Relaxed);

@@ -213,18 +213,23 @@ class Cluster:
 
 
 class CeleryWorker:
-    """A stock Celery 5 worker running tests/celery_app.py."""
+    """A stock Celery 5 worker: tests/celery_app.py by default, in the solo
+    pool; `pool="prefork"` with `concurrency` child processes."""
 
-    def __init__(self, broker_url, queues=("celery",)):
-        env = dict(os.environ, OUTBOX_TEST_BROKER=broker_url, PYTHONPATH=str(ROOT / "tests"))
+    def __init__(self, broker_url, queues=("celery",), app="celery_app", pool="solo", concurrency=1, env=None):
+        env = dict(os.environ, OUTBOX_TEST_BROKER=broker_url, PYTHONPATH=str(ROOT / "tests"), **(env or {}))
         self.log = tempfile.NamedTemporaryFile(prefix="outbox-celery-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [VENV_BIN / "celery", "-A", "celery_app", "worker", "--pool=solo", "--without-gossip",
-             "--without-mingle", "--without-heartbeat", "-Q", ",".join(queues), "--loglevel=INFO"],
+            [VENV_BIN / "celery", "-A", app, "worker", f"--pool={pool}", f"--concurrency={concurrency}",
+             "--without-gossip", "--without-mingle", "--without-heartbeat", "-Q", ",".join(queues),
+             "--loglevel=INFO"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_text(self):
         return Path(self.log.name).read_text(errors="replace")
+
+    def wait_ready(self, timeout=60):
+        wait_until(lambda: "ready." in self.log_text(), timeout=timeout, message="the Celery worker to be ready")
 
     def close(self):
         os.killpg(self.proc.pid, signal.SIGTERM)

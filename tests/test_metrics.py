@@ -87,7 +87,8 @@ def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
     expected = {
         "outbox_dispatched": "counter", "outbox_retries": "counter", "outbox_dead_letters": "counter",
         "outbox_stuck_rescued": "counter", "outbox_unacked_resent": "counter", "outbox_unacked_failed": "counter",
-        "outbox_acked": "counter",
+        "outbox_acked": "counter", "outbox_task_failures": "counter", "outbox_expired": "counter",
+        "outbox_reports_ignored": "counter",
         "outbox_purged": "counter", "outbox_batches": "counter", "outbox_push_failures": "counter",
         "outbox_reconnects": "counter", "outbox_broker_refusals": "counter", "outbox_wakeups": "counter",
         "outbox_dispatch_latency_seconds": "histogram", "outbox_batch_size": "histogram",

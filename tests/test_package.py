@@ -1,9 +1,11 @@
-"""`make package`: an archive that installs on a server without Rust."""
+"""`make package`: an archive that installs on a server without Rust, and
+the Python package's wheel."""
 
 import os
 import subprocess
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 from harness import PG_BIN, Cluster, queued_ids, wait_until
@@ -17,8 +19,11 @@ def test_the_archive_installs_and_runs(redis_server):
     built = subprocess.run(["./scripts/package.sh"], cwd=ROOT,
                            env=dict(os.environ, PACKAGE_PROFILE="dev", PG_CONFIG=PG_CONFIG),
                            check=True, capture_output=True, text=True)
-    archive = ROOT / built.stdout.strip().splitlines()[-1]
-    assert f"-pg{MAJOR}-" in archive.name
+    archive, wheel = (ROOT / line for line in built.stdout.strip().splitlines()[-2:])
+    assert f"-pg{MAJOR}-" in archive.name and archive.name.endswith(".tar.gz")
+    with zipfile.ZipFile(wheel) as python_package:
+        assert {"outbox_dispatch/__init__.py", "outbox_dispatch/celery.py", "outbox_dispatch/producer.py",
+                "outbox_dispatch/report.py", "outbox_dispatch/py.typed"} <= set(python_package.namelist())
     with tempfile.TemporaryDirectory() as unpacked, tarfile.open(archive) as tar:
         names = {Path(n).name for n in tar.getnames()}
         assert {"outbox_dispatch.so", "outbox_dispatch.control", "outbox_dispatch--0.3.0.sql", "outbox_dispatch--0.2.0.sql",

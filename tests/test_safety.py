@@ -15,7 +15,7 @@ import pytest
 
 from harness import Cluster, Redis, queued_ids, wait_until
 
-ENQUEUE = "outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer)"
+ENQUEUE = "outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb)"
 
 
 def public_file(directory, name, text):
@@ -330,7 +330,12 @@ def test_upgrade_from_the_previous_version_keeps_events_flowing(redis_server):
         assert pg.count("pending") == 1
         pg.configure(enabled="off")
         second = pg.value("SELECT outbox_enqueue('pending', '{}', queue => 'q_upgrade')")
+        pg.sql("CREATE ROLE upgrade_app; GRANT EXECUTE ON FUNCTION "
+               "outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer) TO upgrade_app")
         pg.sql("ALTER EXTENSION outbox_dispatch UPDATE")
+        # outbox_enqueue's new signature is a new function: the grant followed it.
+        assert pg.value(f"SELECT has_function_privilege('upgrade_app', '{ENQUEUE}', 'EXECUTE')")
+        pg.sql(f"REVOKE EXECUTE ON FUNCTION {ENQUEUE} FROM upgrade_app")
         assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "0.3.0"
         pg.configure(enabled="on")
         third = pg.value("SELECT outbox_enqueue('new', '{}', queue => 'q_upgrade')")

@@ -32,7 +32,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             event_type: "bench",
             created_at: "2026-01-01 00:00:00+00",
             payload: &payload,
+            args: None,
             headers: None,
+            expires: None,
+            report_to: "outbox_dispatch.reports",
         };
         celery::encode(&task, "outbox_dispatch@bench", uuid::Uuid::new_v4(), &mut out).map(|_| out)
     };

@@ -39,7 +39,12 @@ const PROTOCOL_HEADERS: &[&str] = &[
     "stamps",
     "outbox_event_type",
     "outbox_created_at",
+    "outbox_report_to",
 ];
+
+/// Protocol headers an event may set: a task enqueued from inside a running
+/// task chains to it (`outbox_dispatch.enqueue` fills them in).
+const LINEAGE_HEADERS: &[&str] = &["root_id", "parent_id"];
 
 /// What the encoder needs of one claimed event. Borrowed: the worker keeps
 /// the rows it claimed and encodes them without copying.
@@ -54,8 +59,16 @@ pub struct TaskMessage<'a> {
     pub created_at: &'a str,
     /// The payload's JSON text.
     pub payload: &'a str,
+    /// Positional arguments, a JSON array's text, when the event has both
+    /// kinds: the payload (an object) is then the keyword arguments.
+    pub args: Option<&'a str>,
     /// The event's own headers, a JSON object's text, if any.
     pub headers: Option<&'a str>,
+    /// When the task expires (ISO 8601), Celery's `expires`.
+    pub expires: Option<&'a str>,
+    /// The Redis list a worker running `outbox_dispatch.celery` reports the
+    /// task's outcome to.
+    pub report_to: &'a str,
 }
 
 /// Why one event cannot become a message. Never the broker's fault: the
@@ -99,8 +112,8 @@ pub fn encode(
     delivery_tag: Uuid,
     out: &mut String,
 ) -> Result<(), EncodeError> {
-    let (args, kwargs) = split_payload(msg.payload)?;
-    let extra = extra_headers(msg.headers)?;
+    let (args, kwargs) = split_payload(msg.payload, msg.args)?;
+    let (extra, lineage) = extra_headers(msg.headers)?;
 
     let body =
         format!("[{args},{kwargs},{{\"callbacks\":null,\"errbacks\":null,\"chain\":null,\"chord\":null}}]");
@@ -120,12 +133,18 @@ pub fn encode(
     }
     out.push_str("\"lang\":\"py\",\"task\":");
     push_json_str(out, msg.task);
-    let _ = write!(
-        out,
-        ",\"id\":\"{id}\",\"root_id\":\"{id}\",\"parent_id\":null,\"group\":null,\
-         \"group_index\":null,\"shadow\":null,\"eta\":null,\"expires\":null,\"retries\":0,\
-         \"timelimit\":[null,null],\"argsrepr\":"
-    );
+    let _ = write!(out, ",\"id\":\"{id}\",\"root_id\":");
+    match &lineage.root_id {
+        Some(root) => push_json_str(out, root),
+        None => {
+            let _ = write!(out, "\"{id}\"");
+        }
+    }
+    out.push_str(",\"parent_id\":");
+    push_optional_json_str(out, lineage.parent_id.as_deref());
+    out.push_str(",\"group\":null,\"group_index\":null,\"shadow\":null,\"eta\":null,\"expires\":");
+    push_optional_json_str(out, msg.expires);
+    out.push_str(",\"retries\":0,\"timelimit\":[null,null],\"argsrepr\":");
     push_json_str(out, truncate(&args, REPR_MAX_BYTES));
     out.push_str(",\"kwargsrepr\":");
     push_json_str(out, truncate(kwargs, REPR_MAX_BYTES));
@@ -138,6 +157,8 @@ pub fn encode(
     push_json_str(out, msg.event_type);
     out.push_str(",\"outbox_created_at\":");
     push_json_str(out, msg.created_at);
+    out.push_str(",\"outbox_report_to\":");
+    push_json_str(out, msg.report_to);
     let _ = write!(
         out,
         "}},\"properties\":{{\"correlation_id\":\"{id}\",\"reply_to\":\"\",\"delivery_mode\":2,\
@@ -153,11 +174,19 @@ pub fn encode(
     Ok(())
 }
 
-/// Payload mapping: an object is the task's kwargs, an array its args, any
-/// other value its single argument. Works on the JSON text without parsing
-/// it: PostgreSQL's jsonb output is always valid JSON.
-fn split_payload(payload: &str) -> Result<(Cow<'_, str>, &str), EncodeError> {
+/// Payload mapping: with `args`, those are the positional arguments and
+/// the payload (an object) the keyword arguments; otherwise an object is the
+/// task's kwargs, an array its args, any other value its single argument.
+/// Works on the JSON text without parsing it: PostgreSQL's jsonb output is
+/// always valid JSON, and the table's constraints fix the kinds.
+fn split_payload<'a>(
+    payload: &'a str,
+    args: Option<&'a str>,
+) -> Result<(Cow<'a, str>, &'a str), EncodeError> {
     let trimmed = payload.trim();
+    if let Some(args) = args {
+        return Ok((Cow::Borrowed(args.trim()), trimmed));
+    }
     match trimmed.as_bytes().first() {
         Some(b'{') => Ok((Cow::Borrowed("[]"), trimmed)),
         Some(b'[') => Ok((Cow::Borrowed(trimmed), "{}")),
@@ -166,16 +195,30 @@ fn split_payload(payload: &str) -> Result<(Cow<'_, str>, &str), EncodeError> {
     }
 }
 
-fn extra_headers(headers: Option<&str>) -> Result<Map<String, Value>, EncodeError> {
+/// The task this one was enqueued from, if any.
+#[derive(Debug, Default)]
+struct Lineage {
+    root_id: Option<String>,
+    parent_id: Option<String>,
+}
+
+/// The event's headers without the protocol's, and the lineage among them.
+fn extra_headers(headers: Option<&str>) -> Result<(Map<String, Value>, Lineage), EncodeError> {
     let Some(text) = headers else {
-        return Ok(Map::new());
+        return Ok(Default::default());
     };
     match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(mut map)) => {
+            let mut lineage = Lineage::default();
+            for (key, slot) in LINEAGE_HEADERS.iter().zip([&mut lineage.root_id, &mut lineage.parent_id]) {
+                if let Some(Value::String(id)) = map.get(*key) {
+                    *slot = Some(id.clone());
+                }
+            }
             map.retain(|key, _| !PROTOCOL_HEADERS.contains(&key.as_str()));
-            Ok(map)
+            Ok((map, lineage))
         }
-        Ok(Value::Null) => Ok(Map::new()),
+        Ok(Value::Null) => Ok(Default::default()),
         Ok(_) => Err(EncodeError::HeadersNotObject),
         Err(e) => Err(EncodeError::HeadersNotJson(e.to_string())),
     }
@@ -192,6 +235,13 @@ fn truncate(s: &str, max: usize) -> &str {
         end -= 1;
     }
     &s[..end]
+}
+
+fn push_optional_json_str(out: &mut String, s: Option<&str>) {
+    match s {
+        Some(s) => push_json_str(out, s),
+        None => out.push_str("null"),
+    }
 }
 
 fn push_json_str(out: &mut String, s: &str) {
@@ -257,7 +307,10 @@ mod tests {
             event_type: "render_job_created",
             created_at: "2026-11-29 14:00:00.123456+00",
             payload,
+            args: None,
             headers,
+            expires: None,
+            report_to: "outbox_dispatch.reports",
         }
     }
 
@@ -288,6 +341,8 @@ mod tests {
         assert_eq!(h["origin"], "outbox_dispatch@host");
         assert_eq!(h["outbox_event_type"], "render_job_created");
         assert_eq!(h["outbox_created_at"], "2026-11-29 14:00:00.123456+00");
+        assert_eq!(h["outbox_report_to"], "outbox_dispatch.reports");
+        assert_eq!(h["expires"], Value::Null);
         assert_eq!(h["stamps"], serde_json::json!({}));
         let p = &env["properties"];
         assert_eq!(p["correlation_id"], id.as_str());
@@ -324,6 +379,31 @@ mod tests {
             let argsrepr = env["headers"]["argsrepr"].as_str().unwrap();
             assert_eq!(serde_json::from_str::<Value>(argsrepr).unwrap(), args);
         }
+    }
+
+    #[test]
+    fn args_and_kwargs_travel_together() {
+        let mut msg = message(r#"{"a": 1}"#, None);
+        msg.args = Some(r#"[1, "x"]"#);
+        let (_, body) = encode_value(&msg);
+        assert_eq!(body[0], serde_json::json!([1, "x"]));
+        assert_eq!(body[1], serde_json::json!({"a": 1}));
+    }
+
+    #[test]
+    fn expiry_and_lineage_reach_the_protocol_headers() {
+        let headers = r#"{"root_id": "r-1", "parent_id": "p-2", "outbox_report_to": "evil"}"#;
+        let mut msg = message("{}", Some(headers));
+        msg.expires = Some("2026-11-29T15:00:00.000000+00:00");
+        let mut out = String::new();
+        encode(&msg, "o", Uuid::new_v4(), &mut out).unwrap();
+        assert_eq!(out.matches("\"root_id\":").count(), 1, "one root_id header: {out}");
+        let (env, _) = encode_value(&msg);
+        let h = &env["headers"];
+        assert_eq!(h["root_id"], "r-1");
+        assert_eq!(h["parent_id"], "p-2");
+        assert_eq!(h["expires"], "2026-11-29T15:00:00.000000+00:00");
+        assert_eq!(h["outbox_report_to"], "outbox_dispatch.reports");
     }
 
     #[test]

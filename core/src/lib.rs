@@ -1,6 +1,6 @@
 //! The parts of outbox_dispatch that need no PostgreSQL: the Celery message
 //! encoder, backoff arithmetic, the Redis wire protocol and connection, the
-//! sink that pushes batches, and the Prometheus exposition. Plain
+//! sink that pushes batches and collects reports, and the Prometheus exposition. Plain
 //! `cargo test` covers them; the extension crate is the thin glue around them.
 
 pub mod backoff;
@@ -9,5 +9,6 @@ pub mod celery;
 pub mod exposition;
 pub mod link;
 pub mod named;
+pub mod report;
 pub mod resp;
 pub mod sink;

@@ -286,15 +286,50 @@ impl Sink {
 
     /// One PING round trip; drops the connection when it fails.
     pub fn ping(&mut self, waiter: &mut dyn Wait) -> Result<(), SinkError> {
+        self.call(&["PING"], waiter).map(drop)
+    }
+
+    /// Up to `max` reports from the head of list `key`, oldest first; they
+    /// stay in the list until [`Sink::forget_reports`].
+    pub fn reports(
+        &mut self,
+        key: &str,
+        max: usize,
+        waiter: &mut dyn Wait,
+    ) -> Result<Vec<Vec<u8>>, SinkError> {
+        let last = max.saturating_sub(1).to_string();
+        match self.call(&["LRANGE", key, "0", &last], waiter)? {
+            Reply::Array(Some(items)) => Ok(items
+                .into_iter()
+                .filter_map(|item| match item {
+                    Reply::Bulk(Some(bytes)) => Some(bytes),
+                    _ => None,
+                })
+                .collect()),
+            Reply::Array(None) => Ok(Vec::new()),
+            other => {
+                Err(self.fail(SinkError::ConnectionLost(format!("unexpected reply to LRANGE: {other:?}"))))
+            }
+        }
+    }
+
+    /// Drops the first `n` reports of list `key`, once they are recorded.
+    /// Workers only append, so these are the ones [`Sink::reports`] read.
+    pub fn forget_reports(&mut self, key: &str, n: usize, waiter: &mut dyn Wait) -> Result<(), SinkError> {
+        self.call(&["LTRIM", key, &n.to_string(), "-1"], waiter).map(drop)
+    }
+
+    /// One command, one round trip within the timeout; an error reply is
+    /// the server's condition. Drops the connection when it fails.
+    fn call(&mut self, args: &[&str], waiter: &mut dyn Wait) -> Result<Reply, SinkError> {
         let deadline = self.deadline();
         let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
         let mut command = Vec::new();
-        resp::command(&mut command, &["PING"]);
-        let reply = link.round_trip(&command, 1, waiter, deadline);
-        match reply {
-            Ok(replies) => match &replies[0] {
-                Reply::Error(e) => Err(self.fail(SinkError::from_reply(e, true))),
-                _ => Ok(()),
+        resp::command(&mut command, args);
+        match link.round_trip(&command, 1, waiter, deadline) {
+            Ok(mut replies) => match replies.swap_remove(0) {
+                Reply::Error(e) => Err(self.fail(SinkError::from_reply(&e, true))),
+                reply => Ok(reply),
             },
             Err(e) => Err(self.fail(SinkError::from_link(e, true))),
         }
@@ -647,5 +682,26 @@ mod tests {
         let wrong = format!("redis://:wrong@127.0.0.1:{}/0", server.1);
         let err = Sink::new(&config(&wrong)).unwrap().connect(&mut Poll).unwrap_err();
         assert!(matches!(&err, SinkError::Connect(e) if e.starts_with("AUTH refused: WRONGPASS")), "{err:?}");
+    }
+
+    #[test]
+    fn reports_are_read_then_forgotten_in_order() {
+        let server = Server::start("s3cret");
+        let url = format!("redis://:s3cret@127.0.0.1:{}/0", server.1);
+        let mut sink = Sink::new(&config(&url)).unwrap();
+        sink.connect(&mut Poll).unwrap();
+        assert!(sink.reports("r", 2, &mut Poll).unwrap().is_empty());
+        let mut append = Vec::new();
+        resp::command(&mut append, &["RPUSH", "r", "a", "b", "c"]);
+        run(&mut sink, &append, 1);
+
+        let first = sink.reports("r", 2, &mut Poll).unwrap();
+        assert_eq!(first, [b"a".to_vec(), b"b".to_vec()]);
+        // Appended while the first two were being recorded.
+        let mut more = Vec::new();
+        resp::command(&mut more, &["RPUSH", "r", "d"]);
+        run(&mut sink, &more, 1);
+        sink.forget_reports("r", first.len(), &mut Poll).unwrap();
+        assert_eq!(sink.reports("r", 10, &mut Poll).unwrap(), [b"c".to_vec(), b"d".to_vec()]);
     }
 }

@@ -12,14 +12,36 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.events', '');
 -- No function resolves a name through a search_path the database owner may
 -- have set: outbox_enqueue qualifies every name and operator; the others pin
 -- their search_path. The dispatchers no longer re-check payload sizes.
-CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
+-- Events may expire (Celery's expires) and carry positional and keyword
+-- arguments together.
+ALTER TABLE outbox.events
+    ADD COLUMN args jsonb CONSTRAINT events_args_array CHECK (jsonb_typeof(args) = 'array'),
+    ADD COLUMN expires_at timestamptz,
+    ADD CONSTRAINT events_args_with_kwargs CHECK (args IS NULL OR jsonb_typeof(payload) = 'object');
+
+-- outbox_enqueue gains expires and args: a new signature is a new function,
+-- so the roles granted EXECUTE on the old one are granted it on the new one.
+CREATE TEMPORARY TABLE outbox_enqueue_grantees ON COMMIT DROP AS
+SELECT CASE WHEN a.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+            ELSE a.grantee::pg_catalog.regrole::pg_catalog.text END AS grantee
+  FROM pg_catalog.pg_proc AS p,
+       pg_catalog.aclexplode(p.proacl) AS a
+ WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer)'::pg_catalog.regprocedure
+   AND a.privilege_type OPERATOR(pg_catalog.=) 'EXECUTE'
+   AND a.grantee OPERATOR(pg_catalog.<>) p.proowner;
+
+DROP FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer);
+
+CREATE FUNCTION @extschema@.outbox_enqueue(
     event_type text,
     payload    jsonb,
     queue      text     DEFAULT NULL,
     task       text     DEFAULT NULL,
     headers    jsonb    DEFAULT NULL,
     delay      interval DEFAULT NULL,
-    priority   integer  DEFAULT 0
+    priority   integer  DEFAULT 0,
+    expires    interval DEFAULT NULL,
+    args       jsonb    DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql VOLATILE
 AS $$
@@ -31,10 +53,12 @@ DECLARE
     -- Made here rather than returned by the INSERT: RETURNING would need
     -- SELECT on outbox.events, which writers are not granted.
     new_id         CONSTANT pg_catalog.uuid := @extschema@.outbox_uuid_v7();
-    payload_bytes  CONSTANT integer := pg_catalog.pg_column_size(payload);
+    payload_bytes  CONSTANT integer := pg_catalog.pg_column_size(payload)
+                                       OPERATOR(pg_catalog.+) coalesce(pg_catalog.pg_column_size(args), 0);
     event_bytes    CONSTANT integer := pg_catalog.octet_length(event_type);
     queue_bytes    CONSTANT integer := pg_catalog.octet_length(resolved_queue);
     task_bytes     CONSTANT integer := pg_catalog.octet_length(task);
+    enqueued_at    CONSTANT timestamptz := pg_catalog.clock_timestamp();
 BEGIN
     -- One test for the common case; the ones inside say what is wrong.
     IF event_type IS NULL OR payload IS NULL OR priority IS NULL
@@ -45,6 +69,9 @@ BEGIN
        OR pg_catalog.jsonb_typeof(headers) OPERATOR(pg_catalog.<>) 'object'
        OR delay OPERATOR(pg_catalog.<) interval '0'
        OR priority OPERATOR(pg_catalog.<) 0 OR priority OPERATOR(pg_catalog.>) 9
+       OR expires OPERATOR(pg_catalog.<=) interval '0'
+       OR pg_catalog.jsonb_typeof(args) OPERATOR(pg_catalog.<>) 'array'
+       OR (args IS NOT NULL AND pg_catalog.jsonb_typeof(payload) OPERATOR(pg_catalog.<>) 'object')
     THEN
         IF event_type IS NULL OR event_bytes OPERATOR(pg_catalog.=) 0 THEN
             RAISE EXCEPTION 'outbox_enqueue: event_type must not be null or empty'
@@ -72,7 +99,8 @@ BEGIN
         IF payload_bytes OPERATOR(pg_catalog.>) max_payload THEN
             RAISE EXCEPTION 'outbox_enqueue: payload is % bytes as jsonb, over outbox.max_payload_bytes (% bytes)',
                 payload_bytes, max_payload
-                USING ERRCODE = 'program_limit_exceeded';
+                USING ERRCODE = 'program_limit_exceeded',
+                      HINT = 'args count towards it.';
         END IF;
         IF pg_catalog.jsonb_typeof(headers) OPERATOR(pg_catalog.<>) 'object' THEN
             RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, not %',
@@ -83,16 +111,48 @@ BEGIN
             RAISE EXCEPTION 'outbox_enqueue: delay must not be negative (got %)', delay
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
+        IF expires OPERATOR(pg_catalog.<=) interval '0' THEN
+            RAISE EXCEPTION 'outbox_enqueue: expires must be positive (got %)', expires
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF pg_catalog.jsonb_typeof(args) OPERATOR(pg_catalog.<>) 'array' THEN
+            RAISE EXCEPTION 'outbox_enqueue: args must be a JSON array, not %', pg_catalog.jsonb_typeof(args)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF args IS NOT NULL AND pg_catalog.jsonb_typeof(payload) OPERATOR(pg_catalog.<>) 'object' THEN
+            RAISE EXCEPTION 'outbox_enqueue: with args, payload must be a JSON object (the keyword arguments), not %',
+                pg_catalog.jsonb_typeof(payload)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
         RAISE EXCEPTION 'outbox_enqueue: priority is %, it must be 0 (highest) to 9', priority
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
 
-    INSERT INTO outbox.events (id, event_type, payload, queue, task, headers, priority, available_at)
-    VALUES (new_id, event_type, payload, resolved_queue, task, headers, priority,
-            pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) coalesce(delay, interval '0'));
+    INSERT INTO outbox.events (id, event_type, payload, args, queue, task, headers, priority,
+                               available_at, expires_at)
+    VALUES (new_id, event_type, payload, args, resolved_queue, task, headers, priority,
+            enqueued_at OPERATOR(pg_catalog.+) coalesce(delay, interval '0'),
+            enqueued_at OPERATOR(pg_catalog.+) expires);
     RETURN new_id;
 END
 $$;
+
+COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb) IS
+    'Enqueue an event in the current transaction; it is delivered as a Celery task after COMMIT.';
+
+REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb) FROM PUBLIC;
+
+DO $$
+DECLARE
+    grantee pg_catalog.text;
+BEGIN
+    FOR grantee IN SELECT g.grantee FROM pg_temp.outbox_enqueue_grantees AS g LOOP
+        EXECUTE pg_catalog.format('GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb) TO %s', grantee);
+    END LOOP;
+END
+$$;
+
+DROP TABLE pg_temp.outbox_enqueue_grantees;
 
 ALTER FUNCTION @extschema@.outbox_retry(uuid) SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION @extschema@.outbox_retry_failed(interval) SET search_path = pg_catalog, pg_temp;

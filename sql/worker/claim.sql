@@ -29,4 +29,7 @@ RETURNING e.id,
           e.retry_count,
           e.created_at::pg_catalog.text,
           pg_catalog.date_part('epoch', e.created_at),
+          e.args::pg_catalog.text,
+          pg_catalog.to_char(pg_catalog.timezone('UTC', e.expires_at), 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'),
+          pg_catalog.date_part('epoch', e.expires_at),
           e.processing_started_at

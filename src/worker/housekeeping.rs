@@ -52,7 +52,7 @@ impl Schedule {
         if now < self.next_due() {
             return Ok(());
         }
-        let Some(_turn) = slot.housekeeping() else {
+        let Some(_turn) = slot.take_turn(slots::Turn::Housekeeping) else {
             return Ok(());
         };
         if now >= self.next_sweep {

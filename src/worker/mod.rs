@@ -7,6 +7,7 @@
 
 mod housekeeping;
 mod push;
+mod reports;
 mod setup;
 mod signals;
 mod store;
@@ -128,6 +129,7 @@ struct Dispatcher {
     /// The broker's lack of persistence was logged.
     persistence_warned: bool,
     housekeeping: housekeeping::Schedule,
+    reports: reports::Collector,
     next_heartbeat: Instant,
 }
 
@@ -149,6 +151,7 @@ impl Dispatcher {
             store_failing: None,
             persistence_warned: false,
             housekeeping: housekeeping::Schedule::new(),
+            reports: reports::Collector::new(),
             next_heartbeat: Instant::now(),
         }
     }
@@ -185,7 +188,8 @@ impl Dispatcher {
              redis_tls_ca_file={:?} enabled={} batch_size={} max_batch_bytes={} \
              poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
              reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
-             ack_timeout={:?} max_redeliveries={} sweep_interval={:?} retention={:?} lifecycle_interval={:?}",
+             ack_timeout={:?} max_redeliveries={} sweep_interval={:?} retention={:?} lifecycle_interval={:?} \
+             report_key={:?}",
             self.index,
             config::database(),
             broker_url::redact(&s.broker.url),
@@ -207,6 +211,7 @@ impl Dispatcher {
             s.sweep_interval,
             s.retention,
             s.lifecycle_interval,
+            s.report_key.as_deref().unwrap_or(""),
         );
     }
 
@@ -265,11 +270,30 @@ impl Dispatcher {
             return wait;
         }
         let nap = self.drain();
+        if let Some(wait) = self.collect_reports() {
+            return wait;
+        }
         let now = Instant::now();
-        [self.housekeeping.next_due(), self.next_heartbeat]
+        let reports_due = self.settings.report_key.as_ref().map(|_| self.reports.next_due());
+        [Some(self.housekeeping.next_due()), Some(self.next_heartbeat), reports_due]
             .into_iter()
+            .flatten()
             .map(|at| at.saturating_duration_since(now))
             .fold(nap, Duration::min)
+    }
+
+    /// Records what Celery workers reported, when reports are on; returns
+    /// the wait when the broker or a statement failed.
+    fn collect_reports(&mut self) -> Option<Duration> {
+        let key = self.settings.report_key.as_deref()?;
+        let sink = self.sink.as_mut().ok().filter(|sink| sink.is_connected())?;
+        let collected =
+            self.reports.collect_if_due(self.index, key, &self.slot, &mut self.store, sink, &mut self.waiter);
+        match collected {
+            Ok(()) => None,
+            Err(reports::CollectError::Broker(e)) => Some(self.broker_failed(&e)),
+            Err(reports::CollectError::Store(e)) => Some(self.store_failed(&e)),
+        }
     }
 
     /// A statement failed and was rolled back: show why (in the log once
@@ -447,7 +471,11 @@ impl Dispatcher {
             self.slot.set_state(State::Draining);
             store::report_running(c"outbox: pushing a batch to Redis");
             let sink = self.sink.as_mut().expect("connected before draining");
-            let pushed = push::push(sink, &mut self.waiter, &events, claimed_at, &self.origin, &policy);
+            let envelope = push::Envelope {
+                origin: &self.origin,
+                report_to: self.settings.report_key.as_deref().unwrap_or(""),
+            };
+            let pushed = push::push(sink, &mut self.waiter, &events, claimed_at, &envelope, &policy);
             match pushed {
                 Ok(Pushed { outcome, refused }) => {
                     self.slot.add_dispatched(outcome.dispatched.len() as u64);
@@ -469,6 +497,12 @@ impl Dispatcher {
                     self.settle();
                     return self.broker_failed(&e);
                 }
+            }
+            // Under sustained load the drain may not end for a while:
+            // reports are collected as it goes.
+            if let Some(wait) = self.collect_reports() {
+                self.settle();
+                return wait;
             }
             if signals::interrupt_pending() {
                 self.settle();

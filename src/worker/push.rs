@@ -10,7 +10,7 @@ use outbox_core::link::Wait;
 use outbox_core::sink::{Delivery, KeyBatch, Sink, SinkError};
 
 use super::store::{ClaimTime, ClaimedEvent, Failure, Outcome};
-use crate::counters::{self, PushFailure};
+use crate::counters::{self, Counter, PushFailure};
 
 /// How the dispatcher treats one event's failure.
 pub struct RetryPolicy {
@@ -38,23 +38,41 @@ pub struct Pushed {
     pub refused: Option<SinkError>,
 }
 
-/// Encodes and pushes `events`, claimed at `claimed_at`. `Err` means the
-/// broker failed and nothing may be assumed delivered; the caller gives the
-/// whole batch back.
+/// What every message of a push carries besides its event.
+pub struct Envelope<'a> {
+    /// Who sends it (Celery's `origin`).
+    pub origin: &'a str,
+    /// Where the worker reports the task's outcome; empty: nowhere.
+    pub report_to: &'a str,
+}
+
+/// Encodes and pushes `events`, claimed at `claimed_at`; an expired event
+/// is not sent but failed. `Err` means the broker failed and nothing may be
+/// assumed delivered; the caller gives the whole batch back.
 pub fn push(
     sink: &mut Sink,
     waiter: &mut dyn Wait,
     events: &[ClaimedEvent],
     claimed_at: Option<ClaimTime>,
-    origin: &str,
+    envelope: &Envelope<'_>,
     policy: &RetryPolicy,
 ) -> Result<Pushed, SinkError> {
     let mut outcome = Outcome { claimed_at, ..Outcome::default() };
     let mut batches: Vec<KeyBatch> = Vec::new();
     let mut members: Vec<Vec<usize>> = Vec::new();
     let mut by_key: HashMap<String, usize> = HashMap::new();
+    let now = unix_now();
 
     for (i, event) in events.iter().enumerate() {
+        if let Some((expires, _)) = event.expires.as_ref().filter(|(_, at)| *at <= now) {
+            outcome.failures.push(policy.failure(
+                event,
+                format!("expired at {expires} before it was sent"),
+                false,
+            ));
+            counters::add(Counter::Expired, 1);
+            continue;
+        }
         let mut message = String::with_capacity(event.payload.len() * 2 + 1024);
         let encoded = celery::encode(
             &TaskMessage {
@@ -65,9 +83,12 @@ pub fn push(
                 event_type: &event.event_type,
                 created_at: &event.created_at,
                 payload: &event.payload,
+                args: event.args.as_deref(),
                 headers: event.headers.as_deref(),
+                expires: event.expires.as_ref().map(|(text, _)| text.as_str()),
+                report_to: envelope.report_to,
             },
-            origin,
+            envelope.origin,
             uuid::Uuid::new_v4(),
             &mut message,
         );
@@ -90,8 +111,7 @@ pub fn push(
         return Ok(Pushed { outcome, refused: None });
     }
     let deliveries = sink.push(&batches, waiter)?;
-    let now =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    let now = unix_now();
     let mut latencies = Vec::with_capacity(events.len());
     let mut refused = None;
     for (delivery, i) in deliveries.into_iter().zip(members.into_iter().flatten()) {
@@ -116,4 +136,9 @@ pub fn push(
         counters::observe_batch(&latencies);
     }
     Ok(Pushed { outcome, refused })
+}
+
+/// Seconds since the Unix epoch.
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }

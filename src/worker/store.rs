@@ -14,6 +14,8 @@ use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiError};
 use pgrx::{PgSqlErrorCode, PgTryBuilder};
 
+use outbox_core::report::Report;
+
 /// One claimed event, copied out of SPI memory.
 #[derive(Debug, Clone)]
 pub struct ClaimedEvent {
@@ -28,6 +30,10 @@ pub struct ClaimedEvent {
     pub created_at: String,
     /// `created_at` in seconds since the Unix epoch, for the latency histogram.
     pub created_epoch: f64,
+    /// Positional arguments (a JSON array's text) besides the payload's.
+    pub args: Option<String>,
+    /// When it expires, in ISO 8601 and in seconds since the Unix epoch.
+    pub expires: Option<(String, f64)>,
 }
 
 /// When a claim was made: with the dispatcher's index, the token that
@@ -121,6 +127,7 @@ struct Plans {
     sweep_stuck: Statement,
     sweep_unacked: Statement,
     purge: Statement,
+    apply_reports: Statement,
 }
 
 pub struct Store {
@@ -176,6 +183,10 @@ impl Plans {
                 &[FLOAT8, INT4, INT4],
             )?,
             purge: prepare(include_str!("../../sql/worker/purge.sql"), &[FLOAT8, INT4, BOOL])?,
+            apply_reports: prepare(
+                include_str!("../../sql/worker/apply_reports.sql"),
+                &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY],
+            )?,
         })
     }
 }
@@ -352,8 +363,10 @@ impl Store {
                     retry_count: row.get(8)?.unwrap_or(0),
                     created_at: row.get(9)?.unwrap_or_default(),
                     created_epoch: row.get(10)?.unwrap_or(0.0),
+                    args: row.get(11)?,
+                    expires: row.get::<String>(12)?.zip(row.get::<f64>(13)?),
                 });
-                claimed_at = row.get::<ClaimTime>(11)?;
+                claimed_at = row.get::<ClaimTime>(14)?;
             }
             let next_due = if events.is_empty() {
                 report_running(&plans.next_due.text);
@@ -407,6 +420,29 @@ impl Store {
             Ok((resent, failed))
         })?;
         Ok(swept.unwrap_or((0, 0)))
+    }
+
+    /// Records the outcomes Celery workers reported, in one statement;
+    /// returns how many events took one of each kind: (processed, failed).
+    /// The others were stale.
+    pub fn apply_reports(&mut self, reports: &[Report]) -> Result<(u64, u64), StoreError> {
+        let applied = self.with_plans(|client, plans, _| {
+            let args: [DatumWithOid; 3] = [
+                to_pg(reports.iter().map(|r| r.id)).into(),
+                reports.iter().map(|r| r.outcome.status().to_string()).collect::<Vec<_>>().into(),
+                reports.iter().map(|r| r.outcome.error().map(str::to_string)).collect::<Vec<_>>().into(),
+            ];
+            report_running(&plans.apply_reports.text);
+            let (mut processed, mut failed) = (0, 0);
+            for row in client.update(&plans.apply_reports.plan, None, &args)? {
+                match row.get::<String>(1)?.as_deref() {
+                    Some("processed") => processed += 1,
+                    _ => failed += 1,
+                }
+            }
+            Ok((processed, failed))
+        })?;
+        Ok(applied.unwrap_or((0, 0)))
     }
 
     /// Deletes up to [`SWEEP_BATCH`] finished events older than `retention`;

@@ -1,0 +1,141 @@
+//! Reports: what a Celery worker running `outbox_dispatch.celery` says
+//! became of a task, sent back through the broker.
+//!
+//! A report is one JSON object in the Redis list the message named in its
+//! `outbox_report_to` header:
+//! `{"id": "<event id>", "outcome": "processed"}` or
+//! `{"id": "…", "outcome": "failed", "error": "ValueError: …"}`.
+
+use serde_json::Value;
+use uuid::Uuid;
+
+/// The longest `last_error` a report may set; longer text is cut (on a
+/// character boundary) with a marker.
+pub const MAX_ERROR_BYTES: usize = 8192;
+
+/// What became of one task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The task returned.
+    Processed,
+    /// The task raised after its own retries, or the worker refused the
+    /// message (unknown task, expired, revoked, rejected); the text says
+    /// which and why.
+    Failed(String),
+}
+
+impl Outcome {
+    /// The event status it leads to.
+    pub fn status(&self) -> &'static str {
+        match self {
+            Outcome::Processed => "processed",
+            Outcome::Failed(_) => "failed",
+        }
+    }
+
+    pub fn error(&self) -> Option<&str> {
+        match self {
+            Outcome::Processed => None,
+            Outcome::Failed(error) => Some(error),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub id: Uuid,
+    pub outcome: Outcome,
+}
+
+/// Why a report was not understood.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Malformed(pub String);
+
+impl std::fmt::Display for Malformed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "malformed report: {}", self.0)
+    }
+}
+
+impl Report {
+    pub fn parse(bytes: &[u8]) -> Result<Report, Malformed> {
+        let value: Value = serde_json::from_slice(bytes).map_err(|e| Malformed(e.to_string()))?;
+        let field = |name: &str| value.get(name).and_then(Value::as_str);
+        let id = field("id").ok_or_else(|| Malformed("no \"id\"".into()))?;
+        let id = Uuid::parse_str(id).map_err(|e| Malformed(format!("\"id\": {e}")))?;
+        let outcome = match field("outcome") {
+            Some("processed") => Outcome::Processed,
+            Some("failed") => {
+                let error = field("error").filter(|e| !e.is_empty()).unwrap_or("failed (no error given)");
+                Outcome::Failed(cut(error, MAX_ERROR_BYTES))
+            }
+            Some(other) => return Err(Malformed(format!("unknown \"outcome\" {other:?}"))),
+            None => return Err(Malformed("no \"outcome\"".into())),
+        };
+        Ok(Report { id, outcome })
+    }
+}
+
+/// `text` if it fits in `max` bytes, else its longest prefix that does with
+/// room for a marker, and the marker.
+fn cut(text: &str, max: usize) -> String {
+    const MARKER: &str = " … (cut)";
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max - MARKER.len();
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{MARKER}", &text[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a";
+
+    #[test]
+    fn processed_and_failed_reports_parse() {
+        let processed = Report::parse(format!(r#"{{"id": "{ID}", "outcome": "processed"}}"#).as_bytes());
+        assert_eq!(processed, Ok(Report { id: Uuid::parse_str(ID).unwrap(), outcome: Outcome::Processed }));
+        let failed = Report::parse(
+            format!(r#"{{"id": "{ID}", "outcome": "failed", "error": "ValueError: no"}}"#).as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(failed.outcome, Outcome::Failed("ValueError: no".into()));
+        assert_eq!(failed.outcome.status(), "failed");
+        assert_eq!(failed.outcome.error(), Some("ValueError: no"));
+    }
+
+    #[test]
+    fn a_failure_without_error_still_says_something() {
+        let failed = Report::parse(format!(r#"{{"id": "{ID}", "outcome": "failed"}}"#).as_bytes()).unwrap();
+        assert_eq!(failed.outcome.error(), Some("failed (no error given)"));
+    }
+
+    #[test]
+    fn malformed_reports_are_refused_with_the_reason() {
+        let cases = [
+            ("not json".to_string(), "expected"),
+            (r#"{"outcome": "processed"}"#.to_string(), "no \"id\""),
+            (r#"{"id": "x", "outcome": "processed"}"#.to_string(), "\"id\""),
+            (format!(r#"{{"id": "{ID}"}}"#), "no \"outcome\""),
+            (format!(r#"{{"id": "{ID}", "outcome": "done"}}"#), "unknown \"outcome\""),
+        ];
+        for (text, reason) in cases {
+            let err = Report::parse(text.as_bytes()).unwrap_err();
+            assert!(err.0.contains(reason), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn long_errors_are_cut_on_a_char_boundary() {
+        let long = "é".repeat(MAX_ERROR_BYTES);
+        let text = format!(r#"{{"id": "{ID}", "outcome": "failed", "error": "{long}"}}"#);
+        let error = Report::parse(text.as_bytes()).unwrap().outcome.error().unwrap().to_string();
+        assert!(error.len() <= MAX_ERROR_BYTES);
+        assert!(error.ends_with("(cut)"));
+    }
+}

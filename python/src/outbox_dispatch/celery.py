@@ -1,0 +1,135 @@
+"""Report the outcome of every task that came from the outbox.
+
+Import this module in a Celery app (``app.conf.imports =
+["outbox_dispatch.celery"]``, or a plain import in the app's module) and
+every worker of it, in any pool (prefork, threads, solo), reports the final
+outcome of each message the outbox_dispatch dispatchers sent, through the
+broker's Redis, to the list the message names in its ``outbox_report_to``
+header. The dispatchers read that list and record the outcome in
+``outbox.events``:
+
+- the task returned: ``processed``;
+- it raised, after its own retries (``self.retry()`` and ``autoretry_for``
+  report only the final outcome): ``failed``, with the exception and the end
+  of its traceback;
+- the worker refused the message (unregistered task, expired, revoked,
+  rejected, the process running it lost): ``failed``, saying why.
+
+Messages without that header (sent by ``apply_async`` and the like) are
+left alone. Workers need no database credentials: reports travel on the
+broker connection the worker already has.
+
+A report that cannot be sent (the broker is down through every attempt) is
+logged; its event stays ``dispatched``, as it would be without this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping, Optional
+
+from celery import Celery, signals
+
+from outbox_dispatch import report
+
+logger = logging.getLogger(__name__)
+
+#: Attempts to append one report, and the pause between them.
+ATTEMPTS = 3
+PAUSE_SECONDS = 0.5
+#: The longest to wait for a broker connection from the app's pool.
+POOL_TIMEOUT_SECONDS = 10.0
+
+
+def _request_headers(request: Any) -> Mapping[str, Any]:
+    """The message's own headers, as a task request holds them. Protocol 2
+    spreads custom headers over the request; a retried message carries them
+    in ``request.headers``."""
+    key = getattr(request, report.REPORT_TO_HEADER, None)
+    if key is not None:
+        return {report.REPORT_TO_HEADER: key}
+    headers = getattr(request, "headers", None)
+    return headers if isinstance(headers, Mapping) else {}
+
+
+def _send(app: Celery, key: str, task_id: str, body: bytes) -> None:
+    """Appends one report to ``key`` in the broker's Redis, with a few
+    attempts; a report that cannot be sent is logged, never raised: the
+    task's own outcome must not change because of it."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            with app.pool.acquire(block=True, timeout=POOL_TIMEOUT_SECONDS) as connection:
+                connection.default_channel.client.rpush(key, body)
+            return
+        except Exception as exc:  # the broker's errors vary by transport and client
+            if attempt == ATTEMPTS:
+                logger.error("outbox_dispatch: could not report the outcome of task %s to %r: %r",
+                             task_id, key, exc)
+                return
+            time.sleep(PAUSE_SECONDS)
+
+
+def _report_request(app: Celery, request: Any, task_id: Optional[str], body: Optional[bytes] = None,
+                    error: Optional[str] = None) -> None:
+    key = report.report_key(_request_headers(request))
+    task_id = task_id or getattr(request, "id", None)
+    if key is None or not task_id:
+        return
+    _send(app, key, task_id, body if body is not None else report.failed(task_id, error or "failed"))
+
+
+@signals.task_success.connect(weak=False, dispatch_uid="outbox_dispatch.task_success")
+def _on_success(sender: Any = None, **_: Any) -> None:
+    request = sender.request
+    if request.id:
+        _report_request(sender.app, request, request.id, body=report.processed(request.id))
+
+
+@signals.task_failure.connect(weak=False, dispatch_uid="outbox_dispatch.task_failure")
+def _on_failure(sender: Any = None, task_id: Optional[str] = None, exception: Optional[BaseException] = None,
+                einfo: Any = None, **_: Any) -> None:
+    traceback = getattr(einfo, "traceback", None)
+    error = report.describe_exception(exception, traceback) if exception is not None else "failed"
+    _report_request(sender.app, sender.request, task_id, error=error)
+
+
+@signals.task_internal_error.connect(weak=False, dispatch_uid="outbox_dispatch.task_internal_error")
+def _on_internal_error(sender: Any = None, task_id: Optional[str] = None, request: Any = None,
+                       exception: Optional[BaseException] = None, einfo: Any = None, **_: Any) -> None:
+    traceback = getattr(einfo, "traceback", None)
+    described = report.describe_exception(exception, traceback) if exception is not None else "unknown"
+    _report_request(sender.app, request, task_id, error=f"Celery internal error: {described}")
+
+
+@signals.task_revoked.connect(weak=False, dispatch_uid="outbox_dispatch.task_revoked")
+def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None,
+                expired: bool = False, **_: Any) -> None:
+    if expired:
+        why = "expired before a worker ran it (Celery's expires)"
+    elif terminated:
+        why = f"revoked and terminated (signal {signum})"
+    else:
+        why = "revoked before it ran"
+    _report_request(sender.app, request, getattr(request, "id", None), error=why)
+
+
+def _report_message(consumer: Any, message: Any, why: str) -> None:
+    headers = getattr(message, "headers", None) or {}
+    key = report.report_key(headers)
+    task_id = headers.get("id")
+    if key is not None and task_id:
+        _send(consumer.app, key, task_id, report.failed(task_id, why))
+
+
+@signals.task_unknown.connect(weak=False, dispatch_uid="outbox_dispatch.task_unknown")
+def _on_unknown(sender: Any = None, message: Any = None, name: Optional[str] = None, **_: Any) -> None:
+    hostname = getattr(sender, "hostname", None) or "the worker"
+    _report_message(sender, message, f"unregistered task {name!r}: {hostname} does not know it")
+
+
+@signals.task_rejected.connect(weak=False, dispatch_uid="outbox_dispatch.task_rejected")
+def _on_rejected(sender: Any = None, message: Any = None, exc: Optional[BaseException] = None,
+                 **_: Any) -> None:
+    why = f"message rejected by the worker: {report.describe_exception(exc)}" if exc else "message rejected"
+    _report_message(sender, message, why)

@@ -1,0 +1,190 @@
+"""enqueue(): a Celery task into ``outbox.events``, in the caller's transaction.
+
+The vocabulary is Celery's ``apply_async``; the row is what
+``outbox_enqueue()`` (the extension's SQL function) makes of it, so every
+argument is checked there, with errors that name it. Nothing is sent until
+the caller's transaction commits, and nothing at all if it rolls back.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+#: Seconds, a timedelta, or (for ``expires``) an absolute datetime, as Celery takes them.
+Seconds = Union[int, float, dt.timedelta]
+
+# Named arguments: the call does not depend on the function's order of them.
+# outbox_enqueue resolves through the connection's search_path: the
+# extension's schema (public by default) must be on it.
+# CAST rather than "::": SQLAlchemy would read ":name::type" as no parameter.
+_CALL = (
+    "SELECT outbox_enqueue(event_type => {0}, payload => CAST({1} AS jsonb), queue => {2}, task => {3}, "
+    "headers => CAST({4} AS jsonb), delay => CAST({5} AS interval), priority => {6}, "
+    "expires => CAST({7} AS interval), args => CAST({8} AS jsonb))"
+)
+_FORMAT_SQL = _CALL.format(*["%s"] * 9)
+_PARAMETERS = ("event_type", "payload", "queue", "task", "headers", "delay", "priority", "expires", "args")
+_NAMED_SQL = _CALL.format(*[f":{name}" for name in _PARAMETERS])
+
+
+def enqueue(
+    conn: Any,
+    task: Any,
+    args: Sequence[Any] = (),
+    kwargs: Optional[Mapping[str, Any]] = None,
+    *,
+    queue: Optional[str] = None,
+    countdown: Optional[Seconds] = None,
+    eta: Optional[dt.datetime] = None,
+    expires: Optional[Union[Seconds, dt.datetime]] = None,
+    priority: Optional[int] = None,
+    headers: Optional[Mapping[str, Any]] = None,
+    event_type: Optional[str] = None,
+) -> uuid.UUID:
+    """Enqueue ``task`` in the transaction of ``conn``; returns the event id,
+    which is also the Celery task id.
+
+    ``conn`` is a DB-API connection or cursor (psycopg 3, psycopg2, Django's
+    ``connection``) or a SQLAlchemy ``Connection`` or ``Session``. ``task`` is
+    a Celery task or its name. ``args`` and ``kwargs`` both reach the task.
+    ``countdown`` (seconds) or ``eta`` (a datetime; naive means UTC) delays
+    it; ``expires`` (seconds from now, or a datetime) drops it if it is not
+    delivered by then. ``priority`` is 0 (highest) to 9, as kombu's Redis
+    transport orders them. ``event_type`` defaults to the task's name.
+
+    With OpenTelemetry active, the current trace context travels in the
+    message headers (``traceparent``, ``tracestate``); called inside a
+    running Celery task, the new task's ``parent_id`` and ``root_id`` chain
+    to it.
+    """
+    if countdown is not None and eta is not None:
+        raise ValueError("enqueue: give countdown or eta, not both")
+    now = dt.datetime.now(dt.timezone.utc)
+    task_name = _task_name(task)
+    parameters: Tuple[Any, ...] = (
+        event_type or task_name,
+        _dumps(dict(kwargs or {}), "kwargs"),
+        queue,
+        task_name,
+        _dumps(_headers(headers), "headers"),
+        _interval(_delay(countdown, eta, now)),
+        0 if priority is None else priority,
+        _interval(_until(expires, now)),
+        _dumps(list(args), "args") if args else None,
+    )
+    return _run(conn, parameters)
+
+
+def _task_name(task: Any) -> str:
+    name = task if isinstance(task, str) else getattr(task, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"enqueue: task must be a Celery task or a task name, not {type(task).__name__}")
+    return name
+
+
+def _delay(countdown: Optional[Seconds], eta: Optional[dt.datetime], now: dt.datetime) -> Optional[float]:
+    if countdown is not None:
+        return _seconds(countdown)
+    if eta is not None:
+        return max(0.0, (_aware(eta) - now).total_seconds())
+    return None
+
+
+def _until(expires: Optional[Union[Seconds, dt.datetime]], now: dt.datetime) -> Optional[float]:
+    if expires is None:
+        return None
+    if isinstance(expires, dt.datetime):
+        return (_aware(expires) - now).total_seconds()
+    return _seconds(expires)
+
+
+def _seconds(value: Seconds) -> float:
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    return float(value)
+
+
+def _aware(moment: dt.datetime) -> dt.datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=dt.timezone.utc)
+
+
+def _interval(seconds: Optional[float]) -> Optional[str]:
+    # Out-of-range values (a negative delay, an expiry in the past) are
+    # refused by outbox_enqueue(), which names the argument.
+    return None if seconds is None else f"{seconds:.6f} seconds"
+
+
+def _headers(given: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The caller's headers over the trace context and the running task."""
+    headers: Dict[str, Any] = {}
+    headers.update(_trace_context())
+    headers.update(_lineage())
+    headers.update(given or {})
+    return headers or None
+
+
+def _trace_context() -> Dict[str, str]:
+    try:
+        from opentelemetry import propagate
+    except ImportError:
+        return {}
+    carrier: Dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def _lineage() -> Dict[str, str]:
+    """``parent_id``/``root_id`` of a task enqueued from a running task."""
+    try:
+        from celery import current_task
+    except ImportError:
+        return {}
+    request = getattr(current_task, "request", None) if current_task else None
+    parent = getattr(request, "id", None)
+    if not parent or getattr(request, "called_directly", True):
+        return {}
+    return {"parent_id": parent, "root_id": getattr(request, "root_id", None) or parent}
+
+
+def _dumps(value: Any, what: str) -> Optional[str]:
+    """JSON as the worker will read it: kombu's encoder when Celery is
+    installed (datetimes, UUIDs and decimals come back as such), else the
+    standard library's."""
+    if value is None:
+        return None
+    try:
+        from kombu.utils.json import dumps as kombu_dumps
+
+        encode: Callable[[Any], str] = kombu_dumps
+    except ImportError:
+        encode = json.dumps
+    try:
+        return encode(value)
+    except TypeError as e:
+        raise TypeError(f"enqueue: {what} cannot be sent as JSON: {e}") from None
+
+
+def _run(conn: Any, parameters: Tuple[Any, ...]) -> uuid.UUID:
+    if type(conn).__module__.startswith("sqlalchemy"):
+        from sqlalchemy import text
+
+        value = conn.execute(text(_NAMED_SQL), dict(zip(_PARAMETERS, parameters))).scalar_one()
+    elif hasattr(conn, "fetchone"):
+        conn.execute(_FORMAT_SQL, parameters)
+        value = conn.fetchone()[0]
+    elif hasattr(conn, "cursor"):
+        cursor = conn.cursor()
+        try:
+            cursor.execute(_FORMAT_SQL, parameters)
+            value = cursor.fetchone()[0]
+        finally:
+            cursor.close()
+    else:
+        raise TypeError(
+            "enqueue: conn must be a DB-API connection or cursor, or a SQLAlchemy Connection or Session, "
+            f"not {type(conn).__name__}"
+        )
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))

@@ -1,0 +1,115 @@
+//! Collecting what Celery workers running `outbox_dispatch.celery` report:
+//! read a batch from the head of the report list, record it in one
+//! statement, then trim it off the list.
+//!
+//! One dispatcher at a time collects (a turn in shared memory): two would
+//! trim each other's reports. Workers only append, so the trim removes
+//! exactly what was read. A crash between the commit and the trim reads the
+//! batch again, its reports then stale: a report is never lost, at worst
+//! counted twice.
+
+use std::time::{Duration, Instant};
+
+use pgrx::prelude::*;
+
+use outbox_core::link::Wait;
+use outbox_core::report::Report;
+use outbox_core::sink::{Sink, SinkError};
+
+use super::signals;
+use super::store::{Store, StoreError};
+use crate::counters::{self, AckSource, Counter, ReportIgnored};
+use crate::slots::{self, Turn};
+
+/// Reports read and recorded per transaction.
+pub const BATCH: usize = 1000;
+
+/// Transactions per step; what is left is due again at once.
+const BATCHES: usize = 10;
+
+/// How often the list is looked at while it is empty.
+const POLL: Duration = Duration::from_millis(100);
+
+/// Why collecting stopped.
+pub enum CollectError {
+    Broker(SinkError),
+    Store(StoreError),
+}
+
+pub struct Collector {
+    next_poll: Instant,
+    /// A malformed report was logged (once per dispatcher life).
+    malformed_logged: bool,
+}
+
+impl Collector {
+    pub fn new() -> Collector {
+        Collector { next_poll: Instant::now(), malformed_logged: false }
+    }
+
+    /// The next time the list is due to be read.
+    pub fn next_due(&self) -> Instant {
+        self.next_poll
+    }
+
+    /// Reads and records what workers reported to `key`, when due and when
+    /// no other dispatcher has the turn.
+    pub fn collect_if_due(
+        &mut self,
+        dispatcher: usize,
+        key: &str,
+        slot: &slots::Own,
+        store: &mut Store,
+        sink: &mut Sink,
+        waiter: &mut dyn Wait,
+    ) -> Result<(), CollectError> {
+        let now = Instant::now();
+        if now < self.next_poll {
+            return Ok(());
+        }
+        self.next_poll = now + POLL;
+        let Some(_turn) = slot.take_turn(Turn::Reports) else {
+            return Ok(());
+        };
+        for _ in 0..BATCHES {
+            let raw = sink.reports(key, BATCH, waiter).map_err(CollectError::Broker)?;
+            if raw.is_empty() {
+                return Ok(());
+            }
+            let reports = self.parse(dispatcher, key, &raw);
+            if !reports.is_empty() {
+                let (processed, failed) = store.apply_reports(&reports).map_err(CollectError::Store)?;
+                counters::acked(AckSource::Celery, processed);
+                counters::add(Counter::TaskFailures, failed);
+                counters::reports_ignored(ReportIgnored::Stale, reports.len() as u64 - processed - failed);
+            }
+            sink.forget_reports(key, raw.len(), waiter).map_err(CollectError::Broker)?;
+            if raw.len() < BATCH || signals::interrupt_pending() {
+                return Ok(());
+            }
+        }
+        self.next_poll = now;
+        Ok(())
+    }
+
+    /// The reports understood; the others are counted, and the first one
+    /// logged.
+    fn parse(&mut self, dispatcher: usize, key: &str, raw: &[Vec<u8>]) -> Vec<Report> {
+        let mut reports = Vec::with_capacity(raw.len());
+        for bytes in raw {
+            match Report::parse(bytes) {
+                Ok(report) => reports.push(report),
+                Err(e) => {
+                    counters::reports_ignored(ReportIgnored::Malformed, 1);
+                    if !std::mem::replace(&mut self.malformed_logged, true) {
+                        log!(
+                            "outbox dispatcher {dispatcher}: ignoring a report in Redis list \"{key}\": {e} \
+                             (logged once; outbox_reports_ignored_total counts them)"
+                        );
+                    }
+                }
+            }
+        }
+        reports
+    }
+}

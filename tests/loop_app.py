@@ -1,0 +1,93 @@
+"""The Celery application of the closed-loop tests (tests/test_celery_loop.py)
+and of the bench's full loop: stock Celery 5 with outbox_dispatch.celery
+imported, nothing else changed. Tasks note what they saw in Redis keys
+named after their task id, for the tests to check."""
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery, signals
+
+BROKER = os.environ["OUTBOX_TEST_BROKER"]
+
+app = Celery("outbox_loop", broker=BROKER)
+app.conf.update(
+    imports=["outbox_dispatch.celery"],
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    task_ignore_result=True,
+    worker_prefetch_multiplier=1,
+)
+
+notes = redis.Redis.from_url(BROKER)
+
+
+@app.task(name="loop.ok", bind=True)
+def ok(self, *args, **kwargs):
+    notes.rpush(f"ran:{self.request.id}", json.dumps({
+        "args": list(args), "kwargs": kwargs,
+        "parent_id": self.request.parent_id, "root_id": self.request.root_id,
+    }))
+
+
+@app.task(name="loop.noop")
+def noop(*args, **kwargs):
+    """The bench's task: nothing but the round trip."""
+
+
+@app.task(name="loop.boom")
+def boom(*args, **kwargs):
+    raise ValueError("the task refused: boom")
+
+
+@app.task(name="loop.flaky", bind=True, max_retries=5)
+def flaky(self, failures=2):
+    notes.rpush(f"ran:{self.request.id}", self.request.retries)
+    if self.request.retries < failures:
+        raise self.retry(exc=RuntimeError("not yet"), countdown=0.1)
+    return "done"
+
+
+@app.task(name="loop.fragile", bind=True, acks_late=True, reject_on_worker_lost=True)
+def fragile(self):
+    """Its first run waits for the test to kill the process running it."""
+    if notes.rpush(f"ran:{self.request.id}", os.getpid()) == 1:
+        time.sleep(120)
+
+
+@app.task(name="loop.spawn", bind=True)
+def spawn(self, dsn):
+    """Enqueues loop.ok from inside a task, as an application would."""
+    import psycopg
+
+    from outbox_dispatch import enqueue
+
+    with psycopg.connect(dsn) as conn:
+        child = enqueue(conn, ok, args=("from a task",), queue=self.request.delivery_info["routing_key"])
+    notes.set(f"spawned:{self.request.id}", str(child))
+
+
+@app.task(name="loop.traced", bind=True)
+def traced(self):
+    from opentelemetry import trace
+
+    notes.set(f"trace:{self.request.id}", format(trace.get_current_span().get_span_context().trace_id, "032x"))
+
+
+if os.environ.get("OUTBOX_TEST_OTEL"):
+    @signals.worker_init.connect(weak=False)
+    def instrument(**_):
+        """OpenTelemetry with an in-memory exporter, and Celery's
+        instrumentation (the solo pool: one process)."""
+        from opentelemetry import trace
+        from opentelemetry.instrumentation.celery import CeleryInstrumentor
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+        trace.set_tracer_provider(provider)
+        CeleryInstrumentor().instrument()

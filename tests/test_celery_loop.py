@@ -1,0 +1,207 @@
+"""The closed loop with stock Celery 5 workers running outbox_dispatch.celery:
+every outcome (processed, failed in the task, unknown task, expired, worker
+process lost) reaches outbox.events, through Redis, in the prefork and solo
+pools. Also enqueue()'s lineage and trace context, and the reports' edge
+cases (one that overtakes the dispatcher's own record, stale, malformed)."""
+
+import json
+import os
+import signal
+import time
+
+import psycopg
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from harness import CeleryWorker, queued_ids, wait_until
+from outbox_dispatch import enqueue, report
+
+REPORTS = "outbox_dispatch.reports"
+POOLS = ("prefork", "solo")
+
+
+@pytest.fixture(scope="module")
+def workers(redis_server):
+    """A prefork worker with two processes and a solo one, each on its own
+    queue; the solo one traces with OpenTelemetry."""
+    started = {
+        "prefork": CeleryWorker(redis_server.url, queues=("loop_prefork",), app="loop_app",
+                                pool="prefork", concurrency=2),
+        "solo": CeleryWorker(redis_server.url, queues=("loop_solo",), app="loop_app",
+                             env={"OUTBOX_TEST_OTEL": "1"}),
+    }
+    try:
+        for worker in started.values():
+            worker.wait_ready()
+        yield started
+    finally:
+        for worker in started.values():
+            worker.close()
+
+
+@pytest.fixture
+def loop(cluster, redis_server, workers):
+    """The shared cluster with an empty outbox. Redis is not flushed: the
+    workers' own keys (kombu's bindings) must stay."""
+    cluster.sql("ALTER SYSTEM RESET ALL")
+    cluster.configure(enabled="on")
+    cluster.sql("TRUNCATE outbox.events")
+    yield cluster
+
+
+def dsn(pg):
+    return f"host={pg.dir} port={pg.port} user=postgres dbname=postgres"
+
+
+def status_of(pg, event_id):
+    return pg.sql("SELECT status::text, last_error FROM outbox.events WHERE id = %s", (event_id,))[0]
+
+
+def wait_status(pg, event_id, status, timeout=60):
+    wait_until(lambda: status_of(pg, event_id)[0] == status, timeout=timeout,
+               message=f"event {event_id} {status} (is {status_of(pg, event_id)})")
+    return status_of(pg, event_id)
+
+
+def notes(redis_server, key):
+    return [json.loads(n) for n in redis_server.client().lrange(key, 0, -1)]
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_every_outcome_reaches_the_outbox(loop, redis_server, workers, pool):
+    queue = f"loop_{pool}"
+    acked = loop.metric("outbox_acked_total", source="celery")
+    failures = loop.metric("outbox_task_failures_total")
+    with psycopg.connect(dsn(loop)) as conn:
+        ok = enqueue(conn, "loop.ok", args=(1, "two"), kwargs={"three": 3}, queue=queue)
+        boom = enqueue(conn, "loop.boom", queue=queue)
+        flaky = enqueue(conn, "loop.flaky", kwargs={"failures": 2}, queue=queue)
+        unknown = enqueue(conn, "loop.nobody_knows_me", queue=queue)
+
+    wait_status(loop, ok, "processed")
+    [ran] = notes(redis_server, f"ran:{ok}")
+    assert (ran["args"], ran["kwargs"]) == ([1, "two"], {"three": 3})
+
+    status, error = wait_status(loop, boom, "failed")
+    assert error.startswith("ValueError: the task refused: boom\n"), error
+    assert "Traceback" in error and "raise ValueError" in error
+
+    wait_status(loop, flaky, "processed")
+    assert notes(redis_server, f"ran:{flaky}") == [0, 1, 2], "two retries, then success, reported once"
+
+    status, error = wait_status(loop, unknown, "failed")
+    assert "unregistered task 'loop.nobody_knows_me'" in error
+
+    assert loop.metric("outbox_acked_total", source="celery") == acked + 2
+    assert loop.metric("outbox_task_failures_total") == failures + 2
+    assert loop.value("SELECT count(*) FROM outbox.dead_letters") == 2
+    assert loop.value("SELECT deliveries FROM outbox.events WHERE id = %s", (flaky,)) == 1
+
+
+def test_a_killed_worker_process_is_redelivered_and_processed_once(loop, redis_server, workers):
+    """acks_late + reject_on_worker_lost: kombu gives the message back, the
+    second run succeeds; the lost first run reports nothing."""
+    with psycopg.connect(dsn(loop)) as conn:
+        event = enqueue(conn, "loop.fragile", queue="loop_prefork")
+    [pid] = wait_until(lambda: notes(redis_server, f"ran:{event}"), message="the first run")
+    os.kill(pid, signal.SIGKILL)
+    wait_status(loop, event, "processed")
+    runs = notes(redis_server, f"ran:{event}")
+    assert len(runs) == 2 and runs[1] != pid
+    assert loop.value("SELECT last_error FROM outbox.events WHERE id = %s", (event,)) is None
+
+
+def test_the_trace_continues_in_the_worker(loop, redis_server, workers):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("outbox tests")
+    with tracer.start_as_current_span("checkout") as span:
+        # The helper injects the current context: set it as the global one.
+        trace.set_tracer_provider(provider)
+        with psycopg.connect(dsn(loop)) as conn:
+            event = enqueue(conn, "loop.traced", queue="loop_solo")
+        produced = format(span.get_span_context().trace_id, "032x")
+    wait_status(loop, event, "processed")
+    assert redis_server.client().get(f"trace:{event}").decode() == produced
+    assert [s.name for s in exporter.get_finished_spans()] == ["checkout"]
+    headers = loop.value("SELECT headers FROM outbox.events WHERE id = %s", (event,))
+    assert headers["traceparent"].split("-")[1] == produced
+
+
+def test_a_task_enqueued_from_a_task_chains_to_it(loop, redis_server, workers):
+    with psycopg.connect(dsn(loop)) as conn:
+        parent = enqueue(conn, "loop.spawn", args=(dsn(loop),), queue="loop_solo")
+    wait_status(loop, parent, "processed")
+    child = redis_server.client().get(f"spawned:{parent}").decode()
+    wait_status(loop, child, "processed")
+    [ran] = notes(redis_server, f"ran:{child}")
+    assert (ran["parent_id"], ran["root_id"]) == (str(parent), str(parent))
+
+
+def test_an_event_that_expires_before_delivery_is_not_sent(loop, redis_server):
+    expired = loop.metric("outbox_expired_total")
+    loop.configure(enabled="off")
+    wait_until(lambda: loop.value("SELECT state FROM outbox.workers") == "paused", message="paused")
+    with psycopg.connect(dsn(loop)) as conn:
+        event = enqueue(conn, "loop.ok", queue="q_expiring", expires=0.5)
+        kept = enqueue(conn, "loop.ok", queue="q_expiring", expires=3600)
+    wait_until(lambda: loop.value("SELECT expires_at < now() FROM outbox.events WHERE id = %s", (event,)),
+               message="the expiry to pass")
+    loop.configure(enabled="on")
+    status, error = wait_status(loop, event, "failed")
+    assert error.startswith("expired at ") and error.endswith(" before it was sent"), error
+    wait_status(loop, kept, "dispatched")
+    assert queued_ids(redis_server.client(), "q_expiring") == [str(kept)]
+    assert loop.metric("outbox_expired_total") == expired + 1
+
+
+def test_a_message_that_expires_in_the_queue_is_reported_by_the_worker(loop, redis_server):
+    with psycopg.connect(dsn(loop)) as conn:
+        event = enqueue(conn, "loop.ok", queue="loop_late", expires=1)
+    wait_status(loop, event, "dispatched")
+    wait_until(lambda: loop.value("SELECT expires_at < now() FROM outbox.events WHERE id = %s", (event,)),
+               message="the expiry to pass")
+    late = CeleryWorker(redis_server.url, queues=("loop_late",), app="loop_app")
+    try:
+        status, error = wait_status(loop, event, "failed")
+    finally:
+        late.close()
+    assert "expired before a worker ran it" in error
+    assert not notes(redis_server, f"ran:{event}")
+
+
+def test_a_report_may_overtake_the_dispatchers_record(loop, redis_server):
+    """A worker can finish before the dispatcher has marked the event
+    dispatched: the report wins, the late mark changes nothing."""
+    event = loop.value("""
+        INSERT INTO outbox.events (event_type, status, processing_started_at, claimed_by)
+        VALUES ('overtaken', 'processing', now(), 7) RETURNING id""")
+    redis_server.client().rpush(REPORTS, report.processed(str(event)))
+    wait_status(loop, event, "processed")
+    assert loop.value("SELECT deliveries FROM outbox.events WHERE id = %s", (event,)) == 1
+
+
+def test_stale_and_malformed_reports_are_counted_and_dropped(loop, redis_server):
+    stale = loop.metric("outbox_reports_ignored_total", reason="stale")
+    malformed = loop.metric("outbox_reports_ignored_total", reason="malformed")
+    client = redis_server.client()
+    client.rpush(REPORTS, report.processed("0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a"), b"{not json", b'{"id": 1}')
+    wait_until(lambda: loop.metric("outbox_reports_ignored_total", reason="malformed") == malformed + 2,
+               message="the malformed reports counted")
+    assert loop.metric("outbox_reports_ignored_total", reason="stale") == stale + 1
+    wait_until(lambda: client.llen(REPORTS) == 0, message="the list emptied")
+    assert "ignoring a report in Redis list" in loop.log_text()
+
+
+def test_reports_off_leaves_events_dispatched(loop, redis_server, workers):
+    loop.configure(report_key="")
+    with psycopg.connect(dsn(loop)) as conn:
+        event = enqueue(conn, "loop.ok", queue="loop_solo")
+    wait_until(lambda: notes(redis_server, f"ran:{event}"), message="the task to run")
+    time.sleep(1)  # ten times the collector's poll: a report would have been recorded
+    assert status_of(loop, event) == ("dispatched", None)
+    assert redis_server.client().llen(REPORTS) == 0

@@ -1,0 +1,111 @@
+"""outbox_dispatch.enqueue() against PostgreSQL with every kind of
+connection it accepts: the event joins the caller's transaction (committed:
+delivered; rolled back: gone), and outbox_enqueue()'s checks reach the
+caller."""
+
+import contextlib
+
+import psycopg
+import psycopg2
+import pytest
+import sqlalchemy
+from sqlalchemy.orm import Session
+
+from harness import decode, wait_until
+from outbox_dispatch import enqueue
+
+
+def psycopg_connection(pg):
+    conn = psycopg.connect(host=str(pg.dir), port=pg.port, user="postgres", dbname="postgres")
+    return conn, conn.commit, conn.rollback, conn.close
+
+
+def psycopg_cursor(pg):
+    conn = psycopg.connect(host=str(pg.dir), port=pg.port, user="postgres", dbname="postgres")
+    return conn.cursor(), conn.commit, conn.rollback, conn.close
+
+
+def psycopg2_connection(pg):
+    conn = psycopg2.connect(host=str(pg.dir), port=pg.port, user="postgres", dbname="postgres")
+    return conn, conn.commit, conn.rollback, conn.close
+
+
+def sqlalchemy_connection(pg):
+    engine = sqlalchemy.create_engine(f"postgresql+psycopg://postgres@/postgres?host={pg.dir}&port={pg.port}")
+    conn = engine.connect()
+    return conn, conn.commit, conn.rollback, lambda: (conn.close(), engine.dispose())
+
+
+def sqlalchemy_session(pg):
+    engine = sqlalchemy.create_engine(f"postgresql+psycopg://postgres@/postgres?host={pg.dir}&port={pg.port}")
+    session = Session(engine)
+    return session, session.commit, session.rollback, lambda: (session.close(), engine.dispose())
+
+
+def django_connection(pg):
+    import django
+    from django.conf import settings
+
+    if not settings.configured:
+        settings.configure(DATABASES={"default": {
+            "ENGINE": "django.db.backends.postgresql", "NAME": "postgres", "USER": "postgres",
+            "HOST": str(pg.dir), "PORT": pg.port}})
+        django.setup()
+    from django.db import connection, transaction
+
+    transaction.set_autocommit(False)
+    return (connection, transaction.commit, transaction.rollback,
+            lambda: (transaction.set_autocommit(True), connection.close()))
+
+
+CONNECTIONS = [psycopg_connection, psycopg_cursor, psycopg2_connection, sqlalchemy_connection,
+               sqlalchemy_session, django_connection]
+
+
+@pytest.mark.parametrize("open_connection", CONNECTIONS, ids=lambda f: f.__name__)
+def test_enqueue_joins_the_callers_transaction(outbox, redis_server, open_connection):
+    conn, commit, rollback, close = open_connection(outbox)
+    try:
+        dropped = enqueue(conn, "shop.send_receipt", args=(7,), queue="q_enqueue")
+        rollback()
+        kept = enqueue(conn, "shop.send_receipt", args=(7, "x"), kwargs={"lang": "fr"}, queue="q_enqueue",
+                       countdown=0, expires=600, priority=6, headers={"tenant": "a"})
+        commit()
+    finally:
+        close()
+    assert outbox.value("SELECT count(*) FROM outbox.events WHERE id = %s", (dropped,)) == 0
+    key = "q_enqueue\x06\x166"
+    raw = wait_until(lambda: redis_server.client().lrange(key, 0, -1), message="the message in Redis")
+    [(envelope, body)] = [decode(m) for m in raw]
+    headers = envelope["headers"]
+    assert headers["id"] == str(kept) and headers["task"] == "shop.send_receipt"
+    assert body[0] == [7, "x"] and body[1] == {"lang": "fr"}
+    assert headers["tenant"] == "a" and headers["expires"].endswith("+00:00")
+    assert outbox.value("SELECT expires_at - created_at BETWEEN '599s' AND '601s' FROM outbox.events WHERE id = %s",
+                        (kept,))
+
+
+def test_outbox_enqueue_errors_reach_the_caller(outbox):
+    with contextlib.closing(psycopg.connect(host=str(outbox.dir), port=outbox.port, user="postgres",
+                                            dbname="postgres")) as conn:
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="expires must be positive"):
+            enqueue(conn, "t", expires=-5)
+        conn.rollback()
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="priority is 12"):
+            enqueue(conn, "t", priority=12)
+        conn.rollback()
+    assert outbox.value("SELECT count(*) FROM outbox.events") == 0
+
+
+def test_sql_callers_get_args_and_expiry_checked(outbox):
+    cases = [
+        ("payload => '{}', args => '{}'", "args must be a JSON array, not object"),
+        ("payload => '[2]', args => '[1]'", "with args, payload must be a JSON object"),
+        ("payload => '{}', expires => '0s'", "expires must be positive"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match=message):
+            outbox.sql(f"SELECT outbox_enqueue(event_type => 'e', {arguments})")
+    with pytest.raises(psycopg.errors.CheckViolation, match="events_args_with_kwargs"):
+        outbox.sql("INSERT INTO outbox.events (event_type, payload, args) VALUES ('e', '[1]', '[2]')")
+    assert outbox.value("SELECT count(*) FROM outbox.events") == 0
