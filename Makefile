@@ -42,6 +42,7 @@ install-dev: deps
 unit: deps
 	cargo test -p outbox_core
 	$(PYTHON) -m pytest -q python/tests
+	cd python && ../$(PYTHON) -m mypy src
 
 integration: install-dev
 	PG_BIN=$(PG_BIN) $(PYTHON) -m pytest -v tests $(PYTEST_ARGS)

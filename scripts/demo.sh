@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `demo.sh start`: a PostgreSQL cluster (PG_BIN, 15 by default) with outbox_dispatch preloaded, a
-# Redis and a Celery worker, all under $DEMO_DIR; enqueues events and shows
-# them executed. `demo.sh stop` stops all three.
+# Redis and a Celery worker (with outbox_dispatch.celery), all under
+# $DEMO_DIR; enqueues events from SQL and from Python and shows them
+# processed, and a failed task with its exception in outbox.dead_letters.
+# `demo.sh stop` stops all three.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,7 +54,7 @@ CONF
         >"$DEMO_DIR/celery.log" 2>&1 &
     echo $! >"$DEMO_DIR/celery.pid"
 
-    echo "== Enqueue: three events committed, one rolled back"
+    echo "== Enqueue from SQL: three events committed, one rolled back"
     psql_demo <<'SQL'
 CREATE EXTENSION outbox_dispatch;
 BEGIN;
@@ -65,18 +67,39 @@ SELECT outbox_enqueue('accounts.send_welcome_email', '{"user_id": 99, "email": "
 ROLLBACK;
 SQL
 
-    echo "== Waiting for the Celery worker to run them"
+    echo "== Enqueue from Python (outbox_dispatch.enqueue): a charge the task will refuse"
+    .venv/bin/python - "$DEMO_DIR" "$PG_PORT" <<'PYTHON'
+import sys
+
+import psycopg
+
+from outbox_dispatch import enqueue
+
+with psycopg.connect(host=sys.argv[1], port=sys.argv[2], user="postgres", dbname="postgres") as conn:
+    # In the application's own transaction; committed when the block ends.
+    event = enqueue(conn, "billing.charge", args=(1, 4200), kwargs={"currency": "EUR"}, expires=3600)
+print(f"enqueued {event}")
+PYTHON
+
+    echo "== Waiting for the Celery worker to run them and report back"
+    settled() {
+        psql_demo -At -c "SELECT count(*) FILTER (WHERE status = 'processed') = 3
+                                 AND count(*) FILTER (WHERE status = 'failed') = 1 FROM outbox.events"
+    }
     for _ in $(seq 1 120); do
-        [[ $(grep -c "\[demo\] welcome email" "$DEMO_DIR/celery.log" || true) -ge 3 ]] && break
+        [[ $(settled) == t ]] && break
         sleep 0.5
     done
-    grep "\[demo\] welcome email" "$DEMO_DIR/celery.log" || { echo "demo: tasks did not run; see $DEMO_DIR/celery.log" >&2; exit 1; }
+    grep "\[demo\]" "$DEMO_DIR/celery.log" || true
+    [[ $(settled) == t ]] || { echo "demo: the outcomes did not come back; see $DEMO_DIR/celery.log" >&2; exit 1; }
     if grep -q "user 99" "$DEMO_DIR/celery.log"; then
         echo "demo: the rolled-back event was executed" >&2
         exit 1
     fi
 
-    psql_demo -c "TABLE outbox.status" -c "SELECT worker, pid, state, connected, events_dispatched FROM outbox.workers"
+    psql_demo -c "TABLE outbox.status" \
+              -c "SELECT worker, pid, state, connected, events_dispatched FROM outbox.workers" \
+              -c "SELECT task, payload, split_part(last_error, E'\n', 1) AS error FROM outbox.dead_letters"
 
     cat <<TEXT
 The services keep running. Connect with:
@@ -84,6 +107,8 @@ The services keep running. Connect with:
 and try:
     SELECT outbox_enqueue('accounts.send_welcome_email', '{"user_id": 4, "email": "four@example.com"}');
     TABLE outbox.status;
+    SELECT last_error FROM outbox.dead_letters;   -- the task's exception and traceback
+    SELECT outbox_retry(id) FROM outbox.dead_letters;   -- and it fails again
 Celery's log: $DEMO_DIR/celery.log. Stop everything with: make stop
 TEXT
 }

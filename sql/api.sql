@@ -214,12 +214,12 @@ COMMENT ON VIEW outbox.metrics IS
 
 CREATE VIEW outbox.dead_letters AS
 SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
-       retry_count, last_error, created_at, deliveries
+       retry_count, last_error, created_at, deliveries, args
   FROM outbox.events
  WHERE status = 'failed';
 
 COMMENT ON VIEW outbox.dead_letters IS
-    'Failed events with their last error: outbox.max_retries failed pushes, or never acknowledged after outbox.max_redeliveries re-sends.';
+    'Failed events with their last error: outbox.max_retries failed pushes, expired before delivery, never acknowledged after outbox.max_redeliveries re-sends, or failed in the Celery task.';
 
 -- Privileges. PostgreSQL lets PUBLIC execute every new function; here
 -- nobody but the owner may do anything until granted (README, "Privileges").

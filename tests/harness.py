@@ -216,13 +216,14 @@ class CeleryWorker:
     """A stock Celery 5 worker: tests/celery_app.py by default, in the solo
     pool; `pool="prefork"` with `concurrency` child processes."""
 
-    def __init__(self, broker_url, queues=("celery",), app="celery_app", pool="solo", concurrency=1, env=None):
+    def __init__(self, broker_url, queues=("celery",), app="celery_app", pool="solo", concurrency=1, env=None,
+                 extra_args=()):
         env = dict(os.environ, OUTBOX_TEST_BROKER=broker_url, PYTHONPATH=str(ROOT / "tests"), **(env or {}))
         self.log = tempfile.NamedTemporaryFile(prefix="outbox-celery-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [VENV_BIN / "celery", "-A", app, "worker", f"--pool={pool}", f"--concurrency={concurrency}",
              "--without-gossip", "--without-mingle", "--without-heartbeat", "-Q", ",".join(queues),
-             "--loglevel=INFO"],
+             "--loglevel=INFO", *extra_args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_text(self):

@@ -1,7 +1,7 @@
 """The closed loop with stock Celery 5 workers running outbox_dispatch.celery:
 every outcome (processed, failed in the task, unknown task, expired, worker
-process lost) reaches outbox.events, through Redis, in the prefork and solo
-pools. Also enqueue()'s lineage and trace context, and the reports' edge
+process lost) reaches outbox.events, through Redis, in the prefork, threads
+and solo pools. Also enqueue()'s lineage and trace context, and the reports' edge
 cases (one that overtakes the dispatcher's own record, stale, malformed)."""
 
 import json
@@ -20,16 +20,19 @@ from harness import CeleryWorker, queued_ids, wait_until
 from outbox_dispatch import enqueue, report
 
 REPORTS = "outbox_dispatch.reports"
-POOLS = ("prefork", "solo")
+POOLS = ("prefork", "threads", "solo")
 
 
 @pytest.fixture(scope="module")
 def workers(redis_server):
-    """A prefork worker with two processes and a solo one, each on its own
-    queue; the solo one traces with OpenTelemetry."""
+    """A prefork worker with two processes, a threads one with two threads
+    and a solo one, each on its own queue; the solo one traces with
+    OpenTelemetry."""
     started = {
         "prefork": CeleryWorker(redis_server.url, queues=("loop_prefork",), app="loop_app",
                                 pool="prefork", concurrency=2),
+        "threads": CeleryWorker(redis_server.url, queues=("loop_threads",), app="loop_app",
+                                pool="threads", concurrency=2),
         "solo": CeleryWorker(redis_server.url, queues=("loop_solo",), app="loop_app",
                              env={"OUTBOX_TEST_OTEL": "1"}),
     }

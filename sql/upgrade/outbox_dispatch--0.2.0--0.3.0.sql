@@ -166,12 +166,12 @@ ALTER TABLE outbox.events ADD COLUMN deliveries integer NOT NULL DEFAULT 0;
 
 CREATE OR REPLACE VIEW outbox.dead_letters AS
 SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
-       retry_count, last_error, created_at, deliveries
+       retry_count, last_error, created_at, deliveries, args
   FROM outbox.events
  WHERE status = 'failed';
 
 COMMENT ON VIEW outbox.dead_letters IS
-    'Failed events with their last error: outbox.max_retries failed pushes, or never acknowledged after outbox.max_redeliveries re-sends.';
+    'Failed events with their last error: outbox.max_retries failed pushes, expired before delivery, never acknowledged after outbox.max_redeliveries re-sends, or failed in the Celery task.';
 
 -- outbox.workers shows how the broker persists what it is sent.
 DROP VIEW outbox.workers;

@@ -26,6 +26,8 @@ logged; its event stays ``dispatched``, as it would be without this module.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -38,8 +40,6 @@ logger = logging.getLogger(__name__)
 #: Attempts to append one report, and the pause between them.
 ATTEMPTS = 3
 PAUSE_SECONDS = 0.5
-#: The longest to wait for a broker connection from the app's pool.
-POOL_TIMEOUT_SECONDS = 10.0
 
 
 def _request_headers(request: Any) -> Mapping[str, Any]:
@@ -53,16 +53,48 @@ def _request_headers(request: Any) -> Mapping[str, Any]:
     return headers if isinstance(headers, Mapping) else {}
 
 
+class _Link:
+    """This process's broker connection for reports: opened at the first
+    report, kept, opened afresh after a fork (prefork children) or an error.
+    The Redis client it holds is safe to share between threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._connection: Any = None
+        self._client: Any = None
+
+    def client(self, app: Celery) -> Any:
+        with self._lock:
+            if self._client is None or self._pid != os.getpid():
+                connection = app.connection_for_write()
+                self._client = connection.default_channel.client
+                self._connection, self._pid = connection, os.getpid()
+            return self._client
+
+    def drop(self) -> None:
+        with self._lock:
+            connection, self._connection, self._client = self._connection, None, None
+        if connection is not None and self._pid == os.getpid():
+            try:
+                connection.release()
+            except Exception:  # already broken: nothing to release cleanly
+                pass
+
+
+_link = _Link()
+
+
 def _send(app: Celery, key: str, task_id: str, body: bytes) -> None:
     """Appends one report to ``key`` in the broker's Redis, with a few
     attempts; a report that cannot be sent is logged, never raised: the
     task's own outcome must not change because of it."""
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            with app.pool.acquire(block=True, timeout=POOL_TIMEOUT_SECONDS) as connection:
-                connection.default_channel.client.rpush(key, body)
+            _link.client(app).rpush(key, body)
             return
         except Exception as exc:  # the broker's errors vary by transport and client
+            _link.drop()
             if attempt == ATTEMPTS:
                 logger.error("outbox_dispatch: could not report the outcome of task %s to %r: %r",
                              task_id, key, exc)
@@ -79,14 +111,12 @@ def _report_request(app: Celery, request: Any, task_id: Optional[str], body: Opt
     _send(app, key, task_id, body if body is not None else report.failed(task_id, error or "failed"))
 
 
-@signals.task_success.connect(weak=False, dispatch_uid="outbox_dispatch.task_success")
 def _on_success(sender: Any = None, **_: Any) -> None:
     request = sender.request
     if request.id:
         _report_request(sender.app, request, request.id, body=report.processed(request.id))
 
 
-@signals.task_failure.connect(weak=False, dispatch_uid="outbox_dispatch.task_failure")
 def _on_failure(sender: Any = None, task_id: Optional[str] = None, exception: Optional[BaseException] = None,
                 einfo: Any = None, **_: Any) -> None:
     traceback = getattr(einfo, "traceback", None)
@@ -94,7 +124,6 @@ def _on_failure(sender: Any = None, task_id: Optional[str] = None, exception: Op
     _report_request(sender.app, sender.request, task_id, error=error)
 
 
-@signals.task_internal_error.connect(weak=False, dispatch_uid="outbox_dispatch.task_internal_error")
 def _on_internal_error(sender: Any = None, task_id: Optional[str] = None, request: Any = None,
                        exception: Optional[BaseException] = None, einfo: Any = None, **_: Any) -> None:
     traceback = getattr(einfo, "traceback", None)
@@ -102,7 +131,6 @@ def _on_internal_error(sender: Any = None, task_id: Optional[str] = None, reques
     _report_request(sender.app, request, task_id, error=f"Celery internal error: {described}")
 
 
-@signals.task_revoked.connect(weak=False, dispatch_uid="outbox_dispatch.task_revoked")
 def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None,
                 expired: bool = False, **_: Any) -> None:
     if expired:
@@ -122,14 +150,27 @@ def _report_message(consumer: Any, message: Any, why: str) -> None:
         _send(consumer.app, key, task_id, report.failed(task_id, why))
 
 
-@signals.task_unknown.connect(weak=False, dispatch_uid="outbox_dispatch.task_unknown")
 def _on_unknown(sender: Any = None, message: Any = None, name: Optional[str] = None, **_: Any) -> None:
     hostname = getattr(sender, "hostname", None) or "the worker"
     _report_message(sender, message, f"unregistered task {name!r}: {hostname} does not know it")
 
 
-@signals.task_rejected.connect(weak=False, dispatch_uid="outbox_dispatch.task_rejected")
 def _on_rejected(sender: Any = None, message: Any = None, exc: Optional[BaseException] = None,
                  **_: Any) -> None:
     why = f"message rejected by the worker: {report.describe_exception(exc)}" if exc else "message rejected"
     _report_message(sender, message, why)
+
+
+#: Each Celery signal and what answers it. Connected strongly (the handlers
+#: live as long as the module) and once, however often this is imported.
+_HANDLERS = (
+    (signals.task_success, _on_success),
+    (signals.task_failure, _on_failure),
+    (signals.task_internal_error, _on_internal_error),
+    (signals.task_revoked, _on_revoked),
+    (signals.task_unknown, _on_unknown),
+    (signals.task_rejected, _on_rejected),
+)
+
+for _signal, _handler in _HANDLERS:
+    _signal.connect(_handler, weak=False, dispatch_uid=f"outbox_dispatch.{_handler.__name__}")
