@@ -11,6 +11,7 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use outbox_core::celery;
 use outbox_core::sink::BrokerConfig;
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 
@@ -43,6 +44,13 @@ pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static NOTIFY_CHANNEL: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_new"));
 pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+pub static REDIS_SENTINEL_MASTER: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+pub static REDIS_SENTINEL_PASSWORD_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(None);
+pub static REDIS_WAIT_REPLICAS: GucSetting<i32> = GucSetting::<i32>::new(0);
+pub static REDIS_KEY_PREFIX: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+pub static PRIORITY_STEPS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"0,3,6,9"));
+pub static PRIORITY_SEPARATOR: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 pub static REPORT_KEY: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_dispatch.reports"));
 pub static MAX_BATCH_BYTES_KB: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024);
@@ -72,7 +80,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 26] = [
+const DECLARATIONS: [Declaration; 32] = [
     Declaration(c"outbox.workers", Postmaster, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
         c"Number of dispatcher background workers (each takes a max_worker_processes slot)."),
     Declaration(c"outbox.database", Sighup, NONE, Text(&DATABASE),
@@ -85,6 +93,18 @@ const DECLARATIONS: [Declaration; 26] = [
         c"File holding the broker password (first line); keeps it out of outbox.redis_url and the server log."),
     Declaration(c"outbox.redis_tls_ca_file", Sighup, NONE, Text(&REDIS_TLS_CA_FILE),
         c"PEM file of the certificate authorities trusted for rediss:// URLs; empty: the system's."),
+    Declaration(c"outbox.redis_sentinel_master", Sighup, NONE, Text(&REDIS_SENTINEL_MASTER),
+        c"For sentinel:// URLs: the name of the master at the sentinels (kombu's master_name)."),
+    Declaration(c"outbox.redis_sentinel_password_file", Sighup, SECRET, Text(&REDIS_SENTINEL_PASSWORD_FILE),
+        c"File holding the sentinels' own password (first line), when they require one."),
+    Declaration(c"outbox.redis_wait_replicas", Sighup, NONE, Int(&REDIS_WAIT_REPLICAS, 0, 16, NONE),
+        c"Replicas that must confirm each push (WAIT) before its events count as dispatched; 0: none."),
+    Declaration(c"outbox.redis_key_prefix", Sighup, NONE, Text(&REDIS_KEY_PREFIX),
+        c"Prefix of every Redis key (kombu's global_keyprefix)."),
+    Declaration(c"outbox.priority_steps", Sighup, NONE, Text(&PRIORITY_STEPS),
+        c"Priority lists, comma-separated, starting at 0 (kombu's priority_steps)."),
+    Declaration(c"outbox.priority_separator", Sighup, NONE, Text(&PRIORITY_SEPARATOR),
+        c"Between a queue's name and its priority step (kombu's sep); empty: kombu's \\x06\\x16."),
     Declaration(c"outbox.default_queue", Userset, NONE, Text(&DEFAULT_QUEUE),
         c"Queue (Redis list) of events enqueued without one."),
     Declaration(c"outbox.batch_size", Sighup, NONE, Int(&BATCH_SIZE, 1, 100_000, NONE),
@@ -218,6 +238,14 @@ impl Settings {
             tls_ca_file: path(&REDIS_TLS_CA_FILE),
             password_file: path(&REDIS_PASSWORD_FILE),
             max_batch_bytes: MAX_BATCH_BYTES_KB.get().max(1) as usize * 1024,
+            sentinel_master: text(&REDIS_SENTINEL_MASTER),
+            sentinel_password_file: path(&REDIS_SENTINEL_PASSWORD_FILE),
+            wait_replicas: REDIS_WAIT_REPLICAS.get().max(0) as u32,
+            key_prefix: text(&REDIS_KEY_PREFIX),
+            priority_steps: text(&PRIORITY_STEPS),
+            priority_separator: Some(text(&PRIORITY_SEPARATOR))
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| celery::KOMBU_SEPARATOR.to_string()),
         };
         let batch_size = BATCH_SIZE.get().max(1) as usize;
         let longest = longest_push(&broker, batch_size, MAX_PAYLOAD_BYTES.get().max(1) as usize);

@@ -35,6 +35,8 @@ named! {
         TaskFailures = "outbox_task_failures"
             => "Events whose Celery task failed, or that a worker refused, as reported by outbox_dispatch.celery.",
         Expired = "outbox_expired" => "Events not sent because they expired first.",
+        MasterChanges = "outbox_broker_master_changes"
+            => "Reconnects that found the Redis master at another address than before (a failover).",
         Purged = "outbox_purged" => "Finished events deleted after outbox.retention.",
         Batches = "outbox_batches" => "Batches pushed to Redis.",
     }
@@ -116,6 +118,8 @@ pub struct Counters {
     wakeups: [AtomicU64; WakeSource::COUNT],
     acks: [AtomicU64; AckSource::COUNT],
     reports_ignored: [AtomicU64; ReportIgnored::COUNT],
+    /// Microseconds dispatchers spent without a working broker connection.
+    unavailable_micros: AtomicU64,
     latency: Histogram<LATENCY_BUCKETS>,
     batch_size: Histogram<BATCH_BUCKETS>,
 }
@@ -140,6 +144,7 @@ pub fn init() {
                 wakeups: zeros(),
                 acks: zeros(),
                 reports_ignored: zeros(),
+                unavailable_micros: AtomicU64::new(0),
                 latency: Histogram::new(),
                 batch_size: Histogram::new(),
             })
@@ -183,6 +188,13 @@ pub fn woke(source: WakeSource) {
 pub fn acked(source: AckSource, n: u64) {
     if let Some(c) = counters() {
         c.acks[source.index()].fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// A dispatcher had no working broker connection for `pause`.
+pub fn broker_unavailable(pause: std::time::Duration) {
+    if let Some(c) = counters() {
+        c.unavailable_micros.fetch_add(pause.as_micros() as u64, Ordering::Relaxed);
     }
 }
 
@@ -277,6 +289,13 @@ pub fn families() -> Vec<(Family, Vec<Sample>)> {
         let f = Family { name, help, kind: Kind::Counter };
         families.push((f, labelled(name, label, names.into_iter(), values)));
     }
+    let unavailable = Family {
+        name: "outbox_broker_unavailable_seconds",
+        help: "Seconds dispatchers spent without a working broker connection, from a failure to the next connect.",
+        kind: Kind::Counter,
+    };
+    let seconds = c.unavailable_micros.load(Ordering::Relaxed) as f64 / 1e6;
+    families.push((unavailable, vec![Sample::new(format!("{}_total", unavailable.name), seconds)]));
     let latency = Family {
         name: "outbox_dispatch_latency_seconds",
         help: "Time from an event's created_at to its push to Redis.",

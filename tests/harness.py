@@ -100,6 +100,80 @@ class Redis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class SentinelGroup:
+    """Redis under Sentinel on loopback: a master, a replica and three
+    sentinels (quorum 2) watching it as `name`; failures are noticed after a
+    second. `master_client()` follows the sentinels. `password` protects
+    the master and the replica, `sentinel_password` the sentinels."""
+
+    def __init__(self, name="outbox", password=None, sentinel_password=None):
+        self.name = name
+        self.password = password
+        self.sentinel_password = sentinel_password
+        auth = ["--masterauth", password] if password else []
+        self.master = Redis(*auth, password=password)
+        self.replica = Redis("--replicaof", "127.0.0.1", str(self.master.port), *auth, password=password)
+        self.sentinels = [self._sentinel(i) for i in range(3)]
+        wait_until(lambda: self.master.client().info("replication")["connected_slaves"] == 1,
+                   message="the replica in sync")
+        wait_until(lambda: all(len(self.sentinel_client(i).execute_command("SENTINEL", "SENTINELS", self.name)) == 2
+                               for i in range(3)), timeout=60, message="the sentinels to know each other")
+
+    def _sentinel(self, i):
+        port = free_port()
+        directory = tempfile.mkdtemp(prefix="outbox-sentinel-")
+        conf = Path(directory) / "sentinel.conf"
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {directory}\n"
+            f"sentinel monitor {self.name} 127.0.0.1 {self.master.port} 2\n"
+            f"sentinel down-after-milliseconds {self.name} 1000\n"
+            f"sentinel failover-timeout {self.name} 10000\n"
+            f"sentinel parallel-syncs {self.name} 1\n"
+            + (f"sentinel auth-pass {self.name} {self.password}\n" if self.password else "")
+            + (f"requirepass {self.sentinel_password}\n" if self.sentinel_password else ""))
+        proc = subprocess.Popen(["redis-server", str(conf), "--sentinel"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis_lib.Redis(host="127.0.0.1", port=port, password=self.sentinel_password, socket_timeout=10)
+        wait_until(lambda: self._answers(client), timeout=20, message="a sentinel to answer")
+        return {"port": port, "dir": directory, "proc": proc}
+
+    @staticmethod
+    def _answers(client):
+        try:
+            return client.ping()
+        except redis_lib.exceptions.ConnectionError:
+            return False
+
+    @property
+    def url(self):
+        """kombu's form: every sentinel, then the database."""
+        return ";".join(f"sentinel://127.0.0.1:{s['port']}" for s in self.sentinels) + "/0"
+
+    def sentinel_client(self, i=0):
+        return redis_lib.Redis(host="127.0.0.1", port=self.sentinels[i]["port"], password=self.sentinel_password,
+                               socket_timeout=10)
+
+    def master_port(self):
+        # (Not redis-py's sentinel_* helpers, whose reply parsing breaks
+        # across versions.)
+        address = self.sentinel_client().execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name)
+        return int(address[1])
+
+    def master_client(self):
+        return redis_lib.Redis(host="127.0.0.1", port=self.master_port(), password=self.password, socket_timeout=10)
+
+    def servers(self):
+        return [self.master, self.replica]
+
+    def close(self):
+        for s in self.sentinels:
+            s["proc"].terminate()
+            s["proc"].wait(timeout=20)
+            shutil.rmtree(s["dir"], ignore_errors=True)
+        for server in self.servers():
+            server.close()
+
+
 def decode(raw):
     """A Celery message as the extension pushed it: (envelope, body)."""
     envelope = json.loads(raw)

@@ -19,9 +19,14 @@ app.conf.update(
     worker_hijack_root_logger=False,
     task_ignore_result=True,
     worker_prefetch_multiplier=1,
+    # kombu's transport options, as JSON (the Sentinel test sets master_name
+    # and the key options).
+    broker_transport_options=json.loads(os.environ.get("OUTBOX_TEST_TRANSPORT_OPTIONS", "{}")),
 )
 
-notes = redis.Redis.from_url(BROKER)
+# Where tasks leave their notes: the broker's Redis unless it is reached
+# through sentinels.
+notes = redis.Redis.from_url(os.environ.get("OUTBOX_TEST_NOTES", BROKER))
 
 
 @app.task(name="loop.ok", bind=True)

@@ -48,13 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         batches.push(vec![KeyBatch { key: "bench_ceiling".into(), messages }]);
     }
 
-    let config = BrokerConfig {
-        url: url.clone(),
-        timeout: Duration::from_secs(30),
-        tls_ca_file: None,
-        password_file: None,
-        max_batch_bytes: usize::MAX,
-    };
+    let config = BrokerConfig::plain(&url, Duration::from_secs(30), usize::MAX);
     let mut sink = Sink::new(&config)?;
     sink.connect(&mut Poll)?;
     let started = Instant::now();

@@ -5,6 +5,12 @@
 //!
 //! Every operation (connect with TLS and AUTH, a push's round trip, a PING)
 //! has one deadline, `timeout`, and waits through the caller's [`Wait`].
+//!
+//! With a `sentinel://` URL every connect asks the sentinels where the
+//! master is and checks that it is one (ROLE); a READONLY reply then means a
+//! failover, and the next connect asks again. With `wait_replicas`, each
+//! round trip ends with a WAIT: messages count as delivered only once that
+//! many replicas have them, so a failover cannot lose them.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -14,7 +20,8 @@ use std::time::{Duration, Instant};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::CertificateDer;
 
-use crate::broker_url::{self, BrokerUrl};
+use crate::broker_url::{self, BrokerUrl, Endpoints};
+use crate::celery::Keys;
 use crate::link::{Link, LinkError, Wait};
 use crate::resp::{self, Reply};
 
@@ -33,6 +40,8 @@ crate::named! {
         NoPerm = "noperm",
         TryAgain = "tryagain",
         ClusterDown = "clusterdown",
+        /// Fewer replicas than `outbox.redis_wait_replicas` confirmed.
+        NoReplicas = "noreplicas",
     }
 }
 
@@ -54,6 +63,7 @@ crate::named! {
         Timeout = "timeout",
         ConnectionLost = "connection_lost",
         Refused = "refused",
+        Failover = "failover",
         Interrupted = "interrupted",
     }
 }
@@ -73,6 +83,8 @@ pub enum SinkError {
     /// The server answered with a condition of its own (OOM, READONLY, …),
     /// and the reply.
     Refused(Condition, String),
+    /// The sentinels' master is one no longer (READONLY), or not yet (ROLE).
+    Failover(String),
     /// The caller's wait gave up (a signal): the outcome is unknown.
     Interrupted,
 }
@@ -85,6 +97,7 @@ impl SinkError {
             SinkError::Timeout => Reason::Timeout,
             SinkError::ConnectionLost(_) => Reason::ConnectionLost,
             SinkError::Refused(..) => Reason::Refused,
+            SinkError::Failover(_) => Reason::Failover,
             SinkError::Interrupted => Reason::Interrupted,
         }
     }
@@ -126,6 +139,7 @@ impl fmt::Display for SinkError {
             SinkError::Timeout => write!(f, "Redis did not answer within outbox.redis_timeout"),
             SinkError::ConnectionLost(e) => write!(f, "lost the Redis connection: {e}"),
             SinkError::Refused(_, e) => write!(f, "Redis refused the push for a reason of its own: {e}"),
+            SinkError::Failover(e) => write!(f, "the Redis master changed (failover): {e}"),
             SinkError::Interrupted => write!(f, "the Redis operation was interrupted"),
         }
     }
@@ -150,6 +164,39 @@ pub struct BrokerConfig {
     /// Most bytes of messages sent in one round trip; a batch above it is
     /// pushed in several.
     pub max_batch_bytes: usize,
+    /// For `sentinel://` URLs: the master's name at the sentinels (kombu's
+    /// `master_name`).
+    pub sentinel_master: String,
+    /// File holding the sentinels' own password, when they require one.
+    pub sentinel_password_file: Option<PathBuf>,
+    /// Replicas that must have each round trip's messages (WAIT) before
+    /// they count as delivered; 0: none asked.
+    pub wait_replicas: u32,
+    /// kombu's `global_keyprefix`, `priority_steps` (comma-separated) and
+    /// `sep`: which lists a worker with those transport options reads.
+    pub key_prefix: String,
+    pub priority_steps: String,
+    pub priority_separator: String,
+}
+
+impl BrokerConfig {
+    /// `url` with nothing else asked: no files, no sentinel master, no
+    /// replicas to wait for, kombu's keys.
+    pub fn plain(url: &str, timeout: Duration, max_batch_bytes: usize) -> BrokerConfig {
+        BrokerConfig {
+            url: url.into(),
+            timeout,
+            tls_ca_file: None,
+            password_file: None,
+            max_batch_bytes,
+            sentinel_master: String::new(),
+            sentinel_password_file: None,
+            wait_replicas: 0,
+            key_prefix: String::new(),
+            priority_steps: crate::celery::KOMBU_PRIORITY_STEPS.into(),
+            priority_separator: crate::celery::KOMBU_SEPARATOR.into(),
+        }
+    }
 }
 
 /// Messages bound for one Redis list: pushed with multi-value LPUSHes in
@@ -207,17 +254,47 @@ impl Persistence {
 pub struct Sink {
     config: BrokerConfig,
     url: BrokerUrl,
+    keys: Keys,
     link: Option<Link>,
     display_url: String,
+    /// The master of the current (or last) connection, `host:port`.
+    master: Option<String>,
 }
 
 impl Sink {
-    /// Parses the URL; connects lazily.
+    /// Parses the URL and the key options; connects lazily.
     pub fn new(config: &BrokerConfig) -> Result<Sink, SinkError> {
         let display_url = broker_url::redact(&config.url);
         let url = BrokerUrl::parse(&config.url)
             .map_err(|e| SinkError::InvalidConfig(format!("invalid outbox.redis_url {display_url}: {e}")))?;
-        Ok(Sink { config: config.clone(), url, link: None, display_url })
+        if matches!(url.endpoints, Endpoints::Sentinels(_)) && config.sentinel_master.is_empty() {
+            return Err(SinkError::InvalidConfig(
+                "outbox.redis_url names sentinels: set outbox.redis_sentinel_master to the master's name \
+                 (kombu's master_name)"
+                    .into(),
+            ));
+        }
+        let keys = Keys::new(&config.key_prefix, &config.priority_steps, &config.priority_separator)
+            .map_err(SinkError::InvalidConfig)?;
+        Ok(Sink { config: config.clone(), url, keys, link: None, display_url, master: None })
+    }
+
+    /// The lists messages and reports go to.
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// The master of the current or last connection, `host:port`.
+    pub fn master(&self) -> Option<&str> {
+        self.master.as_deref()
+    }
+
+    /// What a refusal means: with sentinels, READONLY is a failover.
+    pub fn refusal(&self, condition: Condition, reply: String) -> SinkError {
+        match (&self.url.endpoints, condition) {
+            (Endpoints::Sentinels(_), Condition::ReadOnly) => SinkError::Failover(reply),
+            _ => SinkError::Refused(condition, reply),
+        }
     }
 
     /// The broker's address with any credentials masked.
@@ -245,12 +322,18 @@ impl Sink {
         self.link = None;
         let deadline = self.deadline();
         let password = match &self.config.password_file {
-            Some(path) => Some(password_from_file(path)?),
+            Some(path) => Some(password_from_file("outbox.redis_password_file", path)?),
             None => self.url.password.clone(),
         };
         let tls = self.url.tls.then(|| tls_config(self.config.tls_ca_file.as_deref())).transpose()?;
-        let mut link = Link::connect(&self.url.host, self.url.port, tls, waiter, deadline)
-            .map_err(|e| SinkError::from_link(e, false))?;
+        let (host, port) = match &mut self.url.endpoints {
+            Endpoints::Direct(host, port) => (host.clone(), *port),
+            Endpoints::Sentinels(sentinels) => ask_sentinels(sentinels, &self.config, waiter, deadline)?,
+        };
+        let sentinel = matches!(self.url.endpoints, Endpoints::Sentinels(_));
+        self.master = Some(format!("{host}:{port}"));
+        let mut link =
+            Link::connect(&host, port, tls, waiter, deadline).map_err(|e| SinkError::from_link(e, false))?;
 
         let mut commands = Vec::new();
         let mut checked = 0;
@@ -268,8 +351,11 @@ impl Sink {
         resp::command(&mut commands, &["PING"]);
         resp::command(&mut commands, &["CONFIG", "GET", "save"]);
         resp::command(&mut commands, &["CONFIG", "GET", "appendonly"]);
+        if sentinel {
+            resp::command(&mut commands, &["ROLE"]);
+        }
         let replies = link
-            .round_trip(&commands, checked + 3, waiter, deadline)
+            .round_trip(&commands, checked + 3 + usize::from(sentinel), waiter, deadline)
             .map_err(|e| SinkError::from_link(e, false))?;
         // AUTH, SELECT and PING must succeed; CONFIG may be refused by ACLs.
         if let (Some(_), Reply::Error(e)) = (&password, &replies[0]) {
@@ -278,6 +364,21 @@ impl Sink {
         for reply in &replies[..=checked] {
             if let Reply::Error(e) = reply {
                 return Err(SinkError::from_reply(e, false));
+            }
+        }
+        if sentinel {
+            // Between a failover and the sentinels' noticing it, they may
+            // still name the old master; ROLE may be denied by ACLs.
+            if let Reply::Array(Some(role)) = &replies[checked + 3] {
+                match role.first().and_then(Reply::text) {
+                    Some(role) if role != "master" => {
+                        return Err(SinkError::Failover(format!(
+                            "the sentinels name {host}:{port}, which is a {role}, as master \"{}\"",
+                            self.config.sentinel_master
+                        )))
+                    }
+                    _ => {}
+                }
             }
         }
         self.link = Some(link);
@@ -328,7 +429,13 @@ impl Sink {
         resp::command(&mut command, args);
         match link.round_trip(&command, 1, waiter, deadline) {
             Ok(mut replies) => match replies.swap_remove(0) {
-                Reply::Error(e) => Err(self.fail(SinkError::from_reply(&e, true))),
+                Reply::Error(e) => {
+                    let error = match Condition::of(&e) {
+                        Some(condition) => self.refusal(condition, e),
+                        None => SinkError::from_reply(&e, true),
+                    };
+                    Err(self.fail(error))
+                }
                 reply => Ok(reply),
             },
             Err(e) => Err(self.fail(SinkError::from_link(e, true))),
@@ -347,19 +454,37 @@ impl Sink {
                 let messages = &batches[command.batch].messages[command.messages.clone()];
                 resp::command_with_values(&mut commands, "LPUSH", &batches[command.batch].key, messages);
             }
+            let wait = self.config.wait_replicas;
+            if wait > 0 {
+                // Half the deadline for the replicas, the rest for the pushes.
+                let millis = (self.config.timeout.as_millis() / 2).max(1).to_string();
+                resp::command(&mut commands, &["WAIT", &wait.to_string(), &millis]);
+            }
+            let expected = trip.commands.len() + usize::from(wait > 0);
             let deadline = self.deadline();
             let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
-            let replies = match link.round_trip(&commands, trip.commands.len(), waiter, deadline) {
+            let mut replies = match link.round_trip(&commands, expected, waiter, deadline) {
                 Ok(replies) => replies,
                 Err(e) => return Err(self.fail(SinkError::from_link(e, true))),
             };
+            // Fewer replicas than asked have the messages: not delivered
+            // yet, as far as a failover is concerned.
+            let unreplicated = match (wait > 0).then(|| replies.pop()).flatten() {
+                Some(Reply::Integer(n)) if n >= i64::from(wait) => None,
+                Some(Reply::Integer(n)) => {
+                    Some(format!("NOREPLICAS {n} of {wait} replicas confirmed (WAIT)"))
+                }
+                Some(other) => Some(format!("NOREPLICAS WAIT answered {other:?}")),
+                None => None,
+            };
             for (command, reply) in trip.commands.iter().zip(replies) {
-                let delivery = match reply {
-                    Reply::Error(e) => match Condition::of(&e) {
+                let delivery = match (reply, &unreplicated) {
+                    (Reply::Error(e), _) => match Condition::of(&e) {
                         Some(condition) => Delivery::Refused(condition, e),
                         None => Delivery::Rejected(e),
                     },
-                    _ => Delivery::Delivered,
+                    (_, Some(e)) => Delivery::Refused(Condition::NoReplicas, e.clone()),
+                    (_, None) => Delivery::Delivered,
                 };
                 deliveries.extend(std::iter::repeat_n(delivery, command.messages.len()));
             }
@@ -421,13 +546,76 @@ fn plan_round_trips(batches: &[KeyBatch], budget: usize) -> Vec<RoundTrip> {
     trips
 }
 
+/// Asks each sentinel in turn where the master is, each within its share of
+/// the deadline; the first that answers moves to the front, as redis-py's
+/// Sentinel does.
+fn ask_sentinels(
+    sentinels: &mut [(String, u16)],
+    config: &BrokerConfig,
+    waiter: &mut dyn Wait,
+    deadline: Instant,
+) -> Result<(String, u16), SinkError> {
+    let password = match &config.sentinel_password_file {
+        Some(path) => Some(password_from_file("outbox.redis_sentinel_password_file", path)?),
+        None => None,
+    };
+    let mut failures = Vec::new();
+    for i in 0..sentinels.len() {
+        let now = Instant::now();
+        let share = deadline.saturating_duration_since(now) / (sentinels.len() - i) as u32;
+        let (host, port) = &sentinels[i];
+        match ask_sentinel(host, *port, password.as_deref(), &config.sentinel_master, waiter, now + share) {
+            Ok(master) => {
+                sentinels[..=i].rotate_right(1);
+                return Ok(master);
+            }
+            Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
+            Err(e) => failures.push(format!("{host}:{port}: {e}")),
+        }
+    }
+    Err(SinkError::Connect(format!("no sentinel named the master: {}", failures.join("; "))))
+}
+
+fn ask_sentinel(
+    host: &str,
+    port: u16,
+    password: Option<&str>,
+    master: &str,
+    waiter: &mut dyn Wait,
+    deadline: Instant,
+) -> Result<(String, u16), SinkError> {
+    let mut link =
+        Link::connect(host, port, None, waiter, deadline).map_err(|e| SinkError::from_link(e, false))?;
+    let mut commands = Vec::new();
+    if let Some(password) = password {
+        resp::command(&mut commands, &["AUTH", password]);
+    }
+    resp::command(&mut commands, &["SENTINEL", "get-master-addr-by-name", master]);
+    let mut replies = link
+        .round_trip(&commands, 1 + usize::from(password.is_some()), waiter, deadline)
+        .map_err(|e| SinkError::from_link(e, false))?;
+    match replies.pop() {
+        Some(Reply::Array(Some(address))) if address.len() == 2 => {
+            let host = address[0].text().unwrap_or_default();
+            let port = address[1].text().and_then(|p| p.parse().ok());
+            port.map(|port| (host, port))
+                .ok_or_else(|| SinkError::Connect(format!("odd address {address:?}")))
+        }
+        Some(Reply::Array(None)) | Some(Reply::Bulk(None)) => {
+            Err(SinkError::Connect(format!("knows no master named \"{master}\"")))
+        }
+        Some(Reply::Error(e)) => Err(SinkError::Connect(e)),
+        other => Err(SinkError::Connect(format!("unexpected reply {other:?}"))),
+    }
+}
+
 fn read_setting_file(setting: &str, path: &Path) -> Result<Vec<u8>, SinkError> {
     std::fs::read(path)
         .map_err(|e| SinkError::InvalidConfig(format!("cannot read {setting} {}: {e}", path.display())))
 }
 
-fn password_from_file(path: &Path) -> Result<String, SinkError> {
-    let text = read_setting_file("outbox.redis_password_file", path)?;
+fn password_from_file(setting: &str, path: &Path) -> Result<String, SinkError> {
+    let text = read_setting_file(setting, path)?;
     let text = String::from_utf8_lossy(&text);
     Ok(text.lines().next().unwrap_or("").to_string())
 }
@@ -475,13 +663,7 @@ mod tests {
     use crate::link::Poll;
 
     fn config(url: &str) -> BrokerConfig {
-        BrokerConfig {
-            url: url.into(),
-            timeout: Duration::from_secs(1),
-            tls_ca_file: None,
-            password_file: None,
-            max_batch_bytes: 1 << 20,
-        }
+        BrokerConfig::plain(url, Duration::from_secs(1), 1 << 20)
     }
 
     #[test]
@@ -503,6 +685,7 @@ mod tests {
             SinkError::Timeout,
             SinkError::ConnectionLost(String::new()),
             SinkError::Refused(Condition::Oom, String::new()),
+            SinkError::Failover(String::new()),
             SinkError::Interrupted,
         ];
         let reasons: Vec<_> = errors.iter().map(SinkError::reason).collect();

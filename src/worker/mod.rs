@@ -130,6 +130,10 @@ struct Dispatcher {
     persistence_warned: bool,
     housekeeping: housekeeping::Schedule,
     reports: reports::Collector,
+    /// When the broker was last found failing, until the next connect.
+    broker_lost_at: Option<Instant>,
+    /// The master the last connection reached, `host:port`.
+    last_master: Option<String>,
     next_heartbeat: Instant,
 }
 
@@ -152,6 +156,8 @@ impl Dispatcher {
             persistence_warned: false,
             housekeeping: housekeeping::Schedule::new(),
             reports: reports::Collector::new(),
+            broker_lost_at: None,
+            last_master: None,
             next_heartbeat: Instant::now(),
         }
     }
@@ -183,13 +189,21 @@ impl Dispatcher {
                 s.processing_timeout.as_secs()
             );
         }
+        if s.broker.wait_replicas == 0 && s.broker.url.starts_with("sentinel://") {
+            warning!(
+                "outbox dispatcher {}: outbox.redis_url names sentinels and outbox.redis_wait_replicas is 0: \
+                 a failover can lose the events pushed just before it (set it to 1 or more)",
+                self.index
+            );
+        }
         log!(
             "outbox_dispatcher_starting worker={} database={} redis_url={} redis_password_file={:?} \
              redis_tls_ca_file={:?} enabled={} batch_size={} max_batch_bytes={} \
              poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
              reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
              ack_timeout={:?} max_redeliveries={} sweep_interval={:?} retention={:?} lifecycle_interval={:?} \
-             report_key={:?}",
+             report_key={:?} redis_sentinel_master={:?} redis_wait_replicas={} redis_key_prefix={:?} \
+             priority_steps={:?} priority_separator={:?}",
             self.index,
             config::database(),
             broker_url::redact(&s.broker.url),
@@ -212,6 +226,11 @@ impl Dispatcher {
             s.retention,
             s.lifecycle_interval,
             s.report_key.as_deref().unwrap_or(""),
+            s.broker.sentinel_master,
+            s.broker.wait_replicas,
+            s.broker.key_prefix,
+            s.broker.priority_steps,
+            s.broker.priority_separator,
         );
     }
 
@@ -374,9 +393,27 @@ impl Dispatcher {
         match result {
             Ok(persistence) => {
                 let url = self.sink.as_ref().map_or("", Sink::display_url).to_string();
-                if self.reconnect_attempt > 0 {
-                    log!("outbox dispatcher {} reconnected to Redis at {url}", self.index);
+                let master = self.sink.as_ref().ok().and_then(Sink::master).map(str::to_string);
+                let paused = self.broker_lost_at.take().map(|at| at.elapsed());
+                if let Some(paused) = paused {
+                    counters::broker_unavailable(paused);
+                    log!(
+                        "outbox dispatcher {} reconnected to Redis at {url} (master {}) after {:.1}s",
+                        self.index,
+                        master.as_deref().unwrap_or("?"),
+                        paused.as_secs_f64()
+                    );
                 }
+                if let (Some(before), Some(now)) = (&self.last_master, &master) {
+                    if before != now {
+                        counters::add(Counter::MasterChanges, 1);
+                        log!(
+                            "outbox dispatcher {}: the Redis master moved from {before} to {now}",
+                            self.index
+                        );
+                    }
+                }
+                self.last_master = master;
                 self.note_persistence(persistence, &url);
                 self.reconnect_attempt = 0;
                 self.next_connect = None;
@@ -419,6 +456,7 @@ impl Dispatcher {
         if *error == SinkError::Interrupted {
             return Duration::ZERO;
         }
+        self.broker_lost_at.get_or_insert_with(Instant::now);
         let s = &self.settings;
         let delay = backoff::reconnect_delay(
             s.reconnect_delay_min,

@@ -97,9 +97,9 @@ pub fn push(
             counters::push_failed(PushFailure::Unencodable, 1);
             continue;
         }
-        let key = celery::queue_key(&event.queue, event.priority);
-        let slot = *by_key.entry(key.to_string()).or_insert_with(|| {
-            batches.push(KeyBatch { key: key.to_string(), messages: Vec::new() });
+        let key = sink.keys().queue(&event.queue, event.priority);
+        let slot = *by_key.entry(key.clone()).or_insert_with(|| {
+            batches.push(KeyBatch { key, messages: Vec::new() });
             members.push(Vec::new());
             batches.len() - 1
         });
@@ -128,7 +128,7 @@ pub fn push(
             Delivery::Refused(condition, error) => {
                 counters::push_failed(PushFailure::Refused, 1);
                 outcome.released.push(event.id);
-                refused.get_or_insert(SinkError::Refused(condition, error));
+                refused.get_or_insert_with(|| sink.refusal(condition, error));
             }
         }
     }

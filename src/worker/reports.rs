@@ -71,6 +71,8 @@ impl Collector {
         let Some(_turn) = slot.take_turn(Turn::Reports) else {
             return Ok(());
         };
+        // Workers append through kombu's client, which adds the key prefix.
+        let key = &sink.keys().prefixed(key);
         for _ in 0..BATCHES {
             let raw = sink.reports(key, BATCH, waiter).map_err(CollectError::Broker)?;
             if raw.is_empty() {
