@@ -16,7 +16,7 @@ PG_BIN     = $(shell $(PG_CONFIG) --bindir)
 PYTHON    := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all deps build install install-dev test unit integration demo stop bench package clean
+.PHONY: all deps build install install-dev test unit integration demo stop bench soak package clean
 
 all: build
 
@@ -65,6 +65,12 @@ bench: install
 	.venv/bin/pip install -q -r bench/requirements.txt
 	cargo build --release -p outbox_core --example push_ceiling
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/run.py
+
+# Sustained load with retention purging: costs over time, written to
+# bench/results/soak.md (5 minutes by default; SOAK_* variables, see bench/soak.py).
+soak: install
+	.venv/bin/pip install -q -r bench/requirements.txt
+	PG_BIN=$(PG_BIN) $(PYTHON) bench/soak.py
 
 clean:
 	cargo clean

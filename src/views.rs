@@ -61,8 +61,18 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
         vec![Sample::new("outbox_workers_connected", connected)],
     ));
 
-    let (events, lag) = status_samples();
-    families.push((gauge("outbox_events", "Events in outbox.events, by status."), events));
+    let (exact, estimated, lag) = status_samples();
+    families.push((
+        gauge("outbox_events", "Events in outbox.events by status, counted: pending, processing, failed."),
+        exact,
+    ));
+    families.push((
+        gauge(
+            "outbox_events_estimated",
+            "Events in outbox.events by status, estimated from statistics: dispatched, processed.",
+        ),
+        estimated,
+    ));
     families.push((
         gauge("outbox_lag_seconds", "How long the oldest due pending event has waited."),
         vec![Sample::new("outbox_lag_seconds", lag)],
@@ -70,24 +80,31 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
     families
 }
 
-fn status_samples() -> (Vec<Sample>, f64) {
-    let query =
-        "SELECT status::pg_catalog.text, count, pg_catalog.date_part('epoch', lag) FROM outbox.status";
+/// From `outbox.status`: the exact counts, the estimated ones, and the lag.
+/// Costs the same whatever the number of finished events.
+fn status_samples() -> (Vec<Sample>, Vec<Sample>, f64) {
+    let query = "SELECT status::pg_catalog.text, count, pg_catalog.date_part('epoch', lag), estimated \
+                 FROM outbox.status";
     let mut lag = 0.0;
-    let events = Spi::connect(|client| {
-        let mut samples = Vec::new();
+    let (mut exact, mut estimated) = (Vec::new(), Vec::new());
+    Spi::connect(|client| {
         for row in client.select(query, None, &[])? {
             let status: String = row.get(1)?.unwrap_or_default();
             let count: i64 = row.get(2)?.unwrap_or(0);
             if let Some(seconds) = row.get::<f64>(3)? {
                 lag = seconds;
             }
-            samples.push(Sample::new("outbox_events", count as f64).label("status", status));
+            let (samples, name) = if row.get::<bool>(4)?.unwrap_or(false) {
+                (&mut estimated, "outbox_events_estimated")
+            } else {
+                (&mut exact, "outbox_events")
+            };
+            samples.push(Sample::new(name, count as f64).label("status", status));
         }
-        Ok::<_, pgrx::spi::SpiError>(samples)
+        Ok::<_, pgrx::spi::SpiError>(())
     })
     .unwrap_or_else(|e| error!("outbox metrics: cannot read outbox.status: {e}"));
-    (events, lag)
+    (exact, estimated, lag)
 }
 
 /// One row per sample: the source of the view `outbox.metrics`. The

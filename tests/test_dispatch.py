@@ -173,6 +173,8 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "sweep_unacked.sql": ("(float8, int, int)", "(1000, 100, 5)", [("events_dispatched_idx",)]),
         worker / "purge.sql": ("(float8, int, bool)", "(1000, 100, true)",
                                [("events_processed_idx",), ("events_dispatched_idx",)]),
+        worker / "apply_reports.sql": ("(uuid[], text[], text[])", "(ARRAY[gen_random_uuid()], '{processed}', '{NULL}')",
+                                       [("events_pkey",)]),
         ROOT / "sql" / "ack.sql": ("(uuid)", "(gen_random_uuid())", [("events_pkey",)]),
     }
     with outbox.connect() as conn:

@@ -199,3 +199,40 @@ COMMENT ON VIEW outbox.workers IS 'One row per dispatcher background worker.';
 REVOKE ALL ON FUNCTION @extschema@.outbox_workers() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_workers() TO pg_monitor;
 GRANT SELECT ON outbox.workers TO pg_monitor;
+
+-- One row per status, zero counts included, at a cost that does not grow
+-- with history: pending, processing and failed are counted exactly, each
+-- through its partial index (they stay small in a healthy outbox, and they
+-- are what matters); dispatched and processed, which grow with
+-- outbox.retention, are estimated from their partial indexes' statistics
+-- (as of the last vacuum or analyze of outbox.events), and say so.
+CREATE OR REPLACE VIEW outbox.status AS
+WITH exact AS (
+    SELECT 'pending'::outbox.event_status AS status, pg_catalog.count(*) AS count,
+           pg_catalog.min(e.created_at) AS oldest_created_at,
+           coalesce(pg_catalog.now() - pg_catalog.min(e.available_at)
+                        FILTER (WHERE e.available_at <= pg_catalog.now()),
+                    interval '0') AS lag
+      FROM outbox.events AS e WHERE e.status = 'pending'
+    UNION ALL
+    SELECT 'processing', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
+      FROM outbox.events AS e WHERE e.status = 'processing'
+    UNION ALL
+    SELECT 'failed', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
+      FROM outbox.events AS e WHERE e.status = 'failed'
+), estimated AS (
+    SELECT s.status, GREATEST(c.reltuples, 0)::bigint AS count
+      FROM (VALUES ('dispatched'::outbox.event_status, 'outbox.events_dispatched_idx'),
+                   ('processed', 'outbox.events_processed_idx')) AS s(status, index_name)
+      JOIN pg_catalog.pg_class AS c ON c.oid = pg_catalog.to_regclass(s.index_name)
+)
+SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
+       false AS estimated
+  FROM exact
+UNION ALL
+SELECT status, count, NULL, NULL, NULL, true
+  FROM estimated
+ ORDER BY status;
+
+COMMENT ON VIEW outbox.status IS
+    'Events per status; lag is how long the oldest due pending event has waited. Rows with estimated = true (dispatched, processed) are estimates from statistics.';

@@ -1,0 +1,206 @@
+"""`make soak`: a sustained run that shows whether costs stay flat once
+retention is purging as fast as producers insert.
+
+Producers commit one-event transactions at a fixed rate while the
+dispatcher delivers them and a consumer pops them from Redis; retention is
+shortened so that several retention periods pass; every few seconds the
+run records the table's and its indexes' size, dead tuples, how long a
+metrics scrape takes, and the dispatcher's memory; the COMMIT → Redis
+latency is taken per window from the producers' and the consumer's clocks.
+Writes bench/results/soak.md and soak.png (and soak.json, the raw series).
+
+Sizes from the environment (defaults in brackets): SOAK_SECONDS [300],
+SOAK_RATE [1000] events/s, SOAK_RETENTION [60] seconds, SOAK_SAMPLE [5]
+seconds between samples, SOAK_PURGE_ROWS [200000] for the purge-capacity
+measurement that runs first."""
+
+import json
+import multiprocessing
+import os
+import queue
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from harness import Cluster, Redis  # noqa: E402
+from run import SERVER_CONF, consume, machine, memory_kb, produce  # noqa: E402
+
+SECONDS = int(os.environ.get("SOAK_SECONDS", 300))
+RATE = int(os.environ.get("SOAK_RATE", 1000))
+RETENTION = int(os.environ.get("SOAK_RETENTION", 60))
+SAMPLE = float(os.environ.get("SOAK_SAMPLE", 5))
+PURGE_ROWS = int(os.environ.get("SOAK_PURGE_ROWS", 200_000))
+PRODUCERS = 4
+WINDOW = 10  # seconds per latency percentile
+RESULTS = ROOT / "bench" / "results"
+
+SAMPLE_SQL = """
+SELECT pg_relation_size('outbox.events'), pg_indexes_size('outbox.events'),
+       n_live_tup, n_dead_tup, autovacuum_count
+  FROM pg_stat_user_tables WHERE relid = 'outbox.events'::regclass"""
+
+
+def log(*args):
+    print("soak:", *args, flush=True)
+
+
+def sample(pg, conn, started, pid):
+    table, indexes, live, dead, vacuums = conn.execute(SAMPLE_SQL).fetchone()
+    t = time.monotonic()
+    conn.execute("SELECT outbox_metrics_prometheus()").fetchone()
+    scrape_ms = (time.monotonic() - t) * 1000
+    rss, anon = memory_kb(pid)
+    return {"t": time.monotonic() - started, "table_mb": table / 2**20, "indexes_mb": indexes / 2**20,
+            "live": live, "dead": dead, "autovacuums": vacuums, "scrape_ms": scrape_ms,
+            "dispatcher_rss_mb": rss / 1024, "dispatcher_private_mb": anon / 1024}
+
+
+def latency_windows(committed, arrived, started_wall):
+    """p99 COMMIT → Redis per WINDOW seconds of commit time."""
+    windows = {}
+    for event_id, at in committed.items():
+        if event_id in arrived:
+            windows.setdefault(int((at - started_wall) // WINDOW), []).append(max(0.0, arrived[event_id] - at) * 1000)
+    result = []
+    for w in sorted(windows):
+        values = sorted(windows[w])
+        result.append({"t": (w + 0.5) * WINDOW, "p99_ms": values[min(len(values) - 1, int(0.99 * len(values)))]})
+    return result
+
+
+def flat(series, key, after):
+    """Flat after the first retention period: the last third of the run
+    stays within 25% (plus a small absolute slack) of the third before it."""
+    values = [s[key] for s in series if s["t"] >= after]
+    third = max(1, len(values) // 3)
+    middle, last = values[-2 * third:-third] or values, values[-third:]
+    slack = {"table_mb": 2, "indexes_mb": 2, "dead": 5000, "scrape_ms": 5, "p99_ms": 5,
+             "dispatcher_private_mb": 2}[key]
+    return max(last) <= max(middle) * 1.25 + slack, max(middle), max(last)
+
+
+def report(r):
+    RESULTS.mkdir(exist_ok=True)
+    after = RETENTION + 10
+    lines = ["# outbox_dispatch soak", "", f"Machine: {r['machine']}.", "",
+             f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {SECONDS} s at {RATE} events/s "
+             f"({PRODUCERS} producer processes, one-event transactions), `outbox.retention = {RETENTION}s`, "
+             "`outbox.lifecycle_interval = 5s`, one dispatcher (batch 100), a consumer popping from Redis, "
+             f"a sample every {SAMPLE:g} s; PostgreSQL with fsync on, autovacuum on. "
+             "`make soak` writes this file; sizes are set by SOAK_* variables (bench/soak.py).", "",
+             f"Committed {r['committed']:,} events, {r['arrived']:,} arrived in Redis, "
+             f"{r['purged']:,} purged by retention; {r['samples'][-1]['autovacuums']} autovacuums of the table.", "",
+             f"Purge capacity, measured first: {PURGE_ROWS:,} finished events due at once were deleted at "
+             f"{r['purge_capacity']:,.0f} rows/s (batches of 1,000 rows, one transaction each, at most 10 per "
+             "dispatcher step between drains).", "",
+             "## Goal: every line flat after the first retention period", "",
+             f"Compared: the last third of the run after {after} s against the third before it (within 25% plus "
+             "a small absolute slack).", "",
+             "| line | middle third, max | last third, max | flat |", "|---|---|---|---|"]
+    series = {"table_mb": ("table size (MB)", r["samples"]), "indexes_mb": ("index size (MB)", r["samples"]),
+              "dead": ("dead tuples", r["samples"]), "scrape_ms": ("metrics scrape (ms)", r["samples"]),
+              "p99_ms": ("p99 COMMIT → Redis (ms)", r["latency"]),
+              "dispatcher_private_mb": ("dispatcher private memory (MB)", r["samples"])}
+    for key, (label, data) in series.items():
+        ok, middle, last = flat(data, key, after)
+        lines.append(f"| {label} | {middle:,.1f} | {last:,.1f} | {'yes' if ok else 'no'} |")
+    lines += ["", "![soak](soak.png)", ""]
+    (RESULTS / "soak.md").write_text("\n".join(lines))
+    (RESULTS / "soak.json").write_text(json.dumps(r, indent=1))
+    plot(r, series)
+
+
+def plot(r, series):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(17, 8))
+    for ax, (key, (label, data)) in zip(axes.flat, series.items()):
+        ax.plot([s["t"] for s in data], [s[key] for s in data])
+        for k in range(1, SECONDS // RETENTION + 1):
+            ax.axvline(k * RETENTION, color="grey", linestyle=":", linewidth=0.8)
+        ax.set_title(label)
+        ax.set_xlabel("seconds (dotted: retention periods)")
+        ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "soak.png", dpi=100)
+
+
+def purge_capacity(pg):
+    """Rows per second the lifecycle sweeper deletes when a backlog of
+    finished events is due at once."""
+    pg.configure(enabled="off")
+    pg.sql(f"INSERT INTO outbox.events (event_type, status, dispatched_at) "
+           f"SELECT 'old', 'dispatched', now() - interval '1 day' FROM generate_series(1, {PURGE_ROWS})")
+    pg.sql("VACUUM ANALYZE outbox.events")
+    before = pg.metric("outbox_purged_total")
+    started = time.monotonic()
+    pg.configure(enabled="on")
+    while pg.metric("outbox_purged_total") - before < PURGE_ROWS:
+        assert time.monotonic() - started < 600, "the purge stalled"
+        time.sleep(0.2)
+    return PURGE_ROWS / (time.monotonic() - started)
+
+
+def main():
+    redis = Redis()
+    pg = Cluster(redis.url, server_conf=SERVER_CONF, retention=f"{RETENTION}s", lifecycle_interval="5s",
+                 enabled="on")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.wait_idle()
+        log(f"purge capacity: {PURGE_ROWS:,} finished events due at once")
+        capacity = purge_capacity(pg)
+        log(f"  {capacity:,.0f} rows/s")
+        pg.sql("VACUUM FULL outbox.events")
+        [pid] = pg.dispatcher_pids()
+        per_producer = RATE // PRODUCERS
+        results = multiprocessing.Queue()
+        consumer = multiprocessing.Process(target=consume, args=(redis.port, per_producer * PRODUCERS * SECONDS,
+                                                                 results))
+        consumer.start()
+        started, started_wall = time.monotonic(), time.time()
+        producers = [multiprocessing.Process(target=produce, args=(str(pg.dir), pg.port, per_producer, SECONDS,
+                                                                   results)) for _ in range(PRODUCERS)]
+        for p in producers:
+            p.start()
+        samples = []
+        times = {"committed": {}, "arrived": {}}
+        reported = 0
+        with pg.connect() as conn:
+            # Until every producer and the consumer have sent their times
+            # (a process cannot exit before its queue is read).
+            while reported < PRODUCERS + 1:
+                samples.append(sample(pg, conn, started, pid))
+                last = samples[-1]
+                log(f"{last['t']:6.0f}s table {last['table_mb']:.1f} MB, indexes {last['indexes_mb']:.1f} MB, "
+                    f"dead {last['dead']:,}, scrape {last['scrape_ms']:.1f} ms")
+                deadline = time.monotonic() + SAMPLE
+                while reported < PRODUCERS + 1 and (pause := deadline - time.monotonic()) > 0:
+                    try:
+                        kind, part = results.get(timeout=pause)
+                    except queue.Empty:
+                        break
+                    times[kind].update(part)
+                    reported += 1
+                assert time.monotonic() - started < SECONDS + 300, "producers or consumer stalled"
+            for p in producers + [consumer]:
+                p.join()
+        r = {"machine": machine(), "samples": samples,
+             "latency": latency_windows(times["committed"], times["arrived"], started_wall),
+             "committed": len(times["committed"]), "arrived": len(times["arrived"]),
+             "purged": int(pg.metric("outbox_purged_total")) - PURGE_ROWS, "purge_capacity": capacity}
+    finally:
+        pg.close()
+        redis.close()
+    report(r)
+    print((RESULTS / "soak.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
