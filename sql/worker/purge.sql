@@ -1,12 +1,18 @@
 -- Delete up to $2 finished events older than $1 milliseconds: processed ones,
 -- and dispatched ones when $3 (acknowledgements are off). Small batches,
--- each its own transaction, so no lock is held for long.
--- Served by events_processed_idx and events_dispatched_idx.
+-- each its own transaction, so no lock is held for long. $4 and $5 resume a
+-- round where its last batch ended (processed_at, dispatched_at; NULL: from
+-- the start): the index entries of the rows deleted before stay until a
+-- vacuum, and every batch would otherwise walk past all of them again.
+-- Returns, per row, whether it was processed and its time, for the next $4
+-- and $5. Served by events_processed_idx and events_dispatched_idx.
 WITH expired AS (
     (SELECT id
        FROM outbox.events
       WHERE status = 'processed'
         AND processed_at < pg_catalog.now() - $1 * interval '1 millisecond'
+        AND ($4::timestamptz IS NULL OR processed_at >= $4)
+      ORDER BY processed_at
       LIMIT $2)
     UNION ALL
     (SELECT id
@@ -14,8 +20,11 @@ WITH expired AS (
       WHERE $3
         AND status = 'dispatched'
         AND dispatched_at < pg_catalog.now() - $1 * interval '1 millisecond'
+        AND ($5::timestamptz IS NULL OR dispatched_at >= $5)
+      ORDER BY dispatched_at
       LIMIT $2)
 )
 DELETE FROM outbox.events AS e
  USING (SELECT id FROM expired LIMIT $2) AS batch
  WHERE e.id = batch.id
+RETURNING e.status = 'processed', coalesce(e.processed_at, e.dispatched_at)

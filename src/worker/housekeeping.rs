@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use pgrx::prelude::*;
 
 use super::signals;
-use super::store::{Store, StoreError, SWEEP_BATCH};
+use super::store::{PurgeCursor, Store, StoreError, SWEEP_BATCH};
 use crate::config::Settings;
 use crate::counters::{self, Counter};
 use crate::slots;
@@ -20,12 +20,18 @@ const BATCHES: usize = 10;
 pub struct Schedule {
     next_sweep: Instant,
     next_lifecycle: Instant,
+    /// Where the purge round under way has got to.
+    purge_cursor: PurgeCursor,
 }
 
 impl Schedule {
     /// Everything is due at once after a start.
     pub fn new() -> Schedule {
-        Schedule { next_sweep: Instant::now(), next_lifecycle: Instant::now() }
+        Schedule {
+            next_sweep: Instant::now(),
+            next_lifecycle: Instant::now(),
+            purge_cursor: PurgeCursor::default(),
+        }
     }
 
     /// After a reload: a shorter interval takes effect now.
@@ -85,8 +91,14 @@ impl Schedule {
         }
         if now >= self.next_lifecycle {
             let acks_off = settings.ack_timeout.is_zero();
-            let (purged, more) = sweep_some(|| store.purge(settings.retention, acks_off))?;
+            let cursor = &mut self.purge_cursor;
+            let (purged, more) = sweep_some(|| store.purge(settings.retention, acks_off, cursor))?;
             counters::add(Counter::Purged, purged);
+            if !more {
+                // The next round starts from the beginning: rows committed
+                // late with earlier times are found then.
+                self.purge_cursor = PurgeCursor::default();
+            }
             self.next_lifecycle = next(now, more, settings.lifecycle_interval);
         }
         Ok(())

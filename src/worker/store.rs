@@ -156,6 +156,14 @@ const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 const INSTALLED_VERSION: &str =
     "SELECT extversion FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'outbox_dispatch'";
 
+/// Where a round of purging has got to: the latest time deleted, per
+/// status. Empty at the start of each round.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PurgeCursor {
+    processed: Option<TimestampWithTimeZone>,
+    dispatched: Option<TimestampWithTimeZone>,
+}
+
 /// Rows a sweeper touches per transaction.
 pub const SWEEP_BATCH: usize = 1000;
 
@@ -182,7 +190,10 @@ impl Plans {
                 include_str!("../../sql/worker/sweep_unacked.sql"),
                 &[FLOAT8, INT4, INT4],
             )?,
-            purge: prepare(include_str!("../../sql/worker/purge.sql"), &[FLOAT8, INT4, BOOL])?,
+            purge: prepare(
+                include_str!("../../sql/worker/purge.sql"),
+                &[FLOAT8, INT4, BOOL, TIMESTAMPTZ, TIMESTAMPTZ],
+            )?,
             apply_reports: prepare(
                 include_str!("../../sql/worker/apply_reports.sql"),
                 &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY],
@@ -390,7 +401,7 @@ impl Store {
     /// Returns to pending up to [`SWEEP_BATCH`] events claimed longer than
     /// `timeout` ago.
     pub fn sweep_stuck(&mut self, timeout: Duration) -> Result<u64, StoreError> {
-        self.sweep(|p| &p.sweep_stuck, timeout, None)
+        self.sweep(|p| &p.sweep_stuck, timeout)
     }
 
     /// Up to [`SWEEP_BATCH`] events dispatched longer than `timeout` ago
@@ -445,22 +456,40 @@ impl Store {
         Ok(applied.unwrap_or((0, 0)))
     }
 
-    /// Deletes up to [`SWEEP_BATCH`] finished events older than `retention`;
+    /// Deletes up to [`SWEEP_BATCH`] finished events older than `retention`,
+    /// from where `cursor` says the round's last batch ended, and moves it;
     /// with `acks_off`, dispatched ones count as finished.
-    pub fn purge(&mut self, retention: Duration, acks_off: bool) -> Result<u64, StoreError> {
-        self.sweep(|p| &p.purge, retention, Some(acks_off))
+    pub fn purge(
+        &mut self,
+        retention: Duration,
+        acks_off: bool,
+        cursor: &mut PurgeCursor,
+    ) -> Result<u64, StoreError> {
+        let purged = self.with_plans(|client, plans, _| {
+            let args: [DatumWithOid; 5] = [
+                (retention.as_secs_f64() * 1000.0).into(),
+                (SWEEP_BATCH as i32).into(),
+                acks_off.into(),
+                cursor.processed.into(),
+                cursor.dispatched.into(),
+            ];
+            report_running(&plans.purge.text);
+            let mut deleted = 0;
+            for row in client.update(&plans.purge.plan, None, &args)? {
+                deleted += 1;
+                let processed = row.get::<bool>(1)?.unwrap_or(false);
+                let at = row.get::<TimestampWithTimeZone>(2)?;
+                let bound = if processed { &mut cursor.processed } else { &mut cursor.dispatched };
+                *bound = (*bound).max(at);
+            }
+            Ok(deleted)
+        })?;
+        Ok(purged.unwrap_or(0))
     }
 
-    fn sweep(
-        &mut self,
-        statement: fn(&Plans) -> &Statement,
-        age: Duration,
-        acks_off: Option<bool>,
-    ) -> Result<u64, StoreError> {
+    fn sweep(&mut self, statement: fn(&Plans) -> &Statement, age: Duration) -> Result<u64, StoreError> {
         let swept = self.with_plans(|client, plans, _| {
-            let mut args: Vec<DatumWithOid> =
-                vec![(age.as_secs_f64() * 1000.0).into(), (SWEEP_BATCH as i32).into()];
-            args.extend(acks_off.map(DatumWithOid::from));
+            let args: [DatumWithOid; 2] = [(age.as_secs_f64() * 1000.0).into(), (SWEEP_BATCH as i32).into()];
             update(client, statement(plans), &args)
         })?;
         Ok(swept.unwrap_or(0))
