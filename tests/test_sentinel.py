@@ -55,8 +55,9 @@ def check_nothing_lost(pg, group, events):
     assert pg.count("failed") == 0 and pg.metric("outbox_dead_letters_total") == 0
     queued = ids_in(group.master_client(), QUEUE)
     assert set(queued) == events, f"{len(events - set(queued))} events missing from the new master"
-    # Duplicates only from the round trips in flight when the master changed.
-    assert len(queued) - len(events) <= 5 * 500, len(queued) - len(events)
+    # Duplicates only from the batch in flight when the master changed (a
+    # master short of replicas is not pushed to at all).
+    assert len(queued) - len(events) <= 500, len(queued) - len(events)
     assert pg.metric("outbox_broker_master_changes_total") >= 1
     assert pg.metric("outbox_broker_unavailable_seconds_total") > 0
     assert "the Redis master moved from" in pg.log_text()

@@ -381,8 +381,34 @@ impl Sink {
                 }
             }
         }
+        let wanted = self.config.wait_replicas;
+        if wanted > 0 {
+            // Pushes to a master short of replicas would fail their WAIT and
+            // be pushed again and again, each time a duplicate: wait for
+            // the replicas here instead, before any push.
+            let mut probe = Vec::new();
+            resp::command(&mut probe, &["WAIT", &wanted.to_string(), &self.wait_millis()]);
+            let replies =
+                link.round_trip(&probe, 1, waiter, deadline).map_err(|e| SinkError::from_link(e, false))?;
+            match &replies[0] {
+                Reply::Integer(n) if *n >= i64::from(wanted) => {}
+                other => {
+                    let replicas =
+                        if let Reply::Integer(n) = other { n.to_string() } else { format!("{other:?}") };
+                    return Err(SinkError::Refused(
+                        Condition::NoReplicas,
+                        format!("NOREPLICAS {host}:{port} has {replicas} of the {wanted} replicas outbox.redis_wait_replicas asks for"),
+                    ));
+                }
+            }
+        }
         self.link = Some(link);
         Ok(Persistence::from_config(&replies[checked + 1], &replies[checked + 2]))
+    }
+
+    /// How long a WAIT may take: half the deadline, the rest is the push's.
+    fn wait_millis(&self) -> String {
+        (self.config.timeout.as_millis() / 2).max(1).to_string()
     }
 
     /// One PING round trip; drops the connection when it fails.
@@ -456,9 +482,7 @@ impl Sink {
             }
             let wait = self.config.wait_replicas;
             if wait > 0 {
-                // Half the deadline for the replicas, the rest for the pushes.
-                let millis = (self.config.timeout.as_millis() / 2).max(1).to_string();
-                resp::command(&mut commands, &["WAIT", &wait.to_string(), &millis]);
+                resp::command(&mut commands, &["WAIT", &wait.to_string(), &self.wait_millis()]);
             }
             let expected = trip.commands.len() + usize::from(wait > 0);
             let deadline = self.deadline();
