@@ -59,8 +59,9 @@ demo: install
 stop:
 	PG_BIN=$(PG_BIN) ./scripts/demo.sh stop
 
-# Throughput, latency and enqueue cost against the raw ceilings (release
-# build; about 10 minutes; sizes: BENCH_* variables, see bench/run.py).
+# Throughput, latency and enqueue cost against the raw ceilings, and the
+# full loop through a Celery worker (release build; about 15 minutes;
+# sizes: BENCH_* variables, see bench/run.py).
 bench: install
 	.venv/bin/pip install -q -r bench/requirements.txt
 	cargo build --release -p outbox_core --example push_ceiling

@@ -1,5 +1,6 @@
 """`make bench`: drain throughput against the raw ceilings, commit-to-Redis
-latency at a steady rate, enqueue cost, and dispatcher memory. Runs its own
+latency at a steady rate, enqueue cost, dispatcher memory, and the full loop
+through a Celery worker and back. Runs its own
 PostgreSQL 15 (fsync on, as in production) and Redis, with the release build
 installed by the Makefile, and writes bench/results/latest.md,
 bench/results/latest.png and the raw numbers in bench/results/latest.json.
