@@ -157,51 +157,45 @@ fn counters() -> Option<&'static Counters> {
     READY.load(Ordering::Relaxed).then(|| &**COUNTERS.get())
 }
 
-pub fn add(counter: Counter, n: u64) {
+/// Adds `n` to the counter `pick` chooses, once the shared memory exists.
+fn bump(pick: impl FnOnce(&Counters) -> &AtomicU64, n: u64) {
     if let Some(c) = counters() {
-        c.counters[counter.index()].fetch_add(n, Ordering::Relaxed);
+        pick(c).fetch_add(n, Ordering::Relaxed);
     }
 }
 
+pub fn add(counter: Counter, n: u64) {
+    bump(|c| &c.counters[counter.index()], n);
+}
+
 pub fn push_failed(reason: PushFailure, events: u64) {
-    if let Some(c) = counters() {
-        c.push_failures[reason.index()].fetch_add(events, Ordering::Relaxed);
-    }
+    bump(|c| &c.push_failures[reason.index()], events);
 }
 
 /// A broker failure that made a dispatcher reconnect; a refusal is also
 /// counted by the server's condition.
 pub fn reconnect(error: &SinkError) {
-    let Some(c) = counters() else { return };
-    c.reconnects[error.reason().index()].fetch_add(1, Ordering::Relaxed);
+    bump(|c| &c.reconnects[error.reason().index()], 1);
     if let SinkError::Refused(condition, _) = error {
-        c.refusals[condition.index()].fetch_add(1, Ordering::Relaxed);
+        bump(|c| &c.refusals[condition.index()], 1);
     }
 }
 
 pub fn woke(source: WakeSource) {
-    if let Some(c) = counters() {
-        c.wakeups[source.index()].fetch_add(1, Ordering::Relaxed);
-    }
+    bump(|c| &c.wakeups[source.index()], 1);
 }
 
 pub fn acked(source: AckSource, n: u64) {
-    if let Some(c) = counters() {
-        c.acks[source.index()].fetch_add(n, Ordering::Relaxed);
-    }
+    bump(|c| &c.acks[source.index()], n);
 }
 
 /// A dispatcher had no working broker connection for `pause`.
 pub fn broker_unavailable(pause: std::time::Duration) {
-    if let Some(c) = counters() {
-        c.unavailable_micros.fetch_add(pause.as_micros() as u64, Ordering::Relaxed);
-    }
+    bump(|c| &c.unavailable_micros, pause.as_micros() as u64);
 }
 
 pub fn reports_ignored(reason: ReportIgnored, n: u64) {
-    if let Some(c) = counters() {
-        c.reports_ignored[reason.index()].fetch_add(n, Ordering::Relaxed);
-    }
+    bump(|c| &c.reports_ignored[reason.index()], n);
 }
 
 /// One pushed batch: the events dispatched, the batch size, and each
