@@ -232,12 +232,14 @@ def reconnect_lines(pg):
     return len(re.findall(r"outbox dispatcher 0: .*; reconnecting in", pg.log_text()))
 
 
-@pytest.mark.parametrize("url,error", [
-    ("redis://user:pw-in-bad-url@127.0.0.1:notaport/0", "invalid outbox.redis_url"),
-    ("redis://127.0.0.1:1/0", "cannot connect to Redis"),
-], ids=["malformed", "unreachable"])
-def test_a_bad_broker_setting_is_reported_at_a_bounded_rate_and_recovers(outbox, redis_server, url, error):
-    outbox.configure(redis_url=url, reconnect_delay_min="1s", reconnect_delay_max="2s")
+@pytest.mark.parametrize("bad,error", [
+    ({"redis_url": "redis://user:pw-in-bad-url@127.0.0.1:notaport/0"}, "invalid outbox.redis_url"),
+    ({"redis_url": "redis://127.0.0.1:1/0"}, "cannot connect to Redis"),
+    ({"redis_url": "sentinel://127.0.0.1:1/0"}, "set outbox.redis_sentinel_master"),
+    ({"priority_steps": "3,1"}, 'outbox.priority_steps "3,1" must start at 0 and ascend'),
+], ids=["malformed", "unreachable", "sentinel-without-master", "priority-steps"])
+def test_a_bad_broker_setting_is_reported_at_a_bounded_rate_and_recovers(outbox, redis_server, bad, error):
+    outbox.configure(reconnect_delay_min="1s", reconnect_delay_max="2s", **bad)
     wait_until(lambda: error in (outbox.value("SELECT last_error FROM outbox.workers") or ""),
                message="the error in outbox.workers")
     assert "pw-in-bad-url" not in outbox.value("SELECT last_error FROM outbox.workers")
@@ -245,6 +247,8 @@ def test_a_bad_broker_setting_is_reported_at_a_bounded_rate_and_recovers(outbox,
     time.sleep(4)
     attempts = reconnect_lines(outbox) - before
     assert 1 <= attempts <= (time.monotonic() - start) / 1.0 + 1, f"{attempts} attempts: a tight loop"
+    for name in bad:
+        outbox.sql(f"ALTER SYSTEM RESET outbox.{name}")
     outbox.configure(redis_url=redis_server.url)
     event_id = outbox.value("SELECT outbox_enqueue('fixed', '{}', queue => 'q_fixed')")
     wait_until(lambda: queued_ids(redis_server.client(), "q_fixed") == [str(event_id)], message="delivery after the fix")
