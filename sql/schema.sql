@@ -48,6 +48,12 @@ CREATE TABLE outbox.events (
     processed_at          timestamptz,
     last_error            text,
     claimed_by            integer,  -- index of the dispatcher that claimed it
+    -- Subscriptions (sql/subscriptions.sql). A routed event is the record of
+    -- an event without a task that matched subscriptions: it is processed at
+    -- once, and its deliveries, one row each, carry the work.
+    event_id              uuid,     -- on a delivery: the event it delivers
+    subscription_id       bigint,   -- on a delivery or a batch: its subscription
+    routed_to             integer,  -- on an event without a task: subscriptions it went to (0: none)
     CONSTRAINT events_args_with_kwargs CHECK (args IS NULL OR jsonb_typeof(payload) = 'object')
 )
 -- A queue table churns: every row is inserted, updated two or three times
@@ -80,3 +86,66 @@ CREATE INDEX events_dispatched_idx ON outbox.events (dispatched_at) WHERE status
 CREATE INDEX events_failed_idx ON outbox.events (created_at) WHERE status = 'failed';
 -- The lifecycle sweeper's deletes.
 CREATE INDEX events_processed_idx ON outbox.events (processed_at) WHERE status = 'processed';
+
+-- The deliveries of one event.
+CREATE INDEX events_event_id_idx ON outbox.events (event_id) WHERE event_id IS NOT NULL;
+
+-- Subscriptions: which tasks an event without a task goes to. Rows are
+-- never deleted (outbox_unsubscribe() stamps unsubscribed_at): deliveries
+-- and waiting batch members keep naming them.
+CREATE SEQUENCE outbox.subscription_id_seq;
+
+CREATE TABLE outbox.all_subscriptions (
+    id              bigint PRIMARY KEY DEFAULT nextval('outbox.subscription_id_seq'),
+    event_type      text NOT NULL,  -- exact, or a prefix when it ends in '*'
+    prefix          text GENERATED ALWAYS AS
+                        (CASE WHEN right(event_type, 1) = '*' THEN left(event_type, -1) END) STORED,
+    task            text NOT NULL,
+    queue           text,      -- NULL: the event's queue
+    priority        smallint,  -- NULL: the event's priority
+    batch_max       integer,   -- set: accumulated; events per batch at most
+    batch_wait      interval,  -- how long the oldest waiting event may wait (NULL: until batch_max)
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    unsubscribed_at timestamptz,
+    CONSTRAINT all_subscriptions_batch CHECK (batch_max IS NOT NULL OR batch_wait IS NULL)
+);
+
+ALTER SEQUENCE outbox.subscription_id_seq OWNED BY outbox.all_subscriptions.id;
+
+COMMENT ON TABLE outbox.all_subscriptions IS
+    'Every subscription, unsubscribed ones included; manage with outbox_subscribe() and outbox_unsubscribe(), read outbox.subscriptions.';
+
+-- One active subscription per event type and task.
+CREATE UNIQUE INDEX all_subscriptions_active_idx ON outbox.all_subscriptions (event_type, task)
+    WHERE unsubscribed_at IS NULL;
+
+-- Events waiting for an accumulated subscription, then (batch_id set) the
+-- batch delivery that carried them, until that delivery is purged.
+CREATE TABLE outbox.batch_members (
+    event_id        uuid NOT NULL,
+    subscription_id bigint NOT NULL,
+    event_type      text NOT NULL,
+    payload         jsonb,  -- NULL once in a batch, which carries it
+    args            jsonb,
+    available_at    timestamptz NOT NULL,
+    batch_id        uuid,   -- outbox.events.id of the batch delivery; NULL: waiting
+    PRIMARY KEY (event_id, subscription_id)
+)
+WITH (
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_analyze_scale_factor = 0.02
+);
+
+COMMENT ON TABLE outbox.batch_members IS
+    'Events of accumulated subscriptions: waiting (batch_id NULL), or delivered in the batch batch_id.';
+
+-- The flush: a subscription's waiting members, oldest due first.
+CREATE INDEX batch_members_waiting_idx ON outbox.batch_members (subscription_id, available_at)
+    WHERE batch_id IS NULL;
+-- The purge of a batch's members with the batch.
+CREATE INDEX batch_members_batch_idx ON outbox.batch_members (batch_id) WHERE batch_id IS NOT NULL;
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.all_subscriptions', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.subscription_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.batch_members', '');

@@ -39,6 +39,10 @@ named! {
             => "Reconnects that found the Redis master at another address than before (a failover).",
         Purged = "outbox_purged" => "Finished events deleted after outbox.retention.",
         Batches = "outbox_batches" => "Batches pushed to Redis.",
+        AccumulatedBatches = "outbox_accumulated_batches"
+            => "Deliveries made of the waiting events of an accumulated subscription.",
+        AccumulatedEvents = "outbox_accumulated_events"
+            => "Events delivered inside the batches of accumulated subscriptions.",
     }
 }
 

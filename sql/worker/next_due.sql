@@ -1,7 +1,27 @@
--- Seconds until the earliest delayed event falls due (NULL when none is
--- waiting), so that the dispatcher sleeps no longer. Served by
--- events_pending_idx.
-SELECT pg_catalog.date_part('epoch', pg_catalog.min(available_at) - pg_catalog.now())
-  FROM outbox.events
- WHERE status = 'pending'
-   AND available_at > pg_catalog.now()
+-- Seconds until the next thing falls due (NULL when nothing waits), so that
+-- the dispatcher sleeps no longer: the earliest delayed event (served by
+-- events_pending_idx), and per accumulated subscription the batch_wait of
+-- its oldest member, or the moment a delayed member falls due (which may
+-- make batch_max), or at once for an ended one (batch_members_waiting_idx).
+SELECT pg_catalog.date_part('epoch', LEAST(
+    (SELECT pg_catalog.min(available_at)
+       FROM outbox.events
+      WHERE status = 'pending'
+        AND available_at > pg_catalog.now()),
+    (SELECT pg_catalog.min(due.at)
+       FROM outbox.all_subscriptions AS s
+      CROSS JOIN LATERAL (
+            (SELECT CASE WHEN s.unsubscribed_at IS NOT NULL THEN m.available_at
+                         ELSE m.available_at + s.batch_wait END
+               FROM outbox.batch_members AS m
+              WHERE m.subscription_id = s.id AND m.batch_id IS NULL
+              ORDER BY m.available_at
+              LIMIT 1)
+            UNION ALL
+            (SELECT m.available_at
+               FROM outbox.batch_members AS m
+              WHERE m.subscription_id = s.id AND m.batch_id IS NULL AND m.available_at > pg_catalog.now()
+              ORDER BY m.available_at
+              LIMIT 1)) AS due(at)
+      WHERE s.batch_max IS NOT NULL)
+) - pg_catalog.now())

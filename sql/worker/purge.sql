@@ -5,7 +5,8 @@
 -- the start): the index entries of the rows deleted before stay until a
 -- vacuum, and every batch would otherwise walk past all of them again.
 -- Returns, per row, whether it was processed and its time, for the next $4
--- and $5. Served by events_processed_idx and events_dispatched_idx.
+-- and $5. A batch's members go with it. Served by events_processed_idx and
+-- events_dispatched_idx, and batch_members_batch_idx.
 WITH expired AS (
     (SELECT id
        FROM outbox.events
@@ -23,8 +24,17 @@ WITH expired AS (
         AND ($5::timestamptz IS NULL OR dispatched_at >= $5)
       ORDER BY dispatched_at
       LIMIT $2)
+), purged AS (
+    DELETE FROM outbox.events AS e
+     USING (SELECT id FROM expired LIMIT $2) AS batch
+     WHERE e.id = batch.id
+    RETURNING e.id, e.status, e.processed_at, e.dispatched_at, e.subscription_id, e.event_id
+), members AS (
+    DELETE FROM outbox.batch_members AS m
+     USING purged
+     WHERE purged.subscription_id IS NOT NULL
+       AND purged.event_id IS NULL
+       AND m.batch_id = purged.id
 )
-DELETE FROM outbox.events AS e
- USING (SELECT id FROM expired LIMIT $2) AS batch
- WHERE e.id = batch.id
-RETURNING e.status = 'processed', coalesce(e.processed_at, e.dispatched_at)
+SELECT status = 'processed', coalesce(processed_at, dispatched_at)
+  FROM purged

@@ -488,7 +488,8 @@ impl Dispatcher {
         let mut nap = self.settings.poll_interval;
         loop {
             let settled = std::mem::take(&mut self.unsettled);
-            let claim = match self.store.settle_and_claim(&settled, self.settings.batch_size) {
+            let claim = self.store.settle_and_claim(&settled, self.settings.batch_size, config::MAX_PAYLOAD_BYTES.get());
+            let claim = match claim {
                 Ok(claim) => claim,
                 Err(e) => {
                     self.unsettled = settled;
@@ -499,7 +500,11 @@ impl Dispatcher {
             nap = nap.min(account(&settled));
             let (events, claimed_at, next_due) = match claim {
                 Claim::NoExtension => return self.wait_for_extension(),
-                Claim::Claimed { events, claimed_at, next_due } => (events, claimed_at, next_due),
+                Claim::Claimed { accumulated, events, claimed_at, next_due } => {
+                    counters::add(Counter::AccumulatedBatches, accumulated.batches);
+                    counters::add(Counter::AccumulatedEvents, accumulated.events);
+                    (events, claimed_at, next_due)
+                }
             };
             self.extension_missing = false;
             if events.is_empty() {

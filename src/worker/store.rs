@@ -45,6 +45,8 @@ pub enum Claim {
     /// The extension is not created in this database (yet, or any more).
     NoExtension,
     Claimed {
+        /// Batches of accumulated subscriptions made just before the claim.
+        accumulated: Accumulated,
         events: Vec<ClaimedEvent>,
         /// The claim's token; `None` when nothing was claimed.
         claimed_at: Option<ClaimTime>,
@@ -52,6 +54,13 @@ pub enum Claim {
         /// delayed event falls due, if any waits.
         next_due: Option<Duration>,
     },
+}
+
+/// Batches made of the waiting events of accumulated subscriptions.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Accumulated {
+    pub batches: u64,
+    pub events: u64,
 }
 
 /// What one push did to the events of one claim, to be recorded.
@@ -119,6 +128,7 @@ struct Statement {
 /// The plans, prepared the first time the table exists and kept for the
 /// life of the dispatcher.
 struct Plans {
+    flush_batches: Statement,
     claim: Statement,
     next_due: Statement,
     mark_dispatched: Statement,
@@ -174,6 +184,7 @@ impl Plans {
             Ok::<_, SpiError>(Statement { plan, text: CString::new(sql).expect("no NUL in SQL files") })
         };
         Ok(Plans {
+            flush_batches: prepare(include_str!("../../sql/worker/flush_batches.sql"), &[INT4])?,
             claim: prepare(include_str!("../../sql/worker/claim.sql"), &[INT4, INT4])?,
             next_due: prepare(include_str!("../../sql/worker/next_due.sql"), &[])?,
             mark_dispatched: prepare(
@@ -348,12 +359,27 @@ impl Store {
         Ok(released.unwrap_or(0))
     }
 
-    /// Records `settled` (the previous push's outcome; may be empty) and
-    /// claims up to `limit` due events, in one transaction: a dispatcher
-    /// under load spends one transaction per batch, not two.
-    pub fn settle_and_claim(&mut self, settled: &Outcome, limit: usize) -> Result<Claim, StoreError> {
+    /// Records `settled` (the previous push's outcome; may be empty), makes
+    /// the batches of accumulated subscriptions that are due (each at most
+    /// `max_batch_bytes` of members), and claims up to `limit` due events,
+    /// in one transaction: a dispatcher under load spends one transaction
+    /// per batch, not two.
+    pub fn settle_and_claim(
+        &mut self,
+        settled: &Outcome,
+        limit: usize,
+        max_batch_bytes: i32,
+    ) -> Result<Claim, StoreError> {
         let claimed = self.with_plans(|client, plans, dispatcher| {
             mark(client, plans, dispatcher, settled)?;
+            report_running(&plans.flush_batches.text);
+            let mut accumulated = Accumulated::default();
+            let mut subscriptions = std::collections::HashSet::new();
+            for row in client.update(&plans.flush_batches.plan, None, &[max_batch_bytes.into()])? {
+                accumulated.events += 1;
+                subscriptions.insert(row.get::<i64>(1)?);
+            }
+            accumulated.batches = subscriptions.len() as u64;
             let args: [DatumWithOid; 2] = [(limit as i32).into(), dispatcher.into()];
             report_running(&plans.claim.text);
             let table = client.update(&plans.claim.plan, None, &args)?;
@@ -387,7 +413,7 @@ impl Store {
             } else {
                 None
             };
-            Ok(Claim::Claimed { events, claimed_at, next_due })
+            Ok(Claim::Claimed { accumulated, events, claimed_at, next_due })
         })?;
         Ok(claimed.unwrap_or(Claim::NoExtension))
     }

@@ -1,0 +1,216 @@
+-- outbox_dispatch: subscriptions, one event to every subscribed task.
+--
+-- An event inserted without a task (by outbox_enqueue() or an ORM's INSERT)
+-- is routed when it is inserted, to the subscriptions its INSERT sees:
+-- changes to subscriptions committed later never rewrite it. Each matching
+-- subscription gets its own delivery, a row of outbox.events with its own
+-- id (the Celery task id), status, retries and dead letter; an accumulated
+-- one (batch_max, batch_wait) gets the event as a batch member instead, and
+-- the dispatchers deliver its members together, as one task. The event's
+-- own row stays as its record, processed at once, routed_to saying how many
+-- subscriptions it went to. An event that matches none is dispatched as it
+-- always was (routed_to = 0), to the task named like its event type.
+
+-- The BEFORE INSERT row trigger. SECURITY DEFINER: writers need INSERT on
+-- outbox.events, not on the subscription tables. It runs as the owner with
+-- the writer's search_path, so every name is qualified, operators included
+-- (a SET search_path clause would cost most of an enqueue, measured).
+CREATE FUNCTION @extschema@.outbox_route() RETURNS trigger
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+AS $$
+DECLARE
+    routed integer;
+BEGIN
+    PERFORM FROM outbox.all_subscriptions AS s
+      WHERE s.unsubscribed_at IS NULL
+        AND (s.event_type OPERATOR(pg_catalog.=) NEW.event_type
+             OR pg_catalog.starts_with(NEW.event_type, s.prefix));
+    IF NOT FOUND THEN
+        NEW.routed_to := 0;
+        RETURN NEW;
+    END IF;
+
+    WITH matched AS (
+        SELECT s.id, s.task, s.queue, s.priority, s.batch_max
+          FROM outbox.all_subscriptions AS s
+         WHERE s.unsubscribed_at IS NULL
+           AND (s.event_type OPERATOR(pg_catalog.=) NEW.event_type
+                OR pg_catalog.starts_with(NEW.event_type, s.prefix))
+    ), delivered AS (
+        INSERT INTO outbox.events (event_id, subscription_id, event_type, payload, args, queue, task,
+                                   headers, priority, created_at, available_at, expires_at)
+        SELECT NEW.id, m.id, NEW.event_type, NEW.payload, NEW.args, coalesce(m.queue, NEW.queue), m.task,
+               coalesce(NEW.headers, '{}'::pg_catalog.jsonb) OPERATOR(pg_catalog.||)
+                   pg_catalog.jsonb_build_object('outbox_event_id', NEW.id, 'outbox_subscription_id', m.id),
+               coalesce(m.priority, NEW.priority), NEW.created_at, NEW.available_at, NEW.expires_at
+          FROM matched AS m
+         WHERE m.batch_max IS NULL
+    ), accumulated AS (
+        INSERT INTO outbox.batch_members (event_id, subscription_id, event_type, payload, args, available_at)
+        SELECT NEW.id, m.id, NEW.event_type, NEW.payload, NEW.args, NEW.available_at
+          FROM matched AS m
+         WHERE m.batch_max IS NOT NULL
+    )
+    SELECT pg_catalog.count(*) INTO routed FROM matched;
+
+    NEW.status := 'processed';
+    NEW.processed_at := pg_catalog.clock_timestamp();
+    NEW.routed_to := routed;
+    RETURN NEW;
+END
+$$;
+
+-- Only rows that may need routing call it: events without a task not yet
+-- routed (deliveries and batches have a task; a restored dump's routed
+-- events have routed_to).
+CREATE TRIGGER events_route
+    BEFORE INSERT ON outbox.events
+    FOR EACH ROW WHEN (NEW.task IS NULL AND NEW.routed_to IS NULL)
+    EXECUTE FUNCTION @extschema@.outbox_route();
+
+-- Subscribe task to event_type (exact, or every type it prefixes when it
+-- ends in '*'; '*' alone is every event). queue and priority override the
+-- event's. With batch_max or batch_wait the subscription accumulates: its
+-- events are delivered together, as one task whose one argument is their
+-- list, once batch_max of them wait (1000 when only batch_wait is given) or
+-- the oldest has waited batch_wait, whichever comes first. Returns the id.
+CREATE FUNCTION @extschema@.outbox_subscribe(
+    event_type text,
+    task       text,
+    queue      text     DEFAULT NULL,
+    priority   integer  DEFAULT NULL,
+    batch_max  integer  DEFAULT NULL,
+    batch_wait interval DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    max_name_bytes CONSTANT integer := 255;
+    max_batch      CONSTANT integer := 1000;
+    existing       bigint;
+    new_id         bigint;
+BEGIN
+    IF event_type IS NULL OR octet_length(event_type) NOT BETWEEN 1 AND max_name_bytes THEN
+        RAISE EXCEPTION 'outbox_subscribe: event_type is % bytes, it must be 1 to % bytes',
+            coalesce(octet_length(event_type), 0), max_name_bytes
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF strpos(left(event_type, -1), '*') > 0 THEN
+        RAISE EXCEPTION 'outbox_subscribe: event_type "%" has a * before its end; only a trailing * (a prefix) is a pattern',
+            event_type
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF task IS NULL OR octet_length(task) NOT BETWEEN 1 AND max_name_bytes THEN
+        RAISE EXCEPTION 'outbox_subscribe: task is % bytes, it must be 1 to % bytes',
+            coalesce(octet_length(task), 0), max_name_bytes
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF octet_length(queue) NOT BETWEEN 1 AND max_name_bytes THEN
+        RAISE EXCEPTION 'outbox_subscribe: queue is % bytes, it must be 1 to % bytes (or NULL: the event''s)',
+            octet_length(queue), max_name_bytes
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF priority NOT BETWEEN 0 AND 9 THEN
+        RAISE EXCEPTION 'outbox_subscribe: priority is %, it must be 0 (highest) to 9 (or NULL: the event''s)',
+            priority
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF batch_max NOT BETWEEN 1 AND max_batch THEN
+        RAISE EXCEPTION 'outbox_subscribe: batch_max is %, it must be 1 to %', batch_max, max_batch
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF batch_wait <= interval '0' THEN
+        RAISE EXCEPTION 'outbox_subscribe: batch_wait must be positive (got %)', batch_wait
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+
+    SELECT s.id INTO existing
+      FROM outbox.all_subscriptions AS s
+     WHERE s.event_type = outbox_subscribe.event_type
+       AND s.task = outbox_subscribe.task
+       AND s.unsubscribed_at IS NULL;
+    IF FOUND THEN
+        RAISE EXCEPTION 'outbox_subscribe: task "%" is subscribed to "%" already (subscription %)',
+            task, event_type, existing
+            USING ERRCODE = 'unique_violation',
+                  HINT = 'outbox_unsubscribe() it first to change it.';
+    END IF;
+
+    INSERT INTO outbox.all_subscriptions AS s (event_type, task, queue, priority, batch_max, batch_wait)
+    VALUES (event_type, task, queue, priority,
+            CASE WHEN batch_wait IS NOT NULL THEN coalesce(batch_max, max_batch) ELSE batch_max END,
+            batch_wait)
+    RETURNING s.id INTO new_id;
+    RETURN new_id;
+END
+$$;
+
+COMMENT ON FUNCTION @extschema@.outbox_subscribe(text, text, text, integer, integer, interval) IS
+    'Deliver events of event_type (or of a prefix ending in *) enqueued without a task to task; returns the subscription id.';
+
+-- Ends subscription id for events inserted after this commits. Returns
+-- whether it was active. Deliveries made already stay; its waiting batch
+-- members are delivered at once, in batches of its batch_max.
+CREATE FUNCTION @extschema@.outbox_unsubscribe(id bigint) RETURNS boolean
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF id IS NULL THEN
+        RAISE EXCEPTION 'outbox_unsubscribe: id must not be null'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    UPDATE outbox.all_subscriptions AS s
+       SET unsubscribed_at = now()
+     WHERE s.id = outbox_unsubscribe.id
+       AND s.unsubscribed_at IS NULL;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM @extschema@.outbox_wake();
+    RETURN true;
+END
+$$;
+
+-- Active subscriptions, and unsubscribed ones whose members still wait.
+CREATE VIEW outbox.subscriptions AS
+SELECT s.id, s.event_type, s.task, s.queue, s.priority, s.batch_max, s.batch_wait,
+       w.waiting, w.oldest_available_at, s.created_at, s.unsubscribed_at
+  FROM outbox.all_subscriptions AS s
+ CROSS JOIN LATERAL (
+       SELECT pg_catalog.count(*) AS waiting, pg_catalog.min(m.available_at) AS oldest_available_at
+         FROM outbox.batch_members AS m
+        WHERE m.subscription_id = s.id AND m.batch_id IS NULL) AS w
+ WHERE s.unsubscribed_at IS NULL OR w.waiting > 0
+ ORDER BY s.id;
+
+COMMENT ON VIEW outbox.subscriptions IS
+    'Subscriptions; waiting counts the events an accumulated one holds for its next batch.';
+
+-- Every delivery of every routed event: filter on event_id for one event's.
+-- status is the delivery's, or its batch's, or 'waiting' for a batch.
+CREATE VIEW outbox.deliveries AS
+SELECT e.event_id, e.subscription_id, e.task, e.id AS delivery_id, false AS batched,
+       e.status::text AS status, e.retry_count, e.deliveries AS sends, e.last_error,
+       e.dispatched_at, e.processed_at
+  FROM outbox.events AS e
+ WHERE e.event_id IS NOT NULL
+UNION ALL
+SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
+       coalesce(b.status::text, 'waiting'), b.retry_count, b.deliveries, b.last_error,
+       b.dispatched_at, b.processed_at
+  FROM outbox.batch_members AS m
+  JOIN outbox.all_subscriptions AS s ON s.id = m.subscription_id
+  LEFT JOIN outbox.events AS b ON b.id = m.batch_id;
+
+COMMENT ON VIEW outbox.deliveries IS
+    'Per routed event and subscription: the delivery (or batch) that carries it, and its status.';
+
+REVOKE ALL ON FUNCTION
+    @extschema@.outbox_route(),
+    @extschema@.outbox_subscribe(text, text, text, integer, integer, interval),
+    @extschema@.outbox_unsubscribe(bigint)
+    FROM PUBLIC;
+
+GRANT SELECT ON outbox.subscriptions, outbox.deliveries TO pg_monitor;
