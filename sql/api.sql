@@ -232,12 +232,12 @@ COMMENT ON VIEW outbox.metrics IS
 
 CREATE VIEW outbox.dead_letters AS
 SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
-       retry_count, last_error, created_at, deliveries, args
+       retry_count, last_error, created_at, deliveries, args, event_id, subscription_id
   FROM outbox.events
  WHERE status = 'failed';
 
 COMMENT ON VIEW outbox.dead_letters IS
-    'Failed events with their last error: outbox.max_retries failed pushes, expired before delivery, never acknowledged after outbox.max_redeliveries re-sends, or failed in the Celery task.';
+    'Failed events with their last error: outbox.max_retries failed pushes, expired before delivery, never acknowledged after outbox.max_redeliveries re-sends, or failed in the Celery task. A delivery to a subscription has event_id and subscription_id; a batch, subscription_id alone.';
 
 -- Privileges. PostgreSQL lets PUBLIC execute every new function; here
 -- nobody but the owner may do anything until granted (README, "Privileges").

@@ -37,6 +37,23 @@ def ok(self, *args, **kwargs):
     }))
 
 
+def record(self, *args, **kwargs):
+    """A subscriber (tests/test_subscriptions.py): notes its task name, its
+    arguments and the event it delivers; fails its first run when the
+    payload asks."""
+    runs = notes.incr(f"runs:{self.request.id}")
+    notes.rpush(f"ran:{self.request.id}", json.dumps({
+        "task": self.name, "args": list(args), "kwargs": kwargs,
+        "event": getattr(self.request, "outbox_event_id", None),
+    }))
+    if kwargs.get("fail_first") == self.name and runs == 1:
+        raise RuntimeError(f"{self.name} failed its first run")
+
+
+for subscriber in ("loop.billing", "loop.email", "loop.search", "loop.digest"):
+    app.task(name=subscriber, bind=True)(record)
+
+
 @app.task(name="loop.noop")
 def noop(*args, **kwargs):
     """The bench's task: nothing but the round trip."""

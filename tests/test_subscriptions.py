@@ -1,0 +1,300 @@
+"""Subscriptions, with a stock Celery worker running every delivery: one
+event to every subscribed task (each delivery its own task, status, retry
+and dead letter), the fallback without subscriptions, an explicit task,
+prefixes, routing fixed at enqueue, accumulated batches by count and by
+time and across a crash, privileges and bad arguments."""
+
+import json
+import time
+
+import psycopg
+import pytest
+
+from harness import CeleryWorker, Cluster, queued_ids, wait_until
+
+QUEUE = "loop_subscribers"
+PLAIN = "q_sub_plain"  # no worker reads it
+
+
+@pytest.fixture(scope="module")
+def subscriber(redis_server):
+    worker = CeleryWorker(redis_server.url, queues=(QUEUE,), app="loop_app", pool="threads", concurrency=4)
+    try:
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.close()
+
+
+def clear(pg):
+    """Empties the tables; a deadlock with a dispatcher's statement (which
+    locks them in another order) is tried again."""
+    def truncated():
+        try:
+            pg.sql("TRUNCATE outbox.events, outbox.batch_members, outbox.all_subscriptions")
+            return True
+        except psycopg.errors.DeadlockDetected:
+            return False
+    wait_until(truncated, message="the tables emptied")
+
+
+@pytest.fixture
+def subs(cluster, subscriber):
+    cluster.sql("ALTER SYSTEM RESET ALL")
+    cluster.configure(enabled="on")
+    clear(cluster)
+    yield cluster
+    clear(cluster)
+
+
+def subscribe(pg, event_type, task, **options):
+    names = ", ".join(f"{name} => %s" for name in options)
+    return pg.value(f"SELECT outbox_subscribe(%s, %s, queue => %s{', ' + names if names else ''})",
+                    (event_type, task, QUEUE, *options.values()))
+
+
+def publish(pg, event_type, payload=None, **options):
+    names = "".join(f", {name} => %s" for name in options)
+    return pg.value(f"SELECT outbox_enqueue(%s, %s{names})",
+                    (event_type, json.dumps(payload or {}), *options.values()))
+
+
+def runs(redis_server, task_id):
+    return [json.loads(n) for n in redis_server.client().lrange(f"ran:{task_id}", 0, -1)]
+
+
+def deliveries(pg, event_id):
+    return pg.sql("SELECT task, delivery_id, status, batched FROM outbox.deliveries WHERE event_id = %s "
+                  "ORDER BY task", (event_id,))
+
+
+def wait_deliveries(pg, status, count, timeout=60):
+    def done():
+        return pg.value("SELECT count(*) FROM outbox.deliveries WHERE status = %s", (status,))
+    wait_until(lambda: done() == count, timeout=timeout,
+               message=f"{count} deliveries {status} (are {pg.sql('SELECT status, count(*) FROM outbox.deliveries GROUP BY 1')})")
+
+
+def test_an_event_goes_to_every_subscription_as_its_own_task(subs, redis_server):
+    tasks = ("loop.billing", "loop.email", "loop.search")
+    ids = {task: subscribe(subs, "shop.order.created", task) for task in tasks}
+    events = [publish(subs, "shop.order.created", {"n": n}) for n in range(20)]
+    # An ORM's INSERT routes the same way, and still gets its row back.
+    for n in range(20, 25):
+        row = subs.sql("INSERT INTO outbox.events (event_type, payload) VALUES ('shop.order.created', %s) "
+                       "RETURNING id, status::text, routed_to", (json.dumps({"n": n}),))
+        assert row[0][1:] == ("processed", 3)
+        events.append(row[0][0])
+    wait_deliveries(subs, "processed", 75)
+
+    for n, event in enumerate(events):
+        rows = subs.sql("SELECT task, subscription_id, delivery_id, status FROM outbox.deliveries "
+                        "WHERE event_id = %s ORDER BY task", (event,))
+        assert [(r[0], r[1], r[3]) for r in rows] == [(t, ids[t], "processed") for t in tasks]
+        assert len({r[2] for r in rows} | {event}) == 4, "a task id of its own per delivery"
+        for task, _, delivery, _ in rows:
+            assert runs(redis_server, delivery) == [
+                {"task": task, "args": [], "kwargs": {"n": n}, "event": str(event)}]
+    assert subs.value("SELECT count(*) FROM outbox.events WHERE routed_to = 3 AND status = 'processed'") == 25
+
+
+def test_without_subscriptions_or_with_a_task_an_event_goes_to_one_task(subs, redis_server):
+    subscribe(subs, "shop.order.created", "loop.billing")
+    # No subscription for its type: the task named like the event type.
+    fallback = publish(subs, "loop.search", {"n": 1}, queue=QUEUE)
+    # An explicit task: that task alone, subscriptions or not.
+    explicit = publish(subs, "shop.order.created", {"n": 2}, queue=QUEUE, task="loop.email")
+    wait_until(lambda: runs(redis_server, fallback) and runs(redis_server, explicit), message="both ran")
+    assert runs(redis_server, fallback) == [{"task": "loop.search", "args": [], "kwargs": {"n": 1}, "event": None}]
+    assert runs(redis_server, explicit) == [{"task": "loop.email", "args": [], "kwargs": {"n": 2}, "event": None}]
+    assert subs.sql("SELECT routed_to FROM outbox.events WHERE id IN (%s, %s) ORDER BY routed_to NULLS LAST",
+                    (fallback, explicit)) == [(0,), (None,)]
+    assert subs.value("SELECT count(*) FROM outbox.deliveries") == 0
+    assert subs.value("SELECT count(*) FROM outbox.events") == 2
+
+
+def test_a_trailing_star_subscribes_to_a_prefix(subs, redis_server):
+    subscribe(subs, "shop.*", "loop.search")
+    subscribe(subs, "shop.order.created", "loop.billing")
+    created = publish(subs, "shop.order.created")
+    refund = publish(subs, "shop.refund")
+    outside = [publish(subs, "shopping.cart", queue=PLAIN), publish(subs, "shop", queue=PLAIN)]
+    wait_deliveries(subs, "processed", 3)
+    assert [r[0] for r in deliveries(subs, created)] == ["loop.billing", "loop.search"]
+    assert [r[0] for r in deliveries(subs, refund)] == ["loop.search"]
+    wait_until(lambda: sorted(queued_ids(redis_server.client(), PLAIN)) == sorted(map(str, outside)),
+               message="the unmatched events sent as they are")
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match=r"has a \* before its end"):
+        subs.sql("SELECT outbox_subscribe('shop.*.created', 'loop.search')")
+
+
+def test_one_failed_delivery_is_retried_alone(subs, redis_server):
+    subscribe(subs, "shop.paid", "loop.billing")
+    subscribe(subs, "shop.paid", "loop.email")
+    event = publish(subs, "shop.paid", {"fail_first": "loop.email"})
+    wait_deliveries(subs, "processed", 1)
+    wait_deliveries(subs, "failed", 1)
+    [(task, delivery, event_id, error)] = subs.sql(
+        "SELECT task, id, event_id, last_error FROM outbox.dead_letters")
+    assert (task, event_id) == ("loop.email", event)
+    assert error.startswith("RuntimeError: loop.email failed its first run")
+    billing = deliveries(subs, event)[0][1]
+
+    assert subs.value("SELECT outbox_retry(%s)", (delivery,)) is True
+    wait_deliveries(subs, "processed", 2)
+    assert len(runs(redis_server, delivery)) == 2
+    assert len(runs(redis_server, billing)) == 1, "the delivery that succeeded ran once"
+    assert subs.value("SELECT outbox_retry_failed()") == 0
+
+
+def test_routing_is_fixed_when_the_event_is_inserted(subs, redis_server):
+    first = subscribe(subs, "shop.shipped", "loop.billing")
+    with subs.connect(autocommit=False) as writer:
+        early = writer.execute("SELECT outbox_enqueue('shop.shipped', '{}')").fetchone()[0]
+        # Subscribed after the INSERT, before its commit: not this event's.
+        subscribe(subs, "shop.shipped", "loop.email")
+    late = publish(subs, "shop.shipped")
+    wait_deliveries(subs, "processed", 3)
+    assert [r[0] for r in deliveries(subs, early)] == ["loop.billing"]
+    assert [r[0] for r in deliveries(subs, late)] == ["loop.billing", "loop.email"]
+
+    # Unsubscribing keeps what was routed already.
+    subs.configure(enabled="off")
+    wait_until(lambda: subs.value("SELECT state FROM outbox.workers") == "paused", message="paused")
+    routed = publish(subs, "shop.shipped")
+    assert subs.value("SELECT outbox_unsubscribe(%s)", (first,)) is True
+    assert subs.value("SELECT outbox_unsubscribe(%s)", (first,)) is False
+    after = publish(subs, "shop.shipped")
+    subs.configure(enabled="on")
+    wait_deliveries(subs, "processed", 6)
+    assert [r[0] for r in deliveries(subs, routed)] == ["loop.billing", "loop.email"]
+    assert [r[0] for r in deliveries(subs, after)] == ["loop.email"]
+    assert [r[0] for r in subs.sql("SELECT task FROM outbox.subscriptions")] == ["loop.email"]
+
+
+def batch_notes(redis_server, pg):
+    """The lists of events each batch delivery's task received."""
+    batches = pg.sql("SELECT id FROM outbox.events WHERE subscription_id IS NOT NULL AND event_id IS NULL "
+                     "ORDER BY created_at")
+    received = []
+    for (batch,) in batches:
+        [run] = runs(redis_server, batch)
+        assert run["kwargs"] == {} and len(run["args"]) == 1
+        received.append(run["args"][0])
+    return received
+
+
+def test_an_accumulated_subscription_delivers_batch_max_events_at_a_time(subs, redis_server):
+    sub = subscribe(subs, "shop.viewed", "loop.digest", batch_max=5)
+    events = [publish(subs, "shop.viewed", {"n": n}) for n in range(12)]
+    wait_deliveries(subs, "processed", 10)
+    assert subs.value("SELECT waiting FROM outbox.subscriptions WHERE id = %s", (sub,)) == 2
+    assert [r[2] for r in deliveries(subs, events[-1])] == ["waiting"]
+    events += [publish(subs, "shop.viewed", {"n": n}) for n in range(12, 15)]
+    wait_deliveries(subs, "processed", 15)
+
+    received = batch_notes(redis_server, subs)
+    assert [len(b) for b in received] == [5, 5, 5]
+    flat = [item for batch in received for item in batch]
+    assert [item["id"] for item in flat] == [str(e) for e in events], "each event once, oldest first"
+    assert flat[0] == {"id": str(events[0]), "event_type": "shop.viewed", "payload": {"n": 0}}
+    assert subs.metric("outbox_accumulated_batches_total") >= 3
+
+
+def test_an_accumulated_subscription_delivers_after_batch_wait(subs, redis_server):
+    subscribe(subs, "shop.searched", "loop.digest", batch_max=100, batch_wait="1 second")
+    subscribe(subs, "shop.searched", "loop.search")
+    events = [publish(subs, "shop.searched", {"n": n}) for n in range(3)]
+    wait_deliveries(subs, "processed", 6)
+    [batch] = batch_notes(redis_server, subs)
+    assert [item["id"] for item in batch] == [str(e) for e in events]
+    # Not sent before the oldest had waited batch_wait.
+    assert subs.value("""
+        SELECT b.dispatched_at - min(m.available_at) >= interval '1 second'
+          FROM outbox.batch_members m JOIN outbox.events b ON b.id = m.batch_id GROUP BY b.dispatched_at""")
+
+
+def test_unsubscribing_delivers_the_waiting_members_at_once(subs, redis_server):
+    sub = subscribe(subs, "shop.rated", "loop.digest", batch_max=100, batch_wait="1 hour")
+    events = [publish(subs, "shop.rated", {"n": n}) for n in range(4)]
+    wait_until(lambda: subs.value("SELECT waiting FROM outbox.subscriptions") == 4, message="4 waiting")
+    assert subs.value("SELECT outbox_unsubscribe(%s)", (sub,)) is True
+    wait_deliveries(subs, "processed", 4)
+    assert [[item["id"] for item in b] for b in batch_notes(redis_server, subs)] == [[str(e) for e in events]]
+    assert subs.value("SELECT count(*) FROM outbox.subscriptions") == 0
+
+
+def test_a_crash_while_a_batch_accumulates_loses_and_repeats_nothing(redis_server, subscriber):
+    pg = Cluster(redis_server.url, report_key="outbox_dispatch.reports.crash")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        subscribe(pg, "shop.clicked", "loop.digest", batch_max=10, batch_wait="3 seconds")
+        waiting = [publish(pg, "shop.clicked", {"n": n}) for n in range(7)]
+        pg.stop("immediate")
+        pg.start()
+        full = [publish(pg, "shop.clicked", {"n": n}) for n in range(7, 17)]
+        # A full batch, then a crash at once: its delivery was made or not,
+        # with its members, never half.
+        pg.stop("immediate")
+        pg.start()
+        wait_deliveries(pg, "processed", 17, timeout=90)
+        received = batch_notes(redis_server, pg)
+        flat = sorted(item["id"] for batch in received for item in batch)
+        assert flat == sorted(str(e) for e in waiting + full), "every event in exactly one batch"
+        assert all(len(b) <= 10 for b in received)
+        assert pg.value("SELECT count(*) FROM outbox.batch_members WHERE batch_id IS NULL") == 0
+    finally:
+        pg.close()
+
+
+def test_only_the_owner_or_a_grantee_subscribes_and_any_writer_routes(subs, redis_server):
+    subs.sql("DROP ROLE IF EXISTS sub_writer")
+    subs.sql("""CREATE ROLE sub_writer LOGIN;
+                GRANT USAGE ON SCHEMA outbox TO sub_writer;
+                GRANT INSERT ON outbox.events TO sub_writer;
+                GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer,
+                                                         interval, jsonb) TO sub_writer""")
+    try:
+        with subs.connect(user="sub_writer") as writer:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                writer.execute("SELECT outbox_subscribe('shop.granted', 'loop.billing')")
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                writer.execute("SELECT outbox_unsubscribe(1)")
+            subs.sql("GRANT EXECUTE ON FUNCTION outbox_subscribe(text, text, text, integer, integer, interval) "
+                     "TO sub_writer")
+            writer.execute("SELECT outbox_subscribe('shop.granted', 'loop.billing', queue => %s)", (QUEUE,))
+            writer.execute("SELECT outbox_subscribe('shop.granted', 'loop.digest', queue => %s, batch_max => 1)",
+                           (QUEUE,))
+            event = writer.execute("SELECT outbox_enqueue('shop.granted', '{}')").fetchone()[0]
+            writer.execute("INSERT INTO outbox.events (event_type) VALUES ('shop.granted')")
+        wait_deliveries(subs, "processed", 4)
+        assert [r[0] for r in deliveries(subs, event)] == ["loop.billing", "loop.digest"]
+    finally:
+        subs.sql("DROP OWNED BY sub_writer; DROP ROLE sub_writer")
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ("NULL, 'loop.billing'", "event_type is 0 bytes, it must be 1 to 255 bytes"),
+    ("repeat('e', 256), 'loop.billing'", "event_type is 256 bytes, it must be 1 to 255 bytes"),
+    ("'shop.x', ''", "task is 0 bytes, it must be 1 to 255 bytes"),
+    ("'shop.x', 'loop.billing', queue => ''", "queue is 0 bytes, it must be 1 to 255 bytes"),
+    ("'shop.x', 'loop.billing', priority => 10", "priority is 10, it must be 0 (highest) to 9"),
+    ("'shop.x', 'loop.billing', batch_max => 0", "batch_max is 0, it must be 1 to 1000"),
+    ("'shop.x', 'loop.billing', batch_max => 1001", "batch_max is 1001, it must be 1 to 1000"),
+    ("'shop.x', 'loop.billing', batch_wait => '0 s'", "batch_wait must be positive"),
+    ("'shop.x', 'loop.billing', batch_wait => '-1 s'", "batch_wait must be positive"),
+])
+def test_a_bad_argument_is_named_and_nothing_is_subscribed(subs, arguments, message):
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as raised:
+        subs.sql(f"SELECT outbox_subscribe({arguments})")
+    assert message in str(raised.value)
+    assert subs.value("SELECT count(*) FROM outbox.all_subscriptions") == 0
+
+
+def test_a_second_identical_subscription_is_refused(subs):
+    first = subscribe(subs, "shop.twice", "loop.billing")
+    with pytest.raises(psycopg.errors.UniqueViolation, match=f"already \\(subscription {first}\\)"):
+        subscribe(subs, "shop.twice", "loop.billing")
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="id must not be null"):
+        subs.sql("SELECT outbox_unsubscribe(NULL)")
+    assert subs.value("SELECT count(*) FROM outbox.all_subscriptions") == 1
