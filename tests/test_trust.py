@@ -55,7 +55,8 @@ BEGIN PERFORM public.escalate(); RETURN 0; END $$;
 OPERATORS = [("=", "uuid", "pg_catalog.uuid_eq"), ("=", "integer", "pg_catalog.int4eq"),
              (">=", "integer", "pg_catalog.int4ge"), ("<=", "integer", "pg_catalog.int4le"),
              (">", "integer", "pg_catalog.int4gt"), ("<=", "timestamptz", "pg_catalog.timestamptz_le"),
-             ("<", "timestamptz", "pg_catalog.timestamptz_lt"), ("=", "timestamptz", "pg_catalog.timestamptz_eq")]
+             ("<", "timestamptz", "pg_catalog.timestamptz_lt"), ("=", "timestamptz", "pg_catalog.timestamptz_eq"),
+             ("=", "text", "pg_catalog.texteq"), ("=", "bigint", "pg_catalog.int8eq")]
 
 
 def plant(conn):
@@ -91,16 +92,26 @@ def test_a_hostile_database_owner_gains_nothing_and_events_still_flow(redis_serv
             ids = [str(r[0]) for r in conn.execute(
                 "SELECT outbox_enqueue('hostile', '{}', queue => 'q_hostile', delay => interval '1 second') "
                 "FROM generate_series(1, 5)").fetchall()]
+            # Routed by a SECURITY DEFINER trigger, to a delivery and a batch.
+            conn.execute("SELECT outbox_subscribe('hostile.routed', 'task.now', queue => 'q_hostile_sub'), "
+                         "outbox_subscribe('hostile.routed', 'task.batch', queue => 'q_hostile_sub', batch_max => 5)")
+            conn.execute("SELECT outbox_enqueue('hostile.routed', '{}') FROM generate_series(1, 5)")
             conn.execute("SELECT outbox_retry_failed()")
             conn.execute("SELECT outbox_metrics_prometheus()")
             conn.execute("TABLE outbox.metrics")
         wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_hostile")) == sorted(ids), timeout=60,
                    message="delivery in the hostile database")
+        with pg.connect(dbname="app") as conn:
+            routed = [str(r[0]) for r in conn.execute(
+                "SELECT id FROM outbox.events WHERE subscription_id IS NOT NULL").fetchall()]
+        assert len(routed) == 6
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_hostile_sub")) == sorted(routed), timeout=60,
+                   message="the deliveries and the batch in the hostile database")
         time.sleep(3)  # heartbeats, sweeps and purges run meanwhile
         assert pg.value("SELECT rolsuper FROM pg_roles WHERE rolname = 'mallory'") is False
         with pg.connect(dbname="app") as conn:
             dispatchers = conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'outbox dispatcher'").fetchone()[0]
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type OPERATOR(pg_catalog.=) 'outbox dispatcher'").fetchone()[0]
         assert dispatchers == 1
     finally:
         pg.close()
@@ -231,11 +242,23 @@ def test_a_refusing_broker_dead_letters_nothing(condition):
 
 # -- pg_dump ---------------------------------------------------------------------
 
-def test_pg_dump_and_restore_keep_undelivered_events(redis_server):
+SUBSCRIPTIONS = "SELECT id, event_type, task, batch_max, waiting, unsubscribed_at FROM outbox.subscriptions"
+DELIVERIES = "SELECT event_id, subscription_id, delivery_id, status FROM outbox.deliveries ORDER BY 1, 2"
+
+
+def test_pg_dump_and_restore_keep_undelivered_events_and_subscriptions(redis_server):
     pg = Cluster(redis_server.url, enabled="off")
     try:
         pg.sql("CREATE EXTENSION outbox_dispatch")
         ids = enqueue(pg, 10, "q_dump")
+        # Subscriptions, an event routed to them (one delivery, one member
+        # waiting for its batch), and one routed to none.
+        pg.sql("SELECT outbox_subscribe('trust.routed', 'dump.now'), "
+               "outbox_subscribe('trust.routed', 'dump.later', batch_max => 10)")
+        pg.sql("SELECT outbox_unsubscribe(outbox_subscribe('trust.gone', 'dump.gone'))")
+        pg.sql("SELECT outbox_enqueue('trust.routed', '{}'), outbox_enqueue('trust.unrouted', '{}')")
+        subscriptions, deliveries = pg.sql(SUBSCRIPTIONS), pg.sql(DELIVERIES)
+        assert len(subscriptions) == 2 and [d[3] for d in deliveries] == ["pending", "waiting"]
         dump = pg.dir / "app.dump"
         as_postgres(PG_BIN / "pg_dump", "-h", pg.dir, "-p", pg.port, "-U", "postgres", "-Fc", "-f", dump, "postgres")
         pg.sql("CREATE DATABASE restored")
@@ -243,6 +266,12 @@ def test_pg_dump_and_restore_keep_undelivered_events(redis_server):
         with pg.connect(dbname="restored") as conn:
             restored = [str(r[0]) for r in conn.execute(
                 "SELECT id FROM outbox.events WHERE status = 'pending' AND queue = 'q_dump'").fetchall()]
+            assert conn.execute(SUBSCRIPTIONS).fetchall() == subscriptions
+            # Restoring routes nothing again.
+            assert conn.execute(DELIVERIES).fetchall() == deliveries
+            assert conn.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 13
+            # The ids go on from where they were.
+            assert conn.execute("SELECT outbox_subscribe('trust.new', 'dump.new')").fetchone()[0] == 4
         assert sorted(restored) == sorted(ids)
     finally:
         pg.close()
