@@ -1,5 +1,6 @@
-"""`make bench`: drain throughput against the raw ceilings, commit-to-Redis
-latency at a steady rate, enqueue cost, dispatcher memory, and the full loop
+"""`make bench`: drain throughput against the raw ceilings (and with fan-out
+3), commit-to-Redis latency at a steady rate, enqueue cost (with 0, 1 and 3
+matching subscriptions), dispatcher memory, and the full loop
 through a Celery worker and back. Runs its own
 PostgreSQL 15 (fsync on, as in production) and Redis, with the release build
 installed by the Makefile, and writes bench/results/latest.md,
@@ -10,7 +11,8 @@ Sizes come from the environment (defaults in brackets): BENCH_EVENTS
 [2000] events/s for BENCH_SECONDS [30], BENCH_PGBENCH_SECONDS [10] per
 pgbench run, BENCH_ROUNDS [3] runs per enqueue workload (the median is
 reported), BENCH_PAYLOAD_BYTES [100], BENCH_LOOP_EVENTS [20000] for the full
-loop through a Celery worker and back."""
+loop through a Celery worker and back. The drain with fan-out 3 routes
+BENCH_EVENTS / 3 events to three subscriptions each."""
 
 import json
 import multiprocessing
@@ -243,21 +245,41 @@ def pgbench(pg, script, options=""):
     return float(re.search(r"tps = ([\d.]+) \(without initial connection time\)", out.stdout).group(1))
 
 
+def subscribe_fanout(pg):
+    """Subscriptions for the fan-out workloads: one task for 'bench.fan1',
+    three for 'bench.fan3' (so 'bench' itself matches none of the four)."""
+    pg.sql("TRUNCATE outbox.all_subscriptions")
+    pg.sql("SELECT outbox_subscribe('bench.fan1', 'bench.one', queue => 'bench'), "
+           "outbox_subscribe('bench.fan3', 'bench.a', queue => 'bench'), "
+           "outbox_subscribe('bench.fan3', 'bench.b', queue => 'bench'), "
+           "outbox_subscribe('bench.fan3', 'bench.c', queue => 'bench')")
+
+
+ENQUEUE_NOTIFY_OFF = "outbox_enqueue(), 0 matching subscriptions, notify off"
+
+
 def enqueue_cost(pg):
     """TPS of each workload: the median of ROUNDS runs, the workloads taking
     turns so that the machine's drift hits them alike."""
     pg.configure(enabled="off")
     pg.sql("DROP TABLE IF EXISTS bench_plain")
     pg.sql("CREATE TABLE bench_plain (LIKE outbox.events INCLUDING ALL)")
+    subscribe_fanout(pg)
     payload = PAYLOAD.replace("'", "''")
-    enqueue = f"SELECT outbox_enqueue('bench', '{payload}', queue => 'bench_enqueue');\n"
+
+    def enqueue(event_type, task=""):
+        return f"SELECT outbox_enqueue('{event_type}', '{payload}', queue => 'bench_enqueue'{task});\n"
+
     workloads = {
         "plain INSERT (no trigger)":
             f"INSERT INTO bench_plain (event_type, payload, queue) VALUES ('bench', '{payload}', 'bench_enqueue');\n",
-        "outbox_enqueue(), notify off": enqueue,
+        "outbox_enqueue() with a task (no routing), notify off": enqueue("bench", ", task => 'bench.task'"),
+        ENQUEUE_NOTIFY_OFF: enqueue("bench"),
+        "outbox_enqueue(), 1 matching subscription": enqueue("bench.fan1"),
+        "outbox_enqueue(), 3 matching subscriptions": enqueue("bench.fan3"),
         "INSERT INTO outbox.events, notify off":
             f"INSERT INTO outbox.events (event_type, payload, queue) VALUES ('bench', '{payload}', 'bench_enqueue');\n",
-        "outbox_enqueue(), notify on": enqueue,
+        "outbox_enqueue(), notify on": enqueue("bench"),
     }
     options = {"outbox_enqueue(), notify on": "-c outbox.notify=on"}
     runs = {name: [] for name in workloads}
@@ -267,8 +289,35 @@ def enqueue_cost(pg):
             pg.sql("CHECKPOINT")
             runs[name].append(pgbench(pg, script, options.get(name, "")))
     pg.sql("DROP TABLE bench_plain")
-    pg.sql("TRUNCATE outbox.events")
+    pg.sql("TRUNCATE outbox.events, outbox.all_subscriptions")
     return {name: sorted(tps)[len(tps) // 2] for name, tps in runs.items()}
+
+
+def fanout_drain(pg, redis):
+    """A drain of events each routed to 3 subscriptions: deliveries (and
+    events) per second from enabling the dispatcher to the last push, one
+    dispatcher, batch 1000; the same measure as drain()."""
+    events = EVENTS // 3
+    pg.configure(enabled="off", batch_size=1000)
+    subscribe_fanout(pg)
+    pg.sql("TRUNCATE outbox.events")
+    redis.client().flushall()
+    with pg.connect() as conn:
+        for start in range(0, events, 10_000):
+            conn.execute("SELECT outbox_enqueue('bench.fan3', %s::jsonb) FROM generate_series(1, %s)",
+                         (PAYLOAD, min(10_000, events - start)))
+        conn.execute("VACUUM ANALYZE outbox.events")
+        conn.execute("CHECKPOINT")
+    before = pg.metric("outbox_dispatched_total")
+    started = time.monotonic()
+    pg.configure(enabled="on", batch_size=1000)
+    wait_until(lambda: pg.metric("outbox_dispatched_total") - before >= 3 * events, timeout=600, interval=0.1,
+               message="every delivery pushed")
+    elapsed = time.monotonic() - started
+    assert redis.client().llen("bench") == 3 * events
+    pg.sql("TRUNCATE outbox.events, outbox.all_subscriptions")
+    return {"events": events, "deliveries": 3 * events, "deliveries_rate": 3 * events / elapsed,
+            "events_rate": events / elapsed}
 
 
 def machine():
@@ -301,7 +350,7 @@ def write_report(r):
     (best_workers, best_batch), best_rate = max(r["drain"].items(), key=lambda kv: kv[1])
     ceiling_batch = max(BATCHES, key=lambda b: smaller[b])
     ceiling = smaller[ceiling_batch]
-    lat, enq, loop = r["latency"], r["enqueue"], r["loop"]
+    lat, enq, loop, fan = r["latency"], r["enqueue"], r["loop"], r["fanout"]
     plain = enq["plain INSERT (no trigger)"]
     flat = all(m["anon_second_half"] <= m["anon_first_half"] * 1.10 + 1024 for m in r["memory"].values())
     lines = [
@@ -317,9 +366,9 @@ def write_report(r):
         f"{ceiling:,.0f} events/s (batch {ceiling_batch}) | {'yes' if best_rate >= 0.5 * ceiling else 'no'} |",
         f"| p99 commit → Redis ≤ 10 ms at {RATE} events/s | p99 {lat['p99']:.1f} ms "
         f"(achieved {lat['achieved_rate']:,.0f} events/s) | {'yes' if lat['p99'] <= 10 else 'no'} |",
-        f"| enqueue TPS ≥ 85% of a plain INSERT's (notify off) | "
-        f"{enq['outbox_enqueue(), notify off'] / plain:.0%} | "
-        f"{'yes' if enq['outbox_enqueue(), notify off'] >= 0.85 * plain else 'no'} |",
+        f"| enqueue TPS ≥ 85% of a plain INSERT's (no matching subscription, notify off) | "
+        f"{enq[ENQUEUE_NOTIFY_OFF] / plain:.0%} | "
+        f"{'yes' if enq[ENQUEUE_NOTIFY_OFF] >= 0.85 * plain else 'no'} |",
         f"| dispatcher RSS flat (no growth with events) | peak private memory, first → second half of "
         f"each drain: " + ", ".join(f"{m['anon_first_half']:,} → {m['anon_second_half']:,} kB"
                                      for m in r["memory"].values())
@@ -338,6 +387,14 @@ def write_report(r):
         lines.append(f"| {workers} | {batch} | {rate:,.0f} | {r['ceiling_sql'][batch]:,.0f} | "
                      f"{r['ceiling_redis'][batch]:,.0f} | {rate / smaller[batch]:.0%} |")
     lines += [
+        "", "## Drain with fan-out 3", "",
+        f"{fan['events']:,} events, each routed to 3 subscriptions ({fan['deliveries']:,} deliveries), "
+        "committed while the dispatcher was paused, then drained as above: one dispatcher, batch 1000.", "",
+        "| events | deliveries | deliveries/s | events/s | vs the plain drain (1 dispatcher, batch 1000) |",
+        "|---|---|---|---|---|",
+        f"| {fan['events']:,} | {fan['deliveries']:,} | {fan['deliveries_rate']:,.0f} | {fan['events_rate']:,.0f} | "
+        f"{fan['deliveries_rate'] / r['drain'][(WORKERS[0], 1000)]:.0%} |"
+        if (WORKERS[0], 1000) in r["drain"] else "",
         "", "## Latency: COMMIT → message in Redis", "",
         f"{RATE} one-event transactions per second from 4 client processes for {SECONDS} s; a consumer "
         "process pops messages as they arrive (BLMPOP) and stamps them. Latency = arrival time − the "
@@ -361,7 +418,9 @@ def write_report(r):
         f"pgbench, 8 clients, one statement per transaction, dispatchers paused; the median of {ROUNDS} "
         f"runs of {PGBENCH_SECONDS} s, the workloads taking turns. "
         "The plain table is `outbox.events` copied with `LIKE ... INCLUDING ALL` (same columns, defaults, "
-        "indexes), without the trigger.", "",
+        "indexes), without the triggers. Four subscriptions exist: one for `bench.fan1`, three for "
+        "`bench.fan3`, none for `bench`; an event routed to k subscriptions writes 1 + k rows "
+        "(the event's record and a delivery each).", "",
         "| workload | TPS | vs plain INSERT |", "|---|---|---|",
     ]
     for name, tps in enq.items():
@@ -448,6 +507,10 @@ def main():
                         r["ceiling_redis"][batch] = max(redis_ceiling(redis, batch) for _ in range(2))
                         log(f"ceilings, batch {batch}: SQL {r['ceiling_sql'][batch]:,.0f}/s, "
                             f"Redis {r['ceiling_redis'][batch]:,.0f}/s")
+                if workers == WORKERS[0]:
+                    log(f"drain with fan-out 3: {EVENTS // 3} events")
+                    r["fanout"] = fanout_drain(pg, redis)
+                    log(f"  {r['fanout']['deliveries_rate']:,.0f} deliveries/s")
                 for batch in BATCHES:
                     log(f"drain: {workers} dispatcher(s), batch {batch}")
                     rate, samples = drain(pg, redis, workers, batch)

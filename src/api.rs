@@ -54,11 +54,15 @@ fn outbox_ack(id: pgrx::Uuid) -> bool {
 
 /// BEFORE INSERT ... FOR EACH STATEMENT on `outbox.events`: every insert path,
 /// `outbox_enqueue()` or an ORM's INSERT, wakes the dispatchers at commit,
-/// and NOTIFYs `outbox.notify_channel` when `outbox.notify` is on.
+/// and NOTIFYs `outbox.notify_channel` when `outbox.notify` is on. A
+/// dispatcher's own inserts do neither (see [`wake::mute`]).
 #[pg_trigger]
 fn outbox_events_inserted<'a>(
     _trigger: &'a pgrx::PgTrigger<'a>,
 ) -> Result<Option<PgHeapTuple<'a, pgrx::AllocatedByPostgres>>, pgrx::PgTriggerError> {
+    if wake::muted() {
+        return Ok(None);
+    }
     wake::at_commit();
     if let Some(channel) = config::notify_channel() {
         notify(&channel);

@@ -17,6 +17,21 @@ use crate::slots::{self, WakeSource};
 thread_local! {
     static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
     static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
+    static MUTED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Called by a dispatcher as it starts: its own inserts (the batches of
+/// accumulated subscriptions) wake nobody. It claims them in the same
+/// transaction, or drains on until a claim finds nothing; and the
+/// statement-level trigger fires even for an insert of no rows, which
+/// would have the dispatcher wake itself after every claim.
+pub fn mute() {
+    MUTED.set(true);
+}
+
+/// Is this process a dispatcher, whose inserts wake nobody?
+pub fn muted() -> bool {
+    MUTED.get()
 }
 
 /// Wake the dispatchers when the current transaction commits.

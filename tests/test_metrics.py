@@ -74,6 +74,11 @@ def test_wakeups_are_counted_by_source(outbox):
     outbox.wait_idle()
     outbox.sql("SELECT outbox_wake()")
     wait_until(lambda: outbox.metric("outbox_wakeups_total", source="manual") > manual, message="a manual wake")
+    # A dispatcher's own statements (its claims insert the batches of
+    # accumulated subscriptions) wake nobody: idle, it stays asleep.
+    commit = outbox.metric("outbox_wakeups_total", source="commit")
+    time.sleep(1)
+    assert outbox.metric("outbox_wakeups_total", source="commit") == commit
     poll = outbox.metric("outbox_wakeups_total", source="poll")
     outbox.configure(poll_interval="100ms")
     wait_until(lambda: outbox.metric("outbox_wakeups_total", source="poll") > poll + 3, message="poll wakes")
@@ -91,6 +96,7 @@ def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
         "outbox_reports_ignored": "counter", "outbox_broker_master_changes": "counter",
         "outbox_broker_unavailable_seconds": "counter",
         "outbox_purged": "counter", "outbox_batches": "counter", "outbox_push_failures": "counter",
+        "outbox_accumulated_batches": "counter", "outbox_accumulated_events": "counter",
         "outbox_reconnects": "counter", "outbox_broker_refusals": "counter", "outbox_wakeups": "counter",
         "outbox_dispatch_latency_seconds": "histogram", "outbox_batch_size": "histogram",
         "outbox_workers_running": "gauge", "outbox_workers_connected": "gauge",

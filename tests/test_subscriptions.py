@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from harness import CeleryWorker, Cluster, queued_ids, wait_until
+from outbox_dispatch import publish as publish_from_python
 
 QUEUE = "loop_subscribers"
 PLAIN = "q_sub_plain"  # no worker reads it
@@ -96,6 +97,20 @@ def test_an_event_goes_to_every_subscription_as_its_own_task(subs, redis_server)
             assert runs(redis_server, delivery) == [
                 {"task": task, "args": [], "kwargs": {"n": n}, "event": str(event)}]
     assert subs.value("SELECT count(*) FROM outbox.events WHERE routed_to = 3 AND status = 'processed'") == 25
+
+
+def test_publish_from_python_routes_like_sql(subs, redis_server):
+    subscribe(subs, "shop.order.placed", "loop.billing")
+    subscribe(subs, "shop.order.placed", "loop.email", priority=9)
+    with subs.connect(autocommit=False) as conn:
+        event = publish_from_python(conn, "shop.order.placed", {"order": 7}, headers={"tenant": "acme"})
+    wait_deliveries(subs, "processed", 2)
+    rows = deliveries(subs, event)
+    assert [r[0] for r in rows] == ["loop.billing", "loop.email"]
+    for task, delivery, _, _ in rows:
+        assert runs(redis_server, delivery) == [{"task": task, "args": [], "kwargs": {"order": 7}, "event": str(event)}]
+    assert subs.sql("SELECT priority, headers->>'tenant' FROM outbox.events WHERE event_id = %s ORDER BY priority",
+                    (event,)) == [(0, "acme"), (9, "acme")]
 
 
 def test_without_subscriptions_or_with_a_task_an_event_goes_to_one_task(subs, redis_server):

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from outbox_dispatch import enqueue
+from outbox_dispatch import enqueue, publish
 
 
 class Recorder:
@@ -93,3 +93,22 @@ def test_bad_calls_are_refused_before_the_database():
         enqueue(Recorder(), "t", kwargs={"x": object()})
     with pytest.raises(TypeError, match="conn must be a DB-API connection"):
         enqueue(object(), "t")
+
+
+def test_publish_sends_no_task_so_that_subscriptions_route_the_event():
+    cursor = Recorder()
+    event = publish(cursor, "order.created", {"order": 7}, countdown=5, priority=2, headers={"h": 1})
+    assert event == uuid.UUID("0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a")
+    sent = cursor.sent
+    assert (sent["event_type"], sent["task"], sent["args"], sent["priority"]) == ("order.created", None, None, 2)
+    assert json.loads(sent["payload"]) == {"order": 7} and json.loads(sent["headers"]) == {"h": 1}
+    assert sent["delay"] == "5.000000 seconds"
+
+
+def test_publish_refuses_what_it_cannot_send():
+    with pytest.raises(TypeError, match="publish: event_type must be a non-empty string"):
+        publish(Recorder(), "")
+    with pytest.raises(TypeError, match="publish: payload cannot be sent as JSON"):
+        publish(Recorder(), "order.created", {"x": object()})
+    with pytest.raises(ValueError, match="publish: give countdown or eta, not both"):
+        publish(Recorder(), "order.created", countdown=1, eta=dt.datetime.now())

@@ -19,6 +19,16 @@ ALTER TABLE outbox.events
     ADD COLUMN expires_at timestamptz,
     ADD CONSTRAINT events_args_with_kwargs CHECK (args IS NULL OR jsonb_typeof(payload) = 'object');
 
+-- Subscriptions (sql/subscriptions.sql): an event without a task goes to
+-- every matching subscription. Rows of before the update matched none
+-- (routed_to = 0, the default only they get: a restored dump does not
+-- route them again).
+ALTER TABLE outbox.events
+    ADD COLUMN event_id uuid,
+    ADD COLUMN subscription_id bigint,
+    ADD COLUMN routed_to integer DEFAULT 0;
+ALTER TABLE outbox.events ALTER COLUMN routed_to DROP DEFAULT;
+
 -- outbox_enqueue gains expires and args: a new signature is a new function,
 -- so the roles granted EXECUTE on the old one are granted it on the new one.
 CREATE TEMPORARY TABLE outbox_enqueue_grantees ON COMMIT DROP AS
@@ -237,16 +247,7 @@ SELECT status, count, NULL, NULL, NULL, true
 COMMENT ON VIEW outbox.status IS
     'Events per status; lag is how long the oldest due pending event has waited. Rows with estimated = true (dispatched, processed) are estimates from statistics.';
 
--- Subscriptions (sql/subscriptions.sql): an event without a task goes to
--- every matching subscription. Rows of before the update matched none
--- (routed_to = 0, the default only they get: a restored dump does not
--- route them again).
-ALTER TABLE outbox.events
-    ADD COLUMN event_id uuid,
-    ADD COLUMN subscription_id bigint,
-    ADD COLUMN routed_to integer DEFAULT 0;
-ALTER TABLE outbox.events ALTER COLUMN routed_to DROP DEFAULT;
-
+-- Subscriptions (sql/subscriptions.sql), the columns above.
 -- The deliveries of one event.
 CREATE INDEX events_event_id_idx ON outbox.events (event_id) WHERE event_id IS NOT NULL;
 

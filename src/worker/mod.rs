@@ -55,6 +55,7 @@ pub fn register(count: usize) {
 pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     let index = arg.value();
     signals::install();
+    crate::wake::mute();
     let slot = slots::Own::take(index);
     // A database that does not exist ends this process with a FATAL inside
     // the connect, before anything could record why: say it beforehand, so

@@ -9,7 +9,7 @@ use pgrx::prelude::*;
 /// Settings every dispatcher runs with, overriding `ALTER DATABASE … SET` and
 /// `ALTER ROLE … SET`: the database owner chooses those, and the dispatcher
 /// runs as the bootstrap superuser.
-const PINNED: [(&CStr, &CStr); 7] = [
+const PINNED: [(&CStr, &CStr); 8] = [
     // Names resolve in pg_catalog only: a function or operator planted in a
     // schema the owner controls is never called with our rights.
     (c"search_path", c"pg_catalog, pg_temp"),
@@ -19,6 +19,10 @@ const PINNED: [(&CStr, &CStr); 7] = [
     // A lock held by someone else delays dispatch visibly (state blocked,
     // last_error), not silently and not forever.
     (c"lock_timeout", c"1s"),
+    // In a deadlock with a session (a DROP EXTENSION, a TRUNCATE taking
+    // the tables in another order), the dispatcher checks first and is the
+    // one rolled back: it tries again, the session's command goes through.
+    (c"deadlock_timeout", c"100ms"),
     // No statement runs without end; none is cut short by the owner's limit.
     (c"statement_timeout", c"5min"),
     (c"idle_in_transaction_session_timeout", c"0"),

@@ -2,11 +2,13 @@
 
 - :func:`enqueue` puts a Celery task into ``outbox.events`` inside the
   caller's transaction; the extension delivers it after COMMIT.
+- :func:`publish` puts an event there for every task subscribed to its
+  type (``outbox_subscribe()``), each delivered as a task of its own.
 - :mod:`outbox_dispatch.celery`, imported by a Celery app, reports the
   outcome of every task that came from the outbox back to the database.
 """
 
-from outbox_dispatch.producer import enqueue
+from outbox_dispatch.producer import enqueue, publish
 
-__all__ = ["enqueue"]
+__all__ = ["enqueue", "publish"]
 __version__ = "0.3.0"

@@ -1,4 +1,5 @@
-"""enqueue(): a Celery task into ``outbox.events``, in the caller's transaction.
+"""enqueue() and publish(): a Celery task, or an event for every subscribed
+task, into ``outbox.events``, in the caller's transaction.
 
 The vocabulary is Celery's ``apply_async``; the row is what
 ``outbox_enqueue()`` (the extension's SQL function) makes of it, so every
@@ -60,22 +61,70 @@ def enqueue(
     running Celery task, the new task's ``parent_id`` and ``root_id`` chain
     to it.
     """
-    if countdown is not None and eta is not None:
-        raise ValueError("enqueue: give countdown or eta, not both")
-    now = dt.datetime.now(dt.timezone.utc)
     task_name = _task_name(task)
+    return _send(conn, "enqueue", event_type or task_name, task_name, args, kwargs, queue=queue,
+                 countdown=countdown, eta=eta, expires=expires, priority=priority, headers=headers)
+
+
+def publish(
+    conn: Any,
+    event_type: str,
+    payload: Optional[Mapping[str, Any]] = None,
+    *,
+    queue: Optional[str] = None,
+    countdown: Optional[Seconds] = None,
+    eta: Optional[dt.datetime] = None,
+    expires: Optional[Union[Seconds, dt.datetime]] = None,
+    priority: Optional[int] = None,
+    headers: Optional[Mapping[str, Any]] = None,
+) -> uuid.UUID:
+    """Publish ``event_type`` in the transaction of ``conn``, for every task
+    subscribed to it (``outbox_subscribe()``); returns the event id.
+
+    Each subscription gets a delivery of its own, a Celery task with
+    ``payload`` as its keyword arguments and an id of its own (the event's
+    deliveries are in ``outbox.deliveries``); an accumulated subscription
+    gets the event in its next batch. With no subscription for it, the event
+    goes to the task named like ``event_type``. The other arguments are
+    :func:`enqueue`'s (a subscription's queue and priority, when it has
+    them, win).
+    """
+    if not isinstance(event_type, str) or not event_type:
+        raise TypeError(f"publish: event_type must be a non-empty string, not {event_type!r}")
+    return _send(conn, "publish", event_type, None, (), payload, queue=queue, countdown=countdown, eta=eta,
+                 expires=expires, priority=priority, headers=headers)
+
+
+def _send(
+    conn: Any,
+    caller: str,
+    event_type: str,
+    task: Optional[str],
+    args: Sequence[Any],
+    kwargs: Optional[Mapping[str, Any]],
+    *,
+    queue: Optional[str],
+    countdown: Optional[Seconds],
+    eta: Optional[dt.datetime],
+    expires: Optional[Union[Seconds, dt.datetime]],
+    priority: Optional[int],
+    headers: Optional[Mapping[str, Any]],
+) -> uuid.UUID:
+    if countdown is not None and eta is not None:
+        raise ValueError(f"{caller}: give countdown or eta, not both")
+    now = dt.datetime.now(dt.timezone.utc)
     parameters: Tuple[Any, ...] = (
-        event_type or task_name,
-        _dumps(dict(kwargs or {}), "kwargs"),
+        event_type,
+        _dumps(dict(kwargs or {}), "kwargs" if task else "payload", caller),
         queue,
-        task_name,
-        _dumps(_headers(headers), "headers"),
+        task,
+        _dumps(_headers(headers), "headers", caller),
         _interval(_delay(countdown, eta, now)),
         0 if priority is None else priority,
         _interval(_until(expires, now)),
-        _dumps(list(args), "args") if args else None,
+        _dumps(list(args), "args", caller) if args else None,
     )
-    return _run(conn, parameters)
+    return _run(conn, parameters, caller)
 
 
 def _task_name(task: Any) -> str:
@@ -149,7 +198,7 @@ def _lineage() -> Dict[str, str]:
     return {"parent_id": parent, "root_id": getattr(request, "root_id", None) or parent}
 
 
-def _dumps(value: Any, what: str) -> Optional[str]:
+def _dumps(value: Any, what: str, caller: str) -> Optional[str]:
     """JSON as the worker will read it: kombu's encoder when Celery is
     installed (datetimes, UUIDs and decimals come back as such), else the
     standard library's."""
@@ -164,10 +213,10 @@ def _dumps(value: Any, what: str) -> Optional[str]:
     try:
         return encode(value)
     except TypeError as e:
-        raise TypeError(f"enqueue: {what} cannot be sent as JSON: {e}") from None
+        raise TypeError(f"{caller}: {what} cannot be sent as JSON: {e}") from None
 
 
-def _run(conn: Any, parameters: Tuple[Any, ...]) -> uuid.UUID:
+def _run(conn: Any, parameters: Tuple[Any, ...], caller: str) -> uuid.UUID:
     if type(conn).__module__.startswith("sqlalchemy"):
         from sqlalchemy import text
 
@@ -184,7 +233,7 @@ def _run(conn: Any, parameters: Tuple[Any, ...]) -> uuid.UUID:
             cursor.close()
     else:
         raise TypeError(
-            "enqueue: conn must be a DB-API connection or cursor, or a SQLAlchemy Connection or Session, "
+            f"{caller}: conn must be a DB-API connection or cursor, or a SQLAlchemy Connection or Session, "
             f"not {type(conn).__name__}"
         )
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
