@@ -18,7 +18,11 @@ mod worker;
 ::pgrx::pg_module_magic!();
 
 extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
-extension_sql_file!("../sql/subscriptions.sql", name = "subscriptions", requires = ["schema", api::outbox_wake]);
+extension_sql_file!(
+    "../sql/subscriptions.sql",
+    name = "subscriptions",
+    requires = ["schema", api::outbox_wake]
+);
 extension_sql_file!("../sql/api.sql", name = "api", finalize);
 
 #[pg_guard]

@@ -247,7 +247,8 @@ SELECT status, count, NULL, NULL, NULL, true
 COMMENT ON VIEW outbox.status IS
     'Events per status; lag is how long the oldest due pending event has waited. Rows with estimated = true (dispatched, processed) are estimates from statistics.';
 
--- Subscriptions (sql/subscriptions.sql), the columns above.
+-- Subscriptions (sql/subscriptions.sql), after the columns added above.
+--
 -- The deliveries of one event.
 CREATE INDEX events_event_id_idx ON outbox.events (event_id) WHERE event_id IS NOT NULL;
 

@@ -489,7 +489,11 @@ impl Dispatcher {
         let mut nap = self.settings.poll_interval;
         loop {
             let settled = std::mem::take(&mut self.unsettled);
-            let claim = self.store.settle_and_claim(&settled, self.settings.batch_size, config::MAX_PAYLOAD_BYTES.get());
+            let claim = self.store.settle_and_claim(
+                &settled,
+                self.settings.batch_size,
+                config::MAX_PAYLOAD_BYTES.get(),
+            );
             let claim = match claim {
                 Ok(claim) => claim,
                 Err(e) => {
