@@ -68,6 +68,17 @@ CREATE TRIGGER events_route
     FOR EACH ROW WHEN (NEW.task IS NULL AND NEW.routed_to IS NULL)
     EXECUTE FUNCTION @extschema@.outbox_route();
 
+-- No event is routed while no subscription is active: routed_to then
+-- defaults to 0 and the trigger above is not called, so that an event
+-- without a task costs what it did before subscriptions existed. The
+-- default function caches the answer per backend (src/subscriptions.rs);
+-- every change to the subscriptions drops the caches at its commit.
+ALTER TABLE outbox.events ALTER COLUMN routed_to SET DEFAULT @extschema@.outbox_routed_to_default();
+
+CREATE TRIGGER all_subscriptions_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.all_subscriptions
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.outbox_subscriptions_changed();
+
 -- Subscribe task to event_type (exact, or every type it prefixes when it
 -- ends in '*'; '*' alone is every event). queue and priority override the
 -- event's. With batch_max or batch_wait the subscription accumulates: its
@@ -207,8 +218,10 @@ SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
 COMMENT ON VIEW outbox.deliveries IS
     'Per routed event and subscription: the delivery (or batch) that carries it, and its status.';
 
+-- outbox_routed_to_default() stays public: it is the default of every insert.
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_route(),
+    @extschema@.outbox_subscriptions_changed(),
     @extschema@.outbox_subscribe(text, text, text, integer, integer, interval),
     @extschema@.outbox_unsubscribe(bigint)
     FROM PUBLIC;

@@ -11,6 +11,7 @@ mod api;
 mod config;
 mod counters;
 mod slots;
+mod subscriptions;
 mod views;
 mod wake;
 mod worker;
@@ -21,7 +22,12 @@ extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 extension_sql_file!(
     "../sql/subscriptions.sql",
     name = "subscriptions",
-    requires = ["schema", api::outbox_wake]
+    requires = [
+        "schema",
+        api::outbox_wake,
+        subscriptions::outbox_routed_to_default,
+        subscriptions::outbox_subscriptions_changed
+    ]
 );
 extension_sql_file!("../sql/api.sql", name = "api", finalize);
 

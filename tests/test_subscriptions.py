@@ -113,6 +113,29 @@ def test_publish_from_python_routes_like_sql(subs, redis_server):
                     (event,)) == [(0, "acme"), (9, "acme")]
 
 
+def test_while_no_subscription_is_active_the_routing_trigger_is_not_called(subs):
+    """Events without a task cost what they did before subscriptions: the
+    routing trigger runs only while some subscription is active, which each
+    session learns at the commit of a change (the cache invalidation)."""
+    with subs.connect() as producer, subs.connect() as admin:
+        producer.execute("SET track_functions = 'pl'")
+
+        def enqueue_and_count():
+            producer.execute("SELECT outbox_enqueue('shop.counted', '{}', queue => 'q_sub_counted')")
+            producer.execute("SELECT pg_stat_force_next_flush()")
+            return producer.execute("SELECT coalesce((SELECT calls FROM pg_stat_user_functions "
+                                    "WHERE funcname = 'outbox_route'), 0)").fetchone()[0]
+
+        assert [enqueue_and_count() for _ in range(3)] == [0, 0, 0]
+        sub = admin.execute("SELECT outbox_subscribe('shop.counted', 'loop.billing', queue => 'q_sub_counted')"
+                            ).fetchone()[0]
+        assert enqueue_and_count() == 1
+        admin.execute("SELECT outbox_unsubscribe(%s)", (sub,))
+        assert enqueue_and_count() == 1
+    assert subs.sql("SELECT routed_to FROM outbox.events WHERE event_id IS NULL ORDER BY created_at") == [
+        (0,), (0,), (0,), (1,), (0,)]
+
+
 def test_without_subscriptions_or_with_a_task_an_event_goes_to_one_task(subs, redis_server):
     subscribe(subs, "shop.order.created", "loop.billing")
     # No subscription for its type: the task named like the event type.

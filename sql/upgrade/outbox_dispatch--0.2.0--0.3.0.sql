@@ -21,13 +21,11 @@ ALTER TABLE outbox.events
 
 -- Subscriptions (sql/subscriptions.sql): an event without a task goes to
 -- every matching subscription. Rows of before the update matched none
--- (routed_to = 0, the default only they get: a restored dump does not
--- route them again).
+-- (routed_to = 0: a restored dump does not route them again).
 ALTER TABLE outbox.events
     ADD COLUMN event_id uuid,
     ADD COLUMN subscription_id bigint,
-    ADD COLUMN routed_to integer DEFAULT 0;
-ALTER TABLE outbox.events ALTER COLUMN routed_to DROP DEFAULT;
+    ADD COLUMN routed_to integer DEFAULT 0;  -- for these rows; its default is set below
 
 -- outbox_enqueue gains expires and args: a new signature is a new function,
 -- so the roles granted EXECUTE on the old one are granted it on the new one.
@@ -312,6 +310,17 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.all_subscriptions', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.subscription_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.batch_members', '');
 
+-- The functions written in Rust that subscriptions use (src/subscriptions.rs).
+CREATE FUNCTION @extschema@."outbox_routed_to_default"() RETURNS INT
+STRICT VOLATILE SECURITY DEFINER PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'outbox_routed_to_default_wrapper';
+
+CREATE FUNCTION @extschema@."outbox_subscriptions_changed"()
+	RETURNS TRIGGER
+	LANGUAGE c
+	AS 'MODULE_PATHNAME', 'outbox_subscriptions_changed_wrapper';
+
 -- outbox_dispatch: subscriptions, one event to every subscribed task.
 --
 -- An event inserted without a task (by outbox_enqueue() or an ORM's INSERT)
@@ -381,6 +390,17 @@ CREATE TRIGGER events_route
     BEFORE INSERT ON outbox.events
     FOR EACH ROW WHEN (NEW.task IS NULL AND NEW.routed_to IS NULL)
     EXECUTE FUNCTION @extschema@.outbox_route();
+
+-- No event is routed while no subscription is active: routed_to then
+-- defaults to 0 and the trigger above is not called, so that an event
+-- without a task costs what it did before subscriptions existed. The
+-- default function caches the answer per backend (src/subscriptions.rs);
+-- every change to the subscriptions drops the caches at its commit.
+ALTER TABLE outbox.events ALTER COLUMN routed_to SET DEFAULT @extschema@.outbox_routed_to_default();
+
+CREATE TRIGGER all_subscriptions_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.all_subscriptions
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.outbox_subscriptions_changed();
 
 -- Subscribe task to event_type (exact, or every type it prefixes when it
 -- ends in '*'; '*' alone is every event). queue and priority override the
@@ -521,8 +541,10 @@ SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
 COMMENT ON VIEW outbox.deliveries IS
     'Per routed event and subscription: the delivery (or batch) that carries it, and its status.';
 
+-- outbox_routed_to_default() stays public: it is the default of every insert.
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_route(),
+    @extschema@.outbox_subscriptions_changed(),
     @extschema@.outbox_subscribe(text, text, text, integer, integer, interval),
     @extschema@.outbox_unsubscribe(bigint)
     FROM PUBLIC;
