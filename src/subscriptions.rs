@@ -48,7 +48,9 @@ fn outbox_routed_to_default() -> Option<i32> {
 fn remember(table: pg_sys::Oid, active: bool) -> bool {
     if !CALLBACK_REGISTERED.replace(true) {
         // SAFETY: registered once per backend, for the life of the backend.
-        unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(on_relcache_invalidation), pg_sys::Datum::from(0)) };
+        unsafe {
+            pg_sys::CacheRegisterRelcacheCallback(Some(on_relcache_invalidation), pg_sys::Datum::from(0))
+        };
     }
     TABLE.set(table);
     ACTIVE.set(Some(active));
