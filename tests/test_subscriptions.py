@@ -5,7 +5,7 @@ prefixes, routing fixed at enqueue, accumulated batches by count and by
 time and across a crash, privileges and bad arguments."""
 
 import json
-import time
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -28,15 +28,9 @@ def subscriber(redis_server):
 
 
 def clear(pg):
-    """Empties the tables; a deadlock with a dispatcher's statement (which
-    locks them in another order) is tried again."""
-    def truncated():
-        try:
-            pg.sql("TRUNCATE outbox.events, outbox.batch_members, outbox.all_subscriptions")
-            return True
-        except psycopg.errors.DeadlockDetected:
-            return False
-    wait_until(truncated, message="the tables emptied")
+    """Empties the tables. A dispatcher's flush locks them in another order;
+    in a deadlock the dispatcher (deadlock_timeout 100ms) gives way."""
+    pg.sql("TRUNCATE outbox.events, outbox.batch_members, outbox.all_subscriptions")
 
 
 @pytest.fixture
@@ -249,6 +243,34 @@ def test_an_accumulated_subscription_delivers_after_batch_wait(subs, redis_serve
     assert subs.value("""
         SELECT b.dispatched_at - min(m.available_at) >= interval '1 second'
           FROM outbox.batch_members m JOIN outbox.events b ON b.id = m.batch_id GROUP BY b.dispatched_at""")
+
+
+def test_the_dispatchers_sleep_ends_at_the_next_batch_wait(subs):
+    """What the dispatcher asks before it sleeps (sql/worker/next_due.sql)
+    counts the oldest waiting member's batch_wait, and a delayed member's
+    fall due."""
+    subs.configure(enabled="off")
+    wait_until(lambda: subs.value("SELECT state FROM outbox.workers") == "paused", message="paused")
+    next_due = (Path(__file__).resolve().parent.parent / "sql" / "worker" / "next_due.sql").read_text()
+    assert subs.value(next_due) is None
+    subscribe(subs, "shop.idle", "loop.digest", batch_max=100, batch_wait="30 seconds")
+    publish(subs, "shop.idle")
+    assert 25 < subs.value(next_due) <= 30
+    subscribe(subs, "shop.later", "loop.digest", batch_max=2)
+    publish(subs, "shop.later", delay="10 seconds")
+    assert 5 < subs.value(next_due) <= 10
+
+
+def test_a_purged_batch_takes_its_members_with_it(subs, redis_server):
+    subscribe(subs, "shop.purged", "loop.digest", batch_max=2)
+    publish(subs, "shop.purged")
+    publish(subs, "shop.purged")
+    wait_deliveries(subs, "processed", 2)
+    assert subs.value("SELECT count(*) FROM outbox.batch_members") == 2
+    subs.configure(retention="1s", lifecycle_interval="1s")
+    wait_until(lambda: subs.value("SELECT count(*) FROM outbox.batch_members") == 0, timeout=30,
+               message="the members purged with their batch")
+    assert subs.value("SELECT count(*) FROM outbox.events WHERE subscription_id IS NOT NULL") == 0
 
 
 def test_unsubscribing_delivers_the_waiting_members_at_once(subs, redis_server):
