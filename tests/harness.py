@@ -7,6 +7,7 @@ leftovers of an earlier run never get in the way."""
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -111,7 +112,10 @@ class SentinelGroup:
         self.password = password
         self.sentinel_password = sentinel_password
         auth = ["--masterauth", password] if password else []
-        self.master = Redis(*auth, password=password)
+        # The master keeps its data (AOF) across a crash, as Redis advises for
+        # a replicated master that may restart: one that comes back empty
+        # can wipe the replicas that sync from it.
+        self.master = Redis(*auth, "--appendonly", "yes", password=password)
         self.replica = Redis("--replicaof", "127.0.0.1", str(self.master.port), *auth, password=password)
         self.sentinels = [self._sentinel(i) for i in range(3)]
         wait_until(lambda: self.master.client().info("replication")["connected_slaves"] == 1,
@@ -124,7 +128,7 @@ class SentinelGroup:
         directory = tempfile.mkdtemp(prefix="outbox-sentinel-")
         conf = Path(directory) / "sentinel.conf"
         conf.write_text(
-            f"port {port}\nbind 127.0.0.1\ndir {directory}\n"
+            f"port {port}\nbind 127.0.0.1\ndir {directory}\nlogfile {directory}/sentinel.log\n"
             f"sentinel monitor {self.name} 127.0.0.1 {self.master.port} 2\n"
             f"sentinel down-after-milliseconds {self.name} 1000\n"
             f"sentinel failover-timeout {self.name} 10000\n"
@@ -153,10 +157,11 @@ class SentinelGroup:
         return redis_lib.Redis(host="127.0.0.1", port=self.sentinels[i]["port"], password=self.sentinel_password,
                                socket_timeout=10)
 
-    def master_port(self):
+    def master_port(self, sentinel=0):
+        """The master's port, as sentinel number `sentinel` sees it."""
         # (Not redis-py's sentinel_* helpers, whose reply parsing breaks
         # across versions.)
-        address = self.sentinel_client().execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name)
+        address = self.sentinel_client(sentinel).execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name)
         return int(address[1])
 
     def master_client(self):
@@ -164,6 +169,21 @@ class SentinelGroup:
 
     def servers(self):
         return [self.master, self.replica]
+
+    def events(self):
+        """What the sentinels did and saw (+sdown, +switch-master,
+        +convert-to-slave, ...), each line naming its sentinel: for a
+        failure's message."""
+        entry = re.compile(r"^\d+:X \d+ \w+ \d+ ([\d:.]+) [#*] (.*)$")
+        lines = []
+        for s in self.sentinels:
+            log = Path(s["dir"]) / "sentinel.log"
+            for line in log.read_text().splitlines() if log.exists() else []:
+                m = entry.match(line)
+                if m and (m[2].startswith(("+", "-")) or "failover" in m[2].lower()):
+                    lines.append(f"{m[1]} sentinel {s['port']}: {m[2]}")
+        first = f"(at the start: master {self.master.port}, replica {self.replica.port})"
+        return "\n".join([first, *sorted(lines)])
 
     def close(self):
         for s in self.sentinels:

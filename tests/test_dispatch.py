@@ -94,7 +94,9 @@ def test_delayed_event_waits_for_available_at(outbox, redis_server):
     assert status == "pending" and due
     wait_until(lambda: client.llen("q_delay") == 1, timeout=30, message="the delayed event")
     assert queued_ids(client, "q_delay") == [str(event_id)]
-    # Pushed no earlier than it was due (the dispatcher marks after pushing).
+    # Pushed no earlier than it was due: the mark, which follows the push
+    # (and may not have happened yet), is no earlier either.
+    wait_until(lambda: outbox.count("dispatched") == 1, message="the mark")
     assert outbox.value("SELECT dispatched_at >= available_at FROM outbox.events")
 
 

@@ -188,14 +188,16 @@ def test_rejected_pushes_retry_then_dead_letter_while_others_flow(outbox, redis_
     rows = outbox.sql("SELECT id::text, retry_count, last_error FROM outbox.dead_letters")
     assert {r[0] for r in rows} == wrong
     assert all(r[1] == 3 and "WRONGTYPE" in r[2] for r in rows), rows
-    assert outbox.metric("outbox_dead_letters_total") - dead_before == 3
+    # Counted once the outcome is committed: a moment after the rows show it.
+    wait_until(lambda: outbox.metric("outbox_dead_letters_total") - dead_before == 3, message="the dead letters counted")
     assert outbox.metric("outbox_retries_total") - retries_before == 6
     assert outbox.metric("outbox_push_failures_total", reason="redis_error") - rejected_before == 9
 
     client.delete("q_wrong")
     assert outbox.value("SELECT outbox_retry_failed()") == 3
     wait_until(lambda: set(queued_ids(client, "q_wrong")) == wrong, message="the retried events")
-    assert outbox.value("SELECT count(*) FROM outbox.events WHERE status = 'dispatched'") == 6
+    # (Marked after the push: wait for it.)
+    wait_until(lambda: outbox.count("dispatched") == 6, message="the retried events marked")
     assert outbox.value("SELECT outbox_retry(%s)", (next(iter(wrong)),)) is False  # no longer failed
 
 
