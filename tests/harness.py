@@ -103,9 +103,11 @@ class Redis:
 
 class SentinelGroup:
     """Redis under Sentinel on loopback: a master, a replica and three
-    sentinels (quorum 2) watching it as `name`; failures are noticed after a
-    second. `master_client()` follows the sentinels. `password` protects
-    the master and the replica, `sentinel_password` the sentinels."""
+    sentinels (quorum 2) watching it as `name`; failures are noticed after
+    two seconds (after one, a loaded machine saw the sentinels take a
+    just-promoted master for failed and fail over again). `master_client()`
+    follows the sentinels. `password` protects the master and the replica,
+    `sentinel_password` the sentinels."""
 
     def __init__(self, name="outbox", password=None, sentinel_password=None):
         self.name = name
@@ -130,7 +132,7 @@ class SentinelGroup:
         conf.write_text(
             f"port {port}\nbind 127.0.0.1\ndir {directory}\nlogfile {directory}/sentinel.log\n"
             f"sentinel monitor {self.name} 127.0.0.1 {self.master.port} 2\n"
-            f"sentinel down-after-milliseconds {self.name} 1000\n"
+            f"sentinel down-after-milliseconds {self.name} 2000\n"
             f"sentinel failover-timeout {self.name} 10000\n"
             f"sentinel parallel-syncs {self.name} 1\n"
             + (f"sentinel auth-pass {self.name} {self.password}\n" if self.password else "")
