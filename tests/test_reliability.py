@@ -189,7 +189,8 @@ def test_rejected_pushes_retry_then_dead_letter_while_others_flow(outbox, redis_
     assert {r[0] for r in rows} == wrong
     assert all(r[1] == 3 and "WRONGTYPE" in r[2] for r in rows), rows
     # Counted once the outcome is committed: a moment after the rows show it.
-    wait_until(lambda: outbox.metric("outbox_dead_letters_total") - dead_before == 3, message="the dead letters counted")
+    wait_until(lambda: outbox.metric("outbox_dead_letters_total") - dead_before == 3,
+               message="the dead letters counted")
     assert outbox.metric("outbox_retries_total") - retries_before == 6
     assert outbox.metric("outbox_push_failures_total", reason="redis_error") - rejected_before == 9
 
