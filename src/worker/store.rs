@@ -361,21 +361,21 @@ impl Store {
 
     /// Records `settled` (the previous push's outcome; may be empty), makes
     /// the batches of accumulated subscriptions that are due (each at most
-    /// `max_batch_bytes` of members), and claims up to `limit` due events,
+    /// `max_payload_bytes` of members), and claims up to `limit` due events,
     /// in one transaction: a dispatcher under load spends one transaction
     /// per batch, not two.
     pub fn settle_and_claim(
         &mut self,
         settled: &Outcome,
         limit: usize,
-        max_batch_bytes: i32,
+        max_payload_bytes: i32,
     ) -> Result<Claim, StoreError> {
         let claimed = self.with_plans(|client, plans, dispatcher| {
             mark(client, plans, dispatcher, settled)?;
             report_running(&plans.flush_batches.text);
             let mut accumulated = Accumulated::default();
             let mut subscriptions = std::collections::HashSet::new();
-            for row in client.update(&plans.flush_batches.plan, None, &[max_batch_bytes.into()])? {
+            for row in client.update(&plans.flush_batches.plan, None, &[max_payload_bytes.into()])? {
                 accumulated.events += 1;
                 subscriptions.insert(row.get::<i64>(1)?);
             }
