@@ -338,6 +338,9 @@ CREATE FUNCTION @extschema@."outbox_subscriptions_changed"()
 -- outbox.events, not on the subscription tables. It runs as the owner with
 -- the writer's search_path, so every name is qualified, operators included
 -- (a SET search_path clause would cost most of an enqueue, measured).
+-- The first look only asks whether anything matches: an event that matches
+-- nothing then skips starting the statement with two modifying CTEs; one
+-- that matches pays the look again, on a table of a few rows.
 CREATE FUNCTION @extschema@.outbox_route() RETURNS trigger
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 AS $$
