@@ -59,7 +59,8 @@ if ! grep -qs "^pg$PG *= *\"$PG_CONFIG\"" "$config"; then
     registered=()
     for major in 13 14 15 16 17 18; do
         [[ "$major" == "$PG" ]] && continue
-        path=$(sed -n "s/^pg$major *= *\"\(.*\)\"/\1/p" "$config" 2>/dev/null)
+        [[ -f "$config" ]] || break
+        path=$(sed -n "s/^pg$major *= *\"\(.*\)\"/\1/p" "$config")
         [[ -n "$path" && -x "$path" ]] && registered+=("--pg$major=$path")
     done
     cargo pgrx init "${registered[@]}" "--pg$PG=$PG_CONFIG"

@@ -1,6 +1,10 @@
 -- outbox_dispatch: the SQL API and the views. Runs last, after the
 -- functions written in Rust (src/api.rs, src/views.rs) exist.
 
+-- Every name below resolves in pg_catalog or is qualified: nothing binds an
+-- object the database owner may have put in the extension's schema.
+SET LOCAL search_path = pg_catalog, pg_temp;
+
 ALTER TABLE outbox.events ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7();
 
 -- Every insert path (outbox_enqueue() or an ORM's INSERT) wakes the
@@ -48,7 +52,7 @@ DECLARE
     event_bytes    CONSTANT integer := pg_catalog.octet_length(event_type);
     queue_bytes    CONSTANT integer := pg_catalog.octet_length(resolved_queue);
     task_bytes     CONSTANT integer := pg_catalog.octet_length(task);
-    enqueued_at    CONSTANT timestamptz := pg_catalog.clock_timestamp();
+    enqueued_at    CONSTANT pg_catalog.timestamptz := pg_catalog.clock_timestamp();
 BEGIN
     -- One test for the common case; the ones inside say what is wrong.
     IF event_type IS NULL OR payload IS NULL OR priority IS NULL

@@ -2,6 +2,12 @@
 -- Functions live in the extension's schema (public by default), data and
 -- views in schema outbox.
 
+-- Every name below resolves in pg_catalog or is qualified: nothing binds an
+-- object the database owner may have put in the extension's schema (the
+-- search_path CREATE EXTENSION sets). Restored at the end for the functions
+-- pgrx declares, which name no schema.
+SET LOCAL search_path = pg_catalog, pg_temp;
+
 -- Events travel as JSON text in UTF-8: the dispatchers read payloads and
 -- names as UTF-8, and a database in another encoding would garble or refuse
 -- them at dispatch, long after the commit. Refuse it here, up front.
@@ -149,3 +155,6 @@ CREATE INDEX batch_members_batch_idx ON outbox.batch_members (batch_id) WHERE ba
 SELECT pg_catalog.pg_extension_config_dump('outbox.all_subscriptions', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.subscription_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.batch_members', '');
+
+-- The extension's schema again, for the functions pgrx declares next.
+SET LOCAL search_path = @extschema@;

@@ -11,6 +11,11 @@
 -- subscriptions it went to. An event that matches none is dispatched as it
 -- always was (routed_to = 0), to the task named like its event type.
 
+-- Every name below resolves in pg_catalog or is qualified: nothing binds an
+-- object the database owner may have put in the extension's schema (the
+-- search_path CREATE EXTENSION sets). Restored at the end.
+SET LOCAL search_path = pg_catalog, pg_temp;
+
 -- The BEFORE INSERT row trigger. SECURITY DEFINER: writers need INSERT on
 -- outbox.events, not on the subscription tables. It runs as the owner with
 -- the writer's search_path, so every name is qualified, operators included
@@ -230,3 +235,6 @@ REVOKE ALL ON FUNCTION
     FROM PUBLIC;
 
 GRANT SELECT ON outbox.subscriptions, outbox.deliveries TO pg_monitor;
+
+-- The extension's schema again, for the functions pgrx declares next.
+SET LOCAL search_path = @extschema@;

@@ -6,6 +6,10 @@ The ordering of items is not stable, it is driven by a dependency graph.
 */
 /* </end connected objects> */
 
+-- Every name in this script resolves in pg_catalog or is qualified: nothing
+-- binds an object the database owner may have put in the extension's schema.
+SET LOCAL search_path = pg_catalog, pg_temp;
+
 /* <begin connected objects> */
 -- src/lib.rs:19
 -- bootstrap
@@ -73,7 +77,7 @@ CREATE INDEX events_processed_idx ON outbox.events (processed_at) WHERE status =
 /* <begin connected objects> */
 -- src/api.rs:41
 -- outbox_dispatch::api::outbox_ack
-CREATE  FUNCTION "outbox_ack"(
+CREATE  FUNCTION @extschema@."outbox_ack"(
 	"id" uuid /* pgrx :: Uuid */
 ) RETURNS bool /* bool */
 STRICT VOLATILE SECURITY DEFINER PARALLEL UNSAFE
@@ -85,7 +89,7 @@ AS 'MODULE_PATHNAME', 'outbox_ack_wrapper';
 /* <begin connected objects> */
 -- src/api.rs:24
 -- outbox_dispatch::api::outbox_max_payload_bytes
-CREATE  FUNCTION "outbox_max_payload_bytes"() RETURNS INT /* i32 */
+CREATE  FUNCTION @extschema@."outbox_max_payload_bytes"() RETURNS INT /* i32 */
 STRICT STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'outbox_max_payload_bytes_wrapper';
@@ -94,7 +98,7 @@ AS 'MODULE_PATHNAME', 'outbox_max_payload_bytes_wrapper';
 /* <begin connected objects> */
 -- src/metrics.rs:280
 -- outbox_dispatch::metrics::outbox_metrics
-CREATE  FUNCTION "outbox_metrics"() RETURNS TABLE (
+CREATE  FUNCTION @extschema@."outbox_metrics"() RETURNS TABLE (
 	"name" TEXT,  /* String */
 	"labels" jsonb,  /* pgrx :: JsonB */
 	"value" double precision  /* f64 */
@@ -107,7 +111,7 @@ AS 'MODULE_PATHNAME', 'outbox_metrics_wrapper';
 /* <begin connected objects> */
 -- src/metrics.rs:293
 -- outbox_dispatch::metrics::outbox_metrics_prometheus
-CREATE  FUNCTION "outbox_metrics_prometheus"() RETURNS TEXT /* String */
+CREATE  FUNCTION @extschema@."outbox_metrics_prometheus"() RETURNS TEXT /* String */
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'outbox_metrics_prometheus_wrapper';
@@ -116,7 +120,7 @@ AS 'MODULE_PATHNAME', 'outbox_metrics_prometheus_wrapper';
 /* <begin connected objects> */
 -- src/api.rs:17
 -- outbox_dispatch::api::outbox_uuid_v7
-CREATE  FUNCTION "outbox_uuid_v7"() RETURNS uuid /* pgrx :: Uuid */
+CREATE  FUNCTION @extschema@."outbox_uuid_v7"() RETURNS uuid /* pgrx :: Uuid */
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'outbox_uuid_v7_wrapper';
@@ -125,7 +129,7 @@ AS 'MODULE_PATHNAME', 'outbox_uuid_v7_wrapper';
 /* <begin connected objects> */
 -- src/api.rs:31
 -- outbox_dispatch::api::outbox_wake
-CREATE  FUNCTION "outbox_wake"() RETURNS void
+CREATE  FUNCTION @extschema@."outbox_wake"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'outbox_wake_wrapper';
@@ -134,7 +138,7 @@ AS 'MODULE_PATHNAME', 'outbox_wake_wrapper';
 /* <begin connected objects> */
 -- src/api.rs:80
 -- outbox_dispatch::api::outbox_workers
-CREATE  FUNCTION "outbox_workers"() RETURNS TABLE (
+CREATE  FUNCTION @extschema@."outbox_workers"() RETURNS TABLE (
 	"worker" INT,  /* i32 */
 	"pid" INT,  /* Option < i32 > */
 	"state" TEXT,  /* String */
@@ -152,7 +156,7 @@ AS 'MODULE_PATHNAME', 'outbox_workers_wrapper';
 /* <begin connected objects> */
 -- src/api.rs:58
 -- outbox_dispatch::api::outbox_events_inserted
-CREATE FUNCTION "outbox_events_inserted"()
+CREATE FUNCTION @extschema@."outbox_events_inserted"()
 	RETURNS TRIGGER
 	LANGUAGE c
 	AS 'MODULE_PATHNAME', 'outbox_events_inserted_wrapper';

@@ -2,6 +2,10 @@
 -- a script of their own.
 \echo Use "ALTER EXTENSION outbox_dispatch UPDATE" to load this file. \quit
 
+-- Every name in this script resolves in pg_catalog or is qualified: nothing
+-- binds an object the database owner may have put in the extension's schema.
+SET LOCAL search_path = pg_catalog, pg_temp;
+
 -- outbox_enqueue makes the id itself instead of INSERT ... RETURNING, so
 -- that writers need no SELECT on outbox.events; it reads its payload limit
 -- through outbox_max_payload_bytes(), new in 0.2.0, and checks everything

@@ -2,6 +2,10 @@
 -- a script of their own.
 \echo Use "ALTER EXTENSION outbox_dispatch UPDATE" to load this file. \quit
 
+-- Every name in this script resolves in pg_catalog or is qualified: nothing
+-- binds an object the database owner may have put in the extension's schema.
+SET LOCAL search_path = pg_catalog, pg_temp;
+
 -- A database that is not UTF8 is refused at CREATE EXTENSION from 0.3.0 on;
 -- an installation that exists already in one keeps working as before.
 

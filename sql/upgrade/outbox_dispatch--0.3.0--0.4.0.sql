@@ -1,0 +1,272 @@
+-- outbox_dispatch 0.3.0 → 0.4.0. Frozen once released: later changes go in
+-- a script of their own.
+\echo Use "ALTER EXTENSION outbox_dispatch UPDATE" to load this file. \quit
+
+-- Every name in this script resolves in pg_catalog or is qualified: nothing
+-- binds an object the database owner may have put in the extension's schema.
+SET LOCAL search_path = pg_catalog, pg_temp;
+
+-- Earlier scripts ran with the extension's schema (public) first in the
+-- search_path, where the database owner may create objects: an operator or
+-- function planted there before CREATE EXTENSION or an update may have been
+-- bound into a view, a default, an index predicate or a constraint. Bind
+-- them all to pg_catalog again: views and defaults always (it costs nothing),
+-- indexes, constraints and the generated column only where something is
+-- bound outside pg_catalog and the extension (rebuilding one scans its table).
+CREATE OR REPLACE VIEW outbox.status AS
+WITH exact AS (
+    SELECT 'pending'::outbox.event_status AS status, pg_catalog.count(*) AS count,
+           pg_catalog.min(e.created_at) AS oldest_created_at,
+           coalesce(pg_catalog.now() - pg_catalog.min(e.available_at)
+                        FILTER (WHERE e.available_at <= pg_catalog.now()),
+                    interval '0') AS lag
+      FROM outbox.events AS e WHERE e.status = 'pending'
+    UNION ALL
+    SELECT 'processing', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
+      FROM outbox.events AS e WHERE e.status = 'processing'
+    UNION ALL
+    SELECT 'failed', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
+      FROM outbox.events AS e WHERE e.status = 'failed'
+), estimated AS (
+    SELECT s.status, GREATEST(c.reltuples, 0)::bigint AS count
+      FROM (VALUES ('dispatched'::outbox.event_status, 'outbox.events_dispatched_idx'),
+                   ('processed', 'outbox.events_processed_idx')) AS s(status, index_name)
+      JOIN pg_catalog.pg_class AS c ON c.oid = pg_catalog.to_regclass(s.index_name)
+)
+SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
+       false AS estimated
+  FROM exact
+UNION ALL
+SELECT status, count, NULL, NULL, NULL, true
+  FROM estimated
+ ORDER BY status;
+
+CREATE OR REPLACE VIEW outbox.workers AS
+SELECT * FROM @extschema@.outbox_workers();
+
+CREATE OR REPLACE VIEW outbox.metrics AS
+SELECT * FROM @extschema@.outbox_metrics();
+
+CREATE OR REPLACE VIEW outbox.dead_letters AS
+SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
+       retry_count, last_error, created_at, deliveries, args, event_id, subscription_id
+  FROM outbox.events
+ WHERE status = 'failed';
+
+CREATE OR REPLACE VIEW outbox.subscriptions AS
+SELECT s.id, s.event_type, s.task, s.queue, s.priority, s.batch_max, s.batch_wait,
+       w.waiting, w.oldest_available_at, s.created_at, s.unsubscribed_at
+  FROM outbox.all_subscriptions AS s
+ CROSS JOIN LATERAL (
+       SELECT pg_catalog.count(*) AS waiting, pg_catalog.min(m.available_at) AS oldest_available_at
+         FROM outbox.batch_members AS m
+        WHERE m.subscription_id = s.id AND m.batch_id IS NULL) AS w
+ WHERE s.unsubscribed_at IS NULL OR w.waiting > 0
+ ORDER BY s.id;
+
+CREATE OR REPLACE VIEW outbox.deliveries AS
+SELECT e.event_id, e.subscription_id, e.task, e.id AS delivery_id, false AS batched,
+       e.status::text AS status, e.retry_count, e.deliveries AS sends, e.last_error,
+       e.dispatched_at, e.processed_at
+  FROM outbox.events AS e
+ WHERE e.event_id IS NOT NULL
+UNION ALL
+SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
+       coalesce(b.status::text, 'waiting'), b.retry_count, b.deliveries, b.last_error,
+       b.dispatched_at, b.processed_at
+  FROM outbox.batch_members AS m
+  JOIN outbox.all_subscriptions AS s ON s.id = m.subscription_id
+  LEFT JOIN outbox.events AS b ON b.id = m.batch_id;
+
+ALTER TABLE outbox.events
+    ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7(),
+    ALTER COLUMN queue SET DEFAULT coalesce(current_setting('outbox.default_queue', true), 'celery'),
+    ALTER COLUMN routed_to SET DEFAULT @extschema@.outbox_routed_to_default(),
+    ALTER COLUMN created_at SET DEFAULT clock_timestamp(),
+    ALTER COLUMN available_at SET DEFAULT clock_timestamp();
+ALTER TABLE outbox.all_subscriptions
+    ALTER COLUMN id SET DEFAULT nextval('outbox.subscription_id_seq'),
+    ALTER COLUMN created_at SET DEFAULT now();
+
+DO $$
+DECLARE
+    object record;
+BEGIN
+    FOR object IN
+        WITH definition(relation, kind, name, create_it) AS (VALUES
+            ('outbox.events', 'index', 'events_pending_idx',
+             'CREATE INDEX events_pending_idx ON outbox.events (available_at) WHERE status = ''pending'''),
+            ('outbox.events', 'index', 'events_processing_idx',
+             'CREATE INDEX events_processing_idx ON outbox.events (processing_started_at, claimed_by) '
+             'WHERE status = ''processing'''),
+            ('outbox.events', 'index', 'events_dispatched_idx',
+             'CREATE INDEX events_dispatched_idx ON outbox.events (dispatched_at) WHERE status = ''dispatched'''),
+            ('outbox.events', 'index', 'events_failed_idx',
+             'CREATE INDEX events_failed_idx ON outbox.events (created_at) WHERE status = ''failed'''),
+            ('outbox.events', 'index', 'events_processed_idx',
+             'CREATE INDEX events_processed_idx ON outbox.events (processed_at) WHERE status = ''processed'''),
+            ('outbox.events', 'constraint', 'events_event_type_length',
+             'CHECK (octet_length(event_type) BETWEEN 1 AND 255)'),
+            ('outbox.events', 'constraint', 'events_args_array', 'CHECK (jsonb_typeof(args) = ''array'')'),
+            ('outbox.events', 'constraint', 'events_queue_length', 'CHECK (octet_length(queue) BETWEEN 1 AND 255)'),
+            ('outbox.events', 'constraint', 'events_task_length', 'CHECK (octet_length(task) BETWEEN 1 AND 255)'),
+            ('outbox.events', 'constraint', 'events_headers_object', 'CHECK (jsonb_typeof(headers) = ''object'')'),
+            ('outbox.events', 'constraint', 'events_priority_range', 'CHECK (priority BETWEEN 0 AND 9)'),
+            ('outbox.events', 'constraint', 'events_args_with_kwargs',
+             'CHECK (args IS NULL OR jsonb_typeof(payload) = ''object'')'),
+            ('outbox.all_subscriptions', 'constraint', 'all_subscriptions_batch',
+             'CHECK (batch_max IS NOT NULL OR batch_wait IS NULL)'),
+            ('outbox.all_subscriptions', 'column', 'prefix',
+             'text GENERATED ALWAYS AS (CASE WHEN right(event_type, 1) = ''*'' THEN left(event_type, -1) END) STORED')
+        ), located AS (
+            SELECT d.*,
+                   CASE d.kind
+                       WHEN 'index' THEN 'pg_class'::regclass
+                       WHEN 'constraint' THEN 'pg_constraint'::regclass
+                       ELSE 'pg_attrdef'::regclass
+                   END AS classid,
+                   CASE d.kind
+                       WHEN 'index' THEN ('outbox.' || d.name)::regclass::oid
+                       WHEN 'constraint' THEN (SELECT c.oid FROM pg_constraint AS c
+                                                WHERE c.conrelid = d.relation::regclass AND c.conname = d.name)
+                       ELSE (SELECT a.oid FROM pg_attrdef AS a
+                              JOIN pg_attribute AS c ON c.attrelid = a.adrelid AND c.attnum = a.adnum
+                             WHERE c.attrelid = d.relation::regclass AND c.attname = d.name)
+                   END AS objid
+              FROM definition AS d
+        )
+        SELECT l.relation, l.kind, l.name, l.create_it
+          FROM located AS l
+         WHERE EXISTS (
+               SELECT FROM pg_depend AS dep
+                WHERE dep.classid = l.classid AND dep.objid = l.objid
+                  AND dep.refclassid IN ('pg_operator'::regclass, 'pg_proc'::regclass, 'pg_type'::regclass)
+                  AND (pg_identify_object(dep.refclassid, dep.refobjid, 0)).schema IS DISTINCT FROM 'pg_catalog'
+                  AND NOT EXISTS (SELECT FROM pg_depend AS member
+                                   WHERE member.classid = dep.refclassid AND member.objid = dep.refobjid
+                                     AND member.refclassid = 'pg_extension'::regclass
+                                     AND member.deptype = 'e'))
+    LOOP
+        RAISE NOTICE 'outbox_dispatch: % % of % was bound to an object outside pg_catalog; rebuilding it',
+            object.kind, object.name, object.relation;
+        CASE object.kind
+            WHEN 'index' THEN
+                EXECUTE format('DROP INDEX outbox.%I', object.name);
+                EXECUTE object.create_it;
+            WHEN 'constraint' THEN
+                EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I, ADD CONSTRAINT %I %s',
+                               object.relation, object.name, object.name, object.create_it);
+            ELSE
+                EXECUTE format('ALTER TABLE %s DROP COLUMN %I, ADD COLUMN %I %s',
+                               object.relation, object.name, object.name, object.create_it);
+        END CASE;
+    END LOOP;
+END
+$$;
+
+-- No type in outbox_enqueue's body resolves through the caller's search_path.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
+    event_type text,
+    payload    jsonb,
+    queue      text     DEFAULT NULL,
+    task       text     DEFAULT NULL,
+    headers    jsonb    DEFAULT NULL,
+    delay      interval DEFAULT NULL,
+    priority   integer  DEFAULT 0,
+    expires    interval DEFAULT NULL,
+    args       jsonb    DEFAULT NULL
+) RETURNS uuid
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    max_name_bytes CONSTANT integer := 255;
+    max_payload    CONSTANT integer := @extschema@.outbox_max_payload_bytes();
+    resolved_queue CONSTANT pg_catalog.text := coalesce(queue,
+                                      pg_catalog.current_setting('outbox.default_queue', true), 'celery');
+    -- Made here rather than returned by the INSERT: RETURNING would need
+    -- SELECT on outbox.events, which writers are not granted.
+    new_id         CONSTANT pg_catalog.uuid := @extschema@.outbox_uuid_v7();
+    payload_bytes  CONSTANT integer := pg_catalog.pg_column_size(payload)
+                                       OPERATOR(pg_catalog.+) coalesce(pg_catalog.pg_column_size(args), 0);
+    event_bytes    CONSTANT integer := pg_catalog.octet_length(event_type);
+    queue_bytes    CONSTANT integer := pg_catalog.octet_length(resolved_queue);
+    task_bytes     CONSTANT integer := pg_catalog.octet_length(task);
+    enqueued_at    CONSTANT pg_catalog.timestamptz := pg_catalog.clock_timestamp();
+BEGIN
+    -- One test for the common case; the ones inside say what is wrong.
+    IF event_type IS NULL OR payload IS NULL OR priority IS NULL
+       OR event_bytes OPERATOR(pg_catalog.<) 1 OR event_bytes OPERATOR(pg_catalog.>) max_name_bytes
+       OR queue_bytes OPERATOR(pg_catalog.<) 1 OR queue_bytes OPERATOR(pg_catalog.>) max_name_bytes
+       OR task_bytes OPERATOR(pg_catalog.<) 1 OR task_bytes OPERATOR(pg_catalog.>) max_name_bytes
+       OR payload_bytes OPERATOR(pg_catalog.>) max_payload
+       OR pg_catalog.jsonb_typeof(headers) OPERATOR(pg_catalog.<>) 'object'
+       OR delay OPERATOR(pg_catalog.<) interval '0'
+       OR priority OPERATOR(pg_catalog.<) 0 OR priority OPERATOR(pg_catalog.>) 9
+       OR expires OPERATOR(pg_catalog.<=) interval '0'
+       OR pg_catalog.jsonb_typeof(args) OPERATOR(pg_catalog.<>) 'array'
+       OR (args IS NOT NULL AND pg_catalog.jsonb_typeof(payload) OPERATOR(pg_catalog.<>) 'object')
+    THEN
+        IF event_type IS NULL OR event_bytes OPERATOR(pg_catalog.=) 0 THEN
+            RAISE EXCEPTION 'outbox_enqueue: event_type must not be null or empty'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF event_bytes OPERATOR(pg_catalog.>) max_name_bytes THEN
+            RAISE EXCEPTION 'outbox_enqueue: event_type is % bytes, the limit is % bytes',
+                event_bytes, max_name_bytes
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF queue_bytes OPERATOR(pg_catalog.<) 1 OR queue_bytes OPERATOR(pg_catalog.>) max_name_bytes THEN
+            RAISE EXCEPTION 'outbox_enqueue: queue is % bytes, it must be 1 to % bytes',
+                queue_bytes, max_name_bytes
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF task_bytes OPERATOR(pg_catalog.<) 1 OR task_bytes OPERATOR(pg_catalog.>) max_name_bytes THEN
+            RAISE EXCEPTION 'outbox_enqueue: task is % bytes, it must be 1 to % bytes',
+                task_bytes, max_name_bytes
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF payload IS NULL THEN
+            RAISE EXCEPTION 'outbox_enqueue: payload must not be null (use ''{}'' for a task without arguments)'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF payload_bytes OPERATOR(pg_catalog.>) max_payload THEN
+            RAISE EXCEPTION 'outbox_enqueue: payload is % bytes as jsonb, over outbox.max_payload_bytes (% bytes)',
+                payload_bytes, max_payload
+                USING ERRCODE = 'program_limit_exceeded',
+                      HINT = 'args count towards it.';
+        END IF;
+        IF pg_catalog.jsonb_typeof(headers) OPERATOR(pg_catalog.<>) 'object' THEN
+            RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, not %',
+                pg_catalog.jsonb_typeof(headers)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF delay OPERATOR(pg_catalog.<) interval '0' THEN
+            RAISE EXCEPTION 'outbox_enqueue: delay must not be negative (got %)', delay
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF expires OPERATOR(pg_catalog.<=) interval '0' THEN
+            RAISE EXCEPTION 'outbox_enqueue: expires must be positive (got %)', expires
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF pg_catalog.jsonb_typeof(args) OPERATOR(pg_catalog.<>) 'array' THEN
+            RAISE EXCEPTION 'outbox_enqueue: args must be a JSON array, not %', pg_catalog.jsonb_typeof(args)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF args IS NOT NULL AND pg_catalog.jsonb_typeof(payload) OPERATOR(pg_catalog.<>) 'object' THEN
+            RAISE EXCEPTION 'outbox_enqueue: with args, payload must be a JSON object (the keyword arguments), not %',
+                pg_catalog.jsonb_typeof(payload)
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        RAISE EXCEPTION 'outbox_enqueue: priority is %, it must be 0 (highest) to 9', priority
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+
+    INSERT INTO outbox.events (id, event_type, payload, args, queue, task, headers, priority,
+                               available_at, expires_at)
+    VALUES (new_id, event_type, payload, args, resolved_queue, task, headers, priority,
+            enqueued_at OPERATOR(pg_catalog.+) coalesce(delay, interval '0'),
+            enqueued_at OPERATOR(pg_catalog.+) expires);
+    RETURN new_id;
+END
+$$;
+
