@@ -2,11 +2,12 @@
 #
 # One PostgreSQL major at a time: PG=15 (the default, Debian's packages),
 # PG=16 or PG=18 (relocatable builds from PyPI wheels, installed under
-# /opt/outbox_dispatch), or PG_CONFIG=/path/to/pg_config for any other
+# OUTBOX_DEPS_DIR), or PG_CONFIG=/path/to/pg_config for any other
 # installation of 15 to 18 (its major is read from it).
 PG ?= 15
+export OUTBOX_DEPS_DIR ?= /opt/outbox_dispatch
 ifeq ($(origin PG_CONFIG),undefined)
-PG_CONFIG := $(if $(filter 15,$(PG)),/usr/lib/postgresql/15/bin/pg_config,/opt/outbox_dispatch/pg$(PG)/bin/pg_config)
+PG_CONFIG := $(if $(filter 15,$(PG)),/usr/lib/postgresql/15/bin/pg_config,$(OUTBOX_DEPS_DIR)/pg$(PG)/bin/pg_config)
 PG_MAJOR := $(PG)
 else
 PG_MAJOR = $(shell $(PG_CONFIG) --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')

