@@ -54,6 +54,7 @@ pub static PRIORITY_SEPARATOR: GucSetting<Option<CString>> = GucSetting::<Option
 pub static REPORT_KEY: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_dispatch.reports"));
 pub static MAX_BATCH_BYTES_KB: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024);
+pub static STATEMENT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
 
 const HOUR_MS: i32 = 3_600_000;
 const DAY_S: i32 = 86_400;
@@ -80,7 +81,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 32] = [
+const DECLARATIONS: [Declaration; 33] = [
     Declaration(c"outbox.workers", Postmaster, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
         c"Number of dispatcher background workers (each takes a max_worker_processes slot)."),
     Declaration(c"outbox.database", Sighup, NONE, Text(&DATABASE),
@@ -129,6 +130,8 @@ const DECLARATIONS: [Declaration; 32] = [
         c"Dispatched events not acknowledged within this are sent again; 0 (the default) turns acknowledgements off."),
     Declaration(c"outbox.max_redeliveries", Sighup, NONE, Int(&MAX_REDELIVERIES, 0, 1000, NONE),
         c"Re-sends of an unacknowledged event before it is failed."),
+    Declaration(c"outbox.statement_timeout", Sighup, NONE, Int(&STATEMENT_TIMEOUT_MS, 100, HOUR_MS, MS),
+        c"Longest a dispatcher's statement may run; it is then cancelled and tried again later."),
     Declaration(c"outbox.sweep_interval", Sighup, NONE, Int(&SWEEP_INTERVAL_S, 1, DAY_S, S),
         c"Period of the stuck and unacknowledged sweepers."),
     Declaration(c"outbox.retention", Sighup, NONE, Int(&RETENTION_S, 1, 3650 * DAY_S, S),
@@ -222,6 +225,8 @@ pub struct Settings {
     /// Zero: acknowledgements are off.
     pub ack_timeout: Duration,
     pub max_redeliveries: i32,
+    /// The deadline of every statement a dispatcher runs.
+    pub statement_timeout: Duration,
     pub sweep_interval: Duration,
     pub retention: Duration,
     pub lifecycle_interval: Duration,
@@ -263,6 +268,7 @@ impl Settings {
             processing_timeout_set: (processing_timeout < longest).then_some(processing_timeout),
             ack_timeout: seconds(&ACK_TIMEOUT_S),
             max_redeliveries: MAX_REDELIVERIES.get(),
+            statement_timeout: millis(&STATEMENT_TIMEOUT_MS),
             sweep_interval: seconds(&SWEEP_INTERVAL_S),
             retention: seconds(&RETENTION_S),
             lifecycle_interval: seconds(&LIFECYCLE_INTERVAL_S),

@@ -135,7 +135,7 @@ pub fn wake_all(source: WakeSource) {
                 continue;
             }
             if procno >= 0 && (procno as u32) < (*global).allProcCount {
-                slot.wake_sources.fetch_or(1 << source as u8, Ordering::Relaxed);
+                slot.wake_sources.fetch_or(1 << source as u8, Ordering::AcqRel);
                 pg_sys::SetLatch(&raw mut (*(*global).allProcs.add(procno as usize)).procLatch);
             }
         }
@@ -191,6 +191,17 @@ impl Own {
         self.slot().state.store(state as u8, Ordering::Relaxed);
     }
 
+    /// Ends `paused` (commits wake the dispatcher again), before it first
+    /// looks for work: a commit after that look must find it awake.
+    pub fn resume(&self) {
+        let _ = self.slot().state.compare_exchange(
+            State::Paused as u8,
+            State::Idle as u8,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+    }
+
     pub fn set_connected(&self, connected: bool) {
         let slot = self.slot();
         slot.connected.store(connected, Ordering::Relaxed);
@@ -201,7 +212,15 @@ impl Own {
 
     /// The sources of the wakes since the last call, as `1 << WakeSource` bits.
     pub fn take_wake_sources(&self) -> u8 {
-        self.slot().wake_sources.swap(0, Ordering::Relaxed)
+        self.slot().wake_sources.swap(0, Ordering::AcqRel)
+    }
+
+    /// Whether a wake came since [`Own::take_wake_sources`] last looked.
+    /// The record a wake leaves here, unlike the latch it sets, survives
+    /// the waits inside PostgreSQL (a lock, a buffer pin) that reset the
+    /// latch while a step runs.
+    pub fn wake_pending(&self) -> bool {
+        self.slot().wake_sources.load(Ordering::Acquire) != 0
     }
 
     /// Records that the broker answered.

@@ -3,6 +3,7 @@ a stock Celery worker; rolled-back ones never leave the database."""
 
 import json
 import re
+import time
 from pathlib import Path
 
 import psycopg
@@ -84,6 +85,41 @@ def test_commit_wakes_an_idle_dispatcher(outbox, redis_server):
         conn.commit()
     wait_until(lambda: queued_ids(client, "q_wake") == [str(event_id)], timeout=10,
                message="the event within 10 s of COMMIT")
+
+
+def test_no_wake_is_lost_across_pauses_reloads_and_brief_locks(redis_server):
+    """Pause, enqueue, resume while the table is briefly locked (the
+    dispatchers' first claims wait on the lock, whose wait resets their
+    latches), and again: each time, with a 60 s safety poll, the events
+    go out within seconds."""
+    pg = Cluster(redis_server.url, workers=2, batch_size=1000, poll_interval="60s")
+    client = redis_server.client()
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        wait_until(lambda: pg.value("SELECT count(*) FROM outbox.workers WHERE state = 'idle'") == 2,
+                   timeout=60, message="two idle dispatchers")
+        for cycle in range(10):
+            queue = f"q_wake_cycle_{cycle}"
+            pg.configure(enabled="off")
+            wait_until(lambda: pg.value("SELECT bool_and(state = 'paused') FROM outbox.workers"),
+                       message="paused dispatchers")
+            pg.sql("SELECT outbox_enqueue('cycle', '{}', queue => %s) FROM generate_series(1, 3000)", (queue,))
+            with pg.connect(autocommit=False) as locker:
+                locker.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+                pg.configure(enabled="on")
+                time.sleep(0.1 + 0.1 * (cycle % 4))
+                # A commit while they wait on the lock: its wake must count.
+                with pg.connect() as producer:
+                    producer.execute("SET lock_timeout = '50ms'")
+                    with pytest.raises(psycopg.errors.LockNotAvailable):
+                        producer.execute("SELECT outbox_enqueue('cycle', '{}', queue => %s)", (queue,))
+                locker.commit()
+            pg.sql("SELECT outbox_enqueue('cycle', '{}', queue => %s)", (queue,))
+            wait_until(lambda: client.llen(queue) == 3001, timeout=20,
+                       message=f"cycle {cycle}: every event well before the 60 s poll "
+                               f"({client.llen(queue)} of 3001; {pg.sql('TABLE outbox.workers')})")
+    finally:
+        pg.close()
 
 
 def test_delayed_event_waits_for_available_at(outbox, redis_server):

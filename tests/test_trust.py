@@ -207,6 +207,42 @@ def test_a_lock_held_during_shutdown_does_not_delay_it(redis_server):
         pg.close()
 
 
+def test_a_slow_statement_ends_at_outbox_statement_timeout_and_delivery_resumes(redis_server):
+    """PostgreSQL arms statement_timeout only for top-level statements, never
+    under SPI: the dispatchers arm their own deadline. A trigger makes every
+    claim sleep for a minute."""
+    pg = Cluster(redis_server.url, statement_timeout="1s")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.wait_idle()
+        [pid] = pg.dispatcher_pids()
+        pg.sql("""CREATE FUNCTION public.slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+                  BEGIN PERFORM pg_catalog.pg_sleep(60); RETURN NEW; END $$;
+                  CREATE TRIGGER slow_claim BEFORE UPDATE ON outbox.events FOR EACH ROW
+                  WHEN (NEW.status = 'processing') EXECUTE FUNCTION public.slow_claim()""")
+        ids = enqueue(pg, 3, "q_slow")
+        wait_until(lambda: "statement timeout" in (pg.value("SELECT last_error FROM outbox.workers") or ""),
+                   timeout=30, message="the deadline in last_error")
+        assert pg.value("SELECT state FROM outbox.workers") == "blocked"
+        assert pg.count("pending") == 3
+        pg.sql("DROP TRIGGER slow_claim ON outbox.events")
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_slow")) == sorted(ids), timeout=30,
+                   message="delivery once the statement is quick again")
+        wait_until(lambda: pg.value("SELECT last_error FROM outbox.workers") is None, message="the error cleared")
+        assert pg.dispatcher_pids() == [pid], "the dispatcher was restarted"
+        assert "canceling statement due to statement timeout" in pg.log_text()
+        # A slow statement at shutdown: the fast stop does not wait for it.
+        pg.sql("CREATE TRIGGER slow_claim BEFORE UPDATE ON outbox.events FOR EACH ROW "
+               "WHEN (NEW.status = 'processing') EXECUTE FUNCTION public.slow_claim()")
+        pg.configure(statement_timeout="1h")
+        enqueue(pg, 1, "q_slow")
+        wait_until(lambda: pg.value("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'") == 1,
+                   timeout=30, message="the claim asleep")
+        assert timed_fast_stop(pg) < 10
+    finally:
+        pg.close()
+
+
 # -- the broker's conditions are not the events' fault ------------------------------
 
 @pytest.mark.parametrize("condition", ["oom", "readonly"])

@@ -16,6 +16,10 @@ use crate::slots;
 /// Sweeper transactions per step.
 const BATCHES: usize = 10;
 
+/// How soon housekeeping whose statement failed is tried again; meanwhile
+/// the dispatcher goes on delivering.
+const RETRY: Duration = Duration::from_secs(10);
+
 /// When each kind of housekeeping falls due.
 pub struct Schedule {
     next_sweep: Instant,
@@ -46,7 +50,8 @@ impl Schedule {
         self.next_sweep.min(self.next_lifecycle)
     }
 
-    /// Runs what has fallen due, unless another dispatcher has the turn.
+    /// Runs what has fallen due, unless another dispatcher has the turn. A
+    /// part whose statement fails is due again after [`RETRY`].
     pub fn run_if_due(
         &mut self,
         dispatcher: usize,
@@ -62,6 +67,7 @@ impl Schedule {
             return Ok(());
         };
         if now >= self.next_sweep {
+            self.next_sweep = now + RETRY;
             let (rescued, more_stuck) = sweep_some(|| store.sweep_stuck(settings.processing_timeout))?;
             counters::add(Counter::StuckRescued, rescued);
             if rescued > 0 {
@@ -90,6 +96,7 @@ impl Schedule {
             self.next_sweep = next(now, more_stuck || more_unacked, settings.sweep_interval);
         }
         if now >= self.next_lifecycle {
+            self.next_lifecycle = now + RETRY;
             let acks_off = settings.ack_timeout.is_zero();
             let cursor = &mut self.purge_cursor;
             let (purged, more) = sweep_some(|| store.purge(settings.retention, acks_off, cursor))?;

@@ -32,8 +32,11 @@ use store::{Claim, Outcome, Store, StoreError};
 /// error, a `pg_terminate_backend`, or a database that does not exist.
 const RESTART_DELAY: Duration = Duration::from_secs(5);
 
-/// How soon a statement that failed (a lock not granted, say) is tried again.
-const STORE_RETRY: Duration = Duration::from_secs(1);
+/// How soon a statement that failed (a lock not granted, say) is tried
+/// again: at first after a second, then backing off (with jitter) up to ten
+/// seconds while it keeps failing.
+const STORE_RETRY_MIN: Duration = Duration::from_secs(1);
+const STORE_RETRY_MAX: Duration = Duration::from_secs(10);
 
 /// Registers `count` dispatchers; `_PG_init` calls this while preloading.
 pub fn register(count: usize) {
@@ -85,7 +88,15 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
             dispatcher.reconfigure(Settings::current());
         }
         let nap = dispatcher.step().min(rest());
-        let timed_out = wait::for_wake(nap);
+        // A commit's wake, a reload or a shutdown that came during the step
+        // set the latch, but a wait inside PostgreSQL (a lock, a buffer pin)
+        // may have reset it since: what they left in shared memory and in
+        // the signal flags decides whether to sleep, not the latch.
+        let timed_out = if dispatcher.slot.wake_pending() || signals::interrupt_pending() {
+            false
+        } else {
+            wait::for_wake(nap)
+        };
         dispatcher.count_wake(timed_out);
     }
 }
@@ -127,6 +138,10 @@ struct Dispatcher {
     extension_missing: bool,
     /// The last statement failed with this error (which `last_error` shows).
     store_failing: Option<String>,
+    /// Consecutive failed statements.
+    store_attempt: u32,
+    /// No statement before this, after a failed one.
+    store_retry_at: Option<Instant>,
     /// The broker's lack of persistence was logged.
     persistence_warned: bool,
     housekeeping: housekeeping::Schedule,
@@ -145,8 +160,8 @@ impl Dispatcher {
             slot,
             sink: Sink::new(&settings.broker),
             waiter: wait::Broker { config: settings.broker.clone() },
+            store: Store::new(index, settings.statement_timeout),
             settings,
-            store: Store::new(index),
             origin: setup::origin(),
             unsettled: Outcome::default(),
             reconnect_attempt: 0,
@@ -154,6 +169,8 @@ impl Dispatcher {
             released_own: false,
             extension_missing: false,
             store_failing: None,
+            store_attempt: 0,
+            store_retry_at: None,
             persistence_warned: false,
             housekeeping: housekeeping::Schedule::new(),
             reports: reports::Collector::new(),
@@ -202,7 +219,7 @@ impl Dispatcher {
              redis_tls_ca_file={:?} enabled={} batch_size={} max_batch_bytes={} \
              poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
              reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
-             ack_timeout={:?} max_redeliveries={} sweep_interval={:?} retention={:?} lifecycle_interval={:?} \
+             ack_timeout={:?} max_redeliveries={} statement_timeout={:?} sweep_interval={:?} retention={:?} lifecycle_interval={:?} \
              report_key={:?} redis_sentinel_master={:?} redis_wait_replicas={} redis_key_prefix={:?} \
              priority_steps={:?} priority_separator={:?}",
             self.index,
@@ -223,6 +240,7 @@ impl Dispatcher {
             s.processing_timeout,
             s.ack_timeout,
             s.max_redeliveries,
+            s.statement_timeout,
             s.sweep_interval,
             s.retention,
             s.lifecycle_interval,
@@ -246,6 +264,7 @@ impl Dispatcher {
             self.reconnect_attempt = 0;
             self.next_connect = None;
         }
+        self.store.set_statement_timeout(settings.statement_timeout);
         self.settings = settings;
         let now = Instant::now();
         self.housekeeping.reschedule(&self.settings);
@@ -261,9 +280,21 @@ impl Dispatcher {
             self.slot.set_state(State::Paused);
             return poll;
         }
+        self.slot.resume();
+        // Backing off after a failed statement or connect: a wake does not
+        // cut it short (a persistent failure would be retried at the rate
+        // of commits).
+        let now = Instant::now();
+        let connect_at = self.next_connect.filter(|_| !self.connected());
+        if let Some(at) = [self.store_retry_at, connect_at].into_iter().flatten().filter(|at| *at > now).max()
+        {
+            return at - now;
+        }
+        // A failed sweep or purge is shown and tried again later; delivery
+        // goes on meanwhile.
         if let Err(e) = self.housekeeping.run_if_due(self.index, &self.slot, &mut self.store, &self.settings)
         {
-            return self.store_failed(&e);
+            self.show_store_error(&e);
         }
         if !self.connected() {
             match self.store.extension_exists() {
@@ -317,25 +348,42 @@ impl Dispatcher {
     }
 
     /// A statement failed and was rolled back: show why (in the log once
-    /// while it repeats), try again soon.
+    /// while it repeats), try again soon, later the longer it keeps failing.
     fn store_failed(&mut self, error: &StoreError) -> Duration {
         self.slot.set_state(State::Blocked);
+        self.show_store_error(error);
+        let delay = backoff::reconnect_delay(
+            STORE_RETRY_MIN,
+            STORE_RETRY_MAX,
+            self.store_attempt,
+            backoff::random_unit(),
+        );
+        self.store_attempt = self.store_attempt.saturating_add(1);
+        self.store_retry_at = Some(Instant::now() + delay);
+        delay
+    }
+
+    /// Shows a statement's error in `last_error`, and logs it unless it
+    /// repeats the last one.
+    fn show_store_error(&mut self, error: &StoreError) {
         let message = error.to_string();
         // Set every time: a broker success in between may have cleared it.
         self.slot.set_error(Some(&message));
         if self.store_failing.as_deref() != Some(message.as_str()) {
             log!(
-                "outbox dispatcher {}: {message}; trying again every {}s",
+                "outbox dispatcher {}: {message}; trying again in {}s to {}s",
                 self.index,
-                STORE_RETRY.as_secs()
+                STORE_RETRY_MIN.as_secs(),
+                STORE_RETRY_MAX.as_secs()
             );
             self.store_failing = Some(message);
         }
-        STORE_RETRY
     }
 
     /// A statement succeeded after failing: the error no longer applies.
     fn store_recovered(&mut self) {
+        self.store_attempt = 0;
+        self.store_retry_at = None;
         if self.store_failing.take().is_some() {
             self.slot.set_error(None);
         }

@@ -23,8 +23,10 @@ const PINNED: [(&CStr, &CStr); 8] = [
     // the tables in another order), the dispatcher checks first and is the
     // one rolled back: it tries again, the session's command goes through.
     (c"deadlock_timeout", c"100ms"),
-    // No statement runs without end; none is cut short by the owner's limit.
-    (c"statement_timeout", c"5min"),
+    // PostgreSQL arms this one for top-level statements only, never under
+    // SPI: the store arms the deadline of each transaction itself
+    // (outbox.statement_timeout). None is cut short by the owner's limit.
+    (c"statement_timeout", c"0"),
     (c"idle_in_transaction_session_timeout", c"0"),
     // SKIP LOCKED claims need read committed, and the dispatcher writes.
     (c"default_transaction_isolation", c"read committed"),

@@ -64,6 +64,15 @@ pub fn take_reloaded() -> bool {
     RELOADED.replace(false)
 }
 
+/// Drops a cancel request that came while no statement runs: between two
+/// transactions (a statement deadline that fired as its transaction ended,
+/// a `pg_cancel_backend`) there is nothing to cancel, and the error it
+/// would raise outside a transaction would restart the dispatcher.
+pub fn ignore_cancel() {
+    // SAFETY: a flag the SIGINT handler sets, cleared on the main thread.
+    unsafe { (&raw mut pg_sys::QueryCancelPending).write_volatile(0) };
+}
+
 /// A SIGTERM or a reload is waiting: a long piece of work stops early.
 pub fn interrupt_pending() -> bool {
     // SAFETY: reads of flags the handlers set.

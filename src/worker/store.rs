@@ -16,6 +16,16 @@ use pgrx::{PgSqlErrorCode, PgTryBuilder};
 
 use outbox_core::report::Report;
 
+unsafe extern "C-unwind" {
+    /// utils/timeout.h, which pgrx does not bind.
+    fn enable_timeout_after(id: u32, delay_ms: std::ffi::c_int);
+    fn disable_timeout(id: u32, keep_indicator: bool);
+}
+
+/// `STATEMENT_TIMEOUT` of utils/timeout.h's `TimeoutId`: the fourth
+/// predefined reason in every PostgreSQL this builds for (15 to 18).
+const STATEMENT_TIMEOUT: u32 = 3;
+
 /// One claimed event, copied out of SPI memory.
 #[derive(Debug, Clone)]
 pub struct ClaimedEvent {
@@ -143,6 +153,8 @@ struct Plans {
 pub struct Store {
     dispatcher: i32,
     plans: Option<Plans>,
+    /// The longest one transaction may run.
+    statement_timeout: Duration,
 }
 
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
@@ -250,16 +262,21 @@ fn to_pg(ids: impl IntoIterator<Item = uuid::Uuid>) -> Vec<pgrx::Uuid> {
 }
 
 /// Runs `body` in a transaction of its own and commits it; an error
-/// PostgreSQL raises inside rolls it back and is returned. The table
-/// statistics are flushed as PostgreSQL's own workers flush them, so that
-/// autovacuum sees the dispatcher's writes.
-fn transaction<R>(body: impl FnOnce() -> Result<R, SpiError>) -> Result<R, StoreError> {
+/// PostgreSQL raises inside rolls it back and is returned. The transaction
+/// is cancelled (an error like any other) once it has run `deadline`:
+/// PostgreSQL arms `statement_timeout` for top-level statements only, never
+/// under SPI. The table statistics are flushed as PostgreSQL's own workers
+/// flush them, so that autovacuum sees the dispatcher's writes.
+fn transaction<R>(deadline: Duration, body: impl FnOnce() -> Result<R, SpiError>) -> Result<R, StoreError> {
     // SAFETY: the transaction calls of worker_spi, on the main thread,
-    // outside any transaction.
+    // outside any transaction; the timeout is PostgreSQL's own, whose
+    // handler cancels the statement running when it fires.
     unsafe {
         pg_sys::SetCurrentStatementStartTimestamp();
         pg_sys::StartTransactionCommand();
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
+        let ms = deadline.as_millis().clamp(1, i32::MAX as u128) as i32;
+        enable_timeout_after(STATEMENT_TIMEOUT, ms);
     }
     let result = PgTryBuilder::new(std::panic::AssertUnwindSafe(move || match body() {
         Ok(value) => {
@@ -294,6 +311,12 @@ fn transaction<R>(body: impl FnOnce() -> Result<R, SpiError>) -> Result<R, Store
         Err(error)
     })
     .execute();
+    // SAFETY: disarms the timeout armed above (a no-op once it fired), then
+    // plain statistics and activity reporting.
+    unsafe {
+        disable_timeout(STATEMENT_TIMEOUT, false);
+    }
+    super::signals::ignore_cancel();
     // SAFETY: plain statistics and activity reporting.
     unsafe {
         pg_sys::pgstat_report_stat(false);
@@ -303,8 +326,12 @@ fn transaction<R>(body: impl FnOnce() -> Result<R, SpiError>) -> Result<R, Store
 }
 
 impl Store {
-    pub fn new(dispatcher: usize) -> Store {
-        Store { dispatcher: dispatcher as i32, plans: None }
+    pub fn new(dispatcher: usize, statement_timeout: Duration) -> Store {
+        Store { dispatcher: dispatcher as i32, plans: None, statement_timeout }
+    }
+
+    pub fn set_statement_timeout(&mut self, timeout: Duration) {
+        self.statement_timeout = timeout;
     }
 
     /// Runs `body` in a transaction with the plans ready; `None` when the
@@ -315,7 +342,7 @@ impl Store {
     ) -> Result<Option<R>, StoreError> {
         let dispatcher = self.dispatcher;
         let plans = &mut self.plans;
-        let ran = transaction(|| {
+        let ran = transaction(self.statement_timeout, || {
             if !extension_exists() {
                 *plans = None;
                 return Ok(Ran::NoExtension);

@@ -49,6 +49,7 @@ fn latch(socket: Option<(RawFd, Interest)>, timeout: Duration) -> i32 {
         }
         events
     };
+    signals::ignore_cancel();
     check_for_interrupts!();
     events
 }
