@@ -15,6 +15,9 @@ const PINNED: [(&CStr, &CStr); 8] = [
     (c"search_path", c"pg_catalog, pg_temp"),
     // A mark lost in a crash only re-sends the event with the same task id,
     // and a lost claim leaves it pending: never lost, at most sent twice.
+    // The transactions that something outside PostgreSQL relies on (a
+    // batch about to be pushed, reports about to be trimmed from Redis)
+    // commit synchronously (store.rs, durable_commit).
     (c"synchronous_commit", c"off"),
     // A lock held by someone else delays dispatch visibly (state blocked,
     // last_error), not silently and not forever.

@@ -407,6 +407,13 @@ impl Store {
                 subscriptions.insert(row.get::<i64>(1)?);
             }
             accumulated.batches = subscriptions.len() as u64;
+            if accumulated.batches > 0 {
+                // The batches are pushed once this commits: it must outlive a
+                // crash, or their members would be flushed again into a batch
+                // with another id (task id), which consumers could not tell
+                // from a new one.
+                durable_commit(client)?;
+            }
             let args: [DatumWithOid; 2] = [(limit as i32).into(), dispatcher.into()];
             report_running(&plans.claim.text);
             let table = client.update(&plans.claim.plan, None, &args)?;
@@ -491,6 +498,9 @@ impl Store {
     /// The others were stale.
     pub fn apply_reports(&mut self, reports: &[Report]) -> Result<(u64, u64), StoreError> {
         let applied = self.with_plans(|client, plans, _| {
+            // The reports are trimmed off the broker's list once this
+            // commits: it must outlive a crash, or they would be lost.
+            durable_commit(client)?;
             let args: [DatumWithOid; 3] = [
                 to_pg(reports.iter().map(|r| r.id)).into(),
                 reports.iter().map(|r| r.outcome.status().to_string()).collect::<Vec<_>>().into(),
@@ -547,6 +557,14 @@ impl Store {
         })?;
         Ok(swept.unwrap_or(0))
     }
+}
+
+/// This transaction commits synchronously (dispatchers otherwise commit
+/// with `synchronous_commit = off`): for a commit that something done
+/// outside PostgreSQL right after it relies on.
+fn durable_commit(client: &mut SpiClient<'_>) -> Result<(), SpiError> {
+    client.update("SET LOCAL synchronous_commit TO on", None, &[])?;
+    Ok(())
 }
 
 /// Records one push's outcome for the rows its claim still holds:
