@@ -113,6 +113,11 @@ CREATE TABLE outbox.all_subscriptions (
     batch_wait      interval,  -- how long the oldest waiting event may wait (NULL: until batch_max)
     created_at      timestamptz NOT NULL DEFAULT now(),
     unsubscribed_at timestamptz,
+    created_by      name NOT NULL,  -- the role that subscribed (README, "Privileges")
+    -- Why the last batch of an accumulated subscription could not be made
+    -- (its members were dead-lettered, or it is being tried again).
+    last_error      text,
+    last_error_at   timestamptz,
     CONSTRAINT all_subscriptions_batch CHECK (batch_max IS NOT NULL OR batch_wait IS NULL)
 );
 
@@ -135,6 +140,8 @@ CREATE TABLE outbox.batch_members (
     args            jsonb,
     available_at    timestamptz NOT NULL,
     batch_id        uuid,   -- outbox.events.id of the batch delivery; NULL: waiting
+    queue           text NOT NULL,     -- the event's: a subscription without a queue sends there
+    bytes           integer NOT NULL,  -- the member's size in its batch's JSON
     PRIMARY KEY (event_id, subscription_id)
 )
 WITH (

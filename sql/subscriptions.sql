@@ -54,8 +54,15 @@ BEGIN
           FROM matched AS m
          WHERE m.batch_max IS NULL
     ), accumulated AS (
-        INSERT INTO outbox.batch_members (event_id, subscription_id, event_type, payload, args, available_at)
-        SELECT NEW.id, m.id, NEW.event_type, NEW.payload, NEW.args, NEW.available_at
+        -- bytes: the member's JSON in its batch (id, event_type, payload,
+        -- args and their punctuation), which the flush cuts batches by.
+        INSERT INTO outbox.batch_members (event_id, subscription_id, event_type, payload, args, queue, bytes,
+                                          available_at)
+        SELECT NEW.id, m.id, NEW.event_type, NEW.payload, NEW.args, NEW.queue,
+               pg_catalog.octet_length(NEW.payload::pg_catalog.text)
+                   OPERATOR(pg_catalog.+) coalesce(pg_catalog.octet_length(NEW.args::pg_catalog.text), 0)
+                   OPERATOR(pg_catalog.+) pg_catalog.octet_length(NEW.event_type) OPERATOR(pg_catalog.+) 80,
+               NEW.available_at
           FROM matched AS m
          WHERE m.batch_max IS NOT NULL
     )
@@ -156,10 +163,10 @@ BEGIN
                   HINT = 'outbox_unsubscribe() it first to change it.';
     END IF;
 
-    INSERT INTO outbox.all_subscriptions AS s (event_type, task, queue, priority, batch_max, batch_wait)
+    INSERT INTO outbox.all_subscriptions AS s (event_type, task, queue, priority, batch_max, batch_wait, created_by)
     VALUES (event_type, task, queue, priority,
             CASE WHEN batch_wait IS NOT NULL THEN coalesce(batch_max, max_batch) ELSE batch_max END,
-            batch_wait)
+            batch_wait, @extschema@.outbox_session_role()::regrole::name)
     RETURNING s.id INTO new_id;
     RETURN new_id;
 END
@@ -170,23 +177,41 @@ COMMENT ON FUNCTION @extschema@.outbox_subscribe(text, text, text, integer, inte
 
 -- Ends subscription id for events inserted after this commits. Returns
 -- whether it was active. Deliveries made already stay; its waiting batch
--- members are delivered at once, in batches of its batch_max.
+-- members are delivered at once, in batches of its batch_max. Only a
+-- member of the role that subscribed (with its privileges), or of the
+-- extension's owner, may end a subscription: the session's role (SET ROLE),
+-- which SECURITY DEFINER does not change, is the one asking.
 CREATE FUNCTION @extschema@.outbox_unsubscribe(id bigint) RETURNS boolean
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    asking    CONSTANT oid := @extschema@.outbox_session_role();
+    owner     name;
 BEGIN
     IF id IS NULL THEN
         RAISE EXCEPTION 'outbox_unsubscribe: id must not be null'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    UPDATE outbox.all_subscriptions AS s
-       SET unsubscribed_at = now()
+    SELECT s.created_by INTO owner
+      FROM outbox.all_subscriptions AS s
      WHERE s.id = outbox_unsubscribe.id
-       AND s.unsubscribed_at IS NULL;
+       AND s.unsubscribed_at IS NULL
+       FOR NO KEY UPDATE;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
+    IF NOT coalesce(pg_has_role(asking, to_regrole(quote_ident(owner)), 'USAGE'), false)
+       AND NOT pg_has_role(asking, (SELECT x.extowner FROM pg_extension AS x
+                                     WHERE x.extname = 'outbox_dispatch'), 'USAGE')
+    THEN
+        RAISE EXCEPTION 'outbox_unsubscribe: subscription % belongs to role "%"', id, owner
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = 'Only a member of that role, or of the extension''s owner, may end it.';
+    END IF;
+    UPDATE outbox.all_subscriptions AS s
+       SET unsubscribed_at = now()
+     WHERE s.id = outbox_unsubscribe.id;
     PERFORM @extschema@.outbox_wake();
     RETURN true;
 END
@@ -195,7 +220,8 @@ $$;
 -- Active subscriptions, and unsubscribed ones whose members still wait.
 CREATE VIEW outbox.subscriptions AS
 SELECT s.id, s.event_type, s.task, s.queue, s.priority, s.batch_max, s.batch_wait,
-       w.waiting, w.oldest_available_at, s.created_at, s.unsubscribed_at
+       w.waiting, w.oldest_available_at, s.created_at, s.unsubscribed_at,
+       s.created_by, s.last_error, s.last_error_at
   FROM outbox.all_subscriptions AS s
  CROSS JOIN LATERAL (
        SELECT pg_catalog.count(*) AS waiting, pg_catalog.min(m.available_at) AS oldest_available_at
@@ -205,7 +231,7 @@ SELECT s.id, s.event_type, s.task, s.queue, s.priority, s.batch_max, s.batch_wai
  ORDER BY s.id;
 
 COMMENT ON VIEW outbox.subscriptions IS
-    'Subscriptions; waiting counts the events an accumulated one holds for its next batch.';
+    'Subscriptions; waiting counts the events an accumulated one holds for its next batch; last_error says why its last batch could not be made.';
 
 -- Every delivery of every routed event: filter on event_id for one event's.
 -- status is the delivery's, or its batch's, or 'waiting' for a batch.
@@ -229,6 +255,7 @@ COMMENT ON VIEW outbox.deliveries IS
 -- outbox_routed_to_default() stays public: it is the default of every insert.
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_route(),
+    @extschema@.outbox_session_role(),
     @extschema@.outbox_subscriptions_changed(),
     @extschema@.outbox_subscribe(text, text, text, integer, integer, interval),
     @extschema@.outbox_unsubscribe(bigint)

@@ -233,6 +233,9 @@ pub struct Settings {
     pub heartbeat_interval: Duration,
     /// Where workers report outcomes; `None`: reports are off.
     pub report_key: Option<String>,
+    /// The most bytes of members' JSON one batch of an accumulated
+    /// subscription carries.
+    pub batch_budget: i64,
 }
 
 impl Settings {
@@ -253,6 +256,7 @@ impl Settings {
                 .unwrap_or_else(|| celery::KOMBU_SEPARATOR.to_string()),
         };
         let batch_size = BATCH_SIZE.get().max(1) as usize;
+        let batch_budget = batch_budget(broker.max_batch_bytes);
         let longest = longest_push(&broker, batch_size, MAX_PAYLOAD_BYTES.get().max(1) as usize);
         let processing_timeout = seconds(&PROCESSING_TIMEOUT_S);
         Settings {
@@ -274,8 +278,20 @@ impl Settings {
             lifecycle_interval: seconds(&LIFECYCLE_INTERVAL_S),
             heartbeat_interval: seconds(&HEARTBEAT_INTERVAL_S),
             report_key: Some(text(&REPORT_KEY)).filter(|k| !k.is_empty()),
+            batch_budget,
         }
     }
+}
+
+/// The most bytes of members' JSON (the size the routing trigger records)
+/// one batch of an accumulated subscription carries: its message, that JSON
+/// in base64 (4/3 of it) in an envelope, fits in one round trip of
+/// `outbox.max_batch_bytes`, and the batch stays far below jsonb's limit of
+/// 256 MB per value. A single larger member still goes, alone.
+fn batch_budget(max_batch_bytes: usize) -> i64 {
+    const ENVELOPE: usize = 4096;
+    const MOST: usize = 128 << 20;
+    (max_batch_bytes.min(MOST).saturating_sub(ENVELOPE) / 4 * 3).max(1) as i64
 }
 
 /// The longest a claim may stay in processing while its dispatcher is

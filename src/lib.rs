@@ -26,6 +26,7 @@ extension_sql_file!(
         "schema",
         api::outbox_wake,
         subscriptions::outbox_routed_to_default,
+        subscriptions::outbox_session_role,
         subscriptions::outbox_subscriptions_changed
     ]
 );

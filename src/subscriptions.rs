@@ -64,6 +64,16 @@ unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid:
     }
 }
 
+/// The role the session acts as: the one `SET ROLE` chose, or the session
+/// user. Unlike `current_user`, a SECURITY DEFINER function does not change
+/// it: `outbox_subscribe()` records it as the subscription's owner, and
+/// `outbox_unsubscribe()` asks whether it may end one.
+#[pg_extern(stable, parallel_safe)]
+fn outbox_session_role() -> pg_sys::Oid {
+    // SAFETY: a plain read of the session's state.
+    unsafe { pg_sys::GetOuterUserId() }
+}
+
 /// AFTER … FOR EACH STATEMENT on `outbox.all_subscriptions`: every
 /// backend's cache is dropped when the change commits (and this one's at
 /// once).

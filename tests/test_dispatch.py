@@ -202,7 +202,10 @@ def test_worker_queries_are_served_by_indexes(outbox):
     # Per statement: its parameter types, sample arguments, and the indexes
     # its plan must use (each tuple: one of these).
     queries = {
-        worker / "flush_batches.sql": ("(int)", "(1048576)", [("batch_members_waiting_idx",)]),
+        worker / "flush_batches.sql": ("(bigint, bigint[], bigint)", "(1048576, '{}', NULL)",
+                                       [("batch_members_waiting_idx",)]),
+        worker / "accumulating.sql": ("", "", []),
+        worker / "fail_batch.sql": ("(bigint, text, bigint)", "(1, 'x', 1048576)", [("batch_members_waiting_idx",)]),
         worker / "claim.sql": ("(int, int)", "(100, 0)", [("events_pending_idx",)]),
         worker / "next_due.sql": ("", "", [("events_pending_idx",), ("batch_members_waiting_idx",)]),
         worker / "release.sql": ("(uuid[], int, timestamptz)", "(NULL, 0, NULL)", [("events_processing_idx",)]),

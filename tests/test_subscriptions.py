@@ -357,3 +357,118 @@ def test_a_second_identical_subscription_is_refused(subs):
     with pytest.raises(psycopg.errors.InvalidParameterValue, match="id must not be null"):
         subs.sql("SELECT outbox_unsubscribe(NULL)")
     assert subs.value("SELECT count(*) FROM outbox.all_subscriptions") == 1
+
+
+# -- one subscription cannot take the machine -------------------------------------
+
+def test_batches_are_cut_by_the_size_that_will_be_sent(subs, redis_server):
+    """Members' payloads compress well (their stored size is small): the cut
+    is by their JSON, so every batch message fits in outbox.max_batch_bytes
+    (the first member of a batch always goes)."""
+    subs.configure(max_batch_bytes="256kB")
+    sub = subscribe(subs, "shop.bulky", "loop.digest", batch_max=50, batch_wait="1 second")
+    blob = "x" * 60_000
+    events = [publish(subs, "shop.bulky", {"n": n, "blob": blob}) for n in range(20)]
+    assert subs.value("SELECT max(pg_column_size(payload)) FROM outbox.batch_members") < 5_000
+    wait_until(lambda: subs.value("SELECT waiting FROM outbox.subscriptions WHERE id = %s", (sub,)) in (0, None)
+               and subs.value("SELECT count(*) FROM outbox.events WHERE subscription_id = %s "
+                              "AND status NOT IN ('dispatched', 'processed')", (sub,)) == 0,
+               timeout=60, message="every member batched and sent")
+    received = batch_notes(redis_server, subs)
+    assert sorted(item["id"] for b in received for item in b) == sorted(str(e) for e in events)
+    assert all(1 <= len(b) <= 3 for b in received), [len(b) for b in received]
+    sizes = [len(json.dumps(b)) for b in received]
+    assert max(sizes) * 4 // 3 < 256 * 1024, sizes
+    assert subs.count("failed") == 0
+
+
+REFUSE_BATCHES = """
+CREATE OR REPLACE FUNCTION public.refuse_batches() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.subscription_id = {sub} AND NEW.event_id IS NULL AND NEW.status = 'pending' THEN
+        RAISE EXCEPTION 'batches of subscription {sub} are refused' USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER refuse_batches BEFORE INSERT ON outbox.events FOR EACH ROW
+    EXECUTE FUNCTION public.refuse_batches();
+"""
+
+
+def test_a_batch_that_cannot_be_made_fails_its_members_and_nothing_else(subs, redis_server):
+    broken = subscribe(subs, "shop.broken", "loop.digest", batch_max=3)
+    healthy = subscribe(subs, "shop.healthy", "loop.digest", batch_max=2)
+    subs.sql(REFUSE_BATCHES.format(sub=broken))
+    try:
+        doomed = [publish(subs, "shop.broken", {"n": n}) for n in range(3)]
+        fine = [publish(subs, "shop.healthy", {"n": n}) for n in range(2)]
+        plain = publish(subs, "shop.plain", queue=PLAIN)
+        wait_until(lambda: subs.value("SELECT count(*) FROM outbox.dead_letters WHERE subscription_id = %s",
+                                      (broken,)) == 3, timeout=30, message="the broken batch's members failed")
+        wait_deliveries(subs, "processed", 2)
+        wait_until(lambda: str(plain) in queued_ids(redis_server.client(), PLAIN), message="the plain event")
+        letters = subs.sql("SELECT id, last_error FROM outbox.dead_letters WHERE subscription_id = %s", (broken,))
+        assert all(f"batches of subscription {broken} are refused" in error for _, error in letters)
+        assert f"batches of subscription {broken} are refused" in subs.value(
+            "SELECT last_error FROM outbox.subscriptions WHERE id = %s", (broken,))
+        assert subs.value("SELECT last_error FROM outbox.subscriptions WHERE id = %s", (healthy,)) is None
+        assert f"subscription {broken}: its batch could not be made" in subs.log_text()
+        assert sorted(r[0] for r in subs.sql("SELECT event_id FROM outbox.deliveries WHERE status = 'failed'")) \
+            == sorted(doomed)
+    finally:
+        subs.sql("DROP TRIGGER refuse_batches ON outbox.events; DROP FUNCTION public.refuse_batches()")
+    # Each failed member is a batch of one, sent alone when retried.
+    for failed_id, _ in letters:
+        assert subs.value("SELECT outbox_retry(%s)", (failed_id,)) is True
+    wait_deliveries(subs, "processed", 5)
+    received = batch_notes(redis_server, subs)
+    assert sorted(item["id"] for b in received if len(b) == 1 for item in b) == sorted(str(e) for e in doomed)
+    assert fine
+
+
+def test_a_locked_member_holds_up_only_its_subscription(subs, redis_server):
+    locked = subscribe(subs, "shop.locked", "loop.digest", batch_max=2)
+    subscribe(subs, "shop.free", "loop.digest", batch_max=2)
+    first = publish(subs, "shop.locked", {"n": 0})
+    with subs.connect(autocommit=False) as locker:
+        locker.execute("SELECT FROM outbox.batch_members WHERE event_id = %s FOR UPDATE", (first,))
+        publish(subs, "shop.locked", {"n": 1})
+        free = [publish(subs, "shop.free", {"n": n}) for n in range(2)]
+        plain = publish(subs, "shop.plain", queue=PLAIN)
+        wait_until(lambda: str(plain) in queued_ids(redis_server.client(), PLAIN), timeout=30,
+                   message="a plain event while a member is locked")
+        wait_deliveries(subs, "processed", 2)
+        assert subs.value("SELECT waiting FROM outbox.subscriptions WHERE id = %s", (locked,)) == 2
+        assert [item["id"] for b in batch_notes(redis_server, subs) for item in b] == [str(e) for e in free]
+        locker.rollback()
+    wait_deliveries(subs, "processed", 4, timeout=90)
+    assert subs.count("failed") == 0
+
+
+# -- who may end a subscription ----------------------------------------------------
+
+def test_only_the_subscriber_or_the_extension_owner_ends_a_subscription(subs):
+    subs.sql("DROP ROLE IF EXISTS sub_alice, sub_bob, sub_team")
+    subs.sql("""CREATE ROLE sub_team; CREATE ROLE sub_alice LOGIN IN ROLE sub_team; CREATE ROLE sub_bob LOGIN;
+                GRANT EXECUTE ON FUNCTION outbox_subscribe(text, text, text, integer, integer, interval),
+                                          outbox_unsubscribe(bigint) TO sub_alice, sub_bob, sub_team""")
+    try:
+        with subs.connect(user="sub_alice") as alice:
+            mine = alice.execute("SELECT outbox_subscribe('shop.owned', 'loop.billing')").fetchone()[0]
+            alice.execute("SET ROLE sub_team")
+            teams = alice.execute("SELECT outbox_subscribe('shop.owned', 'loop.email')").fetchone()[0]
+        assert subs.sql("SELECT id, created_by FROM outbox.subscriptions ORDER BY id") == [
+            (mine, "sub_alice"), (teams, "sub_team")]
+        with subs.connect(user="sub_bob") as bob:
+            for sub in (mine, teams):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege, match=f"subscription {sub} belongs to role"):
+                    bob.execute("SELECT outbox_unsubscribe(%s)", (sub,))
+        assert subs.value("SELECT count(*) FROM outbox.subscriptions") == 2
+        with subs.connect(user="sub_alice") as alice:
+            # A member of sub_team ends the team's.
+            assert alice.execute("SELECT outbox_unsubscribe(%s)", (teams,)).fetchone()[0] is True
+        # The extension's owner (here a superuser) ends anyone's.
+        assert subs.value("SELECT outbox_unsubscribe(%s)", (mine,)) is True
+        assert subs.value("SELECT count(*) FROM outbox.subscriptions") == 0
+    finally:
+        subs.sql("DROP OWNED BY sub_alice, sub_bob, sub_team; DROP ROLE sub_alice, sub_bob, sub_team")

@@ -6,6 +6,38 @@
 -- binds an object the database owner may have put in the extension's schema.
 SET LOCAL search_path = pg_catalog, pg_temp;
 
+-- Accumulated subscriptions: members keep their event's queue (a batch goes
+-- to its subscription's queue, or else its oldest member's: the dispatchers
+-- no longer read outbox.default_queue, which a database owner may set) and
+-- their size in the batch's JSON (batches are cut by what will be sent).
+ALTER TABLE outbox.batch_members
+    ADD COLUMN queue text,
+    ADD COLUMN bytes integer;
+UPDATE outbox.batch_members AS m
+   SET queue = coalesce((SELECT e.queue FROM outbox.events AS e WHERE e.id = m.event_id), 'celery'),
+       bytes = coalesce(octet_length(m.payload::text), 0) + coalesce(octet_length(m.args::text), 0)
+               + octet_length(m.event_type) + 80;
+ALTER TABLE outbox.batch_members
+    ALTER COLUMN queue SET NOT NULL,
+    ALTER COLUMN bytes SET NOT NULL;
+
+-- Subscriptions record who subscribed (ending one takes a member of that
+-- role, or of the extension's owner, to whom the earlier ones go), and why
+-- the last batch could not be made.
+ALTER TABLE outbox.all_subscriptions
+    ADD COLUMN created_by name,
+    ADD COLUMN last_error text,
+    ADD COLUMN last_error_at timestamptz;
+UPDATE outbox.all_subscriptions
+   SET created_by = (SELECT x.extowner::regrole::name FROM pg_extension AS x WHERE x.extname = 'outbox_dispatch');
+ALTER TABLE outbox.all_subscriptions ALTER COLUMN created_by SET NOT NULL;
+
+CREATE FUNCTION @extschema@."outbox_session_role"() RETURNS oid
+STRICT STABLE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'outbox_session_role_wrapper';
+REVOKE ALL ON FUNCTION @extschema@.outbox_session_role() FROM PUBLIC;
+
 -- Earlier scripts ran with the extension's schema (public) first in the
 -- search_path, where the database owner may create objects: an operator or
 -- function planted there before CREATE EXTENSION or an update may have been
@@ -55,7 +87,8 @@ SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, heade
 
 CREATE OR REPLACE VIEW outbox.subscriptions AS
 SELECT s.id, s.event_type, s.task, s.queue, s.priority, s.batch_max, s.batch_wait,
-       w.waiting, w.oldest_available_at, s.created_at, s.unsubscribed_at
+       w.waiting, w.oldest_available_at, s.created_at, s.unsubscribed_at,
+       s.created_by, s.last_error, s.last_error_at
   FROM outbox.all_subscriptions AS s
  CROSS JOIN LATERAL (
        SELECT pg_catalog.count(*) AS waiting, pg_catalog.min(m.available_at) AS oldest_available_at
@@ -270,3 +303,163 @@ BEGIN
 END
 $$;
 
+-- Members record their queue and size; subscriptions who made them.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_route() RETURNS trigger
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+AS $$
+DECLARE
+    routed integer;
+BEGIN
+    PERFORM FROM outbox.all_subscriptions AS s
+      WHERE s.unsubscribed_at IS NULL
+        AND (s.event_type OPERATOR(pg_catalog.=) NEW.event_type
+             OR pg_catalog.starts_with(NEW.event_type, s.prefix));
+    IF NOT FOUND THEN
+        NEW.routed_to := 0;
+        RETURN NEW;
+    END IF;
+
+    WITH matched AS (
+        SELECT s.id, s.task, s.queue, s.priority, s.batch_max
+          FROM outbox.all_subscriptions AS s
+         WHERE s.unsubscribed_at IS NULL
+           AND (s.event_type OPERATOR(pg_catalog.=) NEW.event_type
+                OR pg_catalog.starts_with(NEW.event_type, s.prefix))
+    ), delivered AS (
+        INSERT INTO outbox.events (event_id, subscription_id, event_type, payload, args, queue, task,
+                                   headers, priority, created_at, available_at, expires_at)
+        SELECT NEW.id, m.id, NEW.event_type, NEW.payload, NEW.args, coalesce(m.queue, NEW.queue), m.task,
+               coalesce(NEW.headers, '{}'::pg_catalog.jsonb) OPERATOR(pg_catalog.||)
+                   pg_catalog.jsonb_build_object('outbox_event_id', NEW.id, 'outbox_subscription_id', m.id),
+               coalesce(m.priority, NEW.priority), NEW.created_at, NEW.available_at, NEW.expires_at
+          FROM matched AS m
+         WHERE m.batch_max IS NULL
+    ), accumulated AS (
+        -- bytes: the member's JSON in its batch (id, event_type, payload,
+        -- args and their punctuation), which the flush cuts batches by.
+        INSERT INTO outbox.batch_members (event_id, subscription_id, event_type, payload, args, queue, bytes,
+                                          available_at)
+        SELECT NEW.id, m.id, NEW.event_type, NEW.payload, NEW.args, NEW.queue,
+               pg_catalog.octet_length(NEW.payload::pg_catalog.text)
+                   OPERATOR(pg_catalog.+) coalesce(pg_catalog.octet_length(NEW.args::pg_catalog.text), 0)
+                   OPERATOR(pg_catalog.+) pg_catalog.octet_length(NEW.event_type) OPERATOR(pg_catalog.+) 80,
+               NEW.available_at
+          FROM matched AS m
+         WHERE m.batch_max IS NOT NULL
+    )
+    SELECT pg_catalog.count(*) INTO routed FROM matched;
+
+    NEW.status := 'processed';
+    NEW.processed_at := pg_catalog.clock_timestamp();
+    NEW.routed_to := routed;
+    RETURN NEW;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_subscribe(
+    event_type text,
+    task       text,
+    queue      text     DEFAULT NULL,
+    priority   integer  DEFAULT NULL,
+    batch_max  integer  DEFAULT NULL,
+    batch_wait interval DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    max_name_bytes CONSTANT integer := 255;
+    max_batch      CONSTANT integer := 1000;
+    existing       bigint;
+    new_id         bigint;
+BEGIN
+    IF event_type IS NULL OR octet_length(event_type) NOT BETWEEN 1 AND max_name_bytes THEN
+        RAISE EXCEPTION 'outbox_subscribe: event_type is % bytes, it must be 1 to % bytes',
+            coalesce(octet_length(event_type), 0), max_name_bytes
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF strpos(left(event_type, -1), '*') > 0 THEN
+        RAISE EXCEPTION 'outbox_subscribe: event_type "%" has a * before its end; only a trailing * (a prefix) is a pattern',
+            event_type
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF task IS NULL OR octet_length(task) NOT BETWEEN 1 AND max_name_bytes THEN
+        RAISE EXCEPTION 'outbox_subscribe: task is % bytes, it must be 1 to % bytes',
+            coalesce(octet_length(task), 0), max_name_bytes
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF octet_length(queue) NOT BETWEEN 1 AND max_name_bytes THEN
+        RAISE EXCEPTION 'outbox_subscribe: queue is % bytes, it must be 1 to % bytes (or NULL: the event''s)',
+            octet_length(queue), max_name_bytes
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF priority NOT BETWEEN 0 AND 9 THEN
+        RAISE EXCEPTION 'outbox_subscribe: priority is %, it must be 0 (highest) to 9 (or NULL: the event''s)',
+            priority
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF batch_max NOT BETWEEN 1 AND max_batch THEN
+        RAISE EXCEPTION 'outbox_subscribe: batch_max is %, it must be 1 to %', batch_max, max_batch
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF batch_wait <= interval '0' THEN
+        RAISE EXCEPTION 'outbox_subscribe: batch_wait must be positive (got %)', batch_wait
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+
+    SELECT s.id INTO existing
+      FROM outbox.all_subscriptions AS s
+     WHERE s.event_type = outbox_subscribe.event_type
+       AND s.task = outbox_subscribe.task
+       AND s.unsubscribed_at IS NULL;
+    IF FOUND THEN
+        RAISE EXCEPTION 'outbox_subscribe: task "%" is subscribed to "%" already (subscription %)',
+            task, event_type, existing
+            USING ERRCODE = 'unique_violation',
+                  HINT = 'outbox_unsubscribe() it first to change it.';
+    END IF;
+
+    INSERT INTO outbox.all_subscriptions AS s (event_type, task, queue, priority, batch_max, batch_wait, created_by)
+    VALUES (event_type, task, queue, priority,
+            CASE WHEN batch_wait IS NOT NULL THEN coalesce(batch_max, max_batch) ELSE batch_max END,
+            batch_wait, @extschema@.outbox_session_role()::regrole::name)
+    RETURNING s.id INTO new_id;
+    RETURN new_id;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_unsubscribe(id bigint) RETURNS boolean
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    asking    CONSTANT oid := @extschema@.outbox_session_role();
+    owner     name;
+BEGIN
+    IF id IS NULL THEN
+        RAISE EXCEPTION 'outbox_unsubscribe: id must not be null'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT s.created_by INTO owner
+      FROM outbox.all_subscriptions AS s
+     WHERE s.id = outbox_unsubscribe.id
+       AND s.unsubscribed_at IS NULL
+       FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    IF NOT coalesce(pg_has_role(asking, to_regrole(quote_ident(owner)), 'USAGE'), false)
+       AND NOT pg_has_role(asking, (SELECT x.extowner FROM pg_extension AS x
+                                     WHERE x.extname = 'outbox_dispatch'), 'USAGE')
+    THEN
+        RAISE EXCEPTION 'outbox_unsubscribe: subscription % belongs to role "%"', id, owner
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = 'Only a member of that role, or of the extension''s owner, may end it.';
+    END IF;
+    UPDATE outbox.all_subscriptions AS s
+       SET unsubscribed_at = now()
+     WHERE s.id = outbox_unsubscribe.id;
+    PERFORM @extschema@.outbox_wake();
+    RETURN true;
+END
+$$;

@@ -1,13 +1,16 @@
 -- Accumulated subscriptions whose batch is due: batch_max members waiting
--- (due ones: delay applies), or more member bytes than one message may
--- carry ($1, outbox.max_payload_bytes), or the oldest waited batch_wait, or
--- the subscription ended (what waits goes at once). Each such subscription
--- gets one batch: an event row with its task, whose one positional
--- argument is the list of its oldest members (id, event_type, payload, and
--- args when they have them), cut at batch_max members and at $1 bytes (the
--- first member always fits: outbox_enqueue() held it to $1). The members
--- point to the batch, in the same transaction: a crash keeps both or
--- neither. FOR NO KEY UPDATE SKIP LOCKED: one dispatcher flushes a
+-- (due ones: delay applies), or more member bytes than one batch may carry
+-- ($1), or the oldest waited batch_wait, or the subscription ended (what
+-- waits goes at once). Only subscription $3 when it is given; never the
+-- ones in $2 (their last flush failed: the dispatcher backs off). Each
+-- such subscription gets one batch: an event row with its task, whose one
+-- positional argument is the list of its oldest members (id, event_type,
+-- payload, and args when they have them), cut at batch_max members and at
+-- $1 bytes of their JSON, the size that will be sent (the first member
+-- always goes: outbox_enqueue() held it to outbox.max_payload_bytes). The
+-- batch goes to the subscription's queue, or else to its oldest member's.
+-- The members point to the batch, in the same transaction: a crash keeps
+-- both or neither. FOR NO KEY UPDATE SKIP LOCKED: one dispatcher flushes a
 -- subscription at a time. Returns the subscription of each member batched.
 -- Served by batch_members_waiting_idx.
 WITH due AS (
@@ -16,8 +19,7 @@ WITH due AS (
      CROSS JOIN LATERAL (
            SELECT pg_catalog.count(*) AS members, pg_catalog.sum(w.bytes) AS bytes,
                   pg_catalog.min(w.available_at) AS oldest
-             FROM (SELECT m.available_at,
-                          pg_catalog.pg_column_size(m.payload) + coalesce(pg_catalog.pg_column_size(m.args), 0) AS bytes
+             FROM (SELECT m.available_at, m.bytes
                      FROM outbox.batch_members AS m
                     WHERE m.subscription_id = s.id
                       AND m.batch_id IS NULL
@@ -25,6 +27,8 @@ WITH due AS (
                     ORDER BY m.available_at
                     LIMIT s.batch_max) AS w) AS waiting
      WHERE s.batch_max IS NOT NULL
+       AND ($3::bigint IS NULL OR s.id = $3::bigint)
+       AND s.id <> ALL ($2::bigint[])
        AND waiting.members > 0
        AND (waiting.members >= s.batch_max
             OR waiting.bytes >= $1
@@ -32,12 +36,10 @@ WITH due AS (
             OR s.unsubscribed_at IS NOT NULL)
        FOR NO KEY UPDATE OF s SKIP LOCKED
 ), taken AS (
-    SELECT m.subscription_id, m.event_id, m.event_type, m.payload, m.args, m.available_at
+    SELECT m.subscription_id, m.event_id, m.event_type, m.payload, m.args, m.queue, m.available_at
       FROM due
      CROSS JOIN LATERAL (
-           SELECT m.*, pg_catalog.sum(pg_catalog.pg_column_size(m.payload)
-                                      + coalesce(pg_catalog.pg_column_size(m.args), 0))
-                           OVER (ORDER BY m.available_at, m.event_id) AS running_bytes,
+           SELECT m.*, pg_catalog.sum(m.bytes) OVER (ORDER BY m.available_at, m.event_id) AS running_bytes,
                   pg_catalog.row_number() OVER (ORDER BY m.available_at, m.event_id) AS position
              FROM (SELECT m.*
                      FROM outbox.batch_members AS m
@@ -55,7 +57,7 @@ WITH due AS (
                pg_catalog.jsonb_build_object('id', t.event_id, 'event_type', t.event_type, 'payload', t.payload)
                || CASE WHEN t.args IS NULL THEN '{}' ELSE pg_catalog.jsonb_build_object('args', t.args) END
                ORDER BY t.available_at, t.event_id)),
-           coalesce(due.queue, pg_catalog.current_setting('outbox.default_queue', true), 'celery'),
+           coalesce(due.queue, (pg_catalog.array_agg(t.queue ORDER BY t.available_at, t.event_id))[1]),
            due.task, pg_catalog.jsonb_build_object('outbox_subscription_id', due.id),
            coalesce(due.priority, 0), pg_catalog.now(), due.id
       FROM due

@@ -537,11 +537,7 @@ impl Dispatcher {
         let mut nap = self.settings.poll_interval;
         loop {
             let settled = std::mem::take(&mut self.unsettled);
-            let claim = self.store.settle_and_claim(
-                &settled,
-                self.settings.batch_size,
-                config::MAX_PAYLOAD_BYTES.get(),
-            );
+            let claim = self.store.settle_and_claim(&settled, self.settings.batch_size, self.settings.batch_budget);
             let claim = match claim {
                 Ok(claim) => claim,
                 Err(e) => {
@@ -553,16 +549,21 @@ impl Dispatcher {
             nap = nap.min(account(&settled));
             let (events, claimed_at, next_due) = match claim {
                 Claim::NoExtension => return self.wait_for_extension(),
-                Claim::Claimed { accumulated, events, claimed_at, next_due } => {
-                    counters::add(Counter::AccumulatedBatches, accumulated.batches);
-                    counters::add(Counter::AccumulatedEvents, accumulated.events);
+                Claim::Claimed { flushed, events, claimed_at, next_due } => {
+                    counters::add(Counter::AccumulatedBatches, flushed.batches);
+                    counters::add(Counter::AccumulatedEvents, flushed.events);
+                    counters::add(Counter::DeadLetters, flushed.dead_lettered);
+                    if let Some(error) = flushed.errors.first() {
+                        self.show_store_error(&StoreError::Failed(error.clone()));
+                    }
                     (events, claimed_at, next_due)
                 }
             };
             self.extension_missing = false;
             if events.is_empty() {
                 self.slot.set_state(State::Idle);
-                return next_due.map_or(nap, |due| due.min(nap));
+                let retry = self.store.flush_retry_due().map(|at| at.saturating_duration_since(Instant::now()));
+                return [next_due, retry].into_iter().flatten().fold(nap, Duration::min);
             }
             self.slot.set_state(State::Draining);
             store::report_running(c"outbox: pushing a batch to Redis");

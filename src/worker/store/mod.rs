@@ -16,6 +16,10 @@ use pgrx::{PgSqlErrorCode, PgTryBuilder};
 
 use outbox_core::report::Report;
 
+mod batches;
+
+pub use batches::{Backoff, Flushed};
+
 unsafe extern "C-unwind" {
     /// utils/timeout.h, which pgrx does not bind.
     fn enable_timeout_after(id: u32, delay_ms: std::ffi::c_int);
@@ -56,7 +60,7 @@ pub enum Claim {
     NoExtension,
     Claimed {
         /// Batches of accumulated subscriptions made just before the claim.
-        accumulated: Accumulated,
+        flushed: Flushed,
         events: Vec<ClaimedEvent>,
         /// The claim's token; `None` when nothing was claimed.
         claimed_at: Option<ClaimTime>,
@@ -64,13 +68,6 @@ pub enum Claim {
         /// delayed event falls due, if any waits.
         next_due: Option<Duration>,
     },
-}
-
-/// Batches made of the waiting events of accumulated subscriptions.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Accumulated {
-    pub batches: u64,
-    pub events: u64,
 }
 
 /// What one push did to the events of one claim, to be recorded.
@@ -139,6 +136,8 @@ struct Statement {
 /// life of the dispatcher.
 struct Plans {
     flush_batches: Statement,
+    accumulating: Statement,
+    fail_batch: Statement,
     claim: Statement,
     next_due: Statement,
     mark_dispatched: Statement,
@@ -153,6 +152,9 @@ struct Plans {
 pub struct Store {
     dispatcher: i32,
     plans: Option<Plans>,
+    /// Accumulated subscriptions whose batch this dispatcher leaves alone
+    /// for a while.
+    flush_backoff: Backoff,
     /// The longest one transaction may run.
     statement_timeout: Duration,
 }
@@ -161,6 +163,9 @@ const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
 const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
 const FLOAT8_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8ARRAYOID);
 const INT4: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT4OID);
+const INT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8OID);
+const INT8_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID);
+const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
 const FLOAT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8OID);
 const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
@@ -196,29 +201,34 @@ impl Plans {
             Ok::<_, SpiError>(Statement { plan, text: CString::new(sql).expect("no NUL in SQL files") })
         };
         Ok(Plans {
-            flush_batches: prepare(include_str!("../../sql/worker/flush_batches.sql"), &[INT4])?,
-            claim: prepare(include_str!("../../sql/worker/claim.sql"), &[INT4, INT4])?,
-            next_due: prepare(include_str!("../../sql/worker/next_due.sql"), &[])?,
+            flush_batches: prepare(
+                include_str!("../../../sql/worker/flush_batches.sql"),
+                &[INT8, INT8_ARRAY, INT8],
+            )?,
+            accumulating: prepare(include_str!("../../../sql/worker/accumulating.sql"), &[])?,
+            fail_batch: prepare(include_str!("../../../sql/worker/fail_batch.sql"), &[INT8, TEXT, INT8])?,
+            claim: prepare(include_str!("../../../sql/worker/claim.sql"), &[INT4, INT4])?,
+            next_due: prepare(include_str!("../../../sql/worker/next_due.sql"), &[])?,
             mark_dispatched: prepare(
-                include_str!("../../sql/worker/mark_dispatched.sql"),
+                include_str!("../../../sql/worker/mark_dispatched.sql"),
                 &[UUID_ARRAY, INT4, TIMESTAMPTZ],
             )?,
             mark_failed: prepare(
-                include_str!("../../sql/worker/mark_failed.sql"),
+                include_str!("../../../sql/worker/mark_failed.sql"),
                 &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY, FLOAT8_ARRAY, INT4, TIMESTAMPTZ],
             )?,
-            release: prepare(include_str!("../../sql/worker/release.sql"), &[UUID_ARRAY, INT4, TIMESTAMPTZ])?,
-            sweep_stuck: prepare(include_str!("../../sql/worker/sweep_stuck.sql"), &[FLOAT8, INT4])?,
+            release: prepare(include_str!("../../../sql/worker/release.sql"), &[UUID_ARRAY, INT4, TIMESTAMPTZ])?,
+            sweep_stuck: prepare(include_str!("../../../sql/worker/sweep_stuck.sql"), &[FLOAT8, INT4])?,
             sweep_unacked: prepare(
-                include_str!("../../sql/worker/sweep_unacked.sql"),
+                include_str!("../../../sql/worker/sweep_unacked.sql"),
                 &[FLOAT8, INT4, INT4],
             )?,
             purge: prepare(
-                include_str!("../../sql/worker/purge.sql"),
+                include_str!("../../../sql/worker/purge.sql"),
                 &[FLOAT8, INT4, BOOL, TIMESTAMPTZ, TIMESTAMPTZ],
             )?,
             apply_reports: prepare(
-                include_str!("../../sql/worker/apply_reports.sql"),
+                include_str!("../../../sql/worker/apply_reports.sql"),
                 &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY],
             )?,
         })
@@ -325,9 +335,86 @@ fn transaction<R>(deadline: Duration, body: impl FnOnce() -> Result<R, SpiError>
     result
 }
 
+/// Why a subtransaction failed.
+#[derive(Debug)]
+enum SubtransactionError {
+    /// A reason that may pass: a lock, a deadlock, a serialization failure,
+    /// resources (SQLSTATE classes 40 and 53, lock_not_available).
+    Passing(String),
+    /// One that would not: the same work would fail again.
+    Lasting(String),
+}
+
+/// Runs `body` in a subtransaction of the current transaction, as a
+/// PL/pgSQL exception block does: an error PostgreSQL raises inside rolls
+/// back what `body` did, and the transaction goes on. A cancel (the
+/// statement deadline, a shutdown: SQLSTATE class 57) is raised again, for
+/// the whole transaction.
+fn subtransaction<R>(body: impl FnOnce() -> Result<R, SpiError>) -> Result<R, SubtransactionError> {
+    // SAFETY: PL/pgSQL's sequence, on the main thread inside a transaction:
+    // the memory context and resource owner in use are restored after the
+    // subtransaction ends either way.
+    let (context, owner) = unsafe { (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner) };
+    let restore = move || unsafe {
+        pg_sys::MemoryContextSwitchTo(context);
+        pg_sys::CurrentResourceOwner = owner;
+    };
+    unsafe {
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(context);
+    }
+    PgTryBuilder::new(std::panic::AssertUnwindSafe(move || {
+        let result = body();
+        // SAFETY: ends the subtransaction begun above.
+        unsafe {
+            match result {
+                Ok(_) => pg_sys::ReleaseCurrentSubTransaction(),
+                Err(_) => pg_sys::RollbackAndReleaseCurrentSubTransaction(),
+            }
+        }
+        restore();
+        result.map_err(|e| SubtransactionError::Lasting(e.to_string()))
+    }))
+    .catch_others(move |caught| {
+        restore();
+        // SAFETY: the error was caught inside the subtransaction begun above.
+        unsafe { pg_sys::RollbackAndReleaseCurrentSubTransaction() };
+        restore();
+        let report = match &caught {
+            pg_sys::panic::CaughtError::PostgresError(report) => report,
+            // A bug of ours: not something to carry on from.
+            _ => caught.rethrow(),
+        };
+        let code = report.sql_error_code();
+        let class = sqlstate_class(code);
+        if class == *b"57" {
+            caught.rethrow()
+        }
+        let message = report.message().to_string();
+        if class == *b"40" || class == *b"53" || code == PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE {
+            Err(SubtransactionError::Passing(message))
+        } else {
+            Err(SubtransactionError::Lasting(message))
+        }
+    })
+    .execute()
+}
+
+/// The first two characters of a SQLSTATE, its class.
+fn sqlstate_class(code: PgSqlErrorCode) -> [u8; 2] {
+    // PostgreSQL packs the five characters six bits each, first lowest.
+    let packed = code as isize;
+    [(packed & 0x3f) as u8 + b'0', ((packed >> 6) & 0x3f) as u8 + b'0']
+}
+
 impl Store {
     pub fn new(dispatcher: usize, statement_timeout: Duration) -> Store {
-        Store { dispatcher: dispatcher as i32, plans: None, statement_timeout }
+        Store { dispatcher: dispatcher as i32, plans: None, flush_backoff: Backoff::default(), statement_timeout }
+    }
+
+    /// When a subscription whose batch failed may be tried again.
+    pub fn flush_retry_due(&self) -> Option<std::time::Instant> {
+        self.flush_backoff.next_due()
     }
 
     pub fn set_statement_timeout(&mut self, timeout: Duration) {
@@ -387,27 +474,21 @@ impl Store {
     }
 
     /// Records `settled` (the previous push's outcome; may be empty), makes
-    /// the batches of accumulated subscriptions that are due (each at most
-    /// `max_payload_bytes` of members), and claims up to `limit` due events,
+    /// the batches of accumulated subscriptions that are due (members cut
+    /// at `batch_budget` bytes each), and claims up to `limit` due events,
     /// in one transaction: a dispatcher under load spends one transaction
     /// per batch, not two.
     pub fn settle_and_claim(
         &mut self,
         settled: &Outcome,
         limit: usize,
-        max_payload_bytes: i32,
+        batch_budget: i64,
     ) -> Result<Claim, StoreError> {
+        let mut backoff = std::mem::take(&mut self.flush_backoff);
         let claimed = self.with_plans(|client, plans, dispatcher| {
             mark(client, plans, dispatcher, settled)?;
-            report_running(&plans.flush_batches.text);
-            let mut accumulated = Accumulated::default();
-            let mut subscriptions = std::collections::HashSet::new();
-            for row in client.update(&plans.flush_batches.plan, None, &[max_payload_bytes.into()])? {
-                accumulated.events += 1;
-                subscriptions.insert(row.get::<i64>(1)?);
-            }
-            accumulated.batches = subscriptions.len() as u64;
-            if accumulated.batches > 0 {
+            let flushed = batches::flush(client, plans, batch_budget, &mut backoff)?;
+            if flushed.batches > 0 {
                 // The batches are pushed once this commits: it must outlive a
                 // crash, or their members would be flushed again into a batch
                 // with another id (task id), which consumers could not tell
@@ -447,8 +528,10 @@ impl Store {
             } else {
                 None
             };
-            Ok(Claim::Claimed { accumulated, events, claimed_at, next_due })
-        })?;
+            Ok(Claim::Claimed { flushed, events, claimed_at, next_due })
+        });
+        self.flush_backoff = backoff;
+        let claimed = claimed?;
         Ok(claimed.unwrap_or(Claim::NoExtension))
     }
 

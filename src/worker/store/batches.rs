@@ -1,0 +1,165 @@
+//! The batches of accumulated subscriptions, made at the start of each
+//! claim's transaction (sql/worker/flush_batches.sql) so that the claim
+//! that follows sends them.
+//!
+//! A batch that cannot be made costs a bounded effort and holds up nothing
+//! but its own subscription. The flush runs in a subtransaction: when it
+//! fails, each subscription is flushed alone, in a subtransaction of its
+//! own. One that fails for a reason that passes (a lock, a deadlock, memory)
+//! is left alone by this dispatcher for a while, longer each time. One that
+//! fails for a reason that would not pass (a batch over a limit, a
+//! constraint) has its members dead-lettered, each as a failed batch of
+//! one carrying the error (sql/worker/fail_batch.sql), which
+//! `outbox.dead_letters` and `outbox.subscriptions.last_error` show and
+//! `outbox_retry()` sends again, alone.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use pgrx::spi::{SpiClient, SpiError};
+
+use super::{report_running, subtransaction, Plans, SubtransactionError};
+use outbox_core::backoff;
+
+/// How long a subscription whose flush failed for a passing reason is left
+/// alone: at first, and at most.
+const BACKOFF_MIN: Duration = Duration::from_secs(1);
+const BACKOFF_MAX: Duration = Duration::from_secs(60);
+
+/// What a flush did.
+#[derive(Debug, Default)]
+pub struct Flushed {
+    /// Batches made, and the members they carry.
+    pub batches: u64,
+    pub events: u64,
+    /// Members dead-lettered because their batch could not be made.
+    pub dead_lettered: u64,
+    /// Why subscriptions failed, for `outbox.workers.last_error`.
+    pub errors: Vec<String>,
+}
+
+/// Subscriptions this dispatcher leaves alone until a time, after a flush
+/// that failed for a passing reason.
+#[derive(Default)]
+pub struct Backoff {
+    until: HashMap<i64, (Instant, u32)>,
+}
+
+impl Backoff {
+    /// The subscriptions still backed off; forgets the others.
+    fn current(&mut self) -> Vec<i64> {
+        let now = Instant::now();
+        self.until.retain(|_, (until, _)| *until > now);
+        self.until.keys().copied().collect()
+    }
+
+    fn failed(&mut self, subscription: i64) {
+        let attempts = self.until.get(&subscription).map_or(0, |(_, attempts)| *attempts);
+        let delay = backoff::reconnect_delay(BACKOFF_MIN, BACKOFF_MAX, attempts, backoff::random_unit());
+        self.until.insert(subscription, (Instant::now() + delay, attempts.saturating_add(1)));
+    }
+
+    /// When the first backed-off subscription may be tried again.
+    pub fn next_due(&self) -> Option<Instant> {
+        self.until.values().map(|(until, _)| *until).min()
+    }
+}
+
+/// Makes the due batches, members cut at `budget` bytes of JSON each.
+pub(super) fn flush(
+    client: &mut SpiClient<'_>,
+    plans: &Plans,
+    budget: i64,
+    backoff: &mut Backoff,
+) -> Result<Flushed, SpiError> {
+    let skipped = backoff.current();
+    let mut flushed = Flushed::default();
+    let all = subtransaction(|| flush_some(client, plans, budget, &skipped, None));
+    match all {
+        Ok(subscriptions) => flushed.count(subscriptions),
+        Err(_) => {
+            // Which subscription failed is not known: each alone.
+            report_running(&plans.accumulating.text);
+            let accumulated: Vec<i64> = client
+                .select(&plans.accumulating.plan, None, &[])?
+                .map(|row| row.get::<i64>(1))
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .flatten()
+                .filter(|id| !skipped.contains(id))
+                .collect();
+            for subscription in accumulated {
+                flushed.one(client, plans, budget, backoff, &skipped, subscription)?;
+            }
+        }
+    }
+    Ok(flushed)
+}
+
+impl Flushed {
+    /// Counts the members batched, by subscription.
+    fn count(&mut self, subscriptions: Vec<i64>) {
+        self.events += subscriptions.len() as u64;
+        self.batches += subscriptions.into_iter().collect::<HashSet<_>>().len() as u64;
+    }
+
+    /// Flushes `subscription` alone; when that fails, backs it off or
+    /// dead-letters its next batch's members.
+    fn one(
+        &mut self,
+        client: &mut SpiClient<'_>,
+        plans: &Plans,
+        budget: i64,
+        backoff: &mut Backoff,
+        skipped: &[i64],
+        subscription: i64,
+    ) -> Result<(), SpiError> {
+        let error = match subtransaction(|| flush_some(client, plans, budget, skipped, Some(subscription))) {
+            Ok(subscriptions) => return Ok(self.count(subscriptions)),
+            Err(SubtransactionError::Passing(error)) => error,
+            Err(SubtransactionError::Lasting(error)) => {
+                let reason = format!("its batch could not be made: {error}");
+                match subtransaction(|| fail_batch(client, plans, budget, subscription, &reason)) {
+                    Ok(failed) => {
+                        self.dead_lettered += failed;
+                        self.errors.push(format!(
+                            "subscription {subscription}: {reason}; {failed} events dead-lettered"
+                        ));
+                        return Ok(());
+                    }
+                    Err(SubtransactionError::Passing(e) | SubtransactionError::Lasting(e)) => e,
+                }
+            }
+        };
+        backoff.failed(subscription);
+        self.errors.push(format!("subscription {subscription}: its batch could not be made: {error}; trying again later"));
+        Ok(())
+    }
+}
+
+fn flush_some(
+    client: &mut SpiClient<'_>,
+    plans: &Plans,
+    budget: i64,
+    skipped: &[i64],
+    only: Option<i64>,
+) -> Result<Vec<i64>, SpiError> {
+    report_running(&plans.flush_batches.text);
+    let args = [budget.into(), skipped.to_vec().into(), only.into()];
+    client
+        .update(&plans.flush_batches.plan, None, &args)?
+        .map(|row| row.get::<i64>(1).map(Option::unwrap_or_default))
+        .collect()
+}
+
+fn fail_batch(
+    client: &mut SpiClient<'_>,
+    plans: &Plans,
+    budget: i64,
+    subscription: i64,
+    reason: &str,
+) -> Result<u64, SpiError> {
+    report_running(&plans.fail_batch.text);
+    let args = [subscription.into(), reason.into(), budget.into()];
+    Ok(client.update(&plans.fail_batch.plan, None, &args)?.len() as u64)
+}
