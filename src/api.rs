@@ -71,8 +71,18 @@ fn outbox_events_inserted<'a>(
 }
 
 fn notify(channel: &CString) {
-    // SAFETY: both strings outlive the call; Async_Notify copies them and
-    // reports a bad channel name (empty, too long) as an ERROR.
+    let bytes = channel.as_bytes().len();
+    if bytes == 0 || bytes >= pgrx::pg_sys::NAMEDATALEN as usize {
+        ereport!(
+            PgLogLevel::ERROR,
+            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+            format!(
+                "outbox.notify_channel is {bytes} bytes, it must be 1 to {} bytes (or outbox.notify off)",
+                pgrx::pg_sys::NAMEDATALEN - 1
+            )
+        );
+    }
+    // SAFETY: both strings outlive the call; Async_Notify copies them.
     unsafe {
         pgrx::pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| Async_Notify(channel.as_ptr(), c"".as_ptr()))
     };

@@ -109,3 +109,22 @@ def test_sql_callers_get_args_and_expiry_checked(outbox):
     with pytest.raises(psycopg.errors.CheckViolation, match="events_args_with_kwargs"):
         outbox.sql("INSERT INTO outbox.events (event_type, payload, args) VALUES ('e', '[1]', '[2]')")
     assert outbox.value("SELECT count(*) FROM outbox.events") == 0
+
+
+def test_notify_reaches_listeners_at_commit_and_a_bad_channel_is_named(outbox):
+    outbox.configure(enabled="off")
+    with outbox.connect() as listener:
+        listener.execute("LISTEN outbox_new")
+        with outbox.connect(autocommit=False) as conn:
+            conn.execute("SET outbox.notify = on")
+            conn.execute("SELECT outbox_enqueue('notified', '{}', queue => 'q_notify')")
+            conn.commit()
+        notices = listener.notifies(timeout=10, stop_after=1)
+        assert [n.channel for n in notices] == ["outbox_new"]
+    with outbox.connect() as conn:
+        conn.execute("SET outbox.notify = on")
+        conn.execute("SET outbox.notify_channel = ''")
+        with pytest.raises(psycopg.errors.InvalidParameterValue,
+                           match=r"outbox.notify_channel is 0 bytes, it must be 1 to 63 bytes \(or outbox.notify off\)\n"):
+            conn.execute("SELECT outbox_enqueue('notified', '{}', queue => 'q_notify')")
+    assert outbox.value("SELECT count(*) FROM outbox.events") == 1

@@ -3,6 +3,7 @@ wait answers a shutdown within seconds, the broker's own conditions never
 dead-letter an event, pg_dump keeps the events, and the dispatchers report
 what they do as PostgreSQL's own workers do."""
 
+import re
 import socket
 import subprocess
 import threading
@@ -11,7 +12,7 @@ import time
 import psycopg
 import pytest
 
-from harness import PG_BIN, Cluster, Redis, as_postgres, queued_ids, wait_until
+from harness import PG_BIN, Cluster, Redis, as_postgres, decode, queued_ids, wait_until
 
 
 def enqueue(pg, n, queue, payload="{}", dbname="postgres"):
@@ -67,6 +68,12 @@ def plant(conn):
             BEGIN PERFORM public.escalate(); RETURN {real}(a, b); END $$;
             CREATE OPERATOR public.{op} (leftarg = {type_}, rightarg = {type_}, function = public.evil_op{i})""")
     conn.execute("ALTER DATABASE app SET search_path = public, pg_catalog")
+    # Every setting a database owner may set for the dispatchers' sessions.
+    for setting, value in [("outbox.default_queue", "''"), ("outbox.notify", "on"),
+                           ("outbox.notify_channel", "'hostile'"), ("DateStyle", "'SQL, DMY'"),
+                           ("TimeZone", "'Asia/Kathmandu'"), ("IntervalStyle", "'sql_standard'"),
+                           ("synchronous_commit", "'local'")]:
+        conn.execute(f"ALTER DATABASE app SET {setting} = {value}")
 
 
 def test_a_hostile_database_owner_gains_nothing_and_events_still_flow(redis_server):
@@ -94,8 +101,10 @@ def test_a_hostile_database_owner_gains_nothing_and_events_still_flow(redis_serv
                 "FROM generate_series(1, 5)").fetchall()]
             # Routed by a SECURITY DEFINER trigger, to a delivery and a batch.
             conn.execute("SELECT outbox_subscribe('hostile.routed', 'task.now', queue => 'q_hostile_sub'), "
-                         "outbox_subscribe('hostile.routed', 'task.batch', queue => 'q_hostile_sub', batch_max => 5)")
-            conn.execute("SELECT outbox_enqueue('hostile.routed', '{}') FROM generate_series(1, 5)")
+                         "outbox_subscribe('hostile.routed', 'task.batch', queue => 'q_hostile_sub', batch_max => 5), "
+                         "outbox_subscribe('hostile.routed', 'task.own_queue', batch_max => 5)")
+            conn.execute("SELECT outbox_enqueue('hostile.routed', '{}', queue => 'q_hostile_sub') "
+                         "FROM generate_series(1, 5)")
             conn.execute("SELECT outbox_retry_failed()")
             conn.execute("SELECT outbox_metrics_prometheus()")
             conn.execute("TABLE outbox.metrics")
@@ -104,9 +113,12 @@ def test_a_hostile_database_owner_gains_nothing_and_events_still_flow(redis_serv
         with pg.connect(dbname="app") as conn:
             routed = [str(r[0]) for r in conn.execute(
                 "SELECT id FROM outbox.events WHERE subscription_id IS NOT NULL").fetchall()]
-        assert len(routed) == 6
+        assert len(routed) == 7
         wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_hostile_sub")) == sorted(routed), timeout=60,
-                   message="the deliveries and the batch in the hostile database")
+                   message="the deliveries and the batches in the hostile database")
+        # Times in the headers are ISO 8601 in UTC, whatever the database's style.
+        envelope, _ = decode(redis_server.client().lindex("q_hostile", 0))
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\+00", envelope["headers"]["outbox_created_at"])
         time.sleep(3)  # heartbeats, sweeps and purges run meanwhile
         assert pg.value("SELECT rolsuper FROM pg_roles WHERE rolname = 'mallory'") is False
         with pg.connect(dbname="app") as conn:

@@ -537,7 +537,8 @@ impl Dispatcher {
         let mut nap = self.settings.poll_interval;
         loop {
             let settled = std::mem::take(&mut self.unsettled);
-            let claim = self.store.settle_and_claim(&settled, self.settings.batch_size, self.settings.batch_budget);
+            let claim =
+                self.store.settle_and_claim(&settled, self.settings.batch_size, self.settings.batch_budget);
             let claim = match claim {
                 Ok(claim) => claim,
                 Err(e) => {
@@ -562,7 +563,8 @@ impl Dispatcher {
             self.extension_missing = false;
             if events.is_empty() {
                 self.slot.set_state(State::Idle);
-                let retry = self.store.flush_retry_due().map(|at| at.saturating_duration_since(Instant::now()));
+                let retry =
+                    self.store.flush_retry_due().map(|at| at.saturating_duration_since(Instant::now()));
                 return [next_due, retry].into_iter().flatten().fold(nap, Duration::min);
             }
             self.slot.set_state(State::Draining);

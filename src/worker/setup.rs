@@ -9,7 +9,7 @@ use pgrx::prelude::*;
 /// Settings every dispatcher runs with, overriding `ALTER DATABASE … SET` and
 /// `ALTER ROLE … SET`: the database owner chooses those, and the dispatcher
 /// runs as the bootstrap superuser.
-const PINNED: [(&CStr, &CStr); 8] = [
+const PINNED: [(&CStr, &CStr); 12] = [
     // Names resolve in pg_catalog only: a function or operator planted in a
     // schema the owner controls is never called with our rights.
     (c"search_path", c"pg_catalog, pg_temp"),
@@ -34,6 +34,15 @@ const PINNED: [(&CStr, &CStr); 8] = [
     // SKIP LOCKED claims need read committed, and the dispatcher writes.
     (c"default_transaction_isolation", c"read committed"),
     (c"default_transaction_read_only", c"off"),
+    // Times travel as text in the messages' headers (outbox_created_at):
+    // ISO 8601, in UTC, whatever the database's own style.
+    (c"DateStyle", c"ISO, YMD"),
+    (c"IntervalStyle", c"postgres"),
+    (c"TimeZone", c"UTC"),
+    // The dispatchers' own inserts (batches) wake nobody and NOTIFY nobody
+    // (wake.rs); outbox.default_queue, the one other outbox setting a
+    // database may set, they never read.
+    (c"outbox.notify", c"off"),
 ];
 
 /// Pins [`PINNED`]; called once connected to the database, whose own

@@ -132,7 +132,9 @@ impl Flushed {
             }
         };
         backoff.failed(subscription);
-        self.errors.push(format!("subscription {subscription}: its batch could not be made: {error}; trying again later"));
+        self.errors.push(format!(
+            "subscription {subscription}: its batch could not be made: {error}; trying again later"
+        ));
         Ok(())
     }
 }

@@ -217,7 +217,10 @@ impl Plans {
                 include_str!("../../../sql/worker/mark_failed.sql"),
                 &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY, FLOAT8_ARRAY, INT4, TIMESTAMPTZ],
             )?,
-            release: prepare(include_str!("../../../sql/worker/release.sql"), &[UUID_ARRAY, INT4, TIMESTAMPTZ])?,
+            release: prepare(
+                include_str!("../../../sql/worker/release.sql"),
+                &[UUID_ARRAY, INT4, TIMESTAMPTZ],
+            )?,
             sweep_stuck: prepare(include_str!("../../../sql/worker/sweep_stuck.sql"), &[FLOAT8, INT4])?,
             sweep_unacked: prepare(
                 include_str!("../../../sql/worker/sweep_unacked.sql"),
@@ -409,7 +412,12 @@ fn sqlstate_class(code: PgSqlErrorCode) -> [u8; 2] {
 
 impl Store {
     pub fn new(dispatcher: usize, statement_timeout: Duration) -> Store {
-        Store { dispatcher: dispatcher as i32, plans: None, flush_backoff: Backoff::default(), statement_timeout }
+        Store {
+            dispatcher: dispatcher as i32,
+            plans: None,
+            flush_backoff: Backoff::default(),
+            statement_timeout,
+        }
     }
 
     /// When a subscription whose batch failed may be tried again.
