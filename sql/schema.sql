@@ -60,6 +60,7 @@ CREATE TABLE outbox.events (
     event_id              uuid,     -- on a delivery: the event it delivers
     subscription_id       bigint,   -- on a delivery or a batch: its subscription
     routed_to             integer,  -- on an event without a task: subscriptions it went to (0: none)
+    send_id               uuid,     -- the last send's id (new at every claim), which its report must name
     CONSTRAINT events_args_with_kwargs CHECK (args IS NULL OR jsonb_typeof(payload) = 'object')
 )
 -- A queue table churns: every row is inserted, updated two or three times

@@ -288,7 +288,7 @@ unsafe extern "C-unwind" fn release(_code: i32, arg: pg_sys::Datum) {
 }
 
 /// One row of `outbox.workers`.
-pub struct Report {
+pub struct WorkerRow {
     pub index: i32,
     pub pid: Option<i32>,
     pub state: &'static str,
@@ -301,7 +301,7 @@ pub struct Report {
 }
 
 /// The first `count` slots, as they are now.
-pub fn report(count: usize) -> Vec<Report> {
+pub fn rows(count: usize) -> Vec<WorkerRow> {
     let Some(slots) = slots() else {
         return Vec::new();
     };
@@ -314,7 +314,7 @@ pub fn report(count: usize) -> Vec<Report> {
             let len = error.iter().position(|b| *b == 0).unwrap_or(ERROR_BYTES);
             let state = slot.state.load(Ordering::Relaxed);
             let nonzero = |t: i64| (t != 0).then_some(t);
-            Report {
+            WorkerRow {
                 index: index as i32,
                 pid: Some(slot.pid.load(Ordering::Relaxed)).filter(|p| *p != 0),
                 state: State::ALL.get(state as usize).copied().unwrap_or(State::Stopped).name(),

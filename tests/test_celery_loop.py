@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+import uuid
 
 import psycopg
 import pytest
@@ -16,7 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from harness import CeleryWorker, queued_ids, wait_until
+from harness import CeleryWorker, decode, queued_ids, wait_until
 from outbox_dispatch import enqueue, report
 
 REPORTS = "outbox_dispatch.reports"
@@ -177,13 +178,42 @@ def test_a_message_that_expires_in_the_queue_is_reported_by_the_worker(loop, red
     assert not notes(redis_server, f"ran:{event}")
 
 
+def test_a_forged_report_finishes_no_event_and_a_replayed_one_no_later_send(loop, redis_server):
+    """Any client of the broker can append to the report list. A report is
+    taken only for the send it names: one for an event never sent (delayed
+    here), one with a guessed send, and a late one of an earlier send change
+    nothing; the current send's is taken."""
+    client = redis_server.client()
+    stale = loop.metric("outbox_reports_ignored_total", reason="stale")
+    delayed = loop.value("SELECT outbox_enqueue('forged', '{}', queue => 'q_forged', delay => '1 hour')")
+    client.rpush(REPORTS, report.processed(str(delayed), str(uuid.uuid4())))
+    sent = loop.value("SELECT outbox_enqueue('replayed', '{}', queue => 'q_replayed')")
+    wait_until(lambda: len(queued_ids(client, "q_replayed")) == 1, message="the first send")
+    first = decode(client.lindex("q_replayed", 0))[0]["headers"]["outbox_send"]
+    # Sent again (as the unacknowledged sweeper does), with a new send id.
+    loop.sql("UPDATE outbox.events SET status = 'pending' WHERE id = %s", (sent,))
+    loop.sql("SELECT outbox_wake()")
+    wait_until(lambda: len(queued_ids(client, "q_replayed")) == 2, message="the second send")
+    second = decode(client.lindex("q_replayed", 0))[0]["headers"]["outbox_send"]
+    assert second != first
+    wait_status(loop, sent, "dispatched")
+    client.rpush(REPORTS, report.processed(str(sent), first), report.processed(str(sent), str(uuid.uuid4())))
+    wait_until(lambda: loop.metric("outbox_reports_ignored_total", reason="stale") == stale + 3,
+               message="the forged and replayed reports counted")
+    time.sleep(0.5)
+    assert status_of(loop, delayed) == ("pending", None)
+    assert status_of(loop, sent) == ("dispatched", None)
+    client.rpush(REPORTS, report.failed(str(sent), second, "ValueError: the real one"))
+    assert wait_status(loop, sent, "failed") == ("failed", "ValueError: the real one")
+
+
 def test_a_report_may_overtake_the_dispatchers_record(loop, redis_server):
     """A worker can finish before the dispatcher has marked the event
     dispatched: the report wins, the late mark changes nothing."""
-    event = loop.value("""
-        INSERT INTO outbox.events (event_type, status, processing_started_at, claimed_by)
-        VALUES ('overtaken', 'processing', now(), 7) RETURNING id""")
-    redis_server.client().rpush(REPORTS, report.processed(str(event)))
+    event, send = loop.sql("""
+        INSERT INTO outbox.events (event_type, status, processing_started_at, claimed_by, send_id)
+        VALUES ('overtaken', 'processing', now(), 7, gen_random_uuid()) RETURNING id, send_id""")[0]
+    redis_server.client().rpush(REPORTS, report.processed(str(event), str(send)))
     wait_status(loop, event, "processed")
     assert loop.value("SELECT deliveries FROM outbox.events WHERE id = %s", (event,)) == 1
 
@@ -192,8 +222,10 @@ def test_stale_and_malformed_reports_are_counted_and_dropped(loop, redis_server)
     stale = loop.metric("outbox_reports_ignored_total", reason="stale")
     malformed = loop.metric("outbox_reports_ignored_total", reason="malformed")
     client = redis_server.client()
-    client.rpush(REPORTS, report.processed("0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a"), b"{not json", b'{"id": 1}')
-    wait_until(lambda: loop.metric("outbox_reports_ignored_total", reason="malformed") == malformed + 2,
+    client.rpush(REPORTS, report.processed("0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a", str(uuid.uuid4())),
+                 b"{not json", b'{"id": 1}', b"x" * (20 * 1024),
+                 b'{"id": "0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a", "outcome": "processed"}')
+    wait_until(lambda: loop.metric("outbox_reports_ignored_total", reason="malformed") == malformed + 4,
                message="the malformed reports counted")
     assert loop.metric("outbox_reports_ignored_total", reason="stale") == stale + 1
     wait_until(lambda: client.llen(REPORTS) == 0, message="the list emptied")

@@ -217,7 +217,8 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "sweep_unacked.sql": ("(float8, int, int)", "(1000, 100, 5)", [("events_dispatched_idx",)]),
         worker / "purge.sql": ("(float8, int, bool, timestamptz, timestamptz)", "(1000, 100, true, now(), now())",
                                [("events_processed_idx",), ("events_dispatched_idx",), ("batch_members_batch_idx",)]),
-        worker / "apply_reports.sql": ("(uuid[], text[], text[])", "(ARRAY[gen_random_uuid()], '{processed}', '{NULL}')",
+        worker / "apply_reports.sql": ("(uuid[], uuid[], text[], text[])",
+                                       "(ARRAY[gen_random_uuid()], ARRAY[gen_random_uuid()], '{processed}', '{NULL}')",
                                        [("events_pkey",)]),
         ROOT / "sql" / "ack.sql": ("(uuid)", "(gen_random_uuid())", [("events_pkey",)]),
     }

@@ -58,7 +58,7 @@ def test_a_crash_after_reports_are_trimmed_loses_none(redis_server):
         messages = [decode(m)[0] for m in client.lrange("q_durable_reports", 0, -1)]
         # The marks' asynchronous commits reach the disk.
         pg.sql("CHECKPOINT")
-        client.rpush(key, *[report.processed(m["headers"]["id"]) for m in messages])
+        client.rpush(key, *[report.processed(m["headers"]["id"], m["headers"]["outbox_send"]) for m in messages])
         wait_until(lambda: client.llen(key) == 0, timeout=30, message="the reports read and trimmed")
         pg.stop("immediate")
         pg.start()

@@ -36,6 +36,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             headers: None,
             expires: None,
             report_to: "outbox_dispatch.reports",
+            send: uuid::Uuid::new_v4(),
         };
         celery::encode(&task, "outbox_dispatch@bench", uuid::Uuid::new_v4(), &mut out).map(|_| out)
     };
@@ -53,7 +54,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     sink.connect(&mut Poll)?;
     let started = Instant::now();
     for batch in &batches {
-        if let Some(refused) = sink.push(batch, &mut Poll)?.into_iter().find(|d| *d != Delivery::Delivered) {
+        let pushed = sink.push(batch, &mut Poll);
+        if let Some(failure) = pushed.failure {
+            return Err(failure.into());
+        }
+        if let Some(refused) = pushed.deliveries.into_iter().find(|d| *d != Delivery::Delivered) {
             return Err(format!("{refused:?}").into());
         }
     }

@@ -40,6 +40,7 @@ const PROTOCOL_HEADERS: &[&str] = &[
     "outbox_event_type",
     "outbox_created_at",
     "outbox_report_to",
+    "outbox_send",
 ];
 
 /// Protocol headers an event may set: a task enqueued from inside a running
@@ -69,6 +70,9 @@ pub struct TaskMessage<'a> {
     /// The Redis list a worker running `outbox_dispatch.celery` reports the
     /// task's outcome to.
     pub report_to: &'a str,
+    /// This send of the event (a fresh value per claim), which the report
+    /// names: a report is taken only for the send it answers.
+    pub send: Uuid,
 }
 
 /// Why one event cannot become a message. Never the broker's fault: the
@@ -205,8 +209,9 @@ pub fn encode(
     push_json_str(out, msg.report_to);
     let _ = write!(
         out,
-        "}},\"properties\":{{\"correlation_id\":\"{id}\",\"reply_to\":\"\",\"delivery_mode\":2,\
-         \"delivery_info\":{{\"exchange\":\"\",\"routing_key\":"
+        ",\"outbox_send\":\"{}\"}},\"properties\":{{\"correlation_id\":\"{id}\",\"reply_to\":\"\",\"delivery_mode\":2,\
+         \"delivery_info\":{{\"exchange\":\"\",\"routing_key\":",
+        msg.send
     );
     push_json_str(out, msg.queue);
     let _ = write!(
@@ -355,6 +360,7 @@ mod tests {
             headers,
             expires: None,
             report_to: "outbox_dispatch.reports",
+            send: Uuid::parse_str("5b0e2f4e-9d8c-4b7a-8e6f-1a2b3c4d5e6f").unwrap(),
         }
     }
 
@@ -386,6 +392,7 @@ mod tests {
         assert_eq!(h["outbox_event_type"], "render_job_created");
         assert_eq!(h["outbox_created_at"], "2026-11-29 14:00:00.123456+00");
         assert_eq!(h["outbox_report_to"], "outbox_dispatch.reports");
+        assert_eq!(h["outbox_send"], "5b0e2f4e-9d8c-4b7a-8e6f-1a2b3c4d5e6f");
         assert_eq!(h["expires"], Value::Null);
         assert_eq!(h["stamps"], serde_json::json!({}));
         let p = &env["properties"];

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use rustls::pki_types::ServerName;
 
-use crate::resp::{self, ProtocolError, Reply};
+use crate::resp::{Decoder, Limits, ProtocolError, Reply};
 
 /// What a wait is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +35,12 @@ pub trait Wait {
     /// short while has passed), at `deadline` at the latest, or earlier for
     /// no reason at all: callers try again and look at the clock.
     fn wait(&mut self, socket: Option<(RawFd, Interest)>, deadline: Instant) -> Result<(), Interrupted>;
+
+    /// Whether the caller must give up now, without waiting: a link whose
+    /// peer keeps the socket ready never waits, and asks this between reads.
+    fn check(&mut self) -> Result<(), Interrupted> {
+        Ok(())
+    }
 }
 
 /// A [`Wait`] on poll(2), for programs without a latch (tests, examples).
@@ -87,8 +93,10 @@ impl From<Interrupted> for LinkError {
 pub struct Link {
     socket: TcpStream,
     tls: Option<Box<rustls::ClientConnection>>,
-    /// Bytes received and not yet parsed.
+    /// Bytes received and not yet decoded: at most part of one reply (the
+    /// decoder takes whole parts as they come) and one read.
     inbox: Vec<u8>,
+    decoder: Decoder,
 }
 
 /// Read size; replies to pushes are a few bytes each.
@@ -108,7 +116,8 @@ impl Link {
         for address in resolve(host, port, waiter, deadline)? {
             match connect_socket(address, waiter, deadline) {
                 Ok(socket) => {
-                    let mut link = Link { socket, tls: None, inbox: Vec::new() };
+                    let mut link =
+                        Link { socket, tls: None, inbox: Vec::new(), decoder: Decoder::new(Limits::BROKER) };
                     if let Some(config) = tls {
                         link.handshake(config, host, waiter, deadline)?;
                     }
@@ -188,18 +197,26 @@ impl Link {
         Ok(())
     }
 
-    /// Receives one reply.
+    /// Receives one reply. Every read looks at the clock and asks the
+    /// waiter whether to give up, so that a peer that keeps the socket
+    /// readable (streaming, or dripping a byte at a time) is still timed
+    /// out and a shutdown still answered.
     pub fn receive(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<Reply, LinkError> {
         loop {
-            if let Some((reply, used)) = resp::parse(&self.inbox).map_err(LinkError::Protocol)? {
-                self.inbox.drain(..used);
+            if let Some(reply) = self.decoder.decode(&mut self.inbox).map_err(LinkError::Protocol)? {
                 return Ok(reply);
             }
+            if Instant::now() >= deadline {
+                return Err(LinkError::Timeout);
+            }
+            waiter.check()?;
             self.read_more(waiter, deadline)?;
         }
     }
 
-    /// Sends `commands` (already encoded) and receives `replies` replies.
+    /// Sends `commands` (already encoded) and receives `replies` replies,
+    /// no more: bytes left over, or that came while no command was under
+    /// way, answer no command of ours, and the link cannot be trusted.
     pub fn round_trip(
         &mut self,
         commands: &[u8],
@@ -207,8 +224,42 @@ impl Link {
         waiter: &mut dyn Wait,
         deadline: Instant,
     ) -> Result<Vec<Reply>, LinkError> {
+        self.expect_silence()?;
         self.send(commands, waiter, deadline)?;
-        (0..replies).map(|_| self.receive(waiter, deadline)).collect()
+        let received = (0..replies).map(|_| self.receive(waiter, deadline)).collect::<Result<Vec<_>, _>>()?;
+        if !self.inbox.is_empty() || self.decoder.in_reply() {
+            return Err(unasked());
+        }
+        Ok(received)
+    }
+
+    /// Fails if the server sent anything since the last round trip.
+    fn expect_silence(&mut self) -> Result<(), LinkError> {
+        if !self.inbox.is_empty() {
+            return Err(unasked());
+        }
+        let mut byte = [0u8; 1];
+        let peeked = match self.tls.as_mut() {
+            Some(tls) => {
+                // Records that arrived meanwhile hold plaintext, or a close.
+                match tls.read_tls(&mut self.socket) {
+                    Ok(0) => return Err(LinkError::Io("the server closed the TLS session".into())),
+                    Ok(_) => {
+                        tls.process_new_packets().map_err(|e| LinkError::Tls(e.to_string()))?;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(LinkError::Io(e.to_string())),
+                }
+                tls.reader().read(&mut byte)
+            }
+            None => self.socket.peek(&mut byte),
+        };
+        match peeked {
+            Ok(0) => Err(LinkError::Io("the server closed the connection".into())),
+            Ok(_) => Err(unasked()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(()),
+            Err(e) => Err(LinkError::Io(e.to_string())),
+        }
     }
 
     fn read_more(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(), LinkError> {
@@ -235,6 +286,10 @@ impl Link {
             Err(e) => Err(LinkError::Io(e.to_string())),
         }
     }
+}
+
+fn unasked() -> LinkError {
+    LinkError::Protocol(ProtocolError("the server sent a reply no command asked for".into()))
 }
 
 /// A non-blocking call that could not proceed: wait for the socket (or fail

@@ -2,9 +2,13 @@
 //! became of a task, sent back through the broker.
 //!
 //! A report is one JSON object in the Redis list the message named in its
-//! `outbox_report_to` header:
-//! `{"id": "<event id>", "outcome": "processed"}` or
-//! `{"id": "…", "outcome": "failed", "error": "ValueError: …"}`.
+//! `outbox_report_to` header, naming the event and the send it answers (the
+//! message's `outbox_send` header, fresh for every send):
+//! `{"id": "<event id>", "send": "<send id>", "outcome": "processed"}` or
+//! `{"id": "…", "send": "…", "outcome": "failed", "error": "ValueError: …"}`.
+//! The dispatchers take a report only for the send of the event it names
+//! (`sql/worker/apply_reports.sql`): one that names no send, or another
+//! send (a late report of an earlier one, a guess), changes nothing.
 
 use serde_json::Value;
 use uuid::Uuid;
@@ -12,6 +16,11 @@ use uuid::Uuid;
 /// The longest `last_error` a report may set; longer text is cut (on a
 /// character boundary) with a marker.
 pub const MAX_ERROR_BYTES: usize = 8192;
+
+/// The largest report read: the companion keeps its reports well below
+/// (its error text is cut to `MAX_ERROR_BYTES`); a larger one is dropped
+/// unread, as malformed.
+pub const MAX_REPORT_BYTES: usize = 16 * 1024;
 
 /// What became of one task.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +53,8 @@ impl Outcome {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Report {
     pub id: Uuid,
+    /// The send it answers.
+    pub send: Uuid,
     pub outcome: Outcome,
 }
 
@@ -59,10 +70,17 @@ impl std::fmt::Display for Malformed {
 
 impl Report {
     pub fn parse(bytes: &[u8]) -> Result<Report, Malformed> {
+        if bytes.is_empty() {
+            return Err(Malformed(format!("empty, or over {MAX_REPORT_BYTES} bytes (cut unread)")));
+        }
         let value: Value = serde_json::from_slice(bytes).map_err(|e| Malformed(e.to_string()))?;
         let field = |name: &str| value.get(name).and_then(Value::as_str);
         let id = field("id").ok_or_else(|| Malformed("no \"id\"".into()))?;
         let id = Uuid::parse_str(id).map_err(|e| Malformed(format!("\"id\": {e}")))?;
+        let send = field("send").ok_or_else(|| {
+            Malformed("no \"send\" (from an outbox_dispatch.celery older than 0.4.0? update it)".into())
+        })?;
+        let send = Uuid::parse_str(send).map_err(|e| Malformed(format!("\"send\": {e}")))?;
         let outcome = match field("outcome") {
             Some("processed") => Outcome::Processed,
             Some("failed") => {
@@ -72,7 +90,7 @@ impl Report {
             Some(other) => return Err(Malformed(format!("unknown \"outcome\" {other:?}"))),
             None => return Err(Malformed("no \"outcome\"".into())),
         };
-        Ok(Report { id, outcome })
+        Ok(Report { id, send, outcome })
     }
 }
 
@@ -95,13 +113,22 @@ mod tests {
     use super::*;
 
     const ID: &str = "0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a";
+    const SEND: &str = "5b0e2f4e-9d8c-4b7a-8e6f-1a2b3c4d5e6f";
 
     #[test]
     fn processed_and_failed_reports_parse() {
-        let processed = Report::parse(format!(r#"{{"id": "{ID}", "outcome": "processed"}}"#).as_bytes());
-        assert_eq!(processed, Ok(Report { id: Uuid::parse_str(ID).unwrap(), outcome: Outcome::Processed }));
+        let processed = Report::parse(
+            format!(r#"{{"id": "{ID}", "send": "{SEND}", "outcome": "processed"}}"#).as_bytes(),
+        );
+        let expected = Report {
+            id: Uuid::parse_str(ID).unwrap(),
+            send: Uuid::parse_str(SEND).unwrap(),
+            outcome: Outcome::Processed,
+        };
+        assert_eq!(processed, Ok(expected));
         let failed = Report::parse(
-            format!(r#"{{"id": "{ID}", "outcome": "failed", "error": "ValueError: no"}}"#).as_bytes(),
+            format!(r#"{{"id": "{ID}", "send": "{SEND}", "outcome": "failed", "error": "ValueError: no"}}"#)
+                .as_bytes(),
         )
         .unwrap();
         assert_eq!(failed.outcome, Outcome::Failed("ValueError: no".into()));
@@ -111,7 +138,9 @@ mod tests {
 
     #[test]
     fn a_failure_without_error_still_says_something() {
-        let failed = Report::parse(format!(r#"{{"id": "{ID}", "outcome": "failed"}}"#).as_bytes()).unwrap();
+        let failed =
+            Report::parse(format!(r#"{{"id": "{ID}", "send": "{SEND}", "outcome": "failed"}}"#).as_bytes())
+                .unwrap();
         assert_eq!(failed.outcome.error(), Some("failed (no error given)"));
     }
 
@@ -121,8 +150,11 @@ mod tests {
             ("not json".to_string(), "expected"),
             (r#"{"outcome": "processed"}"#.to_string(), "no \"id\""),
             (r#"{"id": "x", "outcome": "processed"}"#.to_string(), "\"id\""),
-            (format!(r#"{{"id": "{ID}"}}"#), "no \"outcome\""),
-            (format!(r#"{{"id": "{ID}", "outcome": "done"}}"#), "unknown \"outcome\""),
+            (format!(r#"{{"id": "{ID}", "outcome": "processed"}}"#), "no \"send\""),
+            (format!(r#"{{"id": "{ID}", "send": "1", "outcome": "processed"}}"#), "\"send\""),
+            (format!(r#"{{"id": "{ID}", "send": "{SEND}"}}"#), "no \"outcome\""),
+            (format!(r#"{{"id": "{ID}", "send": "{SEND}", "outcome": "done"}}"#), "unknown \"outcome\""),
+            (String::new(), "empty, or over"),
         ];
         for (text, reason) in cases {
             let err = Report::parse(text.as_bytes()).unwrap_err();
@@ -133,7 +165,7 @@ mod tests {
     #[test]
     fn long_errors_are_cut_on_a_char_boundary() {
         let long = "é".repeat(MAX_ERROR_BYTES);
-        let text = format!(r#"{{"id": "{ID}", "outcome": "failed", "error": "{long}"}}"#);
+        let text = format!(r#"{{"id": "{ID}", "send": "{SEND}", "outcome": "failed", "error": "{long}"}}"#);
         let error = Report::parse(text.as_bytes()).unwrap().outcome.error().unwrap().to_string();
         assert!(error.len() <= MAX_ERROR_BYTES);
         assert!(error.ends_with("(cut)"));

@@ -23,6 +23,7 @@ use rustls::pki_types::CertificateDer;
 use crate::broker_url::{self, BrokerUrl, Endpoints};
 use crate::celery::Keys;
 use crate::link::{Link, LinkError, Wait};
+use crate::report;
 use crate::resp::{self, Reply};
 
 crate::named! {
@@ -217,6 +218,19 @@ pub enum Delivery {
     /// Redis answered a condition of its own, and the reply: not delivered,
     /// and not the message's fault.
     Refused(Condition, String),
+    /// Its round trip failed, or never ran after an earlier one failed:
+    /// not known to be delivered, and not the message's fault.
+    Unsent,
+}
+
+/// What a push did: one [`Delivery`] per message, in the order of the
+/// batches and their messages, and the broker's failure that ended it
+/// early, if one did. The round trips before the failure stand: their
+/// messages are delivered (or not) as their replies said.
+#[derive(Debug)]
+pub struct Pushed {
+    pub deliveries: Vec<Delivery>,
+    pub failure: Option<SinkError>,
 }
 
 crate::named! {
@@ -259,6 +273,9 @@ pub struct Sink {
     display_url: String,
     /// The master of the current (or last) connection, `host:port`.
     master: Option<String>,
+    /// The server knows `EVAL_RO` (Redis 7 and later): the report read then
+    /// runs during a `CLIENT PAUSE WRITE` (a failover) as a plain read would.
+    read_only_scripts: bool,
 }
 
 impl Sink {
@@ -276,7 +293,15 @@ impl Sink {
         }
         let keys = Keys::new(&config.key_prefix, &config.priority_steps, &config.priority_separator)
             .map_err(SinkError::InvalidConfig)?;
-        Ok(Sink { config: config.clone(), url, keys, link: None, display_url, master: None })
+        Ok(Sink {
+            config: config.clone(),
+            url,
+            keys,
+            link: None,
+            display_url,
+            master: None,
+            read_only_scripts: true,
+        })
     }
 
     /// The lists messages and reports go to.
@@ -417,15 +442,32 @@ impl Sink {
     }
 
     /// Up to `max` reports from the head of list `key`, oldest first; they
-    /// stay in the list until [`Sink::forget_reports`].
+    /// stay in the list until [`Sink::forget_reports`]. A report over
+    /// [`report::MAX_REPORT_BYTES`] is cut to nothing on the server (a
+    /// script: its bytes never travel), so the reply stays within the
+    /// link's limits whatever a client of the broker appended; it then
+    /// reads as malformed, and is counted and dropped like one.
     pub fn reports(
         &mut self,
         key: &str,
         max: usize,
         waiter: &mut dyn Wait,
     ) -> Result<Vec<Vec<u8>>, SinkError> {
-        let last = max.saturating_sub(1).to_string();
-        match self.call(&["LRANGE", key, "0", &last], waiter)? {
+        const READ: &str = "local items = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1) \
+                            for i, item in ipairs(items) do \
+                                if #item > tonumber(ARGV[2]) then items[i] = '' end \
+                            end \
+                            return items";
+        let (max, most) = (max.to_string(), report::MAX_REPORT_BYTES.to_string());
+        let eval = if self.read_only_scripts { "EVAL_RO" } else { "EVAL" };
+        let reply = match self.exchange(&[eval, READ, "1", key, &max, &most], waiter)? {
+            Reply::Error(e) if self.read_only_scripts && e.starts_with("ERR unknown command") => {
+                self.read_only_scripts = false;
+                return self.reports(key, max.parse().unwrap_or(0), waiter);
+            }
+            reply => self.answer(reply)?,
+        };
+        match reply {
             Reply::Array(Some(items)) => Ok(items
                 .into_iter()
                 .filter_map(|item| match item {
@@ -434,9 +476,8 @@ impl Sink {
                 })
                 .collect()),
             Reply::Array(None) => Ok(Vec::new()),
-            other => {
-                Err(self.fail(SinkError::ConnectionLost(format!("unexpected reply to LRANGE: {other:?}"))))
-            }
+            other => Err(self
+                .fail(SinkError::ConnectionLost(format!("unexpected reply to the report read: {other:?}")))),
         }
     }
 
@@ -449,69 +490,99 @@ impl Sink {
     /// One command, one round trip within the timeout; an error reply is
     /// the server's condition. Drops the connection when it fails.
     fn call(&mut self, args: &[&str], waiter: &mut dyn Wait) -> Result<Reply, SinkError> {
+        let reply = self.exchange(args, waiter)?;
+        self.answer(reply)
+    }
+
+    /// One command, one round trip within the timeout, its reply as it
+    /// came, errors included; drops the connection when the link fails.
+    fn exchange(&mut self, args: &[&str], waiter: &mut dyn Wait) -> Result<Reply, SinkError> {
         let deadline = self.deadline();
         let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
         let mut command = Vec::new();
         resp::command(&mut command, args);
         match link.round_trip(&command, 1, waiter, deadline) {
-            Ok(mut replies) => match replies.swap_remove(0) {
-                Reply::Error(e) => {
-                    let error = match Condition::of(&e) {
-                        Some(condition) => self.refusal(condition, e),
-                        None => SinkError::from_reply(&e, true),
-                    };
-                    Err(self.fail(error))
-                }
-                reply => Ok(reply),
-            },
+            Ok(mut replies) => Ok(replies.swap_remove(0)),
             Err(e) => Err(self.fail(SinkError::from_link(e, true))),
         }
     }
 
-    /// Pushes every batch, in as few round trips as `max_batch_bytes`
-    /// allows, each with its own deadline. The outer error is the broker's
-    /// (nothing can be assumed delivered); otherwise one [`Delivery`] per
-    /// message, in the order of `batches` and their messages.
-    pub fn push(&mut self, batches: &[KeyBatch], waiter: &mut dyn Wait) -> Result<Vec<Delivery>, SinkError> {
-        let mut deliveries = Vec::with_capacity(batches.iter().map(|b| b.messages.len()).sum());
-        for trip in plan_round_trips(batches, self.config.max_batch_bytes) {
-            let mut commands = Vec::with_capacity(trip.bytes);
-            for command in &trip.commands {
-                let messages = &batches[command.batch].messages[command.messages.clone()];
-                resp::command_with_values(&mut commands, "LPUSH", &batches[command.batch].key, messages);
-            }
-            let wait = self.config.wait_replicas;
-            if wait > 0 {
-                resp::command(&mut commands, &["WAIT", &wait.to_string(), &self.wait_millis()]);
-            }
-            let expected = trip.commands.len() + usize::from(wait > 0);
-            let deadline = self.deadline();
-            let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
-            let mut replies = match link.round_trip(&commands, expected, waiter, deadline) {
-                Ok(replies) => replies,
-                Err(e) => return Err(self.fail(SinkError::from_link(e, true))),
-            };
-            // Fewer replicas than asked have the messages: not delivered
-            // yet, as far as a failover is concerned.
-            let unreplicated = match (wait > 0).then(|| replies.pop()).flatten() {
-                Some(Reply::Integer(n)) if n >= i64::from(wait) => None,
-                Some(Reply::Integer(n)) => {
-                    Some(format!("NOREPLICAS {n} of {wait} replicas confirmed (WAIT)"))
-                }
-                Some(other) => Some(format!("NOREPLICAS WAIT answered {other:?}")),
-                None => None,
-            };
-            for (command, reply) in trip.commands.iter().zip(replies) {
-                let delivery = match (reply, &unreplicated) {
-                    (Reply::Error(e), _) => match Condition::of(&e) {
-                        Some(condition) => Delivery::Refused(condition, e),
-                        None => Delivery::Rejected(e),
-                    },
-                    (_, Some(e)) => Delivery::Refused(Condition::NoReplicas, e.clone()),
-                    (_, None) => Delivery::Delivered,
+    /// An error reply as the server's condition (the connection dropped);
+    /// any other reply as it is.
+    fn answer(&mut self, reply: Reply) -> Result<Reply, SinkError> {
+        match reply {
+            Reply::Error(e) => {
+                let error = match Condition::of(&e) {
+                    Some(condition) => self.refusal(condition, e),
+                    None => SinkError::from_reply(&e, true),
                 };
-                deliveries.extend(std::iter::repeat_n(delivery, command.messages.len()));
+                Err(self.fail(error))
             }
+            reply => Ok(reply),
+        }
+    }
+
+    /// Pushes every batch, in as few round trips as `max_batch_bytes`
+    /// allows, each with its own deadline. When a round trip fails (the
+    /// connection, the deadline), the messages of the round trips before it
+    /// keep what their replies said, and the rest are [`Delivery::Unsent`].
+    pub fn push(&mut self, batches: &[KeyBatch], waiter: &mut dyn Wait) -> Pushed {
+        let total = batches.iter().map(|b| b.messages.len()).sum();
+        let mut deliveries = Vec::with_capacity(total);
+        for trip in plan_round_trips(batches, self.config.max_batch_bytes) {
+            match self.push_round_trip(batches, &trip, waiter) {
+                Ok(confirmed) => deliveries.extend(confirmed),
+                Err(failure) => {
+                    deliveries.resize(total, Delivery::Unsent);
+                    return Pushed { deliveries, failure: Some(failure) };
+                }
+            }
+        }
+        Pushed { deliveries, failure: None }
+    }
+
+    /// One round trip of a push: the deliveries of its messages.
+    fn push_round_trip(
+        &mut self,
+        batches: &[KeyBatch],
+        trip: &RoundTrip,
+        waiter: &mut dyn Wait,
+    ) -> Result<Vec<Delivery>, SinkError> {
+        let mut commands = Vec::with_capacity(trip.bytes);
+        for command in &trip.commands {
+            let messages = &batches[command.batch].messages[command.messages.clone()];
+            resp::command_with_values(&mut commands, "LPUSH", &batches[command.batch].key, messages);
+        }
+        let wait = self.config.wait_replicas;
+        if wait > 0 {
+            resp::command(&mut commands, &["WAIT", &wait.to_string(), &self.wait_millis()]);
+        }
+        let expected = trip.commands.len() + usize::from(wait > 0);
+        let deadline = self.deadline();
+        let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
+        let mut replies = match link.round_trip(&commands, expected, waiter, deadline) {
+            Ok(replies) => replies,
+            Err(e) => return Err(self.fail(SinkError::from_link(e, true))),
+        };
+        // Fewer replicas than asked have the messages: not delivered yet,
+        // as far as a failover is concerned.
+        let unreplicated = match (wait > 0).then(|| replies.pop()).flatten() {
+            Some(Reply::Integer(n)) if n >= i64::from(wait) => None,
+            Some(Reply::Integer(n)) => Some(format!("NOREPLICAS {n} of {wait} replicas confirmed (WAIT)")),
+            Some(other) => Some(format!("NOREPLICAS WAIT answered {other:?}")),
+            None => None,
+        };
+        let mut deliveries = Vec::new();
+        for (command, reply) in trip.commands.iter().zip(replies) {
+            let delivery = match (reply, &unreplicated) {
+                (Reply::Error(e), _) => match Condition::of(&e) {
+                    Some(condition) => Delivery::Refused(condition, e),
+                    None => Delivery::Rejected(e),
+                },
+                (_, Some(e)) => Delivery::Refused(Condition::NoReplicas, e.clone()),
+                (_, None) => Delivery::Delivered,
+            };
+            deliveries.extend(std::iter::repeat_n(delivery, command.messages.len()));
         }
         Ok(deliveries)
     }
@@ -795,8 +866,9 @@ mod tests {
         let err = sink.connect(&mut Poll).unwrap_err();
         assert!(matches!(err, SinkError::Connect(_)), "{err:?}");
         assert!(!sink.is_connected());
-        let err = sink.push(&[batch("q", &[1])], &mut Poll);
-        assert!(matches!(err, Err(SinkError::ConnectionLost(_))));
+        let pushed = sink.push(&[batch("q", &[1])], &mut Poll);
+        assert!(matches!(pushed.failure, Some(SinkError::ConnectionLost(_))));
+        assert_eq!(pushed.deliveries, [Delivery::Unsent]);
     }
 
     #[test]
@@ -868,7 +940,9 @@ mod tests {
         resp::command(&mut setup, &["SET", "wrong", "a string"]);
         run(&mut admin, &setup, 1);
 
-        let deliveries = sink.push(&[batch("q", &[60, 60, 60]), batch("wrong", &[5])], &mut Poll).unwrap();
+        let pushed = sink.push(&[batch("q", &[60, 60, 60]), batch("wrong", &[5])], &mut Poll);
+        assert_eq!(pushed.failure, None);
+        let deliveries = pushed.deliveries;
         assert_eq!(deliveries[..3], [Delivery::Delivered, Delivery::Delivered, Delivery::Delivered]);
         assert!(
             matches!(&deliveries[3], Delivery::Rejected(e) if e.starts_with("WRONGTYPE")),
@@ -883,7 +957,7 @@ mod tests {
         resp::command(&mut full, &["CONFIG", "SET", "maxmemory", "1"]);
         resp::command(&mut full, &["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
         run(&mut admin, &full, 2);
-        let deliveries = sink.push(&[batch("q", &[10])], &mut Poll).unwrap();
+        let deliveries = sink.push(&[batch("q", &[10])], &mut Poll).deliveries;
         assert!(matches!(&deliveries[0], Delivery::Refused(Condition::Oom, _)), "{deliveries:?}");
 
         let wrong = format!("redis://:wrong@127.0.0.1:{}/0", server.1);
@@ -910,5 +984,14 @@ mod tests {
         run(&mut sink, &more, 1);
         sink.forget_reports("r", first.len(), &mut Poll).unwrap();
         assert_eq!(sink.reports("r", 10, &mut Poll).unwrap(), [b"c".to_vec(), b"d".to_vec()]);
+        // A report over the limit never travels: it reads as empty.
+        let huge = "x".repeat(report::MAX_REPORT_BYTES + 1);
+        let mut more = Vec::new();
+        resp::command(&mut more, &["RPUSH", "r", &huge, "e"]);
+        run(&mut sink, &more, 1);
+        assert_eq!(
+            sink.reports("r", 10, &mut Poll).unwrap(),
+            [b"c".to_vec(), b"d".to_vec(), vec![], b"e".to_vec()]
+        );
     }
 }

@@ -5,10 +5,21 @@ import json
 from outbox_dispatch import report
 
 
-def test_reports_are_compact_json_with_the_outcome():
-    assert json.loads(report.processed("e1")) == {"id": "e1", "outcome": "processed"}
-    assert json.loads(report.failed("e2", "ValueError: é")) == {"id": "e2", "outcome": "failed",
-                                                                "error": "ValueError: é"}
+def test_reports_are_compact_json_with_the_outcome_and_the_send():
+    assert json.loads(report.processed("e1", "s1")) == {"id": "e1", "send": "s1", "outcome": "processed"}
+    assert json.loads(report.failed("e2", "s2", "ValueError: é")) == {"id": "e2", "send": "s2", "outcome": "failed",
+                                                                      "error": "ValueError: é"}
+    assert report.send_id({"outbox_send": "s3"}) == "s3"
+    for headers in (None, {}, {"outbox_send": ""}, {"outbox_send": 7}):
+        assert report.send_id(headers) is None
+
+
+def test_a_report_fits_whatever_the_error():
+    for error in ["x" * 100_000, "é" * 100_000, "\n" * 100_000, "\x01" * 100_000]:
+        body = report.failed("e", "s", error)
+        assert len(body) <= report.MAX_REPORT_BYTES, (error[:1], len(body))
+        decoded = json.loads(body)
+        assert decoded["error"].startswith(error[:10]) and decoded["error"].endswith("… (cut)")
 
 
 def test_only_messages_that_ask_for_a_report_get_one():

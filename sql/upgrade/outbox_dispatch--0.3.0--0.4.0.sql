@@ -6,6 +6,11 @@
 -- binds an object the database owner may have put in the extension's schema.
 SET LOCAL search_path = pg_catalog, pg_temp;
 
+-- Each send of an event gets an id of its own (set by the claim), which the
+-- message carries and a worker's report must name: a report proves which
+-- send it answers. No rewrite: the column is NULL until the next claim.
+ALTER TABLE outbox.events ADD COLUMN send_id uuid;
+
 -- Accumulated subscriptions: members keep their event's queue (a batch goes
 -- to its subscription's queue, or else its oldest member's: the dispatchers
 -- no longer read outbox.default_queue, which a database owner may set) and

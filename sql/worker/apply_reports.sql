@@ -1,9 +1,13 @@
--- Outcomes reported by Celery workers (outbox_dispatch.celery): event $1[i]
--- ended $2[i] ('processed' or 'failed'), with error $3[i]. Taken by events
--- still waiting for one: dispatched, and also pending or processing, since a
--- report may overtake the dispatcher's own record of the push. Returns the
--- outcome of each event that took one; the rest were stale (the event is
--- gone, or already final). Served by the primary key.
+-- Outcomes reported by Celery workers (outbox_dispatch.celery): event $1[i],
+-- sent as send $2[i], ended $3[i] ('processed' or 'failed'), with error
+-- $4[i]. Taken only for the send the event is at (send_id, new at every
+-- claim): a report proves which send it answers, so one for an event never
+-- sent (its send_id is NULL), a late one of an earlier send, or a guess
+-- changes nothing. Taken while the event waits for one: dispatched, and
+-- also processing (a report may overtake the dispatcher's own record of
+-- the push) or pending (a push the dispatcher counted as failed that
+-- reached a worker all the same). Returns the outcome of each event that
+-- took one; the rest were stale. Served by the primary key.
 UPDATE outbox.events AS e
    SET status = r.outcome::outbox.event_status,
        processed_at = pg_catalog.now(),
@@ -11,7 +15,8 @@ UPDATE outbox.events AS e
        deliveries = GREATEST(e.deliveries, 1),  -- a worker ran it: it was sent
        processing_started_at = NULL,
        claimed_by = NULL
-  FROM unnest($1::uuid[], $2::text[], $3::text[]) AS r(id, outcome, error)
+  FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[]) AS r(id, send, outcome, error)
  WHERE e.id = r.id
+   AND e.send_id = r.send
    AND e.status IN ('pending', 'processing', 'dispatched')
 RETURNING r.outcome

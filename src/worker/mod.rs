@@ -23,7 +23,7 @@ use outbox_core::broker_url;
 use outbox_core::sink::{Persistence, Sink, SinkError};
 
 use crate::config::{self, Settings};
-use crate::counters::{self, Counter, PushFailure};
+use crate::counters::{self, Counter};
 use crate::slots::{self, State, WakeSource};
 use push::{Pushed, RetryPolicy};
 use store::{Claim, Outcome, Store, StoreError};
@@ -574,28 +574,16 @@ impl Dispatcher {
                 origin: &self.origin,
                 report_to: self.settings.report_key.as_deref().unwrap_or(""),
             };
-            let pushed = push::push(sink, &mut self.waiter, &events, claimed_at, &envelope, &policy);
-            match pushed {
-                Ok(Pushed { outcome, refused }) => {
-                    self.slot.add_dispatched(outcome.dispatched.len() as u64);
-                    if !outcome.dispatched.is_empty() {
-                        self.broker_answered();
-                    }
-                    self.unsettled = outcome;
-                    if let Some(refusal) = refused {
-                        self.settle();
-                        return self.broker_failed(&refusal);
-                    }
-                }
-                Err(e) => {
-                    if e != SinkError::Interrupted {
-                        counters::push_failed(PushFailure::of(&e), events.len() as u64);
-                    }
-                    let released = events.iter().map(|e| e.id).collect();
-                    self.unsettled = Outcome { claimed_at, released, ..Outcome::default() };
-                    self.settle();
-                    return self.broker_failed(&e);
-                }
+            let Pushed { outcome, failure } =
+                push::push(sink, &mut self.waiter, &events, claimed_at, &envelope, &policy);
+            self.slot.add_dispatched(outcome.dispatched.len() as u64);
+            if !outcome.dispatched.is_empty() {
+                self.broker_answered();
+            }
+            self.unsettled = outcome;
+            if let Some(failure) = failure {
+                self.settle();
+                return self.broker_failed(&failure);
             }
             // Under sustained load the drain may not end for a while:
             // reports are collected as it goes.

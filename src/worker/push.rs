@@ -31,11 +31,12 @@ impl RetryPolicy {
     }
 }
 
-/// What a push did: the outcome to record, and the condition the broker
-/// refused some events for, if it did (the dispatcher then backs off).
+/// What a push did: the outcome to record, and the broker's failure, if it
+/// failed (a connection lost, a deadline, a condition it refused events
+/// for): the dispatcher then backs off and reconnects.
 pub struct Pushed {
     pub outcome: Outcome,
-    pub refused: Option<SinkError>,
+    pub failure: Option<SinkError>,
 }
 
 /// What every message of a push carries besides its event.
@@ -47,8 +48,9 @@ pub struct Envelope<'a> {
 }
 
 /// Encodes and pushes `events`, claimed at `claimed_at`; an expired event
-/// is not sent but failed. `Err` means the broker failed and nothing may be
-/// assumed delivered; the caller gives the whole batch back.
+/// is not sent but failed. When the broker fails part way, what its
+/// earlier round trips confirmed stays dispatched, and the rest goes back
+/// to pending, no retry spent.
 pub fn push(
     sink: &mut Sink,
     waiter: &mut dyn Wait,
@@ -56,7 +58,7 @@ pub fn push(
     claimed_at: Option<ClaimTime>,
     envelope: &Envelope<'_>,
     policy: &RetryPolicy,
-) -> Result<Pushed, SinkError> {
+) -> Pushed {
     let mut outcome = Outcome { claimed_at, ..Outcome::default() };
     let mut batches: Vec<KeyBatch> = Vec::new();
     let mut members: Vec<Vec<usize>> = Vec::new();
@@ -87,6 +89,7 @@ pub fn push(
                 headers: event.headers.as_deref(),
                 expires: event.expires.as_ref().map(|(text, _)| text.as_str()),
                 report_to: envelope.report_to,
+                send: event.send,
             },
             envelope.origin,
             uuid::Uuid::new_v4(),
@@ -108,13 +111,14 @@ pub fn push(
     }
 
     if batches.is_empty() {
-        return Ok(Pushed { outcome, refused: None });
+        return Pushed { outcome, failure: None };
     }
-    let deliveries = sink.push(&batches, waiter)?;
+    let pushed = sink.push(&batches, waiter);
     let now = unix_now();
     let mut latencies = Vec::with_capacity(events.len());
-    let mut refused = None;
-    for (delivery, i) in deliveries.into_iter().zip(members.into_iter().flatten()) {
+    let mut failure = pushed.failure;
+    let mut unsent = 0;
+    for (delivery, i) in pushed.deliveries.into_iter().zip(members.into_iter().flatten()) {
         let event = &events[i];
         match delivery {
             Delivery::Delivered => {
@@ -128,14 +132,21 @@ pub fn push(
             Delivery::Refused(condition, error) => {
                 counters::push_failed(PushFailure::Refused, 1);
                 outcome.released.push(event.id);
-                refused.get_or_insert_with(|| sink.refusal(condition, error));
+                failure.get_or_insert_with(|| sink.refusal(condition, error));
+            }
+            Delivery::Unsent => {
+                unsent += 1;
+                outcome.released.push(event.id);
             }
         }
+    }
+    if let Some(e) = failure.as_ref().filter(|e| unsent > 0 && **e != SinkError::Interrupted) {
+        counters::push_failed(PushFailure::of(e), unsent);
     }
     if !latencies.is_empty() {
         counters::observe_batch(&latencies);
     }
-    Ok(Pushed { outcome, refused })
+    Pushed { outcome, failure }
 }
 
 /// Seconds since the Unix epoch.

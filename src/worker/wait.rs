@@ -66,10 +66,24 @@ impl Wait for Broker {
         let left = deadline.saturating_duration_since(Instant::now());
         let timeout = if socket.is_some() { left } else { left.min(NAP) };
         let events = latch(socket, timeout);
-        if events & pg_sys::WL_LATCH_SET as i32 != 0
-            && signals::reload_if_requested()
-            && Settings::current().broker != self.config
-        {
+        if events & pg_sys::WL_LATCH_SET as i32 != 0 {
+            return self.reload();
+        }
+        Ok(())
+    }
+
+    fn check(&mut self) -> Result<(), Interrupted> {
+        signals::ignore_cancel();
+        check_for_interrupts!();
+        self.reload()
+    }
+}
+
+impl Broker {
+    /// Performs a pending reload; the operation is abandoned when it
+    /// changed the broker's settings.
+    fn reload(&self) -> Result<(), Interrupted> {
+        if signals::reload_if_requested() && Settings::current().broker != self.config {
             return Err(Interrupted);
         }
         Ok(())

@@ -48,7 +48,7 @@ def _request_headers(request: Any) -> Mapping[str, Any]:
     in ``request.headers``."""
     key = getattr(request, report.REPORT_TO_HEADER, None)
     if key is not None:
-        return {report.REPORT_TO_HEADER: key}
+        return {report.REPORT_TO_HEADER: key, report.SEND_HEADER: getattr(request, report.SEND_HEADER, None)}
     headers = getattr(request, "headers", None)
     return headers if isinstance(headers, Mapping) else {}
 
@@ -102,19 +102,23 @@ def _send(app: Celery, key: str, task_id: str, body: bytes) -> None:
             time.sleep(PAUSE_SECONDS)
 
 
-def _report_request(app: Celery, request: Any, task_id: Optional[str], body: Optional[bytes] = None,
+def _report_request(app: Celery, request: Any, task_id: Optional[str], outcome: Optional[str] = None,
                     error: Optional[str] = None) -> None:
-    key = report.report_key(_request_headers(request))
+    """Reports on a task's request: ``processed`` when outcome says so, else
+    ``failed`` with ``error``."""
+    headers = _request_headers(request)
+    key, send = report.report_key(headers), report.send_id(headers)
     task_id = task_id or getattr(request, "id", None)
-    if key is None or not task_id:
+    if key is None or send is None or not task_id:
         return
-    _send(app, key, task_id, body if body is not None else report.failed(task_id, error or "failed"))
+    body = report.processed(task_id, send) if outcome == "processed" else report.failed(task_id, send, error or "failed")
+    _send(app, key, task_id, body)
 
 
 def _on_success(sender: Any = None, **_: Any) -> None:
     request = sender.request
     if request.id:
-        _report_request(sender.app, request, request.id, body=report.processed(request.id))
+        _report_request(sender.app, request, request.id, outcome="processed")
 
 
 def _on_failure(sender: Any = None, task_id: Optional[str] = None, exception: Optional[BaseException] = None,
@@ -144,10 +148,10 @@ def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = Fals
 
 def _report_message(consumer: Any, message: Any, why: str) -> None:
     headers = getattr(message, "headers", None) or {}
-    key = report.report_key(headers)
+    key, send = report.report_key(headers), report.send_id(headers)
     task_id = headers.get("id")
-    if key is not None and task_id:
-        _send(consumer.app, key, task_id, report.failed(task_id, why))
+    if key is not None and send is not None and task_id:
+        _send(consumer.app, key, task_id, report.failed(task_id, send, why))
 
 
 def _on_unknown(sender: Any = None, message: Any = None, name: Optional[str] = None, **_: Any) -> None:

@@ -115,7 +115,10 @@ impl Flushed {
         subscription: i64,
     ) -> Result<(), SpiError> {
         let error = match subtransaction(|| flush_some(client, plans, budget, skipped, Some(subscription))) {
-            Ok(subscriptions) => return Ok(self.count(subscriptions)),
+            Ok(subscriptions) => {
+                self.count(subscriptions);
+                return Ok(());
+            }
             Err(SubtransactionError::Passing(error)) => error,
             Err(SubtransactionError::Lasting(error)) => {
                 let reason = format!("its batch could not be made: {error}");

@@ -48,6 +48,8 @@ pub struct ClaimedEvent {
     pub args: Option<String>,
     /// When it expires, in ISO 8601 and in seconds since the Unix epoch.
     pub expires: Option<(String, f64)>,
+    /// This send's id, which the message carries and its report names.
+    pub send: uuid::Uuid,
 }
 
 /// When a claim was made: with the dispatcher's index, the token that
@@ -232,7 +234,7 @@ impl Plans {
             )?,
             apply_reports: prepare(
                 include_str!("../../../sql/worker/apply_reports.sql"),
-                &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY],
+                &[UUID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY],
             )?,
         })
     }
@@ -525,6 +527,9 @@ impl Store {
                     created_epoch: row.get(10)?.unwrap_or(0.0),
                     args: row.get(11)?,
                     expires: row.get::<String>(12)?.zip(row.get::<f64>(13)?),
+                    send: row
+                        .get::<pgrx::Uuid>(15)?
+                        .map_or(uuid::Uuid::nil(), |s| uuid::Uuid::from_bytes(*s.as_bytes())),
                 });
                 claimed_at = row.get::<ClaimTime>(14)?;
             }
@@ -592,8 +597,9 @@ impl Store {
             // The reports are trimmed off the broker's list once this
             // commits: it must outlive a crash, or they would be lost.
             durable_commit(client)?;
-            let args: [DatumWithOid; 3] = [
+            let args: [DatumWithOid; 4] = [
                 to_pg(reports.iter().map(|r| r.id)).into(),
+                to_pg(reports.iter().map(|r| r.send)).into(),
                 reports.iter().map(|r| r.outcome.status().to_string()).collect::<Vec<_>>().into(),
                 reports.iter().map(|r| r.outcome.error().map(str::to_string)).collect::<Vec<_>>().into(),
             ];

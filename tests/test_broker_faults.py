@@ -1,0 +1,186 @@
+"""A broker that misbehaves cannot exhaust a dispatcher's memory, hold off a
+shutdown, or take the server down: fake servers written for these tests
+answer like Redis for the connection's set-up and then stream an endless
+bulk string, announce a huge array, drip one byte at a time, send replies no
+command asked for, or garbage. Each time the dispatcher's resident memory
+stays under the bound the README gives, a fast shutdown takes seconds, no
+process crashes, and once the real Redis is back every event is delivered,
+none failed, from the same dispatcher process."""
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import Cluster, queued_ids, wait_until
+
+# The dispatcher's own bound (core/src/resp.rs Limits::BROKER: 17 MiB of a
+# reply and 16 Ki nested replies) plus what a PostgreSQL backend uses anyway.
+RSS_BOUND_KB = 160 * 1024
+
+
+class FakeRedis:
+    """Speaks enough RESP for a dispatcher's connect (SELECT, PING, CONFIG
+    GET, the report read) and answers pushes (LPUSH) as `mode` says."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.closed = threading.Event()
+        self.pushes = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self):
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _commands(buf):
+        """Whole commands at the front of buf: (list of [name, args...], bytes used)."""
+        commands, at = [], 0
+        while True:
+            start = at
+            end = buf.find(b"\r\n", at)
+            if end < 0 or buf[at:at + 1] != b"*":
+                return commands, start
+            count, at = int(buf[at + 1:end]), end + 2
+            args = []
+            for _ in range(count):
+                end = buf.find(b"\r\n", at)
+                if end < 0:
+                    return commands, start
+                length = int(buf[at + 1:end])
+                if len(buf) < end + 2 + length + 2:
+                    return commands, start
+                args.append(buf[end + 2:end + 2 + length])
+                at = end + 2 + length + 2
+            commands.append(args)
+
+    @staticmethod
+    def _answer(args):
+        name = args[0].upper()
+        if name == b"CONFIG":
+            return b"*2\r\n$%d\r\n%s\r\n$0\r\n\r\n" % (len(args[2]), args[2])
+        if name == b"PING":
+            return b"+PONG\r\n"
+        if name == b"EVAL":
+            return b"*0\r\n"
+        if name in (b"LPUSH", b"WAIT"):
+            return b":1\r\n"
+        return b"+OK\r\n"
+
+    def _serve(self, conn):
+        buf = b""
+        try:
+            while not self.closed.is_set():
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+                commands, used = self._commands(buf)
+                buf = buf[used:]
+                if any(c[0].upper() == b"LPUSH" for c in commands):
+                    self.pushes += 1
+                    return self._misbehave(conn, commands)
+                conn.sendall(b"".join(self._answer(c) for c in commands))
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    def _misbehave(self, conn, commands):
+        if self.mode == "extra":
+            conn.sendall(b"".join(self._answer(c) for c in commands) + b":7\r\n")
+            time.sleep(5)
+            return
+        if self.mode == "garbage":
+            conn.sendall(b"\x00\xffHTTP/1.1 200 OK\r\n\r\n<html>" * 100)
+            time.sleep(5)
+            return
+        head, chunk, pause = {
+            "bulk": (b"$4000000000\r\n", b"x" * 65536, 0),
+            "array": (b"*4000000000\r\n", b":1\r\n" * 16384, 0),
+            "nested": (b"*16000\r\n", b"*16000\r\n" + b":1\r\n" * 4000, 0),
+            "drip": (b"+", b"x", 0.05),
+        }[self.mode]
+        conn.sendall(head)
+        deadline = time.monotonic() + 120
+        while not self.closed.is_set() and time.monotonic() < deadline:
+            conn.sendall(chunk)
+            if pause:
+                time.sleep(pause)
+
+    def close(self):
+        self.closed.set()
+        self.sock.close()
+
+
+def rss_kb(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def postmaster_pid(pg):
+    return int((pg.data / "postmaster.pid").read_text().split()[0])
+
+
+@pytest.mark.parametrize("mode", ["bulk", "array", "nested", "drip", "extra", "garbage"])
+def test_a_misbehaving_broker_is_dropped_within_bounds(redis_server, mode):
+    fake = FakeRedis(mode)
+    pg = Cluster(fake.url, redis_timeout="2s", reconnect_delay_min="200ms", reconnect_delay_max="500ms",
+                 heartbeat_interval="1s")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        [pid] = wait_until(pg.dispatcher_pids, message="the dispatcher")
+        postmaster = postmaster_pid(pg)
+        queue = f"q_fault_{mode}"
+        ids = [str(r[0]) for r in pg.sql(
+            "SELECT outbox_enqueue('fault', '{}', queue => %s) FROM generate_series(1, 10)", (queue,))]
+        wait_until(lambda: fake.pushes >= 3, timeout=60, message="three pushes to the fake broker")
+        peak = 0
+        for _ in range(30):
+            peak = max(peak, rss_kb(pid))
+            time.sleep(0.1)
+        assert peak < RSS_BOUND_KB, f"{peak} kB resident"
+        expected = "did not answer within outbox.redis_timeout" if mode == "drip" else "protocol error"
+        wait_until(lambda: expected in pg.log_text(), message=f"{expected!r} in the log")
+        assert pg.count("failed") == 0
+
+        # The real Redis: everything goes out, from the same processes.
+        pg.configure(redis_url=redis_server.url)
+        wait_until(lambda: set(ids) <= set(queued_ids(redis_server.client(), queue)), timeout=60,
+                   message="every event once the real Redis is back")
+        wait_until(lambda: pg.count("dispatched") == 10, message="every event marked")
+        assert pg.count("failed") == 0
+        assert pg.dispatcher_pids() == [pid] and postmaster_pid(pg) == postmaster
+
+        # Misbehaving again, in the middle of a push: a fast stop is prompt.
+        pg.configure(redis_url=fake.url)
+        pushes = fake.pushes
+        pg.sql("SELECT outbox_enqueue('fault', '{}', queue => %s)", (queue,))
+        wait_until(lambda: fake.pushes > pushes, timeout=30, message="a push to the fake broker again")
+        time.sleep(0.3)
+        started = time.monotonic()
+        pg.stop("fast")
+        assert time.monotonic() - started < 5
+        log = pg.log_text()
+        assert "terminated by signal" not in log and "was terminated" not in log, log[-3000:]
+    finally:
+        pg.close()
+        fake.close()
