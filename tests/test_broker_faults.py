@@ -184,3 +184,99 @@ def test_a_misbehaving_broker_is_dropped_within_bounds(redis_server, mode):
     finally:
         pg.close()
         fake.close()
+
+
+class CuttingProxy:
+    """Forwards to a real Redis, and drops the connection (both ends) when
+    a client sends its (allowed + 1)th LPUSH, which never reaches Redis."""
+
+    def __init__(self, upstream_port, allowed):
+        self.upstream_port = upstream_port
+        self.allowed = allowed
+        self.cuts = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+            threading.Thread(target=self._forward, args=(client, upstream), daemon=True).start()
+
+    @staticmethod
+    def _pump(source, sink):
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                s.close()
+
+    def _forward(self, client, upstream):
+        buf, pushes = b"", 0
+        try:
+            while data := client.recv(65536):
+                buf += data
+                commands, used = FakeRedis._commands(buf)
+                at = 0
+                for command in commands:
+                    size = len(self._encode(command))
+                    if command[0].upper() == b"LPUSH":
+                        pushes += 1
+                        if pushes > self.allowed:
+                            self.cuts += 1
+                            return
+                    upstream.sendall(buf[at:at + size])
+                    at += size
+                buf = buf[used:]
+        except OSError:
+            pass
+        finally:
+            for s in (client, upstream):
+                s.close()
+
+    @staticmethod
+    def _encode(args):
+        return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+    def close(self):
+        self.sock.close()
+
+
+def test_a_push_cut_part_way_keeps_what_its_round_trips_confirmed(redis_server):
+    """A claim takes about ten round trips (outbox.max_batch_bytes 64kB,
+    8 kB events); every connection is cut at its third push, which never
+    reaches Redis. What the first two confirmed stays dispatched: every
+    event arrives exactly once (sending them again would repeat the first
+    two round trips of every claim forever)."""
+    proxy = CuttingProxy(redis_server.port, allowed=2)
+    pg = Cluster(proxy.url, batch_size=60, max_batch_bytes="64kB", reconnect_delay_min="100ms",
+                 reconnect_delay_max="300ms")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.wait_idle()
+        ids = [str(r[0]) for r in pg.sql(
+            "SELECT outbox_enqueue('cut', jsonb_build_object('blob', repeat('x', 8000)), queue => 'q_cut') "
+            "FROM generate_series(1, 60)")]
+        wait_until(lambda: pg.count("dispatched") == 60, timeout=120,
+                   message=f"every event dispatched ({pg.count('dispatched')}, {proxy.cuts} cuts)")
+        queued = queued_ids(redis_server.client(), "q_cut")
+        assert sorted(queued) == sorted(ids), "each event exactly once"
+        assert proxy.cuts >= 3
+        assert pg.count("failed") == 0
+    finally:
+        pg.close()
+        proxy.close()

@@ -49,7 +49,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         batches.push(vec![KeyBatch { key: "bench_ceiling".into(), messages }]);
     }
 
-    let config = BrokerConfig::plain(&url, Duration::from_secs(30), usize::MAX);
+    let config = BrokerConfig::plain(url, Duration::from_secs(30), usize::MAX);
     let mut sink = Sink::new(&config)?;
     sink.connect(&mut Poll)?;
     let started = Instant::now();
