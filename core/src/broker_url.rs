@@ -4,9 +4,15 @@
 //! (the credentials, database and `?ssl_cert_reqs=required`, which asks
 //! for TLS, are the master's, as in kombu).
 //!
-//! The password may be percent-encoded, as in kombu. Errors never echo it.
+//! Parsed with a real URL parser (`url`); the password may be
+//! percent-encoded, as in kombu, and must be where it holds `/`, `?`, `#`,
+//! `@`, `:` or `%`. Errors and the redacted form never echo any part of
+//! the text.
 
 use std::fmt;
+
+use percent_encoding::percent_decode_str;
+use url::{Host, Url};
 
 /// Where the master is found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,165 +49,145 @@ impl fmt::Debug for BrokerUrl {
 const DEFAULT_PORT: u16 = 6379;
 const SENTINEL_PORT: u16 = 26379;
 
+/// How to write a character a password must not hold as it is.
+const ENCODE_HINT: &str =
+    "percent-encode /, ?, #, @, :, ; and % in a user name or password (%2F, %3F, %23, %40, %3A, %3B, %25)";
+
 impl BrokerUrl {
-    /// Parses `url`; the error says what is wrong without repeating secrets.
-    pub fn parse(url: &str) -> Result<BrokerUrl, String> {
-        let (scheme, rest) =
-            url.split_once("://").ok_or("expected redis://host:port/db, rediss://… or sentinel://…")?;
-        let (mut tls, sentinel) = match scheme {
+    /// Parses `text` with a URL parser (`url`), each `;`-separated URL on
+    /// its own. The error says what is wrong and never repeats any part of
+    /// the text: a password holding `/`, `?` or `#` unencoded ends the
+    /// authority early, and any part may then be a piece of it.
+    pub fn parse(text: &str) -> Result<BrokerUrl, String> {
+        let mut parts = text.split(';');
+        let first = Url::parse(parts.next().unwrap_or_default()).map_err(|e| {
+            format!(
+                "not a URL ({e}); expected redis://host:port/db, rediss://… or sentinel://…; {ENCODE_HINT}"
+            )
+        })?;
+        let (tls, sentinel) = match first.scheme() {
             "redis" => (false, false),
             "rediss" => (true, false),
             "sentinel" => (false, true),
-            other => {
-                return Err(format!("unsupported scheme \"{other}\" (expected redis, rediss or sentinel)"))
+            _ => return Err("unsupported scheme (expected redis, rediss or sentinel)".into()),
+        };
+        let mut urls = vec![first];
+        for part in parts {
+            if !sentinel {
+                return Err("several hosts (\";\") are for sentinel:// URLs".into());
             }
-        };
-        let (rest, query) = match rest.split_once('?') {
-            Some((rest, query)) => (rest, Some(query)),
-            None => (rest, None),
-        };
-        if let Some(query) = query {
-            check_query(query)?;
-            // kombu's certificate option asks for TLS to a sentinel's master.
-            tls |= sentinel;
+            let url = Url::parse(part)
+                .map_err(|e| format!("a sentinel after \";\" is not a URL ({e}); {ENCODE_HINT}"))?;
+            if url.scheme() != "sentinel" {
+                return Err("each sentinel after \";\" is written sentinel://host:port".into());
+            }
+            urls.push(url);
         }
-        // Hosts are separated by ";", each after the first written
-        // sentinel://host:port; the database follows the last one.
-        let mut authorities: Vec<&str> = Vec::new();
-        for (i, part) in rest.split(';').enumerate() {
-            match (i, part.strip_prefix("sentinel://")) {
-                (0, _) => authorities.push(part),
-                (_, Some(part)) if sentinel => authorities.push(part),
-                (_, Some(_)) => return Err("several hosts (\";\") are for sentinel:// URLs".into()),
-                (_, None) => return Err("each sentinel after \";\" is written sentinel://host:port".into()),
-            }
+        let last = urls.last().expect("at least one URL");
+        if last.fragment().is_some() || urls.iter().any(|u| u.fragment().is_some()) {
+            return Err(format!("a URL fragment (#) is not supported; {ENCODE_HINT}"));
         }
-        let last = authorities.len() - 1;
-        let path = match authorities[last].split_once('/') {
-            Some((authority, path)) => {
-                authorities[last] = authority;
-                path
-            }
-            None => "",
-        };
-        let (credentials, address) = match authorities[0].rsplit_once('@') {
-            Some((credentials, address)) => (Some(credentials), address),
-            None => (None, authorities[0]),
-        };
-        let (username, password) = match credentials {
-            None => (None, None),
-            Some(c) => {
-                let (user, password) = match c.split_once(':') {
-                    Some((user, password)) => (user, Some(password)),
-                    None => (c, None),
-                };
-                let user = Some(decode(user, "user name")?).filter(|u| !u.is_empty());
-                let password = password.map(|p| decode(p, "password")).transpose()?.filter(|p| !p.is_empty());
-                (user, password)
-            }
-        };
-        let db = match path.trim_end_matches('/') {
+        let query_tls = check_query(last)?;
+        let db = match last.path().trim_matches('/') {
             "" => 0,
-            db => db.parse().map_err(|_| format!("the database \"{db}\" is not a number"))?,
-        };
-        let endpoints = if sentinel {
-            let mut sentinels = vec![host_and_port(address, SENTINEL_PORT)?];
-            for more in &authorities[1..] {
-                // kombu reads credentials from the first URL only.
-                let address = more.rsplit_once('@').map_or(*more, |(_, address)| address);
-                sentinels.push(host_and_port(address, SENTINEL_PORT)?);
+            db => {
+                db.parse().map_err(|_| format!("the database (the path) is not a number; {ENCODE_HINT}"))?
             }
-            Endpoints::Sentinels(sentinels)
+        };
+        // kombu reads credentials from the first URL only.
+        let username = Some(decode(urls[0].username(), "user name")?).filter(|u| !u.is_empty());
+        let password =
+            urls[0].password().map(|p| decode(p, "password")).transpose()?.filter(|p| !p.is_empty());
+        let endpoints = if sentinel {
+            Endpoints::Sentinels(urls.iter().map(|u| address(u, SENTINEL_PORT)).collect::<Result<_, _>>()?)
         } else {
-            let (host, port) = host_and_port(address, DEFAULT_PORT)?;
+            let (host, port) = address(&urls[0], DEFAULT_PORT)?;
             Endpoints::Direct(host, port)
         };
-        Ok(BrokerUrl { tls, endpoints, db, username, password })
+        // kombu's certificate option asks for TLS to a sentinel's master.
+        Ok(BrokerUrl { tls: tls || (sentinel && query_tls), endpoints, db, username, password })
+    }
+
+    /// The URL without its credentials, rebuilt from what was parsed: what
+    /// logs, views and errors may show.
+    pub fn display(&self) -> String {
+        let scheme = match (&self.endpoints, self.tls) {
+            (Endpoints::Sentinels(_), _) => "sentinel",
+            (Endpoints::Direct(..), true) => "rediss",
+            (Endpoints::Direct(..), false) => "redis",
+        };
+        let credentials = if self.username.is_some() || self.password.is_some() { "***@" } else { "" };
+        let host = |(host, port): &(String, u16)| {
+            if host.contains(':') {
+                format!("[{host}]:{port}")
+            } else {
+                format!("{host}:{port}")
+            }
+        };
+        let hosts = match &self.endpoints {
+            Endpoints::Direct(h, p) => host(&(h.clone(), *p)),
+            Endpoints::Sentinels(all) => all.iter().map(host).collect::<Vec<_>>().join(";sentinel://"),
+        };
+        let query = if scheme == "sentinel" && self.tls { "?ssl_cert_reqs=required" } else { "" };
+        format!("{scheme}://{credentials}{hosts}/{}{query}", self.db)
     }
 }
 
-fn check_query(query: &str) -> Result<(), String> {
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        match pair.split_once('=') {
+/// The URL's query: kombu's `ssl_cert_reqs=required` (returns true) or
+/// nothing. Names no parameter: one may be a piece of a password.
+fn check_query(url: &Url) -> Result<bool, String> {
+    let mut tls = false;
+    for (name, value) in url.query_pairs() {
+        match (name.as_ref(), value.as_ref()) {
             // kombu's spelling for "verify the server": always done here.
-            Some(("ssl_cert_reqs", "required" | "CERT_REQUIRED")) => {}
-            Some(("ssl_cert_reqs", other)) => {
-                return Err(format!(
-                    "ssl_cert_reqs={other} is not supported: the server's certificate is always verified \
-                     (outbox.redis_tls_ca_file names the authorities to trust)"
-                ))
+            ("ssl_cert_reqs", "required" | "CERT_REQUIRED") => tls = true,
+            ("ssl_cert_reqs", _) => {
+                return Err(
+                    "ssl_cert_reqs other than required is not supported: the server's certificate is \
+                            always verified (outbox.redis_tls_ca_file names the authorities to trust)"
+                        .into(),
+                )
             }
             _ => {
-                let name = pair.split('=').next().unwrap_or(pair);
-                return Err(format!("unsupported URL parameter \"{name}\""));
+                return Err(format!(
+                    "an unsupported URL parameter (only ssl_cert_reqs=required is accepted); {ENCODE_HINT}"
+                ))
             }
         }
     }
-    Ok(())
+    Ok(tls)
 }
 
-fn host_and_port(address: &str, default_port: u16) -> Result<(String, u16), String> {
-    let (host, port) = if let Some(bracketed) = address.strip_prefix('[') {
-        let (host, after) = bracketed.split_once(']').ok_or("unterminated [IPv6 address]")?;
-        (host, after.strip_prefix(':'))
-    } else {
-        match address.rsplit_once(':') {
-            Some((host, port)) => (host, Some(port)),
-            None => (address, None),
-        }
+fn address(url: &Url, default_port: u16) -> Result<(String, u16), String> {
+    let host = match url.host() {
+        Some(Host::Ipv6(ip)) => ip.to_string(),
+        Some(Host::Ipv4(ip)) => ip.to_string(),
+        Some(Host::Domain(name)) if !name.is_empty() => decode(name, "host")?,
+        _ => return Err(format!("the host is missing; {ENCODE_HINT}")),
     };
-    if host.is_empty() {
-        return Err("the host is missing".into());
-    }
-    let port = match port {
-        None | Some("") => default_port,
-        Some(p) => {
-            p.parse().ok().filter(|p| *p > 0).ok_or_else(|| format!("the port \"{p}\" is not a port"))?
-        }
-    };
-    Ok((host.to_string(), port))
+    Ok((host, url.port().unwrap_or(default_port)))
 }
 
 /// Percent-decoding; `what` names the part for the error, never its value.
 fn decode(text: &str, what: &str) -> Result<String, String> {
     let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes
-                .get(i + 1..i + 3)
-                .and_then(|h| std::str::from_utf8(h).ok())
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| format!("the {what} has a bad percent-escape"))?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
+    let malformed = bytes.iter().enumerate().any(|(i, b)| {
+        *b == b'%' && !bytes.get(i + 1..i + 3).is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit))
+    });
+    if malformed {
+        return Err(format!("the {what} has a bad percent-escape; {ENCODE_HINT}"));
     }
-    String::from_utf8(out).map_err(|_| format!("the {what} is not UTF-8 once decoded"))
+    percent_decode_str(text)
+        .decode_utf8()
+        .map(|s| s.into_owned())
+        .map_err(|_| format!("the {what} is not UTF-8 once decoded"))
 }
 
 /// `redis://user:secret@host:6379/0` → `redis://***@host:6379/0`: logs,
-/// views and errors may show where the broker is, never a credential.
-/// Each `;`-separated sentinel URL is redacted on its own.
+/// views and errors may show where the broker is, never a credential. An
+/// unparsable URL shows as nothing but that.
 pub fn redact(url: &str) -> String {
-    url.split(';')
-        .map(redact_one)
-        .collect::<Option<Vec<_>>>()
-        .map_or("(unparsable URL)".into(), |parts| parts.join(";"))
-}
-
-fn redact_one(url: &str) -> Option<String> {
-    let (scheme, rest) = url.split_once("://")?;
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    Some(match authority.rsplit_once('@') {
-        Some((_, host)) => format!("{scheme}://***@{host}{tail}"),
-        None => url.to_string(),
-    })
+    BrokerUrl::parse(url).map_or_else(|_| "(unparsable URL)".into(), |u| u.display())
 }
 
 #[cfg(test)]
@@ -255,20 +241,54 @@ mod tests {
     #[test]
     fn bad_urls_say_what_is_wrong_without_the_password() {
         for (url, expected) in [
-            ("localhost:6379", "expected redis://"),
-            ("http://h/0", "unsupported scheme \"http\""),
-            ("redis://u:secret@h:notaport/0", "the port \"notaport\" is not a port"),
-            ("redis://u:secret@h/zero", "the database \"zero\" is not a number"),
-            ("redis://u:secret@/0", "the host is missing"),
+            ("localhost:6379", "scheme"),
+            ("http://h/0", "unsupported scheme"),
+            ("redis://u:secret@h:99999/0", "not a URL (invalid port number)"),
+            ("redis://u:secret@h/zero", "the database (the path) is not a number"),
+            ("redis://u:secret@/0", "empty host"),
             ("redis://u:sec%zzret@h/0", "the password has a bad percent-escape"),
             ("rediss://h/0?ssl_cert_reqs=none", "always verified"),
-            ("redis://h/0?socket_timeout=3", "unsupported URL parameter \"socket_timeout\""),
+            ("redis://h/0?socket_timeout=3", "an unsupported URL parameter"),
             ("sentinel://h1:1;h2:2/0", "each sentinel after \";\" is written sentinel://host:port"),
+            ("sentinel://h1:1;:x/0", "a sentinel after \";\" is not a URL"),
             ("redis://u:secret@h1;sentinel://h2/0", "several hosts"),
         ] {
             let err = BrokerUrl::parse(url).unwrap_err();
             assert!(err.contains(expected), "{url}: {err}");
-            assert!(!err.contains("secret") && !err.contains("sec%"), "{url}: {err}");
+            assert!(
+                !err.contains("secret") && !err.contains("sec%") && !err.contains("socket"),
+                "{url}: {err}"
+            );
+        }
+    }
+
+    /// A password with each character that ends or splits an authority,
+    /// as it is in the URL: whatever becomes of it, no piece of it is shown.
+    #[test]
+    fn no_piece_of_a_password_is_ever_shown() {
+        for c in ["/", "?", "#", "@", ":", "%", ";"] {
+            let password = format!("Zq{c}Xy{c}Wv");
+            for template in [
+                "redis://:{}@h:6379/0",
+                "redis://user:{}@h/3",
+                "rediss://:{}@h:6380/0?ssl_cert_reqs=required",
+                "sentinel://:{}@s1:26379;sentinel://s2:26380/1",
+            ] {
+                let url = template.replace("{}", &password);
+                let shown = match BrokerUrl::parse(&url) {
+                    Ok(parsed) => format!("{} {parsed:?}", parsed.display()),
+                    Err(e) => e,
+                };
+                let shown = format!("{shown} {}", redact(&url));
+                for piece in ["Zq", "Xy", "Wv"] {
+                    assert!(!shown.contains(piece), "{url}: {shown}");
+                }
+            }
+            // Percent-encoded, it is the password.
+            let encoded: String = password.bytes().map(|b| format!("%{b:02X}")).collect();
+            let parsed = BrokerUrl::parse(&format!("redis://:{encoded}@h:6379/0")).unwrap();
+            assert_eq!(parsed.password.as_deref(), Some(password.as_str()));
+            assert_eq!(parsed.display(), "redis://***@h:6379/0");
         }
     }
 
@@ -281,13 +301,14 @@ mod tests {
     #[test]
     fn credentials_are_redacted() {
         assert_eq!(redact("redis://u:pw@h:6379/0"), "redis://***@h:6379/0");
-        assert_eq!(redact("redis://:pw@h"), "redis://***@h");
-        assert_eq!(redact("rediss://user:p@ss@h:1/2?x=1"), "rediss://***@h:1/2?x=1");
+        assert_eq!(redact("redis://:pw@h"), "redis://***@h:6379/0");
+        assert_eq!(redact("rediss://user:p%40ss@h:1/2"), "rediss://***@h:1/2");
         assert_eq!(redact("redis://h:6379/0"), "redis://h:6379/0");
+        assert_eq!(redact("redis://[::1]:7000/1"), "redis://[::1]:7000/1");
         assert_eq!(redact("garbage"), "(unparsable URL)");
         assert_eq!(
             redact("sentinel://:pw@h1:1;sentinel://:pw@h2:2/0"),
-            "sentinel://***@h1:1;sentinel://***@h2:2/0"
+            "sentinel://***@h1:1;sentinel://h2:2/0"
         );
     }
 }
