@@ -94,19 +94,27 @@ CREATE TRIGGER all_subscriptions_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.all_subscriptions
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.outbox_subscriptions_changed();
 
+-- outbox_subscribe() and outbox_unsubscribe() (src/subscriptions.rs) are
+-- written in Rust and run as their caller: they know the role calling
+-- (current_user there, which SECURITY DEFINER would hide), and call the two
+-- functions below as the extension's owner, the only role that may execute
+-- them, passing it.
+
 -- Subscribe task to event_type (exact, or every type it prefixes when it
--- ends in '*'; '*' alone is every event). queue and priority override the
--- event's. With batch_max or batch_wait the subscription accumulates: its
--- events are delivered together, as one task whose one argument is their
--- list, once batch_max of them wait (1000 when only batch_wait is given) or
--- the oldest has waited batch_wait, whichever comes first. Returns the id.
-CREATE FUNCTION @extschema@.outbox_subscribe(
+-- ends in '*'; '*' alone is every event) for role owner. queue and priority
+-- override the event's. With batch_max or batch_wait the subscription
+-- accumulates: its events are delivered together, as one task whose one
+-- argument is their list, once batch_max of them wait (1000 when only
+-- batch_wait is given) or the oldest has waited batch_wait, whichever comes
+-- first. Returns the id.
+CREATE FUNCTION @extschema@.outbox_subscription_add(
+    owner      name,
     event_type text,
     task       text,
-    queue      text     DEFAULT NULL,
-    priority   integer  DEFAULT NULL,
-    batch_max  integer  DEFAULT NULL,
-    batch_wait interval DEFAULT NULL
+    queue      text,
+    priority   integer,
+    batch_max  integer,
+    batch_wait interval
 ) RETURNS bigint
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -153,8 +161,8 @@ BEGIN
 
     SELECT s.id INTO existing
       FROM outbox.all_subscriptions AS s
-     WHERE s.event_type = outbox_subscribe.event_type
-       AND s.task = outbox_subscribe.task
+     WHERE s.event_type = outbox_subscription_add.event_type
+       AND s.task = outbox_subscription_add.task
        AND s.unsubscribed_at IS NULL;
     IF FOUND THEN
         RAISE EXCEPTION 'outbox_subscribe: task "%" is subscribed to "%" already (subscription %)',
@@ -166,28 +174,26 @@ BEGIN
     INSERT INTO outbox.all_subscriptions AS s (event_type, task, queue, priority, batch_max, batch_wait, created_by)
     VALUES (event_type, task, queue, priority,
             CASE WHEN batch_wait IS NOT NULL THEN coalesce(batch_max, max_batch) ELSE batch_max END,
-            batch_wait, @extschema@.outbox_session_role()::regrole::name)
+            batch_wait, owner)
     RETURNING s.id INTO new_id;
     RETURN new_id;
 END
 $$;
 
-COMMENT ON FUNCTION @extschema@.outbox_subscribe(text, text, text, integer, integer, interval) IS
-    'Deliver events of event_type (or of a prefix ending in *) enqueued without a task to task; returns the subscription id.';
+COMMENT ON FUNCTION @extschema@.outbox_subscription_add(name, text, text, text, integer, integer, interval) IS
+    'outbox_subscribe() for role owner; the extension''s owner alone may call it.';
 
--- Ends subscription id for events inserted after this commits. Returns
--- whether it was active. Deliveries made already stay; its waiting batch
--- members are delivered at once, in batches of its batch_max. Only a
--- member of the role that subscribed (with its privileges), or of the
--- extension's owner, may end a subscription: the session's role (SET ROLE),
--- which SECURITY DEFINER does not change, is the one asking.
-CREATE FUNCTION @extschema@.outbox_unsubscribe(id bigint) RETURNS boolean
+-- Ends subscription id for events inserted after this commits, for role
+-- asking. Returns whether it was active. Deliveries made already stay; its
+-- waiting batch members are delivered at once, in batches of its batch_max.
+-- Only a role with the privileges of the role that subscribed, or of the
+-- extension's owner, may end a subscription.
+CREATE FUNCTION @extschema@.outbox_subscription_end(asking oid, id bigint) RETURNS boolean
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    asking    CONSTANT oid := @extschema@.outbox_session_role();
-    owner     name;
+    owner name;
 BEGIN
     IF id IS NULL THEN
         RAISE EXCEPTION 'outbox_unsubscribe: id must not be null'
@@ -195,7 +201,7 @@ BEGIN
     END IF;
     SELECT s.created_by INTO owner
       FROM outbox.all_subscriptions AS s
-     WHERE s.id = outbox_unsubscribe.id
+     WHERE s.id = outbox_subscription_end.id
        AND s.unsubscribed_at IS NULL
        FOR NO KEY UPDATE;
     IF NOT FOUND THEN
@@ -207,15 +213,18 @@ BEGIN
     THEN
         RAISE EXCEPTION 'outbox_unsubscribe: subscription % belongs to role "%"', id, owner
             USING ERRCODE = 'insufficient_privilege',
-                  HINT = 'Only a member of that role, or of the extension''s owner, may end it.';
+                  HINT = 'Only a role with its privileges, or the extension owner''s, may end it.';
     END IF;
     UPDATE outbox.all_subscriptions AS s
        SET unsubscribed_at = now()
-     WHERE s.id = outbox_unsubscribe.id;
+     WHERE s.id = outbox_subscription_end.id;
     PERFORM @extschema@.outbox_wake();
     RETURN true;
 END
 $$;
+
+COMMENT ON FUNCTION @extschema@.outbox_subscription_end(oid, bigint) IS
+    'outbox_unsubscribe() for role asking; the extension''s owner alone may call it.';
 
 -- Active subscriptions, and unsubscribed ones whose members still wait.
 CREATE VIEW outbox.subscriptions AS
@@ -255,11 +264,15 @@ COMMENT ON VIEW outbox.deliveries IS
 -- outbox_routed_to_default() stays public: it is the default of every insert.
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_route(),
-    @extschema@.outbox_session_role(),
     @extschema@.outbox_subscriptions_changed(),
+    @extschema@.outbox_subscription_add(name, text, text, text, integer, integer, interval),
+    @extschema@.outbox_subscription_end(oid, bigint),
     @extschema@.outbox_subscribe(text, text, text, integer, integer, interval),
     @extschema@.outbox_unsubscribe(bigint)
     FROM PUBLIC;
+
+COMMENT ON FUNCTION @extschema@.outbox_subscribe(text, text, text, integer, integer, interval) IS
+    'Deliver events of event_type (or of a prefix ending in *) enqueued without a task to task; returns the subscription id.';
 
 GRANT SELECT ON outbox.subscriptions, outbox.deliveries TO pg_monitor;
 

@@ -26,7 +26,8 @@ extension_sql_file!(
         "schema",
         api::outbox_wake,
         subscriptions::outbox_routed_to_default,
-        subscriptions::outbox_session_role,
+        subscriptions::outbox_subscribe,
+        subscriptions::outbox_unsubscribe,
         subscriptions::outbox_subscriptions_changed
     ]
 );

@@ -11,6 +11,7 @@
 use std::cell::Cell;
 
 use pgrx::prelude::*;
+use pgrx::PgTryBuilder;
 
 thread_local! {
     /// `Some(active)` once looked up, until the next invalidation.
@@ -64,14 +65,90 @@ unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid:
     }
 }
 
-/// The role the session acts as: the one `SET ROLE` chose, or the session
-/// user. Unlike `current_user`, a SECURITY DEFINER function does not change
-/// it: `outbox_subscribe()` records it as the subscription's owner, and
-/// `outbox_unsubscribe()` asks whether it may end one.
-#[pg_extern(stable, parallel_safe)]
-fn outbox_session_role() -> pg_sys::Oid {
+/// Subscribes `task` to `event_type` for the role calling (see
+/// sql/subscriptions.sql, `outbox_subscription_add`, which checks every
+/// argument). Runs as its caller, not SECURITY DEFINER: `current_user`
+/// here is the role asking, even inside a maintenance operation (an index
+/// expression during ANALYZE runs as the table's owner), which a SECURITY
+/// DEFINER function could not tell.
+#[pg_extern(volatile, parallel_unsafe)]
+fn outbox_subscribe(
+    event_type: Option<&str>,
+    task: Option<&str>,
+    queue: default!(Option<&str>, "NULL"),
+    priority: default!(Option<i32>, "NULL"),
+    batch_max: default!(Option<i32>, "NULL"),
+    batch_wait: default!(Option<Interval>, "NULL"),
+) -> Option<i64> {
+    let owner = calling_role_name();
+    as_extension_owner("outbox_subscription_add($1, $2, $3, $4, $5, $6, $7)", |query| {
+        Spi::get_one_with_args::<i64>(
+            query,
+            &[
+                owner.as_str().into(),
+                event_type.into(),
+                task.into(),
+                queue.into(),
+                priority.into(),
+                batch_max.into(),
+                batch_wait.into(),
+            ],
+        )
+    })
+}
+
+/// Ends subscription `id` when the role calling has the privileges of the
+/// role that subscribed, or of the extension's owner (see
+/// `outbox_subscription_end`). Runs as its caller, as `outbox_subscribe`.
+#[pg_extern(volatile, parallel_unsafe)]
+fn outbox_unsubscribe(id: Option<i64>) -> Option<bool> {
     // SAFETY: a plain read of the session's state.
-    unsafe { pg_sys::GetOuterUserId() }
+    let asking = unsafe { pg_sys::GetUserId() };
+    as_extension_owner("outbox_subscription_end($1, $2)", |query| {
+        Spi::get_one_with_args::<bool>(query, &[asking.into(), id.into()])
+    })
+}
+
+/// The name of the role running this function (`current_user`).
+fn calling_role_name() -> String {
+    // SAFETY: the current user exists; PostgreSQL returns a palloc'd copy.
+    unsafe {
+        let name = pg_sys::GetUserNameFromId(pg_sys::GetUserId(), false);
+        std::ffi::CStr::from_ptr(name).to_string_lossy().into_owned()
+    }
+}
+
+/// Runs `call` with `SELECT <extension schema>.<function>` as the
+/// extension's owner, the only role allowed to execute the functions it
+/// calls; the role in use before is restored however `call` ends.
+fn as_extension_owner<R>(
+    function: &str,
+    call: impl FnOnce(&str) -> Result<Option<R>, pgrx::spi::SpiError>,
+) -> Option<R> {
+    let (owner, schema) = Spi::get_two::<pg_sys::Oid, String>(
+        "SELECT x.extowner, x.extnamespace::pg_catalog.regnamespace::pg_catalog.text \
+           FROM pg_catalog.pg_extension AS x WHERE x.extname OPERATOR(pg_catalog.=) 'outbox_dispatch'",
+    )
+    .unwrap_or_else(|e| error!("outbox_dispatch: cannot find the extension: {e}"));
+    let (Some(owner), Some(schema)) = (owner, schema) else {
+        error!("outbox_dispatch: the extension is not created in this database")
+    };
+    let query = format!("SELECT {schema}.{function}");
+    let (mut user, mut context) = (pg_sys::InvalidOid, 0);
+    // SAFETY: as PostgreSQL's own code switches users for a call (the
+    // security context keeps its restrictions); restored in `finally`.
+    unsafe {
+        pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
+        pg_sys::SetUserIdAndSecContext(owner, context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32);
+    }
+    PgTryBuilder::new(std::panic::AssertUnwindSafe(|| {
+        call(&query).unwrap_or_else(|e| error!("outbox_dispatch: {e}"))
+    }))
+    .finally(|| {
+        // SAFETY: the user and context saved above.
+        unsafe { pg_sys::SetUserIdAndSecContext(user, context) }
+    })
+    .execute()
 }
 
 /// AFTER … FOR EACH STATEMENT on `outbox.all_subscriptions`: every

@@ -448,27 +448,61 @@ def test_a_locked_member_holds_up_only_its_subscription(subs, redis_server):
 # -- who may end a subscription ----------------------------------------------------
 
 def test_only_the_subscriber_or_the_extension_owner_ends_a_subscription(subs):
-    subs.sql("DROP ROLE IF EXISTS sub_alice, sub_bob, sub_team")
-    subs.sql("""CREATE ROLE sub_team; CREATE ROLE sub_alice LOGIN IN ROLE sub_team; CREATE ROLE sub_bob LOGIN;
+    subs.sql('DROP ROLE IF EXISTS sub_alice, sub_bob, "Sub-Team"')
+    subs.sql("""CREATE ROLE "Sub-Team"; CREATE ROLE sub_alice LOGIN IN ROLE "Sub-Team"; CREATE ROLE sub_bob LOGIN;
                 GRANT EXECUTE ON FUNCTION outbox_subscribe(text, text, text, integer, integer, interval),
-                                          outbox_unsubscribe(bigint) TO sub_alice, sub_bob, sub_team""")
+                                          outbox_unsubscribe(bigint) TO sub_alice, sub_bob, "Sub-Team" """)
     try:
         with subs.connect(user="sub_alice") as alice:
             mine = alice.execute("SELECT outbox_subscribe('shop.owned', 'loop.billing')").fetchone()[0]
-            alice.execute("SET ROLE sub_team")
+            alice.execute('SET ROLE "Sub-Team"')
             teams = alice.execute("SELECT outbox_subscribe('shop.owned', 'loop.email')").fetchone()[0]
         assert subs.sql("SELECT id, created_by FROM outbox.subscriptions ORDER BY id") == [
-            (mine, "sub_alice"), (teams, "sub_team")]
+            (mine, "sub_alice"), (teams, "Sub-Team")]
         with subs.connect(user="sub_bob") as bob:
             for sub in (mine, teams):
                 with pytest.raises(psycopg.errors.InsufficientPrivilege, match=f"subscription {sub} belongs to role"):
                     bob.execute("SELECT outbox_unsubscribe(%s)", (sub,))
+            # The functions that do the work are the extension owner's alone.
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                bob.execute("SELECT outbox_subscription_end('sub_alice'::regrole, %s)", (mine,))
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                bob.execute("SELECT outbox_subscription_add('sub_alice', 'x', 'y', NULL, NULL, NULL, NULL)")
         assert subs.value("SELECT count(*) FROM outbox.subscriptions") == 2
         with subs.connect(user="sub_alice") as alice:
-            # A member of sub_team ends the team's.
+            # A member of "Sub-Team" ends the team's.
             assert alice.execute("SELECT outbox_unsubscribe(%s)", (teams,)).fetchone()[0] is True
         # The extension's owner (here a superuser) ends anyone's.
         assert subs.value("SELECT outbox_unsubscribe(%s)", (mine,)) is True
         assert subs.value("SELECT count(*) FROM outbox.subscriptions") == 0
     finally:
-        subs.sql("DROP OWNED BY sub_alice, sub_bob, sub_team; DROP ROLE sub_alice, sub_bob, sub_team")
+        subs.sql('DROP OWNED BY sub_alice, sub_bob, "Sub-Team"; DROP ROLE sub_alice, sub_bob, "Sub-Team"')
+
+
+def test_code_a_superuser_runs_on_a_roles_behalf_cannot_end_anothers_subscription(subs):
+    """An index expression runs as its table's owner when a superuser (or
+    autovacuum) runs ANALYZE: it is that owner asking, not the superuser."""
+    victim = subscribe(subs, "shop.victim", "loop.billing")
+    subs.sql("DROP ROLE IF EXISTS sub_mallory")
+    subs.sql("""CREATE ROLE sub_mallory LOGIN; GRANT CREATE ON SCHEMA public TO sub_mallory;
+                GRANT EXECUTE ON FUNCTION outbox_subscribe(text, text, text, integer, integer, interval),
+                                          outbox_unsubscribe(bigint) TO sub_mallory""")
+    try:
+        with subs.connect(user="sub_mallory") as mallory:
+            mallory.execute(f"""
+                CREATE FUNCTION public.sneak(x int) RETURNS int LANGUAGE plpgsql IMMUTABLE AS $$
+                BEGIN
+                    BEGIN
+                        PERFORM public.outbox_unsubscribe({victim});
+                    EXCEPTION WHEN insufficient_privilege THEN NULL;
+                    END;
+                    RETURN x;
+                END $$;
+                CREATE TABLE public.sneaky (x int);
+                INSERT INTO public.sneaky SELECT generate_series(1, 100);
+                CREATE INDEX sneaky_idx ON public.sneaky (public.sneak(x))""")
+        subs.sql("ANALYZE public.sneaky")
+        assert subs.value("SELECT unsubscribed_at FROM outbox.all_subscriptions WHERE id = %s", (victim,)) is None
+    finally:
+        subs.sql("DROP TABLE IF EXISTS public.sneaky; DROP FUNCTION IF EXISTS public.sneak(int); "
+                 "DROP OWNED BY sub_mallory; DROP ROLE sub_mallory")

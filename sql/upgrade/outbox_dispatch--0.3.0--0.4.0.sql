@@ -34,14 +34,8 @@ ALTER TABLE outbox.all_subscriptions
     ADD COLUMN last_error text,
     ADD COLUMN last_error_at timestamptz;
 UPDATE outbox.all_subscriptions
-   SET created_by = (SELECT x.extowner::regrole::name FROM pg_extension AS x WHERE x.extname = 'outbox_dispatch');
+   SET created_by = (SELECT pg_get_userbyid(x.extowner) FROM pg_extension AS x WHERE x.extname = 'outbox_dispatch');
 ALTER TABLE outbox.all_subscriptions ALTER COLUMN created_by SET NOT NULL;
-
-CREATE FUNCTION @extschema@."outbox_session_role"() RETURNS oid
-STRICT STABLE PARALLEL SAFE
-LANGUAGE c
-AS 'MODULE_PATHNAME', 'outbox_session_role_wrapper';
-REVOKE ALL ON FUNCTION @extschema@.outbox_session_role() FROM PUBLIC;
 
 -- Earlier scripts ran with the extension's schema (public) first in the
 -- search_path, where the database owner may create objects: an operator or
@@ -361,13 +355,19 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION @extschema@.outbox_subscribe(
+
+-- outbox_subscribe() and outbox_unsubscribe() are written in Rust and run as
+-- their caller (the role asking, which SECURITY DEFINER would hide); they
+-- call these two as the extension's owner. Same signatures: the grants
+-- made on them stay.
+CREATE FUNCTION @extschema@.outbox_subscription_add(
+    owner      name,
     event_type text,
     task       text,
-    queue      text     DEFAULT NULL,
-    priority   integer  DEFAULT NULL,
-    batch_max  integer  DEFAULT NULL,
-    batch_wait interval DEFAULT NULL
+    queue      text,
+    priority   integer,
+    batch_max  integer,
+    batch_wait interval
 ) RETURNS bigint
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -414,8 +414,8 @@ BEGIN
 
     SELECT s.id INTO existing
       FROM outbox.all_subscriptions AS s
-     WHERE s.event_type = outbox_subscribe.event_type
-       AND s.task = outbox_subscribe.task
+     WHERE s.event_type = outbox_subscription_add.event_type
+       AND s.task = outbox_subscription_add.task
        AND s.unsubscribed_at IS NULL;
     IF FOUND THEN
         RAISE EXCEPTION 'outbox_subscribe: task "%" is subscribed to "%" already (subscription %)',
@@ -427,19 +427,18 @@ BEGIN
     INSERT INTO outbox.all_subscriptions AS s (event_type, task, queue, priority, batch_max, batch_wait, created_by)
     VALUES (event_type, task, queue, priority,
             CASE WHEN batch_wait IS NOT NULL THEN coalesce(batch_max, max_batch) ELSE batch_max END,
-            batch_wait, @extschema@.outbox_session_role()::regrole::name)
+            batch_wait, owner)
     RETURNING s.id INTO new_id;
     RETURN new_id;
 END
 $$;
 
-CREATE OR REPLACE FUNCTION @extschema@.outbox_unsubscribe(id bigint) RETURNS boolean
+CREATE FUNCTION @extschema@.outbox_subscription_end(asking oid, id bigint) RETURNS boolean
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    asking    CONSTANT oid := @extschema@.outbox_session_role();
-    owner     name;
+    owner name;
 BEGIN
     IF id IS NULL THEN
         RAISE EXCEPTION 'outbox_unsubscribe: id must not be null'
@@ -447,7 +446,7 @@ BEGIN
     END IF;
     SELECT s.created_by INTO owner
       FROM outbox.all_subscriptions AS s
-     WHERE s.id = outbox_unsubscribe.id
+     WHERE s.id = outbox_subscription_end.id
        AND s.unsubscribed_at IS NULL
        FOR NO KEY UPDATE;
     IF NOT FOUND THEN
@@ -459,12 +458,43 @@ BEGIN
     THEN
         RAISE EXCEPTION 'outbox_unsubscribe: subscription % belongs to role "%"', id, owner
             USING ERRCODE = 'insufficient_privilege',
-                  HINT = 'Only a member of that role, or of the extension''s owner, may end it.';
+                  HINT = 'Only a role with its privileges, or the extension owner''s, may end it.';
     END IF;
     UPDATE outbox.all_subscriptions AS s
        SET unsubscribed_at = now()
-     WHERE s.id = outbox_unsubscribe.id;
+     WHERE s.id = outbox_subscription_end.id;
     PERFORM @extschema@.outbox_wake();
     RETURN true;
 END
 $$;
+
+CREATE OR REPLACE FUNCTION @extschema@."outbox_subscribe"(
+	"event_type" TEXT,
+	"task" TEXT,
+	"queue" TEXT DEFAULT NULL,
+	"priority" INT DEFAULT NULL,
+	"batch_max" INT DEFAULT NULL,
+	"batch_wait" interval DEFAULT NULL
+) RETURNS bigint
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'outbox_subscribe_wrapper';
+
+CREATE OR REPLACE FUNCTION @extschema@."outbox_unsubscribe"(
+	"id" bigint
+) RETURNS bool
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'outbox_unsubscribe_wrapper';
+
+REVOKE ALL ON FUNCTION
+    @extschema@.outbox_subscription_add(name, text, text, text, integer, integer, interval),
+    @extschema@.outbox_subscription_end(oid, bigint)
+    FROM PUBLIC;
+
+COMMENT ON FUNCTION @extschema@.outbox_subscription_add(name, text, text, text, integer, integer, interval) IS
+    'outbox_subscribe() for role owner; the extension''s owner alone may call it.';
+COMMENT ON FUNCTION @extschema@.outbox_subscription_end(oid, bigint) IS
+    'outbox_unsubscribe() for role asking; the extension''s owner alone may call it.';
+COMMENT ON VIEW outbox.subscriptions IS
+    'Subscriptions; waiting counts the events an accumulated one holds for its next batch; last_error says why its last batch could not be made.';
