@@ -61,6 +61,7 @@ OPERATORS = [("=", "uuid", "pg_catalog.uuid_eq"), ("=", "integer", "pg_catalog.i
 
 
 def plant(conn):
+    since_17 = [("transaction_timeout", "'1ms'")] if conn.info.server_version >= 170000 else []
     conn.execute(ESCALATE)
     for i, (op, type_, real) in enumerate(OPERATORS):
         conn.execute(f"""
@@ -72,7 +73,8 @@ def plant(conn):
     for setting, value in [("outbox.default_queue", "''"), ("outbox.notify", "on"),
                            ("outbox.notify_channel", "'hostile'"), ("DateStyle", "'SQL, DMY'"),
                            ("TimeZone", "'Asia/Kathmandu'"), ("IntervalStyle", "'sql_standard'"),
-                           ("synchronous_commit", "'local'")]:
+                           ("synchronous_commit", "'local'"), ("role", "mallory"), ("exit_on_error", "on"),
+                           ("enable_indexscan", "off"), ("jit_above_cost", "0"), *since_17]:
         conn.execute(f"ALTER DATABASE app SET {setting} = {value}")
 
 
@@ -86,14 +88,18 @@ def test_a_hostile_database_owner_gains_nothing_and_events_still_flow(redis_serv
             conn.execute("CREATE EXTENSION outbox_dispatch")
         with pg.connect(dbname="app", user="mallory") as conn:
             plant(conn)
+        # The superuser's own sessions in app keep what the tests need.
+        undo = "-c role=none -c exit_on_error=off -c enable_indexscan=on -c jit=off"
+        undo += " -c transaction_timeout=0" if pg.value("SHOW server_version_num") >= "170000" else ""
         # Any restart of the dispatchers picks up the database's settings.
-        with pg.connect(dbname="app") as conn:
+        with pg.connect(dbname="app", options=undo) as conn:
             pid = wait_until(lambda: conn.execute("SELECT pid FROM outbox.workers").fetchone()[0], timeout=60,
                              message="the dispatcher connected to app")
             conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
             wait_until(lambda: conn.execute("SELECT pid FROM outbox.workers").fetchone()[0] not in (None, pid),
                        timeout=60, message="a restarted dispatcher")
-        with pg.connect(dbname="app") as conn:
+            restarted = conn.execute("SELECT pid FROM outbox.workers").fetchone()[0]
+        with pg.connect(dbname="app", options=undo) as conn:
             # A superuser working in that database, with the owner's search_path.
             assert conn.execute("SHOW search_path").fetchone()[0] == "public, pg_catalog"
             ids = [str(r[0]) for r in conn.execute(
@@ -110,7 +116,7 @@ def test_a_hostile_database_owner_gains_nothing_and_events_still_flow(redis_serv
             conn.execute("TABLE outbox.metrics")
         wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_hostile")) == sorted(ids), timeout=60,
                    message="delivery in the hostile database")
-        with pg.connect(dbname="app") as conn:
+        with pg.connect(dbname="app", options=undo) as conn:
             routed = [str(r[0]) for r in conn.execute(
                 "SELECT id FROM outbox.events WHERE subscription_id IS NOT NULL").fetchall()]
         assert len(routed) == 7
@@ -121,9 +127,12 @@ def test_a_hostile_database_owner_gains_nothing_and_events_still_flow(redis_serv
         assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\+00", envelope["headers"]["outbox_created_at"])
         time.sleep(3)  # heartbeats, sweeps and purges run meanwhile
         assert pg.value("SELECT rolsuper FROM pg_roles WHERE rolname = 'mallory'") is False
-        with pg.connect(dbname="app") as conn:
+        assert "ignoring the settings of database \"app\"" in pg.log_text()
+        with pg.connect(dbname="app", options=undo) as conn:
             dispatchers = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE backend_type OPERATOR(pg_catalog.=) 'outbox dispatcher'").fetchone()[0]
+            # Not one restart since (exit_on_error, transaction_timeout would cause them).
+            assert conn.execute("SELECT pid FROM outbox.workers").fetchone()[0] == restarted
         assert dispatchers == 1
     finally:
         pg.close()

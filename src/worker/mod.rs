@@ -71,7 +71,7 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
     slot.set_error(None);
     slot.listen();
-    setup::pin_settings();
+    setup::pin_settings(index);
     setup::return_large_buffers();
 
     let mut dispatcher = Dispatcher::new(index, slot, Settings::current());

@@ -2,14 +2,14 @@
 //! it pins whatever the database and role settings say, the allocator, and
 //! the name it gives as the messages' origin.
 
-use std::ffi::CStr;
+use std::ffi::{CStr, CString};
 
 use pgrx::prelude::*;
 
 /// Settings every dispatcher runs with, overriding `ALTER DATABASE … SET` and
 /// `ALTER ROLE … SET`: the database owner chooses those, and the dispatcher
 /// runs as the bootstrap superuser.
-const PINNED: [(&CStr, &CStr); 12] = [
+const PINNED: [(&CStr, &CStr); 13] = [
     // Names resolve in pg_catalog only: a function or operator planted in a
     // schema the owner controls is never called with our rights.
     (c"search_path", c"pg_catalog, pg_temp"),
@@ -31,6 +31,9 @@ const PINNED: [(&CStr, &CStr); 12] = [
     // (outbox.statement_timeout). None is cut short by the owner's limit.
     (c"statement_timeout", c"0"),
     (c"idle_in_transaction_session_timeout", c"0"),
+    // An error the dispatcher handles (a lock not granted, a batch that
+    // cannot be made) must stay an error, not end the process.
+    (c"exit_on_error", c"off"),
     // SKIP LOCKED claims need read committed, and the dispatcher writes.
     (c"default_transaction_isolation", c"read committed"),
     (c"default_transaction_read_only", c"off"),
@@ -45,21 +48,108 @@ const PINNED: [(&CStr, &CStr); 12] = [
     (c"outbox.notify", c"off"),
 ];
 
-/// Pins [`PINNED`]; called once connected to the database, whose own
-/// settings are applied by then.
-pub fn pin_settings() {
-    for (name, value) in PINNED {
-        // SAFETY: setting a GUC by name on the main thread; an override
-        // beats the database, role and configuration-file sources.
-        unsafe {
-            pg_sys::SetConfigOption(
-                name.as_ptr(),
-                value.as_ptr(),
-                pg_sys::GucContext::PGC_SUSET,
-                pg_sys::GucSource::PGC_S_OVERRIDE,
-            );
+/// PostgreSQL 17 and later arm `transaction_timeout` in every transaction,
+/// a background worker's too, and end the process when it fires: the
+/// dispatchers have their own deadline (`outbox.statement_timeout`).
+#[cfg(any(feature = "pg17", feature = "pg18"))]
+const PINNED_SINCE_17: [(&CStr, &CStr); 1] = [(c"transaction_timeout", c"0")];
+#[cfg(not(any(feature = "pg17", feature = "pg18")))]
+const PINNED_SINCE_17: [(&CStr, &CStr); 0] = [];
+
+/// Called once connected to the database, whose own settings and the
+/// role's are applied by then: sets each of those back to the server's
+/// value (see [`undo_database_settings`]), then pins [`PINNED`].
+pub fn pin_settings(index: usize) {
+    // First of all: run as the bootstrap superuser again, whatever `role`
+    // the database asked for, before reading anything.
+    set(c"role", c"none");
+    undo_database_settings(index);
+    for (name, value) in PINNED.into_iter().chain(PINNED_SINCE_17) {
+        set(name, value);
+    }
+}
+
+/// Sets `name` to `value` over every other source of this session.
+fn set(name: &CStr, value: &CStr) -> bool {
+    // SAFETY: setting a GUC by name on the main thread; an override beats
+    // the database, role and configuration-file sources. A value refused
+    // is a WARNING in the log, not an error.
+    unsafe {
+        pg_sys::set_config_option(
+            name.as_ptr(),
+            value.as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_OVERRIDE,
+            pg_sys::GucAction::GUC_ACTION_SET,
+            true,
+            pg_sys::WARNING as i32,
+            false,
+        ) > 0
+    }
+}
+
+/// The longest the read of the database's settings may take.
+const READ_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The settings of this database and of the dispatchers' role (`ALTER
+/// DATABASE … SET`, `ALTER ROLE … SET`) are the database owner's to choose,
+/// and every one of them reaches a session: `role` would run the
+/// dispatcher as another role, `exit_on_error` turn each handled error into
+/// a restart, the planner's switches slow every claim. Each goes back to
+/// the server's own value: the last line of the configuration files that
+/// sets it, else its built-in default (`role`: none). Values given on the
+/// server's command line are not seen this way; a setting whose server
+/// value cannot be found stays as it is, and the log says so.
+fn undo_database_settings(index: usize) {
+    const QUERY: &str = "
+        SELECT o.name, CASE WHEN o.name OPERATOR(pg_catalog.=) 'role' THEN 'none' ELSE
+               coalesce((SELECT f.setting FROM pg_catalog.pg_file_settings AS f
+                          WHERE pg_catalog.lower(f.name) OPERATOR(pg_catalog.=) o.name AND f.error IS NULL
+                          ORDER BY f.seqno DESC LIMIT 1),
+                        (SELECT s.boot_val FROM pg_catalog.pg_settings AS s
+                          WHERE pg_catalog.lower(s.name) OPERATOR(pg_catalog.=) o.name)) END
+          FROM (SELECT DISTINCT pg_catalog.lower(pg_catalog.split_part(c, '=', 1)) AS name
+                  FROM pg_catalog.pg_db_role_setting AS d, pg_catalog.unnest(d.setconfig) AS c
+                 WHERE d.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[0, (SELECT b.oid FROM pg_catalog.pg_database AS b
+                                                   WHERE b.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())])
+                   AND d.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[0, (SELECT r.oid FROM pg_catalog.pg_roles AS r
+                                               WHERE r.rolname OPERATOR(pg_catalog.=) session_user)])) AS o
+         ORDER BY 1";
+    let read = super::store::transaction(READ_DEADLINE, || {
+        Spi::connect(|client| {
+            client
+                .select(QUERY, None, &[])?
+                .map(|row| Ok((row.get::<String>(1)?.unwrap_or_default(), row.get::<String>(2)?)))
+                .collect::<Result<Vec<(String, Option<String>)>, pgrx::spi::SpiError>>()
+        })
+    });
+    let settings = match read {
+        Ok(settings) => settings,
+        Err(e) => {
+            warning!("outbox dispatcher {index}: cannot read the settings of its database and role: {e}");
+            return;
+        }
+    };
+    if settings.is_empty() {
+        return;
+    }
+    let mut undone = Vec::new();
+    for (name, value) in settings {
+        let applied = match (CString::new(name.as_str()), value.map(CString::new)) {
+            (Ok(n), Some(Ok(v))) => set(&n, &v),
+            _ => false,
+        };
+        if applied {
+            undone.push(name);
+        } else {
+            warning!("outbox dispatcher {index}: cannot set {name} back to the server's value; it stays as the database or role set it");
         }
     }
+    log!(
+        "outbox dispatcher {index}: ignoring the settings of database \"{}\" and of its role for: {}",
+        crate::config::database(),
+        undone.join(", ")
+    );
 }
 
 /// A batch's buffers (messages, the packed commands) run to megabytes and

@@ -282,7 +282,10 @@ fn to_pg(ids: impl IntoIterator<Item = uuid::Uuid>) -> Vec<pgrx::Uuid> {
 /// PostgreSQL arms `statement_timeout` for top-level statements only, never
 /// under SPI. The table statistics are flushed as PostgreSQL's own workers
 /// flush them, so that autovacuum sees the dispatcher's writes.
-fn transaction<R>(deadline: Duration, body: impl FnOnce() -> Result<R, SpiError>) -> Result<R, StoreError> {
+pub(super) fn transaction<R>(
+    deadline: Duration,
+    body: impl FnOnce() -> Result<R, SpiError>,
+) -> Result<R, StoreError> {
     // SAFETY: the transaction calls of worker_spi, on the main thread,
     // outside any transaction; the timeout is PostgreSQL's own, whose
     // handler cancels the statement running when it fires.
