@@ -289,6 +289,13 @@ def test_an_update_rebinds_what_an_earlier_install_bound_to_planted_code(hostile
     install(hostile, dbname, ["0.3.0"])
     with hostile.connect(dbname=dbname, user="mallory") as conn:
         plant(conn, TYPE_OPERATORS)
+        # The planted operator made a member of an extension of the owner's
+        # (a trusted one needs no superuser): still not the outbox's own.
+        conn.execute("CREATE EXTENSION citext")
+        fn = conn.execute("SELECT oprcode::regprocedure::text FROM pg_operator WHERE oprname = '=' "
+                          "AND oprleft = 'outbox.event_status'::regtype AND oprright = oprleft").fetchone()[0]
+        conn.execute(f"ALTER EXTENSION citext ADD FUNCTION {fn}")
+        conn.execute("ALTER EXTENSION citext ADD OPERATOR public.= (outbox.event_status, outbox.event_status)")
     with hostile.connect(dbname=dbname) as conn:
         # What 0.3.0 bound when run in such a database, made by hand here.
         conn.execute("SET search_path = public")

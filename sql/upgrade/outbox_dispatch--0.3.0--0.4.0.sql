@@ -175,9 +175,11 @@ BEGIN
                   AND dep.refclassid IN ('pg_operator'::regclass, 'pg_proc'::regclass, 'pg_type'::regclass)
                   AND (pg_identify_object(dep.refclassid, dep.refobjid, 0)).schema IS DISTINCT FROM 'pg_catalog'
                   AND NOT EXISTS (SELECT FROM pg_depend AS member
+                                    JOIN pg_extension AS x ON x.oid = member.refobjid
                                    WHERE member.classid = dep.refclassid AND member.objid = dep.refobjid
                                      AND member.refclassid = 'pg_extension'::regclass
-                                     AND member.deptype = 'e'))
+                                     AND member.deptype = 'e'
+                                     AND x.extname = 'outbox_dispatch'))
     LOOP
         RAISE NOTICE 'outbox_dispatch: % % of % was bound to an object outside pg_catalog; rebuilding it',
             object.kind, object.name, object.relation;
