@@ -256,7 +256,7 @@ impl Settings {
                 .unwrap_or_else(|| celery::KOMBU_SEPARATOR.to_string()),
         };
         let batch_size = BATCH_SIZE.get().max(1) as usize;
-        let batch_budget = batch_budget(broker.max_batch_bytes);
+        let batch_budget = batch_budget(broker.max_batch_bytes, MAX_PAYLOAD_BYTES.get().max(1) as usize);
         let longest = longest_push(&broker, batch_size, MAX_PAYLOAD_BYTES.get().max(1) as usize);
         let processing_timeout = seconds(&PROCESSING_TIMEOUT_S);
         Settings {
@@ -285,13 +285,20 @@ impl Settings {
 
 /// The most bytes of members' JSON (the size the routing trigger records)
 /// one batch of an accumulated subscription carries: its message, that JSON
-/// in base64 (4/3 of it) in an envelope, fits in one round trip of
-/// `outbox.max_batch_bytes`, and the batch stays far below jsonb's limit of
-/// 256 MB per value. A single larger member still goes, alone.
-fn batch_budget(max_batch_bytes: usize) -> i64 {
+/// in base64 (4/3 of it) in an envelope, is no larger than an event's may be
+/// (`outbox.max_payload_bytes`, so that `outbox.processing_timeout`'s floor
+/// still holds) and fits in one round trip of `outbox.max_batch_bytes`. A
+/// single larger member still goes, alone.
+fn batch_budget(max_batch_bytes: usize, max_payload_bytes: usize) -> i64 {
     const ENVELOPE: usize = 4096;
-    const MOST: usize = 128 << 20;
-    (max_batch_bytes.min(MOST).saturating_sub(ENVELOPE) / 4 * 3).max(1) as i64
+    let message = max_batch_bytes.min(message_bytes(max_payload_bytes));
+    (message.saturating_sub(ENVELOPE) / 4 * 3).max(1) as i64
+}
+
+/// The largest message an event of `max_payload_bytes` makes: the payload
+/// in base64 (4/3) plus the envelope.
+fn message_bytes(max_payload_bytes: usize) -> usize {
+    max_payload_bytes.saturating_mul(4) / 3 + 2048
 }
 
 /// The longest a claim may stay in processing while its dispatcher is
@@ -300,8 +307,7 @@ fn batch_budget(max_batch_bytes: usize) -> i64 {
 /// `outbox.processing_timeout` would let the sweeper hand a live claim to
 /// another dispatcher and send its events twice.
 fn longest_push(broker: &BrokerConfig, batch_size: usize, max_payload_bytes: usize) -> Duration {
-    // A message is the payload in base64 (4/3) plus the envelope.
-    let message = max_payload_bytes.saturating_mul(4) / 3 + 2048;
+    let message = message_bytes(max_payload_bytes);
     let round_trips = batch_size.saturating_mul(message).div_ceil(broker.max_batch_bytes.max(1));
     let seconds = broker.timeout.as_secs_f64() * (round_trips as f64 + 2.0);
     Duration::from_secs(seconds.ceil() as u64)

@@ -122,6 +122,30 @@ def test_no_wake_is_lost_across_pauses_reloads_and_brief_locks(redis_server):
         pg.close()
 
 
+def test_a_reload_during_a_push_takes_effect_before_the_backlog_is_drained(redis_server):
+    """A reload that comes while a push waits on Redis is performed there;
+    the drain then stops to apply it, as it stops for one it sees."""
+    pg = Cluster(redis_server.url, batch_size=500, redis_timeout="10s")
+    client = redis_server.client()
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.wait_idle()
+        pg.configure(enabled="off")
+        wait_until(lambda: pg.value("SELECT state FROM outbox.workers") == "paused", message="paused")
+        pg.sql("SELECT outbox_enqueue('backlog', '{}', queue => 'q_backlog') FROM generate_series(1, 60000)")
+        pg.configure(enabled="on")
+        wait_until(lambda: client.llen("q_backlog") > 0, message="the drain under way")
+        client.execute_command("CLIENT", "PAUSE", 2000, "WRITE")
+        pg.configure(enabled="off")
+        wait_until(lambda: pg.value("SELECT state FROM outbox.workers") == "paused", timeout=10,
+                   message="paused once the push held up by Redis ends")
+        sent = client.llen("q_backlog")
+        time.sleep(1)
+        assert client.llen("q_backlog") == sent < 60000, "the drain went on after the reload"
+    finally:
+        pg.close()
+
+
 def test_delayed_event_waits_for_available_at(outbox, redis_server):
     client = redis_server.client()
     event_id = outbox.value("SELECT outbox_enqueue('later', '{}', queue => 'q_delay', delay => '3 seconds')")
@@ -207,7 +231,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "accumulating.sql": ("", "", []),
         worker / "fail_batch.sql": ("(bigint, text, bigint)", "(1, 'x', 1048576)", [("batch_members_waiting_idx",)]),
         worker / "claim.sql": ("(int, int)", "(100, 0)", [("events_pending_idx",)]),
-        worker / "next_due.sql": ("", "", [("events_pending_idx",), ("batch_members_waiting_idx",)]),
+        worker / "next_due.sql": ("(bigint[])", "('{}')", [("events_pending_idx",), ("batch_members_waiting_idx",)]),
         worker / "release.sql": ("(uuid[], int, timestamptz)", "(NULL, 0, NULL)", [("events_processing_idx",)]),
         worker / "mark_dispatched.sql": ("(uuid[], int, timestamptz)", "(ARRAY[gen_random_uuid()], 0, now())",
                                          [by_id]),

@@ -5,6 +5,7 @@ prefixes, routing fixed at enqueue, accumulated batches by count and by
 time and across a crash, privileges and bad arguments."""
 
 import json
+import time
 from pathlib import Path
 
 import psycopg
@@ -252,6 +253,7 @@ def test_the_dispatchers_sleep_ends_at_the_next_batch_wait(subs):
     subs.configure(enabled="off")
     wait_until(lambda: subs.value("SELECT state FROM outbox.workers") == "paused", message="paused")
     next_due = (Path(__file__).resolve().parent.parent / "sql" / "worker" / "next_due.sql").read_text()
+    next_due = next_due.replace("$1::bigint[]", "'{}'::bigint[]")
     assert subs.value(next_due) is None
     subscribe(subs, "shop.idle", "loop.digest", batch_max=100, batch_wait="30 seconds")
     publish(subs, "shop.idle")
@@ -506,3 +508,56 @@ def test_code_a_superuser_runs_on_a_roles_behalf_cannot_end_anothers_subscriptio
     finally:
         subs.sql("DROP TABLE IF EXISTS public.sneaky; DROP FUNCTION IF EXISTS public.sneak(int); "
                  "DROP OWNED BY sub_mallory; DROP ROLE sub_mallory")
+
+
+SLOW_BATCHES = """
+CREATE OR REPLACE FUNCTION public.slow_batches() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.subscription_id = {sub} AND NEW.event_id IS NULL THEN
+        PERFORM pg_catalog.pg_sleep(30);
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER slow_batches BEFORE INSERT ON outbox.events FOR EACH ROW
+    EXECUTE FUNCTION public.slow_batches();
+"""
+
+
+def test_a_batch_slower_than_the_deadline_holds_up_only_its_subscription(subs, redis_server):
+    """Making the batch takes longer than the whole statement deadline: it
+    is cut at its share of it, backed off, and the claim goes on."""
+    subs.configure(statement_timeout="2s")
+    slow = subscribe(subs, "shop.slow", "loop.digest", batch_max=2)
+    subs.sql(SLOW_BATCHES.format(sub=slow))
+    try:
+        [publish(subs, "shop.slow", {"n": n}) for n in range(2)]
+        plain = [publish(subs, "shop.plain", {"n": n}, queue=PLAIN) for n in range(3)]
+        wait_until(lambda: {str(p) for p in plain} <= set(queued_ids(redis_server.client(), PLAIN)), timeout=30,
+                   message="plain events while a batch is too slow to make")
+        assert subs.value("SELECT waiting FROM outbox.subscriptions WHERE id = %s", (slow,)) == 2
+        assert subs.count("failed") == 0
+    finally:
+        subs.sql("DROP TRIGGER slow_batches ON outbox.events; DROP FUNCTION public.slow_batches()")
+    wait_deliveries(subs, "processed", 2, timeout=120)
+
+
+def test_a_backed_off_subscription_does_not_keep_the_dispatcher_busy(subs):
+    """While a subscription is left alone after a failed flush (a member
+    locked), the dispatcher sleeps until it is due, not in a loop."""
+    sub = subscribe(subs, "shop.held", "loop.digest", batch_max=10, batch_wait="1 second")
+    held = publish(subs, "shop.held")
+    with subs.connect(autocommit=False) as locker:
+        locker.execute("SELECT FROM outbox.batch_members WHERE event_id = %s FOR UPDATE", (held,))
+        time.sleep(3)  # past batch_wait: due, and failing
+
+        def commits():
+            subs.sql("SELECT pg_stat_clear_snapshot()")
+            return subs.value("SELECT xact_commit + xact_rollback FROM pg_stat_database "
+                              "WHERE datname = current_database()")
+
+        before = commits()
+        time.sleep(5)
+        assert commits() - before < 100, "the dispatcher spins"
+        assert subs.value("SELECT waiting FROM outbox.subscriptions WHERE id = %s", (sub,)) == 1
+        locker.rollback()
+    wait_deliveries(subs, "processed", 1, timeout=120)

@@ -2,7 +2,9 @@
 -- the dispatcher sleeps no longer: the earliest delayed event (served by
 -- events_pending_idx), and per accumulated subscription the batch_wait of
 -- its oldest member, or the moment a delayed member falls due (which may
--- make batch_max), or at once for an ended one (batch_members_waiting_idx).
+-- make batch_max), or at once for an ended one (batch_members_waiting_idx);
+-- not for the subscriptions in $1, whose last flush failed (the dispatcher
+-- knows when it tries them again).
 SELECT pg_catalog.date_part('epoch', LEAST(
     (SELECT pg_catalog.min(available_at)
        FROM outbox.events
@@ -23,5 +25,6 @@ SELECT pg_catalog.date_part('epoch', LEAST(
               WHERE m.subscription_id = s.id AND m.batch_id IS NULL AND m.available_at > pg_catalog.now()
               ORDER BY m.available_at
               LIMIT 1)) AS due(at)
-      WHERE s.batch_max IS NOT NULL)
+      WHERE s.batch_max IS NOT NULL
+        AND s.id <> ALL ($1::bigint[]))
 ) - pg_catalog.now())

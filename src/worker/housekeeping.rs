@@ -16,14 +16,18 @@ use crate::slots;
 /// Sweeper transactions per step.
 const BATCHES: usize = 10;
 
-/// How soon housekeeping whose statement failed is tried again; meanwhile
-/// the dispatcher goes on delivering.
+/// How soon housekeeping whose statement failed is tried again, doubling
+/// while it keeps failing (never later than its own interval); meanwhile the
+/// dispatcher goes on delivering.
 const RETRY: Duration = Duration::from_secs(10);
 
 /// When each kind of housekeeping falls due.
 pub struct Schedule {
     next_sweep: Instant,
     next_lifecycle: Instant,
+    /// Consecutive failures of each, for the retry's backoff.
+    sweep_failures: u32,
+    lifecycle_failures: u32,
     /// Where the purge round under way has got to.
     purge_cursor: PurgeCursor,
 }
@@ -34,6 +38,8 @@ impl Schedule {
         Schedule {
             next_sweep: Instant::now(),
             next_lifecycle: Instant::now(),
+            sweep_failures: 0,
+            lifecycle_failures: 0,
             purge_cursor: PurgeCursor::default(),
         }
     }
@@ -50,8 +56,10 @@ impl Schedule {
         self.next_sweep.min(self.next_lifecycle)
     }
 
-    /// Runs what has fallen due, unless another dispatcher has the turn. A
-    /// part whose statement fails is due again after [`RETRY`].
+    /// Runs what has fallen due, unless another dispatcher has the turn. The
+    /// sweepers and the purge fail on their own: each is tried again after
+    /// [`RETRY`], then later while it keeps failing; the first error is
+    /// returned.
     pub fn run_if_due(
         &mut self,
         dispatcher: usize,
@@ -66,50 +74,79 @@ impl Schedule {
         let Some(_turn) = slot.take_turn(slots::Turn::Housekeeping) else {
             return Ok(());
         };
+        let mut first_error = None;
         if now >= self.next_sweep {
-            self.next_sweep = now + RETRY;
-            let (rescued, more_stuck) = sweep_some(|| store.sweep_stuck(settings.processing_timeout))?;
-            counters::add(Counter::StuckRescued, rescued);
-            if rescued > 0 {
-                log!("outbox dispatcher {dispatcher}: {rescued} events stuck in processing returned to pending");
+            match sweep(dispatcher, store, settings) {
+                Ok(more) => {
+                    self.sweep_failures = 0;
+                    self.next_sweep = next(now, more, settings.sweep_interval);
+                }
+                Err(e) => {
+                    self.next_sweep = now + retry(&mut self.sweep_failures, settings.sweep_interval);
+                    first_error.get_or_insert(e);
+                }
             }
-            let mut failed = 0;
-            let (swept, more_unacked) = if settings.ack_timeout.is_zero() {
-                (0, false)
-            } else {
-                sweep_some(|| {
-                    let (resent, gave_up) =
-                        store.sweep_unacked(settings.ack_timeout, settings.max_redeliveries)?;
-                    failed += gave_up;
-                    Ok(resent + gave_up)
-                })?
-            };
-            let resent = swept - failed;
-            counters::add(Counter::UnackedResent, resent);
-            counters::add(Counter::UnackedFailed, failed);
-            if resent > 0 || failed > 0 {
-                log!(
-                    "outbox dispatcher {dispatcher}: {resent} unacknowledged events will be sent again, \
-                     {failed} failed after outbox.max_redeliveries re-sends"
-                );
-            }
-            self.next_sweep = next(now, more_stuck || more_unacked, settings.sweep_interval);
         }
         if now >= self.next_lifecycle {
-            self.next_lifecycle = now + RETRY;
             let acks_off = settings.ack_timeout.is_zero();
             let cursor = &mut self.purge_cursor;
-            let (purged, more) = sweep_some(|| store.purge(settings.retention, acks_off, cursor))?;
-            counters::add(Counter::Purged, purged);
-            if !more {
-                // The next round starts from the beginning: rows committed
-                // late with earlier times are found then.
-                self.purge_cursor = PurgeCursor::default();
+            match sweep_some(|| store.purge(settings.retention, acks_off, cursor)) {
+                Ok((purged, more)) => {
+                    counters::add(Counter::Purged, purged);
+                    if !more {
+                        // The next round starts from the beginning: rows
+                        // committed late with earlier times are found then.
+                        self.purge_cursor = PurgeCursor::default();
+                    }
+                    self.lifecycle_failures = 0;
+                    self.next_lifecycle = next(now, more, settings.lifecycle_interval);
+                }
+                Err(e) => {
+                    self.next_lifecycle =
+                        now + retry(&mut self.lifecycle_failures, settings.lifecycle_interval);
+                    first_error.get_or_insert(e);
+                }
             }
-            self.next_lifecycle = next(now, more, settings.lifecycle_interval);
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
+}
+
+/// The stuck and unacknowledged sweepers; returns whether work is left.
+fn sweep(dispatcher: usize, store: &mut Store, settings: &Settings) -> Result<bool, StoreError> {
+    let (rescued, more_stuck) = sweep_some(|| store.sweep_stuck(settings.processing_timeout))?;
+    counters::add(Counter::StuckRescued, rescued);
+    if rescued > 0 {
+        log!("outbox dispatcher {dispatcher}: {rescued} events stuck in processing returned to pending");
+    }
+    let mut failed = 0;
+    let (swept, more_unacked) = if settings.ack_timeout.is_zero() {
+        (0, false)
+    } else {
+        sweep_some(|| {
+            let (resent, gave_up) = store.sweep_unacked(settings.ack_timeout, settings.max_redeliveries)?;
+            failed += gave_up;
+            Ok(resent + gave_up)
+        })?
+    };
+    let resent = swept - failed;
+    counters::add(Counter::UnackedResent, resent);
+    counters::add(Counter::UnackedFailed, failed);
+    if resent > 0 || failed > 0 {
+        log!(
+            "outbox dispatcher {dispatcher}: {resent} unacknowledged events will be sent again, \
+             {failed} failed after outbox.max_redeliveries re-sends"
+        );
+    }
+    Ok(more_stuck || more_unacked)
+}
+
+/// The wait before a failed part runs again: [`RETRY`], doubling with each
+/// consecutive failure, at most `interval`.
+fn retry(failures: &mut u32, interval: Duration) -> Duration {
+    let wait = RETRY.saturating_mul(1 << (*failures).min(16)).min(interval.max(RETRY));
+    *failures = failures.saturating_add(1);
+    wait
 }
 
 /// Due again at once when work is left, else after the interval.

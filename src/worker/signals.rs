@@ -73,11 +73,14 @@ pub fn ignore_cancel() {
     unsafe { (&raw mut pg_sys::QueryCancelPending).write_volatile(0) };
 }
 
-/// A SIGTERM or a reload is waiting: a long piece of work stops early.
+/// A SIGTERM or a reload is waiting, or a reload was done (inside a broker
+/// wait) and the loop has not applied it yet: a long piece of work stops
+/// early.
 pub fn interrupt_pending() -> bool {
     // SAFETY: reads of flags the handlers set.
-    unsafe {
+    let signalled = unsafe {
         (&raw const pg_sys::ProcDiePending).read_volatile() != 0
             || (&raw const pg_sys::ConfigReloadPending).read_volatile() != 0
-    }
+    };
+    signalled || RELOADED.get()
 }

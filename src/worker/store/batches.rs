@@ -3,10 +3,12 @@
 //! that follows sends them.
 //!
 //! A batch that cannot be made costs a bounded effort and holds up nothing
-//! but its own subscription. The flush runs in a subtransaction: when it
-//! fails, each subscription is flushed alone, in a subtransaction of its
-//! own. One that fails for a reason that passes (a lock, a deadlock, memory)
-//! is left alone by this dispatcher for a while, longer each time. One that
+//! but its own subscription. The flush runs in a subtransaction, within a
+//! quarter of the transaction's deadline: when it fails, each subscription
+//! is flushed alone, in a subtransaction of its own, within another
+//! quarter. One that fails for a reason that passes (a lock, a deadlock,
+//! memory, running out of its time) is left alone by this dispatcher for a
+//! while, longer each time; the claim that follows has half the deadline. One that
 //! fails for a reason that would not pass (a batch over a limit, a
 //! constraint) has its members dead-lettered, each as a failed batch of
 //! one carrying the error (sql/worker/fail_batch.sql), which
@@ -18,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use pgrx::spi::{SpiClient, SpiError};
 
-use super::{report_running, subtransaction, Plans, SubtransactionError};
+use super::{report_running, subtransaction, time_left, within, Plans, SubtransactionError};
 use outbox_core::backoff;
 
 /// How long a subscription whose flush failed for a passing reason is left
@@ -47,7 +49,7 @@ pub struct Backoff {
 
 impl Backoff {
     /// The subscriptions still backed off; forgets the others.
-    fn current(&mut self) -> Vec<i64> {
+    pub(super) fn current(&mut self) -> Vec<i64> {
         let now = Instant::now();
         self.until.retain(|_, (until, _)| *until > now);
         self.until.keys().copied().collect()
@@ -73,12 +75,16 @@ pub(super) fn flush(
     backoff: &mut Backoff,
 ) -> Result<Flushed, SpiError> {
     let skipped = backoff.current();
+    let quarter = time_left() / 4;
     let mut flushed = Flushed::default();
-    let all = subtransaction(|| flush_some(client, plans, budget, &skipped, None));
+    let all = within(Instant::now() + quarter, || {
+        subtransaction(|| flush_some(client, plans, budget, &skipped, None))
+    });
     match all {
         Ok(subscriptions) => flushed.count(subscriptions),
         Err(_) => {
-            // Which subscription failed is not known: each alone.
+            // Which subscription failed is not known: each alone, while
+            // time is left; the others are tried again by the next claim.
             report_running(&plans.accumulating.text);
             let accumulated: Vec<i64> = client
                 .select(&plans.accumulating.plan, None, &[])?
@@ -88,8 +94,12 @@ pub(super) fn flush(
                 .flatten()
                 .filter(|id| !skipped.contains(id))
                 .collect();
+            let until = Instant::now() + quarter;
             for subscription in accumulated {
-                flushed.one(client, plans, budget, backoff, &skipped, subscription)?;
+                if Instant::now() >= until {
+                    break;
+                }
+                within(until, || flushed.one(client, plans, budget, backoff, &skipped, subscription))?;
             }
         }
     }

@@ -6,7 +6,7 @@
 //! tries again, it does not die of it.
 
 use std::ffi::CString;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{PgBuiltInOids, PgOid};
@@ -210,7 +210,7 @@ impl Plans {
             accumulating: prepare(include_str!("../../../sql/worker/accumulating.sql"), &[])?,
             fail_batch: prepare(include_str!("../../../sql/worker/fail_batch.sql"), &[INT8, TEXT, INT8])?,
             claim: prepare(include_str!("../../../sql/worker/claim.sql"), &[INT4, INT4])?,
-            next_due: prepare(include_str!("../../../sql/worker/next_due.sql"), &[])?,
+            next_due: prepare(include_str!("../../../sql/worker/next_due.sql"), &[INT8_ARRAY])?,
             mark_dispatched: prepare(
                 include_str!("../../../sql/worker/mark_dispatched.sql"),
                 &[UUID_ARRAY, INT4, TIMESTAMPTZ],
@@ -293,14 +293,18 @@ pub(super) fn transaction<R>(
         pg_sys::SetCurrentStatementStartTimestamp();
         pg_sys::StartTransactionCommand();
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
-        let ms = deadline.as_millis().clamp(1, i32::MAX as u128) as i32;
-        enable_timeout_after(STATEMENT_TIMEOUT, ms);
     }
+    let ends_at = Instant::now() + deadline;
+    ENDS_AT.set(Some(ends_at));
+    arm(ends_at);
     let result = PgTryBuilder::new(std::panic::AssertUnwindSafe(move || match body() {
         Ok(value) => {
-            // SAFETY: ends the transaction begun above.
+            // SAFETY: ends the transaction begun above. The deadline is
+            // disarmed first: a cancel during a synchronous commit's wait
+            // for a standby would return before the standby has it.
             unsafe {
                 pg_sys::PopActiveSnapshot();
+                disable_timeout(STATEMENT_TIMEOUT, false);
                 pg_sys::CommitTransactionCommand();
             }
             Ok(value)
@@ -329,11 +333,11 @@ pub(super) fn transaction<R>(
         Err(error)
     })
     .execute();
-    // SAFETY: disarms the timeout armed above (a no-op once it fired), then
-    // plain statistics and activity reporting.
+    // SAFETY: disarms the timeout armed above (a no-op once it fired).
     unsafe {
         disable_timeout(STATEMENT_TIMEOUT, false);
     }
+    ENDS_AT.set(None);
     super::signals::ignore_cancel();
     // SAFETY: plain statistics and activity reporting.
     unsafe {
@@ -343,11 +347,39 @@ pub(super) fn transaction<R>(
     result
 }
 
+thread_local! {
+    /// When the transaction under way must end: its statement deadline.
+    static ENDS_AT: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// Arms the statement deadline to fire at `at` (at once if it is past).
+fn arm(at: Instant) {
+    let ms = at.saturating_duration_since(Instant::now()).as_millis().clamp(1, i32::MAX as u128) as i32;
+    // SAFETY: PostgreSQL's own timeout; arming it again moves it.
+    unsafe { enable_timeout_after(STATEMENT_TIMEOUT, ms) };
+}
+
+/// The time left to the transaction under way.
+fn time_left() -> Duration {
+    ENDS_AT.get().map_or(Duration::ZERO, |at| at.saturating_duration_since(Instant::now()))
+}
+
+/// Runs `body` with the statement deadline at `until` (never later than
+/// the transaction's own), then puts the transaction's back.
+fn within<R>(until: Instant, body: impl FnOnce() -> R) -> R {
+    let ends = ENDS_AT.get().unwrap_or(until);
+    arm(until.min(ends));
+    let result = body();
+    arm(ends);
+    result
+}
+
 /// Why a subtransaction failed.
 #[derive(Debug)]
 enum SubtransactionError {
     /// A reason that may pass: a lock, a deadlock, a serialization failure,
-    /// resources (SQLSTATE classes 40 and 53, lock_not_available).
+    /// resources, the deadline it was given (SQLSTATE classes 40 and 53,
+    /// lock_not_available, query_canceled).
     Passing(String),
     /// One that would not: the same work would fail again.
     Lasting(String),
@@ -355,9 +387,9 @@ enum SubtransactionError {
 
 /// Runs `body` in a subtransaction of the current transaction, as a
 /// PL/pgSQL exception block does: an error PostgreSQL raises inside rolls
-/// back what `body` did, and the transaction goes on. A cancel (the
-/// statement deadline, a shutdown: SQLSTATE class 57) is raised again, for
-/// the whole transaction.
+/// back what `body` did, and the transaction goes on. An intervention other
+/// than a cancel (a shutdown: the rest of SQLSTATE class 57) is raised
+/// again, for the whole transaction.
 fn subtransaction<R>(body: impl FnOnce() -> Result<R, SpiError>) -> Result<R, SubtransactionError> {
     // SAFETY: PL/pgSQL's sequence, on the main thread inside a transaction:
     // the memory context and resource owner in use are restored after the
@@ -395,11 +427,16 @@ fn subtransaction<R>(body: impl FnOnce() -> Result<R, SpiError>) -> Result<R, Su
         };
         let code = report.sql_error_code();
         let class = sqlstate_class(code);
-        if class == *b"57" {
+        let cancelled = code == PgSqlErrorCode::ERRCODE_QUERY_CANCELED;
+        if class == *b"57" && !cancelled {
             caught.rethrow()
         }
         let message = report.message().to_string();
-        if class == *b"40" || class == *b"53" || code == PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE {
+        if cancelled
+            || class == *b"40"
+            || class == *b"53"
+            || code == PgSqlErrorCode::ERRCODE_LOCK_NOT_AVAILABLE
+        {
             Err(SubtransactionError::Passing(message))
         } else {
             Err(SubtransactionError::Lasting(message))
@@ -538,8 +575,9 @@ impl Store {
             }
             let next_due = if events.is_empty() {
                 report_running(&plans.next_due.text);
+                let skipped: [DatumWithOid; 1] = [backoff.current().into()];
                 let seconds: Option<f64> =
-                    client.select(&plans.next_due.plan, None, &[])?.first().get_one()?;
+                    client.select(&plans.next_due.plan, None, &skipped)?.first().get_one()?;
                 seconds.map(|s| Duration::from_secs_f64(s.max(0.0)))
             } else {
                 None
