@@ -12,7 +12,7 @@ import sqlalchemy
 from sqlalchemy.orm import Session
 
 from harness import decode, wait_until
-from outbox_dispatch import enqueue
+from outbox_dispatch import AutocommitError, enqueue, publish
 
 
 def psycopg_connection(pg):
@@ -83,6 +83,65 @@ def test_enqueue_joins_the_callers_transaction(outbox, redis_server, open_connec
     assert headers["tenant"] == "a" and headers["expires"].endswith("+00:00")
     assert outbox.value("SELECT expires_at - created_at BETWEEN '599s' AND '601s' FROM outbox.events WHERE id = %s",
                         (kept,))
+
+
+def psycopg_autocommit(pg):
+    conn = psycopg.connect(host=str(pg.dir), port=pg.port, user="postgres", dbname="postgres", autocommit=True)
+    return conn, conn.close
+
+
+def psycopg_cursor_autocommit(pg):
+    conn = psycopg.connect(host=str(pg.dir), port=pg.port, user="postgres", dbname="postgres", autocommit=True)
+    return conn.cursor(), conn.close
+
+
+def psycopg2_autocommit(pg):
+    conn = psycopg2.connect(host=str(pg.dir), port=pg.port, user="postgres", dbname="postgres")
+    conn.autocommit = True
+    return conn, conn.close
+
+
+def sqlalchemy_autocommit(pg):
+    engine = sqlalchemy.create_engine(f"postgresql+psycopg://postgres@/postgres?host={pg.dir}&port={pg.port}",
+                                      isolation_level="AUTOCOMMIT")
+    conn = engine.connect()
+    return conn, lambda: (conn.close(), engine.dispose())
+
+
+def sqlalchemy_session_autocommit(pg):
+    engine = sqlalchemy.create_engine(f"postgresql+psycopg://postgres@/postgres?host={pg.dir}&port={pg.port}",
+                                      isolation_level="AUTOCOMMIT")
+    session = Session(engine)
+    return session, lambda: (session.close(), engine.dispose())
+
+
+def django_autocommit(pg):
+    django_connection(pg)
+    from django.db import connection, transaction
+
+    transaction.set_autocommit(True)  # Django's default, outside atomic()
+    return connection, connection.close
+
+
+AUTOCOMMIT = [psycopg_autocommit, psycopg_cursor_autocommit, psycopg2_autocommit, sqlalchemy_autocommit,
+              sqlalchemy_session_autocommit, django_autocommit]
+
+
+@pytest.mark.parametrize("open_connection", AUTOCOMMIT, ids=lambda f: f.__name__)
+def test_a_connection_in_autocommit_is_refused_unless_meant(outbox, open_connection):
+    """enqueue() means the caller's transaction: on a connection that
+    commits each statement at once, it refuses, and inserts nothing."""
+    conn, close = open_connection(outbox)
+    try:
+        with pytest.raises(AutocommitError, match="enqueue: the connection is in autocommit mode"):
+            enqueue(conn, "shop.send_receipt", queue="q_autocommit")
+        with pytest.raises(AutocommitError, match="publish: the connection is in autocommit mode"):
+            publish(conn, "shop.ordered", queue="q_autocommit")
+        assert outbox.value("SELECT count(*) FROM outbox.events") == 0
+        meant = enqueue(conn, "shop.send_receipt", queue="q_autocommit", allow_autocommit=True)
+    finally:
+        close()
+    assert outbox.value("SELECT count(*) FROM outbox.events WHERE id = %s", (meant,)) == 1
 
 
 def test_outbox_enqueue_errors_reach_the_caller(outbox):

@@ -1,14 +1,16 @@
 """outbox_dispatch: the Python side of the outbox_dispatch PostgreSQL extension.
 
 - :func:`enqueue` puts a Celery task into ``outbox.events`` inside the
-  caller's transaction; the extension delivers it after COMMIT.
+  caller's transaction; the extension delivers it after COMMIT. A
+  connection in autocommit mode is refused (:class:`AutocommitError`)
+  unless the caller says it is meant.
 - :func:`publish` puts an event there for every task subscribed to its
   type (``outbox_subscribe()``), each delivered as a task of its own.
 - :mod:`outbox_dispatch.celery`, imported by a Celery app, reports the
   outcome of every task that came from the outbox back to the database.
 """
 
-from outbox_dispatch.producer import enqueue, publish
+from outbox_dispatch.producer import AutocommitError, enqueue, publish
 
-__all__ = ["enqueue", "publish"]
-__version__ = "0.3.0"
+__all__ = ["AutocommitError", "enqueue", "publish"]
+__version__ = "0.4.0"

@@ -44,6 +44,7 @@ def enqueue(
     priority: Optional[int] = None,
     headers: Optional[Mapping[str, Any]] = None,
     event_type: Optional[str] = None,
+    allow_autocommit: bool = False,
 ) -> uuid.UUID:
     """Enqueue ``task`` in the transaction of ``conn``; returns the event id,
     which is also the Celery task id.
@@ -60,10 +61,17 @@ def enqueue(
     message headers (``traceparent``, ``tracestate``); called inside a
     running Celery task, the new task's ``parent_id`` and ``root_id`` chain
     to it.
+
+    A connection in autocommit mode (psycopg's and psycopg2's
+    ``autocommit``, an SQLAlchemy ``AUTOCOMMIT`` connection, Django outside
+    ``transaction.atomic()``) would commit the event at once, whatever
+    becomes of the work it belongs to: :class:`AutocommitError`, unless
+    ``allow_autocommit=True`` says that is meant.
     """
     task_name = _task_name(task)
     return _send(conn, "enqueue", event_type or task_name, task_name, args, kwargs, queue=queue,
-                 countdown=countdown, eta=eta, expires=expires, priority=priority, headers=headers)
+                 countdown=countdown, eta=eta, expires=expires, priority=priority, headers=headers,
+                 allow_autocommit=allow_autocommit)
 
 
 def publish(
@@ -77,6 +85,7 @@ def publish(
     expires: Optional[Union[Seconds, dt.datetime]] = None,
     priority: Optional[int] = None,
     headers: Optional[Mapping[str, Any]] = None,
+    allow_autocommit: bool = False,
 ) -> uuid.UUID:
     """Publish ``event_type`` in the transaction of ``conn``, for every task
     subscribed to it (``outbox_subscribe()``); returns the event id.
@@ -92,7 +101,7 @@ def publish(
     if not isinstance(event_type, str) or not event_type:
         raise TypeError(f"publish: event_type must be a non-empty string, not {event_type!r}")
     return _send(conn, "publish", event_type, None, (), payload, queue=queue, countdown=countdown, eta=eta,
-                 expires=expires, priority=priority, headers=headers)
+                 expires=expires, priority=priority, headers=headers, allow_autocommit=allow_autocommit)
 
 
 def _send(
@@ -109,9 +118,17 @@ def _send(
     expires: Optional[Union[Seconds, dt.datetime]],
     priority: Optional[int],
     headers: Optional[Mapping[str, Any]],
+    allow_autocommit: bool,
 ) -> uuid.UUID:
     if countdown is not None and eta is not None:
         raise ValueError(f"{caller}: give countdown or eta, not both")
+    if not allow_autocommit and _in_autocommit(conn):
+        raise AutocommitError(
+            f"{caller}: the connection is in autocommit mode: the event would be committed at once, whatever "
+            "becomes of the work it belongs to. Call it inside a transaction (conn.transaction(), "
+            "transaction.atomic(), session.begin(), autocommit off), or pass allow_autocommit=True if that "
+            "is meant."
+        )
     now = dt.datetime.now(dt.timezone.utc)
     parameters: Tuple[Any, ...] = (
         event_type,
@@ -125,6 +142,28 @@ def _send(
         _dumps(list(args), "args", caller) if args else None,
     )
     return _run(conn, parameters, caller)
+
+
+class AutocommitError(RuntimeError):
+    """enqueue() or publish() on a connection that commits every statement
+    at once: the event would not be part of the caller's transaction."""
+
+
+def _in_autocommit(conn: Any) -> bool:
+    """Whether ``conn`` commits every statement by itself. Django's
+    connection (or cursor) says so outside ``atomic()``; SQLAlchemy's
+    connection or session, and psycopg's and psycopg2's connection or
+    cursor, by their driver connection's ``autocommit``."""
+    module = type(conn).__module__
+    if module.startswith("django"):
+        db = getattr(conn, "db", conn)  # a cursor wraps its connection
+        return bool(db.get_autocommit())
+    if module.startswith("sqlalchemy"):
+        connection = conn.connection() if hasattr(conn, "get_bind") else conn  # a Session's
+        return bool(getattr(connection.connection.dbapi_connection, "autocommit", False))
+    if hasattr(conn, "fetchone"):  # a DB-API cursor
+        conn = getattr(conn, "connection", conn)
+    return getattr(conn, "autocommit", False) is True
 
 
 def _task_name(task: Any) -> str:
