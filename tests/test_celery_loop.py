@@ -1,8 +1,9 @@
 """The closed loop with stock Celery 5 workers running outbox_dispatch.celery:
 every outcome (processed, failed in the task, unknown task, expired, worker
-process lost) reaches outbox.events, through Redis, in the prefork, threads
-and solo pools. Also enqueue()'s lineage and trace context, and the reports' edge
-cases (one that overtakes the dispatcher's own record, stale, malformed)."""
+process lost) reaches outbox.events, through Redis, in the prefork, threads,
+solo, gevent and eventlet pools. Also enqueue()'s lineage and trace
+context, and the reports' edge cases (one that overtakes the dispatcher's
+own record, forged, replayed, stale, malformed)."""
 
 import json
 import os
@@ -21,14 +22,14 @@ from harness import CeleryWorker, decode, queued_ids, wait_until
 from outbox_dispatch import enqueue, report
 
 REPORTS = "outbox_dispatch.reports"
-POOLS = ("prefork", "threads", "solo")
+POOLS = ("prefork", "threads", "solo", "gevent", "eventlet")
 
 
 @pytest.fixture(scope="module")
 def workers(redis_server):
-    """A prefork worker with two processes, a threads one with two threads
-    and a solo one, each on its own queue; the solo one traces with
-    OpenTelemetry."""
+    """A prefork worker with two processes, a threads one with two threads,
+    a solo one, and gevent and eventlet ones with four greenlets, each on
+    its own queue; the solo one traces with OpenTelemetry."""
     started = {
         "prefork": CeleryWorker(redis_server.url, queues=("loop_prefork",), app="loop_app",
                                 pool="prefork", concurrency=2),
@@ -36,6 +37,8 @@ def workers(redis_server):
                                 pool="threads", concurrency=2),
         "solo": CeleryWorker(redis_server.url, queues=("loop_solo",), app="loop_app",
                              env={"OUTBOX_TEST_OTEL": "1"}),
+        **{pool: CeleryWorker(redis_server.url, queues=(f"loop_{pool}",), app="loop_app", pool=pool,
+                              concurrency=4) for pool in ("gevent", "eventlet")},
     }
     try:
         for worker in started.values():
