@@ -243,6 +243,21 @@ SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, heade
 COMMENT ON VIEW outbox.dead_letters IS
     'Failed events with their last error: outbox.max_retries failed pushes, expired before delivery, never acknowledged after outbox.max_redeliveries re-sends, or failed in the Celery task. A delivery to a subscription has event_id and subscription_id; a batch, subscription_id alone.';
 
+-- Sent events a worker running outbox_dispatch.celery should have reported
+-- by now (outbox.report_timeout, while reports are on) and has not: the
+-- message was lost after the push (Redis restarted without persistence, a
+-- queue purged), no worker consumes the queue, or the worker does not
+-- import the companion. Served by events_dispatched_idx.
+CREATE VIEW outbox.unreported AS
+SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, e.dispatched_at,
+       pg_catalog.now() - e.dispatched_at AS waiting, e.deliveries AS sends, e.event_id, e.subscription_id
+  FROM outbox.events AS e
+ WHERE e.status = 'dispatched'
+   AND e.dispatched_at < pg_catalog.now() - @extschema@.outbox_report_timeout();
+
+COMMENT ON VIEW outbox.unreported IS
+    'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';
+
 -- Privileges. PostgreSQL lets PUBLIC execute every new function; here
 -- nobody but the owner may do anything until granted (README, "Privileges").
 -- outbox_uuid_v7() stays public: it is the id default of every insert path.
@@ -260,7 +275,7 @@ REVOKE ALL ON FUNCTION
 
 -- Monitoring: members of pg_monitor read the views that carry no payloads.
 GRANT USAGE ON SCHEMA outbox TO pg_monitor;
-GRANT SELECT ON outbox.status, outbox.workers, outbox.metrics TO pg_monitor;
+GRANT SELECT ON outbox.status, outbox.workers, outbox.metrics, outbox.unreported TO pg_monitor;
 GRANT EXECUTE ON FUNCTION
     @extschema@.outbox_workers(),
     @extschema@.outbox_metrics(),

@@ -26,6 +26,14 @@ fn outbox_max_payload_bytes() -> i32 {
     config::MAX_PAYLOAD_BYTES.get()
 }
 
+/// `outbox.report_timeout` while reports are on (`outbox.report_key`
+/// set); NULL while they are off or it is 0: the view `outbox.unreported`
+/// then lists nothing.
+#[pg_extern(stable, parallel_safe)]
+fn outbox_report_timeout() -> Option<Interval> {
+    config::report_timeout().map(|t| Interval::from_micros(t.as_micros().min(i64::MAX as u128) as i64))
+}
+
 /// Nudges the dispatchers now, and again when the current transaction
 /// commits (rows it changed are visible only then).
 #[pg_extern(volatile, parallel_unsafe)]

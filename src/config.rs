@@ -55,6 +55,7 @@ pub static REPORT_KEY: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_dispatch.reports"));
 pub static MAX_BATCH_BYTES_KB: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024);
 pub static STATEMENT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
+pub static REPORT_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
 
 const HOUR_MS: i32 = 3_600_000;
 const DAY_S: i32 = 86_400;
@@ -81,7 +82,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 33] = [
+const DECLARATIONS: [Declaration; 34] = [
     Declaration(c"outbox.workers", Postmaster, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
         c"Number of dispatcher background workers (each takes a max_worker_processes slot)."),
     Declaration(c"outbox.database", Sighup, NONE, Text(&DATABASE),
@@ -142,6 +143,8 @@ const DECLARATIONS: [Declaration; 33] = [
         c"Period of the broker PING while idle."),
     Declaration(c"outbox.report_key", Sighup, NONE, Text(&REPORT_KEY),
         c"Redis list Celery workers running outbox_dispatch.celery report outcomes to; empty: none asked for or read."),
+    Declaration(c"outbox.report_timeout", Sighup, NONE, Int(&REPORT_TIMEOUT_S, 0, 30 * DAY_S, S),
+        c"A dispatched event not reported by a worker within this is listed in outbox.unreported; 0: never."),
     Declaration(c"outbox.notify", Userset, NONE, Bool(&NOTIFY),
         c"Inserts into outbox.events also NOTIFY outbox.notify_channel (serializes commits on one lock)."),
     Declaration(c"outbox.notify_channel", Userset, NONE, Text(&NOTIFY_CHANNEL),
@@ -200,6 +203,13 @@ pub fn database() -> String {
 /// The number of dispatchers `outbox.workers` asks for.
 pub fn workers() -> usize {
     WORKERS.get().clamp(0, MAX_WORKERS as i32) as usize
+}
+
+/// How long a sent event may wait for its report before it counts as
+/// unreported; `None` while reports are off or the timeout is 0.
+pub fn report_timeout() -> Option<Duration> {
+    let timeout = seconds(&REPORT_TIMEOUT_S);
+    (!text(&REPORT_KEY).is_empty() && !timeout.is_zero()).then_some(timeout)
 }
 
 pub fn notify_channel() -> Option<CString> {

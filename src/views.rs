@@ -77,8 +77,30 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
         gauge("outbox_lag_seconds", "How long the oldest due pending event has waited."),
         vec![Sample::new("outbox_lag_seconds", lag)],
     ));
+    families.push((
+        gauge(
+            "outbox_events_unreported",
+            "Dispatched events no worker reported within outbox.report_timeout (counted up to 10001).",
+        ),
+        vec![Sample::new("outbox_events_unreported", unreported() as f64)],
+    ));
     families
 }
+
+/// The rows of `outbox.unreported`, counted up to [`UNREPORTED_CAP`] + 1:
+/// a scrape costs the same however many there are.
+fn unreported() -> i64 {
+    let query = format!(
+        "SELECT pg_catalog.count(*) FROM (SELECT FROM outbox.unreported LIMIT {}) AS u",
+        UNREPORTED_CAP + 1
+    );
+    Spi::get_one::<i64>(&query)
+        .unwrap_or_else(|e| error!("outbox metrics: cannot read outbox.unreported: {e}"))
+        .unwrap_or(0)
+}
+
+/// The most unreported events counted one by one.
+const UNREPORTED_CAP: i64 = 10_000;
 
 /// From `outbox.status`: the exact counts, the estimated ones, and the lag.
 /// Costs the same whatever the number of finished events.

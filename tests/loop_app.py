@@ -79,6 +79,14 @@ def fragile(self):
         time.sleep(120)
 
 
+@app.task(name="loop.doomed", bind=True)
+def doomed(self):
+    """Acknowledged early (Celery's default): waits for the test to kill the
+    process running it; the message is not given back."""
+    notes.rpush(f"ran:{self.request.id}", os.getpid())
+    time.sleep(120)
+
+
 @app.task(name="loop.spawn", bind=True)
 def spawn(self, dsn):
     """Enqueues loop.ok from inside a task, as an application would."""

@@ -121,6 +121,18 @@ def test_a_killed_worker_process_is_redelivered_and_processed_once(loop, redis_s
     assert loop.value("SELECT last_error FROM outbox.events WHERE id = %s", (event,)) is None
 
 
+def test_a_process_lost_without_acks_late_ends_failed_naming_it(loop, redis_server, workers):
+    """Acknowledged before it ran, a task whose process dies is gone: the
+    worker reports the loss (WorkerLostError), the event ends failed."""
+    with psycopg.connect(dsn(loop)) as conn:
+        event = enqueue(conn, "loop.doomed", queue="loop_prefork")
+    [pid] = wait_until(lambda: notes(redis_server, f"ran:{event}"), message="the run")
+    os.kill(pid, signal.SIGKILL)
+    status, error = wait_status(loop, event, "failed")
+    assert "WorkerLostError" in error, error
+    assert len(notes(redis_server, f"ran:{event}")) == 1
+
+
 def test_the_trace_continues_in_the_worker(loop, redis_server, workers):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -243,3 +255,23 @@ def test_reports_off_leaves_events_dispatched(loop, redis_server, workers):
     time.sleep(1)  # ten times the collector's poll: a report would have been recorded
     assert status_of(loop, event) == ("dispatched", None)
     assert redis_server.client().llen(REPORTS) == 0
+
+
+def test_events_no_worker_reports_are_listed_and_counted(loop, redis_server):
+    """Reports on: an event sent long enough ago and never reported (here:
+    no worker consumes its queue) is in outbox.unreported and counted;
+    with reports off, or the timeout 0, nothing is."""
+    loop.configure(report_timeout="1s")
+    with psycopg.connect(dsn(loop)) as conn:
+        lost = [enqueue(conn, "loop.ok", queue="loop_nobody") for _ in range(3)]
+        ran = enqueue(conn, "loop.ok", queue="loop_solo")
+    wait_status(loop, ran, "processed")
+    wait_until(lambda: loop.value("SELECT count(*) FROM outbox.unreported") == 3, timeout=30,
+               message="three unreported events")
+    assert sorted(r[0] for r in loop.sql("SELECT id FROM outbox.unreported")) == sorted(lost)
+    assert loop.metric("outbox_events_unreported") == 3
+    loop.configure(report_timeout="0")
+    wait_until(lambda: loop.value("SELECT count(*) FROM outbox.unreported") == 0, message="none with the timeout 0")
+    loop.configure(report_timeout="1s", report_key="")
+    wait_until(lambda: loop.value("SELECT count(*) FROM outbox.unreported") == 0, message="none with reports off")
+    assert loop.metric("outbox_events_unreported") == 0

@@ -101,6 +101,7 @@ def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
         "outbox_dispatch_latency_seconds": "histogram", "outbox_batch_size": "histogram",
         "outbox_workers_running": "gauge", "outbox_workers_connected": "gauge",
         "outbox_events": "gauge", "outbox_events_estimated": "gauge", "outbox_lag_seconds": "gauge",
+        "outbox_events_unreported": "gauge",
     }
     assert {name: f.type for name, f in families.items()} == expected
     assert all(f.documentation for f in families.values())

@@ -500,3 +500,22 @@ COMMENT ON FUNCTION @extschema@.outbox_subscription_end(oid, bigint) IS
     'outbox_unsubscribe() for role asking; the extension''s owner alone may call it.';
 COMMENT ON VIEW outbox.subscriptions IS
     'Subscriptions; waiting counts the events an accumulated one holds for its next batch; last_error says why its last batch could not be made.';
+
+-- Sent events not reported within outbox.report_timeout, and the function
+-- that tells it (NULL while reports are off).
+CREATE FUNCTION @extschema@."outbox_report_timeout"() RETURNS interval
+STRICT STABLE PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'outbox_report_timeout_wrapper';
+
+CREATE VIEW outbox.unreported AS
+SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, e.dispatched_at,
+       pg_catalog.now() - e.dispatched_at AS waiting, e.deliveries AS sends, e.event_id, e.subscription_id
+  FROM outbox.events AS e
+ WHERE e.status = 'dispatched'
+   AND e.dispatched_at < pg_catalog.now() - @extschema@.outbox_report_timeout();
+
+COMMENT ON VIEW outbox.unreported IS
+    'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';
+
+GRANT SELECT ON outbox.unreported TO pg_monitor;
