@@ -116,7 +116,7 @@ CREATE TABLE outbox.all_subscriptions (
     unsubscribed_at timestamptz,
     created_by      name NOT NULL,  -- the role that subscribed (README, "Privileges")
     -- Why the last batch of an accumulated subscription could not be made
-    -- (its members were dead-lettered, or it is being tried again).
+    -- for a reason that would not pass (its members were dead-lettered).
     last_error      text,
     last_error_at   timestamptz,
     CONSTRAINT all_subscriptions_batch CHECK (batch_max IS NOT NULL OR batch_wait IS NULL)
