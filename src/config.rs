@@ -11,8 +11,7 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use outbox_core::celery;
-use outbox_core::sink::BrokerConfig;
+use outbox_core::sink::{BrokerConfig, KOMBU_SEPARATOR};
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 
 /// Upper bound of `outbox.workers`: the dispatcher slots in shared memory.
@@ -263,7 +262,7 @@ impl Settings {
             priority_steps: text(&PRIORITY_STEPS),
             priority_separator: Some(text(&PRIORITY_SEPARATOR))
                 .filter(|s| !s.is_empty())
-                .unwrap_or_else(|| celery::KOMBU_SEPARATOR.to_string()),
+                .unwrap_or_else(|| KOMBU_SEPARATOR.to_string()),
         };
         let batch_size = BATCH_SIZE.get().max(1) as usize;
         let batch_budget = batch_budget(broker.max_batch_bytes, MAX_PAYLOAD_BYTES.get().max(1) as usize);

@@ -5,6 +5,7 @@
 //! thing falls due. SIGTERM (`die`) ends the process wherever it waits: on
 //! the latch, on the Redis socket (see `wait.rs`) or on a lock.
 
+mod broker;
 mod housekeeping;
 mod push;
 mod reports;
@@ -20,11 +21,11 @@ use pgrx::prelude::*;
 
 use outbox_core::backoff;
 use outbox_core::broker_url;
-use outbox_core::sink::{Persistence, Sink, SinkError};
 
 use crate::config::{self, Settings};
 use crate::counters::{self, Counter};
 use crate::slots::{self, State, WakeSource};
+use broker::Broker;
 use push::{Pushed, RetryPolicy};
 use store::{Claim, Outcome, Store, StoreError};
 
@@ -123,15 +124,10 @@ struct Dispatcher {
     slot: slots::Own,
     settings: Settings,
     store: Store,
-    sink: Result<Sink, SinkError>,
-    waiter: wait::Broker,
+    broker: Broker,
     origin: String,
     /// The last push's outcome, not yet recorded (a statement failed).
     unsettled: Outcome,
-    /// Consecutive failed connection attempts.
-    reconnect_attempt: u32,
-    /// No connection attempt before this.
-    next_connect: Option<Instant>,
     /// Claims left by an earlier life of this dispatcher were released.
     released_own: bool,
     /// The extension was found missing (and that was logged).
@@ -142,15 +138,8 @@ struct Dispatcher {
     store_attempt: u32,
     /// No statement before this, after a failed one.
     store_retry_at: Option<Instant>,
-    /// The broker's lack of persistence was logged.
-    persistence_warned: bool,
     housekeeping: housekeeping::Schedule,
     reports: reports::Collector,
-    /// When the broker was last found failing, until the next connect.
-    broker_lost_at: Option<Instant>,
-    /// The master the last connection reached, `host:port`.
-    last_master: Option<String>,
-    next_heartbeat: Instant,
 }
 
 impl Dispatcher {
@@ -158,25 +147,18 @@ impl Dispatcher {
         Dispatcher {
             index,
             slot,
-            sink: Sink::new(&settings.broker),
-            waiter: wait::Broker { config: settings.broker.clone() },
+            broker: Broker::new(index, &settings.broker),
             store: Store::new(index, settings.statement_timeout),
             settings,
             origin: setup::origin(),
             unsettled: Outcome::default(),
-            reconnect_attempt: 0,
-            next_connect: None,
             released_own: false,
             extension_missing: false,
             store_failing: None,
             store_attempt: 0,
             store_retry_at: None,
-            persistence_warned: false,
             housekeeping: housekeeping::Schedule::new(),
             reports: reports::Collector::new(),
-            broker_lost_at: None,
-            last_master: None,
-            next_heartbeat: Instant::now(),
         }
     }
 
@@ -258,17 +240,12 @@ impl Dispatcher {
             return;
         }
         if settings.broker != self.settings.broker {
-            self.sink = Sink::new(&settings.broker);
-            self.waiter.config = settings.broker.clone();
-            self.slot.set_connected(false);
-            self.reconnect_attempt = 0;
-            self.next_connect = None;
+            self.broker.replace(&settings.broker, &self.slot);
         }
         self.store.set_statement_timeout(settings.statement_timeout);
         self.settings = settings;
-        let now = Instant::now();
         self.housekeeping.reschedule(&self.settings);
-        self.next_heartbeat = self.next_heartbeat.min(now + self.settings.heartbeat_interval);
+        self.broker.reschedule(&self.settings);
         log!("outbox dispatcher {} reloaded its settings", self.index);
         self.log_start();
     }
@@ -285,7 +262,7 @@ impl Dispatcher {
         // cut it short (a persistent failure would be retried at the rate
         // of commits).
         let now = Instant::now();
-        let connect_at = self.next_connect.filter(|_| !self.connected());
+        let connect_at = self.broker.reconnect_at();
         if let Some(at) = [self.store_retry_at, connect_at].into_iter().flatten().filter(|at| *at > now).max()
         {
             return at - now;
@@ -296,13 +273,13 @@ impl Dispatcher {
         {
             self.show_store_error(&e);
         }
-        if !self.connected() {
+        if !self.broker.connected() {
             match self.store.extension_exists() {
                 Err(e) => return self.store_failed(&e),
                 Ok(false) => return self.wait_for_extension(),
                 Ok(true) => {}
             }
-            if let Some(wait) = self.connect() {
+            if let Some(wait) = self.broker.connect(&self.slot, &self.settings) {
                 return wait;
             }
         }
@@ -317,7 +294,7 @@ impl Dispatcher {
             }
             self.released_own = true;
         }
-        if let Some(wait) = self.heartbeat_if_due() {
+        if let Some(wait) = self.broker.heartbeat_if_due(&self.slot, &self.settings) {
             return wait;
         }
         let nap = self.drain();
@@ -326,7 +303,7 @@ impl Dispatcher {
         }
         let now = Instant::now();
         let reports_due = self.settings.report_key.as_ref().map(|_| self.reports.next_due());
-        [Some(self.housekeeping.next_due()), Some(self.next_heartbeat), reports_due]
+        [Some(self.housekeeping.next_due()), Some(self.broker.next_heartbeat()), reports_due]
             .into_iter()
             .flatten()
             .map(|at| at.saturating_duration_since(now))
@@ -337,12 +314,12 @@ impl Dispatcher {
     /// the wait when the broker or a statement failed.
     fn collect_reports(&mut self) -> Option<Duration> {
         let key = self.settings.report_key.as_deref()?;
-        let sink = self.sink.as_mut().ok().filter(|sink| sink.is_connected())?;
+        let (sink, waiter) = self.broker.session().filter(|(sink, _)| sink.is_connected())?;
         let collected =
-            self.reports.collect_if_due(self.index, key, &self.slot, &mut self.store, sink, &mut self.waiter);
+            self.reports.collect_if_due(self.index, key, &self.slot, &mut self.store, sink, waiter);
         match collected {
             Ok(()) => None,
-            Err(reports::CollectError::Broker(e)) => Some(self.broker_failed(&e)),
+            Err(reports::CollectError::Broker(e)) => Some(self.broker.failed(&e, &self.slot, &self.settings)),
             Err(reports::CollectError::Store(e)) => Some(self.store_failed(&e)),
         }
     }
@@ -389,25 +366,6 @@ impl Dispatcher {
         }
     }
 
-    /// PINGs the broker when a heartbeat is due; returns the reconnect wait
-    /// when it failed.
-    fn heartbeat_if_due(&mut self) -> Option<Duration> {
-        let now = Instant::now();
-        if now < self.next_heartbeat {
-            return None;
-        }
-        self.next_heartbeat = now + self.settings.heartbeat_interval;
-        store::report_running(c"outbox: PING to Redis");
-        let sink = self.sink.as_mut().expect("connected before the heartbeat");
-        match sink.ping(&mut self.waiter) {
-            Ok(()) => {
-                self.broker_answered();
-                None
-            }
-            Err(e) => Some(self.broker_failed(&e)),
-        }
-    }
-
     /// Notes (and logs, once) that the extension is not created; returns
     /// the sleep. `CREATE EXTENSION` wakes the dispatchers when it commits.
     fn wait_for_extension(&mut self) -> Duration {
@@ -422,109 +380,6 @@ impl Dispatcher {
         }
         self.slot.set_state(State::WaitingForExtension);
         self.settings.poll_interval
-    }
-
-    fn connected(&self) -> bool {
-        self.sink.as_ref().is_ok_and(Sink::is_connected)
-    }
-
-    /// Connects when the backoff allows; returns the wait when it did not.
-    fn connect(&mut self) -> Option<Duration> {
-        let now = Instant::now();
-        if let Some(at) = self.next_connect.filter(|at| *at > now) {
-            return Some(at - now);
-        }
-        store::report_running(c"outbox: connecting to Redis");
-        let result = match &mut self.sink {
-            Ok(sink) => sink.connect(&mut self.waiter),
-            Err(e) => Err(e.clone()),
-        };
-        match result {
-            Ok(persistence) => {
-                let url = self.sink.as_ref().map_or("", Sink::display_url).to_string();
-                let master = self.sink.as_ref().ok().and_then(Sink::master).map(str::to_string);
-                let paused = self.broker_lost_at.take().map(|at| at.elapsed());
-                if let Some(paused) = paused {
-                    counters::broker_unavailable(paused);
-                    log!(
-                        "outbox dispatcher {} reconnected to Redis at {url} (master {}) after {:.1}s",
-                        self.index,
-                        master.as_deref().unwrap_or("?"),
-                        paused.as_secs_f64()
-                    );
-                }
-                if let (Some(before), Some(now)) = (&self.last_master, &master) {
-                    if before != now {
-                        counters::add(Counter::MasterChanges, 1);
-                        log!(
-                            "outbox dispatcher {}: the Redis master moved from {before} to {now}",
-                            self.index
-                        );
-                    }
-                }
-                self.last_master = master;
-                self.note_persistence(persistence, &url);
-                self.reconnect_attempt = 0;
-                self.next_connect = None;
-                self.slot.set_connected(true);
-                self.broker_answered();
-                self.slot.set_error(None);
-                None
-            }
-            Err(e) => Some(self.broker_failed(&e)),
-        }
-    }
-
-    /// Shows how the broker keeps messages, and warns once when it keeps
-    /// them only in memory: "nothing lost" then ends at a Redis restart.
-    fn note_persistence(&mut self, persistence: Persistence, url: &str) {
-        self.slot.set_persistence(persistence);
-        if persistence == Persistence::None && !std::mem::replace(&mut self.persistence_warned, true) {
-            warning!(
-                "outbox dispatcher {}: Redis at {url} persists nothing (no RDB snapshots, no AOF): \
-                 messages in its lists are lost if it restarts",
-                self.index
-            );
-        }
-    }
-
-    /// The broker just answered: that is as good as a heartbeat.
-    fn broker_answered(&mut self) {
-        self.slot.heartbeat();
-        self.next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
-    }
-
-    /// Records a broker failure; returns the delay before the next attempt.
-    /// An interrupted operation (a reload changed the broker) is no failure:
-    /// the connection is dropped and the loop goes on at once.
-    fn broker_failed(&mut self, error: &SinkError) -> Duration {
-        if let Ok(sink) = &mut self.sink {
-            sink.disconnect();
-        }
-        self.slot.set_connected(false);
-        if *error == SinkError::Interrupted {
-            return Duration::ZERO;
-        }
-        self.broker_lost_at.get_or_insert_with(Instant::now);
-        let s = &self.settings;
-        let delay = backoff::reconnect_delay(
-            s.reconnect_delay_min,
-            s.reconnect_delay_max,
-            self.reconnect_attempt,
-            backoff::random_unit(),
-        );
-        self.reconnect_attempt = self.reconnect_attempt.saturating_add(1);
-        self.next_connect = Some(Instant::now() + delay);
-        counters::reconnect(error);
-        self.slot.set_state(State::Reconnecting);
-        self.slot.set_error(Some(&error.to_string()));
-        log!(
-            "outbox dispatcher {}: {error} (reason {}); reconnecting in {:.1}s",
-            self.index,
-            error.reason().name(),
-            delay.as_secs_f64()
-        );
-        delay
     }
 
     /// Claims, pushes and marks batches until the queue is empty; returns how
@@ -569,21 +424,21 @@ impl Dispatcher {
             }
             self.slot.set_state(State::Draining);
             store::report_running(c"outbox: pushing a batch to Redis");
-            let sink = self.sink.as_mut().expect("connected before draining");
+            let (sink, waiter) = self.broker.session().expect("connected before draining");
             let envelope = push::Envelope {
                 origin: &self.origin,
                 report_to: self.settings.report_key.as_deref().unwrap_or(""),
             };
             let Pushed { outcome, failure } =
-                push::push(sink, &mut self.waiter, &events, claimed_at, &envelope, &policy);
+                push::push(sink, waiter, &events, claimed_at, &envelope, &policy);
             self.slot.add_dispatched(outcome.dispatched.len() as u64);
             if !outcome.dispatched.is_empty() {
-                self.broker_answered();
+                self.broker.answered(&self.slot, &self.settings);
             }
             self.unsettled = outcome;
             if let Some(failure) = failure {
                 self.settle();
-                return self.broker_failed(&failure);
+                return self.broker.failed(&failure, &self.slot, &self.settings);
             }
             // Under sustained load the drain may not end for a while:
             // reports are collected as it goes.

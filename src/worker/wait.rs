@@ -55,13 +55,13 @@ fn latch(socket: Option<(RawFd, Interest)>, timeout: Duration) -> i32 {
 }
 
 /// The [`Wait`] of broker operations.
-pub struct Broker {
+pub struct Waiter {
     /// The broker settings the operation runs with: a reload that changes
     /// them abandons it.
     pub config: BrokerConfig,
 }
 
-impl Wait for Broker {
+impl Wait for Waiter {
     fn wait(&mut self, socket: Option<(RawFd, Interest)>, deadline: Instant) -> Result<(), Interrupted> {
         let left = deadline.saturating_duration_since(Instant::now());
         let timeout = if socket.is_some() { left } else { left.min(NAP) };
@@ -79,7 +79,7 @@ impl Wait for Broker {
     }
 }
 
-impl Broker {
+impl Waiter {
     /// Performs a pending reload; the operation is abandoned when it
     /// changed the broker's settings.
     fn reload(&self) -> Result<(), Interrupted> {

@@ -12,141 +12,27 @@
 //! round trip ends with a WAIT: messages count as delivered only once that
 //! many replicas have them, so a failover cannot lose them.
 
-use std::fmt;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+mod errors;
+mod keys;
+mod plan;
+mod secrets;
+mod sentinel;
+mod tls;
+
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::CertificateDer;
-
 use crate::broker_url::{self, BrokerUrl, Endpoints};
-use crate::celery::Keys;
-use crate::link::{Link, LinkError, Wait};
+use crate::link::{Link, Wait};
 use crate::report;
 use crate::resp::{self, Reply};
 
-crate::named! {
-    /// Error replies that describe the server, not the message; the name is
-    /// the reply's kind (its first word) in lower case. A push refused with
-    /// one of these goes back to pending without spending a retry.
-    pub enum Condition {
-        Oom = "oom",
-        ReadOnly = "readonly",
-        MasterDown = "masterdown",
-        Loading = "loading",
-        Busy = "busy",
-        Misconf = "misconf",
-        NoAuth = "noauth",
-        NoPerm = "noperm",
-        TryAgain = "tryagain",
-        ClusterDown = "clusterdown",
-        /// Fewer replicas than `outbox.redis_wait_replicas` confirmed.
-        NoReplicas = "noreplicas",
-    }
-}
-
-impl Condition {
-    /// The server condition an error reply reports, if it reports one. Any
-    /// other error (WRONGTYPE, or a kind this list does not know) is the
-    /// message's own: it spends one of the event's retries.
-    pub fn of(error: &str) -> Option<Condition> {
-        let kind = error.split_whitespace().next().unwrap_or("");
-        Condition::ALL.into_iter().find(|c| c.name().eq_ignore_ascii_case(kind))
-    }
-}
-
-crate::named! {
-    /// Why the broker could not be used, as logs and metric labels say it.
-    pub enum Reason {
-        InvalidConfig = "invalid_config",
-        ConnectFailed = "connect_failed",
-        Timeout = "timeout",
-        ConnectionLost = "connection_lost",
-        Refused = "refused",
-        Failover = "failover",
-        Interrupted = "interrupted",
-    }
-}
-
-/// Why the broker could not be used. Whatever was in flight is not the
-/// events' fault: it goes back to pending without spending retries.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SinkError {
-    /// `outbox.redis_url` does not parse, or a file it needs cannot be used.
-    InvalidConfig(String),
-    /// Connecting, TLS or authenticating failed.
-    Connect(String),
-    /// The broker did not answer within the timeout.
-    Timeout,
-    /// An established connection broke.
-    ConnectionLost(String),
-    /// The server answered with a condition of its own (OOM, READONLY, …),
-    /// and the reply.
-    Refused(Condition, String),
-    /// The sentinels' master is one no longer (READONLY), or not yet (ROLE).
-    Failover(String),
-    /// The caller's wait gave up (a signal): the outcome is unknown.
-    Interrupted,
-}
-
-impl SinkError {
-    pub fn reason(&self) -> Reason {
-        match self {
-            SinkError::InvalidConfig(_) => Reason::InvalidConfig,
-            SinkError::Connect(_) => Reason::ConnectFailed,
-            SinkError::Timeout => Reason::Timeout,
-            SinkError::ConnectionLost(_) => Reason::ConnectionLost,
-            SinkError::Refused(..) => Reason::Refused,
-            SinkError::Failover(_) => Reason::Failover,
-            SinkError::Interrupted => Reason::Interrupted,
-        }
-    }
-
-    fn from_link(error: LinkError, connected: bool) -> SinkError {
-        match error {
-            LinkError::Timeout => SinkError::Timeout,
-            LinkError::Interrupted => SinkError::Interrupted,
-            e if connected => SinkError::ConnectionLost(link_message(&e)),
-            e => SinkError::Connect(link_message(&e)),
-        }
-    }
-
-    /// An error reply to a command that must succeed.
-    fn from_reply(error: &str, connected: bool) -> SinkError {
-        match Condition::of(error) {
-            Some(condition) => SinkError::Refused(condition, error.to_string()),
-            None if connected => SinkError::ConnectionLost(format!("unexpected reply: {error}")),
-            None => SinkError::Connect(error.to_string()),
-        }
-    }
-}
-
-fn link_message(error: &LinkError) -> String {
-    match error {
-        LinkError::Timeout => "timed out".into(),
-        LinkError::Interrupted => "interrupted".into(),
-        LinkError::Resolve(e) | LinkError::Io(e) => e.clone(),
-        LinkError::Tls(e) => format!("TLS: {e}"),
-        LinkError::Protocol(e) => e.to_string(),
-    }
-}
-
-impl fmt::Display for SinkError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SinkError::InvalidConfig(e) => write!(f, "{e}"),
-            SinkError::Connect(e) => write!(f, "cannot connect to Redis: {e}"),
-            SinkError::Timeout => write!(f, "Redis did not answer within outbox.redis_timeout"),
-            SinkError::ConnectionLost(e) => write!(f, "lost the Redis connection: {e}"),
-            SinkError::Refused(_, e) => write!(f, "Redis refused the push for a reason of its own: {e}"),
-            SinkError::Failover(e) => write!(f, "the Redis master changed (failover): {e}"),
-            SinkError::Interrupted => write!(f, "the Redis operation was interrupted"),
-        }
-    }
-}
-
-impl std::error::Error for SinkError {}
+pub use errors::{Condition, Reason, SinkError};
+pub use keys::{Keys, KOMBU_PRIORITY_STEPS, KOMBU_SEPARATOR};
+use plan::{plan_round_trips, RoundTrip};
+use secrets::password_from_file;
+use sentinel::ask_sentinels;
+use tls::tls_config;
 
 /// Where the broker is and how to reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -194,8 +80,8 @@ impl BrokerConfig {
             sentinel_password_file: None,
             wait_replicas: 0,
             key_prefix: String::new(),
-            priority_steps: crate::celery::KOMBU_PRIORITY_STEPS.into(),
-            priority_separator: crate::celery::KOMBU_SEPARATOR.into(),
+            priority_steps: KOMBU_PRIORITY_STEPS.into(),
+            priority_separator: KOMBU_SEPARATOR.into(),
         }
     }
 }
@@ -593,165 +479,6 @@ impl Sink {
     }
 }
 
-/// One LPUSH: messages `messages` of batch `batch`.
-#[derive(Debug, PartialEq, Eq)]
-struct Command {
-    batch: usize,
-    messages: std::ops::Range<usize>,
-}
-
-/// Commands sent together and answered together.
-#[derive(Debug, Default)]
-struct RoundTrip {
-    commands: Vec<Command>,
-    bytes: usize,
-}
-
-/// Bytes of an LPUSH besides its values: the array header, the command
-/// name, and the key's length prefix.
-const COMMAND_OVERHEAD: usize = 32;
-
-/// Cuts `batches` into round trips of about `budget` bytes of commands at
-/// most, keeping each list's messages in order. A message larger than the
-/// budget travels alone.
-fn plan_round_trips(batches: &[KeyBatch], budget: usize) -> Vec<RoundTrip> {
-    let mut trips = vec![RoundTrip::default()];
-    for (b, batch) in batches.iter().enumerate() {
-        let size = |i: usize| resp::bulk_len(batch.messages[i].len());
-        let overhead = COMMAND_OVERHEAD + batch.key.len();
-        let mut start = 0;
-        while start < batch.messages.len() {
-            let mut bytes = overhead + size(start);
-            let full = trips.last().is_some_and(|t| !t.commands.is_empty() && t.bytes + bytes > budget);
-            if full {
-                trips.push(RoundTrip::default());
-            }
-            let trip = trips.last_mut().expect("never empty");
-            let mut end = start + 1;
-            while end < batch.messages.len() && trip.bytes + bytes + size(end) <= budget {
-                bytes += size(end);
-                end += 1;
-            }
-            trip.commands.push(Command { batch: b, messages: start..end });
-            trip.bytes += bytes;
-            start = end;
-        }
-    }
-    trips.retain(|t| !t.commands.is_empty());
-    trips
-}
-
-/// Asks each sentinel in turn where the master is, each within its share of
-/// the deadline; the first that answers moves to the front, as redis-py's
-/// Sentinel does.
-fn ask_sentinels(
-    sentinels: &mut [(String, u16)],
-    config: &BrokerConfig,
-    waiter: &mut dyn Wait,
-    deadline: Instant,
-) -> Result<(String, u16), SinkError> {
-    let password = match &config.sentinel_password_file {
-        Some(path) => Some(password_from_file("outbox.redis_sentinel_password_file", path)?),
-        None => None,
-    };
-    let mut failures = Vec::new();
-    for i in 0..sentinels.len() {
-        let now = Instant::now();
-        let share = deadline.saturating_duration_since(now) / (sentinels.len() - i) as u32;
-        let (host, port) = &sentinels[i];
-        match ask_sentinel(host, *port, password.as_deref(), &config.sentinel_master, waiter, now + share) {
-            Ok(master) => {
-                sentinels[..=i].rotate_right(1);
-                return Ok(master);
-            }
-            Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
-            Err(e) => failures.push(format!("{host}:{port}: {e}")),
-        }
-    }
-    Err(SinkError::Connect(format!("no sentinel named the master: {}", failures.join("; "))))
-}
-
-fn ask_sentinel(
-    host: &str,
-    port: u16,
-    password: Option<&str>,
-    master: &str,
-    waiter: &mut dyn Wait,
-    deadline: Instant,
-) -> Result<(String, u16), SinkError> {
-    let mut link =
-        Link::connect(host, port, None, waiter, deadline).map_err(|e| SinkError::from_link(e, false))?;
-    let mut commands = Vec::new();
-    if let Some(password) = password {
-        resp::command(&mut commands, &["AUTH", password]);
-    }
-    resp::command(&mut commands, &["SENTINEL", "get-master-addr-by-name", master]);
-    let mut replies = link
-        .round_trip(&commands, 1 + usize::from(password.is_some()), waiter, deadline)
-        .map_err(|e| SinkError::from_link(e, false))?;
-    match replies.pop() {
-        Some(Reply::Array(Some(address))) if address.len() == 2 => {
-            let host = address[0].text().unwrap_or_default();
-            let port = address[1].text().and_then(|p| p.parse().ok());
-            port.map(|port| (host, port))
-                .ok_or_else(|| SinkError::Connect(format!("odd address {address:?}")))
-        }
-        Some(Reply::Array(None)) | Some(Reply::Bulk(None)) => {
-            Err(SinkError::Connect(format!("knows no master named \"{master}\"")))
-        }
-        Some(Reply::Error(e)) => Err(SinkError::Connect(e)),
-        other => Err(SinkError::Connect(format!("unexpected reply {other:?}"))),
-    }
-}
-
-fn read_setting_file(setting: &str, path: &Path) -> Result<Vec<u8>, SinkError> {
-    std::fs::read(path)
-        .map_err(|e| SinkError::InvalidConfig(format!("cannot read {setting} {}: {e}", path.display())))
-}
-
-fn password_from_file(setting: &str, path: &Path) -> Result<String, SinkError> {
-    let text = read_setting_file(setting, path)?;
-    let text = String::from_utf8_lossy(&text);
-    Ok(text.lines().next().unwrap_or("").to_string())
-}
-
-/// The TLS client configuration: the CA file's authorities, or the system's.
-fn tls_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, SinkError> {
-    let mut roots = rustls::RootCertStore::empty();
-    match ca_file {
-        Some(path) => {
-            let unusable = |e: String| {
-                SinkError::InvalidConfig(format!("unusable outbox.redis_tls_ca_file {}: {e}", path.display()))
-            };
-            let pem = read_setting_file("outbox.redis_tls_ca_file", path)?;
-            for certificate in CertificateDer::pem_slice_iter(&pem) {
-                roots
-                    .add(certificate.map_err(|e| unusable(e.to_string()))?)
-                    .map_err(|e| unusable(e.to_string()))?;
-            }
-            if roots.is_empty() {
-                return Err(unusable("no certificate in it".into()));
-            }
-        }
-        None => {
-            let (added, _) = roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-            if added == 0 {
-                return Err(SinkError::InvalidConfig(
-                    "no system certificate authorities found for rediss://; set outbox.redis_tls_ca_file"
-                        .into(),
-                ));
-            }
-        }
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| SinkError::InvalidConfig(e.to_string()))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(Arc::new(config))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -761,59 +488,8 @@ mod tests {
         BrokerConfig::plain(url, Duration::from_secs(1), 1 << 20)
     }
 
-    #[test]
-    fn server_conditions_are_told_from_message_errors() {
-        let of = |e| Condition::of(e).map(Condition::name);
-        assert_eq!(of("OOM command not allowed when used memory > 'maxmemory'."), Some("oom"));
-        assert_eq!(of("READONLY You can't write against a read only replica."), Some("readonly"));
-        assert_eq!(of("NOPERM this user has no permissions"), Some("noperm"));
-        assert_eq!(of("WRONGTYPE Operation against a key holding the wrong kind of value"), None);
-        assert_eq!(of("ERR something new"), None);
-        assert_eq!(of(""), None);
-    }
-
-    #[test]
-    fn every_reason_is_listed() {
-        let errors = [
-            SinkError::InvalidConfig(String::new()),
-            SinkError::Connect(String::new()),
-            SinkError::Timeout,
-            SinkError::ConnectionLost(String::new()),
-            SinkError::Refused(Condition::Oom, String::new()),
-            SinkError::Failover(String::new()),
-            SinkError::Interrupted,
-        ];
-        let reasons: Vec<_> = errors.iter().map(SinkError::reason).collect();
-        assert_eq!(reasons, Reason::ALL);
-    }
-
     fn batch(key: &str, sizes: &[usize]) -> KeyBatch {
         KeyBatch { key: key.into(), messages: sizes.iter().map(|n| "m".repeat(*n)).collect() }
-    }
-
-    #[test]
-    fn round_trips_respect_the_budget_and_keep_the_order() {
-        let batches = [batch("a", &[400, 400, 400]), batch("b", &[100, 2000, 100])];
-        let trips = plan_round_trips(&batches, 1000);
-        let plan: Vec<Vec<(usize, std::ops::Range<usize>)>> = trips
-            .iter()
-            .map(|t| t.commands.iter().map(|c| (c.batch, c.messages.clone())).collect())
-            .collect();
-        assert_eq!(
-            plan,
-            vec![
-                vec![(0, 0..2)],
-                vec![(0, 2..3), (1, 0..1)],
-                vec![(1, 1..2)], // larger than the budget: alone
-                vec![(1, 2..3)],
-            ]
-        );
-        for trip in &trips[..2] {
-            assert!(trip.bytes <= 1000, "{}", trip.bytes);
-        }
-        let all = plan_round_trips(&batches, usize::MAX);
-        assert_eq!(all.len(), 1);
-        assert_eq!(all[0].commands.len(), 2);
     }
 
     #[test]

@@ -1,0 +1,204 @@
+//! The dispatcher's broker: the connection, made again with a backoff
+//! after a failure, proved by a PING when a heartbeat falls due, and shown
+//! in the slot (connected, last heartbeat, persistence, last error).
+
+use std::time::{Duration, Instant};
+
+use pgrx::prelude::*;
+
+use outbox_core::backoff;
+use outbox_core::sink::{BrokerConfig, Persistence, Sink, SinkError};
+
+use super::store;
+use super::wait::Waiter;
+use crate::config::Settings;
+use crate::counters::{self, Counter};
+use crate::slots::{self, State};
+
+pub struct Broker {
+    /// The dispatcher, as the log names it.
+    index: usize,
+    sink: Result<Sink, SinkError>,
+    waiter: Waiter,
+    /// Consecutive failed connection attempts.
+    reconnect_attempt: u32,
+    /// No connection attempt before this.
+    next_connect: Option<Instant>,
+    /// When the broker was last found failing, until the next connect.
+    lost_at: Option<Instant>,
+    /// The master the last connection reached, `host:port`.
+    last_master: Option<String>,
+    /// The broker's lack of persistence was logged.
+    persistence_warned: bool,
+    next_heartbeat: Instant,
+}
+
+impl Broker {
+    pub fn new(index: usize, config: &BrokerConfig) -> Broker {
+        Broker {
+            index,
+            sink: Sink::new(config),
+            waiter: Waiter { config: config.clone() },
+            reconnect_attempt: 0,
+            next_connect: None,
+            lost_at: None,
+            last_master: None,
+            persistence_warned: false,
+            next_heartbeat: Instant::now(),
+        }
+    }
+
+    /// The broker's settings changed: a new sink, not connected, to be
+    /// connected at once.
+    pub fn replace(&mut self, config: &BrokerConfig, slot: &slots::Own) {
+        self.sink = Sink::new(config);
+        self.waiter.config = config.clone();
+        slot.set_connected(false);
+        self.reconnect_attempt = 0;
+        self.next_connect = None;
+    }
+
+    /// The settings were reloaded: the next heartbeat is due within the
+    /// (new) interval.
+    pub fn reschedule(&mut self, settings: &Settings) {
+        let now = Instant::now();
+        self.next_heartbeat = self.next_heartbeat.min(now + settings.heartbeat_interval);
+    }
+
+    pub fn connected(&self) -> bool {
+        self.sink.as_ref().is_ok_and(Sink::is_connected)
+    }
+
+    /// While not connected: no connection attempt before this.
+    pub fn reconnect_at(&self) -> Option<Instant> {
+        self.next_connect.filter(|_| !self.connected())
+    }
+
+    /// When the next heartbeat is due.
+    pub fn next_heartbeat(&self) -> Instant {
+        self.next_heartbeat
+    }
+
+    /// The sink and the wait its operations run with; `None` when the
+    /// settings give no sink (the error is the connect's).
+    pub fn session(&mut self) -> Option<(&mut Sink, &mut Waiter)> {
+        self.sink.as_mut().ok().map(|sink| (sink, &mut self.waiter))
+    }
+
+    /// Connects when the backoff allows; returns the wait when it did not.
+    pub fn connect(&mut self, slot: &slots::Own, settings: &Settings) -> Option<Duration> {
+        let now = Instant::now();
+        if let Some(at) = self.next_connect.filter(|at| *at > now) {
+            return Some(at - now);
+        }
+        store::report_running(c"outbox: connecting to Redis");
+        let result = match &mut self.sink {
+            Ok(sink) => sink.connect(&mut self.waiter),
+            Err(e) => Err(e.clone()),
+        };
+        match result {
+            Ok(persistence) => {
+                let url = self.sink.as_ref().map_or("", Sink::display_url).to_string();
+                let master = self.sink.as_ref().ok().and_then(Sink::master).map(str::to_string);
+                let paused = self.lost_at.take().map(|at| at.elapsed());
+                if let Some(paused) = paused {
+                    counters::broker_unavailable(paused);
+                    log!(
+                        "outbox dispatcher {} reconnected to Redis at {url} (master {}) after {:.1}s",
+                        self.index,
+                        master.as_deref().unwrap_or("?"),
+                        paused.as_secs_f64()
+                    );
+                }
+                if let (Some(before), Some(now)) = (&self.last_master, &master) {
+                    if before != now {
+                        counters::add(Counter::MasterChanges, 1);
+                        log!(
+                            "outbox dispatcher {}: the Redis master moved from {before} to {now}",
+                            self.index
+                        );
+                    }
+                }
+                self.last_master = master;
+                self.note_persistence(persistence, &url, slot);
+                self.reconnect_attempt = 0;
+                self.next_connect = None;
+                slot.set_connected(true);
+                self.answered(slot, settings);
+                slot.set_error(None);
+                None
+            }
+            Err(e) => Some(self.failed(&e, slot, settings)),
+        }
+    }
+
+    /// Shows how the broker keeps messages, and warns once when it keeps
+    /// them only in memory: "nothing lost" then ends at a Redis restart.
+    fn note_persistence(&mut self, persistence: Persistence, url: &str, slot: &slots::Own) {
+        slot.set_persistence(persistence);
+        if persistence == Persistence::None && !std::mem::replace(&mut self.persistence_warned, true) {
+            warning!(
+                "outbox dispatcher {}: Redis at {url} persists nothing (no RDB snapshots, no AOF): \
+                 messages in its lists are lost if it restarts",
+                self.index
+            );
+        }
+    }
+
+    /// The broker just answered: that is as good as a heartbeat.
+    pub fn answered(&mut self, slot: &slots::Own, settings: &Settings) {
+        slot.heartbeat();
+        self.next_heartbeat = Instant::now() + settings.heartbeat_interval;
+    }
+
+    /// Records a broker failure; returns the delay before the next attempt.
+    /// An interrupted operation (a reload changed the broker) is no failure:
+    /// the connection is dropped and the loop goes on at once.
+    pub fn failed(&mut self, error: &SinkError, slot: &slots::Own, settings: &Settings) -> Duration {
+        if let Ok(sink) = &mut self.sink {
+            sink.disconnect();
+        }
+        slot.set_connected(false);
+        if *error == SinkError::Interrupted {
+            return Duration::ZERO;
+        }
+        self.lost_at.get_or_insert_with(Instant::now);
+        let delay = backoff::reconnect_delay(
+            settings.reconnect_delay_min,
+            settings.reconnect_delay_max,
+            self.reconnect_attempt,
+            backoff::random_unit(),
+        );
+        self.reconnect_attempt = self.reconnect_attempt.saturating_add(1);
+        self.next_connect = Some(Instant::now() + delay);
+        counters::reconnect(error);
+        slot.set_state(State::Reconnecting);
+        slot.set_error(Some(&error.to_string()));
+        log!(
+            "outbox dispatcher {}: {error} (reason {}); reconnecting in {:.1}s",
+            self.index,
+            error.reason().name(),
+            delay.as_secs_f64()
+        );
+        delay
+    }
+
+    /// PINGs the broker when a heartbeat is due; returns the reconnect wait
+    /// when it failed.
+    pub fn heartbeat_if_due(&mut self, slot: &slots::Own, settings: &Settings) -> Option<Duration> {
+        let now = Instant::now();
+        if now < self.next_heartbeat {
+            return None;
+        }
+        self.next_heartbeat = now + settings.heartbeat_interval;
+        store::report_running(c"outbox: PING to Redis");
+        let sink = self.sink.as_mut().expect("connected before the heartbeat");
+        match sink.ping(&mut self.waiter) {
+            Ok(()) => {
+                self.answered(slot, settings);
+                None
+            }
+            Err(e) => Some(self.failed(&e, slot, settings)),
+        }
+    }
+}
