@@ -61,15 +61,18 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
         vec![Sample::new("outbox_workers_connected", connected)],
     ));
 
-    let (exact, estimated, lag) = status_samples();
+    let (counts, estimated, lag) = status_samples();
     families.push((
-        gauge("outbox_events", "Events in outbox.events by status, counted: pending, processing, failed."),
-        exact,
+        gauge(
+            "outbox_events",
+            "Events in outbox.events by status: counted, except dispatched and processed beyond 1000 (estimated).",
+        ),
+        counts,
     ));
     families.push((
         gauge(
             "outbox_events_estimated",
-            "Events in outbox.events by status, estimated from statistics: dispatched, processed.",
+            "1 where outbox_events of that status is an estimate from statistics, 0 where it is counted.",
         ),
         estimated,
     ));
@@ -102,13 +105,14 @@ fn unreported() -> i64 {
 /// The most unreported events counted one by one.
 const UNREPORTED_CAP: i64 = 10_000;
 
-/// From `outbox.status`: the exact counts, the estimated ones, and the lag.
-/// Costs the same whatever the number of finished events.
+/// From `outbox.status`: the count of each status, whether it is an
+/// estimate, and the lag. Costs the same whatever the number of finished
+/// events.
 fn status_samples() -> (Vec<Sample>, Vec<Sample>, f64) {
     let query = "SELECT status::pg_catalog.text, count, pg_catalog.date_part('epoch', lag), estimated \
                  FROM outbox.status";
     let mut lag = 0.0;
-    let (mut exact, mut estimated) = (Vec::new(), Vec::new());
+    let (mut counts, mut estimated) = (Vec::new(), Vec::new());
     Spi::connect(|client| {
         for row in client.select(query, None, &[])? {
             let status: String = row.get(1)?.unwrap_or_default();
@@ -116,17 +120,17 @@ fn status_samples() -> (Vec<Sample>, Vec<Sample>, f64) {
             if let Some(seconds) = row.get::<f64>(3)? {
                 lag = seconds;
             }
-            let (samples, name) = if row.get::<bool>(4)?.unwrap_or(false) {
-                (&mut estimated, "outbox_events_estimated")
-            } else {
-                (&mut exact, "outbox_events")
-            };
-            samples.push(Sample::new(name, count as f64).label("status", status));
+            let is_estimate = row.get::<bool>(4)?.unwrap_or(false);
+            counts.push(Sample::new("outbox_events", count as f64).label("status", status.clone()));
+            estimated.push(
+                Sample::new("outbox_events_estimated", f64::from(u8::from(is_estimate)))
+                    .label("status", status),
+            );
         }
         Ok::<_, pgrx::spi::SpiError>(())
     })
     .unwrap_or_else(|e| error!("outbox metrics: cannot read outbox.status: {e}"));
-    (exact, estimated, lag)
+    (counts, estimated, lag)
 }
 
 /// One row per sample: the source of the view `outbox.metrics`. The

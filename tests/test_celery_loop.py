@@ -105,6 +105,9 @@ def test_every_outcome_reaches_the_outbox(loop, redis_server, workers, pool):
     assert loop.metric("outbox_acked_total", source="celery") == acked + 2
     assert loop.metric("outbox_task_failures_total") == failures + 2
     assert loop.value("SELECT count(*) FROM outbox.dead_letters") == 2
+    # The first numbers a user sees are right: exact, not estimated.
+    assert loop.sql("SELECT status::text, count, estimated FROM outbox.status "
+                    "WHERE status IN ('processed', 'failed')") == [("processed", 2, False), ("failed", 2, False)]
     assert loop.value("SELECT deliveries FROM outbox.events WHERE id = %s", (flaky,)) == 1
 
 

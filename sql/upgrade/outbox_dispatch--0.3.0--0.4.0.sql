@@ -58,19 +58,28 @@ WITH exact AS (
     UNION ALL
     SELECT 'failed', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
       FROM outbox.events AS e WHERE e.status = 'failed'
-), estimated AS (
-    SELECT s.status, GREATEST(c.reltuples, 0)::bigint AS count
-      FROM (VALUES ('dispatched'::outbox.event_status, 'outbox.events_dispatched_idx'),
-                   ('processed', 'outbox.events_processed_idx')) AS s(status, index_name)
-      JOIN pg_catalog.pg_class AS c ON c.oid = pg_catalog.to_regclass(s.index_name)
+), finished AS (
+    SELECT 'dispatched'::outbox.event_status AS status, 'outbox.events_dispatched_idx' AS index_name,
+           (SELECT pg_catalog.count(*)
+              FROM (SELECT FROM outbox.events AS e WHERE e.status = 'dispatched' LIMIT 1001) AS f) AS counted
+    UNION ALL
+    SELECT 'processed', 'outbox.events_processed_idx',
+           (SELECT pg_catalog.count(*)
+              FROM (SELECT FROM outbox.events AS e WHERE e.status = 'processed' LIMIT 1001) AS f)
 )
 SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
        false AS estimated
   FROM exact
 UNION ALL
-SELECT status, count, NULL, NULL, NULL, true
-  FROM estimated
+SELECT f.status,
+       CASE WHEN f.counted <= 1000 THEN f.counted ELSE GREATEST(c.reltuples::bigint, f.counted) END,
+       NULL, NULL, NULL, f.counted > 1000
+  FROM finished AS f
+  JOIN pg_catalog.pg_class AS c ON c.oid = pg_catalog.to_regclass(f.index_name)
  ORDER BY status;
+
+COMMENT ON VIEW outbox.status IS
+    'Events per status; lag is how long the oldest due pending event has waited. Dispatched and processed are counted up to 1000, then estimated from statistics (estimated = true).';
 
 CREATE OR REPLACE VIEW outbox.workers AS
 SELECT * FROM @extschema@.outbox_workers();
