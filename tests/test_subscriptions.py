@@ -384,23 +384,26 @@ def test_batches_are_cut_by_the_size_that_will_be_sent(subs, redis_server):
     assert subs.count("failed") == 0
 
 
-REFUSE_BATCHES = """
-CREATE OR REPLACE FUNCTION public.refuse_batches() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.subscription_id = {sub} AND NEW.event_id IS NULL AND NEW.status = 'pending' THEN
-        RAISE EXCEPTION 'batches of subscription {sub} are refused' USING ERRCODE = 'check_violation';
-    END IF;
-    RETURN NEW;
-END $$;
-CREATE TRIGGER refuse_batches BEFORE INSERT ON outbox.events FOR EACH ROW
-    EXECUTE FUNCTION public.refuse_batches();
-"""
+def batch_trigger(pg, name, sub, action):
+    """A trigger (an operator's, say) that does `action` when a batch of
+    subscription `sub` is about to be inserted; returns the SQL dropping it."""
+    pg.sql(f"""
+        CREATE OR REPLACE FUNCTION public.{name}() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.subscription_id = {sub} AND NEW.event_id IS NULL AND NEW.status = 'pending' THEN
+                {action};
+            END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER {name} BEFORE INSERT ON outbox.events FOR EACH ROW EXECUTE FUNCTION public.{name}()""")
+    return f"DROP TRIGGER {name} ON outbox.events; DROP FUNCTION public.{name}()"
 
 
 def test_a_batch_that_cannot_be_made_fails_its_members_and_nothing_else(subs, redis_server):
     broken = subscribe(subs, "shop.broken", "loop.digest", batch_max=3)
     healthy = subscribe(subs, "shop.healthy", "loop.digest", batch_max=2)
-    subs.sql(REFUSE_BATCHES.format(sub=broken))
+    drop = batch_trigger(subs, "refuse_batches", broken, f"RAISE EXCEPTION 'batches of subscription {broken} "
+                         "are refused' USING ERRCODE = 'check_violation'")
     try:
         doomed = [publish(subs, "shop.broken", {"n": n}) for n in range(3)]
         fine = [publish(subs, "shop.healthy", {"n": n}) for n in range(2)]
@@ -418,7 +421,7 @@ def test_a_batch_that_cannot_be_made_fails_its_members_and_nothing_else(subs, re
         assert sorted(r[0] for r in subs.sql("SELECT event_id FROM outbox.deliveries WHERE status = 'failed'")) \
             == sorted(doomed)
     finally:
-        subs.sql("DROP TRIGGER refuse_batches ON outbox.events; DROP FUNCTION public.refuse_batches()")
+        subs.sql(drop)
     # Each failed member is a batch of one, sent alone when retried.
     for failed_id, _ in letters:
         assert subs.value("SELECT outbox_retry(%s)", (failed_id,)) is True
@@ -510,25 +513,13 @@ def test_code_a_superuser_runs_on_a_roles_behalf_cannot_end_anothers_subscriptio
                  "DROP OWNED BY sub_mallory; DROP ROLE sub_mallory")
 
 
-SLOW_BATCHES = """
-CREATE OR REPLACE FUNCTION public.slow_batches() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.subscription_id = {sub} AND NEW.event_id IS NULL THEN
-        PERFORM pg_catalog.pg_sleep(30);
-    END IF;
-    RETURN NEW;
-END $$;
-CREATE TRIGGER slow_batches BEFORE INSERT ON outbox.events FOR EACH ROW
-    EXECUTE FUNCTION public.slow_batches();
-"""
-
 
 def test_a_batch_slower_than_the_deadline_holds_up_only_its_subscription(subs, redis_server):
     """Making the batch takes longer than the whole statement deadline: it
     is cut at its share of it, backed off, and the claim goes on."""
     subs.configure(statement_timeout="2s")
     slow = subscribe(subs, "shop.slow", "loop.digest", batch_max=2)
-    subs.sql(SLOW_BATCHES.format(sub=slow))
+    drop = batch_trigger(subs, "slow_batches", slow, "PERFORM pg_catalog.pg_sleep(30)")
     try:
         [publish(subs, "shop.slow", {"n": n}) for n in range(2)]
         plain = [publish(subs, "shop.plain", {"n": n}, queue=PLAIN) for n in range(3)]
@@ -537,7 +528,7 @@ def test_a_batch_slower_than_the_deadline_holds_up_only_its_subscription(subs, r
         assert subs.value("SELECT waiting FROM outbox.subscriptions WHERE id = %s", (slow,)) == 2
         assert subs.count("failed") == 0
     finally:
-        subs.sql("DROP TRIGGER slow_batches ON outbox.events; DROP FUNCTION public.slow_batches()")
+        subs.sql(drop)
     wait_deliveries(subs, "processed", 2, timeout=120)
 
 
