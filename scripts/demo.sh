@@ -109,7 +109,16 @@ and try:
     TABLE outbox.status;
     SELECT last_error FROM outbox.dead_letters;   -- the task's exception and traceback
     SELECT outbox_retry(id) FROM outbox.dead_letters;   -- and it fails again
-Celery's log: $DEMO_DIR/celery.log. Stop everything with: make stop
+Celery's log: $DEMO_DIR/celery.log.
+
+Metrics for Prometheus (as a role IN ROLE pg_monitor in production):
+    .venv/bin/python -m outbox_dispatch.exporter --listen :9808 \\
+        --dsn "host=$DEMO_DIR port=$PG_PORT user=postgres dbname=postgres"
+    curl -s localhost:9808/metrics | grep outbox_dispatched_total
+Alert rules: contrib/prometheus/outbox_alerts.yml; Grafana dashboard to import:
+contrib/grafana/outbox.json (README, "A scrape target, alerts and a dashboard").
+
+Stop everything with: make stop
 TEXT
 }
 

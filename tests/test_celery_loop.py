@@ -149,9 +149,19 @@ def test_the_trace_continues_in_the_worker(loop, redis_server, workers):
         produced = format(span.get_span_context().trace_id, "032x")
     wait_status(loop, event, "processed")
     assert redis_server.client().get(f"trace:{event}").decode() == produced
-    assert [s.name for s in exporter.get_finished_spans()] == ["checkout"]
+    # The enqueue is a PRODUCER span as the messaging conventions name it,
+    # and the message carries its context.
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"checkout", "send loop_solo"}
+    send = spans["send loop_solo"]
+    assert send.kind == trace.SpanKind.PRODUCER
+    assert send.parent.span_id == spans["checkout"].context.span_id
+    assert dict(send.attributes) == {
+        "messaging.system": "celery", "messaging.operation.type": "send", "messaging.operation.name": "send",
+        "messaging.destination.name": "loop_solo", "messaging.message.id": str(event)}
     headers = loop.value("SELECT headers FROM outbox.events WHERE id = %s", (event,))
     assert headers["traceparent"].split("-")[1] == produced
+    assert headers["traceparent"].split("-")[2] == format(send.context.span_id, "016x")
 
 
 def test_a_task_enqueued_from_a_task_chains_to_it(loop, redis_server, workers):
@@ -223,6 +233,14 @@ def test_a_forged_report_finishes_no_event_and_a_replayed_one_no_later_send(loop
     assert status_of(loop, sent) == ("dispatched", None)
     client.rpush(REPORTS, report.failed(str(sent), second, "ValueError: the real one"))
     assert wait_status(loop, sent, "failed") == ("failed", "ValueError: the real one")
+    # Retried by hand: the report of the failed send, replayed, finishes
+    # nothing either.
+    stale = loop.metric("outbox_reports_ignored_total", reason="stale")
+    assert loop.value("SELECT outbox_retry(%s)", (sent,)) is True
+    client.rpush(REPORTS, report.processed(str(sent), second))
+    wait_until(lambda: loop.metric("outbox_reports_ignored_total", reason="stale") == stale + 1,
+               message="the replayed report counted")
+    assert status_of(loop, sent)[0] in ("pending", "processing", "dispatched")
 
 
 def test_a_report_may_overtake_the_dispatchers_record(loop, redis_server):

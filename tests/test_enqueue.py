@@ -144,6 +144,28 @@ def test_a_connection_in_autocommit_is_refused_unless_meant(outbox, open_connect
     assert outbox.value("SELECT count(*) FROM outbox.events WHERE id = %s", (meant,)) == 1
 
 
+def test_a_transaction_opened_on_an_autocommit_connection_is_the_callers(outbox):
+    """psycopg's conn.transaction() opens one on a connection in autocommit
+    mode: that is the caller's transaction. (psycopg2's `with conn` sends its
+    BEGIN only with the first statement, which enqueue() cannot see coming:
+    there, allow_autocommit=True, or a statement first.)"""
+
+    class RolledBack(Exception):
+        pass
+
+    conn = psycopg.connect(host=str(outbox.dir), port=outbox.port, user="postgres", dbname="postgres",
+                           autocommit=True)
+    with conn:
+        with pytest.raises(RolledBack):
+            with conn.transaction():
+                dropped = enqueue(conn, "shop.send_receipt", queue="q_autocommit")
+                raise RolledBack()
+        with conn.transaction():
+            kept = enqueue(conn, "shop.send_receipt", queue="q_autocommit")
+    ids = {r[0] for r in outbox.sql("SELECT id FROM outbox.events")}
+    assert dropped not in ids and kept in ids
+
+
 def test_outbox_enqueue_errors_reach_the_caller(outbox):
     with contextlib.closing(psycopg.connect(host=str(outbox.dir), port=outbox.port, user="postgres",
                                             dbname="postgres")) as conn:

@@ -117,7 +117,7 @@ impl Link {
             match connect_socket(address, waiter, deadline) {
                 Ok(socket) => {
                     let mut link =
-                        Link { socket, tls: None, inbox: Vec::new(), decoder: Decoder::new(Limits::BROKER) };
+                        Link { socket, tls: None, inbox: Vec::new(), decoder: Decoder::new(Limits::REPLY) };
                     if let Some(config) = tls {
                         link.handshake(config, host, waiter, deadline)?;
                     }
@@ -215,8 +215,9 @@ impl Link {
     }
 
     /// Sends `commands` (already encoded) and receives `replies` replies,
-    /// no more: bytes left over, or that came while no command was under
-    /// way, answer no command of ours, and the link cannot be trusted.
+    /// each within [`Limits::REPLY`], no more: bytes left over, or that came
+    /// while no command was under way, answer no command of ours, and the
+    /// link cannot be trusted.
     pub fn round_trip(
         &mut self,
         commands: &[u8],
@@ -224,7 +225,20 @@ impl Link {
         waiter: &mut dyn Wait,
         deadline: Instant,
     ) -> Result<Vec<Reply>, LinkError> {
+        self.round_trip_within(commands, replies, Limits::REPLY, waiter, deadline)
+    }
+
+    /// [`Link::round_trip`] with other limits for its replies.
+    pub fn round_trip_within(
+        &mut self,
+        commands: &[u8],
+        replies: usize,
+        limits: Limits,
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<Vec<Reply>, LinkError> {
         self.expect_silence()?;
+        self.decoder.set_limits(limits);
         self.send(commands, waiter, deadline)?;
         let received = (0..replies).map(|_| self.receive(waiter, deadline)).collect::<Result<Vec<_>, _>>()?;
         if !self.inbox.is_empty() || self.decoder.in_reply() {

@@ -85,7 +85,8 @@ impl Report {
             Some("processed") => Outcome::Processed,
             Some("failed") => {
                 let error = field("error").filter(|e| !e.is_empty()).unwrap_or("failed (no error given)");
-                Outcome::Failed(cut(error, MAX_ERROR_BYTES))
+                // A NUL cannot be stored in PostgreSQL's text.
+                Outcome::Failed(cut(&error.replace('\0', ""), MAX_ERROR_BYTES))
             }
             Some(other) => return Err(Malformed(format!("unknown \"outcome\" {other:?}"))),
             None => return Err(Malformed("no \"outcome\"".into())),

@@ -22,6 +22,20 @@ pub enum Reply {
 }
 
 impl Reply {
+    /// What the reply is, by kind and size, for an error message: never its
+    /// content, which a peer chooses (and which may be megabytes).
+    pub fn describe(&self) -> String {
+        match self {
+            Reply::Status(s) if s.len() <= 32 => format!("the status +{s}"),
+            Reply::Status(s) => format!("a status of {} bytes", s.len()),
+            Reply::Error(e) => format!("an error of {} bytes", e.len()),
+            Reply::Integer(n) => format!("the integer {n}"),
+            Reply::Bulk(None) | Reply::Array(None) => "a null".into(),
+            Reply::Bulk(Some(b)) => format!("a bulk string of {} bytes", b.len()),
+            Reply::Array(Some(items)) => format!("an array of {} elements", items.len()),
+        }
+    }
+
     /// The reply as text, for status and bulk replies.
     pub fn text(&self) -> Option<String> {
         match self {
@@ -107,8 +121,16 @@ pub struct Limits {
 }
 
 impl Limits {
-    pub const BROKER: Limits = Limits { bytes: 17 << 20, elements: 16 * 1024, line: 64 * 1024 };
+    /// A read of reports: the one large reply (1000 reports of at most
+    /// 16 KiB each).
+    pub const REPORTS: Limits = Limits { bytes: 17 << 20, elements: 16 * 1024, line: 64 * 1024 };
+    /// Every other reply our commands get: an integer, a status, a few
+    /// short strings (ROLE, CONFIG GET, a sentinel's answer).
+    pub const REPLY: Limits = Limits { bytes: 64 * 1024, elements: 1024, line: 16 * 1024 };
 }
+
+/// The most buffer capacity a link keeps between large replies.
+const KEPT_CAPACITY: usize = 64 * 1024;
 
 /// Decodes replies as their bytes arrive, each byte once: whole scalars are
 /// taken off the front of the buffer as soon as they are complete, and the
@@ -130,6 +152,12 @@ impl Decoder {
         Decoder { limits, open: Vec::new(), bytes: 0, elements: 0 }
     }
 
+    /// The limits of the replies to come (between replies only).
+    pub fn set_limits(&mut self, limits: Limits) {
+        debug_assert!(!self.in_reply());
+        self.limits = limits;
+    }
+
     /// Is a reply under way (part of it taken, the rest to come)?
     pub fn in_reply(&self) -> bool {
         self.bytes > 0
@@ -142,6 +170,10 @@ impl Decoder {
         let mut at = 0;
         let result = self.decode_from(buf, &mut at);
         buf.drain(..at);
+        // A large reply's buffer is not kept for the life of the link.
+        if buf.capacity() > KEPT_CAPACITY && buf.len() <= KEPT_CAPACITY {
+            buf.shrink_to(KEPT_CAPACITY);
+        }
         result
     }
 
@@ -217,10 +249,14 @@ impl Decoder {
             b'$' => match number(line)? {
                 -1 => whole(Reply::Bulk(None)),
                 n if n < 0 => Err(ProtocolError(format!("bulk length {n}"))),
-                n if n as u64 > self.limits.bytes as u64 => Err(ProtocolError(format!(
-                    "a bulk string of {n} bytes, more than a reply may be ({} bytes)",
-                    self.limits.bytes
-                ))),
+                // What is left of the reply's budget: a bulk that cannot fit
+                // is refused before any of it is kept.
+                n if n as u64 > self.limits.bytes.saturating_sub(self.bytes) as u64 => {
+                    Err(ProtocolError(format!(
+                        "a bulk string of {n} bytes, more than a reply may be ({} bytes)",
+                        self.limits.bytes
+                    )))
+                }
                 n => {
                     let end = next + n as usize;
                     if buf.len() < end + 2 {
@@ -287,7 +323,7 @@ mod tests {
     }
 
     fn whole(input: &[u8]) -> Reply {
-        let mut replies = decode_all(input, Limits::BROKER, input.len()).unwrap();
+        let mut replies = decode_all(input, Limits::REPORTS, input.len()).unwrap();
         assert_eq!(replies.len(), 1, "one reply in {input:?}");
         replies.remove(0)
     }
@@ -369,9 +405,15 @@ mod tests {
         // Many elements in nested arrays, each small.
         let nested = "*2\r\n".to_string() + &("*15\r\n".to_string() + &":1\r\n".repeat(15)).repeat(2);
         assert!(decode_all(nested.as_bytes(), SMALL, 7).unwrap_err().0.contains("elements"));
+        // A second bulk that cannot fit what is left of the reply: refused
+        // from its header, before its bytes come.
+        let mut decoder = Decoder::new(SMALL);
+        let mut buf = format!("*2\r\n$600\r\n{}\r\n$600\r\n", "x".repeat(600)).into_bytes();
+        assert!(decoder.decode(&mut buf).unwrap_err().0.contains("600 bytes"));
         // Many small bulks adding up.
         let big = "*19\r\n".to_string() + &format!("$60\r\n{}\r\n", "x".repeat(60)).repeat(19);
-        assert!(decode_all(big.as_bytes(), SMALL, 13).unwrap_err().0.contains("longer than 1000 bytes"));
+        let err = decode_all(big.as_bytes(), SMALL, 13).unwrap_err().0;
+        assert!(err.contains("more than a reply may be (1000 bytes)"), "{err}");
         // A line that never ends.
         assert!(decode_all(&[b'+'; 500], SMALL, 50).unwrap_err().0.contains("line"));
     }
@@ -442,10 +484,10 @@ mod tests {
             for _ in 0..count {
                 reply(&mut random, 0, &mut input);
             }
-            let expected = decode_all(&input, Limits::BROKER, input.len()).unwrap();
+            let expected = decode_all(&input, Limits::REPORTS, input.len()).unwrap();
             assert_eq!(expected.len(), count);
             let step = 1 + random.below(9);
-            assert_eq!(decode_all(&input, Limits::BROKER, step).unwrap(), expected);
+            assert_eq!(decode_all(&input, Limits::REPORTS, step).unwrap(), expected);
         }
     }
 }

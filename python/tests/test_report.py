@@ -44,3 +44,9 @@ def test_long_tracebacks_keep_their_end():
     assert described.startswith("ValueError: end\n… (trimmed)\n")
     assert described.endswith("ValueError: end")
     assert len(described) < report.MAX_TRACEBACK_CHARS + 100
+
+
+def test_a_report_is_sent_whatever_the_text_holds():
+    odd = "bad " + b"\xff".decode("utf-8", "surrogateescape")
+    body = report.failed("e", "s", report.describe_exception(ValueError(odd)))
+    assert json.loads(body)["error"].startswith("ValueError: bad ")

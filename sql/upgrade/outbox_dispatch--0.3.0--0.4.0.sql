@@ -528,3 +528,62 @@ COMMENT ON VIEW outbox.unreported IS
     'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';
 
 GRANT SELECT ON outbox.unreported TO pg_monitor;
+
+-- A role with nothing but pg_monitor reads every metric, the ones that look
+-- at outbox.events directly (the purge's lag) included: no payload reaches it.
+ALTER FUNCTION @extschema@.outbox_metrics() SECURITY DEFINER;
+ALTER FUNCTION @extschema@.outbox_metrics_prometheus() SECURITY DEFINER;
+
+-- A retried event's send_id is cleared: a replayed report of its failed send
+-- finishes nothing.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_retry(id uuid) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- send_id cleared: a report of the failed send, replayed, finishes
+    -- nothing (the next claim gives it a new one).
+    UPDATE outbox.events AS e
+       SET status = 'pending',
+           retry_count = 0,
+           available_at = pg_catalog.clock_timestamp(),
+           processing_started_at = NULL,
+           claimed_by = NULL,
+           send_id = NULL
+     WHERE e.id = outbox_retry.id
+       AND e.status = 'failed';
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM @extschema@.outbox_wake();
+    RETURN true;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_retry_failed(older_than interval DEFAULT NULL) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    retried bigint;
+BEGIN
+    IF older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox_retry_failed: older_than must not be negative (got %)', older_than
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    UPDATE outbox.events AS e
+       SET status = 'pending',
+           retry_count = 0,
+           available_at = pg_catalog.clock_timestamp(),
+           processing_started_at = NULL,
+           claimed_by = NULL,
+           send_id = NULL
+     WHERE e.status = 'failed'
+       AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than);
+    GET DIAGNOSTICS retried = ROW_COUNT;
+    IF retried > 0 THEN
+        PERFORM @extschema@.outbox_wake();
+    END IF;
+    RETURN retried;
+END
+$$;

@@ -30,6 +30,9 @@ const BATCHES: usize = 10;
 /// How often the list is looked at while it is empty.
 const POLL: Duration = Duration::from_millis(100);
 
+/// How soon a read Redis refused is tried again.
+const REFUSED_RETRY: Duration = Duration::from_secs(10);
+
 /// Why collecting stopped.
 pub enum CollectError {
     Broker(SinkError),
@@ -40,11 +43,13 @@ pub struct Collector {
     next_poll: Instant,
     /// A malformed report was logged (once per dispatcher life).
     malformed_logged: bool,
+    /// Why Redis last refused to read the list, as logged.
+    refusal: Option<String>,
 }
 
 impl Collector {
     pub fn new() -> Collector {
-        Collector { next_poll: Instant::now(), malformed_logged: false }
+        Collector { next_poll: Instant::now(), malformed_logged: false, refusal: None }
     }
 
     /// The next time the list is due to be read.
@@ -74,7 +79,13 @@ impl Collector {
         // Workers append through kombu's client, which adds the key prefix.
         let key = &sink.keys().prefixed(key);
         for _ in 0..BATCHES {
-            let raw = sink.reports(key, BATCH, waiter).map_err(CollectError::Broker)?;
+            let raw = match sink.reports(key, BATCH, waiter).map_err(CollectError::Broker)? {
+                Ok(raw) => raw,
+                Err(refused) => {
+                    self.refused(dispatcher, key, &refused);
+                    return Ok(());
+                }
+            };
             if raw.is_empty() {
                 return Ok(());
             }
@@ -92,6 +103,21 @@ impl Collector {
         }
         self.next_poll = now;
         Ok(())
+    }
+
+    /// Redis refused to read the list (it holds no list, an ACL): logged
+    /// when the reason changes, tried again after [`REFUSED_RETRY`]; the
+    /// dispatcher goes on pushing meanwhile.
+    fn refused(&mut self, dispatcher: usize, key: &str, reason: &str) {
+        self.next_poll = Instant::now() + REFUSED_RETRY;
+        if self.refusal.as_deref() != Some(reason) {
+            log!(
+                "outbox dispatcher {dispatcher}: Redis refused to read the report list \"{key}\": {reason}; \
+                 trying again every {}s",
+                REFUSED_RETRY.as_secs()
+            );
+            self.refusal = Some(reason.to_string());
+        }
     }
 
     /// The reports understood; the others are counted, and the first one

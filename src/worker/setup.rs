@@ -60,10 +60,16 @@ const PINNED_SINCE_17: [(&CStr, &CStr); 0] = [];
 /// role's are applied by then: sets each of those back to the server's
 /// value (see [`undo_database_settings`]), then pins [`PINNED`].
 pub fn pin_settings(index: usize) {
-    // First of all: run as the bootstrap superuser again, whatever `role`
-    // the database asked for, before reading anything.
+    // First of all, before reading anything: run as the bootstrap superuser
+    // again, whatever `role` the database asked for, with the pinned
+    // timeouts (a database's `transaction_timeout` would end the read).
     set(c"role", c"none");
+    pin();
     undo_database_settings(index);
+    pin();
+}
+
+fn pin() {
     for (name, value) in PINNED.into_iter().chain(PINNED_SINCE_17) {
         set(name, value);
     }

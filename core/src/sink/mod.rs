@@ -25,8 +25,9 @@ use std::time::{Duration, Instant};
 use crate::broker_url::{self, BrokerUrl, Endpoints};
 use crate::link::{Link, Wait};
 use crate::report;
-use crate::resp::{self, Reply};
+use crate::resp::{self, Limits, Reply};
 
+use errors::{not_redis, scrub};
 pub use errors::{Condition, Reason, SinkError};
 pub use keys::{Keys, KOMBU_PRIORITY_STEPS, KOMBU_SEPARATOR};
 use plan::{plan_round_trips, RoundTrip};
@@ -269,13 +270,23 @@ impl Sink {
             .round_trip(&commands, checked + 3 + usize::from(sentinel), waiter, deadline)
             .map_err(|e| SinkError::from_link(e, false))?;
         // AUTH, SELECT and PING must succeed; CONFIG may be refused by ACLs.
+        // A server's error text may quote a command's arguments (an unknown
+        // command's does): never the password, nor the user name.
+        let secrets = [password.as_deref(), self.url.username.as_deref()];
         if let (Some(_), Reply::Error(e)) = (&password, &replies[0]) {
-            return Err(SinkError::Connect(format!("AUTH refused: {e}")));
+            return Err(SinkError::Connect(format!("AUTH refused: {}", scrub(e, &secrets))));
         }
-        for reply in &replies[..=checked] {
-            if let Reply::Error(e) = reply {
-                return Err(SinkError::from_reply(e, false));
+        for reply in &replies[..checked] {
+            match reply {
+                Reply::Status(ok) if ok == "OK" => {}
+                Reply::Error(e) => return Err(SinkError::from_reply(&scrub(e, &secrets), false)),
+                other => return Err(not_redis(&format!("AUTH or SELECT answered {}", other.describe()))),
             }
+        }
+        match &replies[checked] {
+            Reply::Status(pong) if pong == "PONG" => {}
+            Reply::Error(e) => return Err(SinkError::from_reply(&scrub(e, &secrets), false)),
+            other => return Err(not_redis(&format!("PING answered {}", other.describe()))),
         }
         if sentinel {
             // Between a failover and the sentinels' noticing it, they may
@@ -305,7 +316,7 @@ impl Sink {
                 Reply::Integer(n) if *n >= i64::from(wanted) => {}
                 other => {
                     let replicas =
-                        if let Reply::Integer(n) = other { n.to_string() } else { format!("{other:?}") };
+                        if let Reply::Integer(n) = other { n.to_string() } else { other.describe() };
                     return Err(SinkError::Refused(
                         Condition::NoReplicas,
                         format!("NOREPLICAS {host}:{port} has {replicas} of the {wanted} replicas outbox.redis_wait_replicas asks for"),
@@ -324,11 +335,13 @@ impl Sink {
 
     /// One PING round trip; drops the connection when it fails.
     pub fn ping(&mut self, waiter: &mut dyn Wait) -> Result<(), SinkError> {
-        self.call(&["PING"], waiter).map(drop)
+        self.call_expecting(&["PING"], "PONG", waiter)
     }
 
     /// Up to `max` reports from the head of list `key`, oldest first; they
-    /// stay in the list until [`Sink::forget_reports`]. A report over
+    /// stay in the list until [`Sink::forget_reports`]. The inner error is
+    /// the server refusing this read for a reason of the list's own (the
+    /// key holds no list, an ACL): the connection stays. A report over
     /// [`report::MAX_REPORT_BYTES`] is cut to nothing on the server (a
     /// script: its bytes never travel), so the reply stays within the
     /// link's limits whatever a client of the broker appended; it then
@@ -338,7 +351,7 @@ impl Sink {
         key: &str,
         max: usize,
         waiter: &mut dyn Wait,
-    ) -> Result<Vec<Vec<u8>>, SinkError> {
+    ) -> Result<Result<Vec<Vec<u8>>, String>, SinkError> {
         const READ: &str = "local items = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1) \
                             for i, item in ipairs(items) do \
                                 if #item > tonumber(ARGV[2]) then items[i] = '' end \
@@ -346,48 +359,68 @@ impl Sink {
                             return items";
         let (max, most) = (max.to_string(), report::MAX_REPORT_BYTES.to_string());
         let eval = if self.read_only_scripts { "EVAL_RO" } else { "EVAL" };
-        let reply = match self.exchange(&[eval, READ, "1", key, &max, &most], waiter)? {
+        let read = [eval, READ, "1", key, &max, &most];
+        let reply = match self.exchange_within(&read, Limits::REPORTS, waiter)? {
             Reply::Error(e) if self.read_only_scripts && e.starts_with("ERR unknown command") => {
                 self.read_only_scripts = false;
                 return self.reports(key, max.parse().unwrap_or(0), waiter);
             }
+            // The list's own fault (WRONGTYPE: the key is not a list; an
+            // ACL denying the script): the read is refused, the connection
+            // and the pushes go on.
+            Reply::Error(e) if Condition::of(&e).is_none() => return Ok(Err(e)),
             reply => self.answer(reply)?,
         };
         match reply {
-            Reply::Array(Some(items)) => Ok(items
+            Reply::Array(Some(items)) => Ok(Ok(items
                 .into_iter()
                 .filter_map(|item| match item {
                     Reply::Bulk(Some(bytes)) => Some(bytes),
                     _ => None,
                 })
-                .collect()),
-            Reply::Array(None) => Ok(Vec::new()),
-            other => Err(self
-                .fail(SinkError::ConnectionLost(format!("unexpected reply to the report read: {other:?}")))),
+                .collect())),
+            Reply::Array(None) => Ok(Ok(Vec::new())),
+            other => Err(self.fail(not_redis(&format!("the report read answered {}", other.describe())))),
         }
     }
 
     /// Drops the first `n` reports of list `key`, once they are recorded.
     /// Workers only append, so these are the ones [`Sink::reports`] read.
     pub fn forget_reports(&mut self, key: &str, n: usize, waiter: &mut dyn Wait) -> Result<(), SinkError> {
-        self.call(&["LTRIM", key, &n.to_string(), "-1"], waiter).map(drop)
+        self.call_expecting(&["LTRIM", key, &n.to_string(), "-1"], "OK", waiter)
     }
 
-    /// One command, one round trip within the timeout; an error reply is
-    /// the server's condition. Drops the connection when it fails.
-    fn call(&mut self, args: &[&str], waiter: &mut dyn Wait) -> Result<Reply, SinkError> {
-        let reply = self.exchange(args, waiter)?;
-        self.answer(reply)
+    /// One command, one round trip within the timeout, whose reply must be
+    /// the status `expected`; an error reply is the server's condition, any
+    /// other reply a server that is not Redis. Drops the connection when it
+    /// fails.
+    fn call_expecting(
+        &mut self,
+        args: &[&str],
+        expected: &str,
+        waiter: &mut dyn Wait,
+    ) -> Result<(), SinkError> {
+        match self.exchange_within(args, Limits::REPLY, waiter)? {
+            Reply::Status(status) if status == expected => Ok(()),
+            reply @ Reply::Error(_) => self.answer(reply).map(drop),
+            other => Err(self.fail(not_redis(&format!("{} answered {}", args[0], other.describe())))),
+        }
     }
 
-    /// One command, one round trip within the timeout, its reply as it
-    /// came, errors included; drops the connection when the link fails.
-    fn exchange(&mut self, args: &[&str], waiter: &mut dyn Wait) -> Result<Reply, SinkError> {
+    /// One command, one round trip within the timeout, its reply (within
+    /// `limits`) as it came, errors included; drops the connection when
+    /// the link fails.
+    fn exchange_within(
+        &mut self,
+        args: &[&str],
+        limits: Limits,
+        waiter: &mut dyn Wait,
+    ) -> Result<Reply, SinkError> {
         let deadline = self.deadline();
         let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
         let mut command = Vec::new();
         resp::command(&mut command, args);
-        match link.round_trip(&command, 1, waiter, deadline) {
+        match link.round_trip_within(&command, 1, limits, waiter, deadline) {
             Ok(mut replies) => Ok(replies.swap_remove(0)),
             Err(e) => Err(self.fail(SinkError::from_link(e, true))),
         }
@@ -455,7 +488,7 @@ impl Sink {
         let unreplicated = match (wait > 0).then(|| replies.pop()).flatten() {
             Some(Reply::Integer(n)) if n >= i64::from(wait) => None,
             Some(Reply::Integer(n)) => Some(format!("NOREPLICAS {n} of {wait} replicas confirmed (WAIT)")),
-            Some(other) => Some(format!("NOREPLICAS WAIT answered {other:?}")),
+            Some(other) => Some(format!("NOREPLICAS WAIT answered {}", other.describe())),
             None => None,
         };
         let mut deliveries = Vec::new();
@@ -465,8 +498,19 @@ impl Sink {
                     Some(condition) => Delivery::Refused(condition, e),
                     None => Delivery::Rejected(e),
                 },
-                (_, Some(e)) => Delivery::Refused(Condition::NoReplicas, e.clone()),
-                (_, None) => Delivery::Delivered,
+                // LPUSH answers the list's length, at least what it pushed:
+                // anything else is not Redis having stored them.
+                (Reply::Integer(n), _) if n < command.messages.len() as i64 => {
+                    return Err(self.fail(not_redis(&format!(
+                        "LPUSH of {} messages answered the integer {n}",
+                        command.messages.len()
+                    ))))
+                }
+                (Reply::Integer(_), Some(e)) => Delivery::Refused(Condition::NoReplicas, e.clone()),
+                (Reply::Integer(_), None) => Delivery::Delivered,
+                (other, _) => {
+                    return Err(self.fail(not_redis(&format!("LPUSH answered {}", other.describe()))))
+                }
             };
             deliveries.extend(std::iter::repeat_n(delivery, command.messages.len()));
         }
@@ -504,6 +548,100 @@ mod tests {
         assert_eq!(p("60 1", "yes"), Persistence::SnapshotsAndAppendOnly);
         let refused = Reply::Error("NOPERM".into());
         assert_eq!(Persistence::from_config(&refused, &refused), Persistence::Unknown);
+    }
+
+    /// A peer on loopback that reads whatever comes and answers each read
+    /// with what `answer` makes of it (its commands, as bytes).
+    fn fake(answer: impl Fn(&[u8]) -> Vec<u8> + Send + 'static) -> String {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("redis://:hunter2@{}/0", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let mut buf = [0u8; 65536];
+                while let Ok(n) = stream.read(&mut buf) {
+                    if n == 0 || stream.write_all(&answer(&buf[..n])).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        url
+    }
+
+    /// Redis's answers to a connect without SELECT (AUTH, PING, CONFIG GET
+    /// twice), for fakes that misbehave only after.
+    const CONNECTED: &[u8] =
+        b"+OK\r\n+PONG\r\n*2\r\n$4\r\nsave\r\n$0\r\n\r\n*2\r\n$10\r\nappendonly\r\n$2\r\nno\r\n";
+
+    #[test]
+    fn an_echo_confirms_nothing() {
+        // A peer that sends every command back (as an array) is no Redis:
+        // its connect is refused, and so would be its answer to LPUSH.
+        let url = fake(|commands| commands.to_vec());
+        let err = Sink::new(&config(&url)).unwrap().connect(&mut Poll).unwrap_err();
+        assert!(err.to_string().contains("protocol error: AUTH or SELECT answered an array"), "{err}");
+        let url = fake(|commands| {
+            if commands.windows(5).any(|w| w == b"LPUSH") {
+                commands.to_vec()
+            } else {
+                CONNECTED.to_vec()
+            }
+        });
+        let mut sink = Sink::new(&config(&url)).unwrap();
+        sink.connect(&mut Poll).unwrap();
+        let pushed = sink.push(&[batch("q", &[1, 1])], &mut Poll);
+        assert_eq!(pushed.deliveries, [Delivery::Unsent, Delivery::Unsent]);
+        assert!(pushed.failure.unwrap().to_string().contains("LPUSH answered an array"));
+        // An integer below what was pushed is no confirmation either.
+        let url = fake(|commands| {
+            if commands.windows(5).any(|w| w == b"LPUSH") {
+                b":1\r\n".to_vec()
+            } else {
+                CONNECTED.to_vec()
+            }
+        });
+        let mut sink = Sink::new(&config(&url)).unwrap();
+        sink.connect(&mut Poll).unwrap();
+        assert_eq!(
+            sink.push(&[batch("q", &[1, 1])], &mut Poll).deliveries,
+            [Delivery::Unsent, Delivery::Unsent]
+        );
+    }
+
+    #[test]
+    fn a_large_answer_where_a_small_one_is_due_is_refused_from_its_header() {
+        // A bulk string of 1 MiB answering LPUSH: refused before its bytes
+        // are read, and never printed.
+        let url = fake(|commands| {
+            if commands.windows(5).any(|w| w == b"LPUSH") {
+                let mut answer = b"$1048576\r\n".to_vec();
+                answer.resize(answer.len() + 1048576, b'x');
+                answer
+            } else {
+                CONNECTED.to_vec()
+            }
+        });
+        let mut sink = Sink::new(&config(&url)).unwrap();
+        sink.connect(&mut Poll).unwrap();
+        let pushed = sink.push(&[batch("q", &[1; 100])], &mut Poll);
+        let failure = pushed.failure.expect("refused").to_string();
+        assert!(failure.contains("a bulk string of 1048576 bytes"), "{failure}");
+        assert!(failure.len() < 200, "{failure}");
+        assert!(pushed.deliveries.iter().all(|d| *d == Delivery::Unsent));
+    }
+
+    #[test]
+    fn the_password_is_never_quoted_back() {
+        // Redis quotes an unknown command's arguments: AUTH renamed away.
+        let url = fake(|_| {
+            b"-ERR unknown command 'AUTH', with args beginning with: 'hunter2'\r\n+PONG\r\n*0\r\n*0\r\n"
+                .to_vec()
+        });
+        let err = Sink::new(&config(&url)).unwrap().connect(&mut Poll).unwrap_err();
+        assert!(err.to_string().contains("AUTH refused: ERR unknown command"), "{err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
     }
 
     #[test]
@@ -647,27 +785,33 @@ mod tests {
         let url = format!("redis://:s3cret@127.0.0.1:{}/0", server.1);
         let mut sink = Sink::new(&config(&url)).unwrap();
         sink.connect(&mut Poll).unwrap();
-        assert!(sink.reports("r", 2, &mut Poll).unwrap().is_empty());
+        assert!(sink.reports("r", 2, &mut Poll).unwrap().unwrap().is_empty());
         let mut append = Vec::new();
         resp::command(&mut append, &["RPUSH", "r", "a", "b", "c"]);
         run(&mut sink, &append, 1);
 
-        let first = sink.reports("r", 2, &mut Poll).unwrap();
+        let first = sink.reports("r", 2, &mut Poll).unwrap().unwrap();
         assert_eq!(first, [b"a".to_vec(), b"b".to_vec()]);
         // Appended while the first two were being recorded.
         let mut more = Vec::new();
         resp::command(&mut more, &["RPUSH", "r", "d"]);
         run(&mut sink, &more, 1);
         sink.forget_reports("r", first.len(), &mut Poll).unwrap();
-        assert_eq!(sink.reports("r", 10, &mut Poll).unwrap(), [b"c".to_vec(), b"d".to_vec()]);
+        assert_eq!(sink.reports("r", 10, &mut Poll).unwrap().unwrap(), [b"c".to_vec(), b"d".to_vec()]);
         // A report over the limit never travels: it reads as empty.
         let huge = "x".repeat(report::MAX_REPORT_BYTES + 1);
         let mut more = Vec::new();
         resp::command(&mut more, &["RPUSH", "r", &huge, "e"]);
         run(&mut sink, &more, 1);
         assert_eq!(
-            sink.reports("r", 10, &mut Poll).unwrap(),
+            sink.reports("r", 10, &mut Poll).unwrap().unwrap(),
             [b"c".to_vec(), b"d".to_vec(), vec![], b"e".to_vec()]
         );
+        // A key that holds no list: this read is refused, the link stays.
+        let mut string = Vec::new();
+        resp::command(&mut string, &["SET", "not_a_list", "x"]);
+        run(&mut sink, &string, 1);
+        assert!(sink.reports("not_a_list", 10, &mut Poll).unwrap().unwrap_err().starts_with("WRONGTYPE"));
+        assert!(sink.is_connected());
     }
 }

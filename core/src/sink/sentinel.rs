@@ -6,6 +6,8 @@ use std::time::Instant;
 use crate::link::{Link, Wait};
 use crate::resp::{self, Reply};
 
+use super::errors::scrub;
+
 use super::secrets::password_from_file;
 use super::{BrokerConfig, SinkError};
 
@@ -61,13 +63,21 @@ fn ask_sentinel(
         Some(Reply::Array(Some(address))) if address.len() == 2 => {
             let host = address[0].text().unwrap_or_default();
             let port = address[1].text().and_then(|p| p.parse().ok());
-            port.map(|port| (host, port))
-                .ok_or_else(|| SinkError::Connect(format!("odd address {address:?}")))
+            port.map(|port| (host, port)).ok_or_else(|| {
+                SinkError::Connect(format!(
+                    "the sentinel named the master at an odd address ({}, {})",
+                    address[0].describe(),
+                    address[1].describe()
+                ))
+            })
         }
         Some(Reply::Array(None)) | Some(Reply::Bulk(None)) => {
             Err(SinkError::Connect(format!("knows no master named \"{master}\"")))
         }
-        Some(Reply::Error(e)) => Err(SinkError::Connect(e)),
-        other => Err(SinkError::Connect(format!("unexpected reply {other:?}"))),
+        Some(Reply::Error(e)) => Err(SinkError::Connect(scrub(&e, &[password]))),
+        other => Err(SinkError::Connect(format!(
+            "unexpected reply: {}",
+            other.as_ref().map_or("none".into(), Reply::describe)
+        ))),
     }
 }

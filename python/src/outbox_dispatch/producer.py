@@ -9,10 +9,11 @@ the caller's transaction commits, and nothing at all if it rolls back.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import uuid
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 #: Seconds, a timedelta, or (for ``expires``) an absolute datetime, as Celery takes them.
 Seconds = Union[int, float, dt.timedelta]
@@ -130,18 +131,44 @@ def _send(
             "is meant."
         )
     now = dt.datetime.now(dt.timezone.utc)
-    parameters: Tuple[Any, ...] = (
-        event_type,
-        _dumps(dict(kwargs or {}), "kwargs" if task else "payload", caller),
-        queue,
-        task,
-        _dumps(_headers(headers), "headers", caller),
-        _interval(_delay(countdown, eta, now)),
-        0 if priority is None else priority,
-        _interval(_until(expires, now)),
-        _dumps(list(args), "args", caller) if args else None,
-    )
-    return _run(conn, parameters, caller)
+    with _producer_span(queue) as span:
+        parameters: Tuple[Any, ...] = (
+            event_type,
+            _dumps(dict(kwargs or {}), "kwargs" if task else "payload", caller),
+            queue,
+            task,
+            _dumps(_headers(headers), "headers", caller),
+            _interval(_delay(countdown, eta, now)),
+            0 if priority is None else priority,
+            _interval(_until(expires, now)),
+            _dumps(list(args), "args", caller) if args else None,
+        )
+        event_id = _run(conn, parameters, caller)
+        if span is not None:
+            span.set_attribute("messaging.message.id", str(event_id))
+    return event_id
+
+
+@contextlib.contextmanager
+def _producer_span(queue: Optional[str]) -> Iterator[Any]:
+    """With OpenTelemetry, a PRODUCER span around the enqueue, as the
+    messaging semantic conventions name it (``send {queue}``; the queue
+    left to ``outbox.default_queue`` is not known here: ``send``). The trace
+    context the message carries is this span's, so that the worker's span
+    is its child."""
+    try:
+        from opentelemetry import trace
+    except ImportError:
+        yield None
+        return
+    attributes = {"messaging.system": "celery", "messaging.operation.type": "send",
+                  "messaging.operation.name": "send"}
+    if queue:
+        attributes["messaging.destination.name"] = queue
+    tracer = trace.get_tracer("outbox_dispatch")
+    with tracer.start_as_current_span(f"send {queue}" if queue else "send", kind=trace.SpanKind.PRODUCER,
+                                      attributes=attributes) as span:
+        yield span
 
 
 class AutocommitError(RuntimeError):
@@ -150,20 +177,30 @@ class AutocommitError(RuntimeError):
 
 
 def _in_autocommit(conn: Any) -> bool:
-    """Whether ``conn`` commits every statement by itself. Django's
+    """Whether ``conn`` would commit the event by itself. Django's
     connection (or cursor) says so outside ``atomic()``; SQLAlchemy's
     connection or session, and psycopg's and psycopg2's connection or
-    cursor, by their driver connection's ``autocommit``."""
+    cursor, by their driver connection's ``autocommit``, unless a
+    transaction is open on it all the same (psycopg's
+    ``conn.transaction()``; psycopg2's ``with conn`` sends its BEGIN only
+    with its first statement, so it is seen only after one)."""
     module = type(conn).__module__
     if module.startswith("django"):
         db = getattr(conn, "db", conn)  # a cursor wraps its connection
         return bool(db.get_autocommit())
     if module.startswith("sqlalchemy"):
         connection = conn.connection() if hasattr(conn, "get_bind") else conn  # a Session's
-        return bool(getattr(connection.connection.dbapi_connection, "autocommit", False))
-    if hasattr(conn, "fetchone"):  # a DB-API cursor
+        conn = connection.connection.dbapi_connection
+    elif hasattr(conn, "fetchone"):  # a DB-API cursor
         conn = getattr(conn, "connection", conn)
-    return getattr(conn, "autocommit", False) is True
+    return getattr(conn, "autocommit", False) is True and not _in_transaction(conn)
+
+
+def _in_transaction(conn: Any) -> bool:
+    """Whether the driver connection has a transaction open (psycopg 3 and
+    psycopg2 both tell, through ``conn.info.transaction_status``: 0 is idle)."""
+    status = getattr(getattr(conn, "info", None), "transaction_status", 0)
+    return int(status) != 0
 
 
 def _task_name(task: Any) -> str:

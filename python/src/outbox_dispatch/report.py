@@ -74,4 +74,6 @@ def describe_exception(exception: BaseException, traceback: Optional[str] = None
 
 
 def _encode(report: Mapping[str, str]) -> bytes:
-    return json.dumps(report, separators=(",", ":"), ensure_ascii=False).encode()
+    # An exception's text may hold lone surrogates (bytes decoded with
+    # surrogateescape): replaced, so that the report is still sent.
+    return json.dumps(report, separators=(",", ":"), ensure_ascii=False).encode("utf-8", errors="replace")

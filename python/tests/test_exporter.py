@@ -1,0 +1,43 @@
+"""The exporter's exposition, without a database: every sample labelled
+with its database, each family's HELP and TYPE once, outbox_up for each
+(tests/test_observability.py scrapes a real server with Prometheus)."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from outbox_dispatch.exporter import address, label, merge
+
+TEXT = """# HELP outbox_dispatched_total Events pushed.
+# TYPE outbox_dispatched_total counter
+outbox_dispatched_total 7
+# HELP outbox_events Events by status.
+# TYPE outbox_events gauge
+outbox_events{status="pending"} 2
+outbox_events{status="failed"} 0
+"""
+
+
+def test_samples_carry_their_database_first():
+    assert label("outbox_x 1", "app") == 'outbox_x{database="app"} 1'
+    assert label('outbox_x{a="b"} 1', "app") == 'outbox_x{database="app",a="b"} 1'
+    assert label("outbox_x{} 1", 'we"ird\\') == 'outbox_x{database="we\\"ird\\\\"} 1'
+
+
+def test_databases_merge_into_one_exposition_with_up_for_each():
+    text = merge([("app", TEXT, 0.01), ("billing", TEXT.replace(" 7", " 9"), 0.02), ("gone", None, 5.0)])
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert text.count("# TYPE outbox_events gauge") == 1
+    dispatched = {s.labels["database"]: s.value for s in families["outbox_dispatched"].samples}
+    assert dispatched == {"app": 7, "billing": 9}
+    events = {(s.labels["database"], s.labels["status"]): s.value for s in families["outbox_events"].samples}
+    assert events == {("app", "pending"): 2, ("app", "failed"): 0, ("billing", "pending"): 2,
+                      ("billing", "failed"): 0}
+    up = {s.labels["database"]: s.value for s in families["outbox_up"].samples}
+    assert up == {"app": 1, "billing": 1, "gone": 0}
+    took = {s.labels["database"]: s.value for s in families["outbox_scrape_duration_seconds"].samples}
+    assert took["gone"] == 5.0
+
+
+def test_listen_addresses():
+    assert address(":9808") == ("", 9808)
+    assert address("127.0.0.1:9100") == ("127.0.0.1", 9100)
+    assert address("[::1]:9100") == ("::1", 9100)
