@@ -128,6 +128,19 @@ impl fmt::Display for SinkError {
 
 impl std::error::Error for SinkError {}
 
+/// A server whose reply fits no command of ours: not Redis, or not one to
+/// trust. The connection is dropped like a lost one (nothing it said
+/// counts).
+pub(super) fn not_redis(what: &str) -> SinkError {
+    SinkError::ConnectionLost(format!("Redis protocol error: {what}"))
+}
+
+/// `text` with every secret given replaced by `***`: a server's error text
+/// may quote a command's arguments (an unknown command's does).
+pub(super) fn scrub(text: &str, secrets: &[Option<&str>]) -> String {
+    secrets.iter().flatten().filter(|s| !s.is_empty()).fold(text.to_string(), |t, s| t.replace(s, "***"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,17 +170,4 @@ mod tests {
         let reasons: Vec<_> = errors.iter().map(SinkError::reason).collect();
         assert_eq!(reasons, Reason::ALL);
     }
-}
-
-/// A server whose reply fits no command of ours: not Redis, or not one to
-/// trust. The connection is dropped like a lost one (nothing it said
-/// counts).
-pub(super) fn not_redis(what: &str) -> SinkError {
-    SinkError::ConnectionLost(format!("Redis protocol error: {what}"))
-}
-
-/// `text` with every secret given replaced by `***`: a server's error text
-/// may quote a command's arguments (an unknown command's does).
-pub(super) fn scrub(text: &str, secrets: &[Option<&str>]) -> String {
-    secrets.iter().flatten().filter(|s| !s.is_empty()).fold(text.to_string(), |t, s| t.replace(s, "***"))
 }
