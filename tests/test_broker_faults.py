@@ -16,8 +16,8 @@ import pytest
 
 from harness import Cluster, queued_ids, wait_until
 
-# The dispatcher's own bound (core/src/resp.rs Limits::BROKER: 17 MiB of a
-# reply and 16 Ki nested replies) plus what a PostgreSQL backend uses anyway.
+# The dispatcher's own bound (core/src/resp.rs Limits: 64 KiB a reply, 17 MiB
+# for the report read) plus what a PostgreSQL backend uses anyway.
 RSS_BOUND_KB = 160 * 1024
 
 
