@@ -145,11 +145,14 @@ pub struct Decoder {
     /// Bytes and nested replies of the reply under way.
     bytes: usize,
     elements: usize,
+    /// Bytes of the line under way already searched for its end: a line
+    /// that arrives a byte at a time is scanned once, not once per byte.
+    scanned: usize,
 }
 
 impl Decoder {
     pub fn new(limits: Limits) -> Decoder {
-        Decoder { limits, open: Vec::new(), bytes: 0, elements: 0 }
+        Decoder { limits, open: Vec::new(), bytes: 0, elements: 0, scanned: 0 }
     }
 
     /// The limits of the replies to come (between replies only).
@@ -179,10 +182,17 @@ impl Decoder {
 
     fn decode_from(&mut self, buf: &[u8], at: &mut usize) -> Result<Option<Reply>, ProtocolError> {
         loop {
-            let Some((item, used)) = self.item(&buf[*at..])? else {
-                if buf.len() - *at > self.limits.line && find_crlf(&buf[*at..]).is_none() {
+            let rest = &buf[*at..];
+            let Some(line_end) = find_crlf(rest, self.scanned) else {
+                if rest.len() > self.limits.line + 2 {
                     return Err(ProtocolError(format!("a line longer than {} bytes", self.limits.line)));
                 }
+                // The last byte may be the CR of a CRLF still to come.
+                self.scanned = rest.len().saturating_sub(1);
+                return Ok(None);
+            };
+            self.scanned = 0;
+            let Some((item, used)) = self.item(rest, line_end)? else {
                 return Ok(None);
             };
             *at += used;
@@ -229,11 +239,9 @@ impl Decoder {
     }
 
     /// One scalar, or the header of a non-empty array, from the front of
-    /// `buf`; `None` while it is incomplete.
-    fn item(&self, buf: &[u8]) -> Result<Option<(Item, usize)>, ProtocolError> {
-        let Some(line_end) = find_crlf(buf) else {
-            return Ok(None);
-        };
+    /// `buf`, whose first line ends at `line_end`; `None` while it is
+    /// incomplete (a bulk string's bytes still to come).
+    fn item(&self, buf: &[u8], line_end: usize) -> Result<Option<(Item, usize)>, ProtocolError> {
         // (An empty line has no type byte: refused below as 0x0d.)
         let line = buf.get(1..line_end).unwrap_or_default();
         if line.len() > self.limits.line {
@@ -290,8 +298,9 @@ enum Item {
     Array(usize),
 }
 
-fn find_crlf(buf: &[u8]) -> Option<usize> {
-    buf.windows(2).position(|w| w == b"\r\n")
+/// Where the first CRLF of `buf` is, searching from `from`.
+fn find_crlf(buf: &[u8], from: usize) -> Option<usize> {
+    buf.get(from..)?.windows(2).position(|w| w == b"\r\n").map(|p| from + p)
 }
 
 fn number(line: &[u8]) -> Result<i64, ProtocolError> {
