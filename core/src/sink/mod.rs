@@ -476,13 +476,28 @@ impl Sink {
         if wait > 0 {
             resp::command(&mut commands, &["WAIT", &wait.to_string(), &self.wait_millis()]);
         }
-        let expected = trip.commands.len() + usize::from(wait > 0);
+        // A PING with a fresh nonce closes the round trip: its answer must
+        // be the last reply, so that a reply too many or too few anywhere
+        // in the pipeline shifts it and the round trip counts for nothing,
+        // rather than one command's reply being taken for another's.
+        let nonce = uuid::Uuid::new_v4().simple().to_string();
+        resp::command(&mut commands, &["PING", &nonce]);
+        let expected = trip.commands.len() + usize::from(wait > 0) + 1;
         let deadline = self.deadline();
         let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
         let mut replies = match link.round_trip(&commands, expected, waiter, deadline) {
             Ok(replies) => replies,
             Err(e) => return Err(self.fail(SinkError::from_link(e, true))),
         };
+        match replies.pop() {
+            Some(Reply::Bulk(Some(echoed))) if echoed == nonce.as_bytes() => {}
+            other => {
+                let answered = other.as_ref().map_or("nothing".into(), Reply::describe);
+                return Err(
+                    self.fail(not_redis(&format!("the round trip's closing PING answered {answered}")))
+                );
+            }
+        }
         // Fewer replicas than asked have the messages: not delivered yet,
         // as far as a failover is concerned.
         let unreplicated = match (wait > 0).then(|| replies.pop()).flatten() {
@@ -593,7 +608,7 @@ mod tests {
         sink.connect(&mut Poll).unwrap();
         let pushed = sink.push(&[batch("q", &[1, 1])], &mut Poll);
         assert_eq!(pushed.deliveries, [Delivery::Unsent, Delivery::Unsent]);
-        assert!(pushed.failure.unwrap().to_string().contains("LPUSH answered an array"));
+        assert!(pushed.failure.unwrap().to_string().contains("protocol error"));
         // An integer below what was pushed is no confirmation either.
         let url = fake(|commands| {
             if commands.windows(5).any(|w| w == b"LPUSH") {
@@ -608,6 +623,30 @@ mod tests {
             sink.push(&[batch("q", &[1, 1])], &mut Poll).deliveries,
             [Delivery::Unsent, Delivery::Unsent]
         );
+    }
+
+    #[test]
+    fn a_reply_too_many_in_a_round_trip_makes_it_count_for_nothing() {
+        // Two lists, two LPUSHes: the peer answers the first with an error
+        // and slips in an extra integer before the closing PING's answer;
+        // arriving late (after the replies were read), it would shift the
+        // PING's answer instead. Either way nothing of it counts.
+        let url = fake(|commands| {
+            if !commands.windows(5).any(|w| w == b"LPUSH") {
+                return CONNECTED.to_vec();
+            }
+            let nonce = &commands[commands.len() - 34..commands.len() - 2];
+            let mut answer = b"-ERR x\r\n:2\r\n:2\r\n$32\r\n".to_vec();
+            answer.extend_from_slice(nonce);
+            answer.extend_from_slice(b"\r\n");
+            answer
+        });
+        let mut sink = Sink::new(&config(&url)).unwrap();
+        sink.connect(&mut Poll).unwrap();
+        let pushed = sink.push(&[batch("a", &[1]), batch("b", &[1])], &mut Poll);
+        assert_eq!(pushed.deliveries, [Delivery::Unsent, Delivery::Unsent]);
+        let failure = pushed.failure.unwrap().to_string();
+        assert!(failure.contains("protocol error"), "{failure}");
     }
 
     #[test]
