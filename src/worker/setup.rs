@@ -107,20 +107,8 @@ const READ_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 /// server's command line are not seen this way; a setting whose server
 /// value cannot be found stays as it is, and the log says so.
 fn undo_database_settings(index: usize) {
-    const QUERY: &str = "
-        SELECT o.name, CASE WHEN o.name OPERATOR(pg_catalog.=) 'role' THEN 'none' ELSE
-               coalesce((SELECT f.setting FROM pg_catalog.pg_file_settings AS f
-                          WHERE pg_catalog.lower(f.name) OPERATOR(pg_catalog.=) o.name AND f.error IS NULL
-                          ORDER BY f.seqno DESC LIMIT 1),
-                        (SELECT s.boot_val FROM pg_catalog.pg_settings AS s
-                          WHERE pg_catalog.lower(s.name) OPERATOR(pg_catalog.=) o.name)) END
-          FROM (SELECT DISTINCT pg_catalog.lower(pg_catalog.split_part(c, '=', 1)) AS name
-                  FROM pg_catalog.pg_db_role_setting AS d, pg_catalog.unnest(d.setconfig) AS c
-                 WHERE d.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[0, (SELECT b.oid FROM pg_catalog.pg_database AS b
-                                                   WHERE b.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())])
-                   AND d.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[0, (SELECT r.oid FROM pg_catalog.pg_roles AS r
-                                               WHERE r.rolname OPERATOR(pg_catalog.=) session_user)])) AS o
-         ORDER BY 1";
+    // Operators unqualified: the search_path is pinned to pg_catalog by now.
+    const QUERY: &str = include_str!("../../sql/worker/database_settings.sql");
     let read = super::store::transaction(READ_DEADLINE, || {
         Spi::connect(|client| {
             client
