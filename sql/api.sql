@@ -281,7 +281,8 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_workers(),
     @extschema@.outbox_metrics(),
     @extschema@.outbox_metrics_prometheus(),
-    @extschema@.outbox_events_inserted()
+    @extschema@.outbox_events_inserted(),
+    @extschema@.outbox_pending_again()
     FROM PUBLIC;
 
 -- Monitoring: members of pg_monitor read the views that carry no payloads.

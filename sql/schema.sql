@@ -61,6 +61,9 @@ CREATE TABLE outbox.events (
     subscription_id       bigint,   -- on a delivery or a batch: its subscription
     routed_to             integer,  -- on an event without a task: subscriptions it went to (0: none)
     send_id               uuid,     -- the last send's id (new at every claim), which its report must name
+    -- The transaction that made the row pending (inserted it, or set it
+    -- pending again): where the claim is in line (core/src/frontier.rs).
+    pending_xid           xid8 NOT NULL DEFAULT pg_current_xact_id(),
     CONSTRAINT events_args_with_kwargs CHECK (args IS NULL OR jsonb_typeof(payload) = 'object')
 )
 -- A queue table churns: every row is inserted, updated two or three times
@@ -82,8 +85,31 @@ COMMENT ON TABLE outbox.events IS
 -- to the extension, whose member tables are otherwise dumped empty.
 SELECT pg_catalog.pg_extension_config_dump('outbox.events', '');
 
--- The claim: due pending events, oldest due first.
-CREATE INDEX events_pending_idx ON outbox.events (available_at) WHERE status = 'pending';
+-- The claim. Each dispatcher scans pending events in the order their
+-- transactions made them pending, from where it got to (a dead entry left
+-- behind by a claim is never walked again, however long vacuum is held off);
+-- and, by when they fall due, the events it passed before they were due,
+-- those it could not lock, and the earliest one still to come.
+CREATE INDEX events_pending_xid_idx ON outbox.events (pending_xid, id) WHERE status = 'pending';
+CREATE INDEX events_pending_idx ON outbox.events (available_at, id) WHERE status = 'pending';
+-- An update that makes an event pending again (a retry, a release, a sweep,
+-- a DBA's UPDATE) or moves when it falls due puts it in line again, as if
+-- enqueued by that update's transaction; so does an insert that names
+-- another transaction (a restored dump, a copy). An insert with the
+-- default does not call it.
+CREATE FUNCTION @extschema@.outbox_pending_again() RETURNS trigger
+LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    NEW.pending_xid := pg_catalog.pg_current_xact_id();
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER events_pending_again
+    BEFORE INSERT OR UPDATE OF status, available_at ON outbox.events
+    FOR EACH ROW WHEN (NEW.status = 'pending' AND NEW.pending_xid <> pg_catalog.pg_current_xact_id())
+    EXECUTE FUNCTION @extschema@.outbox_pending_again();
+
 -- Stuck claims, and the claims a restarted dispatcher releases.
 CREATE INDEX events_processing_idx ON outbox.events (processing_started_at, claimed_by)
     WHERE status = 'processing';

@@ -74,6 +74,22 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
         vec![Sample::new("outbox_purge_lag_seconds", purge_lag())],
     ));
 
+    families.push((
+        gauge(
+            "outbox_oldest_transaction_seconds",
+            "How long the oldest transaction open in this database (a session's or a prepared one) has been open: \
+             vacuum removes no row version that died after it began.",
+        ),
+        vec![Sample::new("outbox_oldest_transaction_seconds", oldest_transaction())],
+    ));
+    families.push((
+        gauge(
+            "outbox_events_dead_tuples",
+            "Dead row versions in outbox.events, as the statistics last counted them.",
+        ),
+        vec![Sample::new("outbox_events_dead_tuples", dead_tuples())],
+    ));
+
     let (counts, estimated, lag) = status_samples();
     families.push((
         gauge(
@@ -118,6 +134,34 @@ fn purge_lag() -> f64 {
         .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest finished event: {e}"))
         .unwrap_or(0.0);
     (age - f64::from(retention)).max(0.0)
+}
+
+/// How long the oldest transaction that holds back vacuum in this database
+/// has been open: client sessions with a snapshot or a transaction id (not
+/// this one), and prepared transactions. Other roles' sessions are read as
+/// the function's owner (a superuser, or a member of pg_read_all_stats).
+fn oldest_transaction() -> f64 {
+    const QUERY: &str = "SELECT pg_catalog.date_part('epoch', pg_catalog.now() - LEAST(
+            (SELECT pg_catalog.min(a.xact_start) FROM pg_catalog.pg_stat_activity AS a
+              WHERE a.datname = pg_catalog.current_database()
+                AND a.backend_type = 'client backend'
+                AND a.pid <> pg_catalog.pg_backend_pid()
+                AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)),
+            (SELECT pg_catalog.min(p.prepared) FROM pg_catalog.pg_prepared_xacts AS p
+              WHERE p.database = pg_catalog.current_database())))";
+    Spi::get_one::<f64>(QUERY)
+        .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest transaction: {e}"))
+        .unwrap_or(0.0)
+        .max(0.0)
+}
+
+/// `n_dead_tup` of `outbox.events`: what vacuum found it could not remove
+/// yet, and what was deleted or updated since.
+fn dead_tuples() -> f64 {
+    const QUERY: &str = "SELECT pg_catalog.pg_stat_get_dead_tuples('outbox.events'::pg_catalog.regclass)";
+    Spi::get_one::<i64>(QUERY)
+        .unwrap_or_else(|e| error!("outbox metrics: cannot read the dead tuples of outbox.events: {e}"))
+        .unwrap_or(0) as f64
 }
 
 /// The rows of `outbox.unreported`, counted up to [`UNREPORTED_CAP`] + 1:

@@ -102,6 +102,7 @@ def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
         "outbox_workers_running": "gauge", "outbox_workers_connected": "gauge",
         "outbox_events": "gauge", "outbox_events_estimated": "gauge", "outbox_lag_seconds": "gauge",
         "outbox_events_unreported": "gauge", "outbox_workers_blocked": "gauge", "outbox_purge_lag_seconds": "gauge",
+        "outbox_oldest_transaction_seconds": "gauge", "outbox_events_dead_tuples": "gauge",
     }
     assert {name: f.type for name, f in families.items()} == expected
     assert all(f.documentation for f in families.values())
@@ -202,3 +203,27 @@ def test_status_is_exact_while_counting_is_cheap_and_costs_the_same_beyond(outbo
 
 
 QUERIES = ("TABLE outbox.status", "TABLE outbox.metrics", "SELECT outbox_metrics_prometheus()")
+
+
+def test_a_long_transaction_and_the_dead_rows_it_keeps_show_in_the_metrics(outbox):
+    assert outbox.metric("outbox_oldest_transaction_seconds") < 5
+    with outbox.connect(autocommit=False) as pin:
+        # Idle in a transaction with an xid: no snapshot held, still pinning.
+        pin.execute("SELECT pg_current_xact_id()")
+        time.sleep(2)
+        assert outbox.metric("outbox_oldest_transaction_seconds") >= 2
+        outbox.sql("SELECT outbox_enqueue('m', '{}', queue => 'q_dead') FROM generate_series(1, 100)")
+        wait_until(lambda: outbox.count("dispatched") == 100, message="the events dispatched")
+        outbox.sql("VACUUM outbox.events")
+        # Claimed and marked: two dead versions each, which vacuum keeps.
+        wait_until(lambda: outbox.metric("outbox_events_dead_tuples") >= 200, message="the dead rows counted")
+    with outbox.connect() as conn:
+        conn.execute("BEGIN")
+        conn.execute("SELECT outbox_enqueue('m', '{}', queue => 'q_dead')")
+        conn.execute("PREPARE TRANSACTION 'outbox_metrics_old'")
+    try:
+        time.sleep(2)
+        assert outbox.metric("outbox_oldest_transaction_seconds") >= 2
+    finally:
+        outbox.sql("ROLLBACK PREPARED 'outbox_metrics_old'")
+    assert outbox.metric("outbox_oldest_transaction_seconds") < 2

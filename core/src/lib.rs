@@ -7,6 +7,7 @@ pub mod backoff;
 pub mod broker_url;
 pub mod celery;
 pub mod exposition;
+pub mod frontier;
 pub mod link;
 pub mod named;
 pub mod report;

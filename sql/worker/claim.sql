@@ -1,39 +1,115 @@
--- Claim up to $1 due events for dispatcher $2, oldest due first. SKIP LOCKED
--- lets any number of dispatchers claim side by side without waiting or
--- claiming twice. The claim's time (processing_started_at, returned last)
--- and $2 are its token: only the holder of both may record an outcome.
--- Each claim is a new send, with a new send_id: the message carries it,
--- and a worker's report is taken only when it names it.
--- Served by events_pending_idx. Names are qualified: nothing here resolves
--- through a search_path (which the dispatcher also pins).
-WITH due AS (
-    SELECT id
-      FROM outbox.events
-     WHERE status = 'pending'
-       AND available_at <= pg_catalog.now()
-     ORDER BY available_at
+-- Claim up to $1 due events for dispatcher $2. FOR NO KEY UPDATE SKIP
+-- LOCKED lets any number of dispatchers claim side by side without waiting
+-- or claiming twice (and without waiting on a foreign key's KEY SHARE). The
+-- claim's time (processing_started_at) and $2 are its token: only the
+-- holder of both may record an outcome. Each claim is a new send, with a
+-- new send_id: the message carries it, and a worker's report is taken only
+-- when it names it.
+--
+-- Where to look comes from the dispatcher's frontier (core/src/frontier.rs),
+-- which says why these four scans, in this order, miss nothing and walk
+-- nothing twice, however many dead entries a held-back vacuum leaves:
+--   segmented  in (pending_xid, id) order, the ranges $3..$6: the rows of
+--              each transaction passed in progress and ended since ($6),
+--              then the fresh rows; events_pending_xid_idx;
+--   came_due   rows passed (up to key $7, $8, not of transactions $9)
+--              that fell due after ($10, $11); events_pending_idx;
+--   swept      with $12, rows passed and due by $15 (or now), from
+--              ($13, $14) on; events_pending_idx;
+-- each with what the ones before it left of $1. (IS TRUE keeps the planner
+-- from scanning the last two by events_pending_xid_idx, which would walk
+-- every entry below the frontier, dead ones included: the statistics know
+-- nothing of those.) Returns the snapshot and
+-- the time the scans used, with each row's scan and keys: one row with
+-- NULL columns when nothing was claimed.
+-- Names are qualified: nothing here resolves through a search_path (which
+-- the dispatcher also pins).
+WITH snapshot AS MATERIALIZED (
+    SELECT pg_catalog.pg_current_snapshot() AS s
+), segment AS (
+    SELECT g.n, g.after_xid, g.after_id, g.before_xid
+      FROM ROWS FROM (pg_catalog.unnest($3::pg_catalog.xid8[]), pg_catalog.unnest($4::uuid[]),
+                      pg_catalog.unnest($5::pg_catalog.xid8[]), pg_catalog.unnest($6::pg_catalog.xid8[]))
+           WITH ORDINALITY AS g(after_xid, after_id, before_xid, ended, n)
+     WHERE g.ended IS NULL
+        OR pg_catalog.pg_visible_in_snapshot(g.ended, (SELECT snapshot.s FROM snapshot))
+), segmented AS MATERIALIZED (
+    SELECT g.n - 1 AS segment, e.id
+      FROM segment AS g
+     CROSS JOIN LATERAL (
+           SELECT e.id
+             FROM outbox.events AS e
+            WHERE e.status = 'pending'
+              AND (e.pending_xid, e.id) > (g.after_xid, g.after_id)
+              AND e.pending_xid < g.before_xid
+              AND e.available_at <= pg_catalog.now()
+            ORDER BY e.pending_xid, e.id
+            LIMIT $1
+              FOR NO KEY UPDATE SKIP LOCKED) AS e
      LIMIT $1
-       FOR UPDATE SKIP LOCKED
+), came_due AS MATERIALIZED (
+    SELECT e.id
+      FROM outbox.events AS e
+     WHERE e.status = 'pending'
+       AND (e.available_at, e.id) > ($10, $11)
+       AND e.available_at <= pg_catalog.now()
+       AND ((e.pending_xid, e.id) <= ($7::pg_catalog.xid8, $8)) IS TRUE
+       AND e.pending_xid <> ALL ($9::pg_catalog.xid8[])
+     ORDER BY e.available_at, e.id
+     LIMIT $1 - (SELECT pg_catalog.count(*) FROM segmented)
+       FOR NO KEY UPDATE SKIP LOCKED
+), swept AS MATERIALIZED (
+    SELECT e.id
+      FROM outbox.events AS e
+     WHERE $12
+       AND e.status = 'pending'
+       AND (e.available_at, e.id) > (coalesce($13, '-infinity'), coalesce($14, '00000000-0000-0000-0000-000000000000'))
+       AND e.available_at <= LEAST($15, pg_catalog.now())
+       AND ($7 IS NULL
+            OR (((e.pending_xid, e.id) <= ($7::pg_catalog.xid8, $8)) IS TRUE
+                AND e.pending_xid <> ALL ($9::pg_catalog.xid8[])))
+     ORDER BY e.available_at, e.id
+     LIMIT $1 - (SELECT pg_catalog.count(*) FROM segmented) - (SELECT pg_catalog.count(*) FROM came_due)
+       FOR NO KEY UPDATE SKIP LOCKED
+), due AS (
+    SELECT 's' AS scan, segmented.segment, segmented.id FROM segmented
+    UNION ALL
+    SELECT 'c', NULL, came_due.id FROM came_due
+    UNION ALL
+    SELECT 'w', NULL, swept.id FROM swept
+), claimed AS (
+    UPDATE outbox.events AS e
+       SET status = 'processing',
+           processing_started_at = pg_catalog.now(),
+           claimed_by = $2,
+           send_id = pg_catalog.gen_random_uuid()
+      FROM due
+     WHERE e.id = due.id
+    RETURNING e.id,
+              e.event_type,
+              e.payload::pg_catalog.text,
+              e.queue,
+              coalesce(e.task, e.event_type) AS task,
+              e.headers::pg_catalog.text,
+              e.priority,
+              e.retry_count,
+              e.created_at::pg_catalog.text,
+              pg_catalog.date_part('epoch', e.created_at) AS created_epoch,
+              e.args::pg_catalog.text,
+              pg_catalog.to_char(pg_catalog.timezone('UTC', e.expires_at), 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')
+                  AS expires,
+              pg_catalog.date_part('epoch', e.expires_at) AS expires_epoch,
+              e.send_id,
+              due.scan,
+              due.segment,
+              e.pending_xid::pg_catalog.text AS pending_xid,
+              e.available_at
 )
-UPDATE outbox.events AS e
-   SET status = 'processing',
-       processing_started_at = pg_catalog.now(),
-       claimed_by = $2,
-       send_id = pg_catalog.gen_random_uuid()
-  FROM due
- WHERE e.id = due.id
-RETURNING e.id,
-          e.event_type,
-          e.payload::pg_catalog.text,
-          e.queue,
-          coalesce(e.task, e.event_type),
-          e.headers::pg_catalog.text,
-          e.priority,
-          e.retry_count,
-          e.created_at::pg_catalog.text,
-          pg_catalog.date_part('epoch', e.created_at),
-          e.args::pg_catalog.text,
-          pg_catalog.to_char(pg_catalog.timezone('UTC', e.expires_at), 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'),
-          pg_catalog.date_part('epoch', e.expires_at),
-          e.processing_started_at,
-          e.send_id
+SELECT c.id, c.event_type, c.payload, c.queue, c.task, c.headers, c.priority, c.retry_count, c.created_at,
+       c.created_epoch, c.args, c.expires, c.expires_epoch, c.send_id, c.scan, c.segment, c.pending_xid,
+       c.available_at,
+       pg_catalog.now() AS now,
+       pg_catalog.pg_snapshot_xmax(snapshot.s)::pg_catalog.text AS xmax,
+       ARRAY(SELECT x::pg_catalog.text FROM pg_catalog.pg_snapshot_xip(snapshot.s) AS x) AS xip
+  FROM snapshot
+  LEFT JOIN claimed AS c ON true

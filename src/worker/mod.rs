@@ -148,7 +148,7 @@ impl Dispatcher {
             index,
             slot,
             broker: Broker::new(index, &settings.broker),
-            store: Store::new(index, settings.statement_timeout),
+            store: Store::new(index, settings.statement_timeout, settings.sweep_interval),
             settings,
             origin: setup::origin(),
             unsettled: Outcome::default(),
@@ -242,7 +242,7 @@ impl Dispatcher {
         if settings.broker != self.settings.broker {
             self.broker.replace(&settings.broker, &self.slot);
         }
-        self.store.set_statement_timeout(settings.statement_timeout);
+        self.store.set_timings(settings.statement_timeout, settings.sweep_interval);
         self.settings = settings;
         self.housekeeping.reschedule(&self.settings);
         self.broker.reschedule(&self.settings);

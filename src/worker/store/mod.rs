@@ -17,8 +17,11 @@ use pgrx::{PgSqlErrorCode, PgTryBuilder};
 use outbox_core::report::Report;
 
 mod batches;
+mod claim;
 
 pub use batches::{Backoff, Flushed};
+use claim::Micros;
+use outbox_core::frontier::Frontier;
 
 unsafe extern "C-unwind" {
     /// utils/timeout.h, which pgrx does not bind.
@@ -159,6 +162,11 @@ pub struct Store {
     flush_backoff: Backoff,
     /// The longest one transaction may run.
     statement_timeout: Duration,
+    /// Where this dispatcher's claims have got to.
+    frontier: Frontier<Micros>,
+    /// How often a claim sweeps everything pending, and when next.
+    sweep_interval: Duration,
+    next_sweep: Instant,
 }
 
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
@@ -170,6 +178,7 @@ const INT8_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID);
 const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
 const FLOAT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8OID);
 const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
+const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 
 /// What a transaction with the plans came to.
@@ -209,7 +218,26 @@ impl Plans {
             )?,
             accumulating: prepare(include_str!("../../../sql/worker/accumulating.sql"), &[])?,
             fail_batch: prepare(include_str!("../../../sql/worker/fail_batch.sql"), &[INT8, TEXT, INT8])?,
-            claim: prepare(include_str!("../../../sql/worker/claim.sql"), &[INT4, INT4])?,
+            claim: prepare(
+                include_str!("../../../sql/worker/claim.sql"),
+                &[
+                    INT4,
+                    INT4,
+                    TEXT_ARRAY,
+                    UUID_ARRAY,
+                    TEXT_ARRAY,
+                    TEXT_ARRAY,
+                    TEXT,
+                    UUID,
+                    TEXT_ARRAY,
+                    TIMESTAMPTZ,
+                    UUID,
+                    BOOL,
+                    TIMESTAMPTZ,
+                    UUID,
+                    TIMESTAMPTZ,
+                ],
+            )?,
             next_due: prepare(include_str!("../../../sql/worker/next_due.sql"), &[INT8_ARRAY])?,
             mark_dispatched: prepare(
                 include_str!("../../../sql/worker/mark_dispatched.sql"),
@@ -453,12 +481,15 @@ fn sqlstate_class(code: PgSqlErrorCode) -> [u8; 2] {
 }
 
 impl Store {
-    pub fn new(dispatcher: usize, statement_timeout: Duration) -> Store {
+    pub fn new(dispatcher: usize, statement_timeout: Duration, sweep_interval: Duration) -> Store {
         Store {
             dispatcher: dispatcher as i32,
             plans: None,
             flush_backoff: Backoff::default(),
             statement_timeout,
+            frontier: Frontier::new(),
+            sweep_interval,
+            next_sweep: Instant::now() + sweep_interval,
         }
     }
 
@@ -467,8 +498,10 @@ impl Store {
         self.flush_backoff.next_due()
     }
 
-    pub fn set_statement_timeout(&mut self, timeout: Duration) {
-        self.statement_timeout = timeout;
+    pub fn set_timings(&mut self, statement_timeout: Duration, sweep_interval: Duration) {
+        self.statement_timeout = statement_timeout;
+        self.next_sweep = self.next_sweep.min(Instant::now() + sweep_interval);
+        self.sweep_interval = sweep_interval;
     }
 
     /// Runs `body` in a transaction with the plans ready; `None` when the
@@ -535,6 +568,11 @@ impl Store {
         batch_budget: i64,
     ) -> Result<Claim, StoreError> {
         let mut backoff = std::mem::take(&mut self.flush_backoff);
+        if Instant::now() >= self.next_sweep {
+            self.frontier.start_sweep();
+            self.next_sweep = Instant::now() + self.sweep_interval;
+        }
+        let bounds = self.frontier.bounds();
         let claimed = self.with_plans(|client, plans, dispatcher| {
             mark(client, plans, dispatcher, settled)?;
             let flushed = batches::flush(client, plans, batch_budget, &mut backoff)?;
@@ -545,35 +583,8 @@ impl Store {
                 // from a new one.
                 durable_commit(client)?;
             }
-            let args: [DatumWithOid; 2] = [(limit as i32).into(), dispatcher.into()];
-            report_running(&plans.claim.text);
-            let table = client.update(&plans.claim.plan, None, &args)?;
-            let mut events = Vec::with_capacity(table.len());
-            let mut claimed_at = None;
-            for row in table {
-                let Some(id) = row.get::<pgrx::Uuid>(1)? else {
-                    continue;
-                };
-                events.push(ClaimedEvent {
-                    id: uuid::Uuid::from_bytes(*id.as_bytes()),
-                    event_type: row.get(2)?.unwrap_or_default(),
-                    payload: row.get(3)?.unwrap_or_default(),
-                    queue: row.get(4)?.unwrap_or_default(),
-                    task: row.get(5)?.unwrap_or_default(),
-                    headers: row.get(6)?,
-                    priority: row.get::<i16>(7)?.unwrap_or(0).clamp(0, 9) as u8,
-                    retry_count: row.get(8)?.unwrap_or(0),
-                    created_at: row.get(9)?.unwrap_or_default(),
-                    created_epoch: row.get(10)?.unwrap_or(0.0),
-                    args: row.get(11)?,
-                    expires: row.get::<String>(12)?.zip(row.get::<f64>(13)?),
-                    send: row
-                        .get::<pgrx::Uuid>(15)?
-                        .map_or(uuid::Uuid::nil(), |s| uuid::Uuid::from_bytes(*s.as_bytes())),
-                });
-                claimed_at = row.get::<ClaimTime>(14)?;
-            }
-            let next_due = if events.is_empty() {
+            let taken = claim::claim(client, plans, dispatcher, limit, &bounds)?;
+            let next_due = if taken.events.is_empty() {
                 report_running(&plans.next_due.text);
                 let skipped: [DatumWithOid; 1] = [backoff.current().into()];
                 let seconds: Option<f64> =
@@ -582,11 +593,15 @@ impl Store {
             } else {
                 None
             };
-            Ok(Claim::Claimed { flushed, events, claimed_at, next_due })
+            Ok((flushed, taken, next_due))
         });
         self.flush_backoff = backoff;
-        let claimed = claimed?;
-        Ok(claimed.unwrap_or(Claim::NoExtension))
+        let Some((flushed, taken, next_due)) = claimed? else {
+            self.frontier = Frontier::new();
+            return Ok(Claim::NoExtension);
+        };
+        self.frontier.advance(&bounds, limit, &taken.snapshot, taken.now, &taken.read);
+        Ok(Claim::Claimed { flushed, events: taken.events, claimed_at: taken.claimed_at, next_due })
     }
 
     /// Records `settled` on its own, when no claim is to follow.

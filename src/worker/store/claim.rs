@@ -1,0 +1,134 @@
+//! The claim (sql/worker/claim.sql): the frontier's bounds in, the claimed
+//! events and what moves the frontier out.
+
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+use pgrx::spi::{SpiClient, SpiError, SpiErrorCodes};
+
+use outbox_core::frontier::{Bounds, Claimed, Snapshot, Source, Xid};
+
+use super::{report_running, ClaimTime, ClaimedEvent, Plans};
+
+/// The frontier's time: `available_at` as PostgreSQL stores it.
+pub type Micros = i64;
+
+/// What one claim took.
+pub struct Taken {
+    pub events: Vec<ClaimedEvent>,
+    /// The claim's token; `None` when nothing was claimed.
+    pub claimed_at: Option<ClaimTime>,
+    /// What the frontier advances by once the claim commits.
+    pub snapshot: Snapshot,
+    pub now: Micros,
+    pub read: Vec<Claimed<Micros>>,
+}
+
+fn uuid_of(id: pgrx::Uuid) -> uuid::Uuid {
+    uuid::Uuid::from_bytes(*id.as_bytes())
+}
+
+fn pg_uuid(id: uuid::Uuid) -> pgrx::Uuid {
+    pgrx::Uuid::from_bytes(id.into_bytes())
+}
+
+fn time(at: Micros) -> Option<TimestampWithTimeZone> {
+    TimestampWithTimeZone::try_from(at).ok()
+}
+
+/// A column the statement always fills came back empty.
+fn missing() -> SpiError {
+    SpiError::SpiError(SpiErrorCodes::NoAttribute)
+}
+
+fn xid(text: Option<String>) -> Result<Xid, SpiError> {
+    text.as_deref().and_then(|t| t.parse().ok()).ok_or_else(missing)
+}
+
+/// Claims up to `limit` events for `dispatcher` within `bounds`.
+pub fn claim(
+    client: &mut SpiClient<'_>,
+    plans: &Plans,
+    dispatcher: i32,
+    limit: usize,
+    bounds: &Bounds<Micros>,
+) -> Result<Taken, SpiError> {
+    let segments = &bounds.segments;
+    let after_xid: Vec<String> = segments.iter().map(|s| s.after.0.to_string()).collect();
+    let after_id: Vec<pgrx::Uuid> = segments.iter().map(|s| pg_uuid(s.after.1)).collect();
+    let before: Vec<String> = segments.iter().map(|s| s.before.to_string()).collect();
+    let ended: Vec<Option<String>> = segments.iter().map(|s| s.ended.map(|x| x.to_string())).collect();
+    let behind: Vec<String> = bounds.behind.iter().map(|x| x.to_string()).collect();
+    let sweep = bounds.sweep;
+    let sweep_after = sweep.and_then(|s| s.after);
+    let args: [DatumWithOid; 15] = [
+        (limit as i32).into(),
+        dispatcher.into(),
+        after_xid.into(),
+        after_id.into(),
+        before.into(),
+        ended.into(),
+        bounds.passed.map(|p| p.0.to_string()).into(),
+        bounds.passed.map(|p| pg_uuid(p.1)).into(),
+        behind.into(),
+        bounds.came_due_after.and_then(|c| time(c.0)).into(),
+        bounds.came_due_after.map(|c| pg_uuid(c.1)).into(),
+        sweep.is_some().into(),
+        sweep_after.and_then(|s| time(s.0)).into(),
+        sweep_after.map(|s| pg_uuid(s.1)).into(),
+        sweep.and_then(|s| s.until).and_then(time).into(),
+    ];
+    report_running(&plans.claim.text);
+    let table = client.update(&plans.claim.plan, None, &args)?;
+    let mut claimed = Taken {
+        events: Vec::with_capacity(table.len()),
+        claimed_at: None,
+        snapshot: Snapshot { xmax: 0, xip: Vec::new() },
+        now: 0,
+        read: Vec::with_capacity(table.len()),
+    };
+    for row in table {
+        let now = row.get::<ClaimTime>(19)?.ok_or_else(missing)?;
+        claimed.now = now.into_inner();
+        claimed.snapshot = Snapshot {
+            xmax: xid(row.get(20)?)?,
+            xip: row
+                .get::<Vec<Option<String>>>(21)?
+                .unwrap_or_default()
+                .into_iter()
+                .map(xid)
+                .collect::<Result<_, _>>()?,
+        };
+        let Some(id) = row.get::<pgrx::Uuid>(1)? else {
+            continue;
+        };
+        let id = uuid_of(id);
+        claimed.claimed_at = Some(now);
+        claimed.events.push(ClaimedEvent {
+            id,
+            event_type: row.get(2)?.unwrap_or_default(),
+            payload: row.get(3)?.unwrap_or_default(),
+            queue: row.get(4)?.unwrap_or_default(),
+            task: row.get(5)?.unwrap_or_default(),
+            headers: row.get(6)?,
+            priority: row.get::<i16>(7)?.unwrap_or(0).clamp(0, 9) as u8,
+            retry_count: row.get(8)?.unwrap_or(0),
+            created_at: row.get(9)?.unwrap_or_default(),
+            created_epoch: row.get(10)?.unwrap_or(0.0),
+            args: row.get(11)?,
+            expires: row.get::<String>(12)?.zip(row.get::<f64>(13)?),
+            send: row.get::<pgrx::Uuid>(14)?.map_or(uuid::Uuid::nil(), uuid_of),
+        });
+        let source = match row.get::<String>(15)?.as_deref() {
+            Some("s") => Source::Segment(row.get::<i64>(16)?.unwrap_or(0) as usize),
+            Some("c") => Source::CameDue,
+            _ => Source::Swept,
+        };
+        let available_at = row.get::<TimestampWithTimeZone>(18)?.ok_or_else(missing)?;
+        claimed.read.push(Claimed {
+            source,
+            key: (xid(row.get(17)?)?, id),
+            available_at: available_at.into_inner(),
+        });
+    }
+    Ok(claimed)
+}

@@ -1,0 +1,138 @@
+"""The claim keeps its place (core/src/frontier.rs): its cost does not grow
+with the dead entries a held-back vacuum leaves, and keeping its place
+loses nothing: not an event whose transaction commits after later ones
+were claimed (nor a prepared one), not one locked by another session as
+the claim went by, not one a DBA sets pending by hand or a restore brings
+back with another history's transaction id."""
+
+from harness import Cluster, queued_ids, wait_until
+
+CLAIM = "%SET status = 'processing'%"
+
+
+def enqueue(conn, queue, event_type="e"):
+    return str(conn.execute("SELECT outbox_enqueue(%s, '{}', queue => %s)", (event_type, queue)).fetchone()[0])
+
+
+def test_a_claim_costs_the_same_with_500000_dead_entries_ahead_of_it(redis_server):
+    pg = Cluster(redis_server.url, sweep_interval="1h",
+                 server_conf={"shared_preload_libraries": "'outbox_dispatch,pg_stat_statements'",
+                              "pg_stat_statements.track": "all"})
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.sql("CREATE EXTENSION pg_stat_statements")
+        client = redis_server.client()
+        # A session idle in a transaction with an xid, for the whole test:
+        # vacuum can remove no row version that died after it began.
+        pin = pg.connect(autocommit=False)
+        pin.execute("SELECT pg_current_xact_id()")
+
+        def blocks_per_claim(events=20):
+            """Shared buffers one claim touches, on average, while events
+            are enqueued one transaction at a time and each is dispatched
+            before the next."""
+            pg.sql("SELECT pg_stat_statements_reset()")
+            with pg.connect() as conn:
+                for _ in range(events):
+                    event = enqueue(conn, "q_cost")
+                    wait_until(lambda: event in queued_ids(client, "q_cost"), message="the event in Redis")
+            calls, blocks = pg.sql("SELECT sum(calls), sum(shared_blks_hit + shared_blks_read) "
+                                   "FROM pg_stat_statements WHERE query LIKE %s", (CLAIM,))[0]
+            assert calls >= events
+            return blocks / calls
+
+        before = blocks_per_claim()
+        # 500,000 events that were pending and are no longer, as if claimed
+        # and dispatched: their pending entries are dead, and stay.
+        pg.configure(enabled="off")
+        pg.sql("INSERT INTO outbox.events (event_type, queue) SELECT 'gone', 'q_gone' FROM generate_series(1, 500000)")
+        pg.sql("UPDATE outbox.events SET status = 'dispatched', dispatched_at = now() WHERE queue = 'q_gone'")
+        pg.sql("VACUUM outbox.events")
+        wait_until(lambda: pg.value("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'events'") >= 500000,
+                   message="vacuum to leave the dead rows in place")
+        pg.configure(enabled="on")
+        # The first claim walks them, once; later claims start past them.
+        with pg.connect() as conn:
+            event = enqueue(conn, "q_cost")
+        wait_until(lambda: event in queued_ids(client, "q_cost"), timeout=120, message="the first event after")
+        after = blocks_per_claim()
+        assert after <= 2 * before + 10, (before, after)
+        pin.rollback()
+        pin.close()
+    finally:
+        pg.close()
+
+
+def test_events_committed_after_later_ones_were_claimed_are_dispatched(outbox, redis_server):
+    client = redis_server.client()
+    late, rolled_back, prepared = (outbox.connect(autocommit=False) for _ in range(3))
+    try:
+        late_id = enqueue(late, "q_late", "late")
+        rolled_back_id = enqueue(rolled_back, "q_late", "rolled_back")
+        prepared_id = enqueue(prepared, "q_late", "prepared")
+        prepared.execute("PREPARE TRANSACTION 'outbox_late'")
+        # Later transactions commit first; their events are claimed while
+        # the three above are still in progress.
+        with outbox.connect() as conn:
+            early = [enqueue(conn, "q_late") for _ in range(50)]
+        wait_until(lambda: set(early) <= set(queued_ids(client, "q_late")), message="the early events")
+        late.commit()
+        rolled_back.rollback()
+        outbox.sql("COMMIT PREPARED 'outbox_late'")
+        # COMMIT PREPARED wakes nobody; the poll would, later.
+        outbox.sql("SELECT outbox_wake()")
+        wait_until(lambda: {late_id, prepared_id} <= set(queued_ids(client, "q_late")),
+                   message="the late and the prepared event")
+        with outbox.connect() as conn:
+            last = enqueue(conn, "q_late")
+        wait_until(lambda: last in queued_ids(client, "q_late"), message="an event after them")
+        ids = queued_ids(client, "q_late")
+        assert rolled_back_id not in ids
+        assert sorted(ids) == sorted(early + [late_id, prepared_id, last])
+    finally:
+        for conn in (late, rolled_back, prepared):
+            conn.close()
+        if outbox.value("SELECT count(*) FROM pg_prepared_xacts WHERE gid = 'outbox_late'"):
+            outbox.sql("ROLLBACK PREPARED 'outbox_late'")
+
+
+def test_an_event_locked_as_the_claim_went_by_is_swept_up(outbox, redis_server):
+    client = redis_server.client()
+    outbox.configure(sweep_interval="2s", enabled="off")
+    wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
+    locked_id, key_share_id = (
+        outbox.value("INSERT INTO outbox.events (event_type, queue) VALUES (%s, 'q_locked') RETURNING id::text", (t,))
+        for t in ("locked", "key_share"))
+    with outbox.connect(autocommit=False) as holder, outbox.connect(autocommit=False) as key_share:
+        holder.execute("SELECT 1 FROM outbox.events WHERE id = %s FOR SHARE", (locked_id,))
+        # A foreign key's KEY SHARE lock does not stop the claim at all.
+        key_share.execute("SELECT 1 FROM outbox.events WHERE id = %s FOR KEY SHARE", (key_share_id,))
+        outbox.configure(enabled="on")
+        with outbox.connect() as conn:
+            passing = enqueue(conn, "q_locked")
+        wait_until(lambda: {passing, key_share_id} <= set(queued_ids(client, "q_locked")),
+                   message="the events not locked against the claim")
+        assert outbox.value("SELECT status::text FROM outbox.events WHERE id = %s", (locked_id,)) == "pending"
+        holder.rollback()
+    wait_until(lambda: locked_id in queued_ids(client, "q_locked"), message="the sweep to find the locked event")
+
+
+def test_events_set_pending_by_hand_or_restored_are_put_in_line(outbox, redis_server):
+    client = redis_server.client()
+    with outbox.connect() as conn:
+        passed = enqueue(conn, "q_hand")
+        wait_until(lambda: passed in queued_ids(client, "q_hand"), message="the first send")
+        # A DBA sends a dispatched event again by hand.
+        conn.execute("UPDATE outbox.events SET status = 'pending' WHERE id = %s", (passed,))
+        wait_until(lambda: queued_ids(client, "q_hand").count(passed) == 2, message="the send by hand")
+        # A DBA hurries an event delayed by an hour.
+        delayed = str(conn.execute("SELECT outbox_enqueue('e', '{}', queue => 'q_hand', delay => '1 hour')")
+                      .fetchone()[0])
+        conn.execute("UPDATE outbox.events SET available_at = now() WHERE id = %s", (delayed,))
+        wait_until(lambda: delayed in queued_ids(client, "q_hand"), message="the hurried event")
+        # A row copied in with the transaction id of another history (a
+        # restored dump), far behind where the claim has got to.
+        restored = conn.execute("INSERT INTO outbox.events (event_type, queue, pending_xid) "
+                                "VALUES ('restored', 'q_hand', '3') RETURNING id::text").fetchone()[0]
+        wait_until(lambda: restored in queued_ids(client, "q_hand"), message="the restored event")
+    assert outbox.value("SELECT pending_xid = '3' FROM outbox.events WHERE id = %s", (restored,)) is False
