@@ -61,7 +61,7 @@ BEGIN
        OR task_bytes OPERATOR(pg_catalog.<) 1 OR task_bytes OPERATOR(pg_catalog.>) max_name_bytes
        OR payload_bytes OPERATOR(pg_catalog.>) max_payload
        OR pg_catalog.jsonb_typeof(headers) OPERATOR(pg_catalog.<>) 'object'
-       OR delay OPERATOR(pg_catalog.<) interval '0'
+       OR delay OPERATOR(pg_catalog.<) interval '0' OR NOT pg_catalog.isfinite(delay)
        OR priority OPERATOR(pg_catalog.<) 0 OR priority OPERATOR(pg_catalog.>) 9
        OR expires OPERATOR(pg_catalog.<=) interval '0'
        OR pg_catalog.jsonb_typeof(args) OPERATOR(pg_catalog.<>) 'array'
@@ -101,8 +101,8 @@ BEGIN
                 pg_catalog.jsonb_typeof(headers)
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
-        IF delay OPERATOR(pg_catalog.<) interval '0' THEN
-            RAISE EXCEPTION 'outbox_enqueue: delay must not be negative (got %)', delay
+        IF delay OPERATOR(pg_catalog.<) interval '0' OR NOT pg_catalog.isfinite(delay) THEN
+            RAISE EXCEPTION 'outbox_enqueue: delay must be finite and not negative (got %)', delay
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
         IF expires OPERATOR(pg_catalog.<=) interval '0' THEN

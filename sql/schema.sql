@@ -106,9 +106,12 @@ BEGIN
 END
 $$;
 CREATE TRIGGER events_pending_again
-    BEFORE INSERT OR UPDATE OF status, available_at ON outbox.events
+    BEFORE INSERT OR UPDATE OF status, available_at, pending_xid ON outbox.events
     FOR EACH ROW WHEN (NEW.status = 'pending' AND NEW.pending_xid <> pg_catalog.pg_current_xact_id())
     EXECUTE FUNCTION @extschema@.outbox_pending_again();
+-- Also where triggers are off for replication (a logical replication
+-- subscriber applying the rows of another server's history).
+ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER events_pending_again;
 
 -- Stuck claims, and the claims a restarted dispatcher releases.
 CREATE INDEX events_processing_idx ON outbox.events (processing_started_at, claimed_by)

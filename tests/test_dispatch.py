@@ -181,7 +181,8 @@ BAD_INPUTS = [
     ("SELECT outbox_enqueue('e', jsonb_build_object('x', repeat('p', 2000)))",
      "payload is 2017 bytes as jsonb, over outbox.max_payload_bytes (1024 bytes)"),
     ("SELECT outbox_enqueue('e', '{}', headers => '[1]')", "headers must be a JSON object, not array"),
-    ("SELECT outbox_enqueue('e', '{}', delay => '-1 minute')", "delay must not be negative (got -00:01:00)"),
+    ("SELECT outbox_enqueue('e', '{}', delay => '-1 minute')",
+     "delay must be finite and not negative (got -00:01:00)"),
     ("SELECT outbox_enqueue('e', '{}', priority => 10)", "priority is 10, it must be 0 (highest) to 9"),
 ]
 
@@ -234,10 +235,10 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "accumulating.sql": ("", "", []),
         worker / "fail_batch.sql": ("(bigint, text, bigint)", "(1, 'x', 1048576)", [("batch_members_waiting_idx",)]),
         worker / "claim.sql": (
-            "(int, int, text[], uuid[], text[], text[], text, uuid, text[], timestamptz, uuid, bool, timestamptz, "
-            "uuid, timestamptz)",
-            f"(100, 0, '{{7,100}}', ARRAY['{LAST}', '{LAST}']::uuid[], '{{9,{2**64 - 1}}}', '{{8,NULL}}', '100', "
-            f"'{LAST}', '{{8}}', now(), '{LAST}', true, now(), '{LAST}', now())",
+            "(int, int, text[], text[], text[], uuid[], text[], text, uuid, text[], uuid[], timestamptz, uuid, bool)",
+            f"(100, 0, '{{behind,fresh,sweep}}', '{{8,NULL,NULL}}', '{{7,100,0}}', ARRAY['{LAST}', '{LAST}', "
+            f"'{LAST}']::uuid[], '{{9,100000,50}}', '100', '{LAST}', '{{8}}', ARRAY[NULL]::uuid[], now(), '{LAST}', "
+            "true)",
             [("events_pending_xid_idx",), ("events_pending_idx",)]),
         worker / "next_due.sql": ("(bigint[])", "('{}')", [("events_pending_idx",), ("batch_members_waiting_idx",)]),
         worker / "release.sql": ("(uuid[], int, timestamptz)", "(NULL, 0, NULL)", [("events_processing_idx",)]),

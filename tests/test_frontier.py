@@ -5,6 +5,9 @@ were claimed (nor a prepared one), not one locked by another session as
 the claim went by, not one a DBA sets pending by hand or a restore brings
 back with another history's transaction id."""
 
+import psycopg
+import pytest
+
 from harness import Cluster, queued_ids, wait_until
 
 CLAIM = "%SET status = 'processing'%"
@@ -135,4 +138,28 @@ def test_events_set_pending_by_hand_or_restored_are_put_in_line(outbox, redis_se
         restored = conn.execute("INSERT INTO outbox.events (event_type, queue, pending_xid) "
                                 "VALUES ('restored', 'q_hand', '3') RETURNING id::text").fetchone()[0]
         wait_until(lambda: restored in queued_ids(client, "q_hand"), message="the restored event")
-    assert outbox.value("SELECT pending_xid = '3' FROM outbox.events WHERE id = %s", (restored,)) is False
+        # Nor can an UPDATE set it behind the claim.
+        moved = str(conn.execute("SELECT outbox_enqueue('e', '{}', queue => 'q_hand', delay => '1 hour')")
+                    .fetchone()[0])
+        conn.execute("UPDATE outbox.events SET pending_xid = '3' WHERE id = %s", (moved,))
+    assert outbox.value("SELECT count(*) FROM outbox.events WHERE pending_xid = '3'") == 0
+
+
+def test_events_due_at_infinity_stop_nothing(outbox, redis_server):
+    client = redis_server.client()
+    never, always = (outbox.value("INSERT INTO outbox.events (event_type, queue, available_at) "
+                                  "VALUES ('e', 'q_infinity', %s) RETURNING id::text", (at,))
+                     for at in ("infinity", "-infinity"))
+    with outbox.connect() as conn:
+        after = enqueue(conn, "q_infinity")
+    wait_until(lambda: {always, after} <= set(queued_ids(client, "q_infinity")), message="the events that are due")
+    # The dispatcher sleeps with one event never due, and wakes for the next.
+    outbox.wait_idle()
+    with outbox.connect() as conn:
+        later = enqueue(conn, "q_infinity")
+    wait_until(lambda: later in queued_ids(client, "q_infinity"), message="an event after it")
+    assert never not in queued_ids(client, "q_infinity")
+    assert outbox.value("SELECT last_error FROM outbox.workers") is None
+    if outbox.value("SHOW server_version_num") >= "170000":
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="delay must be finite"):
+            outbox.sql("SELECT outbox_enqueue('e', '{}', delay => 'infinity')")

@@ -11,28 +11,38 @@
 //! row pending (inserted it, or set it pending again), then the row's id.
 //! Transaction ids are handed out in order but commit in any order, which
 //! snapshots describe exactly: every transaction below a snapshot's `xmax`
-//! and not in its `xip` list had ended when it was taken. So one claim
-//! statement scans
+//! and not in its `xip` list had ended when it was taken. One claim
+//! statement reads, in this order:
 //!
-//! - **fresh** rows: from the key where this dispatcher got to, on;
-//! - rows of the transactions it passed while they were in progress
-//!   (**behind**), once each has ended, from where it got to in each;
-//! - rows it passed before they were due, once due (**came due**: by
-//!   `(available_at, id)` from the time of its last claim on);
-//! - and, once per sweep interval, every pending row (a **sweep**: by
-//!   `(available_at, id)`, in steps), for rows it could not lock as it
-//!   passed them, or that came in with a `pending_xid` of another history (a
-//!   restored dump).
+//! - rows passed before they were due, once due (**came due**: by
+//!   `(available_at, id)`, from the time of the last claim on);
+//! - rows of the transactions the fresh range passed while they were in
+//!   progress (**behind**), once each has ended, from where it got to in
+//!   each;
+//! - **fresh** rows, from where the dispatcher got to on.
 //!
-//! The four are disjoint, and each has a `LIMIT` of what the ones before it
-//! left. A source that returned fewer rows than its limit has been read to
-//! its end; one that returned its limit stopped at the last row it
-//! returned. [`Frontier::advance`] moves every position accordingly, and
-//! only after the claim committed: a claim that failed is scanned again.
-//! Everything here is plain arithmetic on what the claim returned; the SQL
-//! is `sql/worker/claim.sql`.
+//! Once per sweep interval a **sweep** reads the rows it passed again, from
+//! the start, in claims of their own (when a claim finds nothing, and now
+//! and then under load): rows another session held locked as the claim
+//! went by (`SKIP LOCKED` skips them), or that came in with a `pending_xid`
+//! of another history (triggers disabled).
+//!
+//! Each scan has a `LIMIT` of what the ones before it left, and they are
+//! disjoint. A scan that returned fewer rows than its limit has been read
+//! to its end; one that returned its limit stopped at the last row it
+//! returned. The fresh range and the sweep read at most [`Frontier::window`]
+//! transaction ids per claim, so no claim walks an unbounded stretch of
+//! dead entries (after a restart, or in a sweep, under a pinned xmin); the
+//! window widens while claims are quick and narrows when one is slow. (The
+//! entries of one transaction are not split: a sweep walks those of the
+//! largest transaction that ever made rows pending in one claim.)
+//! [`Frontier::advance`] moves every position accordingly, and only after
+//! the claim committed: a claim that failed is read again. Everything here
+//! is arithmetic on what the claim returned; the SQL is
+//! `sql/worker/claim.sql`.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use uuid::Uuid;
 
@@ -48,6 +58,15 @@ pub type DueKey<T> = (T, Uuid);
 /// The last id: after `(x, LAST)` comes the first row of transaction x + 1.
 const LAST: Uuid = Uuid::from_u128(u128::MAX);
 
+/// Transaction ids the fresh range and the sweep read ahead per claim, at
+/// first and at least; a claim quicker than [`QUICK`] doubles it, one
+/// slower than [`SLOW`] halves it.
+const WINDOW_START: Xid = 1 << 16;
+const WINDOW_MIN: Xid = 1 << 10;
+const WINDOW_MAX: Xid = 1 << 40;
+const QUICK: Duration = Duration::from_millis(5);
+const SLOW: Duration = Duration::from_millis(20);
+
 /// The claim statement's snapshot: transactions below `xmax` had ended when
 /// it was taken, except those in `xip`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,13 +75,19 @@ pub struct Snapshot {
     pub xip: Vec<Xid>,
 }
 
+impl Snapshot {
+    /// Did the snapshot see transaction `xid` as ended?
+    fn saw_end_of(&self, xid: Xid) -> bool {
+        xid < self.xmax && !self.xip.contains(&xid)
+    }
+}
+
 /// Which scan of the claim found a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
+    CameDue,
     /// The range of [`Bounds::segments`] with this index.
     Segment(usize),
-    CameDue,
-    Swept,
 }
 
 /// One claimed row, as far as positions go.
@@ -73,51 +98,60 @@ pub struct Claimed<T> {
     pub available_at: T,
 }
 
+/// What a segment reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// The rows of one transaction passed in progress; read only once it
+    /// has ended (while it runs its rows are invisible, and a scan would
+    /// cost an index descent for nothing).
+    Behind(Xid),
+    Fresh,
+    /// Rows passed, due by the start of the came-due range, and not of a
+    /// behind transaction.
+    Sweep,
+}
+
 /// A range in `(pending_xid, id)` order: rows after `after` with a
-/// `pending_xid` below `before`. With `ended`, only once that transaction
-/// has ended (while it runs its rows are invisible, and a scan costs an
-/// index descent for nothing).
+/// `pending_xid` below `before`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Segment {
+    pub kind: Kind,
     pub after: XidKey,
     pub before: Xid,
-    pub ended: Option<Xid>,
 }
 
-/// What one claim scans.
+/// What one claim reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bounds<T> {
-    /// Behind transactions in order, then the fresh range.
-    pub segments: Vec<Segment>,
-    /// Rows the segments have passed: up to this key, and not of `behind`.
-    /// `None` before the first claim, which passes nothing.
-    pub passed: Option<XidKey>,
-    pub behind: Vec<Xid>,
-    /// Passed rows that have come due: after this key, up to the claim's now.
+    /// Passed rows that have come due: after this key, up to the claim's
+    /// now. `None` on the first claim, which has passed nothing. A sweep
+    /// reads rows due up to it.
     pub came_due_after: Option<DueKey<T>>,
-    /// A sweep under way: passed rows after `after` and due by `until`
-    /// (`None`: the claim's now).
-    pub sweep: Option<SweepBounds<T>>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SweepBounds<T> {
-    pub after: Option<DueKey<T>>,
-    pub until: Option<T>,
+    /// Whether the claim reads the rows came due (a sweep's does not).
+    pub came_due: bool,
+    /// Behind transactions in order and the fresh range; or a sweep.
+    pub segments: Vec<Segment>,
+    /// Rows passed: up to this key...
+    pub passed: XidKey,
+    /// ...except those of these transactions after these ids (`None`: all).
+    pub behind: Vec<(Xid, Option<Uuid>)>,
 }
 
 /// Where one dispatcher's claims have got to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Frontier<T> {
-    /// Rows after this key have not been looked at; `None` until the first
-    /// claim.
-    fresh: Option<XidKey>,
+    /// Rows after this key have not been looked at.
+    fresh: XidKey,
     /// Transactions the fresh range passed while they were in progress, and
     /// where their own rows have got to (`None`: their first row).
     behind: BTreeMap<Xid, Option<Uuid>>,
     /// Passed rows due after this key have not been looked at again.
     came_due: Option<DueKey<T>>,
-    sweep: Option<SweepBounds<T>>,
+    /// A sweep under way: passed rows after this key not looked at again.
+    sweep: Option<XidKey>,
+    window: Xid,
+    /// The last snapshot's `xmax`: the fresh range has caught up with it.
+    xmax: Xid,
 }
 
 impl<T: Copy + Ord> Default for Frontier<T> {
@@ -127,21 +161,23 @@ impl<T: Copy + Ord> Default for Frontier<T> {
 }
 
 impl<T: Copy + Ord> Frontier<T> {
-    /// Before the first claim, which sweeps everything due.
+    /// Before the first claim: everything pending is fresh.
     pub fn new() -> Self {
         Frontier {
-            fresh: None,
+            fresh: (0, LAST),
             behind: BTreeMap::new(),
             came_due: None,
-            sweep: Some(SweepBounds { after: None, until: None }),
+            sweep: None,
+            window: WINDOW_START,
+            xmax: 0,
         }
     }
 
-    /// Starts a sweep of every pending row passed and due by now, unless
-    /// one is under way.
+    /// Starts a sweep of every row passed, unless one is under way (or
+    /// nothing was passed yet: the first claim reads everything).
     pub fn start_sweep(&mut self) {
-        if self.sweep.is_none() {
-            self.sweep = Some(SweepBounds { after: None, until: self.came_due.map(|(at, _)| at) });
+        if self.came_due.is_some() {
+            self.sweep.get_or_insert((0, LAST));
         }
     }
 
@@ -149,36 +185,58 @@ impl<T: Copy + Ord> Frontier<T> {
         self.sweep.is_some()
     }
 
-    /// Transactions passed in progress and not yet read.
-    pub fn behind(&self) -> usize {
-        self.behind.len()
+    /// Is there more to read than the last claim could: the fresh range
+    /// short of the last snapshot, or a sweep under way? Then the next
+    /// claim is due at once, whether or not this one found anything.
+    pub fn catching_up(&self) -> bool {
+        self.fresh.0.saturating_add(1) < self.xmax || self.sweep.is_some()
     }
 
-    /// What the next claim scans.
+    /// Transaction ids read ahead per claim.
+    pub fn window(&self) -> Xid {
+        self.window
+    }
+
+    /// What the next claim reads.
     pub fn bounds(&self) -> Bounds<T> {
         let mut segments: Vec<Segment> = self
             .behind
             .iter()
             .map(|(&xid, after)| Segment {
-                after: after.map_or((xid - 1, LAST), |id| (xid, id)),
-                before: xid + 1,
-                ended: Some(xid),
+                kind: Kind::Behind(xid),
+                after: after.map_or((xid.saturating_sub(1), LAST), |id| (xid, id)),
+                before: xid.saturating_add(1),
             })
             .collect();
-        if let Some(after) = self.fresh {
-            segments.push(Segment { after, before: Xid::MAX, ended: None });
-        }
+        segments.push(Segment { kind: Kind::Fresh, after: self.fresh, before: self.ahead(self.fresh.0) });
+        self.reading(true, segments)
+    }
+
+    /// What the next step of the sweep under way reads.
+    pub fn sweep_bounds(&self) -> Option<Bounds<T>> {
+        let after = self.sweep?;
+        let before = self.ahead(after.0).min(self.fresh.0.saturating_add(1));
+        Some(self.reading(false, vec![Segment { kind: Kind::Sweep, after, before }]))
+    }
+
+    fn reading(&self, came_due: bool, segments: Vec<Segment>) -> Bounds<T> {
         Bounds {
+            came_due_after: self.came_due,
+            came_due,
             segments,
             passed: self.fresh,
-            behind: self.behind.keys().copied().collect(),
-            came_due_after: self.came_due,
-            sweep: self.sweep,
+            behind: self.behind.iter().map(|(&xid, &after)| (xid, after)).collect(),
         }
     }
 
+    /// The end of a window that reads on after transaction `xid`.
+    fn ahead(&self, xid: Xid) -> Xid {
+        xid.saturating_add(1).saturating_add(self.window)
+    }
+
     /// Moves past what a claim of up to `limit` rows with these `bounds`
-    /// read, at `now` with `snapshot`, once it has committed.
+    /// read, at `now` with `snapshot`, once it has committed; `took` is how
+    /// long its transaction ran.
     pub fn advance(
         &mut self,
         bounds: &Bounds<T>,
@@ -186,86 +244,86 @@ impl<T: Copy + Ord> Frontier<T> {
         snapshot: &Snapshot,
         now: T,
         claimed: &[Claimed<T>],
+        took: Duration,
     ) {
-        let in_progress = |xid: &Xid| snapshot.xip.contains(xid);
-        // A row updated after the snapshot was taken (made pending again,
-        // or moved, by a transaction the snapshot does not see) is returned
-        // as it is now, not where the scan found it: its keys say nothing
-        // of how far the scan got.
-        let scanned = |c: &&Claimed<T>| c.key.0 < snapshot.xmax && !in_progress(&c.key.0);
+        // A row updated after the snapshot was taken (set pending again,
+        // or moved, by a transaction the snapshot does not see) comes back
+        // as it is now, not where the scan found it; so do rows of the
+        // claim's own transaction. Their keys say nothing of how far a scan
+        // got.
+        let placed = |c: &&Claimed<T>| snapshot.saw_end_of(c.key.0);
         let from = |source: Source| claimed.iter().filter(move |c| c.source == source);
-        let segmented = claimed.iter().filter(|c| matches!(c.source, Source::Segment(_))).count();
+
+        let came_due = from(Source::CameDue).count();
+        if bounds.came_due {
+            if bounds.came_due_after.is_none() || came_due < limit {
+                self.came_due = Some((now, LAST));
+            } else if let Some(key) =
+                from(Source::CameDue).filter(placed).map(|c| (c.available_at, c.key.1)).max()
+            {
+                self.came_due = Some(key);
+            }
+        }
+
         // The segments are read in order under one LIMIT: all of them to
         // their end, or up to the last row returned.
+        let room = limit.saturating_sub(came_due);
+        let segmented = claimed.len() - came_due;
         let last = claimed
             .iter()
             .filter_map(|c| match c.source {
                 Source::Segment(i) => Some(i),
-                _ => None,
+                Source::CameDue => None,
             })
             .max();
         let reach = |i: usize| match last {
-            _ if segmented < limit => Reach::End,
+            _ if segmented < room => Reach::End,
             Some(last) if i < last => Reach::End,
-            Some(last) if i == last => claimed
-                .iter()
-                .filter(|c| c.source == Source::Segment(i))
-                .filter(scanned)
-                .map(|c| c.key)
-                .max()
-                .map_or(Reach::Unread, Reach::Key),
+            Some(last) if i == last => {
+                from(Source::Segment(i)).filter(placed).map(|c| c.key).max().map_or(Reach::Unread, Reach::Key)
+            }
             _ => Reach::Unread,
         };
-        let xids = bounds.behind.len();
-        for (i, xid) in bounds.behind.iter().enumerate() {
-            match reach(i) {
-                Reach::End if !in_progress(xid) => {
-                    self.behind.remove(xid);
+        for (i, segment) in bounds.segments.iter().enumerate() {
+            match (segment.kind, reach(i)) {
+                (Kind::Behind(xid), Reach::End) if !snapshot.xip.contains(&xid) => {
+                    self.behind.remove(&xid);
                 }
-                Reach::Key((_, id)) => {
-                    self.behind.insert(*xid, Some(id));
+                (Kind::Behind(xid), Reach::Key((_, id))) => {
+                    self.behind.insert(xid, Some(id));
                 }
-                Reach::End | Reach::Unread => {}
+                (Kind::Fresh, Reach::End) => {
+                    // Read to the end of its window, or of what the
+                    // snapshot could see.
+                    let end = segment.before.min(snapshot.xmax).saturating_sub(1);
+                    self.pass((end, LAST).max(self.fresh), snapshot);
+                }
+                (Kind::Fresh, Reach::Key(key)) => self.pass(key, snapshot),
+                (Kind::Sweep, Reach::End) => {
+                    let end = (segment.before.saturating_sub(1), LAST);
+                    self.sweep = (end < self.fresh).then_some(end);
+                }
+                (Kind::Sweep, Reach::Key(key)) => self.sweep = Some(key),
+                _ => {}
             }
         }
-        let passed = match (bounds.passed, reach(xids)) {
-            (None, _) | (Some(_), Reach::End) => Some((snapshot.xmax - 1, LAST)),
-            (Some(_), Reach::Key(key)) => Some(key),
-            (Some(_), Reach::Unread) => None,
+        self.xmax = self.xmax.max(snapshot.xmax);
+        self.window = if took < QUICK {
+            self.window.saturating_mul(2).min(WINDOW_MAX)
+        } else if took > SLOW {
+            (self.window / 2).max(WINDOW_MIN)
+        } else {
+            self.window
         };
-        if let Some(passed) = passed {
-            // What was in progress as the fresh range went by is behind now.
-            for &xid in snapshot.xip.iter().filter(|&&xid| xid <= passed.0) {
-                self.behind.entry(xid).or_insert(None);
-            }
-            self.fresh = Some(passed);
-        }
+    }
 
-        let room = limit.saturating_sub(segmented);
-        let came_due = from(Source::CameDue).count();
-        if bounds.passed.is_none() || came_due < room {
-            self.came_due = Some((now, LAST));
-        } else if let Some(key) =
-            from(Source::CameDue).filter(scanned).map(|c| (c.available_at, c.key.1)).max()
-        {
-            self.came_due = Some(key);
+    /// Moves the fresh range to `passed`: what was in progress as it went
+    /// by is behind now.
+    fn pass(&mut self, passed: XidKey, snapshot: &Snapshot) {
+        for &xid in snapshot.xip.iter().filter(|&&xid| xid <= passed.0) {
+            self.behind.entry(xid).or_insert(None);
         }
-
-        let room = room.saturating_sub(came_due);
-        if let Some(sweep) = bounds.sweep {
-            let swept = from(Source::Swept).count();
-            let until = Some(sweep.until.unwrap_or(now));
-            self.sweep = if swept < room {
-                None
-            } else {
-                let after = from(Source::Swept)
-                    .filter(scanned)
-                    .map(|c| (c.available_at, c.key.1))
-                    .max()
-                    .or(sweep.after);
-                Some(SweepBounds { after, until })
-            };
-        }
+        self.fresh = passed;
     }
 }
 
@@ -280,6 +338,8 @@ enum Reach {
 mod tests {
     use super::*;
 
+    const QUICKLY: Duration = Duration::from_millis(10);
+
     fn id(n: u128) -> Uuid {
         Uuid::from_u128(n)
     }
@@ -292,60 +352,77 @@ mod tests {
         Snapshot { xmax, xip: xip.to_vec() }
     }
 
+    fn fresh(f: &Frontier<i64>) -> usize {
+        f.bounds().segments.iter().position(|s| s.kind == Kind::Fresh).unwrap()
+    }
+
     /// A frontier after its first claim at `now` with `snapshot`, which
     /// found nothing.
     fn started(snapshot: &Snapshot, now: i64) -> Frontier<i64> {
         let mut f = Frontier::new();
         let b = f.bounds();
-        f.advance(&b, 10, snapshot, now, &[]);
+        f.advance(&b, 10, snapshot, now, &[], QUICKLY);
         f
     }
 
     #[test]
-    fn the_first_claim_sweeps_everything_due_and_passes_the_snapshot() {
+    fn the_first_claim_reads_everything_pending_and_passes_the_snapshot() {
         let mut f = Frontier::<i64>::new();
         let b = f.bounds();
-        assert!(b.segments.is_empty() && b.passed.is_none());
-        assert_eq!(b.sweep, Some(SweepBounds { after: None, until: None }));
-        f.advance(&b, 10, &snapshot(100, &[90, 95]), 1000, &[row(Source::Swept, 7, 1, 5)]);
+        assert_eq!(b.came_due_after, None);
+        assert_eq!(
+            b.segments,
+            vec![Segment { kind: Kind::Fresh, after: (0, LAST), before: WINDOW_START + 1 }]
+        );
+        f.advance(&b, 10, &snapshot(100, &[90, 95]), 1000, &[row(Source::Segment(0), 7, 1, 5)], QUICKLY);
         let b = f.bounds();
-        // Read to the end: no sweep left; 90 and 95 are behind, fresh from 100.
-        assert_eq!(b.sweep, None);
-        assert_eq!(b.behind, vec![90, 95]);
-        assert_eq!(b.passed, Some((99, LAST)));
-        assert_eq!(b.segments.last(), Some(&Segment { after: (99, LAST), before: Xid::MAX, ended: None }));
-        assert_eq!(b.segments[0], Segment { after: (89, LAST), before: 91, ended: Some(90) });
+        assert_eq!(b.behind, vec![(90, None), (95, None)]);
+        assert_eq!(b.passed, (99, LAST));
+        assert_eq!(b.segments[0], Segment { kind: Kind::Behind(90), after: (89, LAST), before: 91 });
         assert_eq!(b.came_due_after, Some((1000, LAST)));
+        assert!(!f.catching_up());
     }
 
     #[test]
-    fn a_sweep_cut_by_the_limit_goes_on_from_its_last_row_until_the_first_now() {
+    fn a_fresh_range_beyond_its_window_is_read_in_windows_one_claim_after_another() {
         let mut f = Frontier::<i64>::new();
         let b = f.bounds();
-        let rows: Vec<_> = (0..3).map(|n| row(Source::Swept, 7, n, 10 + n as i64)).collect();
-        f.advance(&b, 3, &snapshot(100, &[]), 1000, &rows);
+        // A snapshot far beyond the first window: the claim read the
+        // window, found nothing, and says there is more.
+        f.advance(&b, 10, &snapshot(1 << 20, &[]), 1000, &[], QUICKLY);
+        assert_eq!(f.bounds().passed, (WINDOW_START, LAST));
+        assert!(f.catching_up());
+        // A quick claim doubles the window, a slow one halves it.
+        assert_eq!(f.window(), WINDOW_START);
         let b = f.bounds();
-        assert_eq!(b.sweep, Some(SweepBounds { after: Some((12, id(2))), until: Some(1000) }));
-        // Next claim: room is taken by fresh rows; the sweep stays put.
-        let rows: Vec<_> = (0..3).map(|n| row(Source::Segment(0), 120, n, 1500)).collect();
-        f.advance(&b, 3, &snapshot(130, &[]), 2000, &rows);
-        assert_eq!(f.bounds().sweep, Some(SweepBounds { after: Some((12, id(2))), until: Some(1000) }));
+        f.advance(&b, 10, &snapshot(1 << 20, &[]), 1000, &[], Duration::from_millis(1));
+        assert_eq!(f.window(), 2 * WINDOW_START);
+        assert_eq!(f.bounds().passed, (2 * WINDOW_START, LAST));
+        let b = f.bounds();
+        f.advance(&b, 10, &snapshot(1 << 20, &[]), 1000, &[], Duration::from_secs(1));
+        assert_eq!(f.window(), WINDOW_START);
     }
 
     #[test]
     fn a_transaction_in_progress_when_passed_is_read_once_it_has_ended() {
         let mut f = started(&snapshot(100, &[90]), 1000);
-        // 90 still runs: its segment is asked only once ended, and kept.
         let b = f.bounds();
         assert_eq!(b.segments.len(), 2);
-        f.advance(&b, 10, &snapshot(110, &[90, 105]), 1100, &[row(Source::Segment(1), 101, 1, 1050)]);
-        assert_eq!(f.bounds().behind, vec![90, 105]);
+        f.advance(
+            &b,
+            10,
+            &snapshot(110, &[90, 105]),
+            1100,
+            &[row(Source::Segment(1), 101, 1, 1050)],
+            QUICKLY,
+        );
+        assert_eq!(f.bounds().behind, vec![(90, None), (105, None)]);
         // 90 committed with two rows, 105 still runs.
         let b = f.bounds();
         let rows = [row(Source::Segment(0), 90, 5, 900), row(Source::Segment(0), 90, 6, 900)];
-        f.advance(&b, 10, &snapshot(120, &[105]), 1200, &rows);
-        assert_eq!(f.bounds().behind, vec![105]);
-        assert_eq!(f.bounds().passed, Some((119, LAST)));
+        f.advance(&b, 10, &snapshot(120, &[105]), 1200, &rows, QUICKLY);
+        assert_eq!(f.bounds().behind, vec![(105, None)]);
+        assert_eq!(f.bounds().passed, (119, LAST));
     }
 
     #[test]
@@ -353,51 +430,68 @@ mod tests {
         let mut f = started(&snapshot(100, &[90]), 1000);
         let b = f.bounds();
         let rows: Vec<_> = (0..3).map(|n| row(Source::Segment(0), 90, n, 900)).collect();
-        f.advance(&b, 3, &snapshot(130, &[]), 1100, &rows);
+        f.advance(&b, 3, &snapshot(130, &[]), 1100, &rows, QUICKLY);
         let b = f.bounds();
-        assert_eq!(b.segments[0], Segment { after: (90, id(2)), before: 91, ended: Some(90) });
+        assert_eq!(b.segments[0], Segment { kind: Kind::Behind(90), after: (90, id(2)), before: 91 });
+        assert_eq!(b.behind, vec![(90, Some(id(2)))]);
         // The fresh range was not read: it stays where it was.
-        assert_eq!(b.passed, Some((99, LAST)));
-        // The came-due scan had no room: it stays too.
-        assert_eq!(b.came_due_after, Some((1000, LAST)));
-        f.advance(&b, 3, &snapshot(130, &[]), 1200, &[row(Source::Segment(0), 90, 3, 900)]);
-        assert_eq!(f.bounds().behind, Vec::<Xid>::new());
-        assert_eq!(f.bounds().passed, Some((129, LAST)));
+        assert_eq!(b.passed, (99, LAST));
+        f.advance(&b, 3, &snapshot(130, &[]), 1200, &[row(Source::Segment(0), 90, 3, 900)], QUICKLY);
+        assert_eq!(f.bounds().behind, vec![]);
+        assert_eq!(f.bounds().passed, (129, LAST));
     }
 
     #[test]
     fn a_fresh_range_cut_by_the_limit_keeps_what_it_passed_in_progress() {
         let mut f = started(&snapshot(100, &[]), 1000);
         let b = f.bounds();
+        let i = fresh(&f);
         // 104 ran while rows of 103 and 107 were read; 110 is beyond the cut.
-        let rows = [row(Source::Segment(0), 103, 1, 1000), row(Source::Segment(0), 107, 1, 1000)];
-        f.advance(&b, 2, &snapshot(120, &[104, 110]), 1100, &rows);
+        let rows = [row(Source::Segment(i), 103, 1, 1000), row(Source::Segment(i), 107, 1, 1000)];
+        f.advance(&b, 2, &snapshot(120, &[104, 110]), 1100, &rows, QUICKLY);
         let b = f.bounds();
-        assert_eq!(b.passed, Some((107, id(1))));
-        assert_eq!(b.behind, vec![104]);
+        assert_eq!(b.passed, (107, id(1)));
+        assert_eq!(b.behind, vec![(104, None)]);
     }
 
     #[test]
-    fn rows_came_due_are_read_from_the_last_claim_on() {
+    fn rows_came_due_are_read_first_from_the_last_claim_on() {
         let mut f = started(&snapshot(100, &[]), 1000);
         let b = f.bounds();
         let rows = [row(Source::CameDue, 50, 1, 1010), row(Source::CameDue, 60, 2, 1020)];
-        f.advance(&b, 5, &snapshot(100, &[]), 1100, &rows);
+        f.advance(&b, 5, &snapshot(100, &[]), 1100, &rows, QUICKLY);
         assert_eq!(f.bounds().came_due_after, Some((1100, LAST)));
         let b = f.bounds();
-        let rows = [row(Source::Segment(0), 101, 1, 1100), row(Source::CameDue, 50, 3, 1030)];
-        f.advance(&b, 2, &snapshot(110, &[]), 1200, &rows);
-        assert_eq!(f.bounds().came_due_after, Some((1030, id(3))));
+        let rows = [row(Source::CameDue, 50, 3, 1030), row(Source::CameDue, 51, 4, 1040)];
+        f.advance(&b, 2, &snapshot(110, &[]), 1200, &rows, QUICKLY);
+        assert_eq!(f.bounds().came_due_after, Some((1040, id(4))));
+        // They took the whole claim: the fresh range stays.
+        assert_eq!(f.bounds().passed, (99, LAST));
     }
 
     #[test]
-    fn a_sweep_starts_from_the_beginning_until_the_came_due_scan() {
-        let mut f = started(&snapshot(100, &[]), 1000);
-        assert!(!f.sweeping());
-        f.start_sweep();
-        assert_eq!(f.bounds().sweep, Some(SweepBounds { after: None, until: Some(1000) }));
+    fn a_sweep_reads_everything_passed_in_windows_and_ends_at_the_fresh_range() {
+        let mut f = started(&snapshot(1 << 17, &[]), 1000);
         let b = f.bounds();
-        f.advance(&b, 10, &snapshot(100, &[]), 1100, &[row(Source::Swept, 5, 1, 10)]);
+        f.advance(&b, 10, &snapshot(1 << 17, &[]), 1000, &[], QUICKLY);
+        assert!(!f.catching_up());
+        assert_eq!(f.sweep_bounds(), None);
+        f.start_sweep();
+        assert!(f.sweeping() && f.catching_up());
+        // The regular claims go on as before; the sweep has claims of its own.
+        assert!(f.bounds().segments.iter().all(|s| s.kind != Kind::Sweep));
+        let b = f.sweep_bounds().unwrap();
+        assert!(!b.came_due && b.came_due_after == Some((1000, LAST)));
+        assert_eq!(
+            b.segments,
+            vec![Segment { kind: Kind::Sweep, after: (0, LAST), before: WINDOW_START + 1 }]
+        );
+        f.advance(&b, 10, &snapshot(1 << 17, &[]), 1100, &[row(Source::Segment(0), 5, 1, 10)], QUICKLY);
+        // Read to the end of its window: on from there; came-due untouched.
+        assert_eq!(f.sweep_bounds().unwrap().segments[0].after, (WINDOW_START, LAST));
+        assert_eq!(f.bounds().came_due_after, Some((1000, LAST)));
+        let b = f.sweep_bounds().unwrap();
+        f.advance(&b, 10, &snapshot(1 << 17, &[]), 1200, &[], QUICKLY);
         assert!(!f.sweeping());
     }
 
@@ -405,15 +499,26 @@ mod tests {
     fn a_row_updated_after_the_snapshot_does_not_move_a_position() {
         let mut f = started(&snapshot(100, &[]), 1000);
         let b = f.bounds();
+        let i = fresh(&f);
         // The scan locked (101, 1) and a row it found at (102, 5), which a
         // transaction the snapshot does not see (150) has set pending again
         // since: it comes back with its new key, far beyond the scan.
-        let rows = [row(Source::Segment(0), 101, 1, 1000), row(Source::Segment(0), 150, 5, 1000)];
-        f.advance(&b, 2, &snapshot(140, &[]), 1100, &rows);
-        assert_eq!(f.bounds().passed, Some((101, id(1))));
-        // Only such rows: the position stays where it was.
+        let rows = [row(Source::Segment(i), 101, 1, 1000), row(Source::Segment(i), 150, 5, 1000)];
+        f.advance(&b, 2, &snapshot(140, &[]), 1100, &rows, QUICKLY);
+        assert_eq!(f.bounds().passed, (101, id(1)));
+        // Only such rows (or the claim's own, beyond xmax): it stays.
         let b = f.bounds();
-        f.advance(&b, 1, &snapshot(140, &[]), 1200, &[row(Source::Segment(0), 150, 6, 1000)]);
-        assert_eq!(f.bounds().passed, Some((101, id(1))));
+        f.advance(&b, 1, &snapshot(140, &[]), 1200, &[row(Source::Segment(i), 150, 6, 1000)], QUICKLY);
+        assert_eq!(f.bounds().passed, (101, id(1)));
+    }
+
+    #[test]
+    fn the_fresh_range_never_moves_back() {
+        let mut f = started(&snapshot(100, &[]), 1000);
+        let b = f.bounds();
+        // An older snapshot than the last one (another transaction's view
+        // can lag): read to its end, the position stays.
+        f.advance(&b, 10, &snapshot(90, &[]), 1100, &[], QUICKLY);
+        assert_eq!(f.bounds().passed, (99, LAST));
     }
 }

@@ -7,30 +7,48 @@
 -- when it names it.
 --
 -- Where to look comes from the dispatcher's frontier (core/src/frontier.rs),
--- which says why these four scans, in this order, miss nothing and walk
--- nothing twice, however many dead entries a held-back vacuum leaves:
---   segmented  in (pending_xid, id) order, the ranges $3..$6: the rows of
---              each transaction passed in progress and ended since ($6),
---              then the fresh rows; events_pending_xid_idx;
---   came_due   rows passed (up to key $7, $8, not of transactions $9)
---              that fell due after ($10, $11); events_pending_idx;
---   swept      with $12, rows passed and due by $15 (or now), from
---              ($13, $14) on; events_pending_idx;
--- each with what the ones before it left of $1. (IS TRUE keeps the planner
--- from scanning the last two by events_pending_xid_idx, which would walk
--- every entry below the frontier, dead ones included: the statistics know
--- nothing of those.) Returns the snapshot and
--- the time the scans used, with each row's scan and keys: one row with
--- NULL columns when nothing was claimed.
+-- which says why these scans, in this order, miss nothing and walk nothing
+-- twice, however many dead entries a held-back vacuum leaves:
+--   came_due   with $14, rows passed (up to key $8, $9, but not the unread
+--              rows of the behind transactions $10 after ids $11) that fell
+--              due after ($12, $13); events_pending_idx;
+--   segmented  in (pending_xid, id) order, the ranges $3..$7 (kind, the
+--              transaction a behind range waits for, after, before): each
+--              behind transaction once ended and the fresh range; or a
+--              step of a sweep: the passed rows again (those due by $12,
+--              not of a behind transaction's unread rows);
+--              events_pending_xid_idx;
+-- the second with what the first left of $1. (IS TRUE keeps the planner
+-- from scanning came_due by events_pending_xid_idx, which would walk every
+-- entry below the frontier, dead ones included: the statistics know
+-- nothing of those.) Returns the snapshot and the time the scans used,
+-- with each row's scan and keys: one row with NULL columns when nothing
+-- was claimed.
 -- Names are qualified: nothing here resolves through a search_path (which
 -- the dispatcher also pins).
 WITH snapshot AS MATERIALIZED (
     SELECT pg_catalog.pg_current_snapshot() AS s
+), unread AS MATERIALIZED (
+    SELECT b.xid, b.after
+      FROM ROWS FROM (pg_catalog.unnest($10::pg_catalog.xid8[]), pg_catalog.unnest($11::uuid[])) AS b(xid, after)
+), came_due AS MATERIALIZED (
+    SELECT e.id
+      FROM outbox.events AS e
+     WHERE e.status = 'pending'
+       AND (e.available_at, e.id) > ($12, $13)
+       AND e.available_at <= pg_catalog.now()
+       AND ((e.pending_xid, e.id) <= ($8::pg_catalog.xid8, $9)) IS TRUE
+       AND NOT EXISTS (SELECT FROM unread AS b
+                        WHERE e.pending_xid = b.xid AND (b.after IS NULL OR e.id > b.after))
+     ORDER BY e.available_at, e.id
+     LIMIT CASE WHEN $14 THEN $1 ELSE 0 END
+       FOR NO KEY UPDATE SKIP LOCKED
 ), segment AS (
-    SELECT g.n, g.after_xid, g.after_id, g.before_xid
-      FROM ROWS FROM (pg_catalog.unnest($3::pg_catalog.xid8[]), pg_catalog.unnest($4::uuid[]),
-                      pg_catalog.unnest($5::pg_catalog.xid8[]), pg_catalog.unnest($6::pg_catalog.xid8[]))
-           WITH ORDINALITY AS g(after_xid, after_id, before_xid, ended, n)
+    SELECT g.n, g.kind, g.after_xid, g.after_id, g.before_xid
+      FROM ROWS FROM (pg_catalog.unnest($3::pg_catalog.text[]), pg_catalog.unnest($4::pg_catalog.xid8[]),
+                      pg_catalog.unnest($5::pg_catalog.xid8[]), pg_catalog.unnest($6::uuid[]),
+                      pg_catalog.unnest($7::pg_catalog.xid8[]))
+           WITH ORDINALITY AS g(kind, ended, after_xid, after_id, before_xid, n)
      WHERE g.ended IS NULL
         OR pg_catalog.pg_visible_in_snapshot(g.ended, (SELECT snapshot.s FROM snapshot))
 ), segmented AS MATERIALIZED (
@@ -43,40 +61,19 @@ WITH snapshot AS MATERIALIZED (
               AND (e.pending_xid, e.id) > (g.after_xid, g.after_id)
               AND e.pending_xid < g.before_xid
               AND e.available_at <= pg_catalog.now()
+              AND (g.kind <> 'sweep'
+                   OR (((e.pending_xid, e.id) <= ($8::pg_catalog.xid8, $9)) IS TRUE
+                       AND e.available_at <= $12
+                       AND NOT EXISTS (SELECT FROM unread AS b
+                                        WHERE e.pending_xid = b.xid AND (b.after IS NULL OR e.id > b.after))))
             ORDER BY e.pending_xid, e.id
             LIMIT $1
               FOR NO KEY UPDATE SKIP LOCKED) AS e
-     LIMIT $1
-), came_due AS MATERIALIZED (
-    SELECT e.id
-      FROM outbox.events AS e
-     WHERE e.status = 'pending'
-       AND (e.available_at, e.id) > ($10, $11)
-       AND e.available_at <= pg_catalog.now()
-       AND ((e.pending_xid, e.id) <= ($7::pg_catalog.xid8, $8)) IS TRUE
-       AND e.pending_xid <> ALL ($9::pg_catalog.xid8[])
-     ORDER BY e.available_at, e.id
-     LIMIT $1 - (SELECT pg_catalog.count(*) FROM segmented)
-       FOR NO KEY UPDATE SKIP LOCKED
-), swept AS MATERIALIZED (
-    SELECT e.id
-      FROM outbox.events AS e
-     WHERE $12
-       AND e.status = 'pending'
-       AND (e.available_at, e.id) > (coalesce($13, '-infinity'), coalesce($14, '00000000-0000-0000-0000-000000000000'))
-       AND e.available_at <= LEAST($15, pg_catalog.now())
-       AND ($7 IS NULL
-            OR (((e.pending_xid, e.id) <= ($7::pg_catalog.xid8, $8)) IS TRUE
-                AND e.pending_xid <> ALL ($9::pg_catalog.xid8[])))
-     ORDER BY e.available_at, e.id
-     LIMIT $1 - (SELECT pg_catalog.count(*) FROM segmented) - (SELECT pg_catalog.count(*) FROM came_due)
-       FOR NO KEY UPDATE SKIP LOCKED
+     LIMIT $1 - (SELECT pg_catalog.count(*) FROM came_due)
 ), due AS (
-    SELECT 's' AS scan, segmented.segment, segmented.id FROM segmented
+    SELECT 'c' AS scan, NULL::pg_catalog.int8 AS segment, came_due.id FROM came_due
     UNION ALL
-    SELECT 'c', NULL, came_due.id FROM came_due
-    UNION ALL
-    SELECT 'w', NULL, swept.id FROM swept
+    SELECT 's', segmented.segment, segmented.id FROM segmented
 ), claimed AS (
     UPDATE outbox.events AS e
        SET status = 'processing',

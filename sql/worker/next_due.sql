@@ -4,7 +4,8 @@
 -- its oldest member, or the moment a delayed member falls due (which may
 -- make batch_max), or at once for an ended one (batch_members_waiting_idx);
 -- not for the subscriptions in $1, whose last flush failed (the dispatcher
--- knows when it tries them again).
+-- knows when it tries them again). In seconds since the epoch on both
+-- sides: an event due at 'infinity' gives Infinity, not an error.
 SELECT pg_catalog.date_part('epoch', LEAST(
     (SELECT pg_catalog.min(available_at)
        FROM outbox.events
@@ -27,4 +28,4 @@ SELECT pg_catalog.date_part('epoch', LEAST(
               LIMIT 1)) AS due(at)
       WHERE s.batch_max IS NOT NULL
         AND s.id <> ALL ($1::bigint[]))
-) - pg_catalog.now())
+)) - pg_catalog.date_part('epoch', pg_catalog.now())

@@ -5,7 +5,9 @@ use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiError, SpiErrorCodes};
 
-use outbox_core::frontier::{Bounds, Claimed, Snapshot, Source, Xid};
+use std::time::{Duration, Instant};
+
+use outbox_core::frontier::{Bounds, Claimed, Frontier, Kind, Snapshot, Source, Xid};
 
 use super::{report_running, ClaimTime, ClaimedEvent, Plans};
 
@@ -21,6 +23,16 @@ pub struct Taken {
     pub snapshot: Snapshot,
     pub now: Micros,
     pub read: Vec<Claimed<Micros>>,
+    /// How long the statement ran.
+    pub took: Duration,
+}
+
+impl Taken {
+    /// Moves `frontier` past what this claim of up to `limit` rows within
+    /// `bounds` read; once it has committed.
+    pub fn advance(&self, frontier: &mut Frontier<Micros>, bounds: &Bounds<Micros>, limit: usize) {
+        frontier.advance(bounds, limit, &self.snapshot, self.now, &self.read, self.took);
+    }
 }
 
 fn uuid_of(id: pgrx::Uuid) -> uuid::Uuid {
@@ -53,38 +65,53 @@ pub fn claim(
     bounds: &Bounds<Micros>,
 ) -> Result<Taken, SpiError> {
     let segments = &bounds.segments;
+    let kind: Vec<&str> = segments
+        .iter()
+        .map(|s| match s.kind {
+            Kind::Behind(_) => "behind",
+            Kind::Fresh => "fresh",
+            Kind::Sweep => "sweep",
+        })
+        .collect();
+    let ended: Vec<Option<String>> = segments
+        .iter()
+        .map(|s| match s.kind {
+            Kind::Behind(xid) => Some(xid.to_string()),
+            _ => None,
+        })
+        .collect();
     let after_xid: Vec<String> = segments.iter().map(|s| s.after.0.to_string()).collect();
     let after_id: Vec<pgrx::Uuid> = segments.iter().map(|s| pg_uuid(s.after.1)).collect();
     let before: Vec<String> = segments.iter().map(|s| s.before.to_string()).collect();
-    let ended: Vec<Option<String>> = segments.iter().map(|s| s.ended.map(|x| x.to_string())).collect();
-    let behind: Vec<String> = bounds.behind.iter().map(|x| x.to_string()).collect();
-    let sweep = bounds.sweep;
-    let sweep_after = sweep.and_then(|s| s.after);
-    let args: [DatumWithOid; 15] = [
+    let behind: Vec<String> = bounds.behind.iter().map(|(x, _)| x.to_string()).collect();
+    let behind_after: Vec<Option<pgrx::Uuid>> = bounds.behind.iter().map(|(_, a)| a.map(pg_uuid)).collect();
+    let args: [DatumWithOid; 14] = [
         (limit as i32).into(),
         dispatcher.into(),
+        kind.into(),
+        ended.into(),
         after_xid.into(),
         after_id.into(),
         before.into(),
-        ended.into(),
-        bounds.passed.map(|p| p.0.to_string()).into(),
-        bounds.passed.map(|p| pg_uuid(p.1)).into(),
+        bounds.passed.0.to_string().into(),
+        pg_uuid(bounds.passed.1).into(),
         behind.into(),
+        behind_after.into(),
         bounds.came_due_after.and_then(|c| time(c.0)).into(),
         bounds.came_due_after.map(|c| pg_uuid(c.1)).into(),
-        sweep.is_some().into(),
-        sweep_after.and_then(|s| time(s.0)).into(),
-        sweep_after.map(|s| pg_uuid(s.1)).into(),
-        sweep.and_then(|s| s.until).and_then(time).into(),
+        bounds.came_due.into(),
     ];
     report_running(&plans.claim.text);
+    let started = Instant::now();
     let table = client.update(&plans.claim.plan, None, &args)?;
+    let took = started.elapsed();
     let mut claimed = Taken {
         events: Vec::with_capacity(table.len()),
         claimed_at: None,
         snapshot: Snapshot { xmax: 0, xip: Vec::new() },
         now: 0,
         read: Vec::with_capacity(table.len()),
+        took,
     };
     for row in table {
         let now = row.get::<ClaimTime>(19)?.ok_or_else(missing)?;
@@ -118,10 +145,9 @@ pub fn claim(
             expires: row.get::<String>(12)?.zip(row.get::<f64>(13)?),
             send: row.get::<pgrx::Uuid>(14)?.map_or(uuid::Uuid::nil(), uuid_of),
         });
-        let source = match row.get::<String>(15)?.as_deref() {
-            Some("s") => Source::Segment(row.get::<i64>(16)?.unwrap_or(0) as usize),
-            Some("c") => Source::CameDue,
-            _ => Source::Swept,
+        let source = match row.get::<i64>(16)? {
+            Some(segment) => Source::Segment(segment as usize),
+            None => Source::CameDue,
         };
         let available_at = row.get::<TimestampWithTimeZone>(18)?.ok_or_else(missing)?;
         claimed.read.push(Claimed {

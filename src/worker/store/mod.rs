@@ -167,7 +167,11 @@ pub struct Store {
     /// How often a claim sweeps everything pending, and when next.
     sweep_interval: Duration,
     next_sweep: Instant,
+    last_sweep_step: Instant,
 }
+
+/// Under load, a sweep under way takes a step at least this often.
+const SWEEP_STEP_UNDER_LOAD: Duration = Duration::from_secs(5);
 
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
 const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
@@ -224,18 +228,17 @@ impl Plans {
                     INT4,
                     INT4,
                     TEXT_ARRAY,
-                    UUID_ARRAY,
                     TEXT_ARRAY,
+                    TEXT_ARRAY,
+                    UUID_ARRAY,
                     TEXT_ARRAY,
                     TEXT,
                     UUID,
                     TEXT_ARRAY,
+                    UUID_ARRAY,
                     TIMESTAMPTZ,
                     UUID,
                     BOOL,
-                    TIMESTAMPTZ,
-                    UUID,
-                    TIMESTAMPTZ,
                 ],
             )?,
             next_due: prepare(include_str!("../../../sql/worker/next_due.sql"), &[INT8_ARRAY])?,
@@ -490,6 +493,7 @@ impl Store {
             frontier: Frontier::new(),
             sweep_interval,
             next_sweep: Instant::now() + sweep_interval,
+            last_sweep_step: Instant::now(),
         }
     }
 
@@ -573,6 +577,10 @@ impl Store {
             self.next_sweep = Instant::now() + self.sweep_interval;
         }
         let bounds = self.frontier.bounds();
+        // A sweep takes its steps when a claim finds nothing, and now and
+        // then under load, so that it never holds up fresh events for long.
+        let sweep = self.frontier.sweep_bounds();
+        let sweep_owed = self.last_sweep_step.elapsed() >= SWEEP_STEP_UNDER_LOAD;
         let claimed = self.with_plans(|client, plans, dispatcher| {
             mark(client, plans, dispatcher, settled)?;
             let flushed = batches::flush(client, plans, batch_budget, &mut backoff)?;
@@ -584,23 +592,38 @@ impl Store {
                 durable_commit(client)?;
             }
             let taken = claim::claim(client, plans, dispatcher, limit, &bounds)?;
-            let next_due = if taken.events.is_empty() {
+            let room = limit - taken.events.len();
+            let swept = match &sweep {
+                Some(sweep) if room > 0 && (taken.events.is_empty() || sweep_owed) => {
+                    Some(claim::claim(client, plans, dispatcher, room, sweep)?)
+                }
+                _ => None,
+            };
+            let next_due = if taken.events.is_empty() && swept.as_ref().is_none_or(|s| s.events.is_empty()) {
                 report_running(&plans.next_due.text);
                 let skipped: [DatumWithOid; 1] = [backoff.current().into()];
                 let seconds: Option<f64> =
                     client.select(&plans.next_due.plan, None, &skipped)?.first().get_one()?;
-                seconds.map(|s| Duration::from_secs_f64(s.max(0.0)))
+                seconds.and_then(|s| Duration::try_from_secs_f64(s.max(0.0)).ok())
             } else {
                 None
             };
-            Ok((flushed, taken, next_due))
+            Ok((flushed, taken, swept, next_due))
         });
         self.flush_backoff = backoff;
-        let Some((flushed, taken, next_due)) = claimed? else {
+        let Some((flushed, mut taken, swept, next_due)) = claimed? else {
             self.frontier = Frontier::new();
             return Ok(Claim::NoExtension);
         };
-        self.frontier.advance(&bounds, limit, &taken.snapshot, taken.now, &taken.read);
+        taken.advance(&mut self.frontier, &bounds, limit);
+        if let (Some(step), Some(sweep)) = (swept, sweep) {
+            step.advance(&mut self.frontier, &sweep, limit - taken.events.len());
+            self.last_sweep_step = Instant::now();
+            taken.claimed_at = taken.claimed_at.or(step.claimed_at);
+            taken.events.extend(step.events);
+        }
+        // More to read than one claim may: the next one is due at once.
+        let next_due = if self.frontier.catching_up() { Some(Duration::ZERO) } else { next_due };
         Ok(Claim::Claimed { flushed, events: taken.events, claimed_at: taken.claimed_at, next_due })
     }
 
