@@ -45,7 +45,7 @@ ENQUEUE_ONE = "SELECT outbox_enqueue('bench', %s::jsonb, queue => 'bench_wal')"
 
 
 def lsn(pg):
-    return pg.value("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn")
+    return float(pg.value("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn"))
 
 
 def dead_tuples(pg):

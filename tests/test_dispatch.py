@@ -235,10 +235,11 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "accumulating.sql": ("", "", []),
         worker / "fail_batch.sql": ("(bigint, text, bigint)", "(1, 'x', 1048576)", [("batch_members_waiting_idx",)]),
         worker / "claim.sql": (
-            "(int, int, text[], text[], text[], uuid[], text[], text, uuid, text[], uuid[], timestamptz, uuid, bool)",
+            "(int, int, text[], text[], text[], uuid[], text[], text, uuid, text[], uuid[], timestamptz, uuid, "
+            "timestamptz, timestamptz, timestamptz)",
             f"(100, 0, '{{behind,fresh,sweep}}', '{{8,NULL,NULL}}', '{{7,100,0}}', ARRAY['{LAST}', '{LAST}', "
             f"'{LAST}']::uuid[], '{{9,100000,50}}', '100', '{LAST}', '{{8}}', ARRAY[NULL]::uuid[], now(), '{LAST}', "
-            "true)",
+            "now(), now() + interval '1 minute', NULL)",
             [("events_pending_xid_idx",), ("events_pending_idx",)]),
         worker / "next_due.sql": ("(bigint[])", "('{}')", [("events_pending_idx",), ("batch_members_waiting_idx",)]),
         worker / "release.sql": ("(uuid[], int, timestamptz)", "(NULL, 0, NULL)", [("events_processing_idx",)]),

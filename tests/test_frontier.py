@@ -66,6 +66,39 @@ def test_a_claim_costs_the_same_with_500000_dead_entries_ahead_of_it(redis_serve
         pg.close()
 
 
+def test_claims_keep_within_a_short_deadline_after_a_restart_and_a_pause_under_a_pin(redis_server):
+    """No claim walks an unbounded stretch of entries: not the first one
+    after a restart (which reads everything from the start), not the first
+    after a pause (which reads what fell due meanwhile), however many dead
+    entries a pinned xmin keeps, spread over many transactions. A claim
+    over outbox.statement_timeout narrows its windows and goes on."""
+    pg = Cluster(redis_server.url, statement_timeout="150ms", batch_size=1000)
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        client = redis_server.client()
+        pin = pg.connect(autocommit=False)
+        pin.execute("SELECT pg_current_xact_id()")
+        pg.sql("DO $$ BEGIN FOR i IN 1..20000 LOOP "
+               "PERFORM outbox_enqueue('gone', '{}', queue => 'q_gone') FROM generate_series(1, 10); COMMIT; "
+               "END LOOP; END $$")
+        wait_until(lambda: pg.count("dispatched") == 200_000, timeout=180, message="200,000 events dispatched")
+        pg.configure(enabled="off")
+        wait_until(lambda: pg.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
+        pg.sql("SELECT outbox_enqueue('backlog', '{}', queue => 'q_backlog') FROM generate_series(1, 100000)")
+        [pid] = pg.dispatcher_pids()
+        pg.sql("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_until(lambda: pg.dispatcher_pids() not in ([], [pid]), message="the dispatcher restarted")
+        pg.configure(enabled="on")
+        wait_until(lambda: client.llen("q_backlog") == 100_000, timeout=300, message="the backlog drained")
+        with pg.connect() as conn:
+            last = enqueue(conn, "q_after")
+        wait_until(lambda: last in queued_ids(client, "q_after"), message="an event after it")
+        pin.rollback()
+        pin.close()
+    finally:
+        pg.close()
+
+
 def test_events_committed_after_later_ones_were_claimed_are_dispatched(outbox, redis_server):
     client = redis_server.client()
     late, rolled_back, prepared = (outbox.connect(autocommit=False) for _ in range(3))

@@ -9,13 +9,13 @@
 -- Where to look comes from the dispatcher's frontier (core/src/frontier.rs),
 -- which says why these scans, in this order, miss nothing and walk nothing
 -- twice, however many dead entries a held-back vacuum leaves:
---   came_due   with $14, rows passed (up to key $8, $9, but not the unread
---              rows of the behind transactions $10 after ids $11) that fell
---              due after ($12, $13); events_pending_idx;
+--   came_due   rows passed (up to key $8, $9, but not the unread rows of
+--              the behind transactions $10 after ids $11) that fell due
+--              after ($12, $13), up to $15; events_pending_idx;
 --   segmented  in (pending_xid, id) order, the ranges $3..$7 (kind, the
 --              transaction a behind range waits for, after, before): each
 --              behind transaction once ended and the fresh range; or a
---              step of a sweep: the passed rows again (those due by $12,
+--              step of a sweep: the passed rows again (those due by $14,
 --              not of a behind transaction's unread rows);
 --              events_pending_xid_idx;
 -- the second with what the first left of $1. (IS TRUE keeps the planner
@@ -23,7 +23,9 @@
 -- entry below the frontier, dead ones included: the statistics know
 -- nothing of those.) Returns the snapshot and the time the scans used,
 -- with each row's scan and keys: one row with NULL columns when nothing
--- was claimed.
+-- was claimed. A sweep's step ($14: the start of the came-due range) runs
+-- after the claim of its transaction committed, and records that claim's
+-- time $16 as its own: the two make one batch with one token.
 -- Names are qualified: nothing here resolves through a search_path (which
 -- the dispatcher also pins).
 WITH snapshot AS MATERIALIZED (
@@ -36,12 +38,12 @@ WITH snapshot AS MATERIALIZED (
       FROM outbox.events AS e
      WHERE e.status = 'pending'
        AND (e.available_at, e.id) > ($12, $13)
-       AND e.available_at <= pg_catalog.now()
+       AND e.available_at <= LEAST($15, pg_catalog.now())
        AND ((e.pending_xid, e.id) <= ($8::pg_catalog.xid8, $9)) IS TRUE
        AND NOT EXISTS (SELECT FROM unread AS b
                         WHERE e.pending_xid = b.xid AND (b.after IS NULL OR e.id > b.after))
      ORDER BY e.available_at, e.id
-     LIMIT CASE WHEN $14 THEN $1 ELSE 0 END
+     LIMIT $1
        FOR NO KEY UPDATE SKIP LOCKED
 ), segment AS (
     SELECT g.n, g.kind, g.after_xid, g.after_id, g.before_xid
@@ -63,7 +65,7 @@ WITH snapshot AS MATERIALIZED (
               AND e.available_at <= pg_catalog.now()
               AND (g.kind <> 'sweep'
                    OR (((e.pending_xid, e.id) <= ($8::pg_catalog.xid8, $9)) IS TRUE
-                       AND e.available_at <= $12
+                       AND e.available_at <= $14
                        AND NOT EXISTS (SELECT FROM unread AS b
                                         WHERE e.pending_xid = b.xid AND (b.after IS NULL OR e.id > b.after))))
             ORDER BY e.pending_xid, e.id
@@ -77,7 +79,7 @@ WITH snapshot AS MATERIALIZED (
 ), claimed AS (
     UPDATE outbox.events AS e
        SET status = 'processing',
-           processing_started_at = pg_catalog.now(),
+           processing_started_at = coalesce($16, pg_catalog.now()),
            claimed_by = $2,
            send_id = pg_catalog.gen_random_uuid()
       FROM due
@@ -106,6 +108,8 @@ SELECT c.id, c.event_type, c.payload, c.queue, c.task, c.headers, c.priority, c.
        c.created_epoch, c.args, c.expires, c.expires_epoch, c.send_id, c.scan, c.segment, c.pending_xid,
        c.available_at,
        pg_catalog.now() AS now,
+       coalesce($16, pg_catalog.now()) AS claimed_at,
+       (SELECT pg_catalog.count(*) FROM due) AS due,
        pg_catalog.pg_snapshot_xmax(snapshot.s)::pg_catalog.text AS xmax,
        ARRAY(SELECT x::pg_catalog.text FROM pg_catalog.pg_snapshot_xip(snapshot.s) AS x) AS xip
   FROM snapshot

@@ -7,12 +7,9 @@ use pgrx::spi::{SpiClient, SpiError, SpiErrorCodes};
 
 use std::time::{Duration, Instant};
 
-use outbox_core::frontier::{Bounds, Claimed, Frontier, Kind, Snapshot, Source, Xid};
+use outbox_core::frontier::{Bounds, Claimed, Frontier, Kind, Micros, Snapshot, Source, Xid};
 
 use super::{report_running, ClaimTime, ClaimedEvent, Plans};
-
-/// The frontier's time: `available_at` as PostgreSQL stores it.
-pub type Micros = i64;
 
 /// What one claim took.
 pub struct Taken {
@@ -22,16 +19,23 @@ pub struct Taken {
     /// What the frontier advances by once the claim commits.
     pub snapshot: Snapshot,
     pub now: Micros,
-    pub read: Vec<Claimed<Micros>>,
+    pub read: Vec<Claimed>,
     /// How long the statement ran.
     pub took: Duration,
+    /// Rows the scans locked differ from rows claimed (a row locked twice):
+    /// nothing says how far the scans got.
+    pub uncounted: bool,
 }
 
 impl Taken {
     /// Moves `frontier` past what this claim of up to `limit` rows within
     /// `bounds` read; once it has committed.
-    pub fn advance(&self, frontier: &mut Frontier<Micros>, bounds: &Bounds<Micros>, limit: usize) {
-        frontier.advance(bounds, limit, &self.snapshot, self.now, &self.read, self.took);
+    pub fn advance(&self, frontier: &mut Frontier, bounds: &Bounds, limit: usize) {
+        if self.uncounted {
+            frontier.failed(bounds);
+        } else {
+            frontier.advance(bounds, limit, &self.snapshot, self.now, &self.read, self.took);
+        }
     }
 }
 
@@ -56,13 +60,15 @@ fn xid(text: Option<String>) -> Result<Xid, SpiError> {
     text.as_deref().and_then(|t| t.parse().ok()).ok_or_else(missing)
 }
 
-/// Claims up to `limit` events for `dispatcher` within `bounds`.
+/// Claims up to `limit` events for `dispatcher` within `bounds`, as of
+/// `claimed_at` (another claim's, whose batch these join) or now.
 pub fn claim(
     client: &mut SpiClient<'_>,
     plans: &Plans,
     dispatcher: i32,
     limit: usize,
-    bounds: &Bounds<Micros>,
+    bounds: &Bounds,
+    claimed_at: Option<ClaimTime>,
 ) -> Result<Taken, SpiError> {
     let segments = &bounds.segments;
     let kind: Vec<&str> = segments
@@ -85,7 +91,8 @@ pub fn claim(
     let before: Vec<String> = segments.iter().map(|s| s.before.to_string()).collect();
     let behind: Vec<String> = bounds.behind.iter().map(|(x, _)| x.to_string()).collect();
     let behind_after: Vec<Option<pgrx::Uuid>> = bounds.behind.iter().map(|(_, a)| a.map(pg_uuid)).collect();
-    let args: [DatumWithOid; 14] = [
+    let came_due = bounds.came_due;
+    let args: [DatumWithOid; 16] = [
         (limit as i32).into(),
         dispatcher.into(),
         kind.into(),
@@ -97,14 +104,17 @@ pub fn claim(
         pg_uuid(bounds.passed.1).into(),
         behind.into(),
         behind_after.into(),
-        bounds.came_due_after.and_then(|c| time(c.0)).into(),
-        bounds.came_due_after.map(|c| pg_uuid(c.1)).into(),
-        bounds.came_due.into(),
+        came_due.and_then(|c| time(c.after.0)).into(),
+        came_due.map(|c| pg_uuid(c.after.1)).into(),
+        bounds.due_by.and_then(time).into(),
+        came_due.and_then(|c| time(c.until)).into(),
+        claimed_at.into(),
     ];
     report_running(&plans.claim.text);
     let started = Instant::now();
     let table = client.update(&plans.claim.plan, None, &args)?;
     let took = started.elapsed();
+    let table_len = table.len() as i64;
     let mut claimed = Taken {
         events: Vec::with_capacity(table.len()),
         claimed_at: None,
@@ -112,14 +122,16 @@ pub fn claim(
         now: 0,
         read: Vec::with_capacity(table.len()),
         took,
+        uncounted: false,
     };
     for row in table {
-        let now = row.get::<ClaimTime>(19)?.ok_or_else(missing)?;
-        claimed.now = now.into_inner();
+        claimed.now = row.get::<ClaimTime>(19)?.ok_or_else(missing)?.into_inner();
+        let token = row.get::<ClaimTime>(20)?.ok_or_else(missing)?;
+        let locked = row.get::<i64>(21)?.ok_or_else(missing)?;
         claimed.snapshot = Snapshot {
-            xmax: xid(row.get(20)?)?,
+            xmax: xid(row.get(22)?)?,
             xip: row
-                .get::<Vec<Option<String>>>(21)?
+                .get::<Vec<Option<String>>>(23)?
                 .unwrap_or_default()
                 .into_iter()
                 .map(xid)
@@ -129,7 +141,8 @@ pub fn claim(
             continue;
         };
         let id = uuid_of(id);
-        claimed.claimed_at = Some(now);
+        claimed.claimed_at = Some(token);
+        claimed.uncounted = locked != table_len;
         claimed.events.push(ClaimedEvent {
             id,
             event_type: row.get(2)?.unwrap_or_default(),

@@ -20,7 +20,6 @@ mod batches;
 mod claim;
 
 pub use batches::{Backoff, Flushed};
-use claim::Micros;
 use outbox_core::frontier::Frontier;
 
 unsafe extern "C-unwind" {
@@ -163,7 +162,7 @@ pub struct Store {
     /// The longest one transaction may run.
     statement_timeout: Duration,
     /// Where this dispatcher's claims have got to.
-    frontier: Frontier<Micros>,
+    frontier: Frontier,
     /// How often a claim sweeps everything pending, and when next.
     sweep_interval: Duration,
     next_sweep: Instant,
@@ -172,6 +171,10 @@ pub struct Store {
 
 /// Under load, a sweep under way takes a step at least this often.
 const SWEEP_STEP_UNDER_LOAD: Duration = Duration::from_secs(5);
+
+/// The longest a sweep's step may run (its own transaction): one that runs
+/// out narrows the sweep's window, and delivery goes on meanwhile.
+const SWEEP_STEP_DEADLINE: Duration = Duration::from_secs(2);
 
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
 const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
@@ -238,7 +241,9 @@ impl Plans {
                     UUID_ARRAY,
                     TIMESTAMPTZ,
                     UUID,
-                    BOOL,
+                    TIMESTAMPTZ,
+                    TIMESTAMPTZ,
+                    TIMESTAMPTZ,
                 ],
             )?,
             next_due: prepare(include_str!("../../../sql/worker/next_due.sql"), &[INT8_ARRAY])?,
@@ -514,9 +519,18 @@ impl Store {
         &mut self,
         body: impl FnOnce(&mut SpiClient<'_>, &Plans, i32) -> Result<R, SpiError>,
     ) -> Result<Option<R>, StoreError> {
+        self.with_plans_within(self.statement_timeout, body)
+    }
+
+    /// [`Store::with_plans`] with a deadline of its own.
+    fn with_plans_within<R>(
+        &mut self,
+        deadline: Duration,
+        body: impl FnOnce(&mut SpiClient<'_>, &Plans, i32) -> Result<R, SpiError>,
+    ) -> Result<Option<R>, StoreError> {
         let dispatcher = self.dispatcher;
         let plans = &mut self.plans;
-        let ran = transaction(self.statement_timeout, || {
+        let ran = transaction(deadline, || {
             if !extension_exists() {
                 *plans = None;
                 return Ok(Ran::NoExtension);
@@ -577,10 +591,6 @@ impl Store {
             self.next_sweep = Instant::now() + self.sweep_interval;
         }
         let bounds = self.frontier.bounds();
-        // A sweep takes its steps when a claim finds nothing, and now and
-        // then under load, so that it never holds up fresh events for long.
-        let sweep = self.frontier.sweep_bounds();
-        let sweep_owed = self.last_sweep_step.elapsed() >= SWEEP_STEP_UNDER_LOAD;
         let claimed = self.with_plans(|client, plans, dispatcher| {
             mark(client, plans, dispatcher, settled)?;
             let flushed = batches::flush(client, plans, batch_budget, &mut backoff)?;
@@ -591,15 +601,8 @@ impl Store {
                 // from a new one.
                 durable_commit(client)?;
             }
-            let taken = claim::claim(client, plans, dispatcher, limit, &bounds)?;
-            let room = limit - taken.events.len();
-            let swept = match &sweep {
-                Some(sweep) if room > 0 && (taken.events.is_empty() || sweep_owed) => {
-                    Some(claim::claim(client, plans, dispatcher, room, sweep)?)
-                }
-                _ => None,
-            };
-            let next_due = if taken.events.is_empty() && swept.as_ref().is_none_or(|s| s.events.is_empty()) {
+            let taken = claim::claim(client, plans, dispatcher, limit, &bounds, None)?;
+            let next_due = if taken.events.is_empty() {
                 report_running(&plans.next_due.text);
                 let skipped: [DatumWithOid; 1] = [backoff.current().into()];
                 let seconds: Option<f64> =
@@ -608,23 +611,59 @@ impl Store {
             } else {
                 None
             };
-            Ok((flushed, taken, swept, next_due))
+            Ok((flushed, taken, next_due))
         });
         self.flush_backoff = backoff;
-        let Some((flushed, mut taken, swept, next_due)) = claimed? else {
-            self.frontier = Frontier::new();
-            return Ok(Claim::NoExtension);
+        let (flushed, mut taken, next_due) = match claimed {
+            Ok(Some(claimed)) => claimed,
+            Ok(None) => {
+                self.frontier = Frontier::new();
+                return Ok(Claim::NoExtension);
+            }
+            Err(e) => {
+                self.frontier.failed(&bounds);
+                return Err(e);
+            }
         };
         taken.advance(&mut self.frontier, &bounds, limit);
-        if let (Some(step), Some(sweep)) = (swept, sweep) {
-            step.advance(&mut self.frontier, &sweep, limit - taken.events.len());
-            self.last_sweep_step = Instant::now();
-            taken.claimed_at = taken.claimed_at.or(step.claimed_at);
-            taken.events.extend(step.events);
+        let room = limit - taken.events.len();
+        if room > 0 && (taken.events.is_empty() || self.last_sweep_step.elapsed() >= SWEEP_STEP_UNDER_LOAD) {
+            if let Some(step) = self.sweep_step(room, taken.claimed_at) {
+                taken.claimed_at = taken.claimed_at.or(step.claimed_at);
+                taken.events.extend(step.events);
+            }
         }
-        // More to read than one claim may: the next one is due at once.
-        let next_due = if self.frontier.catching_up() { Some(Duration::ZERO) } else { next_due };
+        let next_due = match next_due {
+            _ if !taken.events.is_empty() => None,
+            // More to read than one claim may: the next one is due at once.
+            _ if self.frontier.catching_up() => Some(Duration::ZERO),
+            next_due => next_due,
+        };
         Ok(Claim::Claimed { flushed, events: taken.events, claimed_at: taken.claimed_at, next_due })
+    }
+
+    /// One step of the sweep under way, if any: up to `room` events, in a
+    /// transaction of its own with a short deadline, joining the batch
+    /// claimed at `claimed_at`. A step that fails narrows the sweep's
+    /// window; it holds up nothing else.
+    fn sweep_step(&mut self, room: usize, claimed_at: Option<ClaimTime>) -> Option<claim::Taken> {
+        let bounds = self.frontier.sweep_bounds()?;
+        self.last_sweep_step = Instant::now();
+        let step = self.with_plans_within(SWEEP_STEP_DEADLINE, |client, plans, dispatcher| {
+            claim::claim(client, plans, dispatcher, room, &bounds, claimed_at)
+        });
+        match step {
+            Ok(Some(step)) => {
+                step.advance(&mut self.frontier, &bounds, room);
+                Some(step)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                log!("outbox dispatcher {}: a step of the sweep failed, narrowing it: {e}", self.dispatcher);
+                self.frontier.failed(&bounds);
+                None
+            }
+        }
     }
 
     /// Records `settled` on its own, when no claim is to follow.
