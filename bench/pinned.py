@@ -172,10 +172,12 @@ def run(redis, pinned):
 def write_report(r):
     un, pi = r["unpinned"], r["pinned"]
     worst = lambda run, key: max(w[key] or 0 for w in run["steady"]["windows"])  # noqa: E731
-    # The first window holds the warm-up of both runs alike; the goal is
-    # read on every window.
-    ratio = max((p["p99"] or 0) / max(u["p99"] or 0, 1e-9)
-                for u, p in zip(un["steady"]["windows"], pi["steady"]["windows"]))
+    # The goal is read on every window; the first holds each cluster's
+    # first minute (its first autovacuum, checkpoint, caches), which moves
+    # from run to run, so the ratio after it is given too.
+    ratios = [(p["p99"] or 0) / max(u["p99"] or 0, 1e-9)
+              for u, p in zip(un["steady"]["windows"], pi["steady"]["windows"])]
+    ratio, settled = max(ratios), max(ratios[1:] or ratios)
     lines = [
         "# Dispatch under a pinned xmin",
         "",
@@ -196,8 +198,9 @@ def write_report(r):
         f"{pi['wal']['enqueue']:.0f} + {pi['wal']['dispatch']:.0f} B |",
         f"| WAL per plain INSERT of the same row | {un['wal']['plain_insert']:.0f} B | {pi['wal']['plain_insert']:.0f} B |",
         "",
-        f"Worst ratio of pinned to unpinned p99 in the same window: {ratio:.2f}× (goal: within 2×, no max above "
-        f"1 s); backlog drain pinned/unpinned: {pi['backlog_rate'] / un['backlog_rate']:.2f} (goal: within 20%).",
+        f"Worst ratio of pinned to unpinned p99 in the same window: {ratio:.2f}×, {settled:.2f}× from the second "
+        f"window on (goal: within 2×, no max above 1 s); backlog drain pinned/unpinned: "
+        f"{pi['backlog_rate'] / un['backlog_rate']:.2f} (goal: within 20%).",
         "",
         "| window | p50 unpinned | p50 pinned | p99 unpinned | p99 pinned | max unpinned | max pinned | "
         "dead unpinned | dead pinned |",
