@@ -22,14 +22,17 @@
 -- from scanning came_due by events_pending_xid_idx, which would walk every
 -- entry below the frontier, dead ones included: the statistics know
 -- nothing of those.) Returns the snapshot and the time the scans used,
--- with each row's scan and keys: one row with NULL columns when nothing
--- was claimed. A sweep's step ($14: the start of the came-due range) runs
--- after the claim of its transaction committed, and records that claim's
--- time $16 as its own: the two make one batch with one token.
+-- how many rows they locked, and each row's segment (NULL: came due) and
+-- keys: one row with NULL columns when nothing was claimed. A sweep's
+-- step ($14: the start of the came-due range) runs after the claim of its
+-- transaction committed, and records that claim's time $16 as its own:
+-- the two make one batch with one token.
 -- Names are qualified: nothing here resolves through a search_path (which
 -- the dispatcher also pins).
 WITH snapshot AS MATERIALIZED (
-    SELECT pg_catalog.pg_current_snapshot() AS s
+    SELECT c.s, pg_catalog.pg_snapshot_xmax(c.s)::pg_catalog.text AS xmax,
+           ARRAY(SELECT x::pg_catalog.text FROM pg_catalog.pg_snapshot_xip(c.s) AS x) AS xip
+      FROM (SELECT pg_catalog.pg_current_snapshot() AS s) AS c
 ), unread AS MATERIALIZED (
     SELECT b.xid, b.after
       FROM ROWS FROM (pg_catalog.unnest($10::pg_catalog.xid8[]), pg_catalog.unnest($11::uuid[])) AS b(xid, after)
@@ -73,9 +76,9 @@ WITH snapshot AS MATERIALIZED (
               FOR NO KEY UPDATE SKIP LOCKED) AS e
      LIMIT $1 - (SELECT pg_catalog.count(*) FROM came_due)
 ), due AS (
-    SELECT 'c' AS scan, NULL::pg_catalog.int8 AS segment, came_due.id FROM came_due
+    SELECT NULL::pg_catalog.int8 AS segment, came_due.id FROM came_due
     UNION ALL
-    SELECT 's', segmented.segment, segmented.id FROM segmented
+    SELECT segmented.segment, segmented.id FROM segmented
 ), claimed AS (
     UPDATE outbox.events AS e
        SET status = 'processing',
@@ -99,18 +102,17 @@ WITH snapshot AS MATERIALIZED (
                   AS expires,
               pg_catalog.date_part('epoch', e.expires_at) AS expires_epoch,
               e.send_id,
-              due.scan,
               due.segment,
               e.pending_xid::pg_catalog.text AS pending_xid,
               e.available_at
 )
 SELECT c.id, c.event_type, c.payload, c.queue, c.task, c.headers, c.priority, c.retry_count, c.created_at,
-       c.created_epoch, c.args, c.expires, c.expires_epoch, c.send_id, c.scan, c.segment, c.pending_xid,
+       c.created_epoch, c.args, c.expires, c.expires_epoch, c.send_id, c.segment, c.pending_xid,
        c.available_at,
        pg_catalog.now() AS now,
        coalesce($16, pg_catalog.now()) AS claimed_at,
        (SELECT pg_catalog.count(*) FROM due) AS due,
-       pg_catalog.pg_snapshot_xmax(snapshot.s)::pg_catalog.text AS xmax,
-       ARRAY(SELECT x::pg_catalog.text FROM pg_catalog.pg_snapshot_xip(snapshot.s) AS x) AS xip
+       snapshot.xmax,
+       snapshot.xip
   FROM snapshot
   LEFT JOIN claimed AS c ON true

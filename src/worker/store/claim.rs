@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use outbox_core::frontier::{Bounds, Claimed, Frontier, Kind, Micros, Snapshot, Source, Xid};
 
-use super::{report_running, ClaimTime, ClaimedEvent, Plans};
+use super::{pg_uuid, report_running, uuid_of, ClaimTime, ClaimedEvent, Plans};
 
 /// What one claim took.
 pub struct Taken {
@@ -37,14 +37,6 @@ impl Taken {
             frontier.advance(bounds, limit, &self.snapshot, self.now, &self.read, self.took);
         }
     }
-}
-
-fn uuid_of(id: pgrx::Uuid) -> uuid::Uuid {
-    uuid::Uuid::from_bytes(*id.as_bytes())
-}
-
-fn pg_uuid(id: uuid::Uuid) -> pgrx::Uuid {
-    pgrx::Uuid::from_bytes(id.into_bytes())
 }
 
 fn time(at: Micros) -> Option<TimestampWithTimeZone> {
@@ -112,37 +104,36 @@ pub fn claim(
     ];
     report_running(&plans.claim.text);
     let started = Instant::now();
-    let table = client.update(&plans.claim.plan, None, &args)?;
+    // Every row carries the statement's own columns: read them once.
+    let table = client.update(&plans.claim.plan, None, &args)?.first();
     let took = started.elapsed();
-    let table_len = table.len() as i64;
+    let snapshot = Snapshot {
+        xmax: xid(table.get(21)?)?,
+        xip: table
+            .get::<Vec<Option<String>>>(22)?
+            .unwrap_or_default()
+            .into_iter()
+            .map(xid)
+            .collect::<Result<_, _>>()?,
+    };
+    let now = table.get::<ClaimTime>(18)?.ok_or_else(missing)?.into_inner();
+    let token = table.get::<ClaimTime>(19)?.ok_or_else(missing)?;
+    let locked = table.get::<i64>(20)?.ok_or_else(missing)?;
+    let table = table.rewind();
     let mut claimed = Taken {
         events: Vec::with_capacity(table.len()),
         claimed_at: None,
-        snapshot: Snapshot { xmax: 0, xip: Vec::new() },
-        now: 0,
+        snapshot,
+        now,
         read: Vec::with_capacity(table.len()),
         took,
         uncounted: false,
     };
     for row in table {
-        claimed.now = row.get::<ClaimTime>(19)?.ok_or_else(missing)?.into_inner();
-        let token = row.get::<ClaimTime>(20)?.ok_or_else(missing)?;
-        let locked = row.get::<i64>(21)?.ok_or_else(missing)?;
-        claimed.snapshot = Snapshot {
-            xmax: xid(row.get(22)?)?,
-            xip: row
-                .get::<Vec<Option<String>>>(23)?
-                .unwrap_or_default()
-                .into_iter()
-                .map(xid)
-                .collect::<Result<_, _>>()?,
-        };
         let Some(id) = row.get::<pgrx::Uuid>(1)? else {
             continue;
         };
         let id = uuid_of(id);
-        claimed.claimed_at = Some(token);
-        claimed.uncounted = locked != table_len;
         claimed.events.push(ClaimedEvent {
             id,
             event_type: row.get(2)?.unwrap_or_default(),
@@ -158,16 +149,20 @@ pub fn claim(
             expires: row.get::<String>(12)?.zip(row.get::<f64>(13)?),
             send: row.get::<pgrx::Uuid>(14)?.map_or(uuid::Uuid::nil(), uuid_of),
         });
-        let source = match row.get::<i64>(16)? {
+        let source = match row.get::<i64>(15)? {
             Some(segment) => Source::Segment(segment as usize),
             None => Source::CameDue,
         };
-        let available_at = row.get::<TimestampWithTimeZone>(18)?.ok_or_else(missing)?;
+        let available_at = row.get::<TimestampWithTimeZone>(17)?.ok_or_else(missing)?;
         claimed.read.push(Claimed {
             source,
-            key: (xid(row.get(17)?)?, id),
+            key: (xid(row.get(16)?)?, id),
             available_at: available_at.into_inner(),
         });
+    }
+    if !claimed.events.is_empty() {
+        claimed.claimed_at = Some(token);
+        claimed.uncounted = locked != claimed.events.len() as i64;
     }
     Ok(claimed)
 }

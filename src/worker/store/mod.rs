@@ -309,7 +309,15 @@ fn extension_exists() -> bool {
 }
 
 fn to_pg(ids: impl IntoIterator<Item = uuid::Uuid>) -> Vec<pgrx::Uuid> {
-    ids.into_iter().map(|id| pgrx::Uuid::from_bytes(*id.as_bytes())).collect()
+    ids.into_iter().map(pg_uuid).collect()
+}
+
+fn pg_uuid(id: uuid::Uuid) -> pgrx::Uuid {
+    pgrx::Uuid::from_bytes(id.into_bytes())
+}
+
+fn uuid_of(id: pgrx::Uuid) -> uuid::Uuid {
+    uuid::Uuid::from_bytes(*id.as_bytes())
 }
 
 /// Runs `body` in a transaction of its own and commits it; an error
