@@ -232,10 +232,6 @@ impl Frontier {
         }
     }
 
-    pub fn sweeping(&self) -> bool {
-        self.sweep.is_some()
-    }
-
     /// Is there more to read than the last claim could (the fresh range or
     /// the came-due scan short of the last snapshot, a sweep under way)?
     /// Then the next claim is due at once, whether or not this one found
@@ -317,9 +313,12 @@ impl Frontier {
         let placed = |c: &&Claimed| snapshot.saw_end_of(c.key.0);
         let from = |source: Source| claimed.iter().filter(move |c| c.source == source);
 
+        // A regular claim (its fresh range, and the rows came due), or a
+        // sweep's step.
+        let regular = bounds.segments.iter().any(|s| s.kind == Kind::Fresh);
         let came_due = from(Source::CameDue).count();
         let mut due_behind = false;
-        if bounds.segments.iter().any(|s| s.kind == Kind::Fresh) {
+        if regular {
             match bounds.came_due {
                 // The first claim: nothing was passed before now.
                 None => self.came_due = Some((now, LAST)),
@@ -360,7 +359,7 @@ impl Frontier {
             }
             _ => Reach::Unread,
         };
-        let mut fresh_behind = self.behind_snapshot;
+        let mut fresh_behind = false;
         for (i, segment) in bounds.segments.iter().enumerate() {
             match (segment.kind, reach(i)) {
                 (Kind::Behind(xid), Reach::End) if !snapshot.xip.contains(&xid) => {
@@ -400,7 +399,7 @@ impl Frontier {
                 _ => {}
             }
         }
-        if bounds.came_due.is_some() || bounds.segments.iter().any(|s| s.kind == Kind::Fresh) {
+        if regular {
             self.behind_snapshot = fresh_behind || due_behind;
         }
     }
@@ -595,7 +594,7 @@ mod tests {
         assert!(!f.catching_up());
         assert_eq!(f.sweep_bounds(), None);
         f.start_sweep();
-        assert!(f.sweeping() && f.catching_up());
+        assert!(f.sweep_bounds().is_some() && f.catching_up());
         // The regular claims go on as before; the sweep has claims of its own.
         assert!(f.bounds().segments.iter().all(|s| s.kind != Kind::Sweep));
         let b = f.sweep_bounds().unwrap();
@@ -607,7 +606,7 @@ mod tests {
         assert_eq!(f.bounds().came_due.unwrap().after, (1000, LAST));
         let b = f.sweep_bounds().unwrap();
         f.advance(&b, 10, &snapshot(1 << 17, &[]), 1200, &[], QUICKLY);
-        assert!(!f.sweeping());
+        assert_eq!(f.sweep_bounds(), None);
     }
 
     #[test]
