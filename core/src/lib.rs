@@ -6,6 +6,7 @@
 pub mod backoff;
 pub mod broker_url;
 pub mod celery;
+pub mod databases;
 pub mod exposition;
 pub mod frontier;
 pub mod link;
