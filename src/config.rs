@@ -14,8 +14,12 @@ use std::time::Duration;
 use outbox_core::sink::{BrokerConfig, KOMBU_SEPARATOR};
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 
-/// Upper bound of `outbox.workers`: the dispatcher slots in shared memory.
+/// Upper bound of `outbox.workers`: the dispatcher slots in shared memory
+/// per database.
 pub const MAX_WORKERS: usize = 32;
+
+/// The most databases served at once: groups of slots in shared memory.
+pub const MAX_DATABASES: usize = 32;
 
 pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);

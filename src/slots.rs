@@ -1,12 +1,13 @@
-//! The dispatchers' slots in shared memory: who each dispatcher is (its
-//! proc number, so that committing backends can set its latch), what it is
-//! doing, and its last error, for `outbox.workers`.
+//! The dispatchers' slots in shared memory, one group per database served:
+//! who each dispatcher is (its proc number, so that committing backends of
+//! its database can set its latch), what it is doing, and its last error,
+//! for `outbox.workers`; and per database, which dispatcher has each turn.
 //!
 //! Everything a committing backend touches is an atomic: waking the
 //! dispatchers takes no lock. The error texts sit behind one LWLock; only
 //! dispatchers write them, and only on failures.
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use pgrx::prelude::*;
 use pgrx::shmem::AssertPGRXSharedMemory;
@@ -15,7 +16,7 @@ use pgrx::{pg_shmem_init, PgAtomic, PgLwLock};
 use outbox_core::named;
 use outbox_core::sink::Persistence;
 
-use crate::config::MAX_WORKERS;
+use crate::config::{MAX_DATABASES, MAX_WORKERS};
 
 /// Longest `last_error` kept, in bytes.
 const ERROR_BYTES: usize = 512;
@@ -73,15 +74,23 @@ pub struct Slot {
     persistence: AtomicU8,
 }
 
+/// The dispatchers of one database.
 #[repr(C)]
-pub struct Slots {
+pub struct Group {
+    /// The database they serve (its OID); 0 while the group is free.
+    database: AtomicU32,
     slots: [Slot; MAX_WORKERS],
     /// Index of the dispatcher that has each [`Turn`], -1 = none.
     turns: [AtomicI32; Turn::COUNT],
 }
 
+#[repr(C)]
+pub struct Slots {
+    groups: [Group; MAX_DATABASES],
+}
+
 static SLOTS: PgAtomic<AssertPGRXSharedMemory<Slots>> = unsafe { PgAtomic::new(c"outbox_dispatch_slots") };
-static ERRORS: PgLwLock<[[u8; ERROR_BYTES]; MAX_WORKERS]> =
+static ERRORS: PgLwLock<[[[u8; ERROR_BYTES]; MAX_WORKERS]; MAX_DATABASES]> =
     unsafe { PgLwLock::new(c"outbox_dispatch_errors") };
 
 /// Set in the postmaster when the library is preloaded; forked backends
@@ -93,22 +102,25 @@ pub fn init() {
     pg_shmem_init!(
         SLOTS = unsafe {
             AssertPGRXSharedMemory::new(Slots {
-                slots: std::array::from_fn(|_| Slot {
-                    procno: AtomicI32::new(-1),
-                    pid: AtomicI32::new(0),
-                    state: AtomicU8::new(State::Stopped as u8),
-                    connected: AtomicBool::new(false),
-                    started_at: AtomicI64::new(0),
-                    last_heartbeat: AtomicI64::new(0),
-                    dispatched: AtomicU64::new(0),
-                    wake_sources: AtomicU8::new(0),
-                    persistence: AtomicU8::new(0),
+                groups: std::array::from_fn(|_| Group {
+                    database: AtomicU32::new(0),
+                    slots: std::array::from_fn(|_| Slot {
+                        procno: AtomicI32::new(-1),
+                        pid: AtomicI32::new(0),
+                        state: AtomicU8::new(State::Stopped as u8),
+                        connected: AtomicBool::new(false),
+                        started_at: AtomicI64::new(0),
+                        last_heartbeat: AtomicI64::new(0),
+                        dispatched: AtomicU64::new(0),
+                        wake_sources: AtomicU8::new(0),
+                        persistence: AtomicU8::new(0),
+                    }),
+                    turns: std::array::from_fn(|_| AtomicI32::new(-1)),
                 }),
-                turns: std::array::from_fn(|_| AtomicI32::new(-1)),
             })
         }
     );
-    pg_shmem_init!(ERRORS = [[0; ERROR_BYTES]; MAX_WORKERS]);
+    pg_shmem_init!(ERRORS = [[[0; ERROR_BYTES]; MAX_WORKERS]; MAX_DATABASES]);
     READY.store(true, Ordering::Relaxed);
 }
 
@@ -116,10 +128,11 @@ fn slots() -> Option<&'static Slots> {
     READY.load(Ordering::Relaxed).then(|| &**SLOTS.get())
 }
 
-/// Sets the latch of every running dispatcher, noting why. Commits leave
-/// paused dispatchers asleep (a reload wakes them when `outbox.enabled`
-/// turns on). Cannot fail: safe inside a commit callback.
-pub fn wake_all(source: WakeSource) {
+/// Sets the latch of every running dispatcher of this backend's database,
+/// noting why. Commits leave paused dispatchers asleep (a reload wakes them
+/// when `outbox.enabled` turns on). Cannot fail: safe inside a commit
+/// callback.
+pub fn wake_database(source: WakeSource) {
     let Some(slots) = slots() else { return };
     // SAFETY: ProcGlobal is set up before any backend runs; procno is
     // bounds-checked against allProcCount before indexing allProcs.
@@ -128,7 +141,10 @@ pub fn wake_all(source: WakeSource) {
         if global.is_null() {
             return;
         }
-        for slot in &slots.slots {
+        let database = pg_sys::MyDatabaseId.to_u32();
+        let groups =
+            slots.groups.iter().filter(|g| database != 0 && g.database.load(Ordering::Acquire) == database);
+        for slot in groups.flat_map(|g| &g.slots) {
             let procno = slot.procno.load(Ordering::Acquire);
             let paused = slot.state.load(Ordering::Relaxed) == State::Paused as u8;
             if matches!(source, WakeSource::Commit) && paused {
@@ -154,14 +170,14 @@ unsafe fn my_procno() -> i32 {
     pg_sys::MyProcNumber
 }
 
-/// The running dispatcher's handle on its slot.
-pub struct Own(usize);
+/// The running dispatcher's handle on its slot: its group and index.
+pub struct Own(usize, usize);
 
 impl Own {
-    /// Publishes this process as dispatcher `index`; the slot is cleared
-    /// again when the process exits, however it exits.
-    pub fn take(index: usize) -> Own {
-        let slot = &slots().expect("dispatchers run only when preloaded").slots[index];
+    /// Publishes this process as dispatcher `index` of `group`; the slot
+    /// is cleared again when the process exits, however it exits.
+    pub fn take(group: usize, index: usize) -> Own {
+        let slot = &slots().expect("dispatchers run only when preloaded").groups[group].slots[index];
         // SAFETY: process globals, set before a background worker runs.
         let (pid, now) = unsafe { (pg_sys::MyProcPid, pg_sys::GetCurrentTimestamp()) };
         slot.pid.store(pid, Ordering::Relaxed);
@@ -169,8 +185,17 @@ impl Own {
         slot.connected.store(false, Ordering::Relaxed);
         slot.persistence.store(0, Ordering::Relaxed);
         slot.state.store(State::Starting as u8, Ordering::Relaxed);
-        unsafe { pg_sys::before_shmem_exit(Some(release), pg_sys::Datum::from(index)) };
-        Own(index)
+        unsafe { pg_sys::before_shmem_exit(Some(release), pg_sys::Datum::from(group << 16 | index)) };
+        Own(group, index)
+    }
+
+    /// Records the database this dispatcher's group serves, once connected.
+    pub fn serve(&self, database: pg_sys::Oid) {
+        self.group().database.store(database.to_u32(), Ordering::Release);
+    }
+
+    fn group(&self) -> &'static Group {
+        &slots().expect("owned slots exist").groups[self.0]
     }
 
     /// Lets committing backends set this process's latch; called once the
@@ -184,7 +209,7 @@ impl Own {
     }
 
     fn slot(&self) -> &'static Slot {
-        &slots().expect("owned slots exist").slots[self.0]
+        &self.group().slots[self.1]
     }
 
     pub fn set_state(&self, state: State) {
@@ -241,16 +266,17 @@ impl Own {
     /// Takes `turn` if no other dispatcher has it; the turn ends when the
     /// returned value is dropped, or when this process exits.
     pub fn take_turn(&self, turn: Turn) -> Option<Held> {
-        let slots = slots()?;
-        let me = self.0 as i32;
-        slots.turns[turn.index()].compare_exchange(-1, me, Ordering::AcqRel, Ordering::Relaxed).ok()?;
-        Some(Held(turn, me))
+        let me = self.1 as i32;
+        self.group().turns[turn.index()]
+            .compare_exchange(-1, me, Ordering::AcqRel, Ordering::Relaxed)
+            .ok()?;
+        Some(Held(self.group(), turn, me))
     }
 
     /// Records the last error (already free of credentials); `None` clears it.
     pub fn set_error(&self, error: Option<&str>) {
         let mut errors = ERRORS.exclusive();
-        let buf = &mut errors[self.0];
+        let buf = &mut errors[self.0][self.1];
         let text = error.unwrap_or("").as_bytes();
         let mut len = text.len().min(ERROR_BYTES - 1);
         while len > 0 && std::str::from_utf8(&text[..len]).is_err() {
@@ -262,24 +288,24 @@ impl Own {
 }
 
 /// A turn this dispatcher has.
-pub struct Held(Turn, i32);
+pub struct Held(&'static Group, Turn, i32);
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if let Some(slots) = slots() {
-            let _ =
-                slots.turns[self.0.index()].compare_exchange(self.1, -1, Ordering::AcqRel, Ordering::Relaxed);
-        }
+        let _ =
+            self.0.turns[self.1.index()].compare_exchange(self.2, -1, Ordering::AcqRel, Ordering::Relaxed);
     }
 }
 
 #[pg_guard]
 unsafe extern "C-unwind" fn release(_code: i32, arg: pg_sys::Datum) {
     if let Some(slots) = slots() {
-        for turn in &slots.turns {
-            let _ = turn.compare_exchange(arg.value() as i32, -1, Ordering::AcqRel, Ordering::Relaxed);
+        let (group, index) = (arg.value() >> 16, arg.value() & 0xffff);
+        let group = &slots.groups[group];
+        for turn in &group.turns {
+            let _ = turn.compare_exchange(index as i32, -1, Ordering::AcqRel, Ordering::Relaxed);
         }
-        let slot = &slots.slots[arg.value()];
+        let slot = &group.slots[index];
         slot.procno.store(-1, Ordering::Release);
         slot.pid.store(0, Ordering::Relaxed);
         slot.connected.store(false, Ordering::Relaxed);
@@ -289,6 +315,8 @@ unsafe extern "C-unwind" fn release(_code: i32, arg: pg_sys::Datum) {
 
 /// One row of `outbox.workers`.
 pub struct WorkerRow {
+    /// The database served (its OID; invalid until connected).
+    pub database: pg_sys::Oid,
     pub index: i32,
     pub pid: Option<i32>,
     pub state: &'static str,
@@ -300,21 +328,29 @@ pub struct WorkerRow {
     pub broker_persistence: Option<&'static str>,
 }
 
-/// The first `count` slots, as they are now.
-pub fn rows(count: usize) -> Vec<WorkerRow> {
+/// The first `count` slots of every group serving a database, as they are
+/// now; with `only`, of that database's group.
+pub fn rows(count: usize, only: Option<pg_sys::Oid>) -> Vec<WorkerRow> {
     let Some(slots) = slots() else {
         return Vec::new();
     };
     let errors = ERRORS.share();
-    slots.slots[..count.min(MAX_WORKERS)]
-        .iter()
-        .enumerate()
-        .map(|(index, slot)| {
-            let error = &errors[index];
+    let mut rows = Vec::new();
+    for (g, group) in slots.groups.iter().enumerate() {
+        // A group in use: serving a database, or where a dispatcher started
+        // and has not connected to one (its error says why).
+        let database = pg_sys::Oid::from(group.database.load(Ordering::Acquire));
+        let started = group.slots.iter().any(|slot| slot.started_at.load(Ordering::Relaxed) != 0);
+        if (database == pg_sys::Oid::INVALID && !started) || only.is_some_and(|o| o != database) {
+            continue;
+        }
+        for (index, slot) in group.slots[..count.min(MAX_WORKERS)].iter().enumerate() {
+            let error = &errors[g][index];
             let len = error.iter().position(|b| *b == 0).unwrap_or(ERROR_BYTES);
             let state = slot.state.load(Ordering::Relaxed);
             let nonzero = |t: i64| (t != 0).then_some(t);
-            WorkerRow {
+            rows.push(WorkerRow {
+                database,
                 index: index as i32,
                 pid: Some(slot.pid.load(Ordering::Relaxed)).filter(|p| *p != 0),
                 state: State::ALL.get(state as usize).copied().unwrap_or(State::Stopped).name(),
@@ -327,7 +363,8 @@ pub fn rows(count: usize) -> Vec<WorkerRow> {
                     .checked_sub(1)
                     .and_then(|i| Persistence::ALL.get(i))
                     .map(|p| p.name()),
-            }
-        })
-        .collect()
+            });
+        }
+    }
+    rows
 }

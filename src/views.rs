@@ -29,7 +29,7 @@ fn outbox_workers() -> TableIterator<
     ),
 > {
     let timestamp = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
-    let rows = slots::rows(config::workers()).into_iter().map(move |r| {
+    let rows = slots::rows(config::workers(), None).into_iter().map(move |r| {
         (
             r.index,
             r.pid,
@@ -50,7 +50,7 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
     let mut families = counters::families();
     let gauge = |name, help| Family { name, help, kind: Kind::Gauge };
 
-    let workers = slots::rows(config::workers());
+    let workers = slots::rows(config::workers(), None);
     let running = workers.iter().filter(|w| w.pid.is_some()).count() as f64;
     let connected = workers.iter().filter(|w| w.connected).count() as f64;
     families.push((

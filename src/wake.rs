@@ -45,7 +45,7 @@ pub fn at_commit() {
 
 /// Wake the dispatchers now.
 pub fn now() {
-    slots::wake_all(WakeSource::Manual);
+    slots::wake_database(WakeSource::Manual);
 }
 
 #[pg_guard]
@@ -54,7 +54,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
         XactEvent::XACT_EVENT_COMMIT | XactEvent::XACT_EVENT_PARALLEL_COMMIT
             if WAKE_AT_COMMIT.replace(false) =>
         {
-            slots::wake_all(WakeSource::Commit)
+            slots::wake_database(WakeSource::Commit)
         }
         XactEvent::XACT_EVENT_ABORT
         | XactEvent::XACT_EVENT_PARALLEL_ABORT

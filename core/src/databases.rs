@@ -31,7 +31,10 @@ impl Served {
                 return Err("an empty database name in the list".into());
             }
             if name.len() > NAME_BYTES {
-                return Err(format!("database name \"{name}\" is {} bytes, the limit is {NAME_BYTES}", name.len()));
+                return Err(format!(
+                    "database name \"{name}\" is {} bytes, the limit is {NAME_BYTES}",
+                    name.len()
+                ));
             }
             if !names.contains(&name) {
                 names.push(name);
@@ -109,9 +112,18 @@ mod tests {
     fn bad_lists_say_what_is_wrong() {
         assert_eq!(Served::parse("app,,billing"), Err("an empty database name in the list".into()));
         assert_eq!(Served::parse(""), Err("an empty database name in the list".into()));
-        assert_eq!(Served::parse(r#""open"#), Err("a database name's closing double quote is missing".into()));
-        assert_eq!(Served::parse(r#""a" b"#), Err("a comma must follow the quoted database name \"a\"".into()));
+        assert_eq!(
+            Served::parse(r#""open"#),
+            Err("a database name's closing double quote is missing".into())
+        );
+        assert_eq!(
+            Served::parse(r#""a" b"#),
+            Err("a comma must follow the quoted database name \"a\"".into())
+        );
         let long = "d".repeat(64);
-        assert_eq!(Served::parse(&long), Err(format!("database name \"{long}\" is 64 bytes, the limit is 63")));
+        assert_eq!(
+            Served::parse(&long),
+            Err(format!("database name \"{long}\" is 64 bytes, the limit is 63"))
+        );
     }
 }

@@ -60,7 +60,7 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     let index = arg.value();
     signals::install();
     crate::wake::mute();
-    let slot = slots::Own::take(index);
+    let slot = slots::Own::take(0, index);
     // A database that does not exist ends this process with a FATAL inside
     // the connect, before anything could record why: say it beforehand, so
     // that outbox.workers shows it while the postmaster restarts us every
@@ -70,6 +70,8 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
         "cannot connect to database \"{database}\" (outbox.database); see the server log"
     )));
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    // SAFETY: set by the connection just made.
+    slot.serve(unsafe { pg_sys::MyDatabaseId });
     slot.set_error(None);
     slot.listen();
     setup::pin_settings(index);
