@@ -9,6 +9,7 @@ pub mod celery;
 pub mod databases;
 pub mod exposition;
 pub mod frontier;
+pub mod launch;
 pub mod link;
 pub mod named;
 pub mod report;
