@@ -237,7 +237,8 @@ COMMENT ON VIEW outbox.status IS
 CREATE VIEW outbox.workers AS
 SELECT * FROM @extschema@.outbox_workers();
 
-COMMENT ON VIEW outbox.workers IS 'One row per dispatcher background worker.';
+COMMENT ON VIEW outbox.workers IS
+    'One row per dispatcher of every database served, then one per database outbox.database names that is not served (state not served, last_error says why).';
 
 CREATE VIEW outbox.metrics AS
 SELECT * FROM @extschema@.outbox_metrics();
@@ -294,5 +295,6 @@ GRANT EXECUTE ON FUNCTION
     @extschema@.outbox_metrics_prometheus()
     TO pg_monitor;
 
--- Dispatchers waiting for this extension to exist start at this commit.
+-- The launcher starts this database's dispatchers at this commit (when
+-- outbox.database covers it).
 SELECT @extschema@.outbox_wake();

@@ -11,6 +11,7 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use outbox_core::databases::Served;
 use outbox_core::sink::{BrokerConfig, KOMBU_SEPARATOR};
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 
@@ -69,13 +70,15 @@ enum Value {
     Bool(&'static GucSetting<bool>),
     Int(&'static GucSetting<i32>, i32, i32, GucFlags),
     Text(&'static GucSetting<Option<CString>>),
+    /// `outbox.database`: text whose value is checked as it is set.
+    Databases(&'static GucSetting<Option<CString>>),
 }
 
 /// One setting: name, context, flags, value, description.
 struct Declaration(&'static CStr, GucContext, GucFlags, Value, &'static CStr);
 
 use GucContext::{Postmaster, Sighup, Suset, Userset};
-use Value::{Bool, Int, Text};
+use Value::{Bool, Databases, Int, Text};
 
 const NONE: GucFlags = GucFlags::empty();
 const MS: GucFlags = GucFlags::UNIT_MS;
@@ -86,10 +89,10 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
 const DECLARATIONS: [Declaration; 34] = [
-    Declaration(c"outbox.workers", Postmaster, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
-        c"Number of dispatcher background workers (each takes a max_worker_processes slot)."),
-    Declaration(c"outbox.database", Sighup, NONE, Text(&DATABASE),
-        c"Database the dispatchers connect to; a change restarts them."),
+    Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
+        c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
+    Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
+        c"Databases served: one name, a comma-separated list, or * for every database that has the extension."),
     Declaration(c"outbox.enabled", Sighup, NONE, Bool(&ENABLED),
         c"Dispatch events; off pauses the dispatchers without a restart."),
     Declaration(c"outbox.redis_url", Sighup, SECRET, Text(&REDIS_URL),
@@ -173,11 +176,47 @@ pub fn register(preloading: bool) {
                 GucRegistry::define_int_guc(name, description, c"", setting, min, max, context, flags | unit)
             }
             Text(setting) => GucRegistry::define_string_guc(name, description, c"", setting, context, flags),
+            // SAFETY: a check hook that only parses the value.
+            Databases(setting) => unsafe {
+                GucRegistry::define_string_guc_with_hooks(
+                    name,
+                    description,
+                    c"",
+                    setting,
+                    context,
+                    flags,
+                    Some(check_databases),
+                    None,
+                    None,
+                )
+            },
         }
     }
     if preloading {
         // SAFETY: called once every setting is defined.
         unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"outbox".as_ptr()) };
+    }
+}
+
+/// Refuses a value of `outbox.database` that does not parse, saying why.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn check_databases(
+    value: *mut *mut std::ffi::c_char,
+    _extra: *mut *mut std::ffi::c_void,
+    _source: pgrx::pg_sys::GucSource::Type,
+) -> bool {
+    let text = if value.is_null() || (*value).is_null() {
+        String::new()
+    } else {
+        CStr::from_ptr(*value).to_string_lossy().into_owned()
+    };
+    match Served::parse(&text) {
+        Ok(_) => true,
+        Err(e) => {
+            let detail = CString::new(e).unwrap_or_default();
+            pgrx::pg_sys::GUC_check_errdetail_string = pgrx::pg_sys::pstrdup(detail.as_ptr());
+            false
+        }
     }
 }
 
@@ -198,7 +237,7 @@ fn seconds(setting: &GucSetting<i32>) -> Duration {
     Duration::from_secs(setting.get().max(0) as u64)
 }
 
-/// The database named by `outbox.database`.
+/// The value of `outbox.database`.
 pub fn database() -> String {
     text(&DATABASE)
 }
@@ -244,11 +283,21 @@ pub struct Settings {
     pub retention: Duration,
     pub lifecycle_interval: Duration,
     pub heartbeat_interval: Duration,
-    /// Where workers report outcomes; `None`: reports are off.
+    /// The list workers report this database's outcomes to: see
+    /// [`report_list`]; `None`: reports are off.
     pub report_key: Option<String>,
     /// The most bytes of members' JSON one batch of an accumulated
     /// subscription carries.
     pub batch_budget: i64,
+}
+
+/// The report list of the current database: `outbox.report_key`, a colon
+/// and the database's OID. One list per database, because a dispatcher
+/// trims what it reads: one database's dispatchers would drop another's
+/// reports as stale. By OID, so that a rename loses none in flight.
+fn report_list(key: &str) -> String {
+    // SAFETY: a process global, set once connected.
+    format!("{key}:{}", unsafe { pgrx::pg_sys::MyDatabaseId }.to_u32())
 }
 
 impl Settings {
@@ -290,7 +339,7 @@ impl Settings {
             retention: seconds(&RETENTION_S),
             lifecycle_interval: seconds(&LIFECYCLE_INTERVAL_S),
             heartbeat_interval: seconds(&HEARTBEAT_INTERVAL_S),
-            report_key: Some(text(&REPORT_KEY)).filter(|k| !k.is_empty()),
+            report_key: Some(text(&REPORT_KEY)).filter(|k| !k.is_empty()).map(|k| report_list(&k)),
             batch_budget,
         }
     }

@@ -1,8 +1,12 @@
 //! The counters and histograms in shared memory, and their samples.
 //!
-//! Every update is one relaxed atomic add: no lock on the hot path. Shared
-//! memory outlives a dispatcher, so the numbers survive its restarts; a
-//! server restart resets them, as it resets PostgreSQL's own statistics.
+//! One set per group of dispatchers, that is per database served: a
+//! process counts into its database's set, and `outbox.metrics` shows the
+//! set of the database it is read in. Every update is one relaxed atomic
+//! add: no lock on the hot path. Shared memory outlives a dispatcher, so
+//! the numbers survive its restarts; a server restart resets them, as it
+//! resets PostgreSQL's own statistics, and so does the launcher giving
+//! the group to a database anew.
 //! Each labelled family is one `named!` table, so a new counter, reason or
 //! source is one line.
 
@@ -18,7 +22,8 @@ use outbox_core::exposition::{
 use outbox_core::named;
 use outbox_core::sink::{Condition, Reason, SinkError};
 
-use crate::slots::WakeSource;
+use crate::config::MAX_DATABASES;
+use crate::slots::{self, WakeSource};
 
 named! {
     /// Plain counters: the metric's name (without `_total`) and its help.
@@ -128,7 +133,7 @@ pub struct Counters {
     batch_size: Histogram<BATCH_BUCKETS>,
 }
 
-static COUNTERS: PgAtomic<AssertPGRXSharedMemory<Counters>> =
+static COUNTERS: PgAtomic<AssertPGRXSharedMemory<[Counters; MAX_DATABASES]>> =
     unsafe { PgAtomic::new(c"outbox_dispatch_metrics") };
 static READY: AtomicBool = AtomicBool::new(false);
 
@@ -140,7 +145,7 @@ fn zeros<const N: usize>() -> [AtomicU64; N] {
 pub fn init() {
     pg_shmem_init!(
         COUNTERS = unsafe {
-            AssertPGRXSharedMemory::new(Counters {
+            AssertPGRXSharedMemory::new(std::array::from_fn(|_| Counters {
                 counters: zeros(),
                 push_failures: zeros(),
                 reconnects: zeros(),
@@ -151,14 +156,40 @@ pub fn init() {
                 unavailable_micros: AtomicU64::new(0),
                 latency: Histogram::new(),
                 batch_size: Histogram::new(),
-            })
+            }))
         }
     );
     READY.store(true, Ordering::Relaxed);
 }
 
+/// The counters of this process's database, when a group serves it.
 fn counters() -> Option<&'static Counters> {
-    READY.load(Ordering::Relaxed).then(|| &**COUNTERS.get())
+    READY.load(Ordering::Relaxed).then_some(())?;
+    // SAFETY: a process global.
+    let group = slots::group_of(unsafe { pg_sys::MyDatabaseId })?;
+    Some(&COUNTERS.get()[group])
+}
+
+/// Sets group `g`'s counters to zero, as the launcher gives it to a database.
+pub fn reset(g: usize) {
+    if !READY.load(Ordering::Relaxed) {
+        return;
+    }
+    let c = &COUNTERS.get()[g];
+    let histograms = [&c.latency.buckets[..], &c.batch_size.buckets[..]];
+    let tables = [
+        &c.counters[..],
+        &c.push_failures[..],
+        &c.reconnects[..],
+        &c.refusals[..],
+        &c.wakeups[..],
+        &c.acks[..],
+        &c.reports_ignored[..],
+    ];
+    let sums = [&c.unavailable_micros, &c.latency.sum_micros, &c.batch_size.sum_micros];
+    for value in tables.into_iter().chain(histograms).flatten().chain(sums) {
+        value.store(0, Ordering::Relaxed);
+    }
 }
 
 /// Adds `n` to the counter `pick` chooses, once the shared memory exists.

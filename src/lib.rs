@@ -1,7 +1,8 @@
 //! outbox_dispatch: the transactional outbox inside PostgreSQL.
 //!
 //! Applications insert events in their own transactions; background
-//! workers deliver the committed ones to Redis as Celery tasks. The pure
+//! workers deliver the committed ones to Redis as Celery tasks: a launcher
+//! per server starts a group of dispatchers in each database served. The pure
 //! logic (message encoding, backoff, the Redis sink) is in the
 //! `outbox_core` crate; this crate is the PostgreSQL glue around it.
 
@@ -10,6 +11,8 @@ use pgrx::prelude::*;
 mod api;
 mod config;
 mod counters;
+mod hold;
+mod launcher;
 mod slots;
 mod subscriptions;
 mod views;
@@ -47,5 +50,7 @@ pub extern "C-unwind" fn _PG_init() {
     }
     slots::init();
     counters::init();
-    worker::register(config::workers());
+    launcher::init();
+    launcher::register();
+    hold::install();
 }

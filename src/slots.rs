@@ -1,7 +1,9 @@
 //! The dispatchers' slots in shared memory, one group per database served:
 //! who each dispatcher is (its proc number, so that committing backends of
 //! its database can set its latch), what it is doing, and its last error,
-//! for `outbox.workers`; and per database, which dispatcher has each turn.
+//! for `outbox.workers`; per database, which dispatcher has each turn and
+//! whether the extension was found there. Besides: the launcher's latch,
+//! and the databases a command holds for itself (`hold.rs`).
 //!
 //! Everything a committing backend touches is an atomic: waking the
 //! dispatchers takes no lock. The error texts sit behind one LWLock; only
@@ -26,13 +28,25 @@ named! {
     pub enum State {
         Stopped = "stopped",
         Starting = "starting",
-        WaitingForExtension = "waiting for extension",
         Idle = "idle",
         Draining = "draining",
         Reconnecting = "reconnecting",
         Paused = "paused",
         /// A statement failed (a lock not granted in time, say): retrying.
         Blocked = "blocked",
+        /// The launcher could not start it: `max_worker_processes` is used up.
+        NoWorkerSlot = "no worker slot",
+    }
+}
+
+named! {
+    /// What the dispatchers of a group found of the extension.
+    pub enum Extension {
+        /// Not looked yet: only dispatcher 0 runs, and looks.
+        Unknown = "unknown",
+        Present = "present",
+        /// Not created: the dispatchers exit; the launcher lets the group go.
+        Absent = "absent",
     }
 }
 
@@ -82,11 +96,37 @@ pub struct Group {
     slots: [Slot; MAX_WORKERS],
     /// Index of the dispatcher that has each [`Turn`], -1 = none.
     turns: [AtomicI32; Turn::COUNT],
+    /// An [`Extension`].
+    extension: AtomicU8,
+    /// The [`Slots::asked`] count seen before the lookup that found the
+    /// extension absent: a later ask makes that finding stale.
+    absent_as_of: AtomicU64,
 }
+
+/// A database a command (`DROP DATABASE`, a rename, a copy) holds: no
+/// dispatcher may connect to it until the command ends.
+#[repr(C)]
+pub struct Hold {
+    /// The holding backend; 0 while the entry is free.
+    pid: AtomicI32,
+    database: AtomicU32,
+}
+
+/// The most databases held at once; a command finding none free waits
+/// for the dispatchers without holding the database (and may have to try
+/// again, as it would without this extension).
+const MAX_HOLDS: usize = 16;
 
 #[repr(C)]
 pub struct Slots {
     groups: [Group; MAX_DATABASES],
+    /// `pgprocno` of the launcher, -1 while none runs.
+    launcher: AtomicI32,
+    /// Commits that asked for dispatchers in a database none serves
+    /// (`CREATE EXTENSION` among them): each makes the launcher look at
+    /// every database again.
+    asked: AtomicU64,
+    holds: [Hold; MAX_HOLDS],
 }
 
 static SLOTS: PgAtomic<AssertPGRXSharedMemory<Slots>> = unsafe { PgAtomic::new(c"outbox_dispatch_slots") };
@@ -116,7 +156,12 @@ pub fn init() {
                         persistence: AtomicU8::new(0),
                     }),
                     turns: std::array::from_fn(|_| AtomicI32::new(-1)),
+                    extension: AtomicU8::new(Extension::Unknown as u8),
+                    absent_as_of: AtomicU64::new(0),
                 }),
+                launcher: AtomicI32::new(-1),
+                asked: AtomicU64::new(0),
+                holds: std::array::from_fn(|_| Hold { pid: AtomicI32::new(0), database: AtomicU32::new(0) }),
             })
         }
     );
@@ -130,31 +175,59 @@ fn slots() -> Option<&'static Slots> {
 
 /// Sets the latch of every running dispatcher of this backend's database,
 /// noting why. Commits leave paused dispatchers asleep (a reload wakes them
-/// when `outbox.enabled` turns on). Cannot fail: safe inside a commit
-/// callback.
+/// when `outbox.enabled` turns on). Where no group serves this database
+/// yet (the commit of `CREATE EXTENSION`, or of events in a database whose
+/// dispatchers found no extension), the launcher is asked to look again.
+/// Cannot fail: safe inside a commit callback.
 pub fn wake_database(source: WakeSource) {
     let Some(slots) = slots() else { return };
+    // SAFETY: a process global, set once connected.
+    let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    let Some(group) = slots.groups.iter().find(|g| database != 0 && g.database.load(Ordering::Acquire) == database)
+    else {
+        if database != 0 {
+            slots.asked.fetch_add(1, Ordering::AcqRel);
+            wake_launcher();
+        }
+        return;
+    };
+    if group.extension.load(Ordering::Acquire) == Extension::Absent as u8 {
+        // Found absent before this commit: have it looked for again.
+        slots.asked.fetch_add(1, Ordering::AcqRel);
+        wake_launcher();
+    }
+    for slot in &group.slots {
+        let paused = slot.state.load(Ordering::Relaxed) == State::Paused as u8;
+        if matches!(source, WakeSource::Commit) && paused {
+            continue;
+        }
+        if let Some(latch) = latch(slot.procno.load(Ordering::Acquire)) {
+            slot.wake_sources.fetch_or(1 << source as u8, Ordering::AcqRel);
+            // SAFETY: the latch of a PGPROC, which lives as long as the server.
+            unsafe { pg_sys::SetLatch(latch) };
+        }
+    }
+}
+
+/// The latch of the process at `procno` in `ProcGlobal->allProcs`; none
+/// for -1 or out of range.
+fn latch(procno: i32) -> Option<*mut pg_sys::Latch> {
     // SAFETY: ProcGlobal is set up before any backend runs; procno is
     // bounds-checked against allProcCount before indexing allProcs.
     unsafe {
         let global = pg_sys::ProcGlobal;
-        if global.is_null() {
-            return;
+        if global.is_null() || procno < 0 || procno as u32 >= (*global).allProcCount {
+            return None;
         }
-        let database = pg_sys::MyDatabaseId.to_u32();
-        let groups =
-            slots.groups.iter().filter(|g| database != 0 && g.database.load(Ordering::Acquire) == database);
-        for slot in groups.flat_map(|g| &g.slots) {
-            let procno = slot.procno.load(Ordering::Acquire);
-            let paused = slot.state.load(Ordering::Relaxed) == State::Paused as u8;
-            if matches!(source, WakeSource::Commit) && paused {
-                continue;
-            }
-            if procno >= 0 && (procno as u32) < (*global).allProcCount {
-                slot.wake_sources.fetch_or(1 << source as u8, Ordering::AcqRel);
-                pg_sys::SetLatch(&raw mut (*(*global).allProcs.add(procno as usize)).procLatch);
-            }
-        }
+        Some(&raw mut (*(*global).allProcs.add(procno as usize)).procLatch)
+    }
+}
+
+/// Sets the launcher's latch: something it acts on changed.
+pub fn wake_launcher() {
+    if let Some(latch) = slots().and_then(|s| latch(s.launcher.load(Ordering::Acquire))) {
+        // SAFETY: as in wake_database.
+        unsafe { pg_sys::SetLatch(latch) };
     }
 }
 
@@ -186,12 +259,28 @@ impl Own {
         slot.persistence.store(0, Ordering::Relaxed);
         slot.state.store(State::Starting as u8, Ordering::Relaxed);
         unsafe { pg_sys::before_shmem_exit(Some(release), pg_sys::Datum::from(group << 16 | index)) };
-        Own(group, index)
+        let own = Own(group, index);
+        own.set_error(None);
+        own
     }
 
-    /// Records the database this dispatcher's group serves, once connected.
-    pub fn serve(&self, database: pg_sys::Oid) {
-        self.group().database.store(database.to_u32(), Ordering::Release);
+    /// The database the launcher gave this dispatcher's group (invalid
+    /// when the group was let go before the dispatcher started).
+    pub fn database(&self) -> pg_sys::Oid {
+        pg_sys::Oid::from(self.group().database.load(Ordering::Acquire))
+    }
+
+    /// Records whether the extension exists in the group's database, as a
+    /// lookup that started after `asked` ([`asked`]) found; the launcher
+    /// starts the other dispatchers once it is present, and lets the group
+    /// go when it is absent.
+    pub fn found_extension(&self, present: bool, asked: u64) {
+        let group = self.group();
+        let (found, as_of) = if present { (Extension::Present, 0) } else { (Extension::Absent, asked) };
+        group.absent_as_of.store(as_of, Ordering::Release);
+        if group.extension.swap(found as u8, Ordering::AcqRel) != found as u8 {
+            wake_launcher();
+        }
     }
 
     fn group(&self) -> &'static Group {
@@ -275,16 +364,20 @@ impl Own {
 
     /// Records the last error (already free of credentials); `None` clears it.
     pub fn set_error(&self, error: Option<&str>) {
-        let mut errors = ERRORS.exclusive();
-        let buf = &mut errors[self.0][self.1];
-        let text = error.unwrap_or("").as_bytes();
-        let mut len = text.len().min(ERROR_BYTES - 1);
-        while len > 0 && std::str::from_utf8(&text[..len]).is_err() {
-            len -= 1;
-        }
-        buf[..len].copy_from_slice(&text[..len]);
-        buf[len] = 0;
+        set_slot_error(self.0, self.1, error);
     }
+}
+
+fn set_slot_error(group: usize, index: usize, error: Option<&str>) {
+    let mut errors = ERRORS.exclusive();
+    let buf = &mut errors[group][index];
+    let text = error.unwrap_or("").as_bytes();
+    let mut len = text.len().min(ERROR_BYTES - 1);
+    while len > 0 && std::str::from_utf8(&text[..len]).is_err() {
+        len -= 1;
+    }
+    buf[..len].copy_from_slice(&text[..len]);
+    buf[len] = 0;
 }
 
 /// A turn this dispatcher has.
@@ -307,15 +400,169 @@ unsafe extern "C-unwind" fn release(_code: i32, arg: pg_sys::Datum) {
         }
         let slot = &group.slots[index];
         slot.procno.store(-1, Ordering::Release);
-        slot.pid.store(0, Ordering::Relaxed);
+        slot.pid.store(0, Ordering::Release);
         slot.connected.store(false, Ordering::Relaxed);
         slot.state.store(State::Stopped as u8, Ordering::Relaxed);
     }
 }
 
+/// The group serving `database`.
+pub fn group_of(database: pg_sys::Oid) -> Option<usize> {
+    let slots = slots()?;
+    let database = database.to_u32();
+    (database != 0).then_some(())?;
+    slots.groups.iter().position(|g| g.database.load(Ordering::Acquire) == database)
+}
+
+/// How many commits have asked the launcher to look again (see
+/// [`Slots::asked`]).
+pub fn asked() -> u64 {
+    slots().map_or(0, |s| s.asked.load(Ordering::Acquire))
+}
+
+/// The launcher's view of the groups, and its hands on them. Only the
+/// launcher calls these.
+pub mod launcher {
+    use super::*;
+
+    /// Publishes the launcher's latch, cleared again when it exits.
+    pub fn listen() {
+        let slots = slots().expect("the launcher runs only when preloaded");
+        // SAFETY: a background worker has a PGPROC by the time it runs.
+        slots.launcher.store(unsafe { my_procno() }, Ordering::Release);
+        unsafe { pg_sys::before_shmem_exit(Some(unlisten), pg_sys::Datum::from(0)) };
+    }
+
+    #[pg_guard]
+    unsafe extern "C-unwind" fn unlisten(_code: i32, _arg: pg_sys::Datum) {
+        if let Some(slots) = slots() {
+            slots.launcher.store(-1, Ordering::Release);
+        }
+    }
+
+    fn group(g: usize) -> &'static Group {
+        &slots().expect("the launcher runs only when preloaded").groups[g]
+    }
+
+    /// The database each group serves, `None` where it is free.
+    pub fn groups() -> Vec<Option<u32>> {
+        let slots = slots().expect("the launcher runs only when preloaded");
+        slots.groups.iter().map(|g| Some(g.database.load(Ordering::Acquire)).filter(|d| *d != 0)).collect()
+    }
+
+    /// What group `g`'s dispatchers found of the extension, and for an
+    /// absent one, the [`asked`] count before they looked.
+    pub fn extension(g: usize) -> (Extension, u64) {
+        let group = group(g);
+        let found = Extension::ALL.get(group.extension.load(Ordering::Acquire) as usize).copied();
+        (found.unwrap_or(Extension::Unknown), group.absent_as_of.load(Ordering::Acquire))
+    }
+
+    /// Gives free group `g` to `database`, its rows and counters from zero.
+    pub fn assign(g: usize, database: u32) {
+        clear(g);
+        group(g).database.store(database, Ordering::Release);
+    }
+
+    /// Has group `g`'s dispatcher 0 look for the extension again.
+    pub fn look_again(g: usize) {
+        group(g).extension.store(Extension::Unknown as u8, Ordering::Release);
+    }
+
+    /// Frees group `g`, whose dispatchers have all exited.
+    pub fn free(g: usize) {
+        group(g).database.store(0, Ordering::Release);
+        clear(g);
+    }
+
+    fn clear(g: usize) {
+        let group = group(g);
+        group.extension.store(Extension::Unknown as u8, Ordering::Release);
+        group.absent_as_of.store(0, Ordering::Release);
+        for turn in &group.turns {
+            turn.store(-1, Ordering::Release);
+        }
+        for (index, slot) in group.slots.iter().enumerate() {
+            slot.state.store(State::Stopped as u8, Ordering::Relaxed);
+            slot.started_at.store(0, Ordering::Relaxed);
+            slot.last_heartbeat.store(0, Ordering::Relaxed);
+            slot.dispatched.store(0, Ordering::Relaxed);
+            slot.persistence.store(0, Ordering::Relaxed);
+            set_slot_error(g, index, None);
+        }
+        crate::counters::reset(g);
+    }
+
+    /// Shows dispatcher `index` of group `g` as started, or as not
+    /// startable for `error`.
+    pub fn launched(g: usize, index: usize, error: Option<&str>) {
+        let state = if error.is_some() { State::NoWorkerSlot } else { State::Starting };
+        group(g).slots[index].state.store(state as u8, Ordering::Relaxed);
+        set_slot_error(g, index, error);
+    }
+
+    /// Frees the holds of backends that exited without freeing them (a
+    /// FATAL error ends a backend without unwinding).
+    pub fn free_stale_holds() {
+        let slots = slots().expect("the launcher runs only when preloaded");
+        for hold in &slots.holds {
+            let pid = hold.pid.load(Ordering::Acquire);
+            // SAFETY: reads the proc array under its lock.
+            if pid != 0 && unsafe { pg_sys::BackendPidGetProc(pid) }.is_null() {
+                let _ = hold.pid.compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Is `database` held by a command that needs it alone?
+pub fn held(database: pg_sys::Oid) -> bool {
+    slots().is_some_and(|s| {
+        s.holds.iter().any(|h| h.pid.load(Ordering::Acquire) != 0 && h.database.load(Ordering::Acquire) == database.to_u32())
+    })
+}
+
+/// A hold on a database, freed when dropped.
+pub struct Holding(&'static Hold);
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        self.0.database.store(0, Ordering::Release);
+        self.0.pid.store(0, Ordering::Release);
+        wake_launcher();
+    }
+}
+
+/// Holds `database` for this backend: the launcher starts no dispatcher
+/// for it, and one that connects exits. `None` when every entry is taken.
+pub fn hold(database: pg_sys::Oid) -> Option<Holding> {
+    let slots = slots()?;
+    // SAFETY: a process global.
+    let me = unsafe { pg_sys::MyProcPid };
+    let hold = slots.holds.iter().find(|h| {
+        h.pid.compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+    })?;
+    hold.database.store(database.to_u32(), Ordering::Release);
+    wake_launcher();
+    Some(Holding(hold))
+}
+
+/// The pids of the dispatchers running in `database`.
+pub fn running_in(database: pg_sys::Oid) -> Vec<i32> {
+    let Some(slots) = slots() else { return Vec::new() };
+    slots
+        .groups
+        .iter()
+        .filter(|g| g.database.load(Ordering::Acquire) == database.to_u32())
+        .flat_map(|g| &g.slots)
+        .map(|slot| slot.pid.load(Ordering::Acquire))
+        .filter(|pid| *pid != 0)
+        .collect()
+}
+
 /// One row of `outbox.workers`.
 pub struct WorkerRow {
-    /// The database served (its OID; invalid until connected).
+    /// The database served.
     pub database: pg_sys::Oid,
     pub index: i32,
     pub pid: Option<i32>,
@@ -329,7 +576,8 @@ pub struct WorkerRow {
 }
 
 /// The first `count` slots of every group serving a database, as they are
-/// now; with `only`, of that database's group.
+/// now; with `only`, of that database's group. The group's index, for
+/// the counters, is [`group_of`].
 pub fn rows(count: usize, only: Option<pg_sys::Oid>) -> Vec<WorkerRow> {
     let Some(slots) = slots() else {
         return Vec::new();
@@ -337,11 +585,8 @@ pub fn rows(count: usize, only: Option<pg_sys::Oid>) -> Vec<WorkerRow> {
     let errors = ERRORS.share();
     let mut rows = Vec::new();
     for (g, group) in slots.groups.iter().enumerate() {
-        // A group in use: serving a database, or where a dispatcher started
-        // and has not connected to one (its error says why).
         let database = pg_sys::Oid::from(group.database.load(Ordering::Acquire));
-        let started = group.slots.iter().any(|slot| slot.started_at.load(Ordering::Relaxed) != 0);
-        if (database == pg_sys::Oid::INVALID && !started) || only.is_some_and(|o| o != database) {
+        if database == pg_sys::Oid::INVALID || only.is_some_and(|o| o != database) {
             continue;
         }
         for (index, slot) in group.slots[..count.min(MAX_WORKERS)].iter().enumerate() {

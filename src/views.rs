@@ -1,23 +1,30 @@
 //! What SQL sees of the dispatchers: the functions behind `outbox.workers`,
 //! `outbox.metrics` and `outbox_metrics_prometheus()`. The counters come
 //! from shared memory (`counters.rs`), the gauges from the dispatcher
-//! slots and `outbox.status`.
+//! slots and `outbox.status`. `outbox.workers` shows the dispatchers of
+//! every database; the metrics are this database's (its counters, its
+//! dispatchers), so that an exporter labelling each database's samples
+//! with it (`python -m outbox_dispatch.exporter`) counts nothing twice.
 
 use pgrx::prelude::*;
 
 use outbox_core::exposition::{self, Family, Kind, Sample};
 
 use crate::slots::State;
-use crate::{config, counters, slots};
+use crate::{config, counters, launcher, slots};
 
-/// One row per dispatcher slot `outbox.workers` asks for: the view's source.
+/// `outbox.workers`: one row per dispatcher of every database served (the
+/// first `outbox.workers` slots of each group), then one per database
+/// `outbox.database` names that is not served, with why (no worker, state
+/// `not served`).
 // pgrx reads the column names from the signature, so the row type stays here.
 #[allow(clippy::type_complexity)]
 #[pg_extern(volatile, parallel_safe)]
 fn outbox_workers() -> TableIterator<
     'static,
     (
-        name!(worker, i32),
+        name!(database, Option<String>),
+        name!(worker, Option<i32>),
         name!(pid, Option<i32>),
         name!(state, String),
         name!(connected, bool),
@@ -29,9 +36,10 @@ fn outbox_workers() -> TableIterator<
     ),
 > {
     let timestamp = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
-    let rows = slots::rows(config::workers(), None).into_iter().map(move |r| {
+    let served = slots::rows(config::workers(), None).into_iter().map(|r| {
         (
-            r.index,
+            database_name(r.database),
+            Some(r.index),
             r.pid,
             r.state.to_string(),
             r.connected,
@@ -42,7 +50,21 @@ fn outbox_workers() -> TableIterator<
             r.broker_persistence.map(str::to_string),
         )
     });
-    TableIterator::new(rows.collect::<Vec<_>>())
+    let unserved = launcher::notes().into_iter().map(|(database, why)| {
+        (Some(database), None, None, NOT_SERVED.to_string(), false, None, None, Some(why.name().to_string()), 0, None)
+    });
+    TableIterator::new(served.chain(unserved).collect::<Vec<_>>())
+}
+
+/// The state of a database `outbox.database` names that has no dispatchers.
+const NOT_SERVED: &str = "not served";
+
+/// A database's name (`None` once it is dropped).
+fn database_name(database: pg_sys::Oid) -> Option<String> {
+    // SAFETY: a syscache lookup of a shared catalog, inside a transaction.
+    let name = unsafe { pg_sys::get_database_name(database) };
+    // SAFETY: a palloc'd C string when not null.
+    (!name.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned())
 }
 
 /// The counters, then gauges read from the dispatcher slots and `outbox.status`.
@@ -50,7 +72,8 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
     let mut families = counters::families();
     let gauge = |name, help| Family { name, help, kind: Kind::Gauge };
 
-    let workers = slots::rows(config::workers(), None);
+    // SAFETY: a process global.
+    let workers = slots::rows(config::workers(), Some(unsafe { pg_sys::MyDatabaseId }));
     let running = workers.iter().filter(|w| w.pid.is_some()).count() as f64;
     let connected = workers.iter().filter(|w| w.connected).count() as f64;
     families.push((

@@ -10,28 +10,24 @@ mod housekeeping;
 mod push;
 mod reports;
 mod setup;
-mod signals;
+pub(crate) mod signals;
 mod store;
-mod wait;
+pub(crate) mod wait;
 
 use std::time::{Duration, Instant};
 
-use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime};
+use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
 
 use outbox_core::backoff;
 use outbox_core::broker_url;
 
-use crate::config::{self, Settings};
+use crate::config::Settings;
 use crate::counters::{self, Counter};
 use crate::slots::{self, State, WakeSource};
 use broker::Broker;
 use push::{Pushed, RetryPolicy};
 use store::{Claim, Outcome, Store, StoreError};
-
-/// How soon the postmaster restarts a dispatcher that exited: after an
-/// error, a `pg_terminate_backend`, or a database that does not exist.
-const RESTART_DELAY: Duration = Duration::from_secs(5);
 
 /// How soon a statement that failed (a lock not granted, say) is tried
 /// again: at first after a second, then backing off (with jitter) up to ten
@@ -39,55 +35,37 @@ const RESTART_DELAY: Duration = Duration::from_secs(5);
 const STORE_RETRY_MIN: Duration = Duration::from_secs(1);
 const STORE_RETRY_MAX: Duration = Duration::from_secs(10);
 
-/// Registers `count` dispatchers; `_PG_init` calls this while preloading.
-pub fn register(count: usize) {
-    for index in 0..count {
-        BackgroundWorkerBuilder::new(&format!("outbox dispatcher {index}"))
-            .set_type("outbox dispatcher")
-            .set_library("outbox_dispatch")
-            .set_function("outbox_dispatcher_main")
-            .set_argument(Some(pg_sys::Datum::from(index)))
-            .enable_spi_access()
-            .set_start_time(BgWorkerStartTime::RecoveryFinished)
-            .set_restart_time(Some(RESTART_DELAY))
-            .load();
-    }
-}
-
+/// A dispatcher, started by the launcher (`launcher.rs`) as dispatcher
+/// `index` of group `group` (the argument is `group << 16 | index`).
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
-    let index = arg.value();
+    let (group, index) = (arg.value() >> 16, arg.value() & 0xffff);
     signals::install();
     crate::wake::mute();
-    let slot = slots::Own::take(0, index);
-    // A database that does not exist ends this process with a FATAL inside
-    // the connect, before anything could record why: say it beforehand, so
-    // that outbox.workers shows it while the postmaster restarts us every
-    // RESTART_DELAY. Cleared as soon as the connection is made.
-    let database = config::database();
-    slot.set_error(Some(&format!(
-        "cannot connect to database \"{database}\" (outbox.database); see the server log"
-    )));
-    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
-    // SAFETY: set by the connection just made.
-    slot.serve(unsafe { pg_sys::MyDatabaseId });
-    slot.set_error(None);
+    let slot = slots::Own::take(group, index);
+    let database = slot.database();
+    if database == pg_sys::InvalidOid {
+        // The launcher let the group go before this process started.
+        return;
+    }
+    // By OID: a rename does not matter. A database dropped meanwhile ends
+    // this process with a FATAL; the launcher sees it gone.
+    BackgroundWorker::connect_worker_to_spi_by_oid(Some(database), None);
+    if slots::held(database) {
+        // A DROP DATABASE (or rename, or copy) is waiting for this database.
+        return;
+    }
     slot.listen();
-    setup::pin_settings(index);
+    let name = setup::database_name();
+    setup::pin_settings(index, &name);
     setup::return_large_buffers();
 
-    let mut dispatcher = Dispatcher::new(index, slot, Settings::current());
+    let mut dispatcher = Dispatcher::new(index, slot, name, Settings::current());
     dispatcher.log_start();
     loop {
         signals::reload_if_requested();
         if signals::take_reloaded() {
-            if config::database() != database {
-                log!("outbox dispatcher {index}: outbox.database changed; restarting to connect to it");
-                // Exit code 1: the postmaster starts us again. (A zero
-                // exit would unregister the worker until the next start.)
-                unsafe { pg_sys::proc_exit(1) }
-            }
             dispatcher.reconfigure(Settings::current());
         }
         let nap = dispatcher.step().min(rest());
@@ -132,8 +110,12 @@ struct Dispatcher {
     unsettled: Outcome,
     /// Claims left by an earlier life of this dispatcher were released.
     released_own: bool,
-    /// The extension was found missing (and that was logged).
-    extension_missing: bool,
+    /// The database this dispatcher serves (its name when it started).
+    database: String,
+    /// The extension was found.
+    extension_found: bool,
+    /// [`slots::asked`] as the current step began.
+    asked: u64,
     /// The last statement failed with this error (which `last_error` shows).
     store_failing: Option<String>,
     /// Consecutive failed statements.
@@ -145,7 +127,7 @@ struct Dispatcher {
 }
 
 impl Dispatcher {
-    fn new(index: usize, slot: slots::Own, settings: Settings) -> Dispatcher {
+    fn new(index: usize, slot: slots::Own, database: String, settings: Settings) -> Dispatcher {
         Dispatcher {
             index,
             slot,
@@ -155,7 +137,9 @@ impl Dispatcher {
             origin: setup::origin(),
             unsettled: Outcome::default(),
             released_own: false,
-            extension_missing: false,
+            database,
+            extension_found: false,
+            asked: 0,
             store_failing: None,
             store_attempt: 0,
             store_retry_at: None,
@@ -207,7 +191,7 @@ impl Dispatcher {
              report_key={:?} redis_sentinel_master={:?} redis_wait_replicas={} redis_key_prefix={:?} \
              priority_steps={:?} priority_separator={:?}",
             self.index,
-            config::database(),
+            self.database,
             broker_url::redact(&s.broker.url),
             s.broker.password_file,
             s.broker.tls_ca_file,
@@ -254,12 +238,9 @@ impl Dispatcher {
 
     /// One step of work; returns how long to sleep unless woken.
     fn step(&mut self) -> Duration {
-        let poll = self.settings.poll_interval;
-        if !self.settings.enabled {
-            self.slot.set_state(State::Paused);
-            return poll;
-        }
-        self.slot.resume();
+        // Before any lookup of the extension: a commit that asks after
+        // this makes an "absent" found below stale.
+        self.asked = slots::asked();
         // Backing off after a failed statement or connect: a wake does not
         // cut it short (a persistent failure would be retried at the rate
         // of commits).
@@ -269,6 +250,21 @@ impl Dispatcher {
         {
             return at - now;
         }
+        // The first look, paused or not: the launcher starts the other
+        // dispatchers, or lets the database go, on what it finds.
+        if !self.extension_found {
+            match self.store.extension_exists() {
+                Err(e) => return self.store_failed(&e),
+                Ok(false) => self.leave_for_extension(),
+                Ok(true) => self.found_extension(),
+            }
+        }
+        let poll = self.settings.poll_interval;
+        if !self.settings.enabled {
+            self.slot.set_state(State::Paused);
+            return poll;
+        }
+        self.slot.resume();
         // A failed sweep or purge is shown and tried again later; delivery
         // goes on meanwhile.
         if let Err(e) = self.housekeeping.run_if_due(self.index, &self.slot, &mut self.store, &self.settings)
@@ -278,7 +274,7 @@ impl Dispatcher {
         if !self.broker.connected() {
             match self.store.extension_exists() {
                 Err(e) => return self.store_failed(&e),
-                Ok(false) => return self.wait_for_extension(),
+                Ok(false) => self.leave_for_extension(),
                 Ok(true) => {}
             }
             if let Some(wait) = self.broker.connect(&self.slot, &self.settings) {
@@ -368,20 +364,27 @@ impl Dispatcher {
         }
     }
 
-    /// Notes (and logs, once) that the extension is not created; returns
-    /// the sleep. `CREATE EXTENSION` wakes the dispatchers when it commits.
-    fn wait_for_extension(&mut self) -> Duration {
-        if !self.extension_missing {
-            self.extension_missing = true;
+    /// The extension is not created (or was dropped): the dispatcher
+    /// exits, and the launcher lets the database go until a commit there
+    /// (`CREATE EXTENSION`'s) asks for dispatchers again.
+    fn leave_for_extension(&mut self) -> ! {
+        if self.index == 0 {
             log!(
                 "outbox dispatcher {}: extension outbox_dispatch is not created in database \"{}\"; \
-                 waiting for CREATE EXTENSION",
+                 not serving it until CREATE EXTENSION",
                 self.index,
-                config::database()
+                self.database
             );
         }
-        self.slot.set_state(State::WaitingForExtension);
-        self.settings.poll_interval
+        self.slot.found_extension(false, self.asked);
+        // SAFETY: a normal exit; the slot is released by its exit callback.
+        unsafe { pg_sys::proc_exit(0) }
+    }
+
+    /// The extension exists: the launcher may start the other dispatchers.
+    fn found_extension(&mut self) {
+        self.extension_found = true;
+        self.slot.found_extension(true, self.asked);
     }
 
     /// Claims, pushes and marks batches until the queue is empty; returns how
@@ -406,7 +409,7 @@ impl Dispatcher {
             self.store_recovered();
             nap = nap.min(account(&settled));
             let (events, claimed_at, next_due) = match claim {
-                Claim::NoExtension => return self.wait_for_extension(),
+                Claim::NoExtension => self.leave_for_extension(),
                 Claim::Claimed { flushed, events, claimed_at, next_due } => {
                     counters::add(Counter::AccumulatedBatches, flushed.batches);
                     counters::add(Counter::AccumulatedEvents, flushed.events);
@@ -417,7 +420,6 @@ impl Dispatcher {
                     (events, claimed_at, next_due)
                 }
             };
-            self.extension_missing = false;
             if events.is_empty() {
                 self.slot.set_state(State::Idle);
                 let retry =

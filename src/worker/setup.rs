@@ -4,6 +4,7 @@
 
 use std::ffi::{CStr, CString};
 
+use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
 
 /// Settings every dispatcher runs with, overriding `ALTER DATABASE … SET` and
@@ -59,13 +60,13 @@ const PINNED_SINCE_17: [(&CStr, &CStr); 0] = [];
 /// Called once connected to the database, whose own settings and the
 /// role's are applied by then: sets each of those back to the server's
 /// value (see [`undo_database_settings`]), then pins [`PINNED`].
-pub fn pin_settings(index: usize) {
+pub fn pin_settings(index: usize, database: &str) {
     // First of all, before reading anything: run as the bootstrap superuser
     // again, whatever `role` the database asked for, with the pinned
     // timeouts (a database's `transaction_timeout` would end the read).
     set(c"role", c"none");
     pin();
-    undo_database_settings(index);
+    undo_database_settings(index, database);
     pin();
 }
 
@@ -106,7 +107,7 @@ const READ_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 /// sets it, else its built-in default (`role`: none). Values given on the
 /// server's command line are not seen this way; a setting whose server
 /// value cannot be found stays as it is, and the log says so.
-fn undo_database_settings(index: usize) {
+fn undo_database_settings(index: usize, database: &str) {
     // Operators unqualified: the search_path is pinned to pg_catalog by now.
     const QUERY: &str = include_str!("../../sql/worker/database_settings.sql");
     let read = super::store::transaction(READ_DEADLINE, || {
@@ -140,8 +141,7 @@ fn undo_database_settings(index: usize) {
         }
     }
     log!(
-        "outbox dispatcher {index}: ignoring the settings of database \"{}\" and of its role for: {}",
-        crate::config::database(),
+        "outbox dispatcher {index}: ignoring the settings of database \"{database}\" and of its role for: {}",
         undone.join(", ")
     );
 }
@@ -155,6 +155,20 @@ fn undo_database_settings(index: usize) {
 pub fn return_large_buffers() {
     // SAFETY: mallopt only tunes this process's allocator.
     unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
+}
+
+/// The name of the database this process is connected to.
+pub fn database_name() -> String {
+    BackgroundWorker::transaction(|| {
+        // SAFETY: a catalog lookup inside a transaction, of the database
+        // this process is connected to (which cannot be dropped meanwhile).
+        let name = unsafe { pg_sys::get_database_name(pg_sys::MyDatabaseId) };
+        if name.is_null() {
+            String::new()
+        } else {
+            unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned()
+        }
+    })
 }
 
 /// `outbox_dispatch@<host>`: the messages' `origin` header.

@@ -1,0 +1,148 @@
+//! Commands that need a database to themselves: `DROP DATABASE`, `ALTER
+//! DATABASE … RENAME` and `… SET TABLESPACE`, `CREATE DATABASE … TEMPLATE`.
+//! Each fails while another session is connected to the database, and a
+//! dispatcher is one. This hook runs in every backend (the library is
+//! preloaded): when the user may run the command on that database (owns
+//! it, or is a superuser), it first holds the database — the launcher
+//! starts no dispatcher there, and one that connects leaves at once —
+//! stops the dispatchers connected to it and waits until they are gone,
+//! [`WAIT`] at most, then runs the command. The hold ends with the
+//! command, whether it succeeded or failed; the launcher then serves the
+//! database again if it is still to be served.
+
+use std::collections::HashSet;
+use std::ffi::c_char;
+use std::time::{Duration, Instant};
+
+use pgrx::prelude::*;
+use pgrx::PgList;
+
+use crate::slots::{self, Holding};
+
+/// The longest a command waits for the dispatchers to leave; PostgreSQL
+/// then waits 5 s more for any session before it gives up.
+const WAIT: Duration = Duration::from_secs(5);
+
+static mut PREVIOUS: pg_sys::ProcessUtility_hook_type = None;
+
+/// Installs the hook; `_PG_init` calls this while preloading.
+pub fn install() {
+    // SAFETY: called once, in the postmaster, before any backend runs.
+    unsafe {
+        PREVIOUS = pg_sys::ProcessUtility_hook;
+        pg_sys::ProcessUtility_hook = Some(process_utility);
+    }
+}
+
+#[pg_guard]
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C-unwind" fn process_utility(
+    pstmt: *mut pg_sys::PlannedStmt,
+    query_string: *const c_char,
+    read_only_tree: bool,
+    context: pg_sys::ProcessUtilityContext::Type,
+    params: pg_sys::ParamListInfo,
+    query_env: *mut pg_sys::QueryEnvironment,
+    dest: *mut pg_sys::DestReceiver,
+    qc: *mut pg_sys::QueryCompletion,
+) {
+    // Dropped when the command ends, also by an error: both calls below
+    // turn an ERROR into a Rust panic that unwinds through this frame.
+    let _holding = needed_alone((*pstmt).utilityStmt).and_then(clear);
+    match PREVIOUS {
+        Some(previous) => pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
+            previous(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc)
+        }),
+        None => pg_sys::standard_ProcessUtility(
+            pstmt,
+            query_string,
+            read_only_tree,
+            context,
+            params,
+            query_env,
+            dest,
+            qc,
+        ),
+    }
+}
+
+/// The database `statement` needs alone, when the current user may run it
+/// there. Others are left to PostgreSQL's own refusal: a user who may not
+/// drop a database must not stop its dispatchers by trying.
+unsafe fn needed_alone(statement: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
+    if statement.is_null() {
+        return None;
+    }
+    let name: *const c_char = match (*statement).type_ {
+        pg_sys::NodeTag::T_DropdbStmt => (*statement.cast::<pg_sys::DropdbStmt>()).dbname,
+        pg_sys::NodeTag::T_RenameStmt => {
+            let rename = statement.cast::<pg_sys::RenameStmt>();
+            if (*rename).renameType != pg_sys::ObjectType::OBJECT_DATABASE {
+                return None;
+            }
+            (*rename).subname
+        }
+        pg_sys::NodeTag::T_AlterDatabaseStmt => {
+            let alter = statement.cast::<pg_sys::AlterDatabaseStmt>();
+            option((*alter).options, c"tablespace")?;
+            (*alter).dbname
+        }
+        pg_sys::NodeTag::T_CreatedbStmt => {
+            pg_sys::defGetString(option((*statement.cast::<pg_sys::CreatedbStmt>()).options, c"template")?)
+        }
+        _ => return None,
+    };
+    if name.is_null() {
+        return None;
+    }
+    let database = pg_sys::get_database_oid(name, true);
+    (database != pg_sys::InvalidOid && owns(database)).then_some(database)
+}
+
+/// The option `name` of a statement's list of `DefElem`s.
+unsafe fn option(options: *mut pg_sys::List, name: &std::ffi::CStr) -> Option<*mut pg_sys::DefElem> {
+    PgList::<pg_sys::DefElem>::from_pg(options)
+        .iter_ptr()
+        .find(|d| !(**d).defname.is_null() && std::ffi::CStr::from_ptr((**d).defname) == name)
+}
+
+#[cfg(feature = "pg15")]
+unsafe fn owns(database: pg_sys::Oid) -> bool {
+    pg_sys::pg_database_ownercheck(database, pg_sys::GetUserId())
+}
+
+#[cfg(not(feature = "pg15"))]
+unsafe fn owns(database: pg_sys::Oid) -> bool {
+    pg_sys::object_ownercheck(pg_sys::DatabaseRelationId, database, pg_sys::GetUserId())
+}
+
+/// Holds `database`, then stops its dispatchers and waits for them to
+/// exit, [`WAIT`] at most (the command then says who is still there).
+fn clear(database: pg_sys::Oid) -> Option<Holding> {
+    let holding = slots::hold(database);
+    let deadline = Instant::now() + WAIT;
+    let mut signalled = HashSet::new();
+    loop {
+        let running = slots::running_in(database);
+        if running.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        for pid in running.into_iter().filter(|pid| signalled.insert(*pid)) {
+            // SAFETY: SIGTERM to a dispatcher of this server, which ends it
+            // as a shutdown would.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        // SAFETY: a short wait on this backend's own latch.
+        unsafe {
+            pg_sys::WaitLatch(
+                pg_sys::MyLatch,
+                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+                10,
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+            pg_sys::ResetLatch(pg_sys::MyLatch);
+        }
+        check_for_interrupts!();
+    }
+    holding
+}

@@ -1,0 +1,435 @@
+//! The launcher: one background worker per server that keeps a group of
+//! dispatchers running in every database `outbox.database` covers and
+//! that has the extension.
+//!
+//! It is connected to no database (it never stands in the way of a `DROP
+//! DATABASE`) and reads `pg_database`, a shared catalog, by a heap scan.
+//! Each turn it plans with [`outbox_core::launch::turn`] and carries the
+//! plan out: gives a free group to each new database and starts its
+//! dispatcher 0, which looks for the extension (absent: it exits, and the
+//! group is let go until a commit there asks again, `CREATE EXTENSION`'s
+//! among them); starts the others once the extension is found; restarts a
+//! dispatcher [`RESTART_DELAY`] after it exited; stops those beyond
+//! `outbox.workers` and every one of a database no longer served, dropped,
+//! or held by a command (`hold.rs`). The dispatchers are dynamic
+//! background workers that report to the launcher, never restarted by the
+//! postmaster on their own.
+//!
+//! What it cannot serve it says: a `WARNING` in the log when that changes,
+//! and a row in `outbox.workers` (no worker slot for a dispatcher; a
+//! database named in `outbox.database` that is missing, closed or without
+//! the extension; more databases than groups).
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime};
+use pgrx::prelude::*;
+use pgrx::{pg_shmem_init, PgLwLock};
+
+use outbox_core::databases::{Served, NAME_BYTES};
+use outbox_core::launch::{self, Database, Known};
+use outbox_core::named;
+
+use crate::config::{self, MAX_DATABASES, MAX_WORKERS};
+use crate::slots::{self, launcher as groups, Extension};
+use crate::worker::{signals, wait};
+
+/// How soon a dispatcher that exited is started again (and the launcher,
+/// by the postmaster).
+pub const RESTART_DELAY: Duration = Duration::from_secs(5);
+
+/// How often `pg_database` is read without a wake: the delay before a
+/// database created from a template that has the extension is served.
+const SCAN_INTERVAL: Duration = Duration::from_secs(5);
+
+named! {
+    /// Why a database `outbox.database` names is not served.
+    pub enum Unserved {
+        Missing = "no such database",
+        Template = "a template database",
+        /// `datallowconn` is false, or an interrupted `DROP DATABASE` left
+        /// it invalid.
+        Closed = "it does not allow connections",
+        NoExtension = "extension outbox_dispatch is not created there",
+        Held = "a command holds it (DROP DATABASE, a rename or a copy)",
+        NoGroup = "every group of dispatchers is taken",
+    }
+}
+
+/// One database not served: its name, and `1 +` its [`Unserved`] (0: none).
+#[derive(Clone, Copy)]
+pub struct Note {
+    name: [u8; NAME_BYTES],
+    reason: u8,
+}
+
+const NO_NOTE: Note = Note { name: [0; NAME_BYTES], reason: 0 };
+
+// SAFETY: plain bytes, no pointers.
+unsafe impl pgrx::shmem::PGRXSharedMemory for Note {}
+
+/// The databases not served, as the launcher last saw them.
+static NOTES: PgLwLock<[Note; MAX_DATABASES]> = unsafe { PgLwLock::new(c"outbox_dispatch_launcher_notes") };
+
+/// Requests the shared memory; `_PG_init` calls this only while preloading.
+pub fn init() {
+    pg_shmem_init!(NOTES = [NO_NOTE; MAX_DATABASES]);
+}
+
+/// Registers the launcher; `_PG_init` calls this while preloading.
+pub fn register() {
+    BackgroundWorkerBuilder::new("outbox launcher")
+        .set_type("outbox launcher")
+        .set_library("outbox_dispatch")
+        .set_function("outbox_launcher_main")
+        .enable_spi_access()
+        .set_start_time(BgWorkerStartTime::RecoveryFinished)
+        .set_restart_time(Some(RESTART_DELAY))
+        .load();
+}
+
+/// The databases not served, with why, for `outbox.workers`.
+pub fn notes() -> Vec<(String, Unserved)> {
+    NOTES
+        .share()
+        .iter()
+        .filter_map(|n| {
+            let reason = Unserved::ALL.get((n.reason as usize).checked_sub(1)?)?;
+            let len = n.name.iter().position(|b| *b == 0).unwrap_or(NAME_BYTES);
+            Some((String::from_utf8_lossy(&n.name[..len]).into_owned(), *reason))
+        })
+        .collect()
+}
+
+#[pg_guard]
+#[unsafe(no_mangle)]
+pub extern "C-unwind" fn outbox_launcher_main(_arg: pg_sys::Datum) {
+    signals::install();
+    BackgroundWorker::connect_worker_to_spi(None, None);
+    groups::listen();
+    let mut launcher = Launcher::default();
+    launcher.adopt();
+    log!("outbox launcher started");
+    loop {
+        signals::reload_if_requested();
+        let nap = launcher.turn();
+        wait::for_wake(nap);
+    }
+}
+
+/// A dispatcher the launcher started, until it has stopped.
+struct Started {
+    handle: *mut pg_sys::BackgroundWorkerHandle,
+    /// Asked to stop (its database no longer served, beyond `outbox.workers`).
+    stopping: bool,
+}
+
+#[derive(Default)]
+struct Launcher {
+    started: HashMap<(usize, usize), Started>,
+    /// Not before then is a dispatcher that exited started again.
+    restart_at: HashMap<(usize, usize), Instant>,
+    /// Databases whose dispatchers found no extension, as of `asked`.
+    absent: HashSet<u32>,
+    asked: u64,
+    /// The last value of `outbox.database` that parsed.
+    served: Option<Served>,
+    /// What was last logged of what cannot be served.
+    logged: Vec<String>,
+}
+
+impl Launcher {
+    /// Groups in use when this launcher starts were left by one that
+    /// exited (dynamic workers outlive the launcher that started them, and
+    /// this one has no handle on them): their dispatchers are stopped by
+    /// pid, and the groups freed once they are gone (10 s at most).
+    fn adopt(&mut self) {
+        let left: Vec<(usize, pg_sys::Oid)> = groups::groups()
+            .into_iter()
+            .enumerate()
+            .filter_map(|(g, database)| Some((g, pg_sys::Oid::from(database?))))
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let pids: Vec<i32> = left.iter().flat_map(|(_, database)| slots::running_in(*database)).collect();
+            if pids.is_empty() || Instant::now() > deadline {
+                break;
+            }
+            for pid in pids {
+                // SAFETY: a signal to a dispatcher the last launcher started.
+                unsafe { libc::kill(pid, libc::SIGTERM) };
+            }
+            wait::for_wake(Duration::from_millis(100));
+        }
+        for (g, _) in left {
+            groups::free(g);
+        }
+    }
+
+    /// One turn; returns how long to sleep unless woken.
+    fn turn(&mut self) -> Duration {
+        groups::free_stale_holds();
+        self.reap();
+        let asked = slots::asked();
+        if asked != self.asked {
+            self.absent.clear();
+            self.asked = asked;
+        }
+        let current = groups::groups();
+        for (g, database) in current.iter().enumerate() {
+            let (Some(database), (Extension::Absent, as_of)) = (database, groups::extension(g)) else {
+                continue;
+            };
+            if as_of == asked {
+                self.absent.insert(*database);
+            } else {
+                // Asked again since: dispatcher 0 looks again, at once.
+                groups::look_again(g);
+                self.restart_at.remove(&(g, 0));
+            }
+        }
+        match Served::parse(&config::database()) {
+            Ok(served) => self.served = Some(served),
+            // The setting's check refuses such a value; one from before a
+            // reload that failed keeps the last good one.
+            Err(e) => warning!("outbox launcher: outbox.database: {e}; keeping the databases served"),
+        }
+        let Some(served) = self.served.clone() else { return SCAN_INTERVAL };
+        let databases = scan();
+        let known = |oid: u32| {
+            if slots::held(pg_sys::Oid::from(oid)) {
+                Some(Known::Held)
+            } else if self.absent.contains(&oid) {
+                Some(Known::Absent)
+            } else {
+                None
+            }
+        };
+        let plan = launch::turn(&served, &databases, &current, known);
+        for g in &plan.release {
+            self.release(*g);
+        }
+        for (g, database) in &plan.assign {
+            groups::assign(*g, *database);
+            self.restart_at.retain(|(group, _), _| group != g);
+        }
+        let now = Instant::now();
+        let mut next = SCAN_INTERVAL;
+        let mut no_slot = Vec::new();
+        for (g, database) in groups::groups().into_iter().enumerate() {
+            if database.is_none() || plan.release.contains(&g) {
+                continue;
+            }
+            let (extension, _) = groups::extension(g);
+            for index in 0..MAX_WORKERS {
+                let wanted = index < config::workers() && (index == 0 || extension == Extension::Present);
+                match (wanted, self.started.get_mut(&(g, index))) {
+                    (true, None) => match self.restart_at.get(&(g, index)) {
+                        Some(at) if *at > now => next = next.min(*at - now),
+                        _ => {
+                            if !self.start(g, index) {
+                                no_slot.push((g, index));
+                                next = next.min(RESTART_DELAY);
+                            }
+                        }
+                    },
+                    (false, Some(started)) if !started.stopping => {
+                        // SAFETY: a handle of ours, not yet freed.
+                        unsafe { pg_sys::TerminateBackgroundWorker(started.handle) };
+                        started.stopping = true;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if self.started.values().any(|s| s.stopping) {
+            next = next.min(Duration::from_millis(100));
+        }
+        self.tell(&served, &databases, &plan.unplaced, &no_slot);
+        next
+    }
+
+    /// Forgets the dispatchers that stopped, setting when each may start
+    /// again; frees the groups whose last dispatcher stopped while being
+    /// let go.
+    fn reap(&mut self) {
+        let now = Instant::now();
+        let mut stopped = Vec::new();
+        for (key, started) in &self.started {
+            let mut pid = 0;
+            // SAFETY: a handle of ours, not yet freed.
+            let status = unsafe { pg_sys::GetBackgroundWorkerPid(started.handle, &mut pid) };
+            if status == pg_sys::BgwHandleStatus::BGWH_STOPPED {
+                stopped.push(*key);
+            }
+        }
+        for key in stopped {
+            let started = self.started.remove(&key).expect("listed above");
+            // SAFETY: the handle RegisterDynamicBackgroundWorker allocated.
+            unsafe { pg_sys::pfree(started.handle.cast()) };
+            if !started.stopping {
+                self.restart_at.insert(key, now + RESTART_DELAY);
+            }
+        }
+    }
+
+    /// Stops group `g`'s dispatchers; frees it once none is left.
+    fn release(&mut self, g: usize) {
+        let mut left = false;
+        for (_, started) in self.started.iter_mut().filter(|((group, _), _)| *group == g) {
+            left = true;
+            if !started.stopping {
+                // SAFETY: a handle of ours, not yet freed.
+                unsafe { pg_sys::TerminateBackgroundWorker(started.handle) };
+                started.stopping = true;
+            }
+        }
+        if !left {
+            groups::free(g);
+        }
+    }
+
+    /// Starts dispatcher `index` of group `g`; false when no background
+    /// worker slot is free.
+    fn start(&mut self, g: usize, index: usize) -> bool {
+        let builder = BackgroundWorkerBuilder::new(&format!("outbox dispatcher {index}"))
+            .set_type("outbox dispatcher")
+            .set_library("outbox_dispatch")
+            .set_function("outbox_dispatcher_main")
+            .set_argument(Some(pg_sys::Datum::from(g << 16 | index)))
+            .enable_spi_access()
+            .set_start_time(BgWorkerStartTime::RecoveryFinished)
+            .set_restart_time(None)
+            // SAFETY: a process global.
+            .set_notify_pid(unsafe { pg_sys::MyProcPid });
+        let mut worker: pg_sys::BackgroundWorker = (&builder).into();
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: a filled-in registration; the handle is allocated in the
+        // launcher's long-lived memory context.
+        let registered = unsafe { pg_sys::RegisterDynamicBackgroundWorker(&mut worker, &mut handle) };
+        if registered {
+            groups::launched(g, index, None);
+            self.started.insert((g, index), Started { handle, stopping: false });
+        } else {
+            groups::launched(
+                g,
+                index,
+                Some(&format!(
+                    "no background worker slot free: raise max_worker_processes (now {}) to at least {}",
+                    max_worker_processes(),
+                    self.needed()
+                )),
+            );
+            self.restart_at.insert((g, index), Instant::now() + RESTART_DELAY);
+        }
+        registered
+    }
+
+    /// Background worker slots outbox_dispatch needs: the launcher's and
+    /// `outbox.workers` for each database served or waiting for a group.
+    fn needed(&self) -> usize {
+        let databases = groups::groups().iter().flatten().count();
+        1 + config::workers() * databases
+    }
+
+    /// Records in shared memory, for `outbox.workers`, what is not served
+    /// and why; logs it when that changed.
+    fn tell(&mut self, served: &Served, databases: &[Database], unplaced: &[u32], no_slot: &[(usize, usize)]) {
+        let mut notes: Vec<(String, Unserved)> = Vec::new();
+        if let Served::Named(names) = served {
+            for name in names {
+                let found = databases.iter().find(|d| d.name == *name);
+                let reason = match found {
+                    None => Some(Unserved::Missing),
+                    Some(d) if d.is_template => Some(Unserved::Template),
+                    Some(d) if !d.allows_connections => Some(Unserved::Closed),
+                    Some(d) if slots::held(pg_sys::Oid::from(d.oid)) => Some(Unserved::Held),
+                    Some(d) if self.absent.contains(&d.oid) => Some(Unserved::NoExtension),
+                    Some(_) => None,
+                };
+                notes.extend(reason.map(|r| (name.clone(), r)));
+            }
+        }
+        for oid in unplaced {
+            if let Some(d) = databases.iter().find(|d| d.oid == *oid) {
+                notes.push((d.name.clone(), Unserved::NoGroup));
+            }
+        }
+        {
+            let mut shared = NOTES.exclusive();
+            *shared = [NO_NOTE; MAX_DATABASES];
+            for (note, (name, reason)) in shared.iter_mut().zip(&notes) {
+                note.name[..name.len()].copy_from_slice(name.as_bytes());
+                note.reason = reason.index() as u8 + 1;
+            }
+        }
+        let mut lines: Vec<(bool, String)> = notes
+            .iter()
+            .map(|(name, reason)| {
+                // A database waiting for CREATE EXTENSION is no fault.
+                (*reason != Unserved::NoExtension, format!("database \"{name}\" is not served: {}", reason.name()))
+            })
+            .collect();
+        if !no_slot.is_empty() {
+            lines.push((true, format!(
+                "{} dispatchers could not start: no background worker slot is free; max_worker_processes is {} \
+                 and outbox_dispatch alone needs {} (1 launcher + outbox.workers = {} per database served), \
+                 besides the other background workers and parallel queries",
+                no_slot.len(),
+                max_worker_processes(),
+                self.needed(),
+                config::workers()
+            )));
+        }
+        let text: Vec<String> = lines.iter().map(|(_, line)| line.clone()).collect();
+        if text != self.logged {
+            for (fault, line) in lines.iter().filter(|(_, line)| !self.logged.contains(line)) {
+                if *fault {
+                    warning!("outbox launcher: {line}");
+                } else {
+                    log!("outbox launcher: {line}");
+                }
+            }
+            self.logged = text;
+        }
+    }
+}
+
+fn max_worker_processes() -> i32 {
+    // SAFETY: a plain GUC variable.
+    unsafe { pg_sys::max_worker_processes }
+}
+
+/// Every database, from a heap scan of `pg_database` in a transaction of
+/// its own (as autovacuum's launcher reads it).
+fn scan() -> Vec<Database> {
+    BackgroundWorker::transaction(|| {
+        // SAFETY: a catalog scan inside a transaction, with a snapshot; the
+        // tuples' fixed part is FormData_pg_database.
+        unsafe {
+            pg_sys::GetTransactionSnapshot();
+            let relation = pg_sys::table_open(pg_sys::DatabaseRelationId, pg_sys::AccessShareLock as i32);
+            let scan = pg_sys::table_beginscan_catalog(relation, 0, std::ptr::null_mut());
+            let mut databases = Vec::new();
+            loop {
+                let tuple = pg_sys::heap_getnext(scan, pg_sys::ScanDirection::ForwardScanDirection);
+                if tuple.is_null() {
+                    break;
+                }
+                let form = &*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_database>(tuple);
+                let name = std::ffi::CStr::from_ptr(form.datname.data.as_ptr());
+                databases.push(Database {
+                    oid: form.oid.to_u32(),
+                    name: name.to_string_lossy().into_owned(),
+                    // -2: an interrupted DROP DATABASE left it invalid.
+                    allows_connections: form.datallowconn && form.datconnlimit != -2,
+                    is_template: form.datistemplate,
+                });
+            }
+            pg_sys::heap_endscan(scan);
+            pg_sys::table_close(relation, pg_sys::AccessShareLock as i32);
+            databases
+        }
+    })
+}
