@@ -235,7 +235,7 @@ COMMENT ON VIEW outbox.status IS
     'Events per status; lag is how long the oldest due pending event has waited. Dispatched and processed are counted up to 1000, then estimated from statistics (estimated = true).';
 
 CREATE VIEW outbox.workers AS
-SELECT * FROM @extschema@.outbox_workers();
+SELECT * FROM @extschema@.outbox_dispatchers();
 
 COMMENT ON VIEW outbox.workers IS
     'One row per dispatcher of every database served, then one per database outbox.database names that is not served (state not served, last_error says why).';
@@ -280,6 +280,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_retry_failed(interval),
     @extschema@.outbox_wake(),
     @extschema@.outbox_workers(),
+    @extschema@.outbox_dispatchers(),
     @extschema@.outbox_metrics(),
     @extschema@.outbox_metrics_prometheus(),
     @extschema@.outbox_events_inserted(),
@@ -291,6 +292,7 @@ GRANT USAGE ON SCHEMA outbox TO pg_monitor;
 GRANT SELECT ON outbox.status, outbox.workers, outbox.metrics, outbox.unreported TO pg_monitor;
 GRANT EXECUTE ON FUNCTION
     @extschema@.outbox_workers(),
+    @extschema@.outbox_dispatchers(),
     @extschema@.outbox_metrics(),
     @extschema@.outbox_metrics_prometheus()
     TO pg_monitor;

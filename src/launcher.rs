@@ -91,6 +91,9 @@ pub fn register() {
 
 /// The databases not served, with why, for `outbox.workers`.
 pub fn notes() -> Vec<(String, Unserved)> {
+    if !slots::preloaded() {
+        return Vec::new();
+    }
     NOTES
         .share()
         .iter()

@@ -169,6 +169,11 @@ pub fn init() {
     READY.store(true, Ordering::Relaxed);
 }
 
+/// Whether the library was preloaded: shared memory exists.
+pub fn preloaded() -> bool {
+    READY.load(Ordering::Relaxed)
+}
+
 fn slots() -> Option<&'static Slots> {
     READY.load(Ordering::Relaxed).then(|| &**SLOTS.get())
 }

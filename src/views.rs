@@ -13,6 +13,20 @@ use outbox_core::exposition::{self, Family, Kind, Sample};
 use crate::slots::State;
 use crate::{config, counters, launcher, slots};
 
+/// A row of `outbox.workers`.
+type Row = (
+    Option<String>,
+    Option<i32>,
+    Option<i32>,
+    String,
+    bool,
+    Option<TimestampWithTimeZone>,
+    Option<TimestampWithTimeZone>,
+    Option<String>,
+    i64,
+    Option<String>,
+);
+
 /// `outbox.workers`: one row per dispatcher of every database served (the
 /// first `outbox.workers` slots of each group), then one per database
 /// `outbox.database` names that is not served, with why (no worker, state
@@ -20,7 +34,7 @@ use crate::{config, counters, launcher, slots};
 // pgrx reads the column names from the signature, so the row type stays here.
 #[allow(clippy::type_complexity)]
 #[pg_extern(volatile, parallel_safe)]
-fn outbox_workers() -> TableIterator<
+fn outbox_dispatchers() -> TableIterator<
     'static,
     (
         name!(database, Option<String>),
@@ -35,8 +49,42 @@ fn outbox_workers() -> TableIterator<
         name!(broker_persistence, Option<String>),
     ),
 > {
+    let unserved = launcher::notes().into_iter().map(|(database, why)| {
+        (Some(database), None, None, NOT_SERVED.to_string(), false, None, None, Some(why.name().to_string()), 0, None)
+    });
+    TableIterator::new(dispatchers().chain(unserved).collect::<Vec<Row>>())
+}
+
+/// The `outbox.workers` of versions before 0.6.0, whose SQL the library
+/// serves until `ALTER EXTENSION outbox_dispatch UPDATE` (their dispatchers
+/// then say that they wait for it): the dispatchers' rows without their
+/// database.
+#[allow(clippy::type_complexity)]
+#[pg_extern(volatile, parallel_safe)]
+fn outbox_workers() -> TableIterator<
+    'static,
+    (
+        name!(worker, i32),
+        name!(pid, Option<i32>),
+        name!(state, String),
+        name!(connected, bool),
+        name!(started_at, Option<TimestampWithTimeZone>),
+        name!(last_heartbeat, Option<TimestampWithTimeZone>),
+        name!(last_error, Option<String>),
+        name!(events_dispatched, i64),
+        name!(broker_persistence, Option<String>),
+    ),
+> {
+    let rows = dispatchers().map(|(_, worker, pid, state, connected, started, heartbeat, error, sent, persists)| {
+        (worker.unwrap_or_default(), pid, state, connected, started, heartbeat, error, sent, persists)
+    });
+    TableIterator::new(rows.collect::<Vec<_>>())
+}
+
+/// The rows of the dispatchers of every database served.
+fn dispatchers() -> impl Iterator<Item = Row> {
     let timestamp = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
-    let served = slots::rows(config::workers(), None).into_iter().map(|r| {
+    slots::rows(config::workers(), None).into_iter().map(move |r| {
         (
             database_name(r.database),
             Some(r.index),
@@ -49,11 +97,7 @@ fn outbox_workers() -> TableIterator<
             r.dispatched,
             r.broker_persistence.map(str::to_string),
         )
-    });
-    let unserved = launcher::notes().into_iter().map(|(database, why)| {
-        (Some(database), None, None, NOT_SERVED.to_string(), false, None, None, Some(why.name().to_string()), 0, None)
-    });
-    TableIterator::new(served.chain(unserved).collect::<Vec<_>>())
+    })
 }
 
 /// The state of a database `outbox.database` names that has no dispatchers.

@@ -263,13 +263,13 @@ class Cluster:
         return psycopg.connect(host=str(self.dir), port=self.port, user=user,
                                dbname=dbname, autocommit=autocommit, **kwargs)
 
-    def sql(self, query, params=None):
-        with self.connect() as conn:
+    def sql(self, query, params=None, dbname="postgres"):
+        with self.connect(dbname=dbname) as conn:
             cur = conn.execute(query, params)
             return cur.fetchall() if cur.description else None
 
-    def value(self, query, params=None):
-        rows = self.sql(query, params)
+    def value(self, query, params=None, dbname="postgres"):
+        rows = self.sql(query, params, dbname=dbname)
         return rows[0][0] if rows else None
 
     def configure(self, **settings):

@@ -8,12 +8,9 @@ SET LOCAL search_path = pg_catalog, pg_temp;
 
 -- outbox.workers names the database of each dispatcher: one launcher per
 -- server serves every database outbox.database covers (README, "Several
--- databases"). Its rows change shape, so the view and its function are
--- made again, with the same privileges.
-DROP VIEW outbox.workers;
-DROP FUNCTION @extschema@.outbox_workers();
-
-CREATE FUNCTION @extschema@.outbox_workers() RETURNS TABLE (
+-- databases"). Its rows change shape: the view reads a new function, with
+-- the same privileges; outbox_workers() stays as it was.
+CREATE FUNCTION @extschema@."outbox_dispatchers"() RETURNS TABLE (
     "database" TEXT,
     "worker" INT,
     "pid" INT,
@@ -27,14 +24,15 @@ CREATE FUNCTION @extschema@.outbox_workers() RETURNS TABLE (
 )
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c
-AS 'MODULE_PATHNAME', 'outbox_workers_wrapper';
+AS 'MODULE_PATHNAME', 'outbox_dispatchers_wrapper';
 
+DROP VIEW outbox.workers;
 CREATE VIEW outbox.workers AS
-SELECT * FROM @extschema@.outbox_workers();
+SELECT * FROM @extschema@.outbox_dispatchers();
 
 COMMENT ON VIEW outbox.workers IS
     'One row per dispatcher of every database served, then one per database outbox.database names that is not served (state not served, last_error says why).';
 
-REVOKE ALL ON FUNCTION @extschema@.outbox_workers() FROM PUBLIC;
+REVOKE ALL ON FUNCTION @extschema@.outbox_dispatchers() FROM PUBLIC;
 GRANT SELECT ON outbox.workers TO pg_monitor;
-GRANT EXECUTE ON FUNCTION @extschema@.outbox_workers() TO pg_monitor;
+GRANT EXECUTE ON FUNCTION @extschema@.outbox_dispatchers() TO pg_monitor;
