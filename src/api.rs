@@ -6,6 +6,7 @@ use std::ffi::{c_char, CString};
 use pgrx::prelude::*;
 
 use crate::counters::{self, AckSource};
+use crate::slots::WakeSource;
 use crate::{config, wake};
 
 extern "C-unwind" {
@@ -39,7 +40,7 @@ fn outbox_report_timeout() -> Option<Interval> {
 #[pg_extern(volatile, parallel_unsafe)]
 fn outbox_wake() {
     wake::now();
-    wake::at_commit();
+    wake::at_commit(WakeSource::Manual);
 }
 
 /// The consumer confirms an event: dispatched → processed. Returns whether
@@ -71,7 +72,7 @@ fn outbox_events_inserted<'a>(
     if wake::muted() {
         return Ok(None);
     }
-    wake::at_commit();
+    wake::at_commit(WakeSource::Commit);
     if let Some(channel) = config::notify_channel() {
         notify(&channel);
     }

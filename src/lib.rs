@@ -9,9 +9,9 @@
 use pgrx::prelude::*;
 
 mod api;
+mod commands;
 mod config;
 mod counters;
-mod hold;
 mod launcher;
 mod slots;
 mod subscriptions;
@@ -52,5 +52,5 @@ pub extern "C-unwind" fn _PG_init() {
     counters::init();
     launcher::init();
     launcher::register();
-    hold::install();
+    commands::install();
 }

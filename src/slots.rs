@@ -180,27 +180,22 @@ fn slots() -> Option<&'static Slots> {
 
 /// Sets the latch of every running dispatcher of this backend's database,
 /// noting why. Commits leave paused dispatchers asleep (a reload wakes them
-/// when `outbox.enabled` turns on). Where no group serves this database
-/// yet (the commit of `CREATE EXTENSION`, or of events in a database whose
-/// dispatchers found no extension), the launcher is asked to look again.
-/// Cannot fail: safe inside a commit callback.
+/// when `outbox.enabled` turns on). A `Manual` wake (`outbox_wake()`, which
+/// `CREATE EXTENSION` calls) where no group serves this database, or where
+/// its dispatchers found no extension, asks the launcher to look again;
+/// commits of events never do (a database left out of `outbox.database`
+/// costs the launcher nothing). Cannot fail: safe inside a commit callback.
 pub fn wake_database(source: WakeSource) {
     let Some(slots) = slots() else { return };
     // SAFETY: a process global, set once connected.
     let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
-    let Some(group) = slots.groups.iter().find(|g| database != 0 && g.database.load(Ordering::Acquire) == database)
-    else {
-        if database != 0 {
-            slots.asked.fetch_add(1, Ordering::AcqRel);
-            wake_launcher();
-        }
-        return;
-    };
-    if group.extension.load(Ordering::Acquire) == Extension::Absent as u8 {
-        // Found absent before this commit: have it looked for again.
+    let group = slots.groups.iter().find(|g| database != 0 && g.database.load(Ordering::Acquire) == database);
+    let absent = group.is_none_or(|g| g.extension.load(Ordering::Acquire) == Extension::Absent as u8);
+    if matches!(source, WakeSource::Manual) && absent && database != 0 {
         slots.asked.fetch_add(1, Ordering::AcqRel);
         wake_launcher();
     }
+    let Some(group) = group else { return };
     for slot in &group.slots {
         let paused = slot.state.load(Ordering::Relaxed) == State::Paused as u8;
         if matches!(source, WakeSource::Commit) && paused {

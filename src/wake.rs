@@ -15,7 +15,8 @@ use pgrx::prelude::*;
 use crate::slots::{self, WakeSource};
 
 thread_local! {
-    static WAKE_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
+    /// Wake the dispatchers at commit, for this source.
+    static WAKE_AT_COMMIT: Cell<Option<WakeSource>> = const { Cell::new(None) };
     static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
     static MUTED: Cell<bool> = const { Cell::new(false) };
 }
@@ -34,13 +35,18 @@ pub fn muted() -> bool {
     MUTED.get()
 }
 
-/// Wake the dispatchers when the current transaction commits.
-pub fn at_commit() {
+/// Wake the dispatchers when the current transaction commits: for
+/// `source` `Commit`, events were added; `Manual`, `outbox_wake()` was
+/// called (by `CREATE EXTENSION` among others), which also has the
+/// launcher look for the extension again where none serves.
+pub fn at_commit(source: WakeSource) {
     if !CALLBACK_REGISTERED.replace(true) {
         // SAFETY: registered once per backend, for the life of the backend.
         unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
     }
-    WAKE_AT_COMMIT.set(true);
+    if WAKE_AT_COMMIT.get() != Some(WakeSource::Manual) {
+        WAKE_AT_COMMIT.set(Some(source));
+    }
 }
 
 /// Wake the dispatchers now.
@@ -51,14 +57,14 @@ pub fn now() {
 #[pg_guard]
 unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std::ffi::c_void) {
     match event {
-        XactEvent::XACT_EVENT_COMMIT | XactEvent::XACT_EVENT_PARALLEL_COMMIT
-            if WAKE_AT_COMMIT.replace(false) =>
-        {
-            slots::wake_database(WakeSource::Commit)
+        XactEvent::XACT_EVENT_COMMIT | XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
+            if let Some(source) = WAKE_AT_COMMIT.take() {
+                slots::wake_database(source)
+            }
         }
         XactEvent::XACT_EVENT_ABORT
         | XactEvent::XACT_EVENT_PARALLEL_ABORT
-        | XactEvent::XACT_EVENT_PREPARE => WAKE_AT_COMMIT.set(false),
+        | XactEvent::XACT_EVENT_PREPARE => WAKE_AT_COMMIT.set(None),
         _ => {}
     }
 }

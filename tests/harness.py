@@ -282,6 +282,13 @@ class Cluster:
     def log_text(self):
         return self.log.read_text(errors="replace")
 
+    def report_list(self, dbname="postgres"):
+        """The Redis list workers report the events of database `dbname` to:
+        outbox.report_key, a colon and the database's OID."""
+        key, oid = self.sql("SELECT current_setting('outbox.report_key'), oid FROM pg_database "
+                            "WHERE datname = %s", (dbname,))[0]
+        return f"{key}:{oid}"
+
     def metric(self, name, **labels):
         """The value of one sample of outbox.metrics."""
         return self.value("SELECT value FROM outbox.metrics WHERE name = %s AND labels = %s::jsonb",

@@ -21,7 +21,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from harness import CeleryWorker, decode, queued_ids, wait_until
 from outbox_dispatch import enqueue, report
 
-REPORTS = "outbox_dispatch.reports"
 POOLS = ("prefork", "threads", "solo", "gevent", "eventlet")
 
 
@@ -214,7 +213,7 @@ def test_a_forged_report_finishes_no_event_and_a_replayed_one_no_later_send(loop
     client = redis_server.client()
     stale = loop.metric("outbox_reports_ignored_total", reason="stale")
     delayed = loop.value("SELECT outbox_enqueue('forged', '{}', queue => 'q_forged', delay => '1 hour')")
-    client.rpush(REPORTS, report.processed(str(delayed), str(uuid.uuid4())))
+    client.rpush(loop.report_list(), report.processed(str(delayed), str(uuid.uuid4())))
     sent = loop.value("SELECT outbox_enqueue('replayed', '{}', queue => 'q_replayed')")
     wait_until(lambda: len(queued_ids(client, "q_replayed")) == 1, message="the first send")
     first = decode(client.lindex("q_replayed", 0))[0]["headers"]["outbox_send"]
@@ -225,19 +224,19 @@ def test_a_forged_report_finishes_no_event_and_a_replayed_one_no_later_send(loop
     second = decode(client.lindex("q_replayed", 0))[0]["headers"]["outbox_send"]
     assert second != first
     wait_status(loop, sent, "dispatched")
-    client.rpush(REPORTS, report.processed(str(sent), first), report.processed(str(sent), str(uuid.uuid4())))
+    client.rpush(loop.report_list(), report.processed(str(sent), first), report.processed(str(sent), str(uuid.uuid4())))
     wait_until(lambda: loop.metric("outbox_reports_ignored_total", reason="stale") == stale + 3,
                message="the forged and replayed reports counted")
     time.sleep(0.5)
     assert status_of(loop, delayed) == ("pending", None)
     assert status_of(loop, sent) == ("dispatched", None)
-    client.rpush(REPORTS, report.failed(str(sent), second, "ValueError: the real one"))
+    client.rpush(loop.report_list(), report.failed(str(sent), second, "ValueError: the real one"))
     assert wait_status(loop, sent, "failed") == ("failed", "ValueError: the real one")
     # Retried by hand: the report of the failed send, replayed, finishes
     # nothing either.
     stale = loop.metric("outbox_reports_ignored_total", reason="stale")
     assert loop.value("SELECT outbox_retry(%s)", (sent,)) is True
-    client.rpush(REPORTS, report.processed(str(sent), second))
+    client.rpush(loop.report_list(), report.processed(str(sent), second))
     wait_until(lambda: loop.metric("outbox_reports_ignored_total", reason="stale") == stale + 1,
                message="the replayed report counted")
     assert status_of(loop, sent)[0] in ("pending", "processing", "dispatched")
@@ -249,7 +248,7 @@ def test_a_report_may_overtake_the_dispatchers_record(loop, redis_server):
     event, send = loop.sql("""
         INSERT INTO outbox.events (event_type, status, processing_started_at, claimed_by, send_id)
         VALUES ('overtaken', 'processing', now(), 7, gen_random_uuid()) RETURNING id, send_id""")[0]
-    redis_server.client().rpush(REPORTS, report.processed(str(event), str(send)))
+    redis_server.client().rpush(loop.report_list(), report.processed(str(event), str(send)))
     wait_status(loop, event, "processed")
     assert loop.value("SELECT deliveries FROM outbox.events WHERE id = %s", (event,)) == 1
 
@@ -258,24 +257,25 @@ def test_stale_and_malformed_reports_are_counted_and_dropped(loop, redis_server)
     stale = loop.metric("outbox_reports_ignored_total", reason="stale")
     malformed = loop.metric("outbox_reports_ignored_total", reason="malformed")
     client = redis_server.client()
-    client.rpush(REPORTS, report.processed("0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a", str(uuid.uuid4())),
+    client.rpush(loop.report_list(), report.processed("0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a", str(uuid.uuid4())),
                  b"{not json", b'{"id": 1}', b"x" * (20 * 1024),
                  b'{"id": "0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a", "outcome": "processed"}')
     wait_until(lambda: loop.metric("outbox_reports_ignored_total", reason="malformed") == malformed + 4,
                message="the malformed reports counted")
     assert loop.metric("outbox_reports_ignored_total", reason="stale") == stale + 1
-    wait_until(lambda: client.llen(REPORTS) == 0, message="the list emptied")
+    wait_until(lambda: client.llen(loop.report_list()) == 0, message="the list emptied")
     assert "ignoring a report in Redis list" in loop.log_text()
 
 
 def test_reports_off_leaves_events_dispatched(loop, redis_server, workers):
+    reports = loop.report_list()
     loop.configure(report_key="")
     with psycopg.connect(dsn(loop)) as conn:
         event = enqueue(conn, "loop.ok", queue="loop_solo")
     wait_until(lambda: notes(redis_server, f"ran:{event}"), message="the task to run")
     time.sleep(1)  # ten times the collector's poll: a report would have been recorded
     assert status_of(loop, event) == ("dispatched", None)
-    assert redis_server.client().llen(REPORTS) == 0
+    assert redis_server.client().llen(reports) == 0
 
 
 def test_events_no_worker_reports_are_listed_and_counted(loop, redis_server):

@@ -45,8 +45,7 @@ def test_a_crash_after_a_batch_is_made_does_not_change_its_task_id():
 
 
 def test_a_crash_after_reports_are_trimmed_loses_none(redis_server):
-    key = "outbox_dispatch.reports.durable"
-    pg = Cluster(redis_server.url, server_conf=SLOW_WAL_WRITER, report_key=key)
+    pg = Cluster(redis_server.url, server_conf=SLOW_WAL_WRITER, report_key="outbox_dispatch.reports.durable")
     try:
         pg.sql("CREATE EXTENSION outbox_dispatch")
         pg.wait_idle()
@@ -56,6 +55,8 @@ def test_a_crash_after_reports_are_trimmed_loses_none(redis_server):
             "FROM generate_series(1, 50)")]
         wait_until(lambda: pg.count("dispatched") == 50, message="every event dispatched")
         messages = [decode(m)[0] for m in client.lrange("q_durable_reports", 0, -1)]
+        key = pg.report_list()
+        assert {m["headers"]["outbox_report_to"] for m in messages} == {key}
         # The marks' asynchronous commits reach the disk.
         pg.sql("CHECKPOINT")
         client.rpush(key, *[report.processed(m["headers"]["id"], m["headers"]["outbox_send"]) for m in messages])

@@ -1,14 +1,20 @@
+//! The commands of other sessions the dispatchers must make way for or
+//! hear of, seen by a `ProcessUtility_hook` in every backend (the library
+//! is preloaded).
+//!
 //! Commands that need a database to themselves: `DROP DATABASE`, `ALTER
 //! DATABASE … RENAME` and `… SET TABLESPACE`, `CREATE DATABASE … TEMPLATE`.
 //! Each fails while another session is connected to the database, and a
-//! dispatcher is one. This hook runs in every backend (the library is
-//! preloaded): when the user may run the command on that database (owns
-//! it, or is a superuser), it first holds the database — the launcher
-//! starts no dispatcher there, and one that connects leaves at once —
-//! stops the dispatchers connected to it and waits until they are gone,
-//! [`WAIT`] at most, then runs the command. The hold ends with the
+//! dispatcher is one. When the user may run the command on that database
+//! (owns it, or is a superuser), the hook first holds the database — the
+//! launcher starts no dispatcher there, and one that connects leaves at
+//! once — stops the dispatchers connected to it and waits until they are
+//! gone, [`WAIT`] at most, then runs the command. The hold ends with the
 //! command, whether it succeeded or failed; the launcher then serves the
 //! database again if it is still to be served.
+//!
+//! `DROP EXTENSION` wakes this database's dispatchers as it commits: they
+//! find the extension gone and exit.
 
 use std::collections::HashSet;
 use std::ffi::c_char;
@@ -17,7 +23,8 @@ use std::time::{Duration, Instant};
 use pgrx::prelude::*;
 use pgrx::PgList;
 
-use crate::slots::{self, Holding};
+use crate::slots::{self, Holding, WakeSource};
+use crate::wake;
 
 /// The longest a command waits for the dispatchers to leave; PostgreSQL
 /// then waits 5 s more for any session before it gives up.
@@ -48,7 +55,8 @@ unsafe extern "C-unwind" fn process_utility(
 ) {
     // Dropped when the command ends, also by an error: both calls below
     // turn an ERROR into a Rust panic that unwinds through this frame.
-    let _holding = needed_alone((*pstmt).utilityStmt).and_then(clear);
+    let statement = (*pstmt).utilityStmt;
+    let _holding = needed_alone(statement).and_then(clear);
     match PREVIOUS {
         Some(previous) => pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
             previous(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc)
@@ -64,6 +72,17 @@ unsafe extern "C-unwind" fn process_utility(
             qc,
         ),
     }
+    if drops_an_extension(statement) {
+        wake::at_commit(WakeSource::Commit);
+    }
+}
+
+/// Is `statement` a `DROP EXTENSION` (of any extension: a wake too many
+/// costs a dispatcher one look)?
+unsafe fn drops_an_extension(statement: *mut pg_sys::Node) -> bool {
+    !statement.is_null()
+        && (*statement).type_ == pg_sys::NodeTag::T_DropStmt
+        && (*statement.cast::<pg_sys::DropStmt>()).removeType == pg_sys::ObjectType::OBJECT_EXTENSION
 }
 
 /// The database `statement` needs alone, when the current user may run it

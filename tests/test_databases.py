@@ -1,0 +1,228 @@
+"""Every database of the server (outbox.database = '*' or a list): one
+launcher serves each database that has the extension with its own
+dispatchers; CREATE/DROP EXTENSION start and stop them; DROP DATABASE,
+a rename and a copy never fail or wait because of them; a user who may
+not drop a database cannot stop its dispatchers by trying; worker slots
+that run out are a warning and a row, never a silent database."""
+
+import time
+
+import psycopg
+import pytest
+
+from harness import CeleryWorker, Cluster, decode, queued_ids, wait_until
+from outbox_dispatch import report
+
+APPS = ("app_a", "app_b", "app_c")
+
+
+def dispatchers(pg, database):
+    """(worker, pid, state) of the dispatchers serving `database`."""
+    return pg.sql("SELECT worker, pid, state FROM outbox.workers WHERE database = %s ORDER BY worker", (database,))
+
+
+def connected(pg, database):
+    """Dispatchers connected to `database`, as pg_stat_activity sees them."""
+    return pg.value("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND backend_type = 'outbox dispatcher'",
+                    (database,))
+
+
+def serving(pg, database, workers=1):
+    wait_until(lambda: [r[2] for r in dispatchers(pg, database)] == ["idle"] * workers, timeout=30,
+               message=f"{workers} idle dispatchers in {database}")
+
+
+def enqueue(pg, database, queue, n=1):
+    return [str(r[0]) for r in pg.sql(
+        f"SELECT outbox_enqueue('loop.ok', jsonb_build_object('n', i), queue => '{queue}') "
+        f"FROM generate_series(1, {n}) AS i", dbname=database)]
+
+
+@pytest.fixture(scope="module")
+def server(redis_server):
+    """A cluster serving '*', two dispatchers per database, with app_a, app_b
+    and app_c created with the extension, and plain without it."""
+    pg = Cluster(redis_server.url, database="*", workers=2, report_timeout="1h")
+    try:
+        for name in APPS:
+            pg.sql(f"CREATE DATABASE {name}")
+            pg.sql("CREATE EXTENSION outbox_dispatch", dbname=name)
+        pg.sql("CREATE DATABASE plain")
+        for name in APPS:
+            serving(pg, name, workers=2)
+        yield pg
+    finally:
+        pg.close()
+
+
+def test_a_user_who_may_not_drop_a_database_cannot_stop_its_dispatchers(server):
+    before = dispatchers(server, "app_a")
+    server.sql("CREATE ROLE intruder LOGIN CREATEDB")
+    try:
+        with server.connect(user="intruder", dbname="app_b") as conn:
+            for command in ("DROP DATABASE app_a", "ALTER DATABASE app_a RENAME TO mine",
+                            "ALTER DATABASE app_a SET TABLESPACE pg_default",
+                            "CREATE DATABASE stolen TEMPLATE app_a"):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute(command)
+        assert dispatchers(server, "app_a") == before, "the dispatchers were stopped by a refused command"
+    finally:
+        server.sql("DROP ROLE intruder")
+
+
+def test_a_bad_list_is_refused_naming_the_setting(server):
+    for value, detail in (("app_a,,app_b", "an empty database name in the list"),
+                          ('"app_a', "closing double quote is missing")):
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match='"outbox.database"') as refused:
+            server.sql(f"ALTER SYSTEM SET outbox.database = '{value}'")
+        assert detail in str(refused.value.diag.message_detail)
+
+
+def test_a_database_without_the_extension_costs_only_a_launcher_scan(server):
+    # Looked at once: dispatcher 0 found no extension and left.
+    wait_until(lambda: 'not serving it until CREATE EXTENSION' in server.log_text(), message="the probe")
+    time.sleep(12)  # two launcher scans
+    assert connected(server, "plain") == 0
+    assert server.log_text().count('extension outbox_dispatch is not created in database "plain"') == 1
+    assert dispatchers(server, "plain") == []
+
+
+def test_events_in_every_database_run_in_a_stock_celery_worker_and_reports_reach_their_database(server,
+                                                                                                 redis_server):
+    worker = CeleryWorker(redis_server.url, queues=("q_multi",), app="loop_app")
+    try:
+        worker.wait_ready()
+        ids = {name: enqueue(server, name, "q_multi", 20) for name in APPS}
+        for name in APPS:
+            wait_until(lambda: server.value("SELECT count(*) FROM outbox.events WHERE status = 'processed'",
+                                            dbname=name) == 20, timeout=60,
+                       message=f"every event of {name} run and reported")
+            ran = {i for i in ids[name] if redis_server.client().exists(f"ran:{i}")}
+            assert ran == set(ids[name])
+        # Each database's metrics count its own events only.
+        for name in APPS:
+            assert server.value("SELECT value FROM outbox.metrics WHERE name = 'outbox_dispatched_total'",
+                                dbname=name) == 20
+            assert server.value("SELECT value FROM outbox.metrics WHERE name = 'outbox_workers_running'",
+                                dbname=name) == 2
+        assert {r[0] for r in server.sql("SELECT DISTINCT database FROM outbox.workers")} >= set(APPS)
+    finally:
+        worker.close()
+
+
+def test_a_report_on_another_databases_list_changes_nothing(server, redis_server):
+    [event] = enqueue(server, "app_a", "q_forge_other")
+    wait_until(lambda: queued_ids(redis_server.client(), "q_forge_other") == [event], message="the push")
+    [message] = [decode(m)[0] for m in redis_server.client().lrange("q_forge_other", 0, -1)]
+    assert message["headers"]["outbox_report_to"] == server.report_list("app_a")
+    # A true report of app_a's event, on app_b's list: app_b's dispatchers
+    # find no such event there.
+    redis_server.client().rpush(server.report_list("app_b"), report.processed(event, message["headers"]["outbox_send"]))
+    wait_until(lambda: redis_server.client().llen(server.report_list("app_b")) == 0, message="the report read")
+    assert server.value("SELECT status::text FROM outbox.events WHERE id = %s", (event,), dbname="app_a") \
+        == "dispatched"
+    assert server.value("SELECT value FROM outbox.metrics WHERE name = 'outbox_reports_ignored_total' "
+                        "AND labels ->> 'reason' = 'stale'", dbname="app_b") == 1
+
+
+def test_create_extension_is_served_within_seconds_and_drop_extension_stops_it(server, redis_server):
+    server.sql("CREATE DATABASE app_new")
+    try:
+        started = time.monotonic()
+        server.sql("CREATE EXTENSION outbox_dispatch", dbname="app_new")
+        [event] = enqueue(server, "app_new", "q_new")
+        wait_until(lambda: queued_ids(redis_server.client(), "q_new") == [event], timeout=10,
+                   message="the new database served within 10 s")
+        assert time.monotonic() - started < 10
+        serving(server, "app_new", workers=2)
+        server.sql("DROP EXTENSION outbox_dispatch", dbname="app_new")
+        wait_until(lambda: connected(server, "app_new") == 0, timeout=10, message="its dispatchers gone")
+        assert dispatchers(server, "app_new") == []
+        # And created again: served again.
+        server.sql("CREATE EXTENSION outbox_dispatch", dbname="app_new")
+        serving(server, "app_new", workers=2)
+    finally:
+        server.sql("DROP DATABASE app_new")
+
+
+def test_plain_drop_database_of_a_served_database_right_after_an_enqueue(server, redis_server):
+    """The Django/pytest test run: create test_app, enqueue, drop it."""
+    others = {name: dispatchers(server, name) for name in APPS}
+    for run in range(3):
+        server.sql("CREATE DATABASE test_app")
+        server.sql("CREATE EXTENSION outbox_dispatch", dbname="test_app")
+        enqueue(server, "test_app", "q_test_app", 5)
+        if run == 0:
+            serving(server, "test_app", workers=2)
+        started = time.monotonic()
+        server.sql("DROP DATABASE test_app")
+        assert time.monotonic() - started < 5, "DROP DATABASE waited for the dispatchers"
+    wait_until(lambda: dispatchers(server, "test_app") == [], message="its rows gone")
+    # The other databases' dispatchers never stopped.
+    assert {name: dispatchers(server, name) for name in APPS} == others
+
+
+def test_rename_and_copy_of_a_served_database(server, redis_server):
+    server.sql("CREATE DATABASE app_r")
+    try:
+        server.sql("CREATE EXTENSION outbox_dispatch", dbname="app_r")
+        serving(server, "app_r", workers=2)
+        server.sql("ALTER DATABASE app_r RENAME TO app_renamed")
+        serving(server, "app_renamed", workers=2)
+        server.sql("CREATE DATABASE app_copy TEMPLATE app_renamed")
+        # The copy has the extension: the launcher's scan serves it too.
+        serving(server, "app_copy", workers=2)
+        serving(server, "app_renamed", workers=2)
+        [event] = enqueue(server, "app_copy", "q_copy")
+        wait_until(lambda: queued_ids(redis_server.client(), "q_copy") == [event], message="the copy served")
+        server.sql("ALTER DATABASE app_copy SET TABLESPACE pg_default")
+    finally:
+        server.sql("DROP DATABASE IF EXISTS app_copy")
+        server.sql("DROP DATABASE IF EXISTS app_renamed")
+        server.sql("DROP DATABASE IF EXISTS app_r")
+
+
+def test_one_blocked_database_does_not_stall_another(server, redis_server):
+    with server.connect(dbname="app_a", autocommit=False) as blocker:
+        blocker.execute("LOCK outbox.events IN ACCESS EXCLUSIVE MODE")
+        wait_until(lambda: "blocked" in [r[2] for r in dispatchers(server, "app_a")], timeout=30,
+                   message="app_a's dispatchers blocked")
+        [event] = enqueue(server, "app_b", "q_unblocked")
+        wait_until(lambda: queued_ids(redis_server.client(), "q_unblocked") == [event], timeout=10,
+                   message="app_b served meanwhile")
+        blocker.rollback()
+    serving(server, "app_a", workers=2)
+
+
+def test_a_reload_changes_the_databases_and_the_dispatchers_per_database(server):
+    try:
+        server.configure(database="app_a, missing_db, plain", workers=1)
+        wait_until(lambda: server.sql("SELECT database, worker, state, last_error FROM outbox.workers "
+                                      "ORDER BY database, worker") ==
+                   [("app_a", 0, "idle", None), ("missing_db", None, "not served", "no such database"),
+                    ("plain", None, "not served", "extension outbox_dispatch is not created there")],
+                   timeout=30, message="one database served, two named not served")
+        assert connected(server, "app_b") == 0
+    finally:
+        server.configure(database="*", workers=2)
+    for name in APPS:
+        serving(server, name, workers=2)
+
+
+def test_too_few_worker_slots_is_a_warning_and_a_row(redis_server):
+    # 1 launcher + 2 dispatchers for each of 3 databases = 7; only 4 slots.
+    pg = Cluster(redis_server.url, database="*", workers=2, server_conf={"max_worker_processes": 4})
+    try:
+        for name in APPS:
+            pg.sql(f"CREATE DATABASE {name}")
+            pg.sql("CREATE EXTENSION outbox_dispatch", dbname=name)
+        wait_until(lambda: "no background worker slot is free; max_worker_processes is 4 and outbox_dispatch "
+                           "alone needs 7" in pg.log_text(), timeout=30, message="the warning")
+        wait_until(lambda: pg.value("SELECT count(*) FROM outbox.workers WHERE state = 'no worker slot' "
+                                    "AND last_error LIKE '%raise max_worker_processes (now 4) to at least 7%'"),
+                   timeout=30, message="a row per dispatcher not started")
+        # Those that run deliver; nothing crashed.
+        assert pg.value("SELECT count(*) FROM outbox.workers WHERE pid IS NOT NULL") == 3
+        assert "terminated by signal" not in pg.log_text()
+    finally:
+        pg.close()
