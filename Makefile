@@ -69,6 +69,7 @@ bench: install
 	cargo build --release -p outbox_core --example push_ceiling
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/run.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/pinned.py
+	PG_BIN=$(PG_BIN) $(PYTHON) bench/databases.py
 
 # Sustained load with retention purging: costs over time, written to
 # bench/results/soak.md (5 minutes by default; SOAK_* variables, see bench/soak.py).

@@ -117,7 +117,7 @@ def full_loop(pg, redis):
             processed, dispatched = pg.sql(
                 "SELECT count(*) FILTER (WHERE status = 'processed'), "
                 "count(*) FILTER (WHERE status IN ('dispatched', 'processed')) FROM outbox.events")[0]
-            backlog.append(redis.client().llen("outbox_dispatch.reports"))
+            backlog.append(redis.client().llen(pg.report_list()))
             if dispatched_at is None and dispatched == LOOP_EVENTS:
                 dispatched_at = time.monotonic() - started
             if processed == LOOP_EVENTS:
