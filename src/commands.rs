@@ -14,8 +14,11 @@
 //! database again if it is still to be served.
 //!
 //! `DROP EXTENSION` wakes this database's dispatchers as it commits: they
-//! find the extension gone and exit.
+//! find the extension gone and exit. (`DROP SCHEMA … CASCADE` and `DROP
+//! OWNED` can drop it too, unseen: the dispatchers find out at their next
+//! wake, `outbox.poll_interval` at the latest.)
 
+use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
 use std::ffi::c_char;
 use std::time::{Duration, Instant};
@@ -41,7 +44,28 @@ pub fn install() {
     }
 }
 
-#[pg_guard]
+unsafe extern "C-unwind" {
+    /// tcop/utility.h, called without pgrx's guard (see [`process_utility`]).
+    #[link_name = "standard_ProcessUtility"]
+    fn standard_process_utility(
+        pstmt: *mut pg_sys::PlannedStmt,
+        query_string: *const c_char,
+        read_only_tree: bool,
+        context: pg_sys::ProcessUtilityContext::Type,
+        params: pg_sys::ParamListInfo,
+        query_env: *mut pg_sys::QueryEnvironment,
+        dest: *mut pg_sys::DestReceiver,
+        qc: *mut pg_sys::QueryCompletion,
+    );
+}
+
+/// The hook. Not guarded by pgrx, and the command is not called through
+/// pgrx's guard either: an ERROR the command raises must reach PostgreSQL's
+/// handler as it was raised, with its position, context and fields, not
+/// turned into a Rust panic and back (which keeps only the message, detail
+/// and hint). Nothing in this frame has a destructor; the Rust work runs
+/// in the guarded [`before`] and [`after`], and a hold ends with the
+/// transaction ([`on_xact_event`]).
 #[allow(clippy::too_many_arguments)]
 unsafe extern "C-unwind" fn process_utility(
     pstmt: *mut pg_sys::PlannedStmt,
@@ -53,32 +77,60 @@ unsafe extern "C-unwind" fn process_utility(
     dest: *mut pg_sys::DestReceiver,
     qc: *mut pg_sys::QueryCompletion,
 ) {
-    // Dropped when the command ends, also by an error: both calls below
-    // turn an ERROR into a Rust panic that unwinds through this frame.
     let statement = (*pstmt).utilityStmt;
-    let _holding = needed_alone(statement).and_then(clear);
+    before(statement);
     match PREVIOUS {
-        Some(previous) => pg_sys::submodules::ffi::pg_guard_ffi_boundary(|| {
-            previous(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc)
-        }),
-        None => pg_sys::standard_ProcessUtility(
-            pstmt,
-            query_string,
-            read_only_tree,
-            context,
-            params,
-            query_env,
-            dest,
-            qc,
-        ),
+        Some(previous) => previous(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
+        None => standard_process_utility(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
     }
+    after(statement);
+}
+
+thread_local! {
+    /// The databases this backend holds, until its transaction ends.
+    static HOLDING: RefCell<Vec<Holding>> = const { RefCell::new(Vec::new()) };
+    static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Before the command: holds the database it needs alone, if any, and
+/// makes way.
+#[pg_guard]
+unsafe extern "C-unwind" fn before(statement: *mut pg_sys::Node) {
+    let Some(holding) = needed_alone(statement).and_then(clear) else { return };
+    if !CALLBACK_REGISTERED.replace(true) {
+        // SAFETY: registered once per backend, for the life of the backend.
+        pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
+    }
+    HOLDING.with_borrow_mut(|held| held.push(holding));
+}
+
+/// After the command (not after an error: the transaction's end frees the
+/// hold then).
+#[pg_guard]
+unsafe extern "C-unwind" fn after(statement: *mut pg_sys::Node) {
     if drops_an_extension(statement) {
-        wake::at_commit(WakeSource::Commit);
+        // Manual: paused dispatchers answer it too.
+        wake::at_commit(WakeSource::Manual);
+    }
+}
+
+/// Frees the holds as the transaction ends, committed or not: a `DROP
+/// DATABASE` has done its work by then, and a rename inside a transaction
+/// block is only visible then. A backend that exits aborts its transaction
+/// first, which lands here too.
+#[pg_guard]
+unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    use pg_sys::XactEvent::*;
+    if matches!(
+        event,
+        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT | XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT | XACT_EVENT_PREPARE
+    ) {
+        HOLDING.with_borrow_mut(Vec::clear);
     }
 }
 
 /// Is `statement` a `DROP EXTENSION` (of any extension: a wake too many
-/// costs a dispatcher one look)?
+/// costs the dispatchers one look)?
 unsafe fn drops_an_extension(statement: *mut pg_sys::Node) -> bool {
     !statement.is_null()
         && (*statement).type_ == pg_sys::NodeTag::T_DropStmt
@@ -107,7 +159,12 @@ unsafe fn needed_alone(statement: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
             (*alter).dbname
         }
         pg_sys::NodeTag::T_CreatedbStmt => {
-            pg_sys::defGetString(option((*statement.cast::<pg_sys::CreatedbStmt>()).options, c"template")?)
+            let template = option((*statement.cast::<pg_sys::CreatedbStmt>()).options, c"template")?;
+            // TEMPLATE DEFAULT has no argument: template1.
+            if (*template).arg.is_null() {
+                return None;
+            }
+            pg_sys::defGetString(template)
         }
         _ => return None,
     };

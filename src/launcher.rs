@@ -20,7 +20,7 @@
 //! database named in `outbox.database` that is missing, closed or without
 //! the extension; more databases than groups).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime};
@@ -42,6 +42,13 @@ pub const RESTART_DELAY: Duration = Duration::from_secs(5);
 /// How often `pg_database` is read without a wake: the delay before a
 /// database created from a template that has the extension is served.
 const SCAN_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The shortest time between two turns, however often the launcher is woken.
+const MIN_TURN: Duration = Duration::from_millis(100);
+
+/// How long a database found without the extension is left alone unless
+/// it asks (`CREATE EXTENSION`): then its dispatcher 0 looks again.
+const ABSENT_RECHECK: Duration = Duration::from_secs(300);
 
 named! {
     /// Why a database `outbox.database` names is not served.
@@ -133,9 +140,17 @@ struct Launcher {
     started: HashMap<(usize, usize), Started>,
     /// Not before then is a dispatcher that exited started again.
     restart_at: HashMap<(usize, usize), Instant>,
-    /// Databases whose dispatchers found no extension, as of `asked`.
-    absent: HashSet<u32>,
+    /// Databases whose dispatchers found no extension, and since when.
+    absent: HashMap<u32, Instant>,
+    /// The count of asks ([`slots::asked`]) this launcher has read.
     asked: u64,
+    /// The count as each database last asked.
+    last_ask: HashMap<u32, u64>,
+    /// The count when asks were too many to tell apart: every database
+    /// asked then.
+    all_asked: u64,
+    /// When the last turn began.
+    turned_at: Option<Instant>,
     /// The last value of `outbox.database` that parsed.
     served: Option<Served>,
     /// What was last logged of what cannot be served.
@@ -143,55 +158,69 @@ struct Launcher {
 }
 
 impl Launcher {
-    /// Groups in use when this launcher starts were left by one that
-    /// exited (dynamic workers outlive the launcher that started them, and
-    /// this one has no handle on them): their dispatchers are stopped by
-    /// pid, and the groups freed once they are gone (10 s at most).
+    /// Dispatchers running when this launcher starts were started by one
+    /// that exited (dynamic workers outlive the launcher that started them,
+    /// and this one has no handle on them): they are stopped by pid. Their
+    /// slots count as taken until they are gone ([`groups::occupied`]), so
+    /// that no dispatcher is started beside one.
     fn adopt(&mut self) {
-        let left: Vec<(usize, pg_sys::Oid)> = groups::groups()
-            .into_iter()
-            .enumerate()
-            .filter_map(|(g, database)| Some((g, pg_sys::Oid::from(database?))))
-            .collect();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let pids: Vec<i32> = left.iter().flat_map(|(_, database)| slots::running_in(*database)).collect();
-            if pids.is_empty() || Instant::now() > deadline {
-                break;
-            }
-            for pid in pids {
+        for database in groups::groups().into_iter().flatten() {
+            for pid in slots::running_in(pg_sys::Oid::from(database)) {
                 // SAFETY: a signal to a dispatcher the last launcher started.
                 unsafe { libc::kill(pid, libc::SIGTERM) };
             }
-            wait::for_wake(Duration::from_millis(100));
         }
-        for (g, _) in left {
-            groups::free(g);
+    }
+
+    /// Reads the asks since the last turn: the databases that asked are
+    /// looked at again, at once.
+    fn read_asks(&mut self) {
+        let (now, asks) = groups::asks_since(self.asked);
+        self.asked = now;
+        match asks {
+            Some(databases) => {
+                for database in databases {
+                    self.absent.remove(&database);
+                    self.last_ask.insert(database, now);
+                }
+            }
+            None => {
+                self.absent.clear();
+                self.all_asked = now;
+            }
+        }
+        // A prepared CREATE EXTENSION commits without asking: absence is
+        // looked at again after a while anyway.
+        self.absent.retain(|_, since| since.elapsed() < ABSENT_RECHECK);
+        for (g, database) in groups::groups().into_iter().enumerate() {
+            let (Some(database), (Extension::Absent, as_of)) = (database, groups::extension(g)) else {
+                continue;
+            };
+            let asked = self.last_ask.get(&database).copied().unwrap_or(0).max(self.all_asked);
+            if asked > as_of {
+                // Asked after dispatcher 0 looked: it looks again, at once.
+                groups::look_again(g);
+                self.restart_at.remove(&(g, 0));
+            } else {
+                self.absent.entry(database).or_insert_with(Instant::now);
+            }
         }
     }
 
     /// One turn; returns how long to sleep unless woken.
     fn turn(&mut self) -> Duration {
-        groups::free_stale_holds();
-        self.reap();
-        let asked = slots::asked();
-        if asked != self.asked {
-            self.absent.clear();
-            self.asked = asked;
-        }
-        let current = groups::groups();
-        for (g, database) in current.iter().enumerate() {
-            let (Some(database), (Extension::Absent, as_of)) = (database, groups::extension(g)) else {
-                continue;
-            };
-            if as_of == asked {
-                self.absent.insert(*database);
-            } else {
-                // Asked again since: dispatcher 0 looks again, at once.
-                groups::look_again(g);
-                self.restart_at.remove(&(g, 0));
+        // Wakes come with commits (outbox_wake()) and worker exits: one
+        // turn per MIN_TURN at most.
+        if let Some(at) = self.turned_at {
+            while at.elapsed() < MIN_TURN {
+                wait::for_wake(MIN_TURN - at.elapsed());
             }
         }
+        self.turned_at = Some(Instant::now());
+        groups::free_stale_holds();
+        self.reap();
+        self.read_asks();
+        let current = groups::groups();
         match Served::parse(&config::database()) {
             Ok(served) => self.served = Some(served),
             // The setting's check refuses such a value; one from before a
@@ -200,10 +229,13 @@ impl Launcher {
         }
         let Some(served) = self.served.clone() else { return SCAN_INTERVAL };
         let databases = scan();
+        // What is known of dropped databases goes with them.
+        self.absent.retain(|oid, _| databases.iter().any(|d| d.oid == *oid));
+        self.last_ask.retain(|oid, _| databases.iter().any(|d| d.oid == *oid));
         let known = |oid: u32| {
             if slots::held(pg_sys::Oid::from(oid)) {
                 Some(Known::Held)
-            } else if self.absent.contains(&oid) {
+            } else if self.absent.contains_key(&oid) {
                 Some(Known::Absent)
             } else {
                 None
@@ -228,6 +260,7 @@ impl Launcher {
             for index in 0..MAX_WORKERS {
                 let wanted = index < config::workers() && (index == 0 || extension == Extension::Present);
                 match (wanted, self.started.get_mut(&(g, index))) {
+                    (true, None) if groups::occupied(g, index) => next = next.min(Duration::from_millis(100)),
                     (true, None) => match self.restart_at.get(&(g, index)) {
                         Some(at) if *at > now => next = next.min(*at - now),
                         _ => {
@@ -279,7 +312,7 @@ impl Launcher {
 
     /// Stops group `g`'s dispatchers; frees it once none is left.
     fn release(&mut self, g: usize) {
-        let mut left = false;
+        let mut left = (0..MAX_WORKERS).any(|index| groups::occupied(g, index));
         for (_, started) in self.started.iter_mut().filter(|((group, _), _)| *group == g) {
             left = true;
             if !started.stopping {
@@ -348,7 +381,7 @@ impl Launcher {
                     Some(d) if d.is_template => Some(Unserved::Template),
                     Some(d) if !d.allows_connections => Some(Unserved::Closed),
                     Some(d) if slots::held(pg_sys::Oid::from(d.oid)) => Some(Unserved::Held),
-                    Some(d) if self.absent.contains(&d.oid) => Some(Unserved::NoExtension),
+                    Some(d) if self.absent.contains_key(&d.oid) => Some(Unserved::NoExtension),
                     Some(_) => None,
                 };
                 notes.extend(reason.map(|r| (name.clone(), r)));
@@ -363,7 +396,13 @@ impl Launcher {
             let mut shared = NOTES.exclusive();
             *shared = [NO_NOTE; MAX_DATABASES];
             for (note, (name, reason)) in shared.iter_mut().zip(&notes) {
-                note.name[..name.len()].copy_from_slice(name.as_bytes());
+                // A name read from a database in another encoding may have
+                // grown past the limit as it was made valid UTF-8.
+                let mut len = name.len().min(NAME_BYTES);
+                while !name.is_char_boundary(len) {
+                    len -= 1;
+                }
+                note.name[..len].copy_from_slice(&name.as_bytes()[..len]);
                 note.reason = reason.index() as u8 + 1;
             }
         }

@@ -117,15 +117,21 @@ pub struct Hold {
 /// again, as it would without this extension).
 const MAX_HOLDS: usize = 16;
 
+/// The asks remembered by database; more between two launcher turns have
+/// it look at every database again.
+const ASKS: usize = 16;
+
 #[repr(C)]
 pub struct Slots {
     groups: [Group; MAX_DATABASES],
     /// `pgprocno` of the launcher, -1 while none runs.
     launcher: AtomicI32,
-    /// Commits that asked for dispatchers in a database none serves
-    /// (`CREATE EXTENSION` among them): each makes the launcher look at
-    /// every database again.
+    /// Commits that asked for dispatchers in a database none serves, or
+    /// whose dispatchers have not found the extension (`outbox_wake()`,
+    /// which `CREATE EXTENSION` calls): a count, and the last [`ASKS`] of
+    /// them, each `seq << 32 | database` at `seq % ASKS`.
     asked: AtomicU64,
+    asks: [AtomicU64; ASKS],
     holds: [Hold; MAX_HOLDS],
 }
 
@@ -161,6 +167,7 @@ pub fn init() {
                 }),
                 launcher: AtomicI32::new(-1),
                 asked: AtomicU64::new(0),
+                asks: std::array::from_fn(|_| AtomicU64::new(0)),
                 holds: std::array::from_fn(|_| Hold { pid: AtomicI32::new(0), database: AtomicU32::new(0) }),
             })
         }
@@ -178,24 +185,19 @@ fn slots() -> Option<&'static Slots> {
     READY.load(Ordering::Relaxed).then(|| &**SLOTS.get())
 }
 
-/// Sets the latch of every running dispatcher of this backend's database,
-/// noting why. Commits leave paused dispatchers asleep (a reload wakes them
-/// when `outbox.enabled` turns on). A `Manual` wake (`outbox_wake()`, which
-/// `CREATE EXTENSION` calls) where no group serves this database, or where
-/// its dispatchers found no extension, asks the launcher to look again;
-/// commits of events never do (a database left out of `outbox.database`
-/// costs the launcher nothing). Cannot fail: safe inside a commit callback.
-pub fn wake_database(source: WakeSource) {
-    let Some(slots) = slots() else { return };
+/// The group serving this backend's database.
+fn my_group(slots: &'static Slots) -> Option<&'static Group> {
     // SAFETY: a process global, set once connected.
     let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
-    let group = slots.groups.iter().find(|g| database != 0 && g.database.load(Ordering::Acquire) == database);
-    let absent = group.is_none_or(|g| g.extension.load(Ordering::Acquire) == Extension::Absent as u8);
-    if matches!(source, WakeSource::Manual) && absent && database != 0 {
-        slots.asked.fetch_add(1, Ordering::AcqRel);
-        wake_launcher();
-    }
-    let Some(group) = group else { return };
+    slots.groups.iter().find(|g| database != 0 && g.database.load(Ordering::Acquire) == database)
+}
+
+/// Sets the latch of every running dispatcher of this backend's database,
+/// noting why. Commits leave paused dispatchers asleep (a reload wakes them
+/// when `outbox.enabled` turns on). Cannot fail: safe inside a commit
+/// callback.
+pub fn wake_database(source: WakeSource) {
+    let Some(group) = slots().and_then(my_group) else { return };
     for slot in &group.slots {
         let paused = slot.state.load(Ordering::Relaxed) == State::Paused as u8;
         if matches!(source, WakeSource::Commit) && paused {
@@ -420,6 +422,24 @@ pub fn asked() -> u64 {
     slots().map_or(0, |s| s.asked.load(Ordering::Acquire))
 }
 
+/// Asks the launcher for dispatchers in this backend's database, unless
+/// they run there and found the extension: the commit of `outbox_wake()`
+/// (`CREATE EXTENSION` calls it). Plain commits of events never ask, so a
+/// database left out of `outbox.database` costs the launcher nothing.
+/// Cannot fail: safe inside a commit callback.
+pub fn ask_for_dispatchers() {
+    let Some(slots) = slots() else { return };
+    // SAFETY: a process global, set once connected.
+    let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    let present = my_group(slots).is_some_and(|g| g.extension.load(Ordering::Acquire) == Extension::Present as u8);
+    if database == 0 || present {
+        return;
+    }
+    let seq = slots.asked.fetch_add(1, Ordering::AcqRel) + 1;
+    slots.asks[seq as usize % ASKS].store((seq << 32) | u64::from(database), Ordering::Release);
+    wake_launcher();
+}
+
 /// The launcher's view of the groups, and its hands on them. Only the
 /// launcher calls these.
 pub mod launcher {
@@ -499,6 +519,33 @@ pub mod launcher {
         let state = if error.is_some() { State::NoWorkerSlot } else { State::Starting };
         group(g).slots[index].state.store(state as u8, Ordering::Relaxed);
         set_slot_error(g, index, error);
+    }
+
+    /// The databases asked for since the count `since` ([`asked`]), and
+    /// the count now; `None` for the databases when more asked than are
+    /// remembered (every database is then to be looked at again).
+    pub fn asks_since(since: u64) -> (u64, Option<Vec<u32>>) {
+        let slots = slots().expect("the launcher runs only when preloaded");
+        let now = slots.asked.load(Ordering::Acquire);
+        if now.saturating_sub(since) > ASKS as u64 {
+            return (now, None);
+        }
+        let mut databases = Vec::new();
+        for seq in since + 1..=now {
+            let entry = slots.asks[seq as usize % ASKS].load(Ordering::Acquire);
+            // Not written yet, or written over since: look at everything.
+            if entry >> 32 != seq & 0xffff_ffff {
+                return (now, None);
+            }
+            databases.push(entry as u32);
+        }
+        (now, Some(databases))
+    }
+
+    /// Whether dispatcher `index` of group `g` is alive, started or not by
+    /// this launcher (one its predecessor started may still be exiting).
+    pub fn occupied(g: usize, index: usize) -> bool {
+        group(g).slots[index].pid.load(Ordering::Acquire) != 0
     }
 
     /// Frees the holds of backends that exited without freeing them (a

@@ -15,7 +15,6 @@ use crate::{config, counters, launcher, slots};
 
 /// A row of `outbox.workers`.
 type Row = (
-    Option<String>,
     Option<i32>,
     Option<i32>,
     String,
@@ -24,6 +23,7 @@ type Row = (
     Option<TimestampWithTimeZone>,
     Option<String>,
     i64,
+    Option<String>,
     Option<String>,
 );
 
@@ -37,7 +37,6 @@ type Row = (
 fn outbox_dispatchers() -> TableIterator<
     'static,
     (
-        name!(database, Option<String>),
         name!(worker, Option<i32>),
         name!(pid, Option<i32>),
         name!(state, String),
@@ -47,10 +46,11 @@ fn outbox_dispatchers() -> TableIterator<
         name!(last_error, Option<String>),
         name!(events_dispatched, i64),
         name!(broker_persistence, Option<String>),
+        name!(database, Option<String>),
     ),
 > {
     let unserved = launcher::notes().into_iter().map(|(database, why)| {
-        (Some(database), None, None, NOT_SERVED.to_string(), false, None, None, Some(why.name().to_string()), 0, None)
+        (None, None, NOT_SERVED.to_string(), false, None, None, Some(why.name().to_string()), 0, None, Some(database))
     });
     TableIterator::new(dispatchers().chain(unserved).collect::<Vec<Row>>())
 }
@@ -75,7 +75,7 @@ fn outbox_workers() -> TableIterator<
         name!(broker_persistence, Option<String>),
     ),
 > {
-    let rows = dispatchers().map(|(_, worker, pid, state, connected, started, heartbeat, error, sent, persists)| {
+    let rows = dispatchers().map(|(worker, pid, state, connected, started, heartbeat, error, sent, persists, _)| {
         (worker.unwrap_or_default(), pid, state, connected, started, heartbeat, error, sent, persists)
     });
     TableIterator::new(rows.collect::<Vec<_>>())
@@ -86,7 +86,6 @@ fn dispatchers() -> impl Iterator<Item = Row> {
     let timestamp = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
     slots::rows(config::workers(), None).into_iter().map(move |r| {
         (
-            database_name(r.database),
             Some(r.index),
             r.pid,
             r.state.to_string(),
@@ -96,6 +95,7 @@ fn dispatchers() -> impl Iterator<Item = Row> {
             r.last_error,
             r.dispatched,
             r.broker_persistence.map(str::to_string),
+            database_name(r.database),
         )
     })
 }

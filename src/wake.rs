@@ -59,7 +59,10 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
     match event {
         XactEvent::XACT_EVENT_COMMIT | XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
             if let Some(source) = WAKE_AT_COMMIT.take() {
-                slots::wake_database(source)
+                slots::wake_database(source);
+                if matches!(source, WakeSource::Manual) {
+                    slots::ask_for_dispatchers();
+                }
             }
         }
         XactEvent::XACT_EVENT_ABORT

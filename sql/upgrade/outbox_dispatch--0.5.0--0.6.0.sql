@@ -8,10 +8,10 @@ SET LOCAL search_path = pg_catalog, pg_temp;
 
 -- outbox.workers names the database of each dispatcher: one launcher per
 -- server serves every database outbox.database covers (README, "Several
--- databases"). Its rows change shape: the view reads a new function, with
--- the same privileges; outbox_workers() stays as it was.
+-- databases"). The view gains a last column, read from a new function;
+-- outbox_workers() stays as it was. Replaced in place: views built on it
+-- and its privileges stay.
 CREATE FUNCTION @extschema@."outbox_dispatchers"() RETURNS TABLE (
-    "database" TEXT,
     "worker" INT,
     "pid" INT,
     "state" TEXT,
@@ -20,19 +20,18 @@ CREATE FUNCTION @extschema@."outbox_dispatchers"() RETURNS TABLE (
     "last_heartbeat" timestamp with time zone,
     "last_error" TEXT,
     "events_dispatched" bigint,
-    "broker_persistence" TEXT
+    "broker_persistence" TEXT,
+    "database" TEXT
 )
 STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'outbox_dispatchers_wrapper';
 
-DROP VIEW outbox.workers;
-CREATE VIEW outbox.workers AS
+CREATE OR REPLACE VIEW outbox.workers AS
 SELECT * FROM @extschema@.outbox_dispatchers();
 
 COMMENT ON VIEW outbox.workers IS
     'One row per dispatcher of every database served, then one per database outbox.database names that is not served (state not served, last_error says why).';
 
 REVOKE ALL ON FUNCTION @extschema@.outbox_dispatchers() FROM PUBLIC;
-GRANT SELECT ON outbox.workers TO pg_monitor;
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_dispatchers() TO pg_monitor;

@@ -251,8 +251,9 @@ impl Dispatcher {
             return at - now;
         }
         // The first look, paused or not: the launcher starts the other
-        // dispatchers, or lets the database go, on what it finds.
-        if !self.extension_found {
+        // dispatchers, or lets the database go, on what it finds. Paused,
+        // each wake looks again: a dropped extension lets the database go.
+        if !self.extension_found || !self.settings.enabled {
             match self.store.extension_exists() {
                 Err(e) => return self.store_failed(&e),
                 Ok(false) => self.leave_for_extension(),
