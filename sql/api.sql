@@ -134,6 +134,32 @@ $$;
 COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb) IS
     'Enqueue an event in the current transaction; it is delivered as a Celery task after COMMIT.';
 
+-- A copy of a database (CREATE DATABASE ... TEMPLATE) holds the events of
+-- the database it copied, sent from there already: its dispatchers send
+-- nothing until this makes them the copy's own. Its events pending,
+-- processing or dispatched (and unconfirmed) are then sent from here too.
+-- Returns whether the database was a copy not yet adopted.
+CREATE FUNCTION @extschema@.outbox_adopt() RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    UPDATE outbox.installed_in AS i
+       SET database = d.oid
+      FROM pg_catalog.pg_database AS d
+     WHERE d.datname = pg_catalog.current_database()
+       AND i.database <> d.oid;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM @extschema@.outbox_wake();
+    RETURN true;
+END
+$$;
+
+COMMENT ON FUNCTION @extschema@.outbox_adopt() IS
+    'In a copy of a database (CREATE DATABASE ... TEMPLATE): send the events it holds from here.';
+
 -- A failed event back to pending, its retries reset. Returns whether it was
 -- failed.
 CREATE FUNCTION @extschema@.outbox_retry(id uuid) RETURNS boolean
@@ -278,6 +304,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_ack(uuid),
     @extschema@.outbox_retry(uuid),
     @extschema@.outbox_retry_failed(interval),
+    @extschema@.outbox_adopt(),
     @extschema@.outbox_wake(),
     @extschema@.outbox_workers(),
     @extschema@.outbox_dispatchers(),

@@ -189,6 +189,22 @@ CREATE INDEX batch_members_waiting_idx ON outbox.batch_members (subscription_id,
 -- The purge of a batch's members with the batch.
 CREATE INDEX batch_members_batch_idx ON outbox.batch_members (batch_id) WHERE batch_id IS NOT NULL;
 
+-- The database whose events these are: CREATE EXTENSION records its OID.
+-- A copy (CREATE DATABASE ... TEMPLATE) carries the row with the events of
+-- the database it copied, events sent from there already: its dispatchers
+-- send nothing until outbox_adopt() is run in it (README, "Several
+-- databases"), or find nothing to send or confirm and adopt it themselves.
+-- Not dumped: a restore runs CREATE EXTENSION, which records the new OID.
+CREATE TABLE outbox.installed_in (
+    database oid NOT NULL,
+    only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row)
+);
+INSERT INTO outbox.installed_in (database)
+SELECT d.oid FROM pg_catalog.pg_database AS d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database();
+
+COMMENT ON TABLE outbox.installed_in IS
+    'The OID of the database CREATE EXTENSION ran in: a copy of it is not dispatched until outbox_adopt().';
+
 SELECT pg_catalog.pg_extension_config_dump('outbox.all_subscriptions', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.subscription_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.batch_members', '');

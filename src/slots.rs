@@ -34,6 +34,9 @@ named! {
         Paused = "paused",
         /// A statement failed (a lock not granted in time, say): retrying.
         Blocked = "blocked",
+        /// Its database is a copy of another: nothing is sent until
+        /// `outbox_adopt()`.
+        Copy = "copy",
         /// The launcher could not start it: `max_worker_processes` is used up.
         NoWorkerSlot = "no worker slot",
     }

@@ -139,7 +139,7 @@ def test_create_extension_is_served_within_seconds_and_drop_extension_stops_it(s
         serving(server, "app_new", workers=2)
         server.sql("DROP EXTENSION outbox_dispatch", dbname="app_new")
         wait_until(lambda: connected(server, "app_new") == 0, timeout=10, message="its dispatchers gone")
-        assert dispatchers(server, "app_new") == []
+        wait_until(lambda: dispatchers(server, "app_new") == [], timeout=10, message="its group let go")
         # And created again: served again.
         server.sql("CREATE EXTENSION outbox_dispatch", dbname="app_new")
         serving(server, "app_new", workers=2)
@@ -182,6 +182,49 @@ def test_rename_and_copy_of_a_served_database(server, redis_server):
         server.sql("DROP DATABASE IF EXISTS app_copy")
         server.sql("DROP DATABASE IF EXISTS app_renamed")
         server.sql("DROP DATABASE IF EXISTS app_r")
+
+
+def test_a_copy_of_a_database_with_events_sends_none_of_them_until_adopted(server, redis_server):
+    """pytest-django's clones, a staging copy: the copy holds events the
+    original sends; sending them from the copy too would run each twice."""
+    server.configure(enabled="off")
+    try:
+        ids = enqueue(server, "app_a", "q_clone", 5)
+        server.sql("CREATE DATABASE app_clone TEMPLATE app_a")
+        server.configure(enabled="on")
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_clone")) == sorted(ids),
+                   message="the original's events sent")
+        wait_until(lambda: {r[2] for r in dispatchers(server, "app_clone")} == {"copy"}, timeout=30,
+                   message="the copy's dispatchers waiting for outbox_adopt()")
+        assert "SELECT outbox_adopt()" in server.value(
+            "SELECT last_error FROM outbox.workers WHERE database = 'app_clone' AND worker = 0")
+        time.sleep(2)
+        assert sorted(queued_ids(redis_server.client(), "q_clone")) == sorted(ids), "a copy sent its events"
+        assert server.value("SELECT outbox_adopt()", dbname="app_clone") is True
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_clone")) == sorted(ids * 2),
+                   message="the adopted copy's events sent from it too")
+        serving(server, "app_clone", workers=2)
+        assert server.value("SELECT outbox_adopt()", dbname="app_clone") is False
+    finally:
+        server.configure(enabled="on")
+        server.sql("DROP DATABASE IF EXISTS app_clone")
+
+
+def test_utility_errors_keep_their_position_context_and_fields(server):
+    """The hook sees every utility statement: an error inside one reaches the
+    client as PostgreSQL raised it."""
+    with server.connect(dbname="plain") as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS uniq (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO uniq VALUES (1) ON CONFLICT DO NOTHING")
+        with pytest.raises(psycopg.errors.UniqueViolation) as raised:
+            conn.execute("DO $$BEGIN INSERT INTO uniq VALUES (1); END$$")
+        assert raised.value.diag.constraint_name == "uniq_pkey"
+        assert "PL/pgSQL" in (raised.value.diag.context or "")
+        with pytest.raises(psycopg.errors.UndefinedObject) as raised:
+            conn.execute("CREATE TABLE broken (a no_such_type)")
+        assert raised.value.diag.statement_position is not None
+    server.sql("CREATE DATABASE from_default TEMPLATE DEFAULT")
+    server.sql("DROP DATABASE from_default")
 
 
 def test_one_blocked_database_does_not_stall_another(server, redis_server):

@@ -233,6 +233,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "flush_batches.sql": ("(bigint, bigint[], bigint)", "(1048576, '{}', NULL)",
                                        [("batch_members_waiting_idx",)]),
         worker / "accumulating.sql": ("", "", []),
+        worker / "home.sql": ("(oid)", "(1)", []),
         worker / "fail_batch.sql": ("(bigint, text, bigint)", "(1, 'x', 1048576)", [("batch_members_waiting_idx",)]),
         worker / "claim.sql": (
             "(int, int, text[], text[], text[], uuid[], text[], text, uuid, text[], uuid[], timestamptz, uuid, "

@@ -35,3 +35,42 @@ COMMENT ON VIEW outbox.workers IS
 
 REVOKE ALL ON FUNCTION @extschema@.outbox_dispatchers() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_dispatchers() TO pg_monitor;
+
+-- Copies: the database whose events these are (see sql/schema.sql).
+CREATE TABLE outbox.installed_in (
+    database oid NOT NULL,
+    only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row)
+);
+INSERT INTO outbox.installed_in (database)
+SELECT d.oid FROM pg_catalog.pg_database AS d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database();
+
+COMMENT ON TABLE outbox.installed_in IS
+    'The OID of the database CREATE EXTENSION ran in: a copy of it is not dispatched until outbox_adopt().';
+
+-- A copy of a database (CREATE DATABASE ... TEMPLATE) holds the events of
+-- the database it copied, sent from there already: its dispatchers send
+-- nothing until this makes them the copy's own. Its events pending,
+-- processing or dispatched (and unconfirmed) are then sent from here too.
+-- Returns whether the database was a copy not yet adopted.
+CREATE FUNCTION @extschema@.outbox_adopt() RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    UPDATE outbox.installed_in AS i
+       SET database = d.oid
+      FROM pg_catalog.pg_database AS d
+     WHERE d.datname = pg_catalog.current_database()
+       AND i.database <> d.oid;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM @extschema@.outbox_wake();
+    RETURN true;
+END
+$$;
+
+COMMENT ON FUNCTION @extschema@.outbox_adopt() IS
+    'In a copy of a database (CREATE DATABASE ... TEMPLATE): send the events it holds from here.';
+
+REVOKE ALL ON FUNCTION @extschema@.outbox_adopt() FROM PUBLIC;

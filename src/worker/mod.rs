@@ -27,7 +27,7 @@ use crate::counters::{self, Counter};
 use crate::slots::{self, State, WakeSource};
 use broker::Broker;
 use push::{Pushed, RetryPolicy};
-use store::{Claim, Outcome, Store, StoreError};
+use store::{Claim, Home, Outcome, Store, StoreError};
 
 /// How soon a statement that failed (a lock not granted, say) is tried
 /// again: at first after a second, then backing off (with jitter) up to ten
@@ -114,6 +114,8 @@ struct Dispatcher {
     database: String,
     /// The extension was found.
     extension_found: bool,
+    /// This database holds its own events, not a copy's.
+    at_home: bool,
     /// [`slots::asked`] as the current step began.
     asked: u64,
     /// The last statement failed with this error (which `last_error` shows).
@@ -139,6 +141,7 @@ impl Dispatcher {
             released_own: false,
             database,
             extension_found: false,
+            at_home: false,
             asked: 0,
             store_failing: None,
             store_attempt: 0,
@@ -261,6 +264,24 @@ impl Dispatcher {
             }
         }
         let poll = self.settings.poll_interval;
+        if !self.at_home {
+            // SAFETY: a process global, set once connected.
+            match self.store.home(unsafe { pg_sys::MyDatabaseId }) {
+                Err(e) => return self.store_failed(&e),
+                Ok(None) => self.leave_for_extension(),
+                Ok(Some(Home::Own)) => self.at_home = true,
+                Ok(Some(Home::Adopted(original))) => {
+                    log!(
+                        "outbox dispatcher {}: database \"{}\" is a copy of the database of OID {original} \
+                         with no event to send or confirm: serving it as its own",
+                        self.index,
+                        self.database
+                    );
+                    self.at_home = true;
+                }
+                Ok(Some(Home::CopyOf(original))) => return self.wait_for_adoption(original),
+            }
+        }
         if !self.settings.enabled {
             self.slot.set_state(State::Paused);
             return poll;
@@ -380,6 +401,26 @@ impl Dispatcher {
         self.slot.found_extension(false, self.asked);
         // SAFETY: a normal exit; the slot is released by its exit callback.
         unsafe { pg_sys::proc_exit(0) }
+    }
+
+    /// This database is a copy of another, with that one's events: shows
+    /// why nothing is sent (and logs it once); returns the sleep.
+    /// `outbox_adopt()` wakes the dispatchers as it commits.
+    fn wait_for_adoption(&mut self, original: u32) -> Duration {
+        let message = format!(
+            "database \"{}\" is a copy of the database of OID {original} (CREATE DATABASE ... TEMPLATE) and holds \
+             its events, sent from there already: nothing is sent from here until SELECT outbox_adopt() in it",
+            self.database
+        );
+        if self.store_failing.as_deref() != Some(message.as_str()) {
+            if self.index == 0 {
+                warning!("outbox dispatcher {}: {message}", self.index);
+            }
+            self.slot.set_error(Some(&message));
+            self.store_failing = Some(message);
+        }
+        self.slot.set_state(State::Copy);
+        self.settings.poll_interval
     }
 
     /// The extension exists: the launcher may start the other dispatchers.

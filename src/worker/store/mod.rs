@@ -58,6 +58,18 @@ pub struct ClaimedEvent {
 /// proves a row is still this claim's.
 pub type ClaimTime = TimestampWithTimeZone;
 
+/// Whose events this database holds (`sql/worker/home.sql`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Home {
+    /// Its own.
+    Own,
+    /// A copy's, with nothing left to send or confirm: adopted just now.
+    Adopted(u32),
+    /// Those of the database of this OID, which it is a copy of: not to be
+    /// sent from here until `outbox_adopt()`.
+    CopyOf(u32),
+}
+
 /// What a claim found.
 pub enum Claim {
     /// The extension is not created in this database (yet, or any more).
@@ -151,6 +163,7 @@ struct Plans {
     sweep_unacked: Statement,
     purge: Statement,
     apply_reports: Statement,
+    home: Statement,
 }
 
 pub struct Store {
@@ -186,6 +199,7 @@ const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
 const FLOAT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8OID);
 const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
 const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
+const OID: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDOID);
 const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 
 /// What a transaction with the plans came to.
@@ -272,6 +286,7 @@ impl Plans {
                 include_str!("../../../sql/worker/apply_reports.sql"),
                 &[UUID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY],
             )?,
+            home: prepare(include_str!("../../../sql/worker/home.sql"), &[OID])?,
         })
     }
 }
@@ -570,6 +585,20 @@ impl Store {
     /// Is the extension created in this database?
     pub fn extension_exists(&mut self) -> Result<bool, StoreError> {
         self.with_plans(|_, _, _| Ok(())).map(|found| found.is_some())
+    }
+
+    /// Whether this database holds its own events or a copy's; `None`
+    /// without the extension.
+    pub fn home(&mut self, database: pg_sys::Oid) -> Result<Option<Home>, StoreError> {
+        self.with_plans(|client, plans, _| {
+            let row = client.update(&plans.home.plan, None, &[database.into()])?.first();
+            let recorded = row.get::<pg_sys::Oid>(1)?.unwrap_or(database).to_u32();
+            Ok(match (recorded == database.to_u32(), row.get::<bool>(2)?.unwrap_or(false)) {
+                (true, _) => Home::Own,
+                (false, true) => Home::Adopted(recorded),
+                (false, false) => Home::CopyOf(recorded),
+            })
+        })
     }
 
     /// Returns to pending whatever this dispatcher held when it last died.

@@ -1,0 +1,18 @@
+-- Whether this database ($1, its OID) is the one CREATE EXTENSION recorded,
+-- or a copy of it (CREATE DATABASE ... TEMPLATE) holding another database's
+-- events. A copy with nothing to send or to confirm (no event pending,
+-- processing or dispatched, no batch member waiting) is adopted here and
+-- now. Returns the OID recorded before, and whether it was adopted. Each
+-- NOT EXISTS reads one entry of a partial index.
+WITH adopted AS (
+    UPDATE outbox.installed_in
+       SET database = $1
+     WHERE database <> $1
+       AND NOT EXISTS (SELECT FROM outbox.events WHERE status = 'pending')
+       AND NOT EXISTS (SELECT FROM outbox.events WHERE status = 'processing')
+       AND NOT EXISTS (SELECT FROM outbox.events WHERE status = 'dispatched')
+       AND NOT EXISTS (SELECT FROM outbox.batch_members WHERE batch_id IS NULL)
+    RETURNING database
+)
+SELECT database, EXISTS (SELECT FROM adopted) AS adopted
+  FROM outbox.installed_in
