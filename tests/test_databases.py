@@ -89,6 +89,23 @@ def test_a_database_without_the_extension_costs_only_a_launcher_scan(server):
     assert dispatchers(server, "plain") == []
 
 
+def test_create_extension_where_the_probe_found_none_is_served_and_other_wakes_cost_nothing(server, redis_server):
+    probes = server.log_text().count('extension outbox_dispatch is not created in database "plain"')
+    # outbox_wake() commits where dispatchers serve: no database is looked at again.
+    for _ in range(50):
+        server.sql("SELECT outbox_wake()", dbname="app_b")
+    time.sleep(1)
+    assert server.log_text().count('extension outbox_dispatch is not created in database "plain"') == probes
+    server.sql("CREATE EXTENSION outbox_dispatch", dbname="plain")
+    try:
+        [event] = enqueue(server, "plain", "q_plain")
+        wait_until(lambda: queued_ids(redis_server.client(), "q_plain") == [event], timeout=10,
+                   message="served within 10 s of CREATE EXTENSION")
+    finally:
+        server.sql("DROP EXTENSION outbox_dispatch", dbname="plain")
+    wait_until(lambda: connected(server, "plain") == 0, timeout=10, message="its dispatchers gone")
+
+
 def test_events_in_every_database_run_in_a_stock_celery_worker_and_reports_reach_their_database(server,
                                                                                                  redis_server):
     worker = CeleryWorker(redis_server.url, queues=("q_multi",), app="loop_app")
@@ -237,6 +254,36 @@ def test_one_blocked_database_does_not_stall_another(server, redis_server):
                    message="app_b served meanwhile")
         blocker.rollback()
     serving(server, "app_a", workers=2)
+
+
+def test_paused_dispatchers_leave_a_dropped_extension(server):
+    server.sql("CREATE DATABASE app_paused")
+    try:
+        server.sql("CREATE EXTENSION outbox_dispatch", dbname="app_paused")
+        serving(server, "app_paused", workers=2)
+        server.configure(enabled="off")
+        wait_until(lambda: {r[2] for r in dispatchers(server, "app_paused")} == {"paused"}, message="paused")
+        server.sql("DROP EXTENSION outbox_dispatch", dbname="app_paused")
+        wait_until(lambda: connected(server, "app_paused") == 0, timeout=10, message="its dispatchers gone")
+    finally:
+        server.configure(enabled="on")
+        server.sql("DROP DATABASE app_paused")
+
+
+def test_a_launcher_that_dies_is_restarted_and_serves_every_database_again(server, redis_server):
+    launcher = server.value("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox launcher'")
+    before = {name: {r[1] for r in dispatchers(server, name)} for name in APPS}
+    server.sql("SELECT pg_terminate_backend(%s)", (launcher,))
+    wait_until(lambda: server.value("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox launcher'")
+               not in (None, launcher), timeout=30, message="a new launcher")
+    for name in APPS:
+        wait_until(lambda: {r[1] for r in dispatchers(server, name)}.isdisjoint(before[name])
+                   and [r[2] for r in dispatchers(server, name)] == ["idle"] * 2, timeout=30,
+                   message=f"{name} served by new dispatchers")
+        # One process per slot: the old ones are gone.
+        assert connected(server, name) == 2
+    [event] = enqueue(server, "app_c", "q_after_launcher")
+    wait_until(lambda: queued_ids(redis_server.client(), "q_after_launcher") == [event], message="delivery")
 
 
 def test_a_reload_changes_the_databases_and_the_dispatchers_per_database(server):
