@@ -400,7 +400,12 @@ impl Dispatcher {
         }
         self.slot.found_extension(false, self.asked);
         // SAFETY: a normal exit; the slot is released by its exit callback.
-        unsafe { pg_sys::proc_exit(0) }
+        unsafe { pg_sys::proc_exit(0) };
+        // Declared to return before PostgreSQL 18's headers mark it noreturn.
+        #[allow(unreachable_code)]
+        {
+            unreachable!("proc_exit does not return")
+        }
     }
 
     /// This database is a copy of another, with that one's events: shows
