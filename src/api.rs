@@ -36,11 +36,14 @@ fn outbox_report_timeout() -> Option<Interval> {
 }
 
 /// Nudges the dispatchers now, and again when the current transaction
-/// commits (rows it changed are visible only then).
+/// commits (rows it changed are visible only then); where none runs, or
+/// they have not found the extension, asks the launcher for them at
+/// commit (`CREATE EXTENSION` ends with this call).
 #[pg_extern(volatile, parallel_unsafe)]
 fn outbox_wake() {
     wake::now();
     wake::at_commit(WakeSource::Manual);
+    wake::ask_at_commit();
 }
 
 /// The consumer confirms an event: dispatched → processed. Returns whether

@@ -64,8 +64,9 @@ unsafe extern "C-unwind" {
 /// handler as it was raised, with its position, context and fields, not
 /// turned into a Rust panic and back (which keeps only the message, detail
 /// and hint). Nothing in this frame has a destructor; the Rust work runs
-/// in the guarded [`before`] and [`after`], and a hold ends with the
-/// transaction ([`on_xact_event`]).
+/// in the guarded [`before`] and [`after`] (which must not read the
+/// statement: the command may have freed it), and a hold ends with the
+/// (sub)transaction that took it ([`on_xact_event`], [`on_subxact_event`]).
 #[allow(clippy::too_many_arguments)]
 unsafe extern "C-unwind" fn process_utility(
     pstmt: *mut pg_sys::PlannedStmt,
@@ -77,38 +78,45 @@ unsafe extern "C-unwind" fn process_utility(
     dest: *mut pg_sys::DestReceiver,
     qc: *mut pg_sys::QueryCompletion,
 ) {
-    let statement = (*pstmt).utilityStmt;
-    before(statement);
+    let drops_this_extension = before((*pstmt).utilityStmt);
     match PREVIOUS {
         Some(previous) => previous(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
         None => standard_process_utility(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
     }
-    after(statement);
+    after(drops_this_extension);
 }
 
 thread_local! {
-    /// The databases this backend holds, until its transaction ends.
-    static HOLDING: RefCell<Vec<Holding>> = const { RefCell::new(Vec::new()) };
-    static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
+    /// The databases this backend holds, each with the subtransaction that
+    /// took it, until that ends without committing or the transaction ends.
+    static HOLDING: RefCell<Vec<(pg_sys::SubTransactionId, Holding)>> = const { RefCell::new(Vec::new()) };
+    static CALLBACKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Before the command: holds the database it needs alone, if any, and
-/// makes way.
+/// makes way. Returns whether the command drops this extension.
 #[pg_guard]
-unsafe extern "C-unwind" fn before(statement: *mut pg_sys::Node) {
-    let Some(holding) = needed_alone(statement).and_then(clear) else { return };
-    if !CALLBACK_REGISTERED.replace(true) {
-        // SAFETY: registered once per backend, for the life of the backend.
-        pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
+unsafe extern "C-unwind" fn before(statement: *mut pg_sys::Node) -> bool {
+    if let Some(database) = needed_alone(statement) {
+        let held = HOLDING.with_borrow(|held| held.iter().any(|(_, h)| h.database() == database));
+        if let Some(holding) = clear(database, held) {
+            if !CALLBACKS_REGISTERED.replace(true) {
+                // SAFETY: registered once per backend, for its life.
+                pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
+                pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
+            }
+            let subtransaction = pg_sys::GetCurrentSubTransactionId();
+            HOLDING.with_borrow_mut(|held| held.push((subtransaction, holding)));
+        }
     }
-    HOLDING.with_borrow_mut(|held| held.push(holding));
+    drops_this_extension(statement)
 }
 
-/// After the command (not after an error: the transaction's end frees the
-/// hold then).
+/// After the command (not after an error: the end of the (sub)transaction
+/// frees a hold then).
 #[pg_guard]
-unsafe extern "C-unwind" fn after(statement: *mut pg_sys::Node) {
-    if drops_an_extension(statement) {
+unsafe extern "C-unwind" fn after(drops_this_extension: bool) {
+    if drops_this_extension {
         // Manual: paused dispatchers answer it too.
         wake::at_commit(WakeSource::Manual);
     }
@@ -129,23 +137,54 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
     }
 }
 
-/// Is `statement` a `DROP EXTENSION` (of any extension: a wake too many
-/// costs the dispatchers one look)?
-unsafe fn drops_an_extension(statement: *mut pg_sys::Node) -> bool {
-    !statement.is_null()
-        && (*statement).type_ == pg_sys::NodeTag::T_DropStmt
-        && (*statement.cast::<pg_sys::DropStmt>()).removeType == pg_sys::ObjectType::OBJECT_EXTENSION
+/// A subtransaction rolled back (`ROLLBACK TO SAVEPOINT`, an exception
+/// block) frees what it held; one committed hands it to its parent.
+#[pg_guard]
+unsafe extern "C-unwind" fn on_subxact_event(
+    event: pg_sys::SubXactEvent::Type,
+    subtransaction: pg_sys::SubTransactionId,
+    parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    use pg_sys::SubXactEvent::*;
+    HOLDING.with_borrow_mut(|held| match event {
+        SUBXACT_EVENT_ABORT_SUB => held.retain(|(sub, _)| *sub != subtransaction),
+        SUBXACT_EVENT_COMMIT_SUB => {
+            for (sub, _) in held.iter_mut().filter(|(sub, _)| *sub == subtransaction) {
+                *sub = parent;
+            }
+        }
+        _ => {}
+    });
+}
+
+/// Is `statement` a `DROP EXTENSION` naming this extension?
+unsafe fn drops_this_extension(statement: *mut pg_sys::Node) -> bool {
+    if statement.is_null() || (*statement).type_ != pg_sys::NodeTag::T_DropStmt {
+        return false;
+    }
+    let drop = statement.cast::<pg_sys::DropStmt>();
+    (*drop).removeType == pg_sys::ObjectType::OBJECT_EXTENSION
+        && PgList::<pg_sys::Node>::from_pg((*drop).objects).iter_ptr().any(|name| {
+            !name.is_null()
+                && (*name).type_ == pg_sys::NodeTag::T_String
+                && !(*name.cast::<pg_sys::String>()).sval.is_null()
+                && std::ffi::CStr::from_ptr((*name.cast::<pg_sys::String>()).sval) == c"outbox_dispatch"
+        })
 }
 
 /// The database `statement` needs alone, when the current user may run it
-/// there. Others are left to PostgreSQL's own refusal: a user who may not
-/// drop a database must not stop its dispatchers by trying.
+/// there and PostgreSQL would run it here. Others are left to PostgreSQL's
+/// own refusal: a user who may not drop a database must not stop its
+/// dispatchers by trying.
 unsafe fn needed_alone(statement: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
     if statement.is_null() {
         return None;
     }
+    // All but a rename refuse to run in a transaction block.
+    let in_block = pg_sys::IsTransactionBlock();
     let name: *const c_char = match (*statement).type_ {
-        pg_sys::NodeTag::T_DropdbStmt => (*statement.cast::<pg_sys::DropdbStmt>()).dbname,
+        pg_sys::NodeTag::T_DropdbStmt if !in_block => (*statement.cast::<pg_sys::DropdbStmt>()).dbname,
         pg_sys::NodeTag::T_RenameStmt => {
             let rename = statement.cast::<pg_sys::RenameStmt>();
             if (*rename).renameType != pg_sys::ObjectType::OBJECT_DATABASE {
@@ -153,12 +192,12 @@ unsafe fn needed_alone(statement: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
             }
             (*rename).subname
         }
-        pg_sys::NodeTag::T_AlterDatabaseStmt => {
+        pg_sys::NodeTag::T_AlterDatabaseStmt if !in_block => {
             let alter = statement.cast::<pg_sys::AlterDatabaseStmt>();
             option((*alter).options, c"tablespace")?;
             (*alter).dbname
         }
-        pg_sys::NodeTag::T_CreatedbStmt => {
+        pg_sys::NodeTag::T_CreatedbStmt if !in_block => {
             let template = option((*statement.cast::<pg_sys::CreatedbStmt>()).options, c"template")?;
             // TEMPLATE DEFAULT has no argument: template1.
             if (*template).arg.is_null() {
@@ -192,10 +231,11 @@ unsafe fn owns(database: pg_sys::Oid) -> bool {
     pg_sys::object_ownercheck(pg_sys::DatabaseRelationId, database, pg_sys::GetUserId())
 }
 
-/// Holds `database`, then stops its dispatchers and waits for them to
-/// exit, [`WAIT`] at most (the command then says who is still there).
-fn clear(database: pg_sys::Oid) -> Option<Holding> {
-    let holding = slots::hold(database);
+/// Holds `database` (unless this backend holds it already), then stops its
+/// dispatchers and waits for them to exit, [`WAIT`] at most (the command
+/// then says who is still there).
+fn clear(database: pg_sys::Oid, held: bool) -> Option<Holding> {
+    let holding = if held { None } else { slots::hold(database) };
     let deadline = Instant::now() + WAIT;
     let mut signalled = HashSet::new();
     loop {

@@ -29,7 +29,7 @@ use pgrx::{pg_shmem_init, PgLwLock};
 
 use outbox_core::databases::{Served, NAME_BYTES};
 use outbox_core::launch::{self, Database, Known};
-use outbox_core::named;
+use outbox_core::{backoff, named};
 
 use crate::config::{self, MAX_DATABASES, MAX_WORKERS};
 use crate::slots::{self, launcher as groups, Extension};
@@ -47,8 +47,12 @@ const SCAN_INTERVAL: Duration = Duration::from_secs(5);
 const MIN_TURN: Duration = Duration::from_millis(100);
 
 /// How long a database found without the extension is left alone unless
-/// it asks (`CREATE EXTENSION`): then its dispatcher 0 looks again.
+/// it asks (`CREATE EXTENSION`): then its dispatcher 0 looks again (within
+/// a minute more, spread).
 const ABSENT_RECHECK: Duration = Duration::from_secs(300);
+
+/// The most dispatchers looking for the extension at once.
+const MAX_PROBES: usize = 4;
 
 named! {
     /// Why a database `outbox.database` names is not served.
@@ -140,7 +144,8 @@ struct Launcher {
     started: HashMap<(usize, usize), Started>,
     /// Not before then is a dispatcher that exited started again.
     restart_at: HashMap<(usize, usize), Instant>,
-    /// Databases whose dispatchers found no extension, and since when.
+    /// Databases whose dispatchers found no extension, and until when
+    /// that is believed.
     absent: HashMap<u32, Instant>,
     /// The count of asks ([`slots::asked`]) this launcher has read.
     asked: u64,
@@ -191,7 +196,8 @@ impl Launcher {
         }
         // A prepared CREATE EXTENSION commits without asking: absence is
         // looked at again after a while anyway.
-        self.absent.retain(|_, since| since.elapsed() < ABSENT_RECHECK);
+        let now = Instant::now();
+        self.absent.retain(|_, until| *until > now);
         for (g, database) in groups::groups().into_iter().enumerate() {
             let (Some(database), (Extension::Absent, as_of)) = (database, groups::extension(g)) else {
                 continue;
@@ -202,7 +208,10 @@ impl Launcher {
                 groups::look_again(g);
                 self.restart_at.remove(&(g, 0));
             } else {
-                self.absent.entry(database).or_insert_with(Instant::now);
+                // Spread over a minute: databases found absent together
+                // are not all looked at again together.
+                let spread = Duration::from_secs_f64(60.0 * backoff::random_unit());
+                self.absent.entry(database).or_insert_with(|| Instant::now() + ABSENT_RECHECK + spread);
             }
         }
     }
@@ -212,8 +221,12 @@ impl Launcher {
         // Wakes come with commits (outbox_wake()) and worker exits: one
         // turn per MIN_TURN at most.
         if let Some(at) = self.turned_at {
-            while at.elapsed() < MIN_TURN {
-                wait::for_wake(MIN_TURN - at.elapsed());
+            loop {
+                let left = MIN_TURN.saturating_sub(at.elapsed());
+                if left.is_zero() {
+                    break;
+                }
+                wait::for_wake(left);
             }
         }
         self.turned_at = Some(Instant::now());
@@ -252,6 +265,8 @@ impl Launcher {
         let now = Instant::now();
         let mut next = SCAN_INTERVAL;
         let mut no_slot = Vec::new();
+        let probe = |g: usize| groups::extension(g).0 == Extension::Unknown;
+        let mut probing = self.started.keys().filter(|(g, index)| *index == 0 && probe(*g)).count();
         for (g, database) in groups::groups().into_iter().enumerate() {
             if database.is_none() || plan.release.contains(&g) {
                 continue;
@@ -261,12 +276,17 @@ impl Launcher {
                 let wanted = index < config::workers() && (index == 0 || extension == Extension::Present);
                 match (wanted, self.started.get_mut(&(g, index))) {
                     (true, None) if groups::occupied(g, index) => next = next.min(Duration::from_millis(100)),
+                    // A few lookups for the extension at a time, however
+                    // many databases are new.
+                    (true, None) if probe(g) && probing >= MAX_PROBES => next = next.min(Duration::from_millis(100)),
                     (true, None) => match self.restart_at.get(&(g, index)) {
                         Some(at) if *at > now => next = next.min(*at - now),
                         _ => {
                             if !self.start(g, index) {
                                 no_slot.push((g, index));
                                 next = next.min(RESTART_DELAY);
+                            } else if probe(g) {
+                                probing += 1;
                             }
                         }
                     },

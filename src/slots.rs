@@ -283,7 +283,7 @@ impl Own {
         let group = self.group();
         let (found, as_of) = if present { (Extension::Present, 0) } else { (Extension::Absent, asked) };
         group.absent_as_of.store(as_of, Ordering::Release);
-        if group.extension.swap(found as u8, Ordering::AcqRel) != found as u8 {
+        if group.extension.swap(found as u8, Ordering::SeqCst) != found as u8 {
             wake_launcher();
         }
     }
@@ -434,7 +434,9 @@ pub fn ask_for_dispatchers() {
     let Some(slots) = slots() else { return };
     // SAFETY: a process global, set once connected.
     let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
-    let present = my_group(slots).is_some_and(|g| g.extension.load(Ordering::Acquire) == Extension::Present as u8);
+    // After the commit, before reading the group: see leave_for_extension in worker/mod.rs.
+    std::sync::atomic::fence(Ordering::SeqCst);
+    let present = my_group(slots).is_some_and(|g| g.extension.load(Ordering::SeqCst) == Extension::Present as u8);
     if database == 0 || present {
         return;
     }
@@ -574,6 +576,12 @@ pub fn held(database: pg_sys::Oid) -> bool {
 
 /// A hold on a database, freed when dropped.
 pub struct Holding(&'static Hold);
+
+impl Holding {
+    pub fn database(&self) -> pg_sys::Oid {
+        pg_sys::Oid::from(self.0.database.load(Ordering::Acquire))
+    }
+}
 
 impl Drop for Holding {
     fn drop(&mut self) {

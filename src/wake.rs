@@ -17,6 +17,8 @@ use crate::slots::{self, WakeSource};
 thread_local! {
     /// Wake the dispatchers at commit, for this source.
     static WAKE_AT_COMMIT: Cell<Option<WakeSource>> = const { Cell::new(None) };
+    /// Ask the launcher for dispatchers at commit.
+    static ASK_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
     static CALLBACK_REGISTERED: Cell<bool> = const { Cell::new(false) };
     static MUTED: Cell<bool> = const { Cell::new(false) };
 }
@@ -36,16 +38,27 @@ pub fn muted() -> bool {
 }
 
 /// Wake the dispatchers when the current transaction commits: for
-/// `source` `Commit`, events were added; `Manual`, `outbox_wake()` was
-/// called (by `CREATE EXTENSION` among others), which also has the
-/// launcher look for the extension again where none serves.
+/// `source` `Commit`, events were added (paused dispatchers sleep on);
+/// `Manual`, `outbox_wake()` was called, or this extension dropped.
 pub fn at_commit(source: WakeSource) {
+    register();
+    if WAKE_AT_COMMIT.get() != Some(WakeSource::Manual) {
+        WAKE_AT_COMMIT.set(Some(source));
+    }
+}
+
+/// Ask the launcher for this database's dispatchers when the current
+/// transaction commits, unless they run and found the extension: what
+/// `outbox_wake()` does, and `CREATE EXTENSION` calls it.
+pub fn ask_at_commit() {
+    register();
+    ASK_AT_COMMIT.set(true);
+}
+
+fn register() {
     if !CALLBACK_REGISTERED.replace(true) {
         // SAFETY: registered once per backend, for the life of the backend.
         unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
-    }
-    if WAKE_AT_COMMIT.get() != Some(WakeSource::Manual) {
-        WAKE_AT_COMMIT.set(Some(source));
     }
 }
 
@@ -60,14 +73,15 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
         XactEvent::XACT_EVENT_COMMIT | XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
             if let Some(source) = WAKE_AT_COMMIT.take() {
                 slots::wake_database(source);
-                if matches!(source, WakeSource::Manual) {
-                    slots::ask_for_dispatchers();
-                }
+            }
+            if ASK_AT_COMMIT.replace(false) {
+                slots::ask_for_dispatchers();
             }
         }
-        XactEvent::XACT_EVENT_ABORT
-        | XactEvent::XACT_EVENT_PARALLEL_ABORT
-        | XactEvent::XACT_EVENT_PREPARE => WAKE_AT_COMMIT.set(None),
+        XactEvent::XACT_EVENT_ABORT | XactEvent::XACT_EVENT_PARALLEL_ABORT | XactEvent::XACT_EVENT_PREPARE => {
+            WAKE_AT_COMMIT.set(None);
+            ASK_AT_COMMIT.set(false);
+        }
         _ => {}
     }
 }

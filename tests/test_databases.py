@@ -72,6 +72,36 @@ def test_a_user_who_may_not_drop_a_database_cannot_stop_its_dispatchers(server):
         server.sql("DROP ROLE intruder")
 
 
+def test_drop_extension_if_exists_from_anyone_wakes_and_spawns_nothing(server):
+    server.sql("CREATE ROLE loiterer LOGIN")
+    try:
+        before = server.log_text().count("outbox dispatcher 0: extension outbox_dispatch is not created")
+        with server.connect(user="loiterer", dbname="plain") as conn:
+            for _ in range(50):
+                conn.execute("DROP EXTENSION IF EXISTS no_such_extension")
+                conn.execute("DROP EXTENSION IF EXISTS outbox_dispatch")
+        time.sleep(1)
+        assert connected(server, "plain") == 0
+        assert server.log_text().count("outbox dispatcher 0: extension outbox_dispatch is not created") == before
+    finally:
+        server.sql("DROP ROLE loiterer")
+
+
+def test_a_rename_rolled_back_to_a_savepoint_holds_nothing_afterwards(server):
+    with server.connect(dbname="app_b", autocommit=False) as conn:
+        for _ in range(20):  # more than the 16 holds there are
+            conn.execute("SAVEPOINT s")
+            conn.execute("ALTER DATABASE app_a RENAME TO app_a_renamed")
+            conn.execute("ROLLBACK TO SAVEPOINT s")
+        # The transaction is still open: app_a is served again meanwhile.
+        serving(server, "app_a", workers=2)
+        conn.rollback()
+    # And another session's rename still gets a hold of its own.
+    server.sql("ALTER DATABASE app_c RENAME TO app_c_renamed")
+    server.sql("ALTER DATABASE app_c_renamed RENAME TO app_c")
+    serving(server, "app_c", workers=2)
+
+
 def test_a_bad_list_is_refused_naming_the_setting(server):
     for value, detail in (("app_a,,app_b", "an empty database name in the list"),
                           ('"app_a', "closing double quote is missing")):
@@ -213,7 +243,7 @@ def test_a_copy_of_a_database_with_events_sends_none_of_them_until_adopted(serve
                    message="the original's events sent")
         wait_until(lambda: {r[2] for r in dispatchers(server, "app_clone")} == {"copy"}, timeout=30,
                    message="the copy's dispatchers waiting for outbox_adopt()")
-        assert "SELECT outbox_adopt()" in server.value(
+        assert "SELECT public.outbox_adopt() in it" in server.value(
             "SELECT last_error FROM outbox.workers WHERE database = 'app_clone' AND worker = 0")
         time.sleep(2)
         assert sorted(queued_ids(redis_server.client(), "q_clone")) == sorted(ids), "a copy sent its events"
@@ -320,5 +350,29 @@ def test_too_few_worker_slots_is_a_warning_and_a_row(redis_server):
         # dispatchers; nothing crashed.
         assert pg.value("SELECT count(*) FROM outbox.workers WHERE pid IS NOT NULL") >= 2
         assert "terminated by signal" not in pg.log_text()
+    finally:
+        pg.close()
+
+
+def test_a_copy_made_under_0_5_0_waits_for_adoption_after_the_update(redis_server):
+    pg = Cluster(redis_server.url, database="orig")
+    try:
+        pg.sql("CREATE DATABASE orig")
+        pg.sql("CREATE EXTENSION outbox_dispatch VERSION '0.5.0'", dbname="orig")
+        ids = enqueue(pg, "orig", "q_old_copy", 3)
+        pg.sql("CREATE DATABASE old_copy TEMPLATE orig")
+        pg.sql("ALTER EXTENSION outbox_dispatch UPDATE", dbname="orig")
+        with pg.connect(dbname="old_copy") as conn:
+            notices = []
+            conn.add_notice_handler(lambda n: notices.append(n.message_primary))
+            conn.execute("ALTER EXTENSION outbox_dispatch UPDATE")
+        assert any("taken for a copy" in n for n in notices), notices
+        pg.configure(database="orig, old_copy")
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_old_copy")) == sorted(ids),
+                   message="the original's events sent")
+        wait_until(lambda: pg.value("SELECT state FROM outbox.workers WHERE database = 'old_copy'", dbname="orig")
+                   == "copy", timeout=30, message="the copy waiting")
+        time.sleep(1)
+        assert sorted(queued_ids(redis_server.client(), "q_old_copy")) == sorted(ids)
     finally:
         pg.close()

@@ -36,13 +36,38 @@ COMMENT ON VIEW outbox.workers IS
 REVOKE ALL ON FUNCTION @extschema@.outbox_dispatchers() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_dispatchers() TO pg_monitor;
 
--- Copies: the database whose events these are (see sql/schema.sql).
+-- Copies: the database whose events these are (see sql/schema.sql). 0.5.0
+-- served one database, outbox.database: that one is the original. Another
+-- may be a copy made under 0.5.0, whose events were never sent from it:
+-- with events to send or confirm it records 0, and waits for
+-- outbox_adopt(); with none, its own OID.
 CREATE TABLE outbox.installed_in (
     database oid NOT NULL,
     only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row)
 );
 INSERT INTO outbox.installed_in (database)
-SELECT d.oid FROM pg_catalog.pg_database AS d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database();
+SELECT CASE
+         WHEN d.datname OPERATOR(pg_catalog.=) ANY (pg_catalog.string_to_array(
+                  pg_catalog.replace(pg_catalog.current_setting('outbox.database', true), ' ', ''), ','))
+           OR (NOT EXISTS (SELECT FROM outbox.events AS e WHERE e.status OPERATOR(pg_catalog.=) 'pending')
+               AND NOT EXISTS (SELECT FROM outbox.events AS e WHERE e.status OPERATOR(pg_catalog.=) 'processing')
+               AND NOT EXISTS (SELECT FROM outbox.events AS e WHERE e.status OPERATOR(pg_catalog.=) 'dispatched')
+               AND NOT EXISTS (SELECT FROM outbox.batch_members AS m WHERE m.batch_id IS NULL))
+         THEN d.oid
+         ELSE 0
+       END
+  FROM pg_catalog.pg_database AS d
+ WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database();
+
+DO $$
+BEGIN
+    IF (SELECT i.database FROM outbox.installed_in AS i) OPERATOR(pg_catalog.=) 0 THEN
+        RAISE WARNING 'outbox_dispatch: database "%" is not outbox.database and holds events to send or confirm: '
+                     'taken for a copy, its events are not sent until outbox_adopt() is run in it',
+                     pg_catalog.current_database();
+    END IF;
+END
+$$;
 
 COMMENT ON TABLE outbox.installed_in IS
     'The OID of the database CREATE EXTENSION ran in: a copy of it is not dispatched until outbox_adopt().';

@@ -2,7 +2,8 @@
 -- or a copy of it (CREATE DATABASE ... TEMPLATE) holding another database's
 -- events. A copy with nothing to send or to confirm (no event pending,
 -- processing or dispatched, no batch member waiting) is adopted here and
--- now. Returns the OID recorded before, and whether it was adopted. Each
+-- now. Returns the OID recorded before, whether it was adopted, and the
+-- extension's schema, quoted (for the message naming outbox_adopt()). Each
 -- NOT EXISTS reads one entry of a partial index.
 WITH adopted AS (
     UPDATE outbox.installed_in
@@ -14,5 +15,8 @@ WITH adopted AS (
        AND NOT EXISTS (SELECT FROM outbox.batch_members WHERE batch_id IS NULL)
     RETURNING database
 )
-SELECT database, EXISTS (SELECT FROM adopted) AS adopted
+SELECT database, EXISTS (SELECT FROM adopted) AS adopted,
+       (SELECT quote_ident(n.nspname)
+          FROM pg_extension AS x JOIN pg_namespace AS n ON n.oid = x.extnamespace
+         WHERE x.extname = 'outbox_dispatch') AS schema
   FROM outbox.installed_in

@@ -57,8 +57,7 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
         return;
     }
     slot.listen();
-    let name = setup::database_name();
-    setup::pin_settings(index, &name);
+    let name = setup::pin_settings(index);
     setup::return_large_buffers();
 
     let mut dispatcher = Dispatcher::new(index, slot, name, Settings::current());
@@ -259,7 +258,10 @@ impl Dispatcher {
         if !self.extension_found || !self.settings.enabled {
             match self.store.extension_exists() {
                 Err(e) => return self.store_failed(&e),
-                Ok(false) => self.leave_for_extension(),
+                Ok(false) => {
+                    self.leave_for_extension();
+                    return Duration::ZERO;
+                }
                 Ok(true) => self.found_extension(),
             }
         }
@@ -268,7 +270,10 @@ impl Dispatcher {
             // SAFETY: a process global, set once connected.
             match self.store.home(unsafe { pg_sys::MyDatabaseId }) {
                 Err(e) => return self.store_failed(&e),
-                Ok(None) => self.leave_for_extension(),
+                Ok(None) => {
+                    self.leave_for_extension();
+                    return Duration::ZERO;
+                }
                 Ok(Some(Home::Own)) => self.at_home = true,
                 Ok(Some(Home::Adopted(original))) => {
                     log!(
@@ -279,7 +284,7 @@ impl Dispatcher {
                     );
                     self.at_home = true;
                 }
-                Ok(Some(Home::CopyOf(original))) => return self.wait_for_adoption(original),
+                Ok(Some(Home::CopyOf(original, schema))) => return self.wait_for_adoption(original, &schema),
             }
         }
         if !self.settings.enabled {
@@ -296,7 +301,10 @@ impl Dispatcher {
         if !self.broker.connected() {
             match self.store.extension_exists() {
                 Err(e) => return self.store_failed(&e),
-                Ok(false) => self.leave_for_extension(),
+                Ok(false) => {
+                    self.leave_for_extension();
+                    return Duration::ZERO;
+                }
                 Ok(true) => {}
             }
             if let Some(wait) = self.broker.connect(&self.slot, &self.settings) {
@@ -386,10 +394,20 @@ impl Dispatcher {
         }
     }
 
-    /// The extension is not created (or was dropped): the dispatcher
-    /// exits, and the launcher lets the database go until a commit there
-    /// (`CREATE EXTENSION`'s) asks for dispatchers again.
-    fn leave_for_extension(&mut self) -> ! {
+    /// The extension is not created (or was dropped): the dispatcher says
+    /// so and exits, and the launcher lets the database go until a commit
+    /// there (`CREATE EXTENSION`'s) asks for dispatchers again. Unless a
+    /// look made after saying so finds it: a `CREATE EXTENSION` that
+    /// committed meanwhile, seeing the dispatchers still serving, asked
+    /// nobody. (It reads the group after its commit, this dispatcher the
+    /// catalog after its word: one of the two sees the other.)
+    fn leave_for_extension(&mut self) {
+        self.slot.found_extension(false, self.asked);
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if let Ok(true) = self.store.extension_exists() {
+            self.found_extension();
+            return;
+        }
         if self.index == 0 {
             log!(
                 "outbox dispatcher {}: extension outbox_dispatch is not created in database \"{}\"; \
@@ -398,7 +416,6 @@ impl Dispatcher {
                 self.database
             );
         }
-        self.slot.found_extension(false, self.asked);
         // SAFETY: a normal exit; the slot is released by its exit callback.
         unsafe { pg_sys::proc_exit(0) };
         // Declared to return before PostgreSQL 18's headers mark it noreturn.
@@ -411,10 +428,14 @@ impl Dispatcher {
     /// This database is a copy of another, with that one's events: shows
     /// why nothing is sent (and logs it once); returns the sleep.
     /// `outbox_adopt()` wakes the dispatchers as it commits.
-    fn wait_for_adoption(&mut self, original: u32) -> Duration {
+    fn wait_for_adoption(&mut self, original: u32, schema: &str) -> Duration {
+        let copied = match original {
+            0 => "was taken for a copy when it was updated to 0.6.0".to_string(),
+            _ => format!("is a copy of the database of OID {original} (CREATE DATABASE ... TEMPLATE)"),
+        };
         let message = format!(
-            "database \"{}\" is a copy of the database of OID {original} (CREATE DATABASE ... TEMPLATE) and holds \
-             its events, sent from there already: nothing is sent from here until SELECT outbox_adopt() in it",
+            "database \"{}\" {copied} and holds events sent from the original: \
+             nothing is sent from here until SELECT {schema}.outbox_adopt() in it",
             self.database
         );
         if self.store_failing.as_deref() != Some(message.as_str()) {
@@ -456,7 +477,10 @@ impl Dispatcher {
             self.store_recovered();
             nap = nap.min(account(&settled));
             let (events, claimed_at, next_due) = match claim {
-                Claim::NoExtension => self.leave_for_extension(),
+                Claim::NoExtension => {
+                    self.leave_for_extension();
+                    return Duration::ZERO;
+                }
                 Claim::Claimed { flushed, events, claimed_at, next_due } => {
                     counters::add(Counter::AccumulatedBatches, flushed.batches);
                     counters::add(Counter::AccumulatedEvents, flushed.events);

@@ -60,14 +60,17 @@ const PINNED_SINCE_17: [(&CStr, &CStr); 0] = [];
 /// Called once connected to the database, whose own settings and the
 /// role's are applied by then: sets each of those back to the server's
 /// value (see [`undo_database_settings`]), then pins [`PINNED`].
-pub fn pin_settings(index: usize, database: &str) {
+/// Returns the database's name, read once the settings are pinned.
+pub fn pin_settings(index: usize) -> String {
     // First of all, before reading anything: run as the bootstrap superuser
     // again, whatever `role` the database asked for, with the pinned
     // timeouts (a database's `transaction_timeout` would end the read).
     set(c"role", c"none");
     pin();
-    undo_database_settings(index, database);
+    let database = database_name();
+    undo_database_settings(index, &database);
     pin();
+    database
 }
 
 fn pin() {
@@ -158,7 +161,7 @@ pub fn return_large_buffers() {
 }
 
 /// The name of the database this process is connected to.
-pub fn database_name() -> String {
+fn database_name() -> String {
     BackgroundWorker::transaction(|| {
         // SAFETY: a catalog lookup inside a transaction, of the database
         // this process is connected to (which cannot be dropped meanwhile).

@@ -27,7 +27,8 @@ pub fn for_wake(timeout: Duration) -> bool {
 /// One `WaitLatchOrSocket`; the latch is reset and interrupts are
 /// processed before returning.
 fn latch(socket: Option<(RawFd, Interest)>, timeout: Duration) -> i32 {
-    let ms = timeout.as_millis().min(i32::MAX as u128) as std::ffi::c_long;
+    // Rounded up: a wait of less than a millisecond is not a busy loop.
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as std::ffi::c_long;
     let mut wanted = pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH;
     let fd = match socket {
         Some((fd, Interest::Readable)) => {

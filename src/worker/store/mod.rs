@@ -59,15 +59,15 @@ pub struct ClaimedEvent {
 pub type ClaimTime = TimestampWithTimeZone;
 
 /// Whose events this database holds (`sql/worker/home.sql`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Home {
     /// Its own.
     Own,
     /// A copy's, with nothing left to send or confirm: adopted just now.
     Adopted(u32),
     /// Those of the database of this OID, which it is a copy of: not to be
-    /// sent from here until `outbox_adopt()`.
-    CopyOf(u32),
+    /// sent from here until `outbox_adopt()`, in the schema named (quoted).
+    CopyOf(u32, String),
 }
 
 /// What a claim found.
@@ -596,7 +596,7 @@ impl Store {
             Ok(match (recorded == database.to_u32(), row.get::<bool>(2)?.unwrap_or(false)) {
                 (true, _) => Home::Own,
                 (false, true) => Home::Adopted(recorded),
-                (false, false) => Home::CopyOf(recorded),
+                (false, false) => Home::CopyOf(recorded, row.get::<String>(3)?.unwrap_or_default()),
             })
         })
     }
