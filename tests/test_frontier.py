@@ -10,7 +10,9 @@ import pytest
 
 from harness import Cluster, queued_ids, wait_until
 
-CLAIM = "%SET status = 'processing'%"
+# The claim statement's first line: pg_stat_statements keeps comments, and
+# replaces constants with $n when it sees a statement prepared.
+CLAIM = "-- Claim up to $1 due events%"
 
 
 def enqueue(conn, queue, event_type="e"):
