@@ -306,9 +306,8 @@ impl Launcher {
         next
     }
 
-    /// Forgets the dispatchers that stopped, setting when each may start
-    /// again; frees the groups whose last dispatcher stopped while being
-    /// let go.
+    /// Forgets the dispatchers that stopped, setting when each that was
+    /// not asked to stop may start again.
     fn reap(&mut self) {
         let now = Instant::now();
         let mut stopped = Vec::new();
