@@ -10,9 +10,10 @@ import pytest
 
 from harness import Cluster, queued_ids, wait_until
 
-# The claim statement's first line: pg_stat_statements keeps comments, and
-# replaces constants with $n when it sees a statement prepared.
-CLAIM = "-- Claim up to $1 due events%"
+# A line of the claim statement without a constant or a comment:
+# pg_stat_statements replaces constants with $n when it sees a statement
+# prepared, and since PostgreSQL 18 keeps no leading comment.
+CLAIM = "%coalesce($16, pg_catalog.now()) AS claimed_at%"
 
 
 def enqueue(conn, queue, event_type="e"):
