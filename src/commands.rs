@@ -81,7 +81,16 @@ unsafe extern "C-unwind" fn process_utility(
     let drops_this_extension = before((*pstmt).utilityStmt);
     match PREVIOUS {
         Some(previous) => previous(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
-        None => standard_process_utility(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
+        None => standard_process_utility(
+            pstmt,
+            query_string,
+            read_only_tree,
+            context,
+            params,
+            query_env,
+            dest,
+            qc,
+        ),
     }
     after(drops_this_extension);
 }
@@ -131,7 +140,11 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
     use pg_sys::XactEvent::*;
     if matches!(
         event,
-        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT | XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT | XACT_EVENT_PREPARE
+        XACT_EVENT_COMMIT
+            | XACT_EVENT_PARALLEL_COMMIT
+            | XACT_EVENT_ABORT
+            | XACT_EVENT_PARALLEL_ABORT
+            | XACT_EVENT_PREPARE
     ) {
         HOLDING.with_borrow_mut(Vec::clear);
     }

@@ -278,7 +278,9 @@ impl Launcher {
                     (true, None) if groups::occupied(g, index) => next = next.min(Duration::from_millis(100)),
                     // A few lookups for the extension at a time, however
                     // many databases are new.
-                    (true, None) if probe(g) && probing >= MAX_PROBES => next = next.min(Duration::from_millis(100)),
+                    (true, None) if probe(g) && probing >= MAX_PROBES => {
+                        next = next.min(Duration::from_millis(100))
+                    }
                     (true, None) => match self.restart_at.get(&(g, index)) {
                         Some(at) if *at > now => next = next.min(*at - now),
                         _ => {
@@ -390,7 +392,13 @@ impl Launcher {
 
     /// Records in shared memory, for `outbox.workers`, what is not served
     /// and why; logs it when that changed.
-    fn tell(&mut self, served: &Served, databases: &[Database], unplaced: &[u32], no_slot: &[(usize, usize)]) {
+    fn tell(
+        &mut self,
+        served: &Served,
+        databases: &[Database],
+        unplaced: &[u32],
+        no_slot: &[(usize, usize)],
+    ) {
         let mut notes: Vec<(String, Unserved)> = Vec::new();
         if let Served::Named(names) = served {
             for name in names {
@@ -429,7 +437,10 @@ impl Launcher {
             .iter()
             .map(|(name, reason)| {
                 // A database waiting for CREATE EXTENSION is no fault.
-                (*reason != Unserved::NoExtension, format!("database \"{name}\" is not served: {}", reason.name()))
+                (
+                    *reason != Unserved::NoExtension,
+                    format!("database \"{name}\" is not served: {}", reason.name()),
+                )
             })
             .collect();
         if !no_slot.is_empty() {

@@ -436,7 +436,8 @@ pub fn ask_for_dispatchers() {
     let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
     // After the commit, before reading the group: see leave_for_extension in worker/mod.rs.
     std::sync::atomic::fence(Ordering::SeqCst);
-    let present = my_group(slots).is_some_and(|g| g.extension.load(Ordering::SeqCst) == Extension::Present as u8);
+    let present =
+        my_group(slots).is_some_and(|g| g.extension.load(Ordering::SeqCst) == Extension::Present as u8);
     if database == 0 || present {
         return;
     }
@@ -570,7 +571,9 @@ pub mod launcher {
 /// Is `database` held by a command that needs it alone?
 pub fn held(database: pg_sys::Oid) -> bool {
     slots().is_some_and(|s| {
-        s.holds.iter().any(|h| h.pid.load(Ordering::Acquire) != 0 && h.database.load(Ordering::Acquire) == database.to_u32())
+        s.holds.iter().any(|h| {
+            h.pid.load(Ordering::Acquire) != 0 && h.database.load(Ordering::Acquire) == database.to_u32()
+        })
     })
 }
 
@@ -597,9 +600,10 @@ pub fn hold(database: pg_sys::Oid) -> Option<Holding> {
     let slots = slots()?;
     // SAFETY: a process global.
     let me = unsafe { pg_sys::MyProcPid };
-    let hold = slots.holds.iter().find(|h| {
-        h.pid.compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-    })?;
+    let hold = slots
+        .holds
+        .iter()
+        .find(|h| h.pid.compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok())?;
     hold.database.store(database.to_u32(), Ordering::Release);
     wake_launcher();
     Some(Holding(hold))

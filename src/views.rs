@@ -50,7 +50,18 @@ fn outbox_dispatchers() -> TableIterator<
     ),
 > {
     let unserved = launcher::notes().into_iter().map(|(database, why)| {
-        (None, None, NOT_SERVED.to_string(), false, None, None, Some(why.name().to_string()), 0, None, Some(database))
+        (
+            None,
+            None,
+            NOT_SERVED.to_string(),
+            false,
+            None,
+            None,
+            Some(why.name().to_string()),
+            0,
+            None,
+            Some(database),
+        )
     });
     TableIterator::new(dispatchers().chain(unserved).collect::<Vec<Row>>())
 }
@@ -75,9 +86,10 @@ fn outbox_workers() -> TableIterator<
         name!(broker_persistence, Option<String>),
     ),
 > {
-    let rows = dispatchers().map(|(worker, pid, state, connected, started, heartbeat, error, sent, persists, _)| {
-        (worker.unwrap_or_default(), pid, state, connected, started, heartbeat, error, sent, persists)
-    });
+    let rows =
+        dispatchers().map(|(worker, pid, state, connected, started, heartbeat, error, sent, persists, _)| {
+            (worker.unwrap_or_default(), pid, state, connected, started, heartbeat, error, sent, persists)
+        });
     TableIterator::new(rows.collect::<Vec<_>>())
 }
 

@@ -78,7 +78,9 @@ unsafe extern "C-unwind" fn on_xact_event(event: XactEvent::Type, _arg: *mut std
                 slots::ask_for_dispatchers();
             }
         }
-        XactEvent::XACT_EVENT_ABORT | XactEvent::XACT_EVENT_PARALLEL_ABORT | XactEvent::XACT_EVENT_PREPARE => {
+        XactEvent::XACT_EVENT_ABORT
+        | XactEvent::XACT_EVENT_PARALLEL_ABORT
+        | XactEvent::XACT_EVENT_PREPARE => {
             WAKE_AT_COMMIT.set(None);
             ASK_AT_COMMIT.set(false);
         }
