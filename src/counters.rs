@@ -164,7 +164,9 @@ pub fn init() {
 
 /// The counters of this process's database, when a group serves it.
 fn counters() -> Option<&'static Counters> {
-    READY.load(Ordering::Relaxed).then_some(())?;
+    if !READY.load(Ordering::Relaxed) {
+        return None;
+    }
     // SAFETY: a process global.
     let group = slots::group_of(unsafe { pg_sys::MyDatabaseId })?;
     Some(&COUNTERS.get()[group])

@@ -354,7 +354,7 @@ impl Launcher {
             .set_type("outbox dispatcher")
             .set_library("outbox_dispatch")
             .set_function("outbox_dispatcher_main")
-            .set_argument(Some(pg_sys::Datum::from(g << 16 | index)))
+            .set_argument(Some(slots::argument(g, index)))
             .enable_spi_access()
             .set_start_time(BgWorkerStartTime::RecoveryFinished)
             .set_restart_time(None)

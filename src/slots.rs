@@ -3,7 +3,7 @@
 //! its database can set its latch), what it is doing, and its last error,
 //! for `outbox.workers`; per database, which dispatcher has each turn and
 //! whether the extension was found there. Besides: the launcher's latch,
-//! and the databases a command holds for itself (`hold.rs`).
+//! and the databases a command holds for itself (`commands.rs`).
 //!
 //! Everything a committing backend touches is an atomic: waking the
 //! dispatchers takes no lock. The error texts sit behind one LWLock; only
@@ -191,8 +191,18 @@ fn slots() -> Option<&'static Slots> {
 /// The group serving this backend's database.
 fn my_group(slots: &'static Slots) -> Option<&'static Group> {
     // SAFETY: a process global, set once connected.
-    let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
-    slots.groups.iter().find(|g| database != 0 && g.database.load(Ordering::Acquire) == database)
+    group_of(unsafe { pg_sys::MyDatabaseId }).map(|g| &slots.groups[g])
+}
+
+/// Dispatcher `index` of group `group` as one background worker argument
+/// (and the argument of its exit callback).
+pub fn argument(group: usize, index: usize) -> pg_sys::Datum {
+    pg_sys::Datum::from(group << 16 | index)
+}
+
+/// The group and index [`argument`] made.
+pub fn of_argument(argument: pg_sys::Datum) -> (usize, usize) {
+    (argument.value() >> 16, argument.value() & 0xffff)
 }
 
 /// Sets the latch of every running dispatcher of this backend's database,
@@ -263,7 +273,7 @@ impl Own {
         slot.connected.store(false, Ordering::Relaxed);
         slot.persistence.store(0, Ordering::Relaxed);
         slot.state.store(State::Starting as u8, Ordering::Relaxed);
-        unsafe { pg_sys::before_shmem_exit(Some(release), pg_sys::Datum::from(group << 16 | index)) };
+        unsafe { pg_sys::before_shmem_exit(Some(release), argument(group, index)) };
         let own = Own(group, index);
         own.set_error(None);
         own
@@ -398,7 +408,7 @@ impl Drop for Held {
 #[pg_guard]
 unsafe extern "C-unwind" fn release(_code: i32, arg: pg_sys::Datum) {
     if let Some(slots) = slots() {
-        let (group, index) = (arg.value() >> 16, arg.value() & 0xffff);
+        let (group, index) = of_argument(arg);
         let group = &slots.groups[group];
         for turn in &group.turns {
             let _ = turn.compare_exchange(index as i32, -1, Ordering::AcqRel, Ordering::Relaxed);
@@ -415,7 +425,9 @@ unsafe extern "C-unwind" fn release(_code: i32, arg: pg_sys::Datum) {
 pub fn group_of(database: pg_sys::Oid) -> Option<usize> {
     let slots = slots()?;
     let database = database.to_u32();
-    (database != 0).then_some(())?;
+    if database == 0 {
+        return None;
+    }
     slots.groups.iter().position(|g| g.database.load(Ordering::Acquire) == database)
 }
 
@@ -638,8 +650,7 @@ pub struct WorkerRow {
 }
 
 /// The first `count` slots of every group serving a database, as they are
-/// now; with `only`, of that database's group. The group's index, for
-/// the counters, is [`group_of`].
+/// now; with `only`, of that database's group.
 pub fn rows(count: usize, only: Option<pg_sys::Oid>) -> Vec<WorkerRow> {
     let Some(slots) = slots() else {
         return Vec::new();

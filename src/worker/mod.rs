@@ -36,11 +36,11 @@ const STORE_RETRY_MIN: Duration = Duration::from_secs(1);
 const STORE_RETRY_MAX: Duration = Duration::from_secs(10);
 
 /// A dispatcher, started by the launcher (`launcher.rs`) as dispatcher
-/// `index` of group `group` (the argument is `group << 16 | index`).
+/// `index` of group `group` ([`slots::argument`]).
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
-    let (group, index) = (arg.value() >> 16, arg.value() & 0xffff);
+    let (group, index) = slots::of_argument(arg);
     signals::install();
     crate::wake::mute();
     let slot = slots::Own::take(group, index);
@@ -258,10 +258,7 @@ impl Dispatcher {
         if !self.extension_found || !self.settings.enabled {
             match self.store.extension_exists() {
                 Err(e) => return self.store_failed(&e),
-                Ok(false) => {
-                    self.leave_for_extension();
-                    return Duration::ZERO;
-                }
+                Ok(false) => return self.leave_for_extension(),
                 Ok(true) => self.found_extension(),
             }
         }
@@ -270,10 +267,7 @@ impl Dispatcher {
             // SAFETY: a process global, set once connected.
             match self.store.home(unsafe { pg_sys::MyDatabaseId }) {
                 Err(e) => return self.store_failed(&e),
-                Ok(None) => {
-                    self.leave_for_extension();
-                    return Duration::ZERO;
-                }
+                Ok(None) => return self.leave_for_extension(),
                 Ok(Some(Home::Own)) => self.at_home = true,
                 Ok(Some(Home::Adopted(original))) => {
                     log!(
@@ -301,10 +295,7 @@ impl Dispatcher {
         if !self.broker.connected() {
             match self.store.extension_exists() {
                 Err(e) => return self.store_failed(&e),
-                Ok(false) => {
-                    self.leave_for_extension();
-                    return Duration::ZERO;
-                }
+                Ok(false) => return self.leave_for_extension(),
                 Ok(true) => {}
             }
             if let Some(wait) = self.broker.connect(&self.slot, &self.settings) {
@@ -400,13 +391,14 @@ impl Dispatcher {
     /// look made after saying so finds it: a `CREATE EXTENSION` that
     /// committed meanwhile, seeing the dispatchers still serving, asked
     /// nobody. (It reads the group after its commit, this dispatcher the
-    /// catalog after its word: one of the two sees the other.)
-    fn leave_for_extension(&mut self) {
+    /// catalog after its word: one of the two sees the other.) Then it
+    /// returns: the step is to begin again at once.
+    fn leave_for_extension(&mut self) -> Duration {
         self.slot.found_extension(false, self.asked);
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         if let Ok(true) = self.store.extension_exists() {
             self.found_extension();
-            return;
+            return Duration::ZERO;
         }
         if self.index == 0 {
             log!(
@@ -477,10 +469,7 @@ impl Dispatcher {
             self.store_recovered();
             nap = nap.min(account(&settled));
             let (events, claimed_at, next_due) = match claim {
-                Claim::NoExtension => {
-                    self.leave_for_extension();
-                    return Duration::ZERO;
-                }
+                Claim::NoExtension => return self.leave_for_extension(),
                 Claim::Claimed { flushed, events, claimed_at, next_due } => {
                     counters::add(Counter::AccumulatedBatches, flushed.batches);
                     counters::add(Counter::AccumulatedEvents, flushed.events);
