@@ -139,6 +139,17 @@ struct Started {
     stopping: bool,
 }
 
+impl Started {
+    /// Has the postmaster send it SIGTERM, once.
+    fn stop(&mut self) {
+        if !self.stopping {
+            // SAFETY: a handle of ours, not yet freed (reap frees it).
+            unsafe { pg_sys::TerminateBackgroundWorker(self.handle) };
+            self.stopping = true;
+        }
+    }
+}
+
 #[derive(Default)]
 struct Launcher {
     started: HashMap<(usize, usize), Started>,
@@ -292,11 +303,7 @@ impl Launcher {
                             }
                         }
                     },
-                    (false, Some(started)) if !started.stopping => {
-                        // SAFETY: a handle of ours, not yet freed.
-                        unsafe { pg_sys::TerminateBackgroundWorker(started.handle) };
-                        started.stopping = true;
-                    }
+                    (false, Some(started)) => started.stop(),
                     _ => {}
                 }
             }
@@ -336,11 +343,7 @@ impl Launcher {
         let mut left = (0..MAX_WORKERS).any(|index| groups::occupied(g, index));
         for (_, started) in self.started.iter_mut().filter(|((group, _), _)| *group == g) {
             left = true;
-            if !started.stopping {
-                // SAFETY: a handle of ours, not yet freed.
-                unsafe { pg_sys::TerminateBackgroundWorker(started.handle) };
-                started.stopping = true;
-            }
+            started.stop();
         }
         if !left {
             groups::free(g);
@@ -384,7 +387,7 @@ impl Launcher {
     }
 
     /// Background worker slots outbox_dispatch needs: the launcher's and
-    /// `outbox.workers` for each database served or waiting for a group.
+    /// `outbox.workers` for each database given a group.
     fn needed(&self) -> usize {
         let databases = groups::groups().iter().flatten().count();
         1 + config::workers() * databases
