@@ -35,7 +35,8 @@ CREATE FUNCTION @extschema@.outbox_enqueue(
     delay      interval DEFAULT NULL,
     priority   integer  DEFAULT 0,
     expires    interval DEFAULT NULL,
-    args       jsonb    DEFAULT NULL
+    args       jsonb    DEFAULT NULL,
+    ordering_key text   DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql VOLATILE
 AS $$
@@ -52,6 +53,7 @@ DECLARE
     event_bytes    CONSTANT integer := pg_catalog.octet_length(event_type);
     queue_bytes    CONSTANT integer := pg_catalog.octet_length(resolved_queue);
     task_bytes     CONSTANT integer := pg_catalog.octet_length(task);
+    key_bytes      CONSTANT integer := pg_catalog.octet_length(ordering_key);
     enqueued_at    CONSTANT pg_catalog.timestamptz := pg_catalog.clock_timestamp();
 BEGIN
     -- One test for the common case; the ones inside say what is wrong.
@@ -59,6 +61,7 @@ BEGIN
        OR event_bytes OPERATOR(pg_catalog.<) 1 OR event_bytes OPERATOR(pg_catalog.>) max_name_bytes
        OR queue_bytes OPERATOR(pg_catalog.<) 1 OR queue_bytes OPERATOR(pg_catalog.>) max_name_bytes
        OR task_bytes OPERATOR(pg_catalog.<) 1 OR task_bytes OPERATOR(pg_catalog.>) max_name_bytes
+       OR key_bytes OPERATOR(pg_catalog.<) 1 OR key_bytes OPERATOR(pg_catalog.>) max_name_bytes
        OR payload_bytes OPERATOR(pg_catalog.>) max_payload
        OR pg_catalog.jsonb_typeof(headers) OPERATOR(pg_catalog.<>) 'object'
        OR delay OPERATOR(pg_catalog.<) interval '0' OR NOT pg_catalog.isfinite(delay)
@@ -84,6 +87,11 @@ BEGIN
         IF task_bytes OPERATOR(pg_catalog.<) 1 OR task_bytes OPERATOR(pg_catalog.>) max_name_bytes THEN
             RAISE EXCEPTION 'outbox_enqueue: task is % bytes, it must be 1 to % bytes',
                 task_bytes, max_name_bytes
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF key_bytes OPERATOR(pg_catalog.<) 1 OR key_bytes OPERATOR(pg_catalog.>) max_name_bytes THEN
+            RAISE EXCEPTION 'outbox_enqueue: ordering_key is % bytes, it must be 1 to % bytes (or null: no key)',
+                key_bytes, max_name_bytes
                 USING ERRCODE = 'invalid_parameter_value';
         END IF;
         IF payload IS NULL THEN
@@ -123,15 +131,15 @@ BEGIN
     END IF;
 
     INSERT INTO outbox.events (id, event_type, payload, args, queue, task, headers, priority,
-                               available_at, expires_at)
+                               available_at, expires_at, ordering_key)
     VALUES (new_id, event_type, payload, args, resolved_queue, task, headers, priority,
             enqueued_at OPERATOR(pg_catalog.+) coalesce(delay, interval '0'),
-            enqueued_at OPERATOR(pg_catalog.+) expires);
+            enqueued_at OPERATOR(pg_catalog.+) expires, ordering_key);
     RETURN new_id;
 END
 $$;
 
-COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb) IS
+COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb, text) IS
     'Enqueue an event in the current transaction; it is delivered as a Celery task after COMMIT.';
 
 -- A copy of a database (CREATE DATABASE ... TEMPLATE) holds the events of
@@ -168,14 +176,19 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     -- send_id cleared: a report of the failed send, replayed, finishes
-    -- nothing (the next claim gives it a new one).
+    -- nothing (the next claim gives it a new one). An event with a key
+    -- that still holds it is its head again; one whose key went on
+    -- without it (outbox.key_on_failure = continue, outbox_skip()) takes
+    -- a new turn, behind the key's events (key_seq cleared: the trigger
+    -- events_take_turn).
     UPDATE outbox.events AS e
        SET status = 'pending',
            retry_count = 0,
            available_at = pg_catalog.clock_timestamp(),
            processing_started_at = NULL,
            claimed_by = NULL,
-           send_id = NULL
+           send_id = NULL,
+           key_seq = CASE WHEN e.key_state IS NULL THEN NULL ELSE e.key_seq END
      WHERE e.id = outbox_retry.id
        AND e.status = 'failed';
     IF NOT FOUND THEN
@@ -187,7 +200,7 @@ END
 $$;
 
 -- Every failed event (created at least older_than ago, when given) back to
--- pending, retries reset. Returns how many.
+-- pending, retries reset, as outbox_retry() does. Returns how many.
 CREATE FUNCTION @extschema@.outbox_retry_failed(older_than interval DEFAULT NULL) RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -205,7 +218,8 @@ BEGIN
            available_at = pg_catalog.clock_timestamp(),
            processing_started_at = NULL,
            claimed_by = NULL,
-           send_id = NULL
+           send_id = NULL,
+           key_seq = CASE WHEN e.key_state IS NULL THEN NULL ELSE e.key_seq END
      WHERE e.status = 'failed'
        AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than);
     GET DIAGNOSTICS retried = ROW_COUNT;
@@ -222,7 +236,9 @@ $$;
 -- are what matters); dispatched and processed, which grow with
 -- outbox.retention, are counted exactly through their partial indexes up
 -- to 1000 rows, and beyond that estimated from the index's statistics (as
--- of the last vacuum or analyze of outbox.events), and say so.
+-- of the last vacuum or analyze of outbox.events), and say so. Events
+-- waiting for their key's turn are not pending here (they are in no index
+-- of pending events; outbox.blocked_keys and the metrics count them).
 CREATE VIEW outbox.status AS
 WITH exact AS (
     SELECT 'pending'::outbox.event_status AS status, pg_catalog.count(*) AS count,
@@ -230,7 +246,7 @@ WITH exact AS (
            coalesce(pg_catalog.now() - pg_catalog.min(e.available_at)
                         FILTER (WHERE e.available_at <= pg_catalog.now()),
                     interval '0') AS lag
-      FROM outbox.events AS e WHERE e.status = 'pending'
+      FROM outbox.events AS e WHERE e.status = 'pending' AND e.key_state IS DISTINCT FROM 'waiting'
     UNION ALL
     SELECT 'processing', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
       FROM outbox.events AS e WHERE e.status = 'processing'
@@ -258,7 +274,7 @@ SELECT f.status,
  ORDER BY status;
 
 COMMENT ON VIEW outbox.status IS
-    'Events per status; lag is how long the oldest due pending event has waited. Dispatched and processed are counted up to 1000, then estimated from statistics (estimated = true).';
+    'Events per status; lag is how long the oldest due pending event has waited. Pending leaves out events waiting for their key (outbox.blocked_keys). Dispatched and processed are counted up to 1000, then estimated from statistics (estimated = true).';
 
 CREATE VIEW outbox.workers AS
 SELECT * FROM @extschema@.outbox_dispatchers();
@@ -274,12 +290,13 @@ COMMENT ON VIEW outbox.metrics IS
 
 CREATE VIEW outbox.dead_letters AS
 SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
-       retry_count, last_error, created_at, deliveries, args, event_id, subscription_id
+       retry_count, last_error, created_at, deliveries, args, event_id, subscription_id,
+       ordering_key, key_state IS NOT DISTINCT FROM 'head' AS holds_key
   FROM outbox.events
  WHERE status = 'failed';
 
 COMMENT ON VIEW outbox.dead_letters IS
-    'Failed events with their last error: outbox.max_retries failed pushes, expired before delivery, never acknowledged after outbox.max_redeliveries re-sends, or failed in the Celery task. A delivery to a subscription has event_id and subscription_id; a batch, subscription_id alone.';
+    'Failed events with their last error: outbox.max_retries failed pushes, expired before delivery, never acknowledged after outbox.max_redeliveries re-sends, or failed in the Celery task. A delivery to a subscription has event_id and subscription_id; a batch, subscription_id alone. holds_key: it blocks its ordering_key until outbox_retry() or outbox_skip().';
 
 -- Sent events a worker running outbox_dispatch.celery should have reported
 -- by now (outbox.report_timeout, while reports are on) and has not: the
@@ -300,8 +317,9 @@ COMMENT ON VIEW outbox.unreported IS
 -- nobody but the owner may do anything until granted (README, "Privileges").
 -- outbox_uuid_v7() stays public: it is the id default of every insert path.
 REVOKE ALL ON FUNCTION
-    @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb),
+    @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb, text),
     @extschema@.outbox_ack(uuid),
+    @extschema@.outbox_skip(uuid),
     @extschema@.outbox_retry(uuid),
     @extschema@.outbox_retry_failed(interval),
     @extschema@.outbox_adopt(),
@@ -311,7 +329,9 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_metrics(),
     @extschema@.outbox_metrics_prometheus(),
     @extschema@.outbox_events_inserted(),
-    @extschema@.outbox_pending_again()
+    @extschema@.outbox_pending_again(),
+    @extschema@.outbox_take_turn(),
+    @extschema@.outbox_key_taken(text, bigint)
     FROM PUBLIC;
 
 -- Monitoring: members of pg_monitor read the views that carry no payloads.

@@ -64,6 +64,17 @@ CREATE TABLE outbox.events (
     -- The transaction that made the row pending (inserted it, or set it
     -- pending again): where the claim is in line (core/src/frontier.rs).
     pending_xid           xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    -- Per-key order (README, "Per-key order"): events of one ordering_key
+    -- (per subscription, for deliveries) are sent one at a time, in the
+    -- order their transactions committed, which key_seq records. The head
+    -- (key_state 'head') holds its key until it is finished; the events
+    -- behind it wait (key_state 'waiting') and are claimed by nobody.
+    -- key_state is NULL for events without a key and once a head let go.
+    ordering_key          text
+                          CONSTRAINT events_ordering_key_length CHECK (octet_length(ordering_key) BETWEEN 1 AND 255),
+    key_seq               bigint,
+    key_state             text
+                          CONSTRAINT events_key_state CHECK (key_state IN ('head', 'waiting')),
     CONSTRAINT events_args_with_kwargs CHECK (args IS NULL OR jsonb_typeof(payload) = 'object')
 )
 -- A queue table churns: every row is inserted, updated two or three times
@@ -90,13 +101,17 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.events', '');
 -- behind by a claim is never walked again, however long vacuum is held off);
 -- and, by when they fall due, the events it passed before they were due,
 -- those it could not lock, and the earliest one still to come.
-CREATE INDEX events_pending_xid_idx ON outbox.events (pending_xid, id) WHERE status = 'pending';
-CREATE INDEX events_pending_idx ON outbox.events (available_at, id) WHERE status = 'pending';
+-- An event waiting for its key's turn is in neither: however many wait
+-- behind blocked keys, the claim never reads them.
+CREATE INDEX events_pending_xid_idx ON outbox.events (pending_xid, id)
+    WHERE status = 'pending' AND key_state IS DISTINCT FROM 'waiting';
+CREATE INDEX events_pending_idx ON outbox.events (available_at, id)
+    WHERE status = 'pending' AND key_state IS DISTINCT FROM 'waiting';
 -- An update that makes an event pending again (a retry, a release, a sweep,
--- a DBA's UPDATE) or moves when it falls due puts it in line again, as if
--- enqueued by that update's transaction; so does an insert that names
--- another transaction (a restored dump, a copy). An insert with the
--- default does not call it.
+-- a DBA's UPDATE, its key's turn come) or moves when it falls due puts it
+-- in line again, as if enqueued by that update's transaction; so does an
+-- insert that names another transaction (a restored dump, a copy). An
+-- insert with the default does not call it.
 CREATE FUNCTION @extschema@.outbox_pending_again() RETURNS trigger
 LANGUAGE plpgsql VOLATILE
 AS $$
@@ -106,7 +121,7 @@ BEGIN
 END
 $$;
 CREATE TRIGGER events_pending_again
-    BEFORE INSERT OR UPDATE OF status, available_at, pending_xid ON outbox.events
+    BEFORE INSERT OR UPDATE OF status, available_at, pending_xid, key_state ON outbox.events
     FOR EACH ROW WHEN (NEW.status = 'pending' AND NEW.pending_xid <> pg_catalog.pg_current_xact_id())
     EXECUTE FUNCTION @extschema@.outbox_pending_again();
 -- Also where triggers are off for replication (a logical replication
@@ -122,6 +137,20 @@ CREATE INDEX events_dispatched_idx ON outbox.events (dispatched_at) WHERE status
 CREATE INDEX events_failed_idx ON outbox.events (created_at) WHERE status = 'failed';
 -- The lifecycle sweeper's deletes.
 CREATE INDEX events_processed_idx ON outbox.events (processed_at) WHERE status = 'processed';
+
+-- Per-key order. The events of a key in key_seq order: its newest says
+-- whether the key is taken (outbox_key_taken()), and the one after a head
+-- is the next to take it; both are the first entry a scan reads, however
+-- many finished events of the key are left behind.
+CREATE INDEX events_key_idx ON outbox.events (ordering_key, (coalesce(subscription_id, 0)), key_seq)
+    WHERE ordering_key IS NOT NULL;
+-- Heads and waiting events, by key: outbox.blocked_keys, the metrics, and
+-- the dispatchers' sweep for keys left without a head.
+CREATE INDEX events_key_state_idx ON outbox.events (key_state, ordering_key, (coalesce(subscription_id, 0)), key_seq)
+    WHERE key_state IS NOT NULL;
+-- key_seq: the order in which the transactions that enqueued for one key
+-- committed (each takes it under the key's lock, held to its commit).
+CREATE SEQUENCE outbox.key_seq;
 
 -- The deliveries of one event.
 CREATE INDEX events_event_id_idx ON outbox.events (event_id) WHERE event_id IS NOT NULL;
@@ -208,6 +237,7 @@ COMMENT ON TABLE outbox.installed_in IS
 SELECT pg_catalog.pg_extension_config_dump('outbox.all_subscriptions', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.subscription_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.batch_members', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.key_seq', '');
 
 -- The extension's schema again, for the functions pgrx declares next.
 SET LOCAL search_path = @extschema@;

@@ -10,6 +10,10 @@
 -- own row stays as its record, processed at once, routed_to saying how many
 -- subscriptions it went to. An event that matches none is dispatched as it
 -- always was (routed_to = 0), to the task named like its event type.
+-- A delivery keeps the event's ordering_key, as a key of its subscription:
+-- each subscribed task gets the events of one key in order (README,
+-- "Per-key order"). An accumulated subscription's batches have no key:
+-- they carry their members in the order the members fell due.
 
 -- Every name below resolves in pg_catalog or is qualified: nothing binds an
 -- object the database owner may have put in the extension's schema (the
@@ -46,11 +50,12 @@ BEGIN
                 OR pg_catalog.starts_with(NEW.event_type, s.prefix))
     ), delivered AS (
         INSERT INTO outbox.events (event_id, subscription_id, event_type, payload, args, queue, task,
-                                   headers, priority, created_at, available_at, expires_at)
+                                   headers, priority, created_at, available_at, expires_at, ordering_key)
         SELECT NEW.id, m.id, NEW.event_type, NEW.payload, NEW.args, coalesce(m.queue, NEW.queue), m.task,
                coalesce(NEW.headers, '{}'::pg_catalog.jsonb) OPERATOR(pg_catalog.||)
                    pg_catalog.jsonb_build_object('outbox_event_id', NEW.id, 'outbox_subscription_id', m.id),
-               coalesce(m.priority, NEW.priority), NEW.created_at, NEW.available_at, NEW.expires_at
+               coalesce(m.priority, NEW.priority), NEW.created_at, NEW.available_at, NEW.expires_at,
+               NEW.ordering_key
           FROM matched AS m
          WHERE m.batch_max IS NULL
     ), accumulated AS (

@@ -7,7 +7,7 @@ use pgrx::prelude::*;
 
 use crate::counters::{self, AckSource};
 use crate::slots::WakeSource;
-use crate::{config, wake};
+use crate::{config, keys, wake};
 
 extern "C-unwind" {
     /// commands/async.h, which pgrx does not bind.
@@ -55,7 +55,13 @@ fn outbox_wake() {
 fn outbox_ack(id: pgrx::Uuid) -> bool {
     let acked = Spi::connect_mut(|client| {
         let updated = client.update(include_str!("../sql/ack.sql"), None, &[id.into()])?;
-        Ok::<_, pgrx::spi::SpiError>(!updated.is_empty())
+        let Some(row) = updated.into_iter().next() else {
+            return Ok(false);
+        };
+        if let Some(head) = keys::head_of(&row, 1)? {
+            keys::pass_now(client, head)?;
+        }
+        Ok::<_, pgrx::spi::SpiError>(true)
     })
     .unwrap_or_else(|e| error!("outbox_ack: {e}"));
     if acked {

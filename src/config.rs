@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use outbox_core::databases::Served;
 use outbox_core::sink::{BrokerConfig, KOMBU_SEPARATOR};
-use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
+use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting, PostgresGucEnum};
 
 /// Upper bound of `outbox.workers`: the dispatcher slots in shared memory
 /// per database.
@@ -60,6 +60,18 @@ pub static REPORT_KEY: GucSetting<Option<CString>> =
 pub static MAX_BATCH_BYTES_KB: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024);
 pub static STATEMENT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
 pub static REPORT_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
+pub static KEY_ON_FAILURE: GucSetting<KeyOnFailure> = GucSetting::<KeyOnFailure>::new(KeyOnFailure::Block);
+
+/// `outbox.key_on_failure`: what a dead-lettered head does to its key.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum KeyOnFailure {
+    /// It holds the key until `outbox_retry()` or `outbox_skip()`.
+    #[name = c"block"]
+    Block,
+    /// It lets the key go, as a finished event does.
+    #[name = c"continue"]
+    Continue,
+}
 
 const HOUR_MS: i32 = 3_600_000;
 const DAY_S: i32 = 86_400;
@@ -72,13 +84,14 @@ enum Value {
     Text(&'static GucSetting<Option<CString>>),
     /// `outbox.database`: text whose value is checked as it is set.
     Databases(&'static GucSetting<Option<CString>>),
+    OnFailure(&'static GucSetting<KeyOnFailure>),
 }
 
 /// One setting: name, context, flags, value, description.
 struct Declaration(&'static CStr, GucContext, GucFlags, Value, &'static CStr);
 
 use GucContext::{Postmaster, Sighup, Suset, Userset};
-use Value::{Bool, Databases, Int, Text};
+use Value::{Bool, Databases, Int, OnFailure, Text};
 
 const NONE: GucFlags = GucFlags::empty();
 const MS: GucFlags = GucFlags::UNIT_MS;
@@ -88,7 +101,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 34] = [
+const DECLARATIONS: [Declaration; 35] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -157,6 +170,8 @@ const DECLARATIONS: [Declaration; 34] = [
         c"Channel of that NOTIFY."),
     Declaration(c"outbox.max_payload_bytes", Suset, NONE, Int(&MAX_PAYLOAD_BYTES, 1, i32::MAX, GucFlags::UNIT_BYTE),
         c"Largest payload outbox_enqueue() accepts (its jsonb size); dispatchers do not check it again."),
+    Declaration(c"outbox.key_on_failure", Sighup, NONE, OnFailure(&KEY_ON_FAILURE),
+        c"A dead-lettered event with an ordering_key: block its key until outbox_retry() or outbox_skip(), or continue."),
 ];
 
 /// Defines the settings. The postmaster-only ones only while preloading
@@ -176,6 +191,7 @@ pub fn register(preloading: bool) {
                 GucRegistry::define_int_guc(name, description, c"", setting, min, max, context, flags | unit)
             }
             Text(setting) => GucRegistry::define_string_guc(name, description, c"", setting, context, flags),
+            OnFailure(setting) => GucRegistry::define_enum_guc(name, description, c"", setting, context, flags),
             // SAFETY: a check hook that only parses the value.
             Databases(setting) => unsafe {
                 GucRegistry::define_string_guc_with_hooks(
@@ -289,6 +305,19 @@ pub struct Settings {
     /// The most bytes of members' JSON one batch of an accumulated
     /// subscription carries.
     pub batch_budget: i64,
+    /// When a head lets its key go.
+    pub keys: KeyPolicy,
+}
+
+/// When the head of a key (README, "Per-key order") is finished, besides
+/// once processed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyPolicy {
+    /// Once dispatched: no worker reports it and nobody acknowledges it
+    /// (`outbox.report_key` empty, `outbox.ack_timeout` 0).
+    pub dispatched: bool,
+    /// Once dead-lettered (`outbox.key_on_failure = continue`).
+    pub failed: bool,
 }
 
 /// The report list of the current database: `outbox.report_key`, a colon
@@ -341,6 +370,10 @@ impl Settings {
             heartbeat_interval: seconds(&HEARTBEAT_INTERVAL_S),
             report_key: Some(text(&REPORT_KEY)).filter(|k| !k.is_empty()).map(|k| report_list(&k)),
             batch_budget,
+            keys: KeyPolicy {
+                dispatched: REPORT_KEY.get().is_none_or(|k| k.is_empty()) && ACK_TIMEOUT_S.get() == 0,
+                failed: KEY_ON_FAILURE.get() == KeyOnFailure::Continue,
+            },
         }
     }
 }

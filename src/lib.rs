@@ -12,6 +12,7 @@ mod api;
 mod commands;
 mod config;
 mod counters;
+mod keys;
 mod launcher;
 mod slots;
 mod subscriptions;
@@ -33,6 +34,11 @@ extension_sql_file!(
         subscriptions::outbox_unsubscribe,
         subscriptions::outbox_subscriptions_changed
     ]
+);
+extension_sql_file!(
+    "../sql/keys.sql",
+    name = "keys",
+    requires = ["schema", "subscriptions", keys::outbox_key_taken]
 );
 extension_sql_file!("../sql/api.sql", name = "api", finalize);
 

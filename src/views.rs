@@ -188,6 +188,31 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
         gauge("outbox_lag_seconds", "How long the oldest due pending event has waited."),
         vec![Sample::new("outbox_lag_seconds", lag)],
     ));
+    let keys = key_gauges();
+    families.push((
+        gauge("outbox_events_waiting", "Events waiting for their key's turn (per-key order): in no claim until then."),
+        vec![Sample::new("outbox_events_waiting", keys.waiting)],
+    ));
+    families.push((
+        gauge("outbox_keys_waiting", "Keys with events waiting behind their head."),
+        vec![Sample::new("outbox_keys_waiting", keys.keys_waiting)],
+    ));
+    families.push((
+        gauge(
+            "outbox_keys_dead_lettered",
+            "Keys whose head is dead-lettered and holds them (outbox.key_on_failure = block): \
+             outbox_retry() or outbox_skip() releases them.",
+        ),
+        vec![Sample::new("outbox_keys_dead_lettered", keys.dead_lettered)],
+    ));
+    families.push((
+        gauge(
+            "outbox_key_head_seconds",
+            "How long the oldest head of a key has been due without finishing (since it became the head, \
+             or its last retry fell due).",
+        ),
+        vec![Sample::new("outbox_key_head_seconds", keys.oldest_head)],
+    ));
     families.push((
         gauge(
             "outbox_events_unreported",
@@ -196,6 +221,36 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
         vec![Sample::new("outbox_events_unreported", unreported() as f64)],
     ));
     families
+}
+
+/// The gauges of per-key order.
+struct KeyGauges {
+    waiting: f64,
+    keys_waiting: f64,
+    dead_lettered: f64,
+    oldest_head: f64,
+}
+
+/// Reads [`KeyGauges`] through `events_key_state_idx`: a count of the
+/// waiting events and of the heads, which a healthy outbox keeps small.
+fn key_gauges() -> KeyGauges {
+    const QUERY: &str = "SELECT
+            (SELECT pg_catalog.count(*) FROM outbox.events WHERE key_state = 'waiting')::float8,
+            (SELECT pg_catalog.count(*) FROM (SELECT DISTINCT ordering_key, coalesce(subscription_id, 0)
+                                                FROM outbox.events WHERE key_state = 'waiting') AS k)::float8,
+            (SELECT pg_catalog.count(*) FROM outbox.events WHERE key_state = 'head' AND status = 'failed')::float8,
+            coalesce((SELECT pg_catalog.date_part('epoch', pg_catalog.now() - pg_catalog.min(available_at))
+                        FROM outbox.events WHERE key_state = 'head' AND available_at <= pg_catalog.now()), 0)";
+    Spi::connect(|client| {
+        let row = client.select(QUERY, Some(1), &[])?.first();
+        Ok::<_, pgrx::spi::SpiError>(KeyGauges {
+            waiting: row.get::<f64>(1)?.unwrap_or(0.0),
+            keys_waiting: row.get::<f64>(2)?.unwrap_or(0.0),
+            dead_lettered: row.get::<f64>(3)?.unwrap_or(0.0),
+            oldest_head: row.get::<f64>(4)?.unwrap_or(0.0).max(0.0),
+        })
+    })
+    .unwrap_or_else(|e| error!("outbox metrics: cannot read the keys: {e}"))
 }
 
 /// How long past `outbox.retention` the oldest finished event is: processed

@@ -5,6 +5,7 @@ named after their task id, for the tests to check."""
 
 import json
 import os
+import random
 import time
 
 import redis
@@ -121,3 +122,19 @@ if os.environ.get("OUTBOX_TEST_OTEL"):
         provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
         trace.set_tracer_provider(provider)
         CeleryInstrumentor().instrument()
+
+
+def ordered(self, key, seq, fail=False, producer=None):
+    """Per-key order (tests/test_order.py): notes its key, sequence, start
+    and end on the list order:<key>, after sleeping a few milliseconds;
+    with fail, raises until the test sets heal:<task id>."""
+    start = time.time()
+    time.sleep(random.uniform(0.001, 0.006))
+    notes.rpush(f"order:{key}", json.dumps({"seq": seq, "producer": producer, "id": self.request.id,
+                                             "start": start, "end": time.time()}))
+    if fail and not notes.exists(f"heal:{self.request.id}"):
+        raise RuntimeError(f"{key} #{seq} refused")
+
+
+for name in ("loop.ordered", "loop.ordered_too"):
+    app.task(name=name, bind=True)(ordered)

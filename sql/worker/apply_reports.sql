@@ -7,7 +7,9 @@
 -- also processing (a report may overtake the dispatcher's own record of
 -- the push) or pending (a push the dispatcher counted as failed that
 -- reached a worker all the same). Returns the outcome of each event that
--- took one; the rest were stale. Served by the primary key.
+-- took one, and its key when it is its key's head (src/keys.rs: finished
+-- now, unless it failed and outbox.key_on_failure blocks); the rest were
+-- stale. Served by the primary key.
 UPDATE outbox.events AS e
    SET status = r.outcome::outbox.event_status,
        processed_at = pg_catalog.now(),
@@ -19,4 +21,5 @@ UPDATE outbox.events AS e
  WHERE e.id = r.id
    AND e.send_id = r.send
    AND e.status IN ('pending', 'processing', 'dispatched')
-RETURNING r.outcome
+RETURNING r.outcome, CASE WHEN e.key_state = 'head' THEN e.id END, e.ordering_key,
+          coalesce(e.subscription_id, 0)

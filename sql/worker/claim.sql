@@ -4,7 +4,8 @@
 -- claim's time (processing_started_at) and $2 are its token: only the
 -- holder of both may record an outcome. Each claim is a new send, with a
 -- new send_id: the message carries it, and a worker's report is taken only
--- when it names it.
+-- when it names it. An event waiting for its key's turn (README, "Per-key
+-- order") is in neither index and never claimed: a key's head is.
 --
 -- Where to look comes from the dispatcher's frontier (core/src/frontier.rs),
 -- which says why these scans, in this order, miss nothing and walk nothing
@@ -40,6 +41,7 @@ WITH snapshot AS MATERIALIZED (
     SELECT e.id
       FROM outbox.events AS e
      WHERE e.status = 'pending'
+       AND e.key_state IS DISTINCT FROM 'waiting'
        AND (e.available_at, e.id) > ($12, $13)
        AND e.available_at <= LEAST($15, pg_catalog.now())
        AND ((e.pending_xid, e.id) <= ($8::pg_catalog.xid8, $9)) IS TRUE
@@ -63,6 +65,7 @@ WITH snapshot AS MATERIALIZED (
            SELECT e.id
              FROM outbox.events AS e
             WHERE e.status = 'pending'
+              AND e.key_state IS DISTINCT FROM 'waiting'
               AND (e.pending_xid, e.id) > (g.after_xid, g.after_id)
               AND e.pending_xid < g.before_xid
               AND e.available_at <= pg_catalog.now()

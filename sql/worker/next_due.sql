@@ -10,6 +10,7 @@ SELECT pg_catalog.date_part('epoch', LEAST(
     (SELECT pg_catalog.min(available_at)
        FROM outbox.events
       WHERE status = 'pending'
+        AND key_state IS DISTINCT FROM 'waiting'
         AND available_at > pg_catalog.now()),
     (SELECT pg_catalog.min(due.at)
        FROM outbox.all_subscriptions AS s

@@ -1,7 +1,8 @@
 -- Dispatched more than $1 milliseconds ago and never acknowledged with
 -- outbox_ack(): up to $2 of them are sent again under the same task id, or,
 -- once re-sent $3 (outbox.max_redeliveries) times already, failed with a
--- last_error that says so. Returns, per event, whether it was failed.
+-- last_error that says so. Returns, per event, whether it was failed, and
+-- its key when it is its key's head (src/keys.rs).
 -- Served by events_dispatched_idx.
 WITH unacked AS (
     SELECT id, deliveries > $3 AS exhausted
@@ -22,4 +23,5 @@ UPDATE outbox.events AS e
        claimed_by = NULL
   FROM unacked
  WHERE e.id = unacked.id
-RETURNING unacked.exhausted
+RETURNING unacked.exhausted, CASE WHEN e.key_state = 'head' THEN e.id END, e.ordering_key,
+          coalesce(e.subscription_id, 0)

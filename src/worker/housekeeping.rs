@@ -1,5 +1,5 @@
-//! Housekeeping: the stuck and unacknowledged sweepers and the lifecycle
-//! purge. One dispatcher at a time does it (a turn in shared memory), for
+//! Housekeeping: the stuck and unacknowledged sweepers, the sweep for keys
+//! left without a head, and the lifecycle purge. One dispatcher at a time does it (a turn in shared memory), for
 //! at most [`BATCHES`] transactions a step: what is left falls due again at
 //! once, after the next drain, so a large purge never stalls delivery.
 
@@ -21,13 +21,19 @@ const BATCHES: usize = 10;
 /// dispatcher goes on delivering.
 const RETRY: Duration = Duration::from_secs(10);
 
+/// Period of the sweep for keys no statement passed on (README, "Per-key
+/// order"): the longest such a key waits, while the sweep succeeds.
+const KEY_SWEEP: Duration = Duration::from_secs(10);
+
 /// When each kind of housekeeping falls due.
 pub struct Schedule {
     next_sweep: Instant,
     next_lifecycle: Instant,
+    next_key_sweep: Instant,
     /// Consecutive failures of each, for the retry's backoff.
     sweep_failures: u32,
     lifecycle_failures: u32,
+    key_sweep_failures: u32,
     /// Where the purge round under way has got to.
     purge_cursor: PurgeCursor,
 }
@@ -38,8 +44,10 @@ impl Schedule {
         Schedule {
             next_sweep: Instant::now(),
             next_lifecycle: Instant::now(),
+            next_key_sweep: Instant::now(),
             sweep_failures: 0,
             lifecycle_failures: 0,
+            key_sweep_failures: 0,
             purge_cursor: PurgeCursor::default(),
         }
     }
@@ -53,7 +61,7 @@ impl Schedule {
 
     /// The next time something falls due.
     pub fn next_due(&self) -> Instant {
-        self.next_sweep.min(self.next_lifecycle)
+        self.next_sweep.min(self.next_lifecycle).min(self.next_key_sweep)
     }
 
     /// Runs what has fallen due, unless another dispatcher has the turn. The
@@ -83,6 +91,21 @@ impl Schedule {
                 }
                 Err(e) => {
                     self.next_sweep = now + retry(&mut self.sweep_failures, settings.sweep_interval);
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if now >= self.next_key_sweep {
+            match store.sweep_keys() {
+                Ok(promoted) => {
+                    if promoted > 0 {
+                        log!("outbox dispatcher {dispatcher}: {promoted} keys left without a head were passed on");
+                    }
+                    self.key_sweep_failures = 0;
+                    self.next_key_sweep = now + KEY_SWEEP;
+                }
+                Err(e) => {
+                    self.next_key_sweep = now + retry(&mut self.key_sweep_failures, KEY_SWEEP);
                     first_error.get_or_insert(e);
                 }
             }

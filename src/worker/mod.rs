@@ -133,7 +133,7 @@ impl Dispatcher {
             index,
             slot,
             broker: Broker::new(index, &settings.broker),
-            store: Store::new(index, settings.statement_timeout, settings.sweep_interval),
+            store: Store::new(index, settings.statement_timeout, settings.sweep_interval, settings.keys),
             settings,
             origin: setup::origin(),
             unsettled: Outcome::default(),
@@ -231,6 +231,7 @@ impl Dispatcher {
             self.broker.replace(&settings.broker, &self.slot);
         }
         self.store.set_timings(settings.statement_timeout, settings.sweep_interval);
+        self.store.set_key_policy(settings.keys);
         self.settings = settings;
         self.housekeeping.reschedule(&self.settings);
         self.broker.reschedule(&self.settings);

@@ -16,6 +16,10 @@ use pgrx::{PgSqlErrorCode, PgTryBuilder};
 
 use outbox_core::report::Report;
 
+use crate::config::KeyPolicy;
+use crate::counters::{self, Counter};
+use crate::keys::{self, Head};
+
 mod batches;
 mod claim;
 
@@ -164,6 +168,16 @@ struct Plans {
     purge: Statement,
     apply_reports: Statement,
     home: Statement,
+    lock_keys: Statement,
+    pass_keys: Statement,
+    sweep_keys: Statement,
+}
+
+impl Plans {
+    /// The two statements of [`keys::pass`].
+    fn keys(&self) -> (&OwnedPreparedStatement, &OwnedPreparedStatement) {
+        (&self.lock_keys.plan, &self.pass_keys.plan)
+    }
 }
 
 pub struct Store {
@@ -180,6 +194,11 @@ pub struct Store {
     sweep_interval: Duration,
     next_sweep: Instant,
     last_sweep_step: Instant,
+    /// When a finished head lets its key go.
+    key_policy: KeyPolicy,
+    /// Finished heads whose key a producer held locked when this
+    /// dispatcher would have passed it on: passed at its next transaction.
+    deferred: Vec<Head>,
 }
 
 /// Under load, a sweep under way takes a step at least this often.
@@ -287,6 +306,9 @@ impl Plans {
                 &[UUID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY],
             )?,
             home: prepare(include_str!("../../../sql/worker/home.sql"), &[OID])?,
+            lock_keys: prepare(keys::LOCK, &[TEXT_ARRAY, INT8_ARRAY, BOOL])?,
+            pass_keys: prepare(keys::PASS, &[UUID_ARRAY, TEXT_ARRAY, INT8_ARRAY])?,
+            sweep_keys: prepare(include_str!("../../../sql/worker/sweep_keys.sql"), &[BOOL, BOOL, INT4])?,
         })
     }
 }
@@ -512,7 +534,12 @@ fn sqlstate_class(code: PgSqlErrorCode) -> [u8; 2] {
 }
 
 impl Store {
-    pub fn new(dispatcher: usize, statement_timeout: Duration, sweep_interval: Duration) -> Store {
+    pub fn new(
+        dispatcher: usize,
+        statement_timeout: Duration,
+        sweep_interval: Duration,
+        key_policy: KeyPolicy,
+    ) -> Store {
         Store {
             dispatcher: dispatcher as i32,
             plans: None,
@@ -522,7 +549,13 @@ impl Store {
             sweep_interval,
             next_sweep: Instant::now() + sweep_interval,
             last_sweep_step: Instant::now(),
+            key_policy,
+            deferred: Vec::new(),
         }
+    }
+
+    pub fn set_key_policy(&mut self, policy: KeyPolicy) {
+        self.key_policy = policy;
     }
 
     /// When a subscription whose batch failed may be tried again.
@@ -582,6 +615,26 @@ impl Store {
         }
     }
 
+    /// [`Store::with_plans`], with the keys `body` finished (told to
+    /// [`Turns`]) passed on before the transaction commits, and the heads
+    /// deferred before with them.
+    fn with_turns<R>(
+        &mut self,
+        body: impl FnOnce(&mut SpiClient<'_>, &Plans, i32, &mut Turns) -> Result<R, SpiError>,
+    ) -> Result<Option<R>, StoreError> {
+        let mut turns = Turns { policy: self.key_policy, heads: self.deferred.clone(), promoted: 0 };
+        let result = self.with_plans(|client, plans, dispatcher| {
+            let result = body(client, plans, dispatcher, &mut turns)?;
+            turns.pass(client, plans)?;
+            Ok(result)
+        });
+        if let Ok(Some(_)) = result {
+            self.deferred = turns.heads;
+            counters::add(Counter::KeyTurns, turns.promoted);
+        }
+        result
+    }
+
     /// Is the extension created in this database?
     pub fn extension_exists(&mut self) -> Result<bool, StoreError> {
         self.with_plans(|_, _, _| Ok(())).map(|found| found.is_some())
@@ -628,8 +681,10 @@ impl Store {
             self.next_sweep = Instant::now() + self.sweep_interval;
         }
         let bounds = self.frontier.bounds();
-        let claimed = self.with_plans(|client, plans, dispatcher| {
-            mark(client, plans, dispatcher, settled)?;
+        let claimed = self.with_turns(|client, plans, dispatcher, turns| {
+            mark(client, plans, dispatcher, settled, turns)?;
+            // Before the claim, which may take the new heads.
+            turns.pass(client, plans)?;
             let flushed = batches::flush(client, plans, batch_budget, &mut backoff)?;
             if flushed.batches > 0 {
                 // The batches are pushed once this commits: it must outlive a
@@ -705,7 +760,7 @@ impl Store {
 
     /// Records `settled` on its own, when no claim is to follow.
     pub fn settle(&mut self, settled: &Outcome) -> Result<(), StoreError> {
-        self.with_plans(|client, plans, dispatcher| mark(client, plans, dispatcher, settled))?;
+        self.with_turns(|client, plans, dispatcher, turns| mark(client, plans, dispatcher, settled, turns))?;
         Ok(())
     }
 
@@ -724,7 +779,7 @@ impl Store {
         timeout: Duration,
         max_redeliveries: i32,
     ) -> Result<(u64, u64), StoreError> {
-        let swept = self.with_plans(|client, plans, _| {
+        let swept = self.with_turns(|client, plans, _, turns| {
             let args: [DatumWithOid; 3] = [
                 (timeout.as_secs_f64() * 1000.0).into(),
                 (SWEEP_BATCH as i32).into(),
@@ -735,6 +790,7 @@ impl Store {
             for row in client.update(&plans.sweep_unacked.plan, None, &args)? {
                 if row.get::<bool>(1)?.unwrap_or(false) {
                     failed += 1;
+                    turns.failed(keys::head_of(&row, 2)?);
                 } else {
                     resent += 1;
                 }
@@ -744,11 +800,38 @@ impl Store {
         Ok(swept.unwrap_or((0, 0)))
     }
 
+    /// Passes on up to [`SWEEP_BATCH`] keys no statement passed on
+    /// (`sql/worker/sweep_keys.sql`) and starts up to as many keys found
+    /// with events waiting and no head. Returns how many events became
+    /// their key's head.
+    pub fn sweep_keys(&mut self) -> Result<u64, StoreError> {
+        let policy = self.key_policy;
+        let swept = self.with_plans(|client, plans, _| {
+            let args: [DatumWithOid; 3] = [policy.failed.into(), policy.dispatched.into(), (SWEEP_BATCH as i32).into()];
+            report_running(&plans.sweep_keys.text);
+            let (mut heads, mut stranded) = (Vec::new(), Vec::new());
+            for row in client.select(&plans.sweep_keys.plan, None, &args)? {
+                let key = keys::Key {
+                    ordering_key: row.get::<String>(2)?.unwrap_or_default(),
+                    subscription: row.get::<i64>(3)?.unwrap_or(0),
+                };
+                match row.get::<pgrx::Uuid>(1)? {
+                    Some(id) => heads.push(Head { id, key }),
+                    None => stranded.push(key),
+                }
+            }
+            Ok(keys::pass(client, plans.keys(), heads, &stranded, false)?.promoted)
+        })?;
+        let promoted = swept.unwrap_or(0);
+        counters::add(Counter::KeyTurns, promoted);
+        Ok(promoted)
+    }
+
     /// Records the outcomes Celery workers reported, in one statement;
     /// returns how many events took one of each kind: (processed, failed).
     /// The others were stale.
     pub fn apply_reports(&mut self, reports: &[Report]) -> Result<(u64, u64), StoreError> {
-        let applied = self.with_plans(|client, plans, _| {
+        let applied = self.with_turns(|client, plans, _, turns| {
             // The reports are trimmed off the broker's list once this
             // commits: it must outlive a crash, or they would be lost.
             durable_commit(client)?;
@@ -761,9 +844,16 @@ impl Store {
             report_running(&plans.apply_reports.text);
             let (mut processed, mut failed) = (0, 0);
             for row in client.update(&plans.apply_reports.plan, None, &args)? {
+                let head = keys::head_of(&row, 2)?;
                 match row.get::<String>(1)?.as_deref() {
-                    Some("processed") => processed += 1,
-                    _ => failed += 1,
+                    Some("processed") => {
+                        processed += 1;
+                        turns.finished(head);
+                    }
+                    _ => {
+                        failed += 1;
+                        turns.failed(head);
+                    }
                 }
             }
             Ok((processed, failed))
@@ -827,13 +917,18 @@ fn mark(
     plans: &Plans,
     dispatcher: i32,
     outcome: &Outcome,
+    turns: &mut Turns,
 ) -> Result<(), SpiError> {
     let Some(claimed_at) = outcome.claimed_at.filter(|_| !outcome.is_empty()) else {
         return Ok(());
     };
     if !outcome.dispatched.is_empty() {
         let ids = to_pg(outcome.dispatched.iter().copied());
-        update(client, &plans.mark_dispatched, &[ids.into(), dispatcher.into(), claimed_at.into()])?;
+        report_running(&plans.mark_dispatched.text);
+        let args = [ids.into(), dispatcher.into(), claimed_at.into()];
+        for row in client.update(&plans.mark_dispatched.plan, None, &args)? {
+            turns.dispatched(keys::head_of(&row, 1)?);
+        }
     }
     let failures = &outcome.failures;
     if !failures.is_empty() {
@@ -846,11 +941,55 @@ fn mark(
             dispatcher.into(),
             claimed_at.into(),
         ];
-        update(client, &plans.mark_failed, &args)?;
+        report_running(&plans.mark_failed.text);
+        for row in client.update(&plans.mark_failed.plan, None, &args)? {
+            turns.failed(keys::head_of(&row, 1)?);
+        }
     }
     if !outcome.released.is_empty() {
         let ids = to_pg(outcome.released.iter().copied());
         update(client, &plans.release, &[Some(ids).into(), dispatcher.into(), Some(claimed_at).into()])?;
     }
     Ok(())
+}
+
+/// The heads of keys a transaction finished, to pass on before it commits
+/// (README, "Per-key order").
+struct Turns {
+    policy: KeyPolicy,
+    /// Finished heads not passed on yet.
+    heads: Vec<Head>,
+    /// Events that became their key's head.
+    promoted: u64,
+}
+
+impl Turns {
+    /// `head` was processed.
+    fn finished(&mut self, head: Option<Head>) {
+        self.heads.extend(head);
+    }
+
+    /// `head` was sent: finished when nothing reports or acknowledges it.
+    fn dispatched(&mut self, head: Option<Head>) {
+        self.heads.extend(head.filter(|_| self.policy.dispatched));
+    }
+
+    /// `head` was dead-lettered: it holds its key unless
+    /// `outbox.key_on_failure = continue`.
+    fn failed(&mut self, head: Option<Head>) {
+        self.heads.extend(head.filter(|_| self.policy.failed));
+    }
+
+    /// Passes the keys on; those a producer holds locked are kept for the
+    /// next transaction.
+    fn pass(&mut self, client: &mut SpiClient<'_>, plans: &Plans) -> Result<(), SpiError> {
+        let heads = std::mem::take(&mut self.heads);
+        if !heads.is_empty() {
+            report_running(&plans.pass_keys.text);
+        }
+        let passed = keys::pass(client, plans.keys(), heads, &[], false)?;
+        self.promoted += passed.promoted;
+        self.heads = passed.deferred;
+        Ok(())
+    }
 }

@@ -1,0 +1,68 @@
+-- outbox_dispatch: per-key order (README, "Per-key order"; src/keys.rs).
+--
+-- Events with the same ordering_key (per subscription, for deliveries) are
+-- sent one at a time, in the order their transactions committed: the next
+-- only once the one before is finished (processed, acknowledged, or sent
+-- when nothing reports or acknowledges it). Only a key's head is claimed;
+-- the events behind it wait, in no index the claim reads.
+
+-- Every name below resolves in pg_catalog or is qualified: nothing binds an
+-- object the database owner may have put in the extension's schema.
+SET LOCAL search_path = pg_catalog, pg_temp;
+
+-- An event with a key takes its turn as it is inserted, by
+-- outbox_enqueue() or an ORM's INSERT, or as outbox_retry() sends it again
+-- after its key went on without it. It takes its key's lock, an advisory
+-- lock held to its commit: producers of one key commit one after the other,
+-- so key_seq, taken under the lock, is their commit order. It becomes the
+-- head when no event of the key is unfinished, or waits behind them.
+-- (The lock is the one the dispatchers try, src/keys.rs and
+-- sql/keys/lock.sql, before they pass a key on.) SECURITY DEFINER: writers
+-- need no rights on the sequence, nor to read outbox.events; every name
+-- is qualified, as in outbox_route().
+CREATE FUNCTION @extschema@.outbox_take_turn() RETURNS trigger
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+AS $$
+BEGIN
+    PERFORM pg_catalog.pg_advisory_xact_lock(
+        pg_catalog.hashtextextended(NEW.ordering_key, coalesce(NEW.subscription_id, 0)));
+    NEW.key_seq := pg_catalog.nextval('outbox.key_seq'::pg_catalog.regclass);
+    NEW.key_state := CASE WHEN @extschema@.outbox_key_taken(NEW.ordering_key, coalesce(NEW.subscription_id, 0))
+                          THEN 'waiting' ELSE 'head' END;
+    RETURN NEW;
+END
+$$;
+
+-- Named to fire after events_route: an event routed to subscriptions is
+-- processed at once, and its deliveries take turns of their own.
+CREATE TRIGGER events_take_turn
+    BEFORE INSERT OR UPDATE OF ordering_key, key_seq ON outbox.events
+    FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.key_seq IS NULL AND NEW.status = 'pending')
+    EXECUTE FUNCTION @extschema@.outbox_take_turn();
+
+-- Keys whose head is not about to be sent: in flight, waiting for its
+-- backoff or its delay, or dead-lettered. since: when it became due,
+-- was claimed, was sent, or failed. Served by events_key_state_idx.
+CREATE VIEW outbox.blocked_keys AS
+SELECT h.ordering_key, h.subscription_id, h.id AS head, h.status,
+       CASE h.status
+           WHEN 'processing' THEN h.processing_started_at
+           WHEN 'dispatched' THEN h.dispatched_at
+           WHEN 'failed' THEN coalesce(h.processed_at, h.available_at)
+           ELSE h.available_at
+       END AS since,
+       h.last_error,
+       (SELECT pg_catalog.count(*)
+          FROM outbox.events AS w
+         WHERE w.key_state = 'waiting'
+           AND w.ordering_key = h.ordering_key
+           AND coalesce(w.subscription_id, 0) = coalesce(h.subscription_id, 0)) AS waiting
+  FROM outbox.events AS h
+ WHERE h.key_state = 'head'
+   AND NOT (h.status = 'pending' AND h.available_at <= pg_catalog.now());
+
+COMMENT ON VIEW outbox.blocked_keys IS
+    'Keys whose head (the one event of the key that may be sent) is in flight, not yet due, or dead-lettered, with the events waiting behind it. A failed head holds its key until outbox_retry() or outbox_skip() (outbox.key_on_failure = block).';
+
+-- The extension's schema again, for the functions pgrx declares next.
+SET LOCAL search_path = @extschema@;

@@ -1,0 +1,53 @@
+-- Passes keys on, in a transaction that holds their locks (lock.sql), in a
+-- statement that began after it took them, so that it sees every event a
+-- producer of the key committed. Heads $1 are finished: each lets its key
+-- go, and the event right behind it, when it waits, becomes the key's head.
+-- Keys $2 (of subscriptions $3) were found with events waiting and no head
+-- (sweep_keys.sql): their first waiting event becomes the head, unless a
+-- head took the key meanwhile. A new head is pending as it was, due from
+-- now if it was due before, and in line as if this transaction had
+-- enqueued it (the trigger events_pending_again). Returns the new heads.
+-- Served by events_key_idx and events_key_state_idx.
+WITH passed AS (
+    UPDATE outbox.events AS e
+       SET key_state = NULL
+     WHERE e.id OPERATOR(pg_catalog.=) ANY ($1::uuid[])
+       AND e.key_state OPERATOR(pg_catalog.=) 'head'
+       AND e.status OPERATOR(pg_catalog.<>) ALL ('{pending,processing}')  -- retried meanwhile: not finished
+    RETURNING e.ordering_key, coalesce(e.subscription_id, 0) AS subscription, e.key_seq
+), next AS (
+    SELECT n.id
+      FROM passed AS p
+     CROSS JOIN LATERAL (
+           SELECT w.id
+             FROM outbox.events AS w
+            WHERE w.ordering_key OPERATOR(pg_catalog.=) p.ordering_key
+              AND coalesce(w.subscription_id, 0) OPERATOR(pg_catalog.=) p.subscription
+              AND w.key_seq OPERATOR(pg_catalog.>) p.key_seq
+              AND w.ordering_key IS NOT NULL
+            ORDER BY w.key_seq
+            LIMIT 1) AS n
+    UNION ALL
+    SELECT n.id
+      FROM ROWS FROM (pg_catalog.unnest($2::pg_catalog.text[]), pg_catalog.unnest($3::pg_catalog.int8[]))
+           AS k(key, subscription)
+     CROSS JOIN LATERAL (
+           SELECT w.id
+             FROM outbox.events AS w
+            WHERE w.key_state OPERATOR(pg_catalog.=) 'waiting'
+              AND w.ordering_key OPERATOR(pg_catalog.=) k.key
+              AND coalesce(w.subscription_id, 0) OPERATOR(pg_catalog.=) k.subscription
+            ORDER BY w.key_seq
+            LIMIT 1) AS n
+     WHERE NOT EXISTS (SELECT FROM outbox.events AS h
+                        WHERE h.key_state OPERATOR(pg_catalog.=) 'head'
+                          AND h.ordering_key OPERATOR(pg_catalog.=) k.key
+                          AND coalesce(h.subscription_id, 0) OPERATOR(pg_catalog.=) k.subscription)
+)
+UPDATE outbox.events AS e
+   SET key_state = 'head',
+       available_at = GREATEST(e.available_at, pg_catalog.now())
+  FROM next
+ WHERE e.id OPERATOR(pg_catalog.=) next.id
+   AND e.key_state OPERATOR(pg_catalog.=) 'waiting'
+RETURNING e.id

@@ -1,0 +1,181 @@
+//! Per-key order (README, "Per-key order"): the glue around the SQL in
+//! sql/keys/ and sql/keys.sql.
+//!
+//! An event with an `ordering_key` takes its turn as it is inserted
+//! (`outbox_take_turn()`): under its key's advisory lock, held to its
+//! commit, it gets the next `key_seq` and becomes the key's head, or waits
+//! behind the key's unfinished events. Only heads are claimed. When a head
+//! is finished, the statement that finished it passes the key on ([`pass`]):
+//! the next waiting event becomes the head.
+
+use pgrx::prelude::*;
+use pgrx::spi::{Query, SpiClient, SpiError};
+
+use crate::counters::{self, Counter};
+use crate::slots::WakeSource;
+use crate::wake;
+
+/// The key of an event: its `ordering_key`, and its subscription (0 for an
+/// event's own key: a delivery's key is its subscription's).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub ordering_key: String,
+    pub subscription: i64,
+}
+
+/// A finished head, which lets its key go.
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub id: pgrx::Uuid,
+    pub key: Key,
+}
+
+/// What [`pass`] did.
+#[derive(Debug, Default)]
+pub struct Passed {
+    /// Events that became their key's head.
+    pub promoted: u64,
+    /// Heads left holding their key: its lock was taken (a producer of the
+    /// key had not committed yet). To pass again later.
+    pub deferred: Vec<Head>,
+}
+
+pub const LOCK: &str = include_str!("../sql/keys/lock.sql");
+pub const PASS: &str = include_str!("../sql/keys/pass.sql");
+
+/// Passes on the keys of finished `heads`, and starts the `stranded` keys
+/// (events waiting, no head), in the current transaction: first their
+/// locks (`lock`, [`LOCK`]; waiting for them with `wait`, else only the
+/// free ones), then, in a statement that sees what their producers
+/// committed meanwhile, the passing (`pass`, [`PASS`]). A statement each,
+/// run as prepared plans by the dispatchers, as text by the SQL functions.
+pub fn pass<L: Clone, P>(
+    client: &mut SpiClient<'_>,
+    (lock, pass): (L, P),
+    heads: Vec<Head>,
+    stranded: &[Key],
+    wait: bool,
+) -> Result<Passed, SpiError>
+where
+    for<'c> L: Query<'c>,
+    for<'c> P: Query<'c>,
+{
+    if heads.is_empty() && stranded.is_empty() {
+        return Ok(Passed::default());
+    }
+    let keys = heads.iter().map(|h| &h.key).chain(stranded);
+    let names: Vec<String> = keys.clone().map(|k| k.ordering_key.clone()).collect();
+    let subscriptions: Vec<i64> = keys.map(|k| k.subscription).collect();
+    let mut locked = std::collections::HashSet::new();
+    for row in client.update(lock, None, &[names.into(), subscriptions.into(), wait.into()])? {
+        let ordering_key = row.get::<String>(1)?.unwrap_or_default();
+        locked.insert(Key { ordering_key, subscription: row.get::<i64>(2)?.unwrap_or(0) });
+    }
+    let (ready, deferred): (Vec<Head>, Vec<Head>) = heads.into_iter().partition(|h| locked.contains(&h.key));
+    let stranded: Vec<&Key> = stranded.iter().filter(|k| locked.contains(*k)).collect();
+    let args = [
+        ready.iter().map(|h| h.id).collect::<Vec<_>>().into(),
+        stranded.iter().map(|k| k.ordering_key.clone()).collect::<Vec<_>>().into(),
+        stranded.iter().map(|k| k.subscription).collect::<Vec<_>>().into(),
+    ];
+    let promoted = client.update(pass, None, &args)?.len() as u64;
+    Ok(Passed { promoted, deferred })
+}
+
+/// A head read from a row: columns `id`, `ordering_key` and subscription
+/// (0 for none) at `first`, `first + 1`, `first + 2`; `None` for an event
+/// without a key.
+pub fn head_of(row: &pgrx::spi::SpiHeapTupleData<'_>, first: usize) -> Result<Option<Head>, SpiError> {
+    let (Some(id), Some(ordering_key)) = (row.get::<pgrx::Uuid>(first)?, row.get::<String>(first + 1)?) else {
+        return Ok(None);
+    };
+    let subscription = row.get::<i64>(first + 2)?.unwrap_or(0);
+    Ok(Some(Head { id, key: Key { ordering_key, subscription } }))
+}
+
+/// Passes on the key of head `id`, finished in the caller's transaction
+/// (by `outbox_ack()` or `outbox_skip()`): waits for the key's lock, and
+/// wakes the dispatchers at commit for the new head.
+pub fn pass_now(client: &mut SpiClient<'_>, head: Head) -> Result<(), SpiError> {
+    let passed = pass(client, (LOCK, PASS), vec![head], &[], true)?;
+    counters::add(Counter::KeyTurns, passed.promoted);
+    if passed.promoted > 0 {
+        wake::at_commit(WakeSource::Commit);
+    }
+    Ok(())
+}
+
+/// Is the key taken: does its newest event hold it or wait for it? Called
+/// by `outbox_take_turn()` under the key's lock. Read as of now, whatever
+/// the caller's isolation: a producer at repeatable read or serializable
+/// would otherwise miss a producer that committed after its snapshot and
+/// before it had the lock, and both events would be heads. The rows this
+/// statement inserted before are seen too (as PL/pgSQL sees them).
+#[pg_extern(volatile, parallel_unsafe)]
+fn outbox_key_taken(ordering_key: &str, subscription: i64) -> bool {
+    let taken = std::ffi::CString::new(include_str!("../sql/keys/taken.sql")).expect("no NUL in SQL files");
+    Spi::connect(|_| {
+        // SAFETY: the SPI calls of ri_triggers.c's ri_PerformCheck, inside
+        // the connection pgrx opened, on the main thread. The plan is made
+        // and freed here, the arguments outlive the call, and the one
+        // result column is a bool.
+        unsafe {
+            let mut types = [pg_sys::TEXTOID, pg_sys::INT8OID];
+            let plan = pg_sys::SPI_prepare(taken.as_ptr(), 2, types.as_mut_ptr());
+            if plan.is_null() {
+                error!("outbox_key_taken: cannot prepare its query (SPI error {})", std::ptr::addr_of!(pg_sys::SPI_result).read());
+            }
+            let key = pgrx::IntoDatum::into_datum(ordering_key).expect("text is never null");
+            let mut values = [key, pg_sys::Datum::from(subscription)];
+            let nulls = [b' ' as std::ffi::c_char; 2];
+            pg_sys::CommandCounterIncrement();
+            let status = pg_sys::SPI_execute_snapshot(
+                plan,
+                values.as_mut_ptr(),
+                nulls.as_ptr(),
+                pg_sys::GetLatestSnapshot(),
+                std::ptr::null_mut(),
+                true,
+                false,
+                1,
+            );
+            if status != pg_sys::SPI_OK_SELECT as i32 {
+                error!("outbox_key_taken: its query failed (SPI status {status})");
+            }
+            let taken = if pg_sys::SPI_processed == 0 {
+                false
+            } else {
+                let table = &*pg_sys::SPI_tuptable;
+                let mut null = false;
+                let datum = pg_sys::SPI_getbinval(*table.vals, table.tupdesc, 1, &mut null);
+                !null && bool::from_datum(datum, false).unwrap_or(false)
+            };
+            pg_sys::SPI_freeplan(plan);
+            taken
+        }
+    })
+}
+
+/// Lets a dead-lettered event's key go on: the event, failed and holding
+/// its key (`outbox.key_on_failure = block`), stays in the dead letters,
+/// and the next event of its key is sent. Returns whether it held its key.
+/// SECURITY DEFINER, as `outbox_ack()`: EXECUTE on this function, not
+/// UPDATE on the table.
+#[pg_extern(volatile, parallel_unsafe, security_definer)]
+#[search_path(pg_catalog, pg_temp)]
+fn outbox_skip(id: pgrx::Uuid) -> bool {
+    Spi::connect_mut(|client| {
+        let held = client.update(include_str!("../sql/keys/skip.sql"), Some(1), &[id.into()])?;
+        let Some(key) = held.into_iter().next().map(|row| {
+            Ok::<_, SpiError>(Key {
+                ordering_key: row.get::<String>(1)?.unwrap_or_default(),
+                subscription: row.get::<i64>(2)?.unwrap_or(0),
+            })
+        }) else {
+            return Ok(false);
+        };
+        pass_now(client, Head { id, key: key? })?;
+        Ok::<_, SpiError>(true)
+    })
+    .unwrap_or_else(|e| error!("outbox_skip: {e}"))
+}

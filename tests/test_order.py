@@ -1,0 +1,403 @@
+"""Per-key order: events of one ordering_key run one at a time, in the order
+their transactions committed, across a prefork Celery fleet running
+outbox_dispatch.celery. The hostile cases first: producers that cross,
+stall or run at repeatable read, a task that keeps failing, a push that
+fails, a forged key state; then the issue's load test, subscriptions and
+two dispatchers."""
+
+import json
+import random
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from harness import CeleryWorker, queued_ids, wait_until
+from outbox_dispatch import enqueue
+
+QUEUE = "ordered"
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server):
+    """A prefork worker with four processes on the ordered queue."""
+    worker = CeleryWorker(redis_server.url, queues=(QUEUE,), app="loop_app", pool="prefork", concurrency=4)
+    try:
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.close()
+
+
+@pytest.fixture
+def keyed(cluster, redis_server):
+    """The shared cluster with an empty outbox, one dispatcher, and no
+    notes left by an earlier test (the workers' own keys stay)."""
+    cluster.sql("ALTER SYSTEM RESET ALL")
+    cluster.configure(enabled="on")
+    cluster.sql("TRUNCATE outbox.events")
+    client = redis_server.client()
+    for pattern in ("order:*", "heal:*", QUEUE, "poisoned"):
+        for key in client.keys(pattern):
+            client.delete(key)
+    yield cluster
+
+
+def enqueue_ordered(conn, key, seq, **kwargs):
+    payload = {"key": key, "seq": seq, **kwargs}
+    return conn.execute(
+        "SELECT outbox_enqueue('loop.ordered', %s::jsonb, queue => %s, ordering_key => %s)",
+        (json.dumps(payload), kwargs.pop("queue", QUEUE), key)).fetchone()[0]
+
+
+def runs(redis_server, key):
+    return [json.loads(r) for r in redis_server.client().lrange(f"order:{key}", 0, -1)]
+
+
+def key_states(pg, key):
+    return pg.sql("SELECT id, status::text, key_state, key_seq FROM outbox.events "
+                  "WHERE ordering_key = %s ORDER BY key_seq", (key,))
+
+
+def assert_one_at_a_time(recorded, expected):
+    """Runs of one key: in `expected` order, none overlapping the next."""
+    assert [r["seq"] for r in recorded] == expected, recorded
+    for before, after in zip(recorded, recorded[1:]):
+        assert after["start"] >= before["end"], (before, after)
+
+
+# --- Hostile producers -------------------------------------------------------
+
+
+def test_crossing_producers_run_in_commit_order(keyed, redis_server, fleet):
+    """The second transaction to enqueue for a key takes a smaller id than
+    the first, and commits after it: its event runs second. It waits for
+    the first's commit at its INSERT (the key's lock); another key's
+    producer does not."""
+    later, earlier = sorted((uuid.uuid4() for _ in range(2)), reverse=True)
+    first = keyed.connect(autocommit=False)
+    second = keyed.connect(autocommit=False)
+    insert = ("INSERT INTO outbox.events (id, event_type, task, queue, payload, ordering_key) "
+              "VALUES (%s, 'ordered', 'loop.ordered', %s, %s::jsonb, 'crossing')")
+    first.execute(insert, (later, QUEUE, json.dumps({"key": "crossing", "seq": 1})))
+    done = threading.Event()
+
+    def enqueue_second():
+        second.execute(insert, (earlier, QUEUE, json.dumps({"key": "crossing", "seq": 2})))
+        second.commit()
+        done.set()
+
+    thread = threading.Thread(target=enqueue_second)
+    thread.start()
+    time.sleep(0.5)
+    assert not done.is_set(), "the second producer of a key must wait for the first"
+    with keyed.connect() as other:
+        enqueue_ordered(other, "elsewhere", 1)
+    wait_until(lambda: len(runs(redis_server, "elsewhere")) == 1, timeout=30,
+               message="another key's event sent while a producer holds a key")
+    first.commit()
+    thread.join(timeout=30)
+    assert done.is_set()
+    wait_until(lambda: len(runs(redis_server, "crossing")) == 2, timeout=60, message="both events run")
+    assert_one_at_a_time(runs(redis_server, "crossing"), [1, 2])
+    assert [r["id"] for r in runs(redis_server, "crossing")] == [str(later), str(earlier)]
+    first.close()
+    second.close()
+
+
+def test_a_producer_holding_a_key_holds_up_no_dispatcher(keyed, redis_server, fleet):
+    """The head of a key finishes while a producer of the key has not
+    committed: the dispatcher does not wait for that producer's lock, other
+    keys are sent meanwhile, and the key goes on once the producer commits."""
+    with keyed.connect() as conn:
+        enqueue_ordered(conn, "held", 1)
+    wait_until(lambda: len(runs(redis_server, "held")) == 1, timeout=30, message="the head run")
+    producer = keyed.connect(autocommit=False)
+    enqueue_ordered(producer, "held", 2)
+    with keyed.connect() as conn:
+        for seq in range(1, 6):
+            enqueue_ordered(conn, f"free{seq}", seq)
+    for seq in range(1, 6):
+        wait_until(lambda: len(runs(redis_server, f"free{seq}")) == 1, timeout=30,
+                   message="other keys sent while a producer holds one")
+    assert keyed.value("SELECT count(*) FROM outbox.workers WHERE state = 'blocked'") == 0
+    producer.commit()
+    producer.close()
+    wait_until(lambda: len(runs(redis_server, "held")) == 2, timeout=30, message="the held key went on")
+    assert_one_at_a_time(runs(redis_server, "held"), [1, 2])
+
+
+@pytest.mark.parametrize("isolation", ["repeatable read", "serializable"])
+def test_a_producer_at_repeatable_read_makes_no_second_head(keyed, isolation):
+    """A producer whose snapshot predates another producer's commit for
+    the same key still sees that event: it waits behind it, rather than
+    being a second head."""
+    keyed.configure(enabled="off")
+    late = keyed.connect(autocommit=False)
+    late.execute(f"SET TRANSACTION ISOLATION LEVEL {isolation}")
+    late.execute("SELECT count(*) FROM outbox.events").fetchone()
+    with keyed.connect() as early:
+        enqueue_ordered(early, "snapshot", 1)
+    enqueue_ordered(late, "snapshot", 2)
+    late.commit()
+    late.close()
+    states = [(r[2], r[3]) for r in key_states(keyed, "snapshot")]
+    assert [s for s, _ in states] == ["head", "waiting"], states
+
+
+def test_an_orm_insert_and_a_multi_row_insert_take_turns(keyed):
+    """The column alone (an ORM's INSERT) orders the event; rows of one
+    INSERT ... SELECT take turns in the order inserted; a forged key_seq or
+    key_state in an INSERT of a pending event is replaced."""
+    keyed.configure(enabled="off")
+    with keyed.connect() as conn:
+        conn.execute("INSERT INTO outbox.events (event_type, task, queue, ordering_key, payload) "
+                     "SELECT 'ordered', 'loop.ordered', %s, 'orm', jsonb_build_object('seq', g) "
+                     "FROM generate_series(1, 5) AS g", (QUEUE,))
+        conn.execute("INSERT INTO outbox.events (event_type, task, queue, ordering_key, key_state, payload) "
+                     "VALUES ('ordered', 'loop.ordered', %s, 'forged', 'waiting', '{}'), "
+                     "       ('ordered', 'loop.ordered', %s, 'forged', 'head', '{}')", (QUEUE, QUEUE))
+    rows = keyed.sql("SELECT payload->>'seq', key_state FROM outbox.events WHERE ordering_key = 'orm' "
+                     "ORDER BY key_seq")
+    assert rows == [("1", "head")] + [(str(s), "waiting") for s in range(2, 6)], rows
+    assert [r[2] for r in key_states(keyed, "forged")] == ["head", "waiting"]
+
+
+def test_keys_are_checked(keyed):
+    with keyed.connect() as conn:
+        for bad in ("", "k" * 256):
+            with pytest.raises(psycopg.errors.InvalidParameterValue, match="ordering_key is .* bytes, it must be 1 to 255"):
+                conn.execute("SELECT outbox_enqueue('x', '{}', ordering_key => %s)", (bad,))
+        with pytest.raises(psycopg.errors.CheckViolation, match="events_ordering_key_length"):
+            conn.execute("INSERT INTO outbox.events (event_type, ordering_key) VALUES ('x', '')")
+        with pytest.raises(psycopg.errors.CheckViolation, match="events_key_state"):
+            conn.execute("INSERT INTO outbox.events (event_type, key_state) VALUES ('x', 'mine')")
+    assert keyed.value("SELECT count(*) FROM outbox.events") == 0
+
+
+# --- A key that fails --------------------------------------------------------
+
+
+def test_a_failing_task_blocks_only_its_key_until_retried(keyed, redis_server, fleet):
+    with keyed.connect() as conn:
+        poison = enqueue_ordered(conn, "poison", 1, fail=True)
+        for seq in (2, 3):
+            enqueue_ordered(conn, "poison", seq)
+        for seq in (1, 2, 3):
+            enqueue_ordered(conn, "healthy", seq)
+    wait_until(lambda: len(runs(redis_server, "healthy")) == 3, timeout=60, message="the healthy key ran")
+    wait_until(lambda: keyed.value("SELECT status::text FROM outbox.events WHERE id = %s", (poison,)) == "failed",
+               timeout=60, message="the poison head failed")
+    time.sleep(1)
+    assert [r["seq"] for r in runs(redis_server, "poison")] == [1]
+    blocked = keyed.sql("SELECT ordering_key, head, status::text, waiting, last_error FROM outbox.blocked_keys")
+    assert blocked == [("poison", poison, "failed", 2, blocked[0][4])], blocked
+    assert "refused" in blocked[0][4]
+    assert keyed.metric("outbox_keys_dead_lettered") == 1
+    assert keyed.metric("outbox_events_waiting") == 2
+    assert keyed.metric("outbox_keys_waiting") == 1
+    assert keyed.value("SELECT holds_key FROM outbox.dead_letters WHERE id = %s", (poison,)) is True
+    redis_server.client().set(f"heal:{poison}", 1)
+    assert keyed.value("SELECT outbox_retry(%s)", (poison,)) is True
+    wait_until(lambda: len(runs(redis_server, "poison")) == 4, timeout=60, message="the key resumed")
+    assert_one_at_a_time(runs(redis_server, "poison"), [1, 1, 2, 3])
+    wait_until(lambda: keyed.value("SELECT count(*) FROM outbox.blocked_keys") == 0, timeout=30,
+               message="no key blocked")
+
+
+def test_outbox_skip_lets_a_dead_lettered_key_go_on(keyed, redis_server, fleet):
+    with keyed.connect() as conn:
+        poison = enqueue_ordered(conn, "skipped", 1, fail=True)
+        enqueue_ordered(conn, "skipped", 2)
+        other = enqueue_ordered(conn, "other", 1)
+    wait_until(lambda: keyed.value("SELECT status::text FROM outbox.events WHERE id = %s", (poison,)) == "failed",
+               timeout=60, message="the head failed")
+    assert keyed.value("SELECT outbox_skip(%s)", (other,)) is False, "only a failed head is skipped"
+    assert keyed.value("SELECT outbox_skip(%s)", (uuid.uuid4(),)) is False
+    assert keyed.value("SELECT outbox_skip(%s)", (poison,)) is True
+    assert keyed.value("SELECT outbox_skip(%s)", (poison,)) is False, "skipped once"
+    wait_until(lambda: len(runs(redis_server, "skipped")) == 2, timeout=60, message="the key went on")
+    assert_one_at_a_time(runs(redis_server, "skipped"), [1, 2])
+    assert keyed.value("SELECT holds_key FROM outbox.dead_letters WHERE id = %s", (poison,)) is False
+    # Retried after its key went on, it takes a new turn, behind the key.
+    redis_server.client().set(f"heal:{poison}", 1)
+    with keyed.connect() as conn:
+        enqueue_ordered(conn, "skipped", 3)
+        assert conn.execute("SELECT outbox_retry(%s)", (poison,)).fetchone()[0] is True
+    wait_until(lambda: len(runs(redis_server, "skipped")) == 4, timeout=60, message="the retried event ran")
+    assert_one_at_a_time(runs(redis_server, "skipped"), [1, 2, 3, 1])
+
+
+def test_key_on_failure_continue(keyed, redis_server, fleet):
+    keyed.configure(key_on_failure="continue")
+    with keyed.connect() as conn:
+        enqueue_ordered(conn, "onward", 1, fail=True)
+        enqueue_ordered(conn, "onward", 2)
+    wait_until(lambda: len(runs(redis_server, "onward")) == 2, timeout=60, message="the key went on")
+    assert_one_at_a_time(runs(redis_server, "onward"), [1, 2])
+    wait_until(lambda: keyed.value("SELECT count(*) FROM outbox.blocked_keys") == 0, timeout=30,
+               message="no key blocked")
+
+
+def test_a_failed_push_backing_off_is_not_overtaken(keyed, redis_server):
+    """The head's push fails (its list holds a string: WRONGTYPE) and waits
+    for its backoff: the next event of its key, to a list that works, waits
+    too. Reports off: each is finished once in Redis."""
+    keyed.configure(report_key="", retry_backoff="500ms", max_retries=50)
+    client = redis_server.client()
+    client.set("poisoned", "not a list")
+    with keyed.connect() as conn:
+        head = enqueue_ordered(conn, "backoff", 1, queue="poisoned")
+        second = enqueue_ordered(conn, "backoff", 2, queue="unpoisoned")
+    wait_until(lambda: keyed.value("SELECT retry_count FROM outbox.events WHERE id = %s", (head,)) >= 2,
+               timeout=30, message="the head's push failed twice")
+    assert queued_ids(client, "unpoisoned") == []
+    assert keyed.value("SELECT key_state FROM outbox.events WHERE id = %s", (second,)) == "waiting"
+    client.delete("poisoned")
+    wait_until(lambda: queued_ids(client, "unpoisoned") == [str(second)], timeout=30,
+               message="the second sent after the head")
+    assert queued_ids(client, "poisoned") == [str(head)]
+    client.delete("unpoisoned", "poisoned")
+
+
+def test_expired_and_delayed_heads(keyed, redis_server):
+    """A delayed head holds its key until it is due and sent; an expired
+    head is a dead letter like any other (it holds its key under block)."""
+    keyed.configure(report_key="")
+    client = redis_server.client()
+    with keyed.connect() as conn:
+        delayed = conn.execute("SELECT outbox_enqueue('loop.ordered', '{}', queue => %s, ordering_key => 'late', "
+                               "delay => '2 seconds')", (QUEUE + "_idle",)).fetchone()[0]
+        after = conn.execute("SELECT outbox_enqueue('loop.ordered', '{}', queue => %s, ordering_key => 'late')",
+                             (QUEUE + "_idle",)).fetchone()[0]
+    time.sleep(1)
+    assert queued_ids(client, QUEUE + "_idle") == []
+    wait_until(lambda: queued_ids(client, QUEUE + "_idle") == [str(delayed), str(after)], timeout=30,
+               message="the delayed head, then the next")
+    with keyed.connect() as conn:
+        expired = conn.execute("SELECT outbox_enqueue('loop.ordered', '{}', queue => %s, ordering_key => 'old', "
+                               "delay => '1 second', expires => '10 milliseconds')", (QUEUE + "_idle",)).fetchone()[0]
+        conn.execute("SELECT outbox_enqueue('loop.ordered', '{}', queue => %s, ordering_key => 'old')",
+                     (QUEUE + "_idle",))
+    wait_until(lambda: keyed.value("SELECT status::text FROM outbox.events WHERE id = %s", (expired,)) == "failed",
+               timeout=30, message="the expired head dead-lettered")
+    assert keyed.sql("SELECT status::text FROM outbox.blocked_keys WHERE ordering_key = 'old'") == [("failed",)]
+    client.delete(QUEUE + "_idle")
+
+
+# --- Repair ------------------------------------------------------------------
+
+
+def test_keys_left_without_a_head_are_passed_on(keyed, redis_server):
+    """Hand edits that leave a key without a head, or a finished head still
+    holding its key, are found by the dispatchers' key sweep."""
+    keyed.configure(report_key="", enabled="off")
+    client = redis_server.client()
+    with keyed.connect() as conn:
+        first = enqueue_ordered(conn, "orphan", 1, queue=QUEUE + "_idle")
+        second = enqueue_ordered(conn, "orphan", 2, queue=QUEUE + "_idle")
+        third = enqueue_ordered(conn, "finished", 1, queue=QUEUE + "_idle")
+        fourth = enqueue_ordered(conn, "finished", 2, queue=QUEUE + "_idle")
+        conn.execute("DELETE FROM outbox.events WHERE id = %s", (first,))
+        conn.execute("UPDATE outbox.events SET status = 'processed' WHERE id = %s", (third,))
+    keyed.configure(enabled="on")
+    wait_until(lambda: set(queued_ids(client, QUEUE + "_idle")) == {str(second), str(fourth)}, timeout=60,
+               message="the key sweep passed both keys on")
+    client.delete(QUEUE + "_idle")
+
+
+# --- The load test -----------------------------------------------------------
+
+
+def test_many_keys_in_order_across_a_prefork_fleet(keyed, redis_server, fleet):
+    """200 keys × 25 events, interleaved and enqueued in random order of
+    keys: per key, the runs are in sequence and never overlap."""
+    keys = [f"k{n}" for n in range(200)]
+    with keyed.connect(autocommit=False) as conn:
+        for seq in range(1, 26):
+            for key in random.sample(keys, len(keys)):
+                enqueue_ordered(conn, key, seq)
+        conn.commit()
+    wait_until(lambda: keyed.count("processed") == 5000, timeout=300,
+               message=f"5000 events processed ({keyed.sql('SELECT status, count(*) FROM outbox.events GROUP BY 1')})")
+    for key in keys:
+        assert_one_at_a_time(runs(redis_server, key), list(range(1, 26)))
+    assert keyed.metric("outbox_key_turns_total") >= 4800
+
+
+def test_concurrent_producers_on_the_same_keys(keyed, redis_server, fleet):
+    """Four producers enqueue for the same 20 keys in transactions of their
+    own, committing in whatever order they race to: each key runs its events
+    one at a time in key_seq order, which is each producer's own order. A
+    transaction enqueues for its keys in sorted order, as the README says
+    to: two that lock keys in opposite orders deadlock, as with row locks."""
+    keys = [f"race{n}" for n in range(20)]
+
+    def produce(producer):
+        with keyed.connect(autocommit=False) as conn:
+            for seq in range(1, 11):
+                for key in sorted(random.sample(keys, 5)):
+                    enqueue_ordered(conn, key, seq, producer=producer)
+                conn.commit()
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = keyed.value("SELECT count(*) FROM outbox.events")
+    assert total == 200
+    wait_until(lambda: keyed.count("processed") == total, timeout=120, message="every event processed")
+    for key in keys:
+        recorded = runs(redis_server, key)
+        order = [str(r[0]) for r in keyed.sql(
+            "SELECT id FROM outbox.events WHERE ordering_key = %s ORDER BY key_seq", (key,))]
+        assert [r["id"] for r in recorded] == order
+        for before, after in zip(recorded, recorded[1:]):
+            assert after["start"] >= before["end"]
+        for producer in range(4):
+            mine = [r["seq"] for r in recorded if r["producer"] == producer]
+            assert mine == sorted(mine), (key, producer, mine)
+
+
+def test_two_dispatchers_never_have_two_of_a_key_in_flight(keyed, redis_server, fleet):
+    keyed.configure(workers=2, batch_size=10)
+    wait_until(lambda: keyed.value("SELECT count(*) FROM outbox.workers WHERE pid IS NOT NULL") == 2,
+               timeout=30, message="two dispatchers")
+    keys = [f"two{n}" for n in range(30)]
+    with keyed.connect(autocommit=False) as conn:
+        for seq in range(1, 11):
+            for key in keys:
+                enqueue_ordered(conn, key, seq)
+        conn.commit()
+    wait_until(lambda: keyed.count("processed") == 300, timeout=120, message="every event processed")
+    for key in keys:
+        assert_one_at_a_time(runs(redis_server, key), list(range(1, 11)))
+
+
+def test_subscribers_each_get_a_key_in_order(keyed, redis_server, fleet):
+    """A keyed event fanned out: each subscribed task has its own order of
+    the key, and a failing subscriber blocks only its own."""
+    with keyed.connect() as conn:
+        conn.execute("SELECT outbox_subscribe('order.placed', 'loop.ordered', queue => %s)", (QUEUE,))
+        conn.execute("SELECT outbox_subscribe('order.*', 'loop.ordered_too', queue => %s)", (QUEUE,))
+    try:
+        with keyed.connect() as conn:
+            for seq in range(1, 6):
+                conn.execute("SELECT outbox_enqueue('order.placed', %s::jsonb, ordering_key => 'fan')",
+                             (json.dumps({"key": "fan", "seq": seq}),))
+        wait_until(lambda: keyed.count("processed") == 15, timeout=60,
+                   message="5 events and their 10 deliveries processed")
+        recorded = runs(redis_server, "fan")
+        assert len(recorded) == 10
+        assert keyed.value("SELECT count(DISTINCT subscription_id) FROM outbox.events "
+                           "WHERE ordering_key = 'fan' AND subscription_id IS NOT NULL") == 2
+        for subscription in keyed.sql("SELECT DISTINCT subscription_id FROM outbox.events "
+                                      "WHERE subscription_id IS NOT NULL"):
+            mine = {str(r[0]) for r in keyed.sql("SELECT id FROM outbox.events WHERE subscription_id = %s",
+                                                 subscription)}
+            assert_one_at_a_time([r for r in recorded if r["id"] in mine], [1, 2, 3, 4, 5])
+    finally:
+        keyed.sql("SELECT outbox_unsubscribe(id) FROM outbox.subscriptions")
