@@ -62,14 +62,15 @@ stop:
 
 # Throughput, latency and enqueue cost against the raw ceilings, and the
 # full loop through a Celery worker; then dispatch under a pinned xmin
-# against the same without (release build; about 45 minutes; sizes: BENCH_*
-# variables, see bench/run.py and bench/pinned.py).
+# against the same without; several databases; per-key order (release
+# build; about an hour; sizes: BENCH_* variables, see bench/*.py).
 bench: install
 	.venv/bin/pip install -q -r bench/requirements.txt
 	cargo build --release -p outbox_core --example push_ceiling
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/run.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/pinned.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/databases.py
+	PG_BIN=$(PG_BIN) $(PYTHON) bench/keys.py
 
 # Sustained load with retention purging: costs over time, written to
 # bench/results/soak.md (5 minutes by default; SOAK_* variables, see bench/soak.py).

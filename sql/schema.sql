@@ -74,7 +74,8 @@ CREATE TABLE outbox.events (
                           CONSTRAINT events_ordering_key_length CHECK (octet_length(ordering_key) BETWEEN 1 AND 255),
     key_seq               bigint,
     key_state             text
-                          CONSTRAINT events_key_state CHECK (key_state IN ('head', 'waiting')),
+                          CONSTRAINT events_key_state
+                              CHECK (key_state IS NULL OR (key_state IN ('head', 'waiting') AND ordering_key IS NOT NULL)),
     CONSTRAINT events_args_with_kwargs CHECK (args IS NULL OR jsonb_typeof(payload) = 'object')
 )
 -- A queue table churns: every row is inserted, updated two or three times

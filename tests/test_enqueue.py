@@ -69,7 +69,7 @@ def test_enqueue_joins_the_callers_transaction(outbox, redis_server, open_connec
         dropped = enqueue(conn, "shop.send_receipt", args=(7,), queue="q_enqueue")
         rollback()
         kept = enqueue(conn, "shop.send_receipt", args=(7, "x"), kwargs={"lang": "fr"}, queue="q_enqueue",
-                       countdown=0, expires=600, priority=6, headers={"tenant": "a"})
+                       countdown=0, expires=600, priority=6, headers={"tenant": "a"}, ordering_key="order:7")
         commit()
     finally:
         close()
@@ -83,6 +83,8 @@ def test_enqueue_joins_the_callers_transaction(outbox, redis_server, open_connec
     assert headers["tenant"] == "a" and headers["expires"].endswith("+00:00")
     assert outbox.value("SELECT expires_at - created_at BETWEEN '599s' AND '601s' FROM outbox.events WHERE id = %s",
                         (kept,))
+    assert outbox.sql("SELECT ordering_key, key_state FROM outbox.events WHERE id = %s", (kept,)) == [
+        ("order:7", "head")]
 
 
 def psycopg_autocommit(pg):

@@ -173,7 +173,9 @@ def test_keys_are_checked(keyed):
         with pytest.raises(psycopg.errors.CheckViolation, match="events_ordering_key_length"):
             conn.execute("INSERT INTO outbox.events (event_type, ordering_key) VALUES ('x', '')")
         with pytest.raises(psycopg.errors.CheckViolation, match="events_key_state"):
-            conn.execute("INSERT INTO outbox.events (event_type, key_state) VALUES ('x', 'mine')")
+            conn.execute("INSERT INTO outbox.events (event_type, ordering_key, key_state) VALUES ('x', 'k', 'mine')")
+        with pytest.raises(psycopg.errors.CheckViolation, match="events_key_state"):
+            conn.execute("INSERT INTO outbox.events (event_type, key_state) VALUES ('x', 'waiting')")
     assert keyed.value("SELECT count(*) FROM outbox.events") == 0
 
 

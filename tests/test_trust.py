@@ -302,6 +302,7 @@ def test_a_refusing_broker_dead_letters_nothing(condition):
 
 SUBSCRIPTIONS = "SELECT id, event_type, task, batch_max, waiting, unsubscribed_at FROM outbox.subscriptions"
 DELIVERIES = "SELECT event_id, subscription_id, delivery_id, status FROM outbox.deliveries ORDER BY 1, 2"
+KEYED = "SELECT id, key_state FROM outbox.events WHERE ordering_key = 'dumped' ORDER BY key_seq"
 
 
 def test_pg_dump_and_restore_keep_undelivered_events_and_subscriptions(redis_server):
@@ -315,7 +316,11 @@ def test_pg_dump_and_restore_keep_undelivered_events_and_subscriptions(redis_ser
                "outbox_subscribe('trust.routed', 'dump.later', batch_max => 10)")
         pg.sql("SELECT outbox_unsubscribe(outbox_subscribe('trust.gone', 'dump.gone'))")
         pg.sql("SELECT outbox_enqueue('trust.routed', '{}'), outbox_enqueue('trust.unrouted', '{}')")
-        subscriptions, deliveries = pg.sql(SUBSCRIPTIONS), pg.sql(DELIVERIES)
+        # A key's head and the events waiting behind it.
+        pg.sql("SELECT outbox_enqueue('trust.keyed', '{}', queue => 'q_keyed', ordering_key => 'dumped') "
+               "FROM generate_series(1, 3)")
+        subscriptions, deliveries, keyed = pg.sql(SUBSCRIPTIONS), pg.sql(DELIVERIES), pg.sql(KEYED)
+        assert [k[1] for k in keyed] == ["head", "waiting", "waiting"]
         assert len(subscriptions) == 2 and [d[3] for d in deliveries] == ["pending", "waiting"]
         dump = pg.dir / "app.dump"
         as_postgres(PG_BIN / "pg_dump", "-h", pg.dir, "-p", pg.port, "-U", "postgres", "-Fc", "-f", dump, "postgres")
@@ -327,7 +332,12 @@ def test_pg_dump_and_restore_keep_undelivered_events_and_subscriptions(redis_ser
             assert conn.execute(SUBSCRIPTIONS).fetchall() == subscriptions
             # Restoring routes nothing again.
             assert conn.execute(DELIVERIES).fetchall() == deliveries
-            assert conn.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 13
+            assert conn.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 16
+            # Each key keeps its order and its head; a new event waits behind them.
+            assert conn.execute(KEYED).fetchall() == keyed
+            conn.execute("SELECT outbox_enqueue('trust.keyed', '{}', queue => 'q_keyed', ordering_key => 'dumped')")
+            assert conn.execute(KEYED).fetchall()[:3] == keyed
+            assert conn.execute(KEYED).fetchall()[3][1] == "waiting"
             # The ids go on from where they were.
             assert conn.execute("SELECT outbox_subscribe('trust.new', 'dump.new')").fetchone()[0] == 4
         assert sorted(restored) == sorted(ids)

@@ -26,7 +26,8 @@ class Recorder:
     @property
     def sent(self):
         [(sql, params)] = self.calls
-        names = ("event_type", "payload", "queue", "task", "headers", "delay", "priority", "expires", "args")
+        names = ("event_type", "payload", "queue", "task", "headers", "delay", "priority", "expires", "args",
+                 "ordering_key")
         return dict(zip(names, params))
 
 
@@ -93,6 +94,20 @@ def test_bad_calls_are_refused_before_the_database():
         enqueue(Recorder(), "t", kwargs={"x": object()})
     with pytest.raises(TypeError, match="conn must be a DB-API connection"):
         enqueue(object(), "t")
+    with pytest.raises(TypeError, match="enqueue: ordering_key must be a string or None, not int"):
+        enqueue(Recorder(), "t", ordering_key=42)
+
+
+def test_an_ordering_key_travels_as_given():
+    cursor = Recorder()
+    enqueue(cursor, "t", ordering_key="order:42")
+    assert cursor.sent["ordering_key"] == "order:42"
+    cursor = Recorder()
+    publish(cursor, "order.paid", {"order": 42}, ordering_key="order:42")
+    assert cursor.sent["ordering_key"] == "order:42"
+    cursor = Recorder()
+    enqueue(cursor, "t")
+    assert cursor.sent["ordering_key"] is None
 
 
 def test_publish_sends_no_task_so_that_subscriptions_route_the_event():

@@ -14,7 +14,8 @@ ALTER TABLE outbox.events
         CONSTRAINT events_ordering_key_length CHECK (octet_length(ordering_key) BETWEEN 1 AND 255),
     ADD COLUMN key_seq bigint,
     ADD COLUMN key_state text
-        CONSTRAINT events_key_state CHECK (key_state IN ('head', 'waiting'));
+        CONSTRAINT events_key_state
+            CHECK (key_state IS NULL OR (key_state IN ('head', 'waiting') AND ordering_key IS NOT NULL));
 
 -- The claim's indexes leave out events waiting for their key's turn:
 -- rebuilt (each reads the pending events once, under the update's lock).

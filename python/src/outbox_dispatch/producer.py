@@ -25,10 +25,11 @@ Seconds = Union[int, float, dt.timedelta]
 _CALL = (
     "SELECT outbox_enqueue(event_type => {0}, payload => CAST({1} AS jsonb), queue => {2}, task => {3}, "
     "headers => CAST({4} AS jsonb), delay => CAST({5} AS interval), priority => {6}, "
-    "expires => CAST({7} AS interval), args => CAST({8} AS jsonb))"
+    "expires => CAST({7} AS interval), args => CAST({8} AS jsonb), ordering_key => {9})"
 )
-_FORMAT_SQL = _CALL.format(*["%s"] * 9)
-_PARAMETERS = ("event_type", "payload", "queue", "task", "headers", "delay", "priority", "expires", "args")
+_FORMAT_SQL = _CALL.format(*["%s"] * 10)
+_PARAMETERS = ("event_type", "payload", "queue", "task", "headers", "delay", "priority", "expires", "args",
+               "ordering_key")
 _NAMED_SQL = _CALL.format(*[f":{name}" for name in _PARAMETERS])
 
 
@@ -45,6 +46,7 @@ def enqueue(
     priority: Optional[int] = None,
     headers: Optional[Mapping[str, Any]] = None,
     event_type: Optional[str] = None,
+    ordering_key: Optional[str] = None,
     allow_autocommit: bool = False,
 ) -> uuid.UUID:
     """Enqueue ``task`` in the transaction of ``conn``; returns the event id,
@@ -57,6 +59,13 @@ def enqueue(
     it; ``expires`` (seconds from now, or a datetime) drops it if it is not
     delivered by then. ``priority`` is 0 (highest) to 9, as kombu's Redis
     transport orders them. ``event_type`` defaults to the task's name.
+
+    With ``ordering_key`` (1 to 255 bytes: ``"order:42"``), the task runs
+    only once every earlier event of that key has finished, in the order
+    the transactions that enqueued them committed (the README's "Per-key
+    order"). The transaction then holds the key's lock until it ends:
+    another transaction enqueuing for the same key waits for it. Enqueue
+    for several keys in one transaction in a consistent (sorted) order.
 
     With OpenTelemetry active, the current trace context travels in the
     message headers (``traceparent``, ``tracestate``); called inside a
@@ -72,7 +81,7 @@ def enqueue(
     task_name = _task_name(task)
     return _send(conn, "enqueue", event_type or task_name, task_name, args, kwargs, queue=queue,
                  countdown=countdown, eta=eta, expires=expires, priority=priority, headers=headers,
-                 allow_autocommit=allow_autocommit)
+                 ordering_key=ordering_key, allow_autocommit=allow_autocommit)
 
 
 def publish(
@@ -86,6 +95,7 @@ def publish(
     expires: Optional[Union[Seconds, dt.datetime]] = None,
     priority: Optional[int] = None,
     headers: Optional[Mapping[str, Any]] = None,
+    ordering_key: Optional[str] = None,
     allow_autocommit: bool = False,
 ) -> uuid.UUID:
     """Publish ``event_type`` in the transaction of ``conn``, for every task
@@ -97,12 +107,14 @@ def publish(
     gets the event in its next batch. With no subscription for it, the event
     goes to the task named like ``event_type``. The other arguments are
     :func:`enqueue`'s (a subscription's queue and priority, when it has
-    them, win).
+    them, win); with ``ordering_key``, each subscribed task gets the events
+    of that key one at a time, in order.
     """
     if not isinstance(event_type, str) or not event_type:
         raise TypeError(f"publish: event_type must be a non-empty string, not {event_type!r}")
     return _send(conn, "publish", event_type, None, (), payload, queue=queue, countdown=countdown, eta=eta,
-                 expires=expires, priority=priority, headers=headers, allow_autocommit=allow_autocommit)
+                 expires=expires, priority=priority, headers=headers, ordering_key=ordering_key,
+                 allow_autocommit=allow_autocommit)
 
 
 def _send(
@@ -119,10 +131,13 @@ def _send(
     expires: Optional[Union[Seconds, dt.datetime]],
     priority: Optional[int],
     headers: Optional[Mapping[str, Any]],
+    ordering_key: Optional[str],
     allow_autocommit: bool,
 ) -> uuid.UUID:
     if countdown is not None and eta is not None:
         raise ValueError(f"{caller}: give countdown or eta, not both")
+    if ordering_key is not None and not isinstance(ordering_key, str):
+        raise TypeError(f"{caller}: ordering_key must be a string or None, not {type(ordering_key).__name__}")
     if not allow_autocommit and _in_autocommit(conn):
         raise AutocommitError(
             f"{caller}: the connection is in autocommit mode: the event would be committed at once, whatever "
@@ -142,6 +157,7 @@ def _send(
             0 if priority is None else priority,
             _interval(_until(expires, now)),
             _dumps(list(args), "args", caller) if args else None,
+            ordering_key,
         )
         event_id = _run(conn, parameters, caller)
         if span is not None:
