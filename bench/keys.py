@@ -7,6 +7,7 @@ bench/results/keys.md and the raw numbers in keys.json.
   every event keyed over BENCH_KEYS keys, one at a time per key.
 - The drain of events without a key, with BENCH_BLOCKED keys blocked by a
   dead-lettered head (each with events waiting behind it) and with none.
+- The enqueue rate of one session, with and without keys.
 
 Sizes from the environment (defaults in brackets): BENCH_KEY_EVENTS
 [100000] events of each full loop, BENCH_KEYS [1000], BENCH_BLOCKED
@@ -31,6 +32,7 @@ KEYS = int(os.environ.get("BENCH_KEYS", 1000))
 BLOCKED = int(os.environ.get("BENCH_BLOCKED", 10_000))
 WAITING = int(os.environ.get("BENCH_KEY_WAITING", 5))
 DRAIN_EVENTS = int(os.environ.get("BENCH_DRAIN_EVENTS", 100_000))
+ENQUEUE_EVENTS = 50_000
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 BATCH = 1000
 RESULTS = ROOT / "bench" / "results"
@@ -68,6 +70,20 @@ def full_loop(pg, redis, keyed):
     finally:
         worker.close()
     return {"events": LOOP_EVENTS, "keys": KEYS if keyed else 0, "seconds": elapsed, "rate": LOOP_EVENTS / elapsed}
+
+
+def enqueue_rate(pg, keyed):
+    """Events per second that one session enqueues, 1,000 per transaction,
+    keyed over 1,000 keys or not (the dispatchers paused)."""
+    pg.configure(enabled="off")
+    pg.sql("TRUNCATE outbox.events")
+    key = "'k' || g" if keyed else "NULL"
+    started = time.monotonic()
+    with pg.connect() as conn:
+        for _ in range(ENQUEUE_EVENTS // 1000):
+            conn.execute(f"SELECT outbox_enqueue('bench', '{{}}', queue => 'bench_enqueue', ordering_key => {key}) "
+                         "FROM generate_series(1, 1000) AS g")
+    return ENQUEUE_EVENTS / (time.monotonic() - started)
 
 
 def block_keys(pg, n):
@@ -112,12 +128,16 @@ def drain(pg, redis, blocked):
 def main():
     RESULTS.mkdir(exist_ok=True)
     redis = Redis()
-    r = {"loop": {}, "drain": {"none": [], "blocked": []}}
+    r = {"loop": {}, "drain": {"none": [], "blocked": []}, "enqueue": {"unkeyed": [], "keyed": []}}
     try:
         pg = Cluster(redis.url, server_conf=SERVER_CONF, batch_size=BATCH, enabled="off")
         try:
             pg.sql("CREATE EXTENSION outbox_dispatch")
             wait_until(lambda: len(pg.dispatcher_pids()) == 1, message="the dispatcher")
+            for round_ in range(ROUNDS):
+                for label in ("unkeyed", "keyed"):
+                    r["enqueue"][label].append(enqueue_rate(pg, label == "keyed"))
+                    log(f"round {round_ + 1}: enqueue, {label}: {r['enqueue'][label][-1]:,.0f} events/s")
             for keyed in (False, True):
                 log(f"full loop, {LOOP_EVENTS} events, {'keyed over %d keys' % KEYS if keyed else 'no key'}")
                 r["loop"]["keyed" if keyed else "unkeyed"] = full_loop(pg, redis, keyed)
@@ -136,6 +156,7 @@ def main():
     unkeyed, keyed = r["loop"]["unkeyed"], r["loop"]["keyed"]
     none = statistics.median(r["drain"]["none"])
     blocked = statistics.median(r["drain"]["blocked"])
+    enqueue = {label: statistics.median(rates) for label, rates in r["enqueue"].items()}
     lines = [
         "# Per-key order", "",
         f"One PostgreSQL 15 server (fsync on), one dispatcher, batch {BATCH}; {os.cpu_count()} cores.", "",
@@ -157,7 +178,16 @@ def main():
         "|---|---|",
         f"| 0 | {none:,.0f} |",
         f"| {BLOCKED:,} | {blocked:,.0f} |", "",
-        f"With {BLOCKED:,} keys blocked: {blocked / none:.0%} of the rate with none.",
+        f"With {BLOCKED:,} keys blocked: {blocked / none:.0%} of the rate with none.", "",
+        "## Enqueue", "",
+        f"{ENQUEUE_EVENTS:,} events enqueued by one session with `outbox_enqueue()`, 1,000 per transaction "
+        f"(the dispatchers paused); keyed: 1,000 distinct keys per transaction. The median of {ROUNDS} runs.", "",
+        "| events | events/s |",
+        "|---|---|",
+        f"| without a key | {enqueue['unkeyed']:,.0f} |",
+        f"| keyed | {enqueue['keyed']:,.0f} |", "",
+        f"Keyed: {enqueue['keyed'] / enqueue['unkeyed']:.0%} of the rate without a key (the key's lock, "
+        "a sequence value and a look at the key's newest event, per event).",
     ]
     (RESULTS / "keys.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "keys.json").write_text(json.dumps(r, indent=1))

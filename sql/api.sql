@@ -207,6 +207,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     retried bigint;
+    again uuid;
 BEGIN
     IF older_than < interval '0' THEN
         RAISE EXCEPTION 'outbox_retry_failed: older_than must not be negative (got %)', older_than
@@ -218,11 +219,27 @@ BEGIN
            available_at = pg_catalog.clock_timestamp(),
            processing_started_at = NULL,
            claimed_by = NULL,
-           send_id = NULL,
-           key_seq = CASE WHEN e.key_state IS NULL THEN NULL ELSE e.key_seq END
+           send_id = NULL
      WHERE e.status = 'failed'
+       AND (e.ordering_key IS NULL OR e.key_state IS NOT NULL)
        AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than);
     GET DIAGNOSTICS retried = ROW_COUNT;
+    -- Those whose key went on without them take new turns one by one, in
+    -- the order of their keys and, within a key, of their first turns: the
+    -- keys' locks are taken in sorted order, and a key gets them back in
+    -- the order they were enqueued.
+    FOR again IN
+        SELECT e.id
+          FROM outbox.events AS e
+         WHERE e.status = 'failed'
+           AND e.ordering_key IS NOT NULL AND e.key_state IS NULL
+           AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than)
+         ORDER BY e.ordering_key, coalesce(e.subscription_id, 0), e.key_seq
+    LOOP
+        IF @extschema@.outbox_retry(again) THEN
+            retried := retried + 1;
+        END IF;
+    END LOOP;
     IF retried > 0 THEN
         PERFORM @extschema@.outbox_wake();
     END IF;

@@ -34,15 +34,21 @@ END
 $$;
 
 -- Named to fire after events_route: an event routed to subscriptions is
--- processed at once, and its deliveries take turns of their own.
+-- processed at once, and its deliveries take turns of their own. A pending
+-- event with a key and no turn (key_seq or key_state unset: an ORM's
+-- insert, one that copies another row's key_seq, a hand edit) takes one;
+-- a restore's rows have both and keep them.
 CREATE TRIGGER events_take_turn
-    BEFORE INSERT OR UPDATE OF ordering_key, key_seq ON outbox.events
-    FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.key_seq IS NULL AND NEW.status = 'pending')
+    BEFORE INSERT OR UPDATE OF ordering_key, key_seq, key_state ON outbox.events
+    FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending'
+                       AND (NEW.key_seq IS NULL OR NEW.key_state IS NULL))
     EXECUTE FUNCTION @extschema@.outbox_take_turn();
 
 -- Keys whose head is not about to be sent: in flight, waiting for its
--- backoff or its delay, or dead-lettered. since: when it became due,
--- was claimed, was sent, or failed. Served by events_key_state_idx.
+-- backoff or its delay, or dead-lettered (since: when it became due, was
+-- claimed, was sent, or failed); then keys with events waiting and no
+-- head (head NULL, since: when the first fell due), which the dispatchers
+-- pass on within seconds. Served by events_key_state_idx.
 CREATE VIEW outbox.blocked_keys AS
 SELECT h.ordering_key, h.subscription_id, h.id AS head, h.status,
        CASE h.status
@@ -59,10 +65,19 @@ SELECT h.ordering_key, h.subscription_id, h.id AS head, h.status,
            AND coalesce(w.subscription_id, 0) = coalesce(h.subscription_id, 0)) AS waiting
   FROM outbox.events AS h
  WHERE h.key_state = 'head'
-   AND NOT (h.status = 'pending' AND h.available_at <= pg_catalog.now());
+   AND NOT (h.status = 'pending' AND h.available_at <= pg_catalog.now())
+UNION ALL
+SELECT w.ordering_key, w.subscription_id, NULL, NULL, pg_catalog.min(w.available_at), NULL, pg_catalog.count(*)
+  FROM outbox.events AS w
+ WHERE w.key_state = 'waiting'
+   AND NOT EXISTS (SELECT FROM outbox.events AS h
+                    WHERE h.key_state = 'head'
+                      AND h.ordering_key = w.ordering_key
+                      AND coalesce(h.subscription_id, 0) = coalesce(w.subscription_id, 0))
+ GROUP BY w.ordering_key, w.subscription_id;
 
 COMMENT ON VIEW outbox.blocked_keys IS
-    'Keys whose head (the one event of the key that may be sent) is in flight, not yet due, or dead-lettered, with the events waiting behind it. A failed head holds its key until outbox_retry() or outbox_skip() (outbox.key_on_failure = block).';
+    'Keys whose head (the one event of the key that may be sent) is in flight, not yet due, or dead-lettered, with the events waiting behind it; then keys with events waiting and no head (head NULL). A failed head holds its key until outbox_retry() or outbox_skip() (outbox.key_on_failure = block).';
 
 -- The extension's schema again, for the functions pgrx declares next.
 SET LOCAL search_path = @extschema@;

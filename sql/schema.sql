@@ -139,12 +139,13 @@ CREATE INDEX events_failed_idx ON outbox.events (created_at) WHERE status = 'fai
 -- The lifecycle sweeper's deletes.
 CREATE INDEX events_processed_idx ON outbox.events (processed_at) WHERE status = 'processed';
 
--- Per-key order. The events of a key in key_seq order: its newest says
--- whether the key is taken (outbox_key_taken()), and the one after a head
--- is the next to take it; both are the first entry a scan reads, however
--- many finished events of the key are left behind.
+-- Per-key order. The events of a key in key_seq order (those that took a
+-- turn: an event routed to subscriptions, a record, took none): its newest
+-- says whether the key is taken (outbox_key_taken()), and the one after a
+-- head is the next to take it; both are the first entry a scan reads,
+-- however many finished events of the key are left behind.
 CREATE INDEX events_key_idx ON outbox.events (ordering_key, (coalesce(subscription_id, 0)), key_seq)
-    WHERE ordering_key IS NOT NULL;
+    WHERE key_seq IS NOT NULL;
 -- Heads and waiting events, by key: outbox.blocked_keys, the metrics, and
 -- the dispatchers' sweep for keys left without a head.
 CREATE INDEX events_key_state_idx ON outbox.events (key_state, ordering_key, (coalesce(subscription_id, 0)), key_seq)

@@ -5,6 +5,7 @@ use std::ffi::{c_char, CString};
 
 use pgrx::prelude::*;
 
+use crate::config::KeyPolicy;
 use crate::counters::{self, AckSource};
 use crate::slots::WakeSource;
 use crate::{config, keys, wake};
@@ -47,19 +48,21 @@ fn outbox_wake() {
 }
 
 /// The consumer confirms an event: dispatched → processed. Returns whether
-/// the event was waiting for it. With `outbox.ack_timeout` > 0, events not
+/// the event was waiting for it. An event that holds its key passes it on
+/// (README, "Per-key order"), once a producer of the key has committed. With `outbox.ack_timeout` > 0, events not
 /// acknowledged in time are sent again. SECURITY DEFINER: a consumer role
 /// needs EXECUTE on this function, not UPDATE on the table.
 #[pg_extern(volatile, parallel_unsafe, security_definer)]
 #[search_path(pg_catalog, pg_temp)]
 fn outbox_ack(id: pgrx::Uuid) -> bool {
     let acked = Spi::connect_mut(|client| {
+        keys::lock_key_of(client, id)?;
         let updated = client.update(include_str!("../sql/ack.sql"), None, &[id.into()])?;
         let Some(row) = updated.into_iter().next() else {
             return Ok(false);
         };
         if let Some(head) = keys::head_of(&row, 1)? {
-            keys::pass_now(client, head)?;
+            keys::pass_now(client, head, KeyPolicy { failed: false, dispatched: false })?;
         }
         Ok::<_, pgrx::spi::SpiError>(true)
     })

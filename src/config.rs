@@ -191,7 +191,9 @@ pub fn register(preloading: bool) {
                 GucRegistry::define_int_guc(name, description, c"", setting, min, max, context, flags | unit)
             }
             Text(setting) => GucRegistry::define_string_guc(name, description, c"", setting, context, flags),
-            OnFailure(setting) => GucRegistry::define_enum_guc(name, description, c"", setting, context, flags),
+            OnFailure(setting) => {
+                GucRegistry::define_enum_guc(name, description, c"", setting, context, flags)
+            }
             // SAFETY: a check hook that only parses the value.
             Databases(setting) => unsafe {
                 GucRegistry::define_string_guc_with_hooks(

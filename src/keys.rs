@@ -11,6 +11,7 @@
 use pgrx::prelude::*;
 use pgrx::spi::{Query, SpiClient, SpiError};
 
+use crate::config::KeyPolicy;
 use crate::counters::{self, Counter};
 use crate::slots::WakeSource;
 use crate::wake;
@@ -33,6 +34,8 @@ pub struct Head {
 /// What [`pass`] did.
 #[derive(Debug, Default)]
 pub struct Passed {
+    /// Heads that let their key go.
+    pub passed: u64,
     /// Events that became their key's head.
     pub promoted: u64,
     /// Heads left holding their key: its lock was taken (a producer of the
@@ -43,17 +46,19 @@ pub struct Passed {
 pub const LOCK: &str = include_str!("../sql/keys/lock.sql");
 pub const PASS: &str = include_str!("../sql/keys/pass.sql");
 
-/// Passes on the keys of finished `heads`, and starts the `stranded` keys
-/// (events waiting, no head), in the current transaction: first their
-/// locks (`lock`, [`LOCK`]; waiting for them with `wait`, else only the
-/// free ones), then, in a statement that sees what their producers
-/// committed meanwhile, the passing (`pass`, [`PASS`]). A statement each,
-/// run as prepared plans by the dispatchers, as text by the SQL functions.
+/// Passes on the keys of `heads` that are `finished` (processed, or as the
+/// policy says), and starts the `stranded` keys (events waiting, no head),
+/// in the current transaction: first their locks (`lock`, [`LOCK`]; waiting
+/// for them with `wait`, else only the free ones), then, in a statement
+/// that sees what their producers committed meanwhile, the passing
+/// (`pass`, [`PASS`]). A statement each, run as prepared plans by the
+/// dispatchers, as text by the SQL functions.
 pub fn pass<L: Clone, P>(
     client: &mut SpiClient<'_>,
     (lock, pass): (L, P),
     heads: Vec<Head>,
     stranded: &[Key],
+    finished: KeyPolicy,
     wait: bool,
 ) -> Result<Passed, SpiError>
 where
@@ -77,32 +82,56 @@ where
         ready.iter().map(|h| h.id).collect::<Vec<_>>().into(),
         stranded.iter().map(|k| k.ordering_key.clone()).collect::<Vec<_>>().into(),
         stranded.iter().map(|k| k.subscription).collect::<Vec<_>>().into(),
+        finished.failed.into(),
+        finished.dispatched.into(),
     ];
-    let promoted = client.update(pass, None, &args)?.len() as u64;
-    Ok(Passed { promoted, deferred })
+    let counts = client.update(pass, Some(1), &args)?.first();
+    let count = |n| counts.get::<i64>(n).map(|c| c.unwrap_or(0) as u64);
+    Ok(Passed { passed: count(1)?, promoted: count(2)?, deferred })
 }
 
 /// A head read from a row: columns `id`, `ordering_key` and subscription
 /// (0 for none) at `first`, `first + 1`, `first + 2`; `None` for an event
 /// without a key.
 pub fn head_of(row: &pgrx::spi::SpiHeapTupleData<'_>, first: usize) -> Result<Option<Head>, SpiError> {
-    let (Some(id), Some(ordering_key)) = (row.get::<pgrx::Uuid>(first)?, row.get::<String>(first + 1)?) else {
+    let (Some(id), Some(ordering_key)) = (row.get::<pgrx::Uuid>(first)?, row.get::<String>(first + 1)?)
+    else {
         return Ok(None);
     };
     let subscription = row.get::<i64>(first + 2)?.unwrap_or(0);
     Ok(Some(Head { id, key: Key { ordering_key, subscription } }))
 }
 
-/// Passes on the key of head `id`, finished in the caller's transaction
-/// (by `outbox_ack()` or `outbox_skip()`): waits for the key's lock, and
-/// wakes the dispatchers at commit for the new head.
-pub fn pass_now(client: &mut SpiClient<'_>, head: Head) -> Result<(), SpiError> {
-    let passed = pass(client, (LOCK, PASS), vec![head], &[], true)?;
+/// The key event `id` holds, if it is its key's head; once its lock is
+/// taken, waiting for a producer of the key to commit: for `outbox_ack()`
+/// and `outbox_skip()`, before they change the event (they then hold no
+/// lock of its row while they wait, which a dispatcher would wait for).
+pub fn lock_key_of(client: &mut SpiClient<'_>, id: pgrx::Uuid) -> Result<Option<Key>, SpiError> {
+    let held = client.select(include_str!("../sql/keys/key_of.sql"), Some(1), &[id.into()])?;
+    let Some(row) = held.into_iter().next() else {
+        return Ok(None);
+    };
+    let key = Key {
+        ordering_key: row.get::<String>(1)?.unwrap_or_default(),
+        subscription: row.get::<i64>(2)?.unwrap_or(0),
+    };
+    let args = [vec![key.ordering_key.clone()].into(), vec![key.subscription].into(), true.into()];
+    client.update(LOCK, None, &args)?;
+    Ok(Some(key))
+}
+
+/// Passes on the key of `head`, finished in the caller's transaction (by
+/// `outbox_ack()`, or `outbox_skip()` with `finished` saying a failed or
+/// dispatched head counts), its lock taken by [`lock_key_of`]; wakes the
+/// dispatchers at commit for the new head. Returns whether it let its key
+/// go.
+pub fn pass_now(client: &mut SpiClient<'_>, head: Head, finished: KeyPolicy) -> Result<bool, SpiError> {
+    let passed = pass(client, (LOCK, PASS), vec![head], &[], finished, true)?;
     counters::add(Counter::KeyTurns, passed.promoted);
     if passed.promoted > 0 {
         wake::at_commit(WakeSource::Commit);
     }
-    Ok(())
+    Ok(passed.passed > 0)
 }
 
 /// Is the key taken: does its newest event hold it or wait for it? Called
@@ -123,7 +152,10 @@ fn outbox_key_taken(ordering_key: &str, subscription: i64) -> bool {
             let mut types = [pg_sys::TEXTOID, pg_sys::INT8OID];
             let plan = pg_sys::SPI_prepare(taken.as_ptr(), 2, types.as_mut_ptr());
             if plan.is_null() {
-                error!("outbox_key_taken: cannot prepare its query (SPI error {})", std::ptr::addr_of!(pg_sys::SPI_result).read());
+                error!(
+                    "outbox_key_taken: cannot prepare its query (SPI error {})",
+                    std::ptr::addr_of!(pg_sys::SPI_result).read()
+                );
             }
             let key = pgrx::IntoDatum::into_datum(ordering_key).expect("text is never null");
             let mut values = [key, pg_sys::Datum::from(subscription)];
@@ -156,26 +188,20 @@ fn outbox_key_taken(ordering_key: &str, subscription: i64) -> bool {
     })
 }
 
-/// Lets a dead-lettered event's key go on: the event, failed and holding
-/// its key (`outbox.key_on_failure = block`), stays in the dead letters,
-/// and the next event of its key is sent. Returns whether it held its key.
-/// SECURITY DEFINER, as `outbox_ack()`: EXECUTE on this function, not
-/// UPDATE on the table.
+/// Lets a key go on without its head: a dead-lettered head (failed under
+/// `outbox.key_on_failure = block`) stays in the dead letters, a head sent
+/// and never reported stays dispatched, and the next event of the key is
+/// sent. Returns whether the event held its key and let it go (one still
+/// pending or being sent does not). SECURITY DEFINER, as `outbox_ack()`:
+/// EXECUTE on this function, not UPDATE on the table.
 #[pg_extern(volatile, parallel_unsafe, security_definer)]
 #[search_path(pg_catalog, pg_temp)]
 fn outbox_skip(id: pgrx::Uuid) -> bool {
     Spi::connect_mut(|client| {
-        let held = client.update(include_str!("../sql/keys/skip.sql"), Some(1), &[id.into()])?;
-        let Some(key) = held.into_iter().next().map(|row| {
-            Ok::<_, SpiError>(Key {
-                ordering_key: row.get::<String>(1)?.unwrap_or_default(),
-                subscription: row.get::<i64>(2)?.unwrap_or(0),
-            })
-        }) else {
+        let Some(key) = lock_key_of(client, id)? else {
             return Ok(false);
         };
-        pass_now(client, Head { id, key: key? })?;
-        Ok::<_, SpiError>(true)
+        pass_now(client, Head { id, key }, KeyPolicy { failed: true, dispatched: true })
     })
     .unwrap_or_else(|e| error!("outbox_skip: {e}"))
 }

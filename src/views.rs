@@ -190,7 +190,10 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
     ));
     let keys = key_gauges();
     families.push((
-        gauge("outbox_events_waiting", "Events waiting for their key's turn (per-key order): in no claim until then."),
+        gauge(
+            "outbox_events_waiting",
+            "Events waiting for their key's turn (per-key order): in no claim until then.",
+        ),
         vec![Sample::new("outbox_events_waiting", keys.waiting)],
     ));
     families.push((

@@ -124,15 +124,17 @@ if os.environ.get("OUTBOX_TEST_OTEL"):
         CeleryInstrumentor().instrument()
 
 
-def ordered(self, key, seq, fail=False, producer=None):
+def ordered(self, key, seq, fail=False, producer=None, slow=0):
     """Per-key order (tests/test_order.py): notes its key, sequence, start
     and end on the list order:<key>, after sleeping a few milliseconds;
-    with fail, raises until the test sets heal:<task id>."""
+    with fail, raises until the test sets heal:<task id>, and then sleeps
+    `slow` seconds."""
     start = time.time()
-    time.sleep(random.uniform(0.001, 0.006))
+    healed = fail and notes.exists(f"heal:{self.request.id}")
+    time.sleep(slow if healed else random.uniform(0.001, 0.006))
     notes.rpush(f"order:{key}", json.dumps({"seq": seq, "producer": producer, "id": self.request.id,
                                              "start": start, "end": time.time()}))
-    if fail and not notes.exists(f"heal:{self.request.id}"):
+    if fail and not healed:
         raise RuntimeError(f"{key} #{seq} refused")
 
 

@@ -145,7 +145,11 @@ def test_lag_grows_while_paused_and_falls_to_zero_after(outbox):
 
 
 def buffers(conn, query):
-    """Shared buffers a query touched, functions it calls included."""
+    """Shared buffers a query touched, functions it calls included, on a
+    connection that has run it once (an exporter's connection lives on:
+    reading the catalogs into a new backend's caches is paid once, not per
+    scrape)."""
+    conn.execute(query).fetchall()
     plan = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {query}").fetchone()[0][0]["Plan"]
     return plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
 

@@ -165,6 +165,48 @@ def test_an_orm_insert_and_a_multi_row_insert_take_turns(keyed):
     assert [r[2] for r in key_states(keyed, "forged")] == ["head", "waiting"]
 
 
+def test_a_routed_event_does_not_free_its_key(keyed):
+    """An event routed to subscriptions keeps its ordering_key as a record,
+    processed at once and holding nothing: the key's next event must still
+    wait behind the key's head."""
+    keyed.configure(enabled="off")
+    with keyed.connect() as conn:
+        conn.execute("SELECT outbox_subscribe('mixed.placed', 'loop.ordered', queue => %s)", (QUEUE,))
+    try:
+        with keyed.connect() as conn:
+            enqueue_ordered(conn, "mixed", 1)
+            conn.execute("SELECT outbox_enqueue('mixed.placed', '{}', ordering_key => 'mixed')")
+            enqueue_ordered(conn, "mixed", 2)
+        states = keyed.sql("SELECT subscription_id IS NOT NULL, key_state FROM outbox.events "
+                           "WHERE ordering_key = 'mixed' AND status = 'pending' ORDER BY key_seq")
+        assert states == [(False, "head"), (True, "head"), (False, "waiting")], states
+    finally:
+        keyed.sql("SELECT outbox_unsubscribe(id) FROM outbox.subscriptions")
+
+
+def test_a_forged_key_seq_takes_a_turn_all_the_same(keyed):
+    """A pending event inserted with a key_seq of its own and no key_state
+    (an ORM copying a row, a guess) takes its turn: it waits behind the
+    head, and the key's next event waits behind it."""
+    keyed.configure(enabled="off")
+    with keyed.connect() as conn:
+        enqueue_ordered(conn, "forged_seq", 1)
+        conn.execute("INSERT INTO outbox.events (event_type, task, queue, ordering_key, key_seq, payload) "
+                     "VALUES ('ordered', 'loop.ordered', %s, 'forged_seq', 1000000000000, '{}')", (QUEUE,))
+        enqueue_ordered(conn, "forged_seq", 3)
+    states = [r[2] for r in key_states(keyed, "forged_seq")]
+    assert states == ["head", "waiting", "waiting"], states
+
+
+def test_an_acknowledgement_of_a_waiting_event_changes_nothing(keyed):
+    keyed.configure(enabled="off")
+    with keyed.connect() as conn:
+        enqueue_ordered(conn, "acked", 1)
+        waiting = enqueue_ordered(conn, "acked", 2)
+        assert conn.execute("SELECT outbox_ack(%s)", (waiting,)).fetchone()[0] is False
+    assert [r[1:3] for r in key_states(keyed, "acked")] == [("pending", "head"), ("pending", "waiting")]
+
+
 def test_keys_are_checked(keyed):
     with keyed.connect() as conn:
         for bad in ("", "k" * 256):
@@ -173,7 +215,8 @@ def test_keys_are_checked(keyed):
         with pytest.raises(psycopg.errors.CheckViolation, match="events_ordering_key_length"):
             conn.execute("INSERT INTO outbox.events (event_type, ordering_key) VALUES ('x', '')")
         with pytest.raises(psycopg.errors.CheckViolation, match="events_key_state"):
-            conn.execute("INSERT INTO outbox.events (event_type, ordering_key, key_state) VALUES ('x', 'k', 'mine')")
+            conn.execute("INSERT INTO outbox.events (event_type, status, ordering_key, key_state) "
+                         "VALUES ('x', 'processed', 'k', 'mine')")
         with pytest.raises(psycopg.errors.CheckViolation, match="events_key_state"):
             conn.execute("INSERT INTO outbox.events (event_type, key_state) VALUES ('x', 'waiting')")
     assert keyed.value("SELECT count(*) FROM outbox.events") == 0
@@ -230,6 +273,91 @@ def test_outbox_skip_lets_a_dead_lettered_key_go_on(keyed, redis_server, fleet):
         assert conn.execute("SELECT outbox_retry(%s)", (poison,)).fetchone()[0] is True
     wait_until(lambda: len(runs(redis_server, "skipped")) == 4, timeout=60, message="the retried event ran")
     assert_one_at_a_time(runs(redis_server, "skipped"), [1, 2, 3, 1])
+
+
+def test_a_head_retried_while_its_key_waits_to_be_passed_holds_it(keyed, redis_server, fleet):
+    """Under continue, a head fails while a producer of its key has not
+    committed: the dispatcher cannot pass the key yet. The head is retried
+    and sent again meanwhile: once the producer commits, the key is not
+    passed on while the head runs again."""
+    keyed.configure(key_on_failure="continue")
+    with keyed.connect() as conn:
+        head = enqueue_ordered(conn, "deferred", 1, fail=True, slow=2)
+    producer = keyed.connect(autocommit=False)
+    enqueue_ordered(producer, "deferred", 2)
+    wait_until(lambda: keyed.value("SELECT status::text FROM outbox.events WHERE id = %s", (head,)) == "failed",
+               timeout=60, message="the head failed")
+    time.sleep(0.5)
+    redis_server.client().set(f"heal:{head}", 1)
+    assert keyed.value("SELECT outbox_retry(%s)", (head,)) is True
+    wait_until(lambda: keyed.value("SELECT deliveries FROM outbox.events WHERE id = %s", (head,)) == 2,
+               timeout=60, message="the head sent again")
+    producer.commit()
+    producer.close()
+    wait_until(lambda: len(runs(redis_server, "deferred")) == 3, timeout=60, message="every run")
+    assert_one_at_a_time(runs(redis_server, "deferred"), [1, 1, 2])
+
+
+def test_an_acknowledgement_waits_for_a_producer_of_its_key_and_holds_up_nothing(keyed, redis_server):
+    """With acknowledgements, the head finishes at outbox_ack(). A producer
+    of its key has not committed: the acknowledgement waits for it, without
+    a lock the dispatchers need, and the key goes on once it commits."""
+    keyed.configure(report_key="", ack_timeout="1h")
+    client = redis_server.client()
+    idle = QUEUE + "_idle"
+    with keyed.connect() as conn:
+        head = enqueue_ordered(conn, "acking", 1, queue=idle)
+    wait_until(lambda: queued_ids(client, idle) == [str(head)], timeout=30, message="the head sent")
+    producer = keyed.connect(autocommit=False)
+    second = enqueue_ordered(producer, "acking", 2, queue=idle)
+    acked = []
+    acker = threading.Thread(target=lambda: acked.append(keyed.value("SELECT outbox_ack(%s)", (head,))))
+    acker.start()
+    time.sleep(0.5)
+    assert acked == [], "the acknowledgement waits for the producer of its key"
+    with keyed.connect() as conn:
+        others = [enqueue_ordered(conn, f"meanwhile{n}", 1, queue=idle) for n in range(3)]
+    wait_until(lambda: set(map(str, others)) <= set(queued_ids(client, idle)), timeout=30,
+               message="other keys sent meanwhile")
+    assert keyed.value("SELECT count(*) FROM outbox.workers WHERE state = 'blocked'") == 0
+    producer.commit()
+    producer.close()
+    acker.join(timeout=30)
+    assert acked == [True]
+    wait_until(lambda: str(second) in queued_ids(client, idle), timeout=30, message="the key went on")
+    client.delete(idle)
+
+
+def test_outbox_skip_lets_a_key_go_on_past_a_head_never_reported(keyed, redis_server):
+    """A head sent to a queue nobody consumes is never reported: the key
+    waits, and outbox_skip() lets it go on (outbox_retry() would not: the
+    head is not failed)."""
+    client = redis_server.client()
+    idle = QUEUE + "_idle"
+    with keyed.connect() as conn:
+        head = enqueue_ordered(conn, "unheard", 1, queue=idle)
+        second = enqueue_ordered(conn, "unheard", 2, queue=idle)
+    wait_until(lambda: queued_ids(client, idle) == [str(head)], timeout=30, message="the head sent")
+    assert keyed.sql("SELECT head, status::text, waiting FROM outbox.blocked_keys") == [(head, "dispatched", 1)]
+    assert keyed.value("SELECT outbox_retry(%s)", (head,)) is False
+    assert keyed.value("SELECT outbox_skip(%s)", (second,)) is False, "a waiting event holds nothing"
+    assert keyed.value("SELECT outbox_skip(%s)", (head,)) is True
+    wait_until(lambda: queued_ids(client, idle) == [str(head), str(second)], timeout=30, message="the key went on")
+    client.delete(idle)
+
+
+def test_retrying_every_failed_event_keeps_each_keys_order(keyed, redis_server, fleet):
+    """Under continue, three events of a key fail and the key goes on past
+    each; outbox_retry_failed() gives them new turns in their first order."""
+    keyed.configure(key_on_failure="continue")
+    with keyed.connect() as conn:
+        failing = [enqueue_ordered(conn, "again", seq, fail=True) for seq in (1, 2, 3)]
+    wait_until(lambda: keyed.count("failed") == 3, timeout=60, message="three failed")
+    for event in failing:
+        redis_server.client().set(f"heal:{event}", 1)
+    assert keyed.value("SELECT outbox_retry_failed()") == 3
+    wait_until(lambda: len(runs(redis_server, "again")) == 6, timeout=60, message="each ran again")
+    assert_one_at_a_time(runs(redis_server, "again"), [1, 2, 3, 1, 2, 3])
 
 
 def test_key_on_failure_continue(keyed, redis_server, fleet):

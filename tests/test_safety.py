@@ -15,7 +15,7 @@ import pytest
 
 from harness import Cluster, Redis, queued_ids, wait_until
 
-ENQUEUE = "outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb)"
+ENQUEUE = "outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb, text)"
 
 
 def public_file(directory, name, text):

@@ -314,7 +314,7 @@ def test_only_the_owner_or_a_grantee_subscribes_and_any_writer_routes(subs, redi
                 GRANT USAGE ON SCHEMA outbox TO sub_writer;
                 GRANT INSERT ON outbox.events TO sub_writer;
                 GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer,
-                                                         interval, jsonb) TO sub_writer""")
+                                                         interval, jsonb, text) TO sub_writer""")
     try:
         with subs.connect(user="sub_writer") as writer:
             with pytest.raises(psycopg.errors.InsufficientPrivilege):

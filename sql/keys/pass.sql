@@ -1,19 +1,24 @@
 -- Passes keys on, in a transaction that holds their locks (lock.sql), in a
 -- statement that began after it took them, so that it sees every event a
--- producer of the key committed. Heads $1 are finished: each lets its key
--- go, and the event right behind it, when it waits, becomes the key's head.
+-- producer of the key committed. Heads $1 that are finished (processed;
+-- failed too with $4, dispatched too with $5: a head retried since it
+-- finished is not) let their key go, and the event right behind each,
+-- when it waits, becomes the key's head.
 -- Keys $2 (of subscriptions $3) were found with events waiting and no head
 -- (sweep_keys.sql): their first waiting event becomes the head, unless a
 -- head took the key meanwhile. A new head is pending as it was, due from
 -- now if it was due before, and in line as if this transaction had
--- enqueued it (the trigger events_pending_again). Returns the new heads.
+-- enqueued it (the trigger events_pending_again). Returns how many heads
+-- let their key go, and how many events became heads.
 -- Served by events_key_idx and events_key_state_idx.
 WITH passed AS (
     UPDATE outbox.events AS e
        SET key_state = NULL
      WHERE e.id OPERATOR(pg_catalog.=) ANY ($1::uuid[])
        AND e.key_state OPERATOR(pg_catalog.=) 'head'
-       AND e.status OPERATOR(pg_catalog.<>) ALL ('{pending,processing}')  -- retried meanwhile: not finished
+       AND (e.status OPERATOR(pg_catalog.=) 'processed'
+            OR (e.status OPERATOR(pg_catalog.=) 'failed' AND $4)
+            OR (e.status OPERATOR(pg_catalog.=) 'dispatched' AND $5))
     RETURNING e.ordering_key, coalesce(e.subscription_id, 0) AS subscription, e.key_seq
 ), next AS (
     SELECT n.id
@@ -24,7 +29,6 @@ WITH passed AS (
             WHERE w.ordering_key OPERATOR(pg_catalog.=) p.ordering_key
               AND coalesce(w.subscription_id, 0) OPERATOR(pg_catalog.=) p.subscription
               AND w.key_seq OPERATOR(pg_catalog.>) p.key_seq
-              AND w.ordering_key IS NOT NULL
             ORDER BY w.key_seq
             LIMIT 1) AS n
     UNION ALL
@@ -43,11 +47,14 @@ WITH passed AS (
                         WHERE h.key_state OPERATOR(pg_catalog.=) 'head'
                           AND h.ordering_key OPERATOR(pg_catalog.=) k.key
                           AND coalesce(h.subscription_id, 0) OPERATOR(pg_catalog.=) k.subscription)
+), promoted AS (
+    UPDATE outbox.events AS e
+       SET key_state = 'head',
+           available_at = GREATEST(e.available_at, pg_catalog.now())
+      FROM next
+     WHERE e.id OPERATOR(pg_catalog.=) next.id
+       AND e.key_state OPERATOR(pg_catalog.=) 'waiting'
+       AND e.status OPERATOR(pg_catalog.=) 'pending'
+    RETURNING e.id
 )
-UPDATE outbox.events AS e
-   SET key_state = 'head',
-       available_at = GREATEST(e.available_at, pg_catalog.now())
-  FROM next
- WHERE e.id OPERATOR(pg_catalog.=) next.id
-   AND e.key_state OPERATOR(pg_catalog.=) 'waiting'
-RETURNING e.id
+SELECT (SELECT pg_catalog.count(*) FROM passed), (SELECT pg_catalog.count(*) FROM promoted)

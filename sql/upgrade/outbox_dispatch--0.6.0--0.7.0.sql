@@ -35,7 +35,7 @@ CREATE TRIGGER events_pending_again
 ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER events_pending_again;
 
 CREATE INDEX events_key_idx ON outbox.events (ordering_key, (coalesce(subscription_id, 0)), key_seq)
-    WHERE ordering_key IS NOT NULL;
+    WHERE key_seq IS NOT NULL;
 CREATE INDEX events_key_state_idx ON outbox.events (key_state, ordering_key, (coalesce(subscription_id, 0)), key_seq)
     WHERE key_state IS NOT NULL;
 CREATE SEQUENCE outbox.key_seq;
@@ -71,8 +71,9 @@ END
 $$;
 
 CREATE TRIGGER events_take_turn
-    BEFORE INSERT OR UPDATE OF ordering_key, key_seq ON outbox.events
-    FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.key_seq IS NULL AND NEW.status = 'pending')
+    BEFORE INSERT OR UPDATE OF ordering_key, key_seq, key_state ON outbox.events
+    FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending'
+                       AND (NEW.key_seq IS NULL OR NEW.key_state IS NULL))
     EXECUTE FUNCTION @extschema@.outbox_take_turn();
 
 -- Deliveries keep the event's key, per subscription.
@@ -308,6 +309,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     retried bigint;
+    again uuid;
 BEGIN
     IF older_than < interval '0' THEN
         RAISE EXCEPTION 'outbox_retry_failed: older_than must not be negative (got %)', older_than
@@ -319,11 +321,27 @@ BEGIN
            available_at = pg_catalog.clock_timestamp(),
            processing_started_at = NULL,
            claimed_by = NULL,
-           send_id = NULL,
-           key_seq = CASE WHEN e.key_state IS NULL THEN NULL ELSE e.key_seq END
+           send_id = NULL
      WHERE e.status = 'failed'
+       AND (e.ordering_key IS NULL OR e.key_state IS NOT NULL)
        AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than);
     GET DIAGNOSTICS retried = ROW_COUNT;
+    -- Those whose key went on without them take new turns one by one, in
+    -- the order of their keys and, within a key, of their first turns: the
+    -- keys' locks are taken in sorted order, and a key gets them back in
+    -- the order they were enqueued.
+    FOR again IN
+        SELECT e.id
+          FROM outbox.events AS e
+         WHERE e.status = 'failed'
+           AND e.ordering_key IS NOT NULL AND e.key_state IS NULL
+           AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than)
+         ORDER BY e.ordering_key, coalesce(e.subscription_id, 0), e.key_seq
+    LOOP
+        IF @extschema@.outbox_retry(again) THEN
+            retried := retried + 1;
+        END IF;
+    END LOOP;
     IF retried > 0 THEN
         PERFORM @extschema@.outbox_wake();
     END IF;
@@ -397,10 +415,19 @@ SELECT h.ordering_key, h.subscription_id, h.id AS head, h.status,
            AND coalesce(w.subscription_id, 0) = coalesce(h.subscription_id, 0)) AS waiting
   FROM outbox.events AS h
  WHERE h.key_state = 'head'
-   AND NOT (h.status = 'pending' AND h.available_at <= pg_catalog.now());
+   AND NOT (h.status = 'pending' AND h.available_at <= pg_catalog.now())
+UNION ALL
+SELECT w.ordering_key, w.subscription_id, NULL, NULL, pg_catalog.min(w.available_at), NULL, pg_catalog.count(*)
+  FROM outbox.events AS w
+ WHERE w.key_state = 'waiting'
+   AND NOT EXISTS (SELECT FROM outbox.events AS h
+                    WHERE h.key_state = 'head'
+                      AND h.ordering_key = w.ordering_key
+                      AND coalesce(h.subscription_id, 0) = coalesce(w.subscription_id, 0))
+ GROUP BY w.ordering_key, w.subscription_id;
 
 COMMENT ON VIEW outbox.blocked_keys IS
-    'Keys whose head (the one event of the key that may be sent) is in flight, not yet due, or dead-lettered, with the events waiting behind it. A failed head holds its key until outbox_retry() or outbox_skip() (outbox.key_on_failure = block).';
+    'Keys whose head (the one event of the key that may be sent) is in flight, not yet due, or dead-lettered, with the events waiting behind it; then keys with events waiting and no head (head NULL). A failed head holds its key until outbox_retry() or outbox_skip() (outbox.key_on_failure = block).';
 
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_skip(uuid),

@@ -307,7 +307,7 @@ impl Plans {
             )?,
             home: prepare(include_str!("../../../sql/worker/home.sql"), &[OID])?,
             lock_keys: prepare(keys::LOCK, &[TEXT_ARRAY, INT8_ARRAY, BOOL])?,
-            pass_keys: prepare(keys::PASS, &[UUID_ARRAY, TEXT_ARRAY, INT8_ARRAY])?,
+            pass_keys: prepare(keys::PASS, &[UUID_ARRAY, TEXT_ARRAY, INT8_ARRAY, BOOL, BOOL])?,
             sweep_keys: prepare(include_str!("../../../sql/worker/sweep_keys.sql"), &[BOOL, BOOL, INT4])?,
         })
     }
@@ -615,19 +615,16 @@ impl Store {
         }
     }
 
-    /// [`Store::with_plans`], with the keys `body` finished (told to
-    /// [`Turns`]) passed on before the transaction commits, and the heads
-    /// deferred before with them.
+    /// [`Store::with_plans`], with [`Turns`] for `body` to tell the heads
+    /// it finished and pass their keys on ([`Turns::pass`]: before a claim,
+    /// which then sees the new heads, never after one), the heads deferred
+    /// before among them. What it could not pass is deferred again.
     fn with_turns<R>(
         &mut self,
         body: impl FnOnce(&mut SpiClient<'_>, &Plans, i32, &mut Turns) -> Result<R, SpiError>,
     ) -> Result<Option<R>, StoreError> {
         let mut turns = Turns { policy: self.key_policy, heads: self.deferred.clone(), promoted: 0 };
-        let result = self.with_plans(|client, plans, dispatcher| {
-            let result = body(client, plans, dispatcher, &mut turns)?;
-            turns.pass(client, plans)?;
-            Ok(result)
-        });
+        let result = self.with_plans(|client, plans, dispatcher| body(client, plans, dispatcher, &mut turns));
         if let Ok(Some(_)) = result {
             self.deferred = turns.heads;
             counters::add(Counter::KeyTurns, turns.promoted);
@@ -760,7 +757,10 @@ impl Store {
 
     /// Records `settled` on its own, when no claim is to follow.
     pub fn settle(&mut self, settled: &Outcome) -> Result<(), StoreError> {
-        self.with_turns(|client, plans, dispatcher, turns| mark(client, plans, dispatcher, settled, turns))?;
+        self.with_turns(|client, plans, dispatcher, turns| {
+            mark(client, plans, dispatcher, settled, turns)?;
+            turns.pass(client, plans)
+        })?;
         Ok(())
     }
 
@@ -795,6 +795,7 @@ impl Store {
                     resent += 1;
                 }
             }
+            turns.pass(client, plans)?;
             Ok((resent, failed))
         })?;
         Ok(swept.unwrap_or((0, 0)))
@@ -807,7 +808,8 @@ impl Store {
     pub fn sweep_keys(&mut self) -> Result<u64, StoreError> {
         let policy = self.key_policy;
         let swept = self.with_plans(|client, plans, _| {
-            let args: [DatumWithOid; 3] = [policy.failed.into(), policy.dispatched.into(), (SWEEP_BATCH as i32).into()];
+            let args: [DatumWithOid; 3] =
+                [policy.failed.into(), policy.dispatched.into(), (SWEEP_BATCH as i32).into()];
             report_running(&plans.sweep_keys.text);
             let (mut heads, mut stranded) = (Vec::new(), Vec::new());
             for row in client.select(&plans.sweep_keys.plan, None, &args)? {
@@ -820,7 +822,7 @@ impl Store {
                     None => stranded.push(key),
                 }
             }
-            Ok(keys::pass(client, plans.keys(), heads, &stranded, false)?.promoted)
+            Ok(keys::pass(client, plans.keys(), heads, &stranded, policy, false)?.promoted)
         })?;
         let promoted = swept.unwrap_or(0);
         counters::add(Counter::KeyTurns, promoted);
@@ -856,6 +858,7 @@ impl Store {
                     }
                 }
             }
+            turns.pass(client, plans)?;
             Ok((processed, failed))
         })?;
         Ok(applied.unwrap_or((0, 0)))
@@ -987,7 +990,7 @@ impl Turns {
         if !heads.is_empty() {
             report_running(&plans.pass_keys.text);
         }
-        let passed = keys::pass(client, plans.keys(), heads, &[], false)?;
+        let passed = keys::pass(client, plans.keys(), heads, &[], self.policy, false)?;
         self.promoted += passed.promoted;
         self.heads = passed.deferred;
         Ok(())
