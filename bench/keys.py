@@ -56,7 +56,7 @@ def full_loop(pg, redis, keyed):
     try:
         wait_until(lambda: redis.client().exists("_kombu.binding.bench_keys") or worker.proc.poll() is not None,
                    timeout=60, message="the Celery worker")
-        key = "'k' || (g % %s)" % KEYS if keyed else "NULL"
+        key = f"'k' || (g %% {KEYS})" if keyed else "NULL"
         with pg.connect() as conn:
             conn.execute(f"SELECT outbox_enqueue('bench.loop', '{{}}', queue => 'bench_keys', task => 'loop.noop', "
                          f"ordering_key => {key}) FROM generate_series(1, %s) AS g", (LOOP_EVENTS,))

@@ -142,21 +142,14 @@ pub fn pass_now(client: &mut SpiClient<'_>, head: Head, finished: KeyPolicy) -> 
 /// statement inserted before are seen too (as PL/pgSQL sees them).
 #[pg_extern(volatile, parallel_unsafe)]
 fn outbox_key_taken(ordering_key: &str, subscription: i64) -> bool {
-    let taken = std::ffi::CString::new(include_str!("../sql/keys/taken.sql")).expect("no NUL in SQL files");
     Spi::connect(|_| {
         // SAFETY: the SPI calls of ri_triggers.c's ri_PerformCheck, inside
-        // the connection pgrx opened, on the main thread. The plan is made
-        // and freed here, the arguments outlive the call, and the one
-        // result column is a bool.
+        // the connection pgrx opened, on the main thread. The plan is kept
+        // for the life of the backend (PostgreSQL's plan cache revalidates
+        // it), the arguments outlive the call, and the one result column is
+        // a bool.
         unsafe {
-            let mut types = [pg_sys::TEXTOID, pg_sys::INT8OID];
-            let plan = pg_sys::SPI_prepare(taken.as_ptr(), 2, types.as_mut_ptr());
-            if plan.is_null() {
-                error!(
-                    "outbox_key_taken: cannot prepare its query (SPI error {})",
-                    std::ptr::addr_of!(pg_sys::SPI_result).read()
-                );
-            }
+            let plan = taken_plan();
             let key = pgrx::IntoDatum::into_datum(ordering_key).expect("text is never null");
             let mut values = [key, pg_sys::Datum::from(subscription)];
             let nulls = [b' ' as std::ffi::c_char; 2];
@@ -174,18 +167,42 @@ fn outbox_key_taken(ordering_key: &str, subscription: i64) -> bool {
             if status != pg_sys::SPI_OK_SELECT as i32 {
                 error!("outbox_key_taken: its query failed (SPI status {status})");
             }
-            let taken = if pg_sys::SPI_processed == 0 {
-                false
-            } else {
-                let table = &*pg_sys::SPI_tuptable;
-                let mut null = false;
-                let datum = pg_sys::SPI_getbinval(*table.vals, table.tupdesc, 1, &mut null);
-                !null && bool::from_datum(datum, false).unwrap_or(false)
-            };
-            pg_sys::SPI_freeplan(plan);
-            taken
+            if pg_sys::SPI_processed == 0 {
+                return false;
+            }
+            let table = &*pg_sys::SPI_tuptable;
+            let mut null = false;
+            let datum = pg_sys::SPI_getbinval(*table.vals, table.tupdesc, 1, &mut null);
+            !null && bool::from_datum(datum, false).unwrap_or(false)
         }
     })
+}
+
+thread_local! {
+    /// The plan of `sql/keys/taken.sql`, prepared once per backend.
+    static TAKEN: std::cell::Cell<pg_sys::SPIPlanPtr> = const { std::cell::Cell::new(std::ptr::null_mut()) };
+}
+
+/// The plan of `sql/keys/taken.sql`, prepared and kept the first time.
+///
+/// # Safety
+/// Inside an SPI connection.
+unsafe fn taken_plan() -> pg_sys::SPIPlanPtr {
+    let kept = TAKEN.get();
+    if !kept.is_null() {
+        return kept;
+    }
+    let sql = std::ffi::CString::new(include_str!("../sql/keys/taken.sql")).expect("no NUL in SQL files");
+    let mut types = [pg_sys::TEXTOID, pg_sys::INT8OID];
+    let plan = pg_sys::SPI_prepare(sql.as_ptr(), 2, types.as_mut_ptr());
+    if plan.is_null() || pg_sys::SPI_keepplan(plan) != 0 {
+        error!(
+            "outbox_key_taken: cannot prepare its query (SPI error {})",
+            std::ptr::addr_of!(pg_sys::SPI_result).read()
+        );
+    }
+    TAKEN.set(plan);
+    plan
 }
 
 /// Lets a key go on without its head: a dead-lettered head (failed under
