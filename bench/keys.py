@@ -98,7 +98,7 @@ def block_keys(pg, n):
         for first in range(1, n + 1, 1000):
             conn.execute("SELECT outbox_enqueue('bench.blocked', '{}', queue => 'bench_blocked', "
                          "ordering_key => 'blocked' || k) "
-                         "FROM generate_series(%s, %s) AS k, generate_series(0, %s) AS s ORDER BY k, s",
+                         "FROM generate_series(%s::int, %s::int) AS k, generate_series(0, %s::int) AS s ORDER BY k, s",
                          (first, min(first + 999, n), WAITING))
         conn.execute("UPDATE outbox.events SET status = 'failed', last_error = 'bench' WHERE key_state = 'head'")
         conn.execute("VACUUM ANALYZE outbox.events")
