@@ -388,7 +388,7 @@ def test_upgrade_from_the_previous_version_keeps_events_flowing(redis_server):
         assert pg.sql("SELECT status::text, count, estimated FROM outbox.status") == [
             ("pending", 2, False), ("processing", 0, False), ("dispatched", 0, False), ("processed", 0, False),
             ("failed", 0, False)]
-        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "0.7.0"
+        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "0.8.0"
         pg.configure(enabled="on")
         third = pg.value("SELECT outbox_enqueue('new', '{}', queue => 'q_upgrade')")
         wait_until(lambda: set(queued_ids(redis_server.client(), "q_upgrade")) == {str(first), str(second), str(third)},

@@ -1,7 +1,8 @@
 //! Housekeeping: the stuck and unacknowledged sweepers, the sweep for keys
-//! left without a head, and the lifecycle purge. One dispatcher at a time does it (a turn in shared memory), for
-//! at most [`BATCHES`] transactions a step: what is left falls due again at
-//! once, after the next drain, so a large purge never stalls delivery.
+//! left without a head, and the lifecycle purge. One dispatcher at a time
+//! does it (a turn in shared memory), for at most [`BATCHES`] transactions
+//! a step: what is left falls due again at once, after the next drain, so a
+//! large purge never stalls delivery.
 
 use std::time::{Duration, Instant};
 

@@ -13,4 +13,4 @@
 from outbox_dispatch.producer import AutocommitError, enqueue, publish
 
 __all__ = ["AutocommitError", "enqueue", "publish"]
-__version__ = "0.7.0"
+__version__ = "0.8.0"
