@@ -337,6 +337,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb, text),
     @extschema@.outbox_ack(uuid),
     @extschema@.outbox_skip(uuid),
+    @extschema@.outbox_inbox_claim(uuid, text),
     @extschema@.outbox_retry(uuid),
     @extschema@.outbox_retry_failed(interval),
     @extschema@.outbox_adopt(),

@@ -60,6 +60,7 @@ pub static REPORT_KEY: GucSetting<Option<CString>> =
 pub static MAX_BATCH_BYTES_KB: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024);
 pub static STATEMENT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
 pub static REPORT_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
+pub static INBOX_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 86_400);
 pub static KEY_ON_FAILURE: GucSetting<KeyOnFailure> = GucSetting::<KeyOnFailure>::new(KeyOnFailure::Block);
 
 /// `outbox.key_on_failure`: what a dead-lettered head does to its key.
@@ -101,7 +102,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 35] = [
+const DECLARATIONS: [Declaration; 36] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -170,6 +171,8 @@ const DECLARATIONS: [Declaration; 35] = [
         c"Channel of that NOTIFY."),
     Declaration(c"outbox.max_payload_bytes", Suset, NONE, Int(&MAX_PAYLOAD_BYTES, 1, i32::MAX, GucFlags::UNIT_BYTE),
         c"Largest payload outbox_enqueue() accepts (its jsonb size); dispatchers do not check it again."),
+    Declaration(c"outbox.inbox_retention", Sighup, NONE, Int(&INBOX_RETENTION_S, 3600, 3650 * DAY_S, S),
+        c"Messages claimed with outbox_inbox_claim() are remembered this long: longer than any may come again."),
     Declaration(c"outbox.key_on_failure", Sighup, NONE, OnFailure(&KEY_ON_FAILURE),
         c"A dead-lettered event with an ordering_key: block its key until outbox_retry() or outbox_skip(), or continue."),
 ];
@@ -299,6 +302,7 @@ pub struct Settings {
     pub statement_timeout: Duration,
     pub sweep_interval: Duration,
     pub retention: Duration,
+    pub inbox_retention: Duration,
     pub lifecycle_interval: Duration,
     pub heartbeat_interval: Duration,
     /// The list workers report this database's outcomes to: see
@@ -368,6 +372,7 @@ impl Settings {
             statement_timeout: millis(&STATEMENT_TIMEOUT_MS),
             sweep_interval: seconds(&SWEEP_INTERVAL_S),
             retention: seconds(&RETENTION_S),
+            inbox_retention: seconds(&INBOX_RETENTION_S),
             lifecycle_interval: seconds(&LIFECYCLE_INTERVAL_S),
             heartbeat_interval: seconds(&HEARTBEAT_INTERVAL_S),
             report_key: Some(text(&REPORT_KEY)).filter(|k| !k.is_empty()).map(|k| report_list(&k)),

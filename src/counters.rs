@@ -44,6 +44,8 @@ named! {
             => "Reconnects that found the Redis master at another address than before (a failover).",
         Purged = "outbox_purged" => "Finished events deleted after outbox.retention.",
         Batches = "outbox_batches" => "Batches pushed to Redis.",
+        InboxDuplicates = "outbox_inbox_duplicates"
+            => "Messages outbox_inbox_claim() found claimed already: runs whose effects were skipped.",
         KeyTurns = "outbox_key_turns"
             => "Events that became their key's head, the event before them finished (per-key order).",
         AccumulatedBatches = "outbox_accumulated_batches"

@@ -12,6 +12,7 @@ mod api;
 mod commands;
 mod config;
 mod counters;
+mod inbox;
 mod keys;
 mod launcher;
 mod slots;
@@ -40,6 +41,7 @@ extension_sql_file!(
     name = "keys",
     requires = ["schema", "subscriptions", keys::outbox_key_taken]
 );
+extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["schema"]);
 extension_sql_file!("../sql/api.sql", name = "api", finalize);
 
 #[pg_guard]

@@ -103,7 +103,7 @@ def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
         "outbox_events": "gauge", "outbox_events_estimated": "gauge", "outbox_lag_seconds": "gauge",
         "outbox_events_unreported": "gauge", "outbox_workers_blocked": "gauge", "outbox_purge_lag_seconds": "gauge",
         "outbox_oldest_transaction_seconds": "gauge", "outbox_events_dead_tuples": "gauge",
-        "outbox_key_turns": "counter", "outbox_events_waiting": "gauge", "outbox_keys_waiting": "gauge",
+        "outbox_key_turns": "counter", "outbox_inbox_duplicates": "counter", "outbox_events_waiting": "gauge", "outbox_keys_waiting": "gauge",
         "outbox_keys_dead_lettered": "gauge", "outbox_key_head_seconds": "gauge",
     }
     assert {name: f.type for name, f in families.items()} == expected

@@ -1,8 +1,8 @@
 //! Housekeeping: the stuck and unacknowledged sweepers, the sweep for keys
-//! left without a head, and the lifecycle purge. One dispatcher at a time
-//! does it (a turn in shared memory), for at most [`BATCHES`] transactions
-//! a step: what is left falls due again at once, after the next drain, so a
-//! large purge never stalls delivery.
+//! left without a head, and the lifecycle purge (of events, then of the
+//! inbox). One dispatcher at a time does it (a turn in shared memory), for
+//! at most [`BATCHES`] transactions a step: what is left falls due again at
+//! once, after the next drain, so a large purge never stalls delivery.
 
 use std::time::{Duration, Instant};
 
@@ -114,8 +114,10 @@ impl Schedule {
         if now >= self.next_lifecycle {
             let acks_off = settings.ack_timeout.is_zero();
             let cursor = &mut self.purge_cursor;
-            match sweep_some(|| store.purge(settings.retention, acks_off, cursor)) {
-                Ok((purged, more)) => {
+            let purged = sweep_some(|| store.purge(settings.retention, acks_off, cursor))
+                .and_then(|events| Ok((events, sweep_some(|| store.purge_inbox(settings.inbox_retention))?)));
+            match purged {
+                Ok(((purged, more), (_, more_claims))) => {
                     counters::add(Counter::Purged, purged);
                     if !more {
                         // The next round starts from the beginning: rows
@@ -123,7 +125,7 @@ impl Schedule {
                         self.purge_cursor = PurgeCursor::default();
                     }
                     self.lifecycle_failures = 0;
-                    self.next_lifecycle = next(now, more, settings.lifecycle_interval);
+                    self.next_lifecycle = next(now, more || more_claims, settings.lifecycle_interval);
                 }
                 Err(e) => {
                     self.next_lifecycle =

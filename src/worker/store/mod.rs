@@ -171,6 +171,7 @@ struct Plans {
     lock_keys: Statement,
     pass_keys: Statement,
     sweep_keys: Statement,
+    purge_inbox: Statement,
 }
 
 impl Plans {
@@ -309,6 +310,7 @@ impl Plans {
             lock_keys: prepare(keys::LOCK, &[TEXT_ARRAY, INT8_ARRAY, BOOL])?,
             pass_keys: prepare(keys::PASS, &[UUID_ARRAY, TEXT_ARRAY, INT8_ARRAY, BOOL, BOOL])?,
             sweep_keys: prepare(include_str!("../../../sql/worker/sweep_keys.sql"), &[BOOL, BOOL, INT4])?,
+            purge_inbox: prepare(include_str!("../../../sql/worker/purge_inbox.sql"), &[FLOAT8, INT4])?,
         })
     }
 }
@@ -893,6 +895,12 @@ impl Store {
             Ok(deleted)
         })?;
         Ok(purged.unwrap_or(0))
+    }
+
+    /// Deletes up to [`SWEEP_BATCH`] inbox rows claimed longer than
+    /// `retention` ago.
+    pub fn purge_inbox(&mut self, retention: Duration) -> Result<u64, StoreError> {
+        self.sweep(|p| &p.purge_inbox, retention)
     }
 
     fn sweep(&mut self, statement: fn(&Plans) -> &Statement, age: Duration) -> Result<u64, StoreError> {

@@ -1,0 +1,49 @@
+//! The inbox (README, "Effects once"): `outbox_inbox_claim()`, which a task
+//! calls in the transaction that makes its effects, so that a message run
+//! twice makes them once. The table is in sql/inbox.sql; the dispatchers
+//! purge it after `outbox.inbox_retention`.
+
+use pgrx::prelude::*;
+
+use crate::counters::{self, Counter};
+
+/// The longest consumer name, in bytes.
+const MAX_CONSUMER_BYTES: usize = 255;
+
+/// Claims message `id` for `consumer` in the calling transaction: true when
+/// this transaction is the first to claim it, false when another claimed it
+/// and committed (its effects are made: skip them). A claim another
+/// transaction holds and has not ended makes this wait for it; if that
+/// rolls back, this one claims. SECURITY DEFINER: the workers' role needs
+/// EXECUTE on this function, nothing on the table.
+#[pg_extern(volatile, parallel_unsafe, security_definer)]
+#[search_path(pg_catalog, pg_temp)]
+fn outbox_inbox_claim(id: Option<pgrx::Uuid>, consumer: default!(Option<&str>, "''")) -> bool {
+    let Some(id) = id else {
+        refuse("outbox_inbox_claim: id must not be null".to_string());
+    };
+    let Some(consumer) = consumer else {
+        refuse("outbox_inbox_claim: consumer must not be null (use '' for a single consumer)".to_string());
+    };
+    if consumer.len() > MAX_CONSUMER_BYTES {
+        refuse(format!(
+            "outbox_inbox_claim: consumer is {} bytes, the limit is {MAX_CONSUMER_BYTES} bytes",
+            consumer.len()
+        ));
+    }
+    let claimed = Spi::connect_mut(|client| {
+        let inserted =
+            client.update(include_str!("../sql/inbox/claim.sql"), None, &[id.into(), consumer.into()])?;
+        Ok::<_, pgrx::spi::SpiError>(!inserted.is_empty())
+    })
+    .unwrap_or_else(|e| error!("outbox_inbox_claim: {e}"));
+    if !claimed {
+        counters::add(Counter::InboxDuplicates, 1);
+    }
+    claimed
+}
+
+fn refuse(message: String) -> ! {
+    ereport!(PgLogLevel::ERROR, PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE, message);
+    unreachable!("ereport(ERROR) does not return")
+}

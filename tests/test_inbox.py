@@ -1,0 +1,116 @@
+"""The inbox: outbox_inbox_claim() claims a message once per consumer, in
+the caller's transaction. The hostile cases first: a duplicate racing the
+first claim (committed, rolled back), bad input, a role with no grant, a
+planted search_path; then retention and pg_dump."""
+
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from harness import wait_until
+
+
+@pytest.fixture
+def inbox(cluster):
+    cluster.sql("ALTER SYSTEM RESET ALL")
+    cluster.configure(enabled="on")
+    cluster.sql("TRUNCATE outbox.inbox")
+    yield cluster
+
+
+def claim(conn, message, consumer=None):
+    if consumer is None:
+        return conn.execute("SELECT outbox_inbox_claim(%s)", (message,)).fetchone()[0]
+    return conn.execute("SELECT outbox_inbox_claim(%s, %s)", (message, consumer)).fetchone()[0]
+
+
+@pytest.mark.parametrize("first_ends", ["commit", "rollback"])
+def test_a_duplicate_waits_for_the_first_claim(inbox, first_ends):
+    """The second claim of a message waits for the first transaction: false
+    once it commits, true (its own claim) once it rolled back."""
+    message = uuid.uuid4()
+    first = inbox.connect(autocommit=False)
+    assert claim(first, message) is True
+    answers = []
+
+    def second_claim():
+        with inbox.connect(autocommit=False) as second:
+            answers.append(claim(second, message))
+            second.commit()
+
+    thread = threading.Thread(target=second_claim)
+    thread.start()
+    time.sleep(0.5)
+    assert answers == [], "the duplicate must wait for the first claim's transaction"
+    getattr(first, first_ends)()
+    first.close()
+    thread.join(timeout=30)
+    assert answers == [first_ends == "rollback"]
+    assert inbox.value("SELECT count(*) FROM outbox.inbox WHERE id = %s", (message,)) == 1
+
+
+def test_once_per_consumer_and_duplicates_counted(inbox):
+    message = uuid.uuid4()
+    before = inbox.metric("outbox_inbox_duplicates_total") or 0
+    with inbox.connect() as conn:
+        assert claim(conn, message) is True
+        assert claim(conn, message) is False
+        assert claim(conn, message, "billing") is True
+        assert claim(conn, message, "billing") is False
+        assert claim(conn, message, "email") is True
+    assert inbox.metric("outbox_inbox_duplicates_total") == before + 2
+
+
+def test_bad_input_is_refused_and_claims_nothing(inbox):
+    with inbox.connect() as conn:
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="id must not be null"):
+            conn.execute("SELECT outbox_inbox_claim(NULL)")
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="consumer must not be null"):
+            conn.execute("SELECT outbox_inbox_claim(%s, NULL)", (uuid.uuid4(),))
+        with pytest.raises(psycopg.errors.InvalidParameterValue,
+                           match="consumer is 256 bytes, the limit is 255 bytes"):
+            claim(conn, uuid.uuid4(), "c" * 256)
+    assert inbox.value("SELECT count(*) FROM outbox.inbox") == 0
+
+
+def test_only_a_granted_role_claims_and_it_needs_nothing_else(inbox):
+    inbox.sql("DROP ROLE IF EXISTS inbox_worker")
+    inbox.sql("CREATE ROLE inbox_worker LOGIN")
+    try:
+        with inbox.connect(user="inbox_worker") as conn:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                claim(conn, uuid.uuid4())
+        inbox.sql("GRANT EXECUTE ON FUNCTION outbox_inbox_claim(uuid, text) TO inbox_worker")
+        with inbox.connect(user="inbox_worker") as conn:
+            # A table of the same name on its search_path changes nothing.
+            conn.execute("CREATE TEMPORARY TABLE inbox (id uuid, consumer text)")
+            assert claim(conn, uuid.uuid4()) is True
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("SELECT count(*) FROM outbox.inbox")
+        assert inbox.value("SELECT count(*) FROM outbox.inbox") == 1
+    finally:
+        inbox.sql("REVOKE ALL ON FUNCTION outbox_inbox_claim(uuid, text) FROM inbox_worker")
+        inbox.sql("DROP ROLE inbox_worker")
+
+
+def test_claims_older_than_the_retention_are_forgotten(inbox):
+    old, recent = uuid.uuid4(), uuid.uuid4()
+    with inbox.connect() as conn:
+        claim(conn, old)
+        claim(conn, recent)
+    inbox.sql("UPDATE outbox.inbox SET claimed_at = now() - interval '2 hours' WHERE id = %s", (old,))
+    inbox.configure(inbox_retention="1h", lifecycle_interval="1s")
+    wait_until(lambda: inbox.value("SELECT count(*) FROM outbox.inbox WHERE id = %s", (old,)) == 0,
+               timeout=60, message="the old claim purged")
+    assert inbox.value("SELECT count(*) FROM outbox.inbox WHERE id = %s", (recent,)) == 1
+    with inbox.connect() as conn:
+        assert claim(conn, old) is True, "a forgotten message is claimed anew"
+
+
+def test_the_retention_is_checked(inbox):
+    with inbox.connect() as conn:
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="outbox.inbox_retention"):
+            conn.execute("ALTER SYSTEM SET outbox.inbox_retention = '10min'")
