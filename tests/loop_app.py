@@ -11,6 +11,8 @@ import time
 import redis
 from celery import Celery, signals
 
+from outbox_dispatch.inbox import once
+
 BROKER = os.environ["OUTBOX_TEST_BROKER"]
 
 app = Celery("outbox_loop", broker=BROKER)
@@ -140,3 +142,23 @@ def ordered(self, key, seq, fail=False, producer=None, slow=0):
 
 for name in ("loop.ordered", "loop.ordered_too"):
     app.task(name=name, bind=True)(ordered)
+
+
+def effects_connection():
+    """A connection to the database the effects go to (tests/test_inbox.py
+    names it in OUTBOX_TEST_DSN)."""
+    import psycopg
+
+    return psycopg.connect(os.environ["OUTBOX_TEST_DSN"])
+
+
+@app.task(name="loop.effect", bind=True, max_retries=3)
+@once(effects_connection)
+def effect(self, n, fail_first=False, conn=None):
+    """Effects once (tests/test_inbox.py): writes its row, slowly enough
+    that a duplicate running at the same time waits for it; with
+    fail_first, its first run raises after writing, and Celery retries it."""
+    conn.execute("INSERT INTO effects (event, n) VALUES (%s, %s)", (self.request.id, n))
+    time.sleep(0.3)
+    if fail_first and self.request.retries == 0:
+        raise self.retry(exc=RuntimeError("the first run fails after its write"), countdown=0.1)

@@ -3,6 +3,7 @@ the caller's transaction. The hostile cases first: a duplicate racing the
 first claim (committed, rolled back), bad input, a role with no grant, a
 planted search_path; then retention and pg_dump."""
 
+import json
 import threading
 import time
 import uuid
@@ -10,7 +11,7 @@ import uuid
 import psycopg
 import pytest
 
-from harness import wait_until
+from harness import CeleryWorker, wait_until
 
 
 @pytest.fixture
@@ -114,3 +115,73 @@ def test_the_retention_is_checked(inbox):
     with inbox.connect() as conn:
         with pytest.raises(psycopg.errors.InvalidParameterValue, match="outbox.inbox_retention"):
             conn.execute("ALTER SYSTEM SET outbox.inbox_retention = '10min'")
+
+
+# --- Through a prefork Celery worker -------------------------------------------
+
+QUEUE = "effects"
+
+
+def dsn(pg):
+    return f"host={pg.dir} port={pg.port} user=postgres dbname=postgres"
+
+
+def start_worker(pg, redis_server):
+    worker = CeleryWorker(redis_server.url, queues=(QUEUE,), app="loop_app", pool="prefork", concurrency=4,
+                          env={"OUTBOX_TEST_DSN": dsn(pg)})
+    worker.wait_ready()
+    return worker
+
+
+@pytest.fixture
+def effects(inbox, redis_server):
+    inbox.sql("DROP TABLE IF EXISTS effects")
+    inbox.sql("CREATE TABLE effects (event uuid NOT NULL, n integer NOT NULL)")
+    inbox.sql("TRUNCATE outbox.events")
+    redis_server.client().delete(QUEUE)
+    yield inbox
+    inbox.sql("DROP TABLE effects")
+
+
+def test_every_message_delivered_twice_at_once_makes_its_effect_once(effects, redis_server):
+    """20 events sent while no worker runs; each message is then put in
+    the queue twice, side by side, for four processes to run at once: the
+    effects table holds each event's row once, and every event is
+    processed."""
+    client = redis_server.client()
+    with effects.connect() as conn:
+        ids = [str(conn.execute("SELECT outbox_enqueue('effect', %s::jsonb, queue => %s, task => 'loop.effect')",
+                                (json.dumps({"n": n}), QUEUE)).fetchone()[0]) for n in range(20)]
+    wait_until(lambda: client.llen(QUEUE) == 20, timeout=30, message="20 messages sent")
+    messages = client.lrange(QUEUE, 0, -1)
+    client.delete(QUEUE)
+    client.rpush(QUEUE, *[m for message in messages for m in (message, message)])
+    before = effects.metric("outbox_inbox_duplicates_total") or 0
+    worker = start_worker(effects, redis_server)
+    try:
+        wait_until(lambda: effects.count("processed") == 20 and client.llen(QUEUE) == 0, timeout=120,
+                   message="every event processed")
+        wait_until(lambda: (effects.metric("outbox_inbox_duplicates_total") or 0) - before == 20, timeout=60,
+                   message="20 duplicates skipped")
+        rows = effects.sql("SELECT event::text, count(*) FROM effects GROUP BY 1")
+        assert sorted(rows) == sorted((i, 1) for i in ids)
+        # A duplicate that arrives after the first committed is skipped too.
+        client.rpush(QUEUE, messages[0])
+        wait_until(lambda: (effects.metric("outbox_inbox_duplicates_total") or 0) - before == 21, timeout=60,
+                   message="the late duplicate skipped")
+        assert effects.value("SELECT count(*) FROM effects") == 20
+    finally:
+        worker.close()
+
+
+def test_a_body_that_raises_rolls_its_claim_back_and_the_retry_makes_the_effect_once(effects, redis_server):
+    worker = start_worker(effects, redis_server)
+    try:
+        with effects.connect() as conn:
+            event = conn.execute("SELECT outbox_enqueue('effect', '{\"n\": 1, \"fail_first\": true}', "
+                                 "queue => %s, task => 'loop.effect')", (QUEUE,)).fetchone()[0]
+        wait_until(lambda: effects.count("processed") == 1, timeout=60, message="the event processed")
+        assert effects.sql("SELECT event, n FROM effects") == [(event, 1)]
+        assert effects.value("SELECT count(*) FROM outbox.inbox WHERE id = %s", (event,)) == 1
+    finally:
+        worker.close()

@@ -126,7 +126,13 @@ mod tests {
             send: Uuid::parse_str(SEND).unwrap(),
             outcome: Outcome::Processed,
         };
-        assert_eq!(processed, Ok(expected));
+        assert_eq!(processed, Ok(expected.clone()));
+        // A duplicate the inbox skipped (outbox_dispatch.inbox.once) is processed.
+        let duplicate = Report::parse(
+            format!(r#"{{"id": "{ID}", "send": "{SEND}", "outcome": "processed", "duplicate": true}}"#)
+                .as_bytes(),
+        );
+        assert_eq!(duplicate, Ok(expected));
         let failed = Report::parse(
             format!(r#"{{"id": "{ID}", "send": "{SEND}", "outcome": "failed", "error": "ValueError: no"}}"#)
                 .as_bytes(),

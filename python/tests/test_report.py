@@ -50,3 +50,9 @@ def test_a_report_is_sent_whatever_the_text_holds():
     odd = "bad " + b"\xff".decode("utf-8", "surrogateescape")
     body = report.failed("e", "s", report.describe_exception(ValueError(odd)))
     assert json.loads(body)["error"].startswith("ValueError: bad ")
+
+
+def test_a_duplicate_is_reported_processed_and_says_so():
+    assert json.loads(report.processed("i", "s", duplicate=True)) == {
+        "id": "i", "send": "s", "outcome": "processed", "duplicate": True}
+    assert "duplicate" not in json.loads(report.processed("i", "s"))

@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional
 
 from celery import Celery, signals
 
-from outbox_dispatch import report
+from outbox_dispatch import inbox, report
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,10 @@ def _report_request(app: Celery, request: Any, task_id: Optional[str], outcome: 
     task_id = task_id or getattr(request, "id", None)
     if key is None or send is None or not task_id:
         return
-    body = report.processed(task_id, send) if outcome == "processed" else report.failed(task_id, send, error or "failed")
+    if outcome == "processed":
+        body = report.processed(task_id, send, duplicate=getattr(request, inbox.DUPLICATE_ATTRIBUTE, False) is True)
+    else:
+        body = report.failed(task_id, send, error or "failed")
     _send(app, key, task_id, body)
 
 

@@ -15,6 +15,8 @@ import json
 import uuid
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
+from outbox_dispatch.call import Call
+
 #: Seconds, a timedelta, or (for ``expires``) an absolute datetime, as Celery takes them.
 Seconds = Union[int, float, dt.timedelta]
 
@@ -22,15 +24,12 @@ Seconds = Union[int, float, dt.timedelta]
 # outbox_enqueue resolves through the connection's search_path: the
 # extension's schema (public by default) must be on it.
 # CAST rather than "::": SQLAlchemy would read ":name::type" as no parameter.
-_CALL = (
+_ENQUEUE = Call(
     "SELECT outbox_enqueue(event_type => {0}, payload => CAST({1} AS jsonb), queue => {2}, task => {3}, "
     "headers => CAST({4} AS jsonb), delay => CAST({5} AS interval), priority => {6}, "
-    "expires => CAST({7} AS interval), args => CAST({8} AS jsonb), ordering_key => {9})"
+    "expires => CAST({7} AS interval), args => CAST({8} AS jsonb), ordering_key => {9})",
+    ("event_type", "payload", "queue", "task", "headers", "delay", "priority", "expires", "args", "ordering_key"),
 )
-_FORMAT_SQL = _CALL.format(*["%s"] * 10)
-_PARAMETERS = ("event_type", "payload", "queue", "task", "headers", "delay", "priority", "expires", "args",
-               "ordering_key")
-_NAMED_SQL = _CALL.format(*[f":{name}" for name in _PARAMETERS])
 
 
 def enqueue(
@@ -309,23 +308,5 @@ def _dumps(value: Any, what: str, caller: str) -> Optional[str]:
 
 
 def _run(conn: Any, parameters: Tuple[Any, ...], caller: str) -> uuid.UUID:
-    if type(conn).__module__.startswith("sqlalchemy"):
-        from sqlalchemy import text
-
-        value = conn.execute(text(_NAMED_SQL), dict(zip(_PARAMETERS, parameters))).scalar_one()
-    elif hasattr(conn, "fetchone"):
-        conn.execute(_FORMAT_SQL, parameters)
-        value = conn.fetchone()[0]
-    elif hasattr(conn, "cursor"):
-        cursor = conn.cursor()
-        try:
-            cursor.execute(_FORMAT_SQL, parameters)
-            value = cursor.fetchone()[0]
-        finally:
-            cursor.close()
-    else:
-        raise TypeError(
-            f"{caller}: conn must be a DB-API connection or cursor, or a SQLAlchemy Connection or Session, "
-            f"not {type(conn).__name__}"
-        )
+    value = _ENQUEUE.scalar(conn, parameters, caller)
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))

@@ -41,8 +41,14 @@ def send_id(headers: Optional[Mapping[str, Any]]) -> Optional[str]:
     return send if isinstance(send, str) and send else None
 
 
-def processed(task_id: str, send: str) -> bytes:
-    return _encode({"id": task_id, "send": send, "outcome": "processed"})
+def processed(task_id: str, send: str, duplicate: bool = False) -> bytes:
+    """A success report; ``duplicate`` says the run found its message
+    claimed already (:func:`outbox_dispatch.inbox.once`) and skipped its
+    body. The dispatchers take it as processed either way."""
+    body: dict[str, Any] = {"id": task_id, "send": send, "outcome": "processed"}
+    if duplicate:
+        body["duplicate"] = True
+    return _encode(body)
 
 
 def failed(task_id: str, send: str, error: str) -> bytes:
@@ -73,7 +79,7 @@ def describe_exception(exception: BaseException, traceback: Optional[str] = None
     return text
 
 
-def _encode(report: Mapping[str, str]) -> bytes:
+def _encode(report: Mapping[str, Any]) -> bytes:
     # An exception's text may hold lone surrogates (bytes decoded with
     # surrogateescape): replaced, so that the report is still sent.
     return json.dumps(report, separators=(",", ":"), ensure_ascii=False).encode("utf-8", errors="replace")

@@ -1,0 +1,91 @@
+"""The inbox helpers without a database: what claim() sends, and how once()
+refuses what it cannot use (tests/test_inbox.py runs them against
+PostgreSQL through a prefork Celery worker)."""
+
+import types
+import uuid
+
+import pytest
+
+from outbox_dispatch import inbox
+
+
+class Recorder:
+    """A DB-API cursor that records the call and answers `answer`."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.calls = []
+
+    def execute(self, sql, params):
+        self.calls.append((sql, params))
+
+    def fetchone(self):
+        return (self.answer,)
+
+
+def test_claim_names_the_message_and_the_consumer():
+    cursor = Recorder(True)
+    message = uuid.uuid4()
+    assert inbox.claim(cursor, message, "billing") is True
+    [(sql, params)] = cursor.calls
+    assert "outbox_inbox_claim(id => CAST(%s AS uuid), consumer => %s)" in sql
+    assert params == (str(message), "billing")
+    assert inbox.claim(Recorder(False), message) is False
+
+
+def test_claim_refuses_what_it_cannot_send():
+    with pytest.raises(TypeError, match="claim: consumer must be a string"):
+        inbox.claim(Recorder(True), uuid.uuid4(), 7)
+    with pytest.raises(TypeError, match="claim: conn must be a DB-API connection"):
+        inbox.claim(object(), uuid.uuid4())
+
+
+def test_once_refuses_a_using_it_cannot_open():
+    task = types.SimpleNamespace(name="t", request=types.SimpleNamespace(id=str(uuid.uuid4())))
+
+    @inbox.once(42)
+    def body(task):
+        return "ran"
+
+    with pytest.raises(TypeError, match="once: using must be a Django database alias"):
+        body(task)
+
+
+class Transactional:
+    """A psycopg-like connection: a context manager with transaction()."""
+
+    def __init__(self, answer):
+        self.cursor = Recorder(answer)
+        self.transactions = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def transaction(self):
+        self.transactions += 1
+        return self
+
+    def execute(self, sql, params):
+        self.cursor.execute(sql, params)
+
+    def fetchone(self):
+        return self.cursor.fetchone()
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_once_runs_the_body_only_for_the_first_claim(first):
+    conn = Transactional(first)
+    task = types.SimpleNamespace(name="shop.charge", request=types.SimpleNamespace(id=str(uuid.uuid4())))
+
+    @inbox.once(lambda: conn)
+    def body(task, n, conn=None):
+        return (n, conn)
+
+    assert body(task, 7) == ((7, conn) if first else None)
+    assert conn.transactions == 1
+    assert conn.cursor.calls[0][1] == (task.request.id, "shop.charge")
+    assert getattr(task.request, inbox.DUPLICATE_ATTRIBUTE, False) is (not first)
