@@ -154,11 +154,12 @@ def effects_connection():
 
 @app.task(name="loop.effect", bind=True, max_retries=3)
 @once(effects_connection)
-def effect(self, n, fail_first=False, conn=None):
-    """Effects once (tests/test_inbox.py): writes its row, slowly enough
-    that a duplicate running at the same time waits for it; with
-    fail_first, its first run raises after writing, and Celery retries it."""
+def effect(self, n, fail_first=False, hold=0.3, conn=None):
+    """Effects once (tests/test_inbox.py): writes its row, then holds its
+    transaction `hold` seconds, so that a duplicate running at the same
+    time waits for it; with fail_first, its first run raises after
+    writing, and Celery retries it."""
     conn.execute("INSERT INTO effects (event, n) VALUES (%s, %s)", (self.request.id, n))
-    time.sleep(0.3)
+    time.sleep(hold)
     if fail_first and self.request.retries == 0:
         raise self.retry(exc=RuntimeError("the first run fails after its write"), countdown=0.1)

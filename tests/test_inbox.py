@@ -5,13 +5,15 @@ planted search_path; then retention and pg_dump."""
 
 import json
 import threading
+import types
 import time
 import uuid
 
 import psycopg
 import pytest
 
-from harness import CeleryWorker, wait_until
+from harness import CeleryWorker, Cluster, wait_until
+from outbox_dispatch.inbox import once
 
 
 @pytest.fixture
@@ -126,8 +128,8 @@ def dsn(pg):
     return f"host={pg.dir} port={pg.port} user=postgres dbname=postgres"
 
 
-def start_worker(pg, redis_server):
-    worker = CeleryWorker(redis_server.url, queues=(QUEUE,), app="loop_app", pool="prefork", concurrency=4,
+def start_worker(pg, redis_server, pool="prefork"):
+    worker = CeleryWorker(redis_server.url, queues=(QUEUE,), app="loop_app", pool=pool, concurrency=4,
                           env={"OUTBOX_TEST_DSN": dsn(pg)})
     worker.wait_ready()
     return worker
@@ -143,11 +145,12 @@ def effects(inbox, redis_server):
     inbox.sql("DROP TABLE effects")
 
 
-def test_every_message_delivered_twice_at_once_makes_its_effect_once(effects, redis_server):
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_every_message_delivered_twice_at_once_makes_its_effect_once(effects, redis_server, pool):
     """20 events sent while no worker runs; each message is then put in
-    the queue twice, side by side, for four processes to run at once: the
-    effects table holds each event's row once, and every event is
-    processed."""
+    the queue twice, side by side, for four processes (or threads) to run
+    at once: the effects table holds each event's row once, and every event
+    is processed."""
     client = redis_server.client()
     with effects.connect() as conn:
         ids = [str(conn.execute("SELECT outbox_enqueue('effect', %s::jsonb, queue => %s, task => 'loop.effect')",
@@ -157,7 +160,7 @@ def test_every_message_delivered_twice_at_once_makes_its_effect_once(effects, re
     client.delete(QUEUE)
     client.rpush(QUEUE, *[m for message in messages for m in (message, message)])
     before = effects.metric("outbox_inbox_duplicates_total") or 0
-    worker = start_worker(effects, redis_server)
+    worker = start_worker(effects, redis_server, pool)
     try:
         wait_until(lambda: effects.count("processed") == 20 and client.llen(QUEUE) == 0, timeout=120,
                    message="every event processed")
@@ -185,3 +188,103 @@ def test_a_body_that_raises_rolls_its_claim_back_and_the_retry_makes_the_effect_
         assert effects.value("SELECT count(*) FROM outbox.inbox WHERE id = %s", (event,)) == 1
     finally:
         worker.close()
+
+
+def test_a_server_crash_mid_drain_sends_duplicates_and_the_effects_happen_once(redis_server):
+    """The crash test of tests/test_reliability.py, with tasks that write:
+    the marks lost in the crash send events again (counted in the queue),
+    and each event's effect is made once."""
+    # Its own report list: the shared cluster's dispatchers read theirs on
+    # the same Redis (clusters sharing a Redis need distinct keys).
+    pg = Cluster(redis_server.url, enabled="off", batch_size=200, report_key="inbox_crash.reports")
+    client = redis_server.client()
+    worker = None
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.sql("CREATE TABLE effects (event uuid NOT NULL, n integer NOT NULL)")
+        client.delete(QUEUE)
+        with pg.connect() as conn:
+            conn.execute("SELECT outbox_enqueue('effect', jsonb_build_object('n', n, 'hold', 0), queue => %s, "
+                         "task => 'loop.effect') FROM generate_series(1, 3000) AS n", (QUEUE,))
+        pg.configure(enabled="on")
+        wait_until(lambda: client.llen(QUEUE) >= 600, message="the drain to be under way")
+        pg.stop("immediate")
+        pg.start()
+        wait_until(lambda: pg.count("dispatched") == 3000, timeout=180, message="every event after recovery")
+        sent = client.llen(QUEUE)
+        assert sent > 3000, "the crash lost no mark: nothing was sent twice"
+        worker = start_worker(pg, redis_server)
+        wait_until(lambda: pg.count("processed") == 3000 and client.llen(QUEUE) == 0, timeout=300,
+                   message="every event processed")
+        assert pg.value("SELECT count(*) FROM effects") == 3000
+        assert pg.value("SELECT count(DISTINCT event) FROM effects") == 3000
+        wait_until(lambda: pg.metric("outbox_inbox_duplicates_total") == sent - 3000, timeout=60,
+                   message="each duplicate skipped")
+    finally:
+        if worker is not None:
+            worker.close()
+        pg.close()
+
+
+def driver_using(pg, driver):
+    """`once(using)` for `driver`, and a function that writes an effect row
+    through what the body is given."""
+    insert = "INSERT INTO effects (event, n) VALUES (%s, %s)"
+    if driver == "psycopg":
+        return (lambda: psycopg.connect(dsn(pg))), lambda task, n, conn: conn.execute(insert, (task.request.id, n))
+    if driver == "sqlalchemy":
+        import sqlalchemy
+        from sqlalchemy.orm import sessionmaker
+
+        engine = sqlalchemy.create_engine(f"postgresql+psycopg://postgres@/postgres?host={pg.dir}&port={pg.port}")
+        named = sqlalchemy.text("INSERT INTO effects (event, n) VALUES (CAST(:event AS uuid), :n)")
+        return sessionmaker(engine), lambda task, n, session: session.execute(named, {"event": task.request.id,
+                                                                                       "n": n})
+    from test_enqueue import django_connection
+
+    django_connection(pg)
+    from django.db import connection, transaction
+
+    transaction.set_autocommit(True)
+
+    def write(task, n, _):
+        with connection.cursor() as cursor:
+            cursor.execute(insert, (task.request.id, n))
+
+    return "default", write
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "sqlalchemy", "django"])
+def test_once_with_each_driver_makes_the_effect_once(effects, driver):
+    """The decorated body, called from two threads at once for the same
+    message and once more after: one run writes, the others are skipped."""
+    using, write = driver_using(effects, driver)
+    keyword = {"psycopg": "conn", "sqlalchemy": "session", "django": None}[driver]
+
+    @once(using)
+    def body(task, n, **given):
+        write(task, n, given.get(keyword) if keyword else None)
+        time.sleep(0.3)
+        return n
+
+    message = str(uuid.uuid4())
+    results = []
+
+    def run():
+        task = types.SimpleNamespace(name="effects.test", request=types.SimpleNamespace(id=message))
+        try:
+            results.append(body(task, 1))
+        finally:
+            if driver == "django":
+                from django.db import connections
+
+                connections.close_all()
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    run()
+    assert sorted(results, key=lambda r: r is None) == [1, None, None], results
+    assert effects.value("SELECT count(*) FROM effects WHERE event = %s", (message,)) == 1
