@@ -8,6 +8,8 @@
   type (``outbox_subscribe()``), each delivered as a task of its own.
 - :mod:`outbox_dispatch.celery`, imported by a Celery app, reports the
   outcome of every task that came from the outbox back to the database.
+- :mod:`outbox_dispatch.inbox`: ``once`` makes a task's writes to the
+  database happen once per message, however often it is delivered.
 """
 
 from outbox_dispatch.producer import AutocommitError, enqueue, publish
