@@ -53,7 +53,7 @@ pub const PASS: &str = include_str!("../sql/keys/pass.sql");
 /// that sees what their producers committed meanwhile, the passing
 /// (`pass`, [`PASS`]). A statement each, run as prepared plans by the
 /// dispatchers, as text by the SQL functions.
-pub fn pass<L: Clone, P>(
+pub fn pass<L, P>(
     client: &mut SpiClient<'_>,
     (lock, pass): (L, P),
     heads: Vec<Head>,
