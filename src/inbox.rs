@@ -10,9 +10,9 @@ use crate::counters::{self, Counter};
 /// The longest consumer name, in bytes.
 const MAX_CONSUMER_BYTES: usize = 255;
 
-/// Claims message `id` for `consumer` in the calling transaction: true when
-/// this transaction is the first to claim it, false when another claimed it
-/// and committed (its effects are made: skip them). A claim another
+/// Claims message `id` for `consumer` in the calling transaction block:
+/// true when this transaction is the first to claim it, false when it was
+/// claimed already (by another transaction that committed, or by this one). A claim another
 /// transaction holds and has not ended makes this wait for it; if that
 /// rolls back, this one claims. SECURITY DEFINER: the workers' role needs
 /// EXECUTE on this function, nothing on the table.
@@ -30,6 +30,15 @@ fn outbox_inbox_claim(id: Option<pgrx::Uuid>, consumer: default!(Option<&str>, "
             "outbox_inbox_claim: consumer is {} bytes, the limit is {MAX_CONSUMER_BYTES} bytes",
             consumer.len()
         ));
+    }
+    // SAFETY: a read of the transaction state.
+    if !unsafe { pg_sys::IsTransactionBlock() } {
+        ereport!(
+            PgLogLevel::ERROR,
+            PgSqlErrorCode::ERRCODE_NO_ACTIVE_SQL_TRANSACTION,
+            "outbox_inbox_claim: must be called inside a transaction block (BEGIN … COMMIT), in the \
+             transaction that makes the effects: in autocommit the claim would commit on its own"
+        );
     }
     let claimed = Spi::connect_mut(|client| {
         let inserted =

@@ -3,6 +3,7 @@ the caller's transaction. The hostile cases first: a duplicate racing the
 first claim (committed, rolled back), bad input, a role with no grant, a
 planted search_path; then retention and pg_dump."""
 
+import contextlib
 import json
 import threading
 import types
@@ -25,9 +26,12 @@ def inbox(cluster):
 
 
 def claim(conn, message, consumer=None):
-    if consumer is None:
-        return conn.execute("SELECT outbox_inbox_claim(%s)", (message,)).fetchone()[0]
-    return conn.execute("SELECT outbox_inbox_claim(%s, %s)", (message, consumer)).fetchone()[0]
+    """One claim in a transaction block: its own, on an autocommit
+    connection."""
+    with conn.transaction() if conn.autocommit else contextlib.nullcontext():
+        if consumer is None:
+            return conn.execute("SELECT outbox_inbox_claim(%s)", (message,)).fetchone()[0]
+        return conn.execute("SELECT outbox_inbox_claim(%s, %s)", (message, consumer)).fetchone()[0]
 
 
 @pytest.mark.parametrize("first_ends", ["commit", "rollback"])
@@ -55,12 +59,38 @@ def test_a_duplicate_waits_for_the_first_claim(inbox, first_ends):
     assert inbox.value("SELECT count(*) FROM outbox.inbox WHERE id = %s", (message,)) == 1
 
 
+def test_a_claim_outside_a_transaction_block_is_refused(inbox):
+    """In autocommit the claim would commit on its own, before the effects
+    it guards (and a duplicate would stop waiting for them)."""
+    with inbox.connect() as conn:
+        with pytest.raises(psycopg.errors.NoActiveSqlTransaction, match="inside a transaction block"):
+            conn.execute("SELECT outbox_inbox_claim(%s)", (uuid.uuid4(),))
+    assert inbox.value("SELECT count(*) FROM outbox.inbox") == 0
+
+
+def test_a_claim_of_an_event_that_may_run_again_outlives_the_retention(inbox):
+    """The purge keeps the claim of an event still here and not processed
+    (a dead letter that outbox_retry() may send again): its effects were
+    made, and must not be made twice."""
+    inbox.configure(enabled="off")
+    with inbox.connect() as conn:
+        failed = conn.execute("SELECT outbox_enqueue('x', '{}')").fetchone()[0]
+        conn.execute("UPDATE outbox.events SET status = 'failed' WHERE id = %s", (failed,))
+        claim(conn, failed)
+        claim(conn, uuid.uuid4())
+    inbox.sql("UPDATE outbox.inbox SET claimed_at = now() - interval '2 hours'")
+    inbox.configure(enabled="on", inbox_retention="1h", lifecycle_interval="1s")
+    wait_until(lambda: inbox.value("SELECT count(*) FROM outbox.inbox") == 1, timeout=60,
+               message="the other claim purged")
+    assert inbox.value("SELECT id FROM outbox.inbox") == failed
+
+
 def test_once_per_consumer_and_duplicates_counted(inbox):
     message = uuid.uuid4()
     before = inbox.metric("outbox_inbox_duplicates_total") or 0
-    with inbox.connect() as conn:
+    with inbox.connect() as conn, conn.transaction():
         assert claim(conn, message) is True
-        assert claim(conn, message) is False
+        assert claim(conn, message) is False, "claimed already, by this very transaction"
         assert claim(conn, message, "billing") is True
         assert claim(conn, message, "billing") is False
         assert claim(conn, message, "email") is True
@@ -90,6 +120,7 @@ def test_only_a_granted_role_claims_and_it_needs_nothing_else(inbox):
         with inbox.connect(user="inbox_worker") as conn:
             # A table of the same name on its search_path changes nothing.
             conn.execute("CREATE TEMPORARY TABLE inbox (id uuid, consumer text)")
+            conn.execute("SET search_path = pg_temp, public")
             assert claim(conn, uuid.uuid4()) is True
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 conn.execute("SELECT count(*) FROM outbox.inbox")
@@ -288,3 +319,59 @@ def test_once_with_each_driver_makes_the_effect_once(effects, driver):
     run()
     assert sorted(results, key=lambda r: r is None) == [1, None, None], results
     assert effects.value("SELECT count(*) FROM effects WHERE event = %s", (message,)) == 1
+
+
+def test_once_refuses_what_would_break_its_promise(effects):
+    """An autocommit connection, a body that caught its transaction's
+    failure, a Django transaction already open, a keyword the task was given
+    itself, a task id that is not a message's: each an error, nothing
+    claimed."""
+    import sqlalchemy
+    from sqlalchemy.orm import sessionmaker
+
+    from outbox_dispatch import AutocommitError
+
+    def task():
+        return types.SimpleNamespace(name="effects.test", request=types.SimpleNamespace(id=str(uuid.uuid4())))
+
+    url = f"postgresql+psycopg://postgres@/postgres?host={effects.dir}&port={effects.port}"
+    autocommit = sessionmaker(sqlalchemy.create_engine(url, isolation_level="AUTOCOMMIT"))
+
+    @once(autocommit)
+    def on_autocommit(task, session):
+        session.execute(sqlalchemy.text("INSERT INTO effects VALUES (gen_random_uuid(), 1)"))
+
+    with pytest.raises(AutocommitError, match="claim: the connection is in autocommit mode"):
+        on_autocommit(task())
+
+    @once(lambda: psycopg.connect(dsn(effects)))
+    def swallowing(task, conn):
+        conn.execute("INSERT INTO effects VALUES (gen_random_uuid(), 2)")
+        try:
+            conn.execute("SELECT 1 / 0")
+        except psycopg.errors.DivisionByZero:
+            pass
+
+    with pytest.raises(RuntimeError, match="the task's transaction failed"):
+        swallowing(task())
+
+    with pytest.raises(TypeError, match="the task was given 'conn' itself"):
+        swallowing(task(), conn="mine")
+
+    called_directly = types.SimpleNamespace(name="effects.test", request=types.SimpleNamespace(id=None))
+    with pytest.raises(ValueError, match="the task id must be a UUID"):
+        swallowing(called_directly)
+
+    driver_using(effects, "django")
+    from django.db import connections, transaction
+
+    @once("default")
+    def nested(task):
+        pass
+
+    with pytest.raises(RuntimeError, match="not in autocommit mode"):
+        with transaction.atomic():
+            nested(task())
+    connections.close_all()
+    assert effects.value("SELECT count(*) FROM effects") == 0
+    assert effects.value("SELECT count(*) FROM outbox.inbox") == 0

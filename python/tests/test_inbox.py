@@ -29,7 +29,7 @@ def test_claim_names_the_message_and_the_consumer():
     message = uuid.uuid4()
     assert inbox.claim(cursor, message, "billing") is True
     [(sql, params)] = cursor.calls
-    assert "outbox_inbox_claim(id => CAST(%s AS uuid), consumer => %s)" in sql
+    assert "outbox_inbox_claim(id => CAST(%s AS pg_catalog.uuid), consumer => CAST(%s AS pg_catalog.text))" in sql
     assert params == (str(message), "billing")
     assert inbox.claim(Recorder(False), message) is False
 

@@ -114,18 +114,22 @@ impl Schedule {
         if now >= self.next_lifecycle {
             let acks_off = settings.ack_timeout.is_zero();
             let cursor = &mut self.purge_cursor;
-            let purged = sweep_some(|| store.purge(settings.retention, acks_off, cursor))
-                .and_then(|events| Ok((events, sweep_some(|| store.purge_inbox(settings.inbox_retention))?)));
-            match purged {
-                Ok(((purged, more), (_, more_claims))) => {
-                    counters::add(Counter::Purged, purged);
-                    if !more {
-                        // The next round starts from the beginning: rows
-                        // committed late with earlier times are found then.
-                        self.purge_cursor = PurgeCursor::default();
-                    }
+            let events = sweep_some(|| store.purge(settings.retention, acks_off, cursor));
+            if let Ok((purged, more)) = events {
+                counters::add(Counter::Purged, purged);
+                if !more {
+                    // The next round starts from the beginning: rows
+                    // committed late with earlier times are found then.
+                    self.purge_cursor = PurgeCursor::default();
+                }
+            }
+            // Each purge on its own: one that fails holds up the other's
+            // round no more than the backoff.
+            let claims = sweep_some(|| store.purge_inbox(settings.inbox_retention));
+            match events.and_then(|(_, more)| claims.map(|(_, more_claims)| more || more_claims)) {
+                Ok(more) => {
                     self.lifecycle_failures = 0;
-                    self.next_lifecycle = next(now, more || more_claims, settings.lifecycle_interval);
+                    self.next_lifecycle = next(now, more, settings.lifecycle_interval);
                 }
                 Err(e) => {
                     self.next_lifecycle =

@@ -12,7 +12,8 @@
   database happen once per message, however often it is delivered.
 """
 
-from outbox_dispatch.producer import AutocommitError, enqueue, publish
+from outbox_dispatch.call import AutocommitError
+from outbox_dispatch.producer import enqueue, publish
 
 __all__ = ["AutocommitError", "enqueue", "publish"]
 __version__ = "0.8.0"

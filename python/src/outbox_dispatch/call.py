@@ -40,3 +40,35 @@ class Call:
             f"{caller}: conn must be a DB-API connection or cursor, or a SQLAlchemy Connection or Session, "
             f"not {type(conn).__name__}"
         )
+
+
+class AutocommitError(RuntimeError):
+    """enqueue() or publish() on a connection that commits every statement
+    at once: the event would not be part of the caller's transaction."""
+
+
+def in_autocommit(conn: Any) -> bool:
+    """Whether ``conn`` would commit the event by itself. Django's
+    connection (or cursor) says so outside ``atomic()``; SQLAlchemy's
+    connection or session, and psycopg's and psycopg2's connection or
+    cursor, by their driver connection's ``autocommit``, unless a
+    transaction is open on it all the same (psycopg's
+    ``conn.transaction()``; psycopg2's ``with conn`` sends its BEGIN only
+    with its first statement, so it is seen only after one)."""
+    module = type(conn).__module__
+    if module.startswith("django"):
+        db = getattr(conn, "db", conn)  # a cursor wraps its connection
+        return bool(db.get_autocommit())
+    if module.startswith("sqlalchemy"):
+        connection = conn.connection() if hasattr(conn, "get_bind") else conn  # a Session's
+        conn = connection.connection.dbapi_connection
+    elif hasattr(conn, "fetchone"):  # a DB-API cursor
+        conn = getattr(conn, "connection", conn)
+    return getattr(conn, "autocommit", False) is True and not _in_transaction(conn)
+
+
+def _in_transaction(conn: Any) -> bool:
+    """Whether the driver connection has a transaction open (psycopg 3 and
+    psycopg2 both tell, through ``conn.info.transaction_status``: 0 is idle)."""
+    status = getattr(getattr(conn, "info", None), "transaction_status", 0)
+    return int(status) != 0

@@ -15,9 +15,13 @@ import functools
 import uuid
 from typing import Any, Callable, Iterator, Optional, Tuple, TypeVar, Union
 
-from outbox_dispatch.call import Call
+from outbox_dispatch.call import AutocommitError, Call, in_autocommit
 
-_CLAIM = Call("SELECT outbox_inbox_claim(id => CAST({0} AS uuid), consumer => {1})", ("id", "consumer"))
+# Types qualified: a worker's search_path may hold a domain of the same name.
+_CLAIM = Call(
+    "SELECT outbox_inbox_claim(id => CAST({0} AS pg_catalog.uuid), consumer => CAST({1} AS pg_catalog.text))",
+    ("id", "consumer"),
+)
 
 #: The request attribute a skipped duplicate sets, which the companion's
 #: report carries (``"duplicate": true``).
@@ -30,10 +34,18 @@ def claim(conn: Any, message_id: Union[str, uuid.UUID], consumer: str = "") -> b
     """Claims ``message_id`` for ``consumer`` in the transaction of ``conn``
     (a DB-API connection or cursor, Django's ``connection``, or a
     SQLAlchemy ``Connection`` or ``Session``): True when this transaction
-    is the first to claim it, False when another claimed it and committed.
-    Waits for a claim another transaction holds and has not ended."""
+    is the first to claim it, False when it was claimed already (by a
+    transaction that committed, or by this one). Waits for a claim another
+    transaction holds and has not ended. A connection in autocommit mode
+    would commit the claim apart from the effects it guards:
+    :class:`~outbox_dispatch.AutocommitError`."""
     if not isinstance(consumer, str):
         raise TypeError(f"claim: consumer must be a string, not {type(consumer).__name__}")
+    if in_autocommit(conn):
+        raise AutocommitError(
+            "claim: the connection is in autocommit mode: the claim would commit on its own, apart from the "
+            "effects it guards. Claim inside the transaction that makes them."
+        )
     return bool(_CLAIM.scalar(conn, (str(message_id), consumer), "claim"))
 
 
@@ -63,17 +75,64 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
         @functools.wraps(body)
         def run(task: Any, *args: Any, **kwargs: Any) -> Optional[R]:
             name = consumer if consumer is not None else task.name
+            message = _message_id(task)
+            # Set by this run alone (a message's headers become request
+            # attributes too).
+            setattr(task.request, DUPLICATE_ATTRIBUTE, False)
             with _transaction(using) as (conn, keyword):
-                if not claim(conn, task.request.id, name):
+                if not claim(conn, message, name):
                     setattr(task.request, DUPLICATE_ATTRIBUTE, True)
                     return None
                 if keyword is not None:
+                    if keyword in kwargs:
+                        raise TypeError(f"once: the task was given {keyword!r} itself, which once() passes")
                     kwargs[keyword] = conn
-                return body(task, *args, **kwargs)
+                result = body(task, *args, **kwargs)
+                _check_healthy(conn)
+                return result
 
         return run
 
     return decorate
+
+
+def _message_id(task: Any) -> str:
+    """The task id, which must be a UUID (the outbox's ids are)."""
+    task_id = getattr(task.request, "id", None)
+    try:
+        return str(uuid.UUID(str(task_id)))
+    except ValueError:
+        raise ValueError(
+            f"once: the task id must be a UUID (as the outbox's are), not {task_id!r}: a task called directly "
+            "has none"
+        ) from None
+
+
+def _check_healthy(conn: Any) -> None:
+    """Raises if the transaction failed inside the body (an error the body
+    caught): its commit would roll back the effects and the claim, and the
+    task would be reported processed all the same."""
+    if type(conn).__module__.startswith("django"):
+        from django.db import transaction  # type: ignore[import-untyped]
+
+        if transaction.get_rollback(using=conn.alias):
+            raise RuntimeError("once: the task's transaction is marked for rollback: its effects are not made")
+        conn = conn.connection
+    elif type(conn).__module__.startswith("sqlalchemy"):
+        conn = conn.connection().connection.dbapi_connection
+    info = getattr(conn, "info", None)
+    status = getattr(info, "transaction_status", None)
+    if status is None and hasattr(conn, "get_transaction_status"):  # psycopg2
+        status = conn.get_transaction_status()
+    if status is not None and int(status) >= _IN_ERROR:
+        raise RuntimeError(
+            "once: the task's transaction failed (a database error caught inside the task): its effects and its "
+            "claim would be rolled back at the commit"
+        )
+
+
+#: libpq's transaction status of a failed transaction (then unknown: 4).
+_IN_ERROR = 3
 
 
 @contextlib.contextmanager
@@ -82,9 +141,16 @@ def _transaction(using: Any) -> Iterator[Tuple[Any, Optional[str]]]:
     and rolled back when it raises; yields the connection to claim on and
     the keyword the body gets it as (None: Django's, not passed)."""
     if isinstance(using, str):
-        from django.db import connections, transaction  # type: ignore[import-untyped]
+        from django.db import connections, transaction
 
-        with transaction.atomic(using=using):
+        if not connections[using].get_autocommit():
+            raise RuntimeError(
+                f"once: Django's connection {using!r} is not in autocommit mode (AUTOCOMMIT off, or "
+                "set_autocommit(False)): its transaction would not end with the task"
+            )
+        # durable: refused inside another atomic block, whose transaction
+        # would commit (or not) after the task.
+        with transaction.atomic(using=using, durable=True):
             yield connections[using], None
     elif hasattr(using, "begin") and hasattr(using, "kw"):  # a sessionmaker
         with using.begin() as session:

@@ -15,7 +15,7 @@ import json
 import uuid
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
-from outbox_dispatch.call import Call
+from outbox_dispatch.call import AutocommitError, Call, in_autocommit
 
 #: Seconds, a timedelta, or (for ``expires``) an absolute datetime, as Celery takes them.
 Seconds = Union[int, float, dt.timedelta]
@@ -137,7 +137,7 @@ def _send(
         raise ValueError(f"{caller}: give countdown or eta, not both")
     if ordering_key is not None and not isinstance(ordering_key, str):
         raise TypeError(f"{caller}: ordering_key must be a string or None, not {type(ordering_key).__name__}")
-    if not allow_autocommit and _in_autocommit(conn):
+    if not allow_autocommit and in_autocommit(conn):
         raise AutocommitError(
             f"{caller}: the connection is in autocommit mode: the event would be committed at once, whatever "
             "becomes of the work it belongs to. Call it inside a transaction (conn.transaction(), "
@@ -184,38 +184,6 @@ def _producer_span(queue: Optional[str]) -> Iterator[Any]:
     with tracer.start_as_current_span(f"send {queue}" if queue else "send", kind=trace.SpanKind.PRODUCER,
                                       attributes=attributes) as span:
         yield span
-
-
-class AutocommitError(RuntimeError):
-    """enqueue() or publish() on a connection that commits every statement
-    at once: the event would not be part of the caller's transaction."""
-
-
-def _in_autocommit(conn: Any) -> bool:
-    """Whether ``conn`` would commit the event by itself. Django's
-    connection (or cursor) says so outside ``atomic()``; SQLAlchemy's
-    connection or session, and psycopg's and psycopg2's connection or
-    cursor, by their driver connection's ``autocommit``, unless a
-    transaction is open on it all the same (psycopg's
-    ``conn.transaction()``; psycopg2's ``with conn`` sends its BEGIN only
-    with its first statement, so it is seen only after one)."""
-    module = type(conn).__module__
-    if module.startswith("django"):
-        db = getattr(conn, "db", conn)  # a cursor wraps its connection
-        return bool(db.get_autocommit())
-    if module.startswith("sqlalchemy"):
-        connection = conn.connection() if hasattr(conn, "get_bind") else conn  # a Session's
-        conn = connection.connection.dbapi_connection
-    elif hasattr(conn, "fetchone"):  # a DB-API cursor
-        conn = getattr(conn, "connection", conn)
-    return getattr(conn, "autocommit", False) is True and not _in_transaction(conn)
-
-
-def _in_transaction(conn: Any) -> bool:
-    """Whether the driver connection has a transaction open (psycopg 3 and
-    psycopg2 both tell, through ``conn.info.transaction_status``: 0 is idle)."""
-    status = getattr(getattr(conn, "info", None), "transaction_status", 0)
-    return int(status) != 0
 
 
 def _task_name(task: Any) -> str:
