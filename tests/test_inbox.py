@@ -375,3 +375,39 @@ def test_once_refuses_what_would_break_its_promise(effects):
     connections.close_all()
     assert effects.value("SELECT count(*) FROM effects") == 0
     assert effects.value("SELECT count(*) FROM outbox.inbox") == 0
+
+
+def test_a_duplicate_at_repeatable_read_is_skipped_not_failed(effects):
+    """At repeatable read, the duplicate's claim meets the first run's
+    commit as a serialization failure: once() claims again in a new
+    transaction, which sees it, and skips the body."""
+
+    def repeatable_read():
+        conn = psycopg.connect(dsn(effects))
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        return conn
+
+    @once(repeatable_read)
+    def body(task, n, conn):
+        conn.execute("INSERT INTO effects (event, n) VALUES (%s, %s)", (task.request.id, n))
+        time.sleep(0.5)
+        return n
+
+    message = str(uuid.uuid4())
+    results, errors = [], []
+
+    def run():
+        task = types.SimpleNamespace(name="effects.rr", request=types.SimpleNamespace(id=message))
+        try:
+            results.append(body(task, 1))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(timeout=30)
+    assert errors == [] and sorted(results, key=lambda r: r is None) == [1, None], (results, errors)
+    assert effects.value("SELECT count(*) FROM effects WHERE event = %s", (message,)) == 1

@@ -41,6 +41,8 @@ const PROTOCOL_HEADERS: &[&str] = &[
     "outbox_created_at",
     "outbox_report_to",
     "outbox_send",
+    // Set by outbox_dispatch.inbox.once() on the request of a run it skipped.
+    "outbox_duplicate",
 ];
 
 /// Protocol headers an event may set: a task enqueued from inside a running
@@ -421,6 +423,14 @@ mod tests {
         assert_eq!(env["headers"]["traceparent"], "00-abc-def-01");
         assert_eq!(env["headers"]["id"], msg.id.to_string().as_str());
         assert_eq!(env["headers"]["task"], "app.tasks.render");
+    }
+
+    #[test]
+    fn an_event_cannot_mark_its_runs_duplicates() {
+        let msg = message("{}", Some(r#"{"outbox_duplicate": true, "tenant": "a"}"#));
+        let (env, _) = encode_value(&msg);
+        assert!(env["headers"].get("outbox_duplicate").is_none(), "{env}");
+        assert_eq!(env["headers"]["tenant"], "a");
     }
 
     #[test]

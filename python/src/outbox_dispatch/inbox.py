@@ -79,21 +79,57 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
             # Set by this run alone (a message's headers become request
             # attributes too).
             setattr(task.request, DUPLICATE_ATTRIBUTE, False)
-            with _transaction(using) as (conn, keyword):
-                if not claim(conn, message, name):
-                    setattr(task.request, DUPLICATE_ATTRIBUTE, True)
-                    return None
-                if keyword is not None:
-                    if keyword in kwargs:
-                        raise TypeError(f"once: the task was given {keyword!r} itself, which once() passes")
-                    kwargs[keyword] = conn
-                result = body(task, *args, **kwargs)
-                _check_healthy(conn)
-                return result
+            if keyword_of(using) in kwargs:
+                raise TypeError(f"once: the task was given {keyword_of(using)!r} itself, which once() passes")
+            for attempt in range(CLAIM_ATTEMPTS):
+                claimed = False
+                try:
+                    with _transaction(using) as (conn, keyword):
+                        if not claim(conn, message, name):
+                            setattr(task.request, DUPLICATE_ATTRIBUTE, True)
+                            return None
+                        claimed = True
+                        if keyword is not None:
+                            kwargs[keyword] = conn
+                        result = body(task, *args, **kwargs)
+                        _check_healthy(conn)
+                        return result
+                except Exception as e:
+                    # At repeatable read or serializable, a claim another
+                    # transaction committed after this one's snapshot is a
+                    # serialization failure: a new transaction sees it.
+                    if claimed or attempt + 1 == CLAIM_ATTEMPTS or not _serialization_failure(e):
+                        raise
+            raise AssertionError("unreachable: the last attempt returns or raises")
 
         return run
 
     return decorate
+
+
+#: Transactions a claim is tried in when it meets a serialization failure.
+CLAIM_ATTEMPTS = 3
+
+
+def keyword_of(using: Any) -> Optional[str]:
+    """The keyword the body gets its connection as, for ``using``."""
+    if isinstance(using, str):
+        return None
+    if hasattr(using, "begin") and hasattr(using, "kw"):
+        return "session"
+    return "conn"
+
+
+def _serialization_failure(error: BaseException) -> bool:
+    """SQLSTATE 40001, as psycopg (3 or 2), SQLAlchemy or Django raise it."""
+    seen: Optional[BaseException] = error
+    for _ in range(4):
+        if seen is None:
+            return False
+        if getattr(seen, "sqlstate", None) == "40001" or getattr(seen, "pgcode", None) == "40001":
+            return True
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return False
 
 
 def _message_id(task: Any) -> str:
@@ -140,6 +176,7 @@ def _transaction(using: Any) -> Iterator[Tuple[Any, Optional[str]]]:
     """A transaction on what ``using`` names, committed when the block ends
     and rolled back when it raises; yields the connection to claim on and
     the keyword the body gets it as (None: Django's, not passed)."""
+    keyword = keyword_of(using)
     if isinstance(using, str):
         from django.db import connections, transaction
 
@@ -152,15 +189,15 @@ def _transaction(using: Any) -> Iterator[Tuple[Any, Optional[str]]]:
         # would commit (or not) after the task.
         with transaction.atomic(using=using, durable=True):
             yield connections[using], None
-    elif hasattr(using, "begin") and hasattr(using, "kw"):  # a sessionmaker
+    elif keyword == "session":  # a sessionmaker
         with using.begin() as session:
-            yield session, "session"
+            yield session, keyword
     elif hasattr(using, "connection"):  # a psycopg_pool.ConnectionPool
         with using.connection() as conn, conn.transaction():
-            yield conn, "conn"
+            yield conn, keyword
     elif callable(using):
         with using() as conn, conn.transaction():
-            yield conn, "conn"
+            yield conn, keyword
     else:
         raise TypeError(
             "once: using must be a Django database alias, a SQLAlchemy sessionmaker, a psycopg ConnectionPool "
