@@ -411,3 +411,20 @@ def test_a_duplicate_at_repeatable_read_is_skipped_not_failed(effects):
         t.join(timeout=30)
     assert errors == [] and sorted(results, key=lambda r: r is None) == [1, None], (results, errors)
     assert effects.value("SELECT count(*) FROM effects WHERE event = %s", (message,)) == 1
+
+
+def test_a_task_that_replaces_itself_commits_its_writes(effects):
+    """self.replace() sends the replacement and raises Ignore: the body's
+    writes and its claim commit, and Ignore goes on to Celery."""
+    from celery.exceptions import Ignore
+
+    @once(lambda: psycopg.connect(dsn(effects)))
+    def body(task, conn):
+        conn.execute("INSERT INTO effects (event, n) VALUES (%s, 1)", (task.request.id,))
+        raise Ignore()
+
+    message = str(uuid.uuid4())
+    with pytest.raises(Ignore):
+        body(types.SimpleNamespace(name="effects.replaced", request=types.SimpleNamespace(id=message)))
+    assert effects.value("SELECT count(*) FROM effects WHERE event = %s", (message,)) == 1
+    assert effects.value("SELECT count(*) FROM outbox.inbox WHERE id = %s", (message,)) == 1

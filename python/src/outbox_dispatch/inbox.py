@@ -68,7 +68,11 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
       ``conn``, in ``conn.transaction()``.
 
     An exception in the body rolls its writes back with the claim: a later
-    run (a Celery retry, a redelivery) claims again.
+    run (a Celery retry, a redelivery) claims again. Celery's ``Ignore``
+    (raised by ``self.replace()``) commits them first: the task handed its
+    work on. ``self.retry(throw=False)`` followed by a return commits the
+    claim, and the retry is then skipped as a duplicate: let ``retry()``
+    raise.
     """
 
     def decorate(body: Callable[..., R]) -> Callable[..., Optional[R]]:
@@ -91,9 +95,17 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
                         claimed = True
                         if keyword is not None:
                             kwargs[keyword] = conn
-                        result = body(task, *args, **kwargs)
-                        _check_healthy(conn)
-                        return result
+                        try:
+                            result = body(task, *args, **kwargs)
+                        except Exception as e:
+                            if not _ends_the_task(e):
+                                raise
+                            ended = e
+                        else:
+                            _check_healthy(conn)
+                            return result
+                    # Committed: the task ended on purpose (self.replace()).
+                    raise ended
                 except Exception as e:
                     # At repeatable read or serializable, a claim another
                     # transaction committed after this one's snapshot is a
@@ -118,6 +130,16 @@ def keyword_of(using: Any) -> Optional[str]:
     if hasattr(using, "begin") and hasattr(using, "kw"):
         return "session"
     return "conn"
+
+
+def _ends_the_task(error: BaseException) -> bool:
+    """Celery's ``Ignore``, which ``self.replace()`` raises once the
+    replacement is sent: the body's work is done, its writes commit."""
+    try:
+        from celery.exceptions import Ignore
+    except ImportError:
+        return False
+    return isinstance(error, Ignore)
 
 
 def _serialization_failure(error: BaseException) -> bool:
