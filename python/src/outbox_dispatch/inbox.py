@@ -83,8 +83,8 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
             # Set by this run alone (a message's headers become request
             # attributes too).
             setattr(task.request, DUPLICATE_ATTRIBUTE, False)
-            if keyword_of(using) in kwargs:
-                raise TypeError(f"once: the task was given {keyword_of(using)!r} itself, which once() passes")
+            if _keyword_of(using) in kwargs:
+                raise TypeError(f"once: the task was given {_keyword_of(using)!r} itself, which once() passes")
             for attempt in range(CLAIM_ATTEMPTS):
                 claimed = False
                 try:
@@ -123,7 +123,7 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
 CLAIM_ATTEMPTS = 3
 
 
-def keyword_of(using: Any) -> Optional[str]:
+def _keyword_of(using: Any) -> Optional[str]:
     """The keyword the body gets its connection as, for ``using``."""
     if isinstance(using, str):
         return None
@@ -198,7 +198,7 @@ def _transaction(using: Any) -> Iterator[Tuple[Any, Optional[str]]]:
     """A transaction on what ``using`` names, committed when the block ends
     and rolled back when it raises; yields the connection to claim on and
     the keyword the body gets it as (None: Django's, not passed)."""
-    keyword = keyword_of(using)
+    keyword = _keyword_of(using)
     if isinstance(using, str):
         from django.db import connections, transaction
 
