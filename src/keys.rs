@@ -78,9 +78,6 @@ where
     }
     let (ready, deferred): (Vec<Head>, Vec<Head>) = heads.into_iter().partition(|h| locked.contains(&h.key));
     let stranded: Vec<&Key> = stranded.iter().filter(|k| locked.contains(*k)).collect();
-    if ready.is_empty() && stranded.is_empty() {
-        return Ok(Passed { deferred, ..Passed::default() });
-    }
     let args = [
         ready.iter().map(|h| h.id).collect::<Vec<_>>().into(),
         stranded.iter().map(|k| k.ordering_key.clone()).collect::<Vec<_>>().into(),
