@@ -15,7 +15,7 @@ DEPS_DIR=${OUTBOX_DEPS_DIR:-/opt/outbox_dispatch}
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
 PGRX_VERSION=0.18.0
 
-packages=(redis-server libclang-dev clang openssl prometheus)
+packages=(redis-server rabbitmq-server libclang-dev clang openssl prometheus)
 [[ "$PG" == 15 ]] && packages+=(postgresql-15 postgresql-server-dev-15 postgresql-contrib)
 missing=()
 for pkg in "${packages[@]}"; do

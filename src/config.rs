@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use outbox_core::databases::Served;
-use outbox_core::sink::{BrokerConfig, KOMBU_SEPARATOR};
+use outbox_core::sink::{BrokerConfig, QueueKind, QueueShape, KOMBU_SEPARATOR};
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting, PostgresGucEnum};
 
 /// Upper bound of `outbox.workers`: the dispatcher slots in shared memory
@@ -25,8 +25,12 @@ pub const MAX_DATABASES: usize = 32;
 pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
-pub static REDIS_URL: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(c"redis://127.0.0.1:6379/0"));
+pub static BROKER_URL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+/// `outbox.redis_url`, the former name of `outbox.broker_url`.
+pub static REDIS_URL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(DEFAULT_BROKER_URL));
+const DEFAULT_BROKER_URL: &CStr = c"redis://127.0.0.1:6379/0";
+pub static AMQP_QUEUE_TYPE: GucSetting<AmqpQueueType> = GucSetting::<AmqpQueueType>::new(AmqpQueueType::Classic);
+pub static AMQP_MAX_PRIORITY: GucSetting<i32> = GucSetting::<i32>::new(0);
 pub static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 pub static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 pub static DEFAULT_QUEUE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"celery"));
@@ -74,6 +78,15 @@ pub enum KeyOnFailure {
     Continue,
 }
 
+/// `outbox.amqp_queue_type`: the kind of queue declared on RabbitMQ.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum AmqpQueueType {
+    #[name = c"classic"]
+    Classic,
+    #[name = c"quorum"]
+    Quorum,
+}
+
 const HOUR_MS: i32 = 3_600_000;
 const DAY_S: i32 = 86_400;
 
@@ -86,13 +99,14 @@ enum Value {
     /// `outbox.database`: text whose value is checked as it is set.
     Databases(&'static GucSetting<Option<CString>>),
     OnFailure(&'static GucSetting<KeyOnFailure>),
+    QueueType(&'static GucSetting<AmqpQueueType>),
 }
 
 /// One setting: name, context, flags, value, description.
 struct Declaration(&'static CStr, GucContext, GucFlags, Value, &'static CStr);
 
 use GucContext::{Postmaster, Sighup, Suset, Userset};
-use Value::{Bool, Databases, Int, OnFailure, Text};
+use Value::{Bool, Databases, Int, OnFailure, QueueType, Text};
 
 const NONE: GucFlags = GucFlags::empty();
 const MS: GucFlags = GucFlags::UNIT_MS;
@@ -102,19 +116,21 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 36] = [
+const DECLARATIONS: [Declaration; 39] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
         c"Databases served: one name, a comma-separated list, or * for every database that has the extension."),
     Declaration(c"outbox.enabled", Sighup, NONE, Bool(&ENABLED),
         c"Dispatch events; off pauses the dispatchers without a restart."),
+    Declaration(c"outbox.broker_url", Sighup, SECRET, Text(&BROKER_URL),
+        c"Broker URL: redis://, rediss://, sentinel://, amqp:// or amqps://, as kombu writes them; empty: outbox.redis_url. May hold a password: superusers only."),
     Declaration(c"outbox.redis_url", Sighup, SECRET, Text(&REDIS_URL),
-        c"Broker URL (redis://[user:password@]host:port/db). May hold a password: superusers only."),
+        c"The former name of outbox.broker_url, used while that is empty."),
     Declaration(c"outbox.redis_password_file", Sighup, SECRET, Text(&REDIS_PASSWORD_FILE),
-        c"File holding the broker password (first line); keeps it out of outbox.redis_url and the server log."),
+        c"File holding the broker password (first line); keeps it out of outbox.broker_url and the server log."),
     Declaration(c"outbox.redis_tls_ca_file", Sighup, NONE, Text(&REDIS_TLS_CA_FILE),
-        c"PEM file of the certificate authorities trusted for rediss:// URLs; empty: the system's."),
+        c"PEM file of the certificate authorities trusted for rediss:// and amqps:// URLs; empty: the system's."),
     Declaration(c"outbox.redis_sentinel_master", Sighup, NONE, Text(&REDIS_SENTINEL_MASTER),
         c"For sentinel:// URLs: the name of the master at the sentinels (kombu's master_name)."),
     Declaration(c"outbox.redis_sentinel_password_file", Sighup, SECRET, Text(&REDIS_SENTINEL_PASSWORD_FILE),
@@ -128,7 +144,7 @@ const DECLARATIONS: [Declaration; 36] = [
     Declaration(c"outbox.priority_separator", Sighup, NONE, Text(&PRIORITY_SEPARATOR),
         c"Between a queue's name and its priority step (kombu's sep); empty: kombu's \\x06\\x16."),
     Declaration(c"outbox.default_queue", Userset, NONE, Text(&DEFAULT_QUEUE),
-        c"Queue (Redis list) of events enqueued without one."),
+        c"Queue of events enqueued without one."),
     Declaration(c"outbox.batch_size", Sighup, NONE, Int(&BATCH_SIZE, 1, 100_000, NONE),
         c"Events claimed per batch."),
     Declaration(c"outbox.max_batch_bytes", Sighup, NONE, Int(&MAX_BATCH_BYTES_KB, 64, 1024 * 1024, GucFlags::UNIT_KB),
@@ -162,7 +178,7 @@ const DECLARATIONS: [Declaration; 36] = [
     Declaration(c"outbox.heartbeat_interval", Sighup, NONE, Int(&HEARTBEAT_INTERVAL_S, 1, DAY_S, S),
         c"Period of the broker PING while idle."),
     Declaration(c"outbox.report_key", Sighup, NONE, Text(&REPORT_KEY),
-        c"Redis list Celery workers running outbox_dispatch.celery report outcomes to; empty: none asked for or read."),
+        c"Redis list or AMQP queue Celery workers running outbox_dispatch.celery report outcomes to; empty: none asked for or read."),
     Declaration(c"outbox.report_timeout", Sighup, NONE, Int(&REPORT_TIMEOUT_S, 0, 30 * DAY_S, S),
         c"A dispatched event not reported by a worker within this is listed in outbox.unreported; 0: never."),
     Declaration(c"outbox.notify", Userset, NONE, Bool(&NOTIFY),
@@ -173,6 +189,10 @@ const DECLARATIONS: [Declaration; 36] = [
         c"Largest payload outbox_enqueue() accepts (its jsonb size); dispatchers do not check it again."),
     Declaration(c"outbox.inbox_retention", Sighup, NONE, Int(&INBOX_RETENTION_S, 3600, 3650 * DAY_S, S),
         c"Messages claimed with outbox_inbox_claim() are remembered this long: longer than any may come again."),
+    Declaration(c"outbox.amqp_queue_type", Sighup, NONE, QueueType(&AMQP_QUEUE_TYPE),
+        c"RabbitMQ: queues declared as classic or quorum (Celery's task_default_queue_type)."),
+    Declaration(c"outbox.amqp_max_priority", Sighup, NONE, Int(&AMQP_MAX_PRIORITY, 0, 255, NONE),
+        c"RabbitMQ: x-max-priority of the queues declared (Celery's task_queue_max_priority); 0: none."),
     Declaration(c"outbox.key_on_failure", Sighup, NONE, OnFailure(&KEY_ON_FAILURE),
         c"A dead-lettered event with an ordering_key: block its key until outbox_retry() or outbox_skip(), or continue."),
 ];
@@ -195,6 +215,9 @@ pub fn register(preloading: bool) {
             }
             Text(setting) => GucRegistry::define_string_guc(name, description, c"", setting, context, flags),
             OnFailure(setting) => {
+                GucRegistry::define_enum_guc(name, description, c"", setting, context, flags)
+            }
+            QueueType(setting) => {
                 GucRegistry::define_enum_guc(name, description, c"", setting, context, flags)
             }
             // SAFETY: a check hook that only parses the value.
@@ -239,6 +262,19 @@ unsafe extern "C-unwind" fn check_databases(
             false
         }
     }
+}
+
+/// `outbox.broker_url`, or while it is empty `outbox.redis_url` (its
+/// former name). Both set, to different URLs: `outbox.broker_url` wins
+/// (logged as a warning by the dispatchers).
+fn broker_url() -> String {
+    Some(text(&BROKER_URL)).filter(|url| !url.is_empty()).unwrap_or_else(|| text(&REDIS_URL))
+}
+
+/// Both `outbox.broker_url` and `outbox.redis_url` are set, and differ.
+pub fn broker_url_conflict() -> bool {
+    let (broker, redis) = (text(&BROKER_URL), text(&REDIS_URL));
+    !broker.is_empty() && redis != broker && redis.as_bytes() != DEFAULT_BROKER_URL.to_bytes()
 }
 
 fn text(setting: &GucSetting<Option<CString>>) -> String {
@@ -338,7 +374,7 @@ fn report_list(key: &str) -> String {
 impl Settings {
     pub fn current() -> Settings {
         let broker = BrokerConfig {
-            url: text(&REDIS_URL),
+            url: broker_url(),
             timeout: millis(&REDIS_TIMEOUT_MS),
             tls_ca_file: path(&REDIS_TLS_CA_FILE),
             password_file: path(&REDIS_PASSWORD_FILE),
@@ -351,6 +387,16 @@ impl Settings {
             priority_separator: Some(text(&PRIORITY_SEPARATOR))
                 .filter(|s| !s.is_empty())
                 .unwrap_or_else(|| KOMBU_SEPARATOR.to_string()),
+            queues: QueueShape {
+                kind: match AMQP_QUEUE_TYPE.get() {
+                    AmqpQueueType::Classic => QueueKind::Classic,
+                    AmqpQueueType::Quorum => QueueKind::Quorum,
+                },
+                max_priority: AMQP_MAX_PRIORITY.get().clamp(0, 255) as u8,
+            },
+            // The broker closes a connection it heard nothing on for two
+            // heartbeats; the dispatcher PINGs every heartbeat_interval.
+            heartbeat: seconds(&HEARTBEAT_INTERVAL_S) + Duration::from_secs(10),
         };
         let batch_size = BATCH_SIZE.get().max(1) as usize;
         let batch_budget = batch_budget(broker.max_batch_bytes, MAX_PAYLOAD_BYTES.get().max(1) as usize);

@@ -196,6 +196,128 @@ class SentinelGroup:
             server.close()
 
 
+class RabbitMQ:
+    """A RabbitMQ node on loopback (Debian's rabbitmq-server) on free ports,
+    its data in a fresh directory, no plugins; `guest` may connect from
+    loopback. `stop()` then `start()` is a restart that keeps durable queues
+    and persistent messages. Nodes made with the same `home` share an
+    Erlang cookie, and can be clustered (`join`)."""
+
+    SBIN = Path("/usr/lib/rabbitmq/bin")
+
+    def __init__(self, home=None):
+        self.port = free_port()
+        self.dist_port = free_port()
+        self.home = home or tempfile.mkdtemp(prefix="outbox-rabbit-")
+        self.dir = Path(tempfile.mkdtemp(prefix="outbox-rabbit-node-", dir=self.home))
+        self.node = f"outbox{self.port}@localhost"
+        (self.dir / "plugins").write_text("[].\n")
+        (self.dir / "rabbitmq.conf").write_text("loopback_users = none\n")
+        self.env = dict(
+            os.environ, HOME=str(self.home), RABBITMQ_NODENAME=self.node, RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+            RABBITMQ_NODE_PORT=str(self.port), RABBITMQ_DIST_PORT=str(self.dist_port),
+            RABBITMQ_MNESIA_BASE=str(self.dir / "mnesia"), RABBITMQ_LOG_BASE=str(self.dir / "log"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(self.dir / "plugins"),
+            RABBITMQ_CONFIG_FILE=str(self.dir / "rabbitmq"), RABBITMQ_PID_FILE=str(self.dir / "pid"))
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self):
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def start(self, wait=True):
+        self.proc = subprocess.Popen([self.SBIN / "rabbitmq-server"], env=self.env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        if wait:
+            self.await_startup()
+
+    def await_startup(self):
+        def started():
+            try:
+                return self.ctl("await_startup", "--timeout", "10", timeout=30) is not None
+            except subprocess.CalledProcessError:  # not yet known to epmd
+                return False
+        wait_until(started, timeout=120, interval=0.5, message=f"RabbitMQ node {self.node} to start")
+
+    def ctl(self, *args, timeout=60):
+        """rabbitmqctl against this node; its output."""
+        return subprocess.run([self.SBIN / "rabbitmqctl", "-n", self.node, *map(str, args)], env=self.env,
+                              check=True, capture_output=True, text=True, timeout=timeout).stdout
+
+    def stop(self):
+        if self.proc:
+            try:
+                self.ctl("stop", timeout=120)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=60)
+            self.proc = None
+
+    def kill(self):
+        """The node dies at once (SIGKILL to its whole process group)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        self.proc = None
+
+    def join(self, other):
+        """Makes this (running) node a member of `other`'s cluster."""
+        self.ctl("stop_app")
+        self.ctl("join_cluster", other.node, timeout=120)
+        self.ctl("start_app", timeout=120)
+
+    def channel(self):
+        """A fresh py-amqp connection's channel (close its connection)."""
+        import amqp
+        connection = amqp.Connection(f"127.0.0.1:{self.port}", userid="guest", password="guest",
+                                     connect_timeout=10)
+        connection.connect()
+        return connection.channel()
+
+    def drain(self, queue):
+        """Takes every message from `queue`: the task ids (headers["id"]),
+        oldest first. A missing queue has none."""
+        import amqp
+        channel = self.channel()
+        ids = []
+        try:
+            while (message := channel.basic_get(queue, no_ack=True)) is not None:
+                ids.append(message.headers["id"])
+        except amqp.exceptions.NotFound:
+            pass
+        finally:
+            channel.connection.close()
+        return ids
+
+    def depth(self, queue):
+        """Messages ready in `queue` (0 if it does not exist)."""
+        import amqp
+        channel = self.channel()
+        try:
+            return channel.queue_declare(queue, passive=True).message_count
+        except amqp.exceptions.NotFound:
+            return 0
+        finally:
+            channel.connection.close()
+
+    def reset(self):
+        """Deletes every queue and exchange the tests made."""
+        channel = self.channel()
+        try:
+            for name in filter(None, self.ctl("list_queues", "name", "--quiet", "--no-table-headers").split()):
+                channel.queue_delete(name)
+            for name in filter(None, self.ctl("list_exchanges", "name", "--quiet", "--no-table-headers").split()):
+                if not name.startswith("amq."):
+                    channel.exchange_delete(name)
+        finally:
+            channel.connection.close()
+
+    def close(self):
+        if self.proc:
+            self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def decode(raw):
     """A Celery message as the extension pushed it: (envelope, body)."""
     envelope = json.loads(raw)

@@ -1,8 +1,12 @@
-//! `outbox.redis_url`, in kombu's vocabulary:
+//! `outbox.broker_url`, in kombu's vocabulary:
 //! `redis://[[user]:password@]host[:port][/db]`, `rediss://` for TLS, and
 //! Redis Sentinel as `sentinel://[[user]:password@]host:port[;sentinel://host:port…][/db]`
 //! (the credentials, database and `?ssl_cert_reqs=required`, which asks
-//! for TLS, are the master's, as in kombu).
+//! for TLS, are the master's, as in kombu); RabbitMQ as
+//! `amqp://[user:password@]host[:port][/vhost]` (`amqps://` for TLS,
+//! `pyamqp://` as kombu also spells it), several nodes of a cluster as
+//! `amqp://h1;amqp://h2`, tried in that order (the credentials and vhost
+//! are the first URL's).
 //!
 //! Parsed with a real URL parser (`url`); the password may be
 //! percent-encoded, as in kombu, and must be where it holds `/`, `?`, `#`,
@@ -21,6 +25,8 @@ pub enum Endpoints {
     Direct(String, u16),
     /// Ask these sentinels, in order, for the master's address.
     Sentinels(Vec<(String, u16)>),
+    /// RabbitMQ nodes, tried in order at each connect.
+    Amqp(Vec<(String, u16)>),
 }
 
 /// A parsed broker URL.
@@ -28,8 +34,13 @@ pub enum Endpoints {
 pub struct BrokerUrl {
     pub tls: bool,
     pub endpoints: Endpoints,
+    /// Redis's database; 0 for AMQP.
     pub db: u32,
-    /// ACL user (Redis 6+); `None` authenticates as `default`.
+    /// AMQP's virtual host (kombu's `virtual_host`): the path without its
+    /// first `/`, decoded; `/` when empty. Empty for Redis.
+    pub vhost: String,
+    /// ACL user (Redis 6+); `None` authenticates as `default` (Redis) or
+    /// `guest` (AMQP, as kombu does).
     pub username: Option<String>,
     pub password: Option<String>,
 }
@@ -40,6 +51,7 @@ impl fmt::Debug for BrokerUrl {
             .field("tls", &self.tls)
             .field("endpoints", &self.endpoints)
             .field("db", &self.db)
+            .field("vhost", &self.vhost)
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "***"))
             .finish()
@@ -48,6 +60,8 @@ impl fmt::Debug for BrokerUrl {
 
 const DEFAULT_PORT: u16 = 6379;
 const SENTINEL_PORT: u16 = 26379;
+const AMQP_PORT: u16 = 5672;
+const AMQPS_PORT: u16 = 5671;
 
 /// How to write a character a password must not hold as it is.
 const ENCODE_HINT: &str =
@@ -62,27 +76,27 @@ impl BrokerUrl {
         let mut parts = text.split(';');
         let first = Url::parse(parts.next().unwrap_or_default()).map_err(|e| {
             format!(
-                "not a URL ({e}); expected redis://host:port/db, rediss://… or sentinel://…; {ENCODE_HINT}"
+                "not a URL ({e}); expected redis://host:port/db, rediss://…, sentinel://… or \
+                 amqp://host:port/vhost; {ENCODE_HINT}"
             )
         })?;
-        let (tls, sentinel) = match first.scheme() {
-            "redis" => (false, false),
-            "rediss" => (true, false),
-            "sentinel" => (false, true),
-            _ => return Err("unsupported scheme (expected redis, rediss or sentinel)".into()),
-        };
+        let scheme = Scheme::of(first.scheme())?;
         let mut urls = vec![first];
         for part in parts {
-            if !sentinel {
-                return Err("several hosts (\";\") are for sentinel:// URLs".into());
-            }
+            let Some(spelled) = scheme.several() else {
+                return Err("several hosts (\";\") are for sentinel:// and amqp:// URLs".into());
+            };
             let url = Url::parse(part)
-                .map_err(|e| format!("a sentinel after \";\" is not a URL ({e}); {ENCODE_HINT}"))?;
-            if url.scheme() != "sentinel" {
-                return Err("each sentinel after \";\" is written sentinel://host:port".into());
+                .map_err(|e| format!("a host after \";\" is not a URL ({e}); {ENCODE_HINT}"))?;
+            if Scheme::of(url.scheme()) != Ok(scheme) {
+                return Err(format!("each host after \";\" is written {spelled}://host:port"));
             }
             urls.push(url);
         }
+        if let Scheme::Amqp { tls } = scheme {
+            return amqp(&urls, tls);
+        }
+        let (tls, sentinel) = (scheme == Scheme::Rediss, scheme == Scheme::Sentinel);
         let last = urls.last().expect("at least one URL");
         if last.fragment().is_some() || urls.iter().any(|u| u.fragment().is_some()) {
             return Err(format!("a URL fragment (#) is not supported; {ENCODE_HINT}"));
@@ -105,7 +119,18 @@ impl BrokerUrl {
             Endpoints::Direct(host, port)
         };
         // kombu's certificate option asks for TLS to a sentinel's master.
-        Ok(BrokerUrl { tls: tls || (sentinel && query_tls), endpoints, db, username, password })
+        Ok(BrokerUrl {
+            tls: tls || (sentinel && query_tls),
+            endpoints,
+            db,
+            vhost: String::new(),
+            username,
+            password,
+        })
+    }
+
+    pub fn is_amqp(&self) -> bool {
+        matches!(self.endpoints, Endpoints::Amqp(_))
     }
 
     /// The URL without its credentials, rebuilt from what was parsed: what
@@ -115,6 +140,8 @@ impl BrokerUrl {
             (Endpoints::Sentinels(_), _) => "sentinel",
             (Endpoints::Direct(..), true) => "rediss",
             (Endpoints::Direct(..), false) => "redis",
+            (Endpoints::Amqp(_), true) => "amqps",
+            (Endpoints::Amqp(_), false) => "amqp",
         };
         let credentials = if self.username.is_some() || self.password.is_some() { "***@" } else { "" };
         let host = |(host, port): &(String, u16)| {
@@ -124,13 +151,82 @@ impl BrokerUrl {
                 format!("{host}:{port}")
             }
         };
+        if let Endpoints::Amqp(nodes) = &self.endpoints {
+            // Each node's URL names the vhost, as kombu's failover URLs do.
+            let vhost = percent_encoding::utf8_percent_encode(&self.vhost, VHOST).to_string();
+            let nodes: Vec<String> = nodes.iter().map(|n| format!("{}/{vhost}", host(n))).collect();
+            return format!("{scheme}://{credentials}{}", nodes.join(&format!(";{scheme}://")));
+        }
         let hosts = match &self.endpoints {
             Endpoints::Direct(h, p) => host(&(h.clone(), *p)),
-            Endpoints::Sentinels(all) => all.iter().map(host).collect::<Vec<_>>().join(";sentinel://"),
+            Endpoints::Sentinels(all) | Endpoints::Amqp(all) => {
+                all.iter().map(host).collect::<Vec<_>>().join(&format!(";{scheme}://"))
+            }
         };
         let query = if scheme == "sentinel" && self.tls { "?ssl_cert_reqs=required" } else { "" };
         format!("{scheme}://{credentials}{hosts}/{}{query}", self.db)
     }
+}
+
+/// What a vhost's display escapes: enough that it reads back as it is,
+/// except `/`, which kombu writes as it is (`amqp://h//` is vhost `/`).
+const VHOST: &percent_encoding::AsciiSet =
+    &percent_encoding::CONTROLS.add(b' ').add(b'?').add(b'#').add(b'%').add(b';').add(b'@');
+
+/// The schemes, and how they may list several hosts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scheme {
+    Redis,
+    Rediss,
+    Sentinel,
+    Amqp { tls: bool },
+}
+
+impl Scheme {
+    fn of(scheme: &str) -> Result<Scheme, String> {
+        match scheme {
+            "redis" => Ok(Scheme::Redis),
+            "rediss" => Ok(Scheme::Rediss),
+            "sentinel" => Ok(Scheme::Sentinel),
+            "amqp" | "pyamqp" => Ok(Scheme::Amqp { tls: false }),
+            "amqps" => Ok(Scheme::Amqp { tls: true }),
+            _ => Err("unsupported scheme (expected redis, rediss, sentinel, amqp or amqps)".into()),
+        }
+    }
+
+    /// How the hosts after the first are written, for schemes that list
+    /// several.
+    fn several(self) -> Option<&'static str> {
+        match self {
+            Scheme::Sentinel => Some("sentinel"),
+            Scheme::Amqp { tls: false } => Some("amqp"),
+            Scheme::Amqp { tls: true } => Some("amqps"),
+            Scheme::Redis | Scheme::Rediss => None,
+        }
+    }
+}
+
+/// An AMQP URL, its nodes in `urls`: kombu's `amqp://user:password@host:port/vhost`.
+/// Takes no parameters: TLS is the scheme's, its authorities
+/// `outbox.broker_tls_ca_file`'s.
+fn amqp(urls: &[Url], tls: bool) -> Result<BrokerUrl, String> {
+    let first = &urls[0];
+    if urls.iter().any(|u| u.query().is_some()) {
+        return Err(format!("AMQP URLs take no parameters (?…); {ENCODE_HINT}"));
+    }
+    let port = if tls { AMQPS_PORT } else { AMQP_PORT };
+    let path = first.path();
+    let vhost = decode(path.strip_prefix('/').unwrap_or(path), "vhost")?;
+    let username = Some(decode(first.username(), "user name")?).filter(|u| !u.is_empty());
+    let password = first.password().map(|p| decode(p, "password")).transpose()?;
+    Ok(BrokerUrl {
+        tls,
+        endpoints: Endpoints::Amqp(urls.iter().map(|u| address(u, port)).collect::<Result<_, _>>()?),
+        db: 0,
+        vhost: if vhost.is_empty() { "/".into() } else { vhost },
+        username,
+        password,
+    })
 }
 
 /// The URL's query: kombu's `ssl_cert_reqs=required` (returns true) or
@@ -239,6 +335,28 @@ mod tests {
     }
 
     #[test]
+    fn amqp_urls_parse_as_kombu_reads_them() {
+        let u = BrokerUrl::parse("amqp://guest:guest@localhost:5672//").unwrap();
+        assert_eq!(u.endpoints, Endpoints::Amqp(vec![("localhost".into(), 5672)]));
+        assert_eq!(
+            (u.vhost.as_str(), u.username.as_deref(), u.password.as_deref()),
+            ("/", Some("guest"), Some("guest"))
+        );
+        assert_eq!(u.display(), "amqp://***@localhost:5672//");
+        let u = BrokerUrl::parse("amqp://h").unwrap();
+        assert_eq!((u.vhost.as_str(), u.username, u.password, u.tls), ("/", None, None, false));
+        let u = BrokerUrl::parse("pyamqp://h/orders").unwrap();
+        assert_eq!(u.vhost, "orders");
+        let u = BrokerUrl::parse("amqps://u:p%40w@h1:5673/a%2Fb;amqps://h2").unwrap();
+        assert!(u.tls);
+        assert_eq!(u.endpoints, Endpoints::Amqp(vec![("h1".into(), 5673), ("h2".into(), 5671)]));
+        assert_eq!((u.vhost.as_str(), u.password.as_deref()), ("a/b", Some("p@w")));
+        assert_eq!(u.display(), "amqps://***@h1:5673/a/b;amqps://h2:5671/a/b");
+        assert_eq!(BrokerUrl::parse(&u.display().replace("***@", "")).unwrap().vhost, "a/b");
+        assert!(u.is_amqp());
+    }
+
+    #[test]
     fn bad_urls_say_what_is_wrong_without_the_password() {
         for (url, expected) in [
             ("localhost:6379", "scheme"),
@@ -249,8 +367,11 @@ mod tests {
             ("redis://u:sec%zzret@h/0", "the password has a bad percent-escape"),
             ("rediss://h/0?ssl_cert_reqs=none", "always verified"),
             ("redis://h/0?socket_timeout=3", "an unsupported URL parameter"),
-            ("sentinel://h1:1;h2:2/0", "each sentinel after \";\" is written sentinel://host:port"),
-            ("sentinel://h1:1;:x/0", "a sentinel after \";\" is not a URL"),
+            ("sentinel://h1:1;h2:2/0", "each host after \";\" is written sentinel://host:port"),
+            ("sentinel://h1:1;:x/0", "a host after \";\" is not a URL"),
+            ("amqp://u:secret@h1;amqps://h2", "each host after \";\" is written amqp://host:port"),
+            ("amqp://u:secret@h/v?heartbeat=10", "AMQP URLs take no parameters"),
+            ("amqp://u:secret@h/v%zz", "the vhost has a bad percent-escape"),
             ("redis://u:secret@h1;sentinel://h2/0", "several hosts"),
         ] {
             let err = BrokerUrl::parse(url).unwrap_err();
@@ -273,6 +394,8 @@ mod tests {
                 "redis://user:{}@h/3",
                 "rediss://:{}@h:6380/0?ssl_cert_reqs=required",
                 "sentinel://:{}@s1:26379;sentinel://s2:26380/1",
+                "amqp://user:{}@h:5672/vhost",
+                "amqps://user:{}@h1;amqps://h2",
             ] {
                 let url = template.replace("{}", &password);
                 let shown = match BrokerUrl::parse(&url) {

@@ -1,10 +1,11 @@
-//! One connection to a Redis server: a non-blocking socket, TLS or not,
-//! whose every wait goes through the caller's [`Wait`].
+//! One connection to a broker: a non-blocking socket, TLS or not, whose
+//! every wait goes through the caller's [`Wait`]. It speaks RESP (Redis)
+//! itself; other protocols (AMQP) send and read raw bytes through it.
 //!
 //! Nothing here blocks. Inside PostgreSQL the `Wait` is the process latch
 //! together with the socket (`WaitLatchOrSocket`), so that a signal is
-//! answered while Redis is slow; elsewhere it is [`Poll`]. Every operation
-//! has one deadline, however many system calls it takes.
+//! answered while the broker is slow; elsewhere it is [`Poll`]. Every
+//! operation has one deadline, however many system calls it takes.
 
 use std::io::{self, Read, Write};
 use std::mem::MaybeUninit;
@@ -277,26 +278,64 @@ impl Link {
     }
 
     fn read_more(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(), LinkError> {
+        let mut inbox = std::mem::take(&mut self.inbox);
+        let read = self.read_some(&mut inbox, waiter, deadline);
+        self.inbox = inbox;
+        read
+    }
+
+    /// Appends to `into` what one read brings, waiting for the socket (to
+    /// `deadline` at the latest) when nothing has come yet. A TLS link may
+    /// return having read records that held no plaintext.
+    pub fn read_some(
+        &mut self,
+        into: &mut Vec<u8>,
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<(), LinkError> {
         let fd = self.fd();
-        let mut chunk = [0u8; READ_CHUNK];
-        let Some(tls) = self.tls.as_mut() else {
-            return match self.socket.read(&mut chunk) {
-                Ok(0) => Err(LinkError::Io("the server closed the connection".into())),
-                Ok(n) => {
-                    self.inbox.extend_from_slice(&chunk[..n]);
-                    Ok(())
-                }
-                Err(e) => would_block(e, fd, Interest::Readable, waiter, deadline),
-            };
-        };
-        match tls.reader().read(&mut chunk) {
-            Ok(0) => Err(LinkError::Io("the server closed the TLS session".into())),
-            Ok(n) => {
-                self.inbox.extend_from_slice(&chunk[..n]);
-                Ok(())
-            }
+        match self.read_now(into) {
+            Ok(0) => {}
+            Ok(_) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        match self.tls.as_mut() {
+            None => would_block(io::ErrorKind::WouldBlock.into(), fd, Interest::Readable, waiter, deadline),
             // No plaintext yet: more records are needed.
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.exchange_tls(waiter, deadline),
+            Some(_) => self.exchange_tls(waiter, deadline),
+        }
+    }
+
+    /// Appends to `into` what has come and not been read, without waiting;
+    /// returns how many bytes that was (0: nothing now). A closed
+    /// connection is an error.
+    pub fn read_now(&mut self, into: &mut Vec<u8>) -> Result<usize, LinkError> {
+        let mut chunk = [0u8; READ_CHUNK];
+        let read = match self.tls.as_mut() {
+            None => self.socket.read(&mut chunk),
+            Some(tls) => {
+                match tls.read_tls(&mut self.socket) {
+                    Ok(0) => return Err(LinkError::Io("the server closed the TLS session".into())),
+                    Ok(_) => {
+                        tls.process_new_packets().map_err(|e| LinkError::Tls(e.to_string()))?;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(LinkError::Io(e.to_string())),
+                }
+                match tls.reader().read(&mut chunk) {
+                    Ok(0) => return Err(LinkError::Io("the server closed the TLS session".into())),
+                    other => other,
+                }
+            }
+        };
+        match read {
+            Ok(0) => Err(LinkError::Io("the server closed the connection".into())),
+            Ok(n) => {
+                into.extend_from_slice(&chunk[..n]);
+                Ok(n)
+            }
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => Ok(0),
             Err(e) => Err(LinkError::Io(e.to_string())),
         }
     }

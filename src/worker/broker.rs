@@ -91,7 +91,7 @@ impl Broker {
         if let Some(at) = self.next_connect.filter(|at| *at > now) {
             return Some(at - now);
         }
-        store::report_running(c"outbox: connecting to Redis");
+        store::report_running(c"outbox: connecting to the broker");
         let result = match &mut self.sink {
             Ok(sink) => sink.connect(&mut self.waiter),
             Err(e) => Err(e.clone()),
@@ -99,12 +99,13 @@ impl Broker {
         match result {
             Ok(persistence) => {
                 let url = self.sink.as_ref().map_or("", Sink::display_url).to_string();
+                let kind = self.sink.as_ref().map_or("the broker", Sink::kind);
                 let master = self.sink.as_ref().ok().and_then(Sink::master).map(str::to_string);
                 let paused = self.lost_at.take().map(|at| at.elapsed());
                 if let Some(paused) = paused {
                     counters::broker_unavailable(paused);
                     log!(
-                        "outbox dispatcher {} reconnected to Redis at {url} (master {}) after {:.1}s",
+                        "outbox dispatcher {} reconnected to {kind} at {url} (node {}) after {:.1}s",
                         self.index,
                         master.as_deref().unwrap_or("?"),
                         paused.as_secs_f64()
@@ -114,7 +115,7 @@ impl Broker {
                     if before != now {
                         counters::add(Counter::MasterChanges, 1);
                         log!(
-                            "outbox dispatcher {}: the Redis master moved from {before} to {now}",
+                            "outbox dispatcher {}: the {kind} node moved from {before} to {now}",
                             self.index
                         );
                     }
@@ -191,7 +192,7 @@ impl Broker {
             return None;
         }
         self.next_heartbeat = now + settings.heartbeat_interval;
-        store::report_running(c"outbox: PING to Redis");
+        store::report_running(c"outbox: PING to the broker");
         let sink = self.sink.as_mut().expect("connected before the heartbeat");
         match sink.ping(&mut self.waiter) {
             Ok(()) => {

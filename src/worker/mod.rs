@@ -177,6 +177,13 @@ impl Dispatcher {
                 s.processing_timeout.as_secs()
             );
         }
+        if crate::config::broker_url_conflict() {
+            warning!(
+                "outbox dispatcher {}: outbox.broker_url and outbox.redis_url (its former name) are both set, \
+                 to different URLs: using outbox.broker_url; remove outbox.redis_url",
+                self.index
+            );
+        }
         if s.broker.wait_replicas == 0 && s.broker.url.starts_with("sentinel://") {
             warning!(
                 "outbox dispatcher {}: outbox.redis_url names sentinels and outbox.redis_wait_replicas is 0: \
@@ -185,13 +192,13 @@ impl Dispatcher {
             );
         }
         log!(
-            "outbox_dispatcher_starting worker={} database={} redis_url={} redis_password_file={:?} \
+            "outbox_dispatcher_starting worker={} database={} broker_url={} redis_password_file={:?} \
              redis_tls_ca_file={:?} enabled={} batch_size={} max_batch_bytes={} \
              poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
              reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
              ack_timeout={:?} max_redeliveries={} statement_timeout={:?} sweep_interval={:?} retention={:?} lifecycle_interval={:?} \
              report_key={:?} redis_sentinel_master={:?} redis_wait_replicas={} redis_key_prefix={:?} \
-             priority_steps={:?} priority_separator={:?}",
+             priority_steps={:?} priority_separator={:?} amqp_queue_type={} amqp_max_priority={}",
             self.index,
             self.database,
             broker_url::redact(&s.broker.url),
@@ -220,6 +227,8 @@ impl Dispatcher {
             s.broker.key_prefix,
             s.broker.priority_steps,
             s.broker.priority_separator,
+            s.broker.queues.kind.name(),
+            s.broker.queues.max_priority,
         );
     }
 
@@ -488,7 +497,7 @@ impl Dispatcher {
                 return [next_due, retry].into_iter().flatten().fold(nap, Duration::min);
             }
             self.slot.set_state(State::Draining);
-            store::report_running(c"outbox: pushing a batch to Redis");
+            store::report_running(c"outbox: pushing a batch to the broker");
             let (sink, waiter) = self.broker.session().expect("connected before draining");
             let envelope = push::Envelope {
                 origin: &self.origin,

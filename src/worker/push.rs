@@ -1,5 +1,5 @@
-//! Claimed events → Celery messages grouped by Redis list → a push → what
-//! became of each event.
+//! Claimed events → Celery messages grouped by destination (a Redis list,
+//! an AMQP queue) → a push → what became of each event.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -100,7 +100,7 @@ pub fn push(
             counters::push_failed(PushFailure::Unencodable, 1);
             continue;
         }
-        let key = sink.keys().queue(&event.queue, event.priority);
+        let key = sink.destination(&event.queue, event.priority);
         let slot = *by_key.entry(key.clone()).or_insert_with(|| {
             batches.push(KeyBatch { key, messages: Vec::new() });
             members.push(Vec::new());
@@ -127,7 +127,7 @@ pub fn push(
             }
             Delivery::Rejected(error) => {
                 counters::push_failed(PushFailure::RedisError, 1);
-                outcome.failures.push(policy.failure(event, format!("Redis: {error}"), true));
+                outcome.failures.push(policy.failure(event, format!("{}: {error}", sink.kind()), true));
             }
             Delivery::Refused(condition, error) => {
                 counters::push_failed(PushFailure::Refused, 1);

@@ -30,7 +30,7 @@ const BATCHES: usize = 10;
 /// How often the list is looked at while it is empty.
 const POLL: Duration = Duration::from_millis(100);
 
-/// How soon a read Redis refused is tried again.
+/// How soon a read the broker refused is tried again.
 const REFUSED_RETRY: Duration = Duration::from_secs(10);
 
 /// Why collecting stopped.
@@ -43,7 +43,7 @@ pub struct Collector {
     next_poll: Instant,
     /// A malformed report was logged (once per dispatcher life).
     malformed_logged: bool,
-    /// Why Redis last refused to read the list, as logged.
+    /// Why the broker last refused to read the list, as logged.
     refusal: Option<String>,
 }
 
@@ -76,20 +76,20 @@ impl Collector {
         let Some(_turn) = slot.take_turn(Turn::Reports) else {
             return Ok(());
         };
-        // Workers append through kombu's client, which adds the key prefix.
-        let key = &sink.keys().prefixed(key);
+        let key = &sink.report_queue(key);
+        let place = sink.report_place(key);
         for _ in 0..BATCHES {
             let raw = match sink.reports(key, BATCH, waiter).map_err(CollectError::Broker)? {
                 Ok(raw) => raw,
                 Err(refused) => {
-                    self.refused(dispatcher, key, &refused);
+                    self.refused(dispatcher, &place, &refused);
                     return Ok(());
                 }
             };
             if raw.is_empty() {
                 return Ok(());
             }
-            let reports = self.parse(dispatcher, key, &raw);
+            let reports = self.parse(dispatcher, &place, &raw);
             if !reports.is_empty() {
                 let (processed, failed) = store.apply_reports(&reports).map_err(CollectError::Store)?;
                 counters::acked(AckSource::Celery, processed);
@@ -105,14 +105,15 @@ impl Collector {
         Ok(())
     }
 
-    /// Redis refused to read the list (it holds no list, an ACL): logged
+    /// The broker refused to read the list (Redis: it holds no list, an
+    /// ACL; RabbitMQ: the queue's arguments, a permission): logged
     /// when the reason changes, tried again after [`REFUSED_RETRY`]; the
     /// dispatcher goes on pushing meanwhile.
-    fn refused(&mut self, dispatcher: usize, key: &str, reason: &str) {
+    fn refused(&mut self, dispatcher: usize, place: &str, reason: &str) {
         self.next_poll = Instant::now() + REFUSED_RETRY;
         if self.refusal.as_deref() != Some(reason) {
             log!(
-                "outbox dispatcher {dispatcher}: Redis refused to read the report list \"{key}\": {reason}; \
+                "outbox dispatcher {dispatcher}: the broker refused to read the reports of {place}: {reason}; \
                  trying again every {}s",
                 REFUSED_RETRY.as_secs()
             );
@@ -122,7 +123,7 @@ impl Collector {
 
     /// The reports understood; the others are counted, and the first one
     /// logged.
-    fn parse(&mut self, dispatcher: usize, key: &str, raw: &[Vec<u8>]) -> Vec<Report> {
+    fn parse(&mut self, dispatcher: usize, place: &str, raw: &[Vec<u8>]) -> Vec<Report> {
         let mut reports = Vec::with_capacity(raw.len());
         for bytes in raw {
             match Report::parse(bytes) {
@@ -131,7 +132,7 @@ impl Collector {
                     counters::reports_ignored(ReportIgnored::Malformed, 1);
                     if !std::mem::replace(&mut self.malformed_logged, true) {
                         log!(
-                            "outbox dispatcher {dispatcher}: ignoring a report in Redis list \"{key}\": {e} \
+                            "outbox dispatcher {dispatcher}: ignoring a report in {place}: {e} \
                              (logged once; outbox_reports_ignored_total counts them)"
                         );
                     }

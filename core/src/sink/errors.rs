@@ -7,9 +7,10 @@ use std::fmt;
 use crate::link::LinkError;
 
 crate::named! {
-    /// Error replies that describe the server, not the message; the name is
-    /// the reply's kind (its first word) in lower case. A push refused with
-    /// one of these goes back to pending without spending a retry.
+    /// Answers that describe the server, not the message: Redis error
+    /// replies (the name is the reply's kind, its first word, in lower
+    /// case) and RabbitMQ's own refusals. A push refused with one of these
+    /// goes back to pending without spending a retry.
     pub enum Condition {
         Oom = "oom",
         ReadOnly = "readonly",
@@ -23,6 +24,13 @@ crate::named! {
         ClusterDown = "clusterdown",
         /// Fewer replicas than `outbox.redis_wait_replicas` confirmed.
         NoReplicas = "noreplicas",
+        /// RabbitMQ blocked the connection (a memory or disk alarm).
+        Blocked = "blocked",
+        /// RabbitMQ would not take a message (`basic.nack`).
+        Nacked = "nacked",
+        /// RabbitMQ closed the channel: a declaration that does not match
+        /// the queue as it is, a permission, a queue that went away.
+        ChannelClosed = "channel_closed",
     }
 }
 
@@ -32,7 +40,10 @@ impl Condition {
     /// message's own: it spends one of the event's retries.
     pub fn of(error: &str) -> Option<Condition> {
         let kind = error.split_whitespace().next().unwrap_or("");
-        Condition::ALL.into_iter().find(|c| c.name().eq_ignore_ascii_case(kind))
+        Condition::ALL[..=Condition::NoReplicas.index()]
+            .iter()
+            .copied()
+            .find(|c| c.name().eq_ignore_ascii_case(kind))
     }
 }
 
@@ -53,7 +64,7 @@ crate::named! {
 /// events' fault: it goes back to pending without spending retries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SinkError {
-    /// `outbox.redis_url` does not parse, or a file it needs cannot be used.
+    /// `outbox.broker_url` does not parse, or a file it needs cannot be used.
     InvalidConfig(String),
     /// Connecting, TLS or authenticating failed.
     Connect(String),
@@ -116,12 +127,12 @@ impl fmt::Display for SinkError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SinkError::InvalidConfig(e) => write!(f, "{e}"),
-            SinkError::Connect(e) => write!(f, "cannot connect to Redis: {e}"),
-            SinkError::Timeout => write!(f, "Redis did not answer within outbox.redis_timeout"),
-            SinkError::ConnectionLost(e) => write!(f, "lost the Redis connection: {e}"),
-            SinkError::Refused(_, e) => write!(f, "Redis refused the push for a reason of its own: {e}"),
+            SinkError::Connect(e) => write!(f, "cannot connect to the broker: {e}"),
+            SinkError::Timeout => write!(f, "the broker did not answer within outbox.redis_timeout"),
+            SinkError::ConnectionLost(e) => write!(f, "lost the broker connection: {e}"),
+            SinkError::Refused(_, e) => write!(f, "the broker refused the push for a reason of its own: {e}"),
             SinkError::Failover(e) => write!(f, "the Redis master changed (failover): {e}"),
-            SinkError::Interrupted => write!(f, "the Redis operation was interrupted"),
+            SinkError::Interrupted => write!(f, "the broker operation was interrupted"),
         }
     }
 }
@@ -153,6 +164,9 @@ mod tests {
         assert_eq!(of("NOPERM this user has no permissions"), Some("noperm"));
         assert_eq!(of("WRONGTYPE Operation against a key holding the wrong kind of value"), None);
         assert_eq!(of("ERR something new"), None);
+        // RabbitMQ's conditions are its own: no Redis reply names them.
+        assert_eq!(of("BLOCKED x"), None);
+        assert_eq!(of("NACKED x"), None);
         assert_eq!(of(""), None);
     }
 

@@ -1,49 +1,39 @@
-//! The broker end: one Redis connection, batches pushed in pipelined round
-//! trips of bounded size, and a clear line between the broker's fault (the
-//! connection, or a condition of the server such as OOM or READONLY) and
-//! one event's fault (an error Redis answered for its push, e.g. WRONGTYPE).
-//!
-//! Every operation (connect with TLS and AUTH, a push's round trip, a PING)
-//! has one deadline, `timeout`, and waits through the caller's [`Wait`].
-//!
-//! With a `sentinel://` URL every connect asks the sentinels where the
-//! master is and checks that it is one (ROLE); a READONLY reply then means a
-//! failover, and the next connect asks again. With `wait_replicas`, each
-//! round trip ends with a WAIT: messages count as delivered only once that
-//! many replicas have them, so a failover cannot lose them.
+//! The broker end: where committed events go, as Celery messages. Redis
+//! (`redis.rs`) or RabbitMQ over AMQP 0-9-1 (`amqp.rs`), chosen by the
+//! URL's scheme; both push batches in round trips of bounded size, each
+//! with one deadline, and draw the same line between the broker's fault
+//! (the connection, a condition of the server: never an event's retry) and
+//! one event's fault (an error the broker answered for that message).
 
+mod amqp;
 mod errors;
 mod keys;
 mod plan;
+mod redis;
 mod secrets;
 mod sentinel;
 mod tls;
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::broker_url::{self, BrokerUrl, Endpoints};
-use crate::link::{Link, Wait};
-use crate::report;
-use crate::resp::{self, Limits, Reply};
+use crate::broker_url::{self, BrokerUrl};
+use crate::link::Wait;
 
-use errors::{not_redis, scrub};
+pub use amqp::{AmqpSink, QueueKind, QueueShape};
 pub use errors::{Condition, Reason, SinkError};
 pub use keys::{Keys, KOMBU_PRIORITY_STEPS, KOMBU_SEPARATOR};
-use plan::{plan_round_trips, RoundTrip};
-use secrets::password_from_file;
-use sentinel::ask_sentinels;
-use tls::tls_config;
+pub use redis::RedisSink;
 
 /// Where the broker is and how to reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerConfig {
-    /// `redis://` or `rediss://` (TLS).
+    /// `redis://`, `rediss://` (TLS), `sentinel://`, `amqp://` or `amqps://`.
     pub url: String,
     /// The deadline of every operation: a connect (with TLS and AUTH), one
     /// round trip of a push, a PING.
     pub timeout: Duration,
-    /// PEM file of the certificate authorities trusted for `rediss://`;
+    /// PEM file of the certificate authorities trusted for `rediss://` and `amqps://`;
     /// `None`: the system's. The server's certificate is verified either way.
     pub tls_ca_file: Option<PathBuf>,
     /// File holding the password, which then stays out of the URL (and so
@@ -65,6 +55,12 @@ pub struct BrokerConfig {
     pub key_prefix: String,
     pub priority_steps: String,
     pub priority_separator: String,
+    /// AMQP: how queues the dispatcher declares are made (Celery's
+    /// `task_default_queue_type` and `task_queue_max_priority`).
+    pub queues: QueueShape,
+    /// AMQP: how long the broker may hear nothing from the dispatcher
+    /// before it closes the connection (the negotiated heartbeat).
+    pub heartbeat: Duration,
 }
 
 impl BrokerConfig {
@@ -83,12 +79,15 @@ impl BrokerConfig {
             key_prefix: String::new(),
             priority_steps: KOMBU_PRIORITY_STEPS.into(),
             priority_separator: KOMBU_SEPARATOR.into(),
+            queues: QueueShape::default(),
+            heartbeat: Duration::from_secs(60),
         }
     }
 }
 
-/// Messages bound for one Redis list: pushed with multi-value LPUSHes in
-/// order, so that a BRPOP consumer sees them first to last.
+/// Messages bound for one destination, in order: a Redis list (pushed with
+/// multi-value LPUSHes, so that a BRPOP consumer sees them first to last)
+/// or an AMQP queue. Each message is kombu's envelope (`celery::encode`).
 #[derive(Debug, Default)]
 pub struct KeyBatch {
     pub key: String,
@@ -131,726 +130,137 @@ crate::named! {
         SnapshotsAndAppendOnly = "rdb+aof",
         /// The configuration could not be read (CONFIG is not allowed).
         Unknown = "unknown",
+        /// AMQP: persistent messages in durable queues, kept across a
+        /// restart of the broker.
+        Durable = "durable",
     }
 }
 
-impl Persistence {
-    fn from_config(save: &Reply, appendonly: &Reply) -> Persistence {
-        let value = |reply: &Reply| match reply {
-            Reply::Array(Some(pair)) if pair.len() == 2 => pair[1].text(),
-            _ => None,
-        };
-        match (value(save), value(appendonly)) {
-            (Some(save), Some(aof)) => match (!save.trim().is_empty(), aof == "yes") {
-                (false, false) => Persistence::None,
-                (true, false) => Persistence::Snapshots,
-                (false, true) => Persistence::AppendOnly,
-                (true, true) => Persistence::SnapshotsAndAppendOnly,
-            },
-            _ => Persistence::Unknown,
+/// The broker of `outbox.broker_url`.
+pub enum Sink {
+    Redis(RedisSink),
+    Amqp(AmqpSink),
+}
+
+/// The same call on either broker.
+macro_rules! either {
+    ($sink:expr, $inner:ident => $call:expr) => {
+        match $sink {
+            Sink::Redis($inner) => $call,
+            Sink::Amqp($inner) => $call,
         }
-    }
-}
-
-pub struct Sink {
-    config: BrokerConfig,
-    url: BrokerUrl,
-    keys: Keys,
-    link: Option<Link>,
-    display_url: String,
-    /// The master of the current (or last) connection, `host:port`.
-    master: Option<String>,
-    /// The server knows `EVAL_RO` (Redis 7 and later): the report read then
-    /// runs during a `CLIENT PAUSE WRITE` (a failover) as a plain read would.
-    read_only_scripts: bool,
+    };
 }
 
 impl Sink {
-    /// Parses the URL and the key options; connects lazily.
+    /// Parses the URL and the options; connects lazily.
     pub fn new(config: &BrokerConfig) -> Result<Sink, SinkError> {
-        let display_url = broker_url::redact(&config.url);
-        let url = BrokerUrl::parse(&config.url)
-            .map_err(|e| SinkError::InvalidConfig(format!("invalid outbox.redis_url {display_url}: {e}")))?;
-        if matches!(url.endpoints, Endpoints::Sentinels(_)) && config.sentinel_master.is_empty() {
-            return Err(SinkError::InvalidConfig(
-                "outbox.redis_url names sentinels: set outbox.redis_sentinel_master to the master's name \
-                 (kombu's master_name)"
-                    .into(),
-            ));
+        let url = BrokerUrl::parse(&config.url).map_err(|e| {
+            SinkError::InvalidConfig(format!(
+                "invalid outbox.broker_url {}: {e}",
+                broker_url::redact(&config.url)
+            ))
+        })?;
+        if url.is_amqp() {
+            Ok(Sink::Amqp(AmqpSink::new(config, url)?))
+        } else {
+            Ok(Sink::Redis(RedisSink::new(config, url)?))
         }
-        let keys = Keys::new(&config.key_prefix, &config.priority_steps, &config.priority_separator)
-            .map_err(SinkError::InvalidConfig)?;
-        Ok(Sink {
-            config: config.clone(),
-            url,
-            keys,
-            link: None,
-            display_url,
-            master: None,
-            read_only_scripts: true,
-        })
     }
 
-    /// The lists messages and reports go to.
-    pub fn keys(&self) -> &Keys {
-        &self.keys
+    /// Where a message for `queue` at `priority` goes: the Redis list
+    /// kombu's worker reads, or the AMQP queue (priority travels in the
+    /// message).
+    pub fn destination(&self, queue: &str, priority: u8) -> String {
+        match self {
+            Sink::Redis(sink) => sink.keys().queue(queue, priority),
+            Sink::Amqp(_) => queue.to_string(),
+        }
     }
 
-    /// The master of the current or last connection, `host:port`.
+    /// Where workers append the reports named `key` in messages: kombu's
+    /// client prefixes Redis keys; an AMQP queue is named as it is.
+    pub fn report_queue(&self, key: &str) -> String {
+        match self {
+            Sink::Redis(sink) => sink.keys().prefixed(key),
+            Sink::Amqp(_) => key.to_string(),
+        }
+    }
+
+    /// Where reports of `queue` are, as logs name it.
+    pub fn report_place(&self, queue: &str) -> String {
+        match self {
+            Sink::Redis(_) => format!("Redis list \"{queue}\""),
+            Sink::Amqp(_) => format!("RabbitMQ queue \"{queue}\""),
+        }
+    }
+
+    /// The broker's kind, as logs name it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Sink::Redis(_) => "Redis",
+            Sink::Amqp(_) => "RabbitMQ",
+        }
+    }
+
+    /// The node of the current or last connection, `host:port` (Redis: the
+    /// master).
     pub fn master(&self) -> Option<&str> {
-        self.master.as_deref()
+        either!(self, sink => sink.master())
     }
 
-    /// What a refusal means: with sentinels, READONLY is a failover.
+    /// What a refusal of `condition` means for this broker.
     pub fn refusal(&self, condition: Condition, reply: String) -> SinkError {
-        match (&self.url.endpoints, condition) {
-            (Endpoints::Sentinels(_), Condition::ReadOnly) => SinkError::Failover(reply),
-            _ => SinkError::Refused(condition, reply),
-        }
+        either!(self, sink => sink.refusal(condition, reply))
     }
 
     /// The broker's address with any credentials masked.
     pub fn display_url(&self) -> &str {
-        &self.display_url
+        either!(self, sink => sink.display_url())
     }
 
     pub fn is_connected(&self) -> bool {
-        self.link.is_some()
+        either!(self, sink => sink.is_connected())
     }
 
     pub fn disconnect(&mut self) {
-        self.link = None;
+        either!(self, sink => sink.disconnect())
     }
 
-    fn deadline(&self) -> Instant {
-        Instant::now() + self.config.timeout
-    }
-
-    /// Connects (TCP, TLS, AUTH, SELECT) and proves the connection with a
-    /// PING, all within one timeout; returns how the server persists data.
-    /// The files are read at each connect, so a rotated password or CA file
-    /// takes effect at the next one.
+    /// Connects and proves the connection, within one timeout; returns how
+    /// the broker keeps messages.
     pub fn connect(&mut self, waiter: &mut dyn Wait) -> Result<Persistence, SinkError> {
-        self.link = None;
-        let deadline = self.deadline();
-        let password = match &self.config.password_file {
-            Some(path) => Some(password_from_file("outbox.redis_password_file", path)?),
-            None => self.url.password.clone(),
-        };
-        let tls = self.url.tls.then(|| tls_config(self.config.tls_ca_file.as_deref())).transpose()?;
-        let (host, port) = match &mut self.url.endpoints {
-            Endpoints::Direct(host, port) => (host.clone(), *port),
-            Endpoints::Sentinels(sentinels) => ask_sentinels(sentinels, &self.config, waiter, deadline)?,
-        };
-        let sentinel = matches!(self.url.endpoints, Endpoints::Sentinels(_));
-        self.master = Some(format!("{host}:{port}"));
-        let mut link =
-            Link::connect(&host, port, tls, waiter, deadline).map_err(|e| SinkError::from_link(e, false))?;
-
-        let mut commands = Vec::new();
-        let mut checked = 0;
-        if let Some(password) = &password {
-            match &self.url.username {
-                Some(user) => resp::command(&mut commands, &["AUTH", user, password]),
-                None => resp::command(&mut commands, &["AUTH", password]),
-            }
-            checked += 1;
-        }
-        if self.url.db != 0 {
-            resp::command(&mut commands, &["SELECT", &self.url.db.to_string()]);
-            checked += 1;
-        }
-        resp::command(&mut commands, &["PING"]);
-        resp::command(&mut commands, &["CONFIG", "GET", "save"]);
-        resp::command(&mut commands, &["CONFIG", "GET", "appendonly"]);
-        if sentinel {
-            resp::command(&mut commands, &["ROLE"]);
-        }
-        let replies = link
-            .round_trip(&commands, checked + 3 + usize::from(sentinel), waiter, deadline)
-            .map_err(|e| SinkError::from_link(e, false))?;
-        // AUTH, SELECT and PING must succeed; CONFIG may be refused by ACLs.
-        // A server's error text may quote a command's arguments (an unknown
-        // command's does): never the password, nor the user name.
-        let secrets = [password.as_deref(), self.url.username.as_deref()];
-        if let (Some(_), Reply::Error(e)) = (&password, &replies[0]) {
-            return Err(SinkError::Connect(format!("AUTH refused: {}", scrub(e, &secrets))));
-        }
-        for reply in &replies[..checked] {
-            match reply {
-                Reply::Status(ok) if ok == "OK" => {}
-                Reply::Error(e) => return Err(SinkError::from_reply(&scrub(e, &secrets), false)),
-                other => return Err(not_redis(&format!("AUTH or SELECT answered {}", other.describe()))),
-            }
-        }
-        match &replies[checked] {
-            Reply::Status(pong) if pong == "PONG" => {}
-            Reply::Error(e) => return Err(SinkError::from_reply(&scrub(e, &secrets), false)),
-            other => return Err(not_redis(&format!("PING answered {}", other.describe()))),
-        }
-        if sentinel {
-            // Between a failover and the sentinels' noticing it, they may
-            // still name the old master; ROLE may be denied by ACLs.
-            if let Reply::Array(Some(role)) = &replies[checked + 3] {
-                match role.first().and_then(Reply::text) {
-                    Some(role) if role != "master" => {
-                        return Err(SinkError::Failover(format!(
-                            "the sentinels name {host}:{port}, which is a {role}, as master \"{}\"",
-                            self.config.sentinel_master
-                        )))
-                    }
-                    _ => {}
-                }
-            }
-        }
-        let wanted = self.config.wait_replicas;
-        if wanted > 0 {
-            // Pushes to a master short of replicas would fail their WAIT and
-            // be pushed again and again, each time a duplicate: wait for
-            // the replicas here instead, before any push.
-            let mut probe = Vec::new();
-            resp::command(&mut probe, &["WAIT", &wanted.to_string(), &self.wait_millis()]);
-            let replies =
-                link.round_trip(&probe, 1, waiter, deadline).map_err(|e| SinkError::from_link(e, false))?;
-            match &replies[0] {
-                Reply::Integer(n) if *n >= i64::from(wanted) => {}
-                other => {
-                    let replicas =
-                        if let Reply::Integer(n) = other { n.to_string() } else { other.describe() };
-                    return Err(SinkError::Refused(
-                        Condition::NoReplicas,
-                        format!("NOREPLICAS {host}:{port} has {replicas} of the {wanted} replicas outbox.redis_wait_replicas asks for"),
-                    ));
-                }
-            }
-        }
-        self.link = Some(link);
-        Ok(Persistence::from_config(&replies[checked + 1], &replies[checked + 2]))
+        either!(self, sink => sink.connect(waiter))
     }
 
-    /// How long a WAIT may take: half the deadline, the rest is the push's.
-    fn wait_millis(&self) -> String {
-        (self.config.timeout.as_millis() / 2).max(1).to_string()
-    }
-
-    /// One PING round trip; drops the connection when it fails.
+    /// One round trip that proves the connection; drops it when it fails.
     pub fn ping(&mut self, waiter: &mut dyn Wait) -> Result<(), SinkError> {
-        self.call_expecting(&["PING"], "PONG", waiter)
+        either!(self, sink => sink.ping(waiter))
     }
 
-    /// Up to `max` reports from the head of list `key`, oldest first; they
-    /// stay in the list until [`Sink::forget_reports`]. The inner error is
-    /// the server refusing this read for a reason of the list's own (the
-    /// key holds no list, an ACL): the connection stays. A report over
-    /// [`report::MAX_REPORT_BYTES`] is cut to nothing on the server (a
-    /// script: its bytes never travel), so the reply stays within the
-    /// link's limits whatever a client of the broker appended; it then
-    /// reads as malformed, and is counted and dropped like one.
+    /// Up to `max` reports from the head of `queue`, oldest first, left
+    /// there until [`Sink::forget_reports`]. The inner error is the broker
+    /// refusing this read for a reason of the queue's own: the connection
+    /// stays.
     pub fn reports(
         &mut self,
-        key: &str,
+        queue: &str,
         max: usize,
         waiter: &mut dyn Wait,
     ) -> Result<Result<Vec<Vec<u8>>, String>, SinkError> {
-        const READ: &str = "local items = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1) \
-                            for i, item in ipairs(items) do \
-                                if #item > tonumber(ARGV[2]) then items[i] = '' end \
-                            end \
-                            return items";
-        let (max, most) = (max.to_string(), report::MAX_REPORT_BYTES.to_string());
-        let eval = if self.read_only_scripts { "EVAL_RO" } else { "EVAL" };
-        let read = [eval, READ, "1", key, &max, &most];
-        let reply = match self.exchange_within(&read, Limits::REPORTS, waiter)? {
-            Reply::Error(e) if self.read_only_scripts && e.starts_with("ERR unknown command") => {
-                self.read_only_scripts = false;
-                return self.reports(key, max.parse().unwrap_or(0), waiter);
-            }
-            // The list's own fault (WRONGTYPE: the key is not a list; an
-            // ACL denying the script): the read is refused, the connection
-            // and the pushes go on.
-            Reply::Error(e) if Condition::of(&e).is_none() => return Ok(Err(e)),
-            reply => self.answer(reply)?,
-        };
-        match reply {
-            Reply::Array(Some(items)) => Ok(Ok(items
-                .into_iter()
-                .filter_map(|item| match item {
-                    Reply::Bulk(Some(bytes)) => Some(bytes),
-                    _ => None,
-                })
-                .collect())),
-            Reply::Array(None) => Ok(Ok(Vec::new())),
-            other => Err(self.fail(not_redis(&format!("the report read answered {}", other.describe())))),
-        }
+        either!(self, sink => sink.reports(queue, max, waiter))
     }
 
-    /// Drops the first `n` reports of list `key`, once they are recorded.
-    /// Workers only append, so these are the ones [`Sink::reports`] read.
-    pub fn forget_reports(&mut self, key: &str, n: usize, waiter: &mut dyn Wait) -> Result<(), SinkError> {
-        self.call_expecting(&["LTRIM", key, &n.to_string(), "-1"], "OK", waiter)
-    }
-
-    /// One command, one round trip within the timeout, whose reply must be
-    /// the status `expected`; an error reply is the server's condition, any
-    /// other reply a server that is not Redis. Drops the connection when it
-    /// fails.
-    fn call_expecting(
-        &mut self,
-        args: &[&str],
-        expected: &str,
-        waiter: &mut dyn Wait,
-    ) -> Result<(), SinkError> {
-        match self.exchange_within(args, Limits::REPLY, waiter)? {
-            Reply::Status(status) if status == expected => Ok(()),
-            reply @ Reply::Error(_) => self.answer(reply).map(drop),
-            other => Err(self.fail(not_redis(&format!("{} answered {}", args[0], other.describe())))),
-        }
-    }
-
-    /// One command, one round trip within the timeout, its reply (within
-    /// `limits`) as it came, errors included; drops the connection when
-    /// the link fails.
-    fn exchange_within(
-        &mut self,
-        args: &[&str],
-        limits: Limits,
-        waiter: &mut dyn Wait,
-    ) -> Result<Reply, SinkError> {
-        let deadline = self.deadline();
-        let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
-        let mut command = Vec::new();
-        resp::command(&mut command, args);
-        match link.round_trip_within(&command, 1, limits, waiter, deadline) {
-            Ok(mut replies) => Ok(replies.swap_remove(0)),
-            Err(e) => Err(self.fail(SinkError::from_link(e, true))),
-        }
-    }
-
-    /// An error reply as the server's condition (the connection dropped);
-    /// any other reply as it is.
-    fn answer(&mut self, reply: Reply) -> Result<Reply, SinkError> {
-        match reply {
-            Reply::Error(e) => {
-                let error = match Condition::of(&e) {
-                    Some(condition) => self.refusal(condition, e),
-                    None => SinkError::from_reply(&e, true),
-                };
-                Err(self.fail(error))
-            }
-            reply => Ok(reply),
-        }
+    /// Drops the `n` reports [`Sink::reports`] read last, once recorded.
+    pub fn forget_reports(&mut self, queue: &str, n: usize, waiter: &mut dyn Wait) -> Result<(), SinkError> {
+        either!(self, sink => sink.forget_reports(queue, n, waiter))
     }
 
     /// Pushes every batch, in as few round trips as `max_batch_bytes`
-    /// allows, each with its own deadline. When a round trip fails (the
-    /// connection, the deadline), the messages of the round trips before it
-    /// keep what their replies said, and the rest are [`Delivery::Unsent`].
+    /// allows, each with its own deadline. When a round trip fails, the
+    /// messages of the round trips before it keep what the broker said, and
+    /// the rest are [`Delivery::Unsent`].
     pub fn push(&mut self, batches: &[KeyBatch], waiter: &mut dyn Wait) -> Pushed {
-        let total = batches.iter().map(|b| b.messages.len()).sum();
-        let mut deliveries = Vec::with_capacity(total);
-        for trip in plan_round_trips(batches, self.config.max_batch_bytes) {
-            match self.push_round_trip(batches, &trip, waiter) {
-                Ok(confirmed) => deliveries.extend(confirmed),
-                Err(failure) => {
-                    deliveries.resize(total, Delivery::Unsent);
-                    return Pushed { deliveries, failure: Some(failure) };
-                }
-            }
-        }
-        Pushed { deliveries, failure: None }
-    }
-
-    /// One round trip of a push: the deliveries of its messages.
-    fn push_round_trip(
-        &mut self,
-        batches: &[KeyBatch],
-        trip: &RoundTrip,
-        waiter: &mut dyn Wait,
-    ) -> Result<Vec<Delivery>, SinkError> {
-        let mut commands = Vec::with_capacity(trip.bytes);
-        for command in &trip.commands {
-            let messages = &batches[command.batch].messages[command.messages.clone()];
-            resp::command_with_values(&mut commands, "LPUSH", &batches[command.batch].key, messages);
-        }
-        let wait = self.config.wait_replicas;
-        if wait > 0 {
-            resp::command(&mut commands, &["WAIT", &wait.to_string(), &self.wait_millis()]);
-        }
-        // A PING with a fresh nonce closes the round trip: its answer must
-        // be the last reply, so that a reply too many or too few anywhere
-        // in the pipeline shifts it and the round trip counts for nothing,
-        // rather than one command's reply being taken for another's.
-        let nonce = uuid::Uuid::new_v4().simple().to_string();
-        resp::command(&mut commands, &["PING", &nonce]);
-        let expected = trip.commands.len() + usize::from(wait > 0) + 1;
-        let deadline = self.deadline();
-        let link = self.link.as_mut().ok_or(SinkError::ConnectionLost("not connected".into()))?;
-        let mut replies = match link.round_trip(&commands, expected, waiter, deadline) {
-            Ok(replies) => replies,
-            Err(e) => return Err(self.fail(SinkError::from_link(e, true))),
-        };
-        match replies.pop() {
-            Some(Reply::Bulk(Some(echoed))) if echoed == nonce.as_bytes() => {}
-            other => {
-                let answered = other.as_ref().map_or("nothing".into(), Reply::describe);
-                return Err(
-                    self.fail(not_redis(&format!("the round trip's closing PING answered {answered}")))
-                );
-            }
-        }
-        // Fewer replicas than asked have the messages: not delivered yet,
-        // as far as a failover is concerned.
-        let unreplicated = match (wait > 0).then(|| replies.pop()).flatten() {
-            Some(Reply::Integer(n)) if n >= i64::from(wait) => None,
-            Some(Reply::Integer(n)) => Some(format!("NOREPLICAS {n} of {wait} replicas confirmed (WAIT)")),
-            Some(other) => Some(format!("NOREPLICAS WAIT answered {}", other.describe())),
-            None => None,
-        };
-        let mut deliveries = Vec::new();
-        for (command, reply) in trip.commands.iter().zip(replies) {
-            let delivery = match (reply, &unreplicated) {
-                (Reply::Error(e), _) => match Condition::of(&e) {
-                    Some(condition) => Delivery::Refused(condition, e),
-                    None => Delivery::Rejected(e),
-                },
-                // LPUSH answers the list's length, at least what it pushed:
-                // anything else is not Redis having stored them.
-                (Reply::Integer(n), _) if n < command.messages.len() as i64 => {
-                    return Err(self.fail(not_redis(&format!(
-                        "LPUSH of {} messages answered the integer {n}",
-                        command.messages.len()
-                    ))))
-                }
-                (Reply::Integer(_), Some(e)) => Delivery::Refused(Condition::NoReplicas, e.clone()),
-                (Reply::Integer(_), None) => Delivery::Delivered,
-                (other, _) => {
-                    return Err(self.fail(not_redis(&format!("LPUSH answered {}", other.describe()))))
-                }
-            };
-            deliveries.extend(std::iter::repeat_n(delivery, command.messages.len()));
-        }
-        Ok(deliveries)
-    }
-
-    fn fail(&mut self, error: SinkError) -> SinkError {
-        self.link = None;
-        error
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::link::Poll;
-
-    fn config(url: &str) -> BrokerConfig {
-        BrokerConfig::plain(url, Duration::from_secs(1), 1 << 20)
-    }
-
-    fn batch(key: &str, sizes: &[usize]) -> KeyBatch {
-        KeyBatch { key: key.into(), messages: sizes.iter().map(|n| "m".repeat(*n)).collect() }
-    }
-
-    #[test]
-    fn persistence_is_read_from_the_configuration() {
-        let pair = |name: &str, value: &str| {
-            Reply::Array(Some(vec![Reply::Bulk(Some(name.into())), Reply::Bulk(Some(value.into()))]))
-        };
-        let p = |save, aof| Persistence::from_config(&pair("save", save), &pair("appendonly", aof));
-        assert_eq!(p("", "no"), Persistence::None);
-        assert_eq!(p("3600 1 300 100", "no"), Persistence::Snapshots);
-        assert_eq!(p("", "yes"), Persistence::AppendOnly);
-        assert_eq!(p("60 1", "yes"), Persistence::SnapshotsAndAppendOnly);
-        let refused = Reply::Error("NOPERM".into());
-        assert_eq!(Persistence::from_config(&refused, &refused), Persistence::Unknown);
-    }
-
-    /// A peer on loopback that reads whatever comes and answers each read
-    /// with what `answer` makes of it (its commands, as bytes).
-    fn fake(answer: impl Fn(&[u8]) -> Vec<u8> + Send + 'static) -> String {
-        use std::io::{Read, Write};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("redis://:hunter2@{}/0", listener.local_addr().unwrap());
-        std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { return };
-                let mut buf = [0u8; 65536];
-                while let Ok(n) = stream.read(&mut buf) {
-                    if n == 0 || stream.write_all(&answer(&buf[..n])).is_err() {
-                        break;
-                    }
-                }
-            }
-        });
-        url
-    }
-
-    /// Redis's answers to a connect without SELECT (AUTH, PING, CONFIG GET
-    /// twice), for fakes that misbehave only after.
-    const CONNECTED: &[u8] =
-        b"+OK\r\n+PONG\r\n*2\r\n$4\r\nsave\r\n$0\r\n\r\n*2\r\n$10\r\nappendonly\r\n$2\r\nno\r\n";
-
-    #[test]
-    fn an_echo_confirms_nothing() {
-        // A peer that sends every command back (as an array) is no Redis:
-        // its connect is refused, and so would be its answer to LPUSH.
-        let url = fake(|commands| commands.to_vec());
-        let err = Sink::new(&config(&url)).unwrap().connect(&mut Poll).unwrap_err();
-        assert!(err.to_string().contains("protocol error: AUTH or SELECT answered an array"), "{err}");
-        let url = fake(|commands| {
-            if commands.windows(5).any(|w| w == b"LPUSH") {
-                commands.to_vec()
-            } else {
-                CONNECTED.to_vec()
-            }
-        });
-        let mut sink = Sink::new(&config(&url)).unwrap();
-        sink.connect(&mut Poll).unwrap();
-        let pushed = sink.push(&[batch("q", &[1, 1])], &mut Poll);
-        assert_eq!(pushed.deliveries, [Delivery::Unsent, Delivery::Unsent]);
-        assert!(pushed.failure.unwrap().to_string().contains("protocol error"));
-        // An integer below what was pushed is no confirmation either.
-        let url = fake(|commands| {
-            if commands.windows(5).any(|w| w == b"LPUSH") {
-                b":1\r\n".to_vec()
-            } else {
-                CONNECTED.to_vec()
-            }
-        });
-        let mut sink = Sink::new(&config(&url)).unwrap();
-        sink.connect(&mut Poll).unwrap();
-        assert_eq!(
-            sink.push(&[batch("q", &[1, 1])], &mut Poll).deliveries,
-            [Delivery::Unsent, Delivery::Unsent]
-        );
-    }
-
-    #[test]
-    fn a_reply_too_many_in_a_round_trip_makes_it_count_for_nothing() {
-        // Two lists, two LPUSHes: the peer answers the first with an error
-        // and slips in an extra integer before the closing PING's answer;
-        // arriving late (after the replies were read), it would shift the
-        // PING's answer instead. Either way nothing of it counts.
-        let url = fake(|commands| {
-            if !commands.windows(5).any(|w| w == b"LPUSH") {
-                return CONNECTED.to_vec();
-            }
-            let nonce = &commands[commands.len() - 34..commands.len() - 2];
-            let mut answer = b"-ERR x\r\n:2\r\n:2\r\n$32\r\n".to_vec();
-            answer.extend_from_slice(nonce);
-            answer.extend_from_slice(b"\r\n");
-            answer
-        });
-        let mut sink = Sink::new(&config(&url)).unwrap();
-        sink.connect(&mut Poll).unwrap();
-        let pushed = sink.push(&[batch("a", &[1]), batch("b", &[1])], &mut Poll);
-        assert_eq!(pushed.deliveries, [Delivery::Unsent, Delivery::Unsent]);
-        let failure = pushed.failure.unwrap().to_string();
-        assert!(failure.contains("protocol error"), "{failure}");
-    }
-
-    #[test]
-    fn a_large_answer_where_a_small_one_is_due_is_refused_from_its_header() {
-        // A bulk string of 1 MiB answering LPUSH: refused before its bytes
-        // are read, and never printed.
-        let url = fake(|commands| {
-            if commands.windows(5).any(|w| w == b"LPUSH") {
-                let mut answer = b"$1048576\r\n".to_vec();
-                answer.resize(answer.len() + 1048576, b'x');
-                answer
-            } else {
-                CONNECTED.to_vec()
-            }
-        });
-        let mut sink = Sink::new(&config(&url)).unwrap();
-        sink.connect(&mut Poll).unwrap();
-        let pushed = sink.push(&[batch("q", &[1; 100])], &mut Poll);
-        let failure = pushed.failure.expect("refused").to_string();
-        assert!(failure.contains("a bulk string of 1048576 bytes"), "{failure}");
-        assert!(failure.len() < 200, "{failure}");
-        assert!(pushed.deliveries.iter().all(|d| *d == Delivery::Unsent));
-    }
-
-    #[test]
-    fn the_password_is_never_quoted_back() {
-        // Redis quotes an unknown command's arguments: AUTH renamed away.
-        let url = fake(|_| {
-            b"-ERR unknown command 'AUTH', with args beginning with: 'hunter2'\r\n+PONG\r\n*0\r\n*0\r\n"
-                .to_vec()
-        });
-        let err = Sink::new(&config(&url)).unwrap().connect(&mut Poll).unwrap_err();
-        assert!(err.to_string().contains("AUTH refused: ERR unknown command"), "{err}");
-        assert!(!err.to_string().contains("hunter2"), "{err}");
-    }
-
-    #[test]
-    fn a_malformed_url_is_refused_without_echoing_secrets() {
-        let err = Sink::new(&config("redis://user:secret@host:notaport/0")).err().expect("refused");
-        assert_eq!(err.reason(), Reason::InvalidConfig);
-        assert!(!err.to_string().contains("secret"), "{err}");
-    }
-
-    #[test]
-    fn an_unreadable_ca_file_is_refused_by_name() {
-        let missing = PathBuf::from("/nonexistent/ca.pem");
-        let tls = BrokerConfig { tls_ca_file: Some(missing.clone()), ..config("rediss://h:6379/0") };
-        let err = Sink::new(&tls).unwrap().connect(&mut Poll).unwrap_err();
-        assert_eq!(err.reason(), Reason::InvalidConfig);
-        assert!(err.to_string().contains("outbox.redis_tls_ca_file /nonexistent/ca.pem"), "{err}");
-        // Plain redis:// ignores the CA file: the refusal comes from port 1.
-        let plain = BrokerConfig { tls_ca_file: Some(missing), ..config("redis://127.0.0.1:1/0") };
-        assert_eq!(
-            Sink::new(&plain).unwrap().connect(&mut Poll).unwrap_err().reason(),
-            Reason::ConnectFailed
-        );
-    }
-
-    #[test]
-    fn an_unreadable_password_file_is_refused_by_name() {
-        let broker = BrokerConfig { password_file: Some("/nonexistent/pw".into()), ..config("redis://h/0") };
-        let err = Sink::new(&broker).unwrap().connect(&mut Poll).unwrap_err();
-        assert!(err.to_string().contains("cannot read outbox.redis_password_file /nonexistent/pw"), "{err}");
-    }
-
-    #[test]
-    fn an_unreachable_broker_is_a_connect_error() {
-        // Port 1 on loopback: nothing listens there, the refusal is immediate.
-        let mut sink = Sink::new(&config("redis://127.0.0.1:1/0")).unwrap();
-        let err = sink.connect(&mut Poll).unwrap_err();
-        assert!(matches!(err, SinkError::Connect(_)), "{err:?}");
-        assert!(!sink.is_connected());
-        let pushed = sink.push(&[batch("q", &[1])], &mut Poll);
-        assert!(matches!(pushed.failure, Some(SinkError::ConnectionLost(_))));
-        assert_eq!(pushed.deliveries, [Delivery::Unsent]);
-    }
-
-    #[test]
-    fn a_silent_server_times_out_within_one_deadline() {
-        // Accepts the connection (the kernel does, on listen) and never answers.
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("redis://:pw@{}/0", listener.local_addr().unwrap());
-        let started = Instant::now();
-        let err = Sink::new(&config(&url)).unwrap().connect(&mut Poll).unwrap_err();
-        assert_eq!(err, SinkError::Timeout);
-        let took = started.elapsed();
-        assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(3), "{took:?}");
-    }
-
-    /// A redis-server of our own on a free port, stopped when dropped.
-    struct Server(std::process::Child, u16);
-
-    impl Server {
-        fn start(password: &str) -> Server {
-            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            let child = std::process::Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .args(["--requirepass", password])
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .expect("redis-server (make deps installs it)");
-            let server = Server(child, port);
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-                assert!(Instant::now() < deadline, "redis-server did not start");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            server
-        }
-    }
-
-    impl Drop for Server {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-
-    fn run(sink: &mut Sink, commands: &[u8], replies: usize) -> Vec<Reply> {
-        let deadline = sink.deadline();
-        sink.link.as_mut().unwrap().round_trip(commands, replies, &mut Poll, deadline).unwrap()
-    }
-
-    #[test]
-    fn pushes_reach_a_real_redis_and_its_errors_are_told_apart() {
-        let server = Server::start("s3cret");
-        let url = format!("redis://:s3cret@127.0.0.1:{}/3", server.1);
-        let mut sink = Sink::new(&BrokerConfig { max_batch_bytes: 100, ..config(&url) }).unwrap();
-        assert_eq!(sink.connect(&mut Poll).unwrap(), Persistence::None);
-        sink.ping(&mut Poll).unwrap();
-
-        let mut admin = Sink::new(&config(&url)).unwrap();
-        admin.connect(&mut Poll).unwrap();
-        let mut setup = Vec::new();
-        resp::command(&mut setup, &["SET", "wrong", "a string"]);
-        run(&mut admin, &setup, 1);
-
-        let pushed = sink.push(&[batch("q", &[60, 60, 60]), batch("wrong", &[5])], &mut Poll);
-        assert_eq!(pushed.failure, None);
-        let deliveries = pushed.deliveries;
-        assert_eq!(deliveries[..3], [Delivery::Delivered, Delivery::Delivered, Delivery::Delivered]);
-        assert!(
-            matches!(&deliveries[3], Delivery::Rejected(e) if e.starts_with("WRONGTYPE")),
-            "{deliveries:?}"
-        );
-        let mut length = Vec::new();
-        resp::command(&mut length, &["LLEN", "q"]);
-        let replies = run(&mut admin, &length, 1);
-        assert_eq!(replies, [Reply::Integer(3)]);
-
-        let mut full = Vec::new();
-        resp::command(&mut full, &["CONFIG", "SET", "maxmemory", "1"]);
-        resp::command(&mut full, &["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
-        run(&mut admin, &full, 2);
-        let deliveries = sink.push(&[batch("q", &[10])], &mut Poll).deliveries;
-        assert!(matches!(&deliveries[0], Delivery::Refused(Condition::Oom, _)), "{deliveries:?}");
-
-        let wrong = format!("redis://:wrong@127.0.0.1:{}/0", server.1);
-        let err = Sink::new(&config(&wrong)).unwrap().connect(&mut Poll).unwrap_err();
-        assert!(matches!(&err, SinkError::Connect(e) if e.starts_with("AUTH refused: WRONGPASS")), "{err:?}");
-    }
-
-    #[test]
-    fn reports_are_read_then_forgotten_in_order() {
-        let server = Server::start("s3cret");
-        let url = format!("redis://:s3cret@127.0.0.1:{}/0", server.1);
-        let mut sink = Sink::new(&config(&url)).unwrap();
-        sink.connect(&mut Poll).unwrap();
-        assert!(sink.reports("r", 2, &mut Poll).unwrap().unwrap().is_empty());
-        let mut append = Vec::new();
-        resp::command(&mut append, &["RPUSH", "r", "a", "b", "c"]);
-        run(&mut sink, &append, 1);
-
-        let first = sink.reports("r", 2, &mut Poll).unwrap().unwrap();
-        assert_eq!(first, [b"a".to_vec(), b"b".to_vec()]);
-        // Appended while the first two were being recorded.
-        let mut more = Vec::new();
-        resp::command(&mut more, &["RPUSH", "r", "d"]);
-        run(&mut sink, &more, 1);
-        sink.forget_reports("r", first.len(), &mut Poll).unwrap();
-        assert_eq!(sink.reports("r", 10, &mut Poll).unwrap().unwrap(), [b"c".to_vec(), b"d".to_vec()]);
-        // A report over the limit never travels: it reads as empty.
-        let huge = "x".repeat(report::MAX_REPORT_BYTES + 1);
-        let mut more = Vec::new();
-        resp::command(&mut more, &["RPUSH", "r", &huge, "e"]);
-        run(&mut sink, &more, 1);
-        assert_eq!(
-            sink.reports("r", 10, &mut Poll).unwrap().unwrap(),
-            [b"c".to_vec(), b"d".to_vec(), vec![], b"e".to_vec()]
-        );
-        // A key that holds no list: this read is refused, the link stays.
-        let mut string = Vec::new();
-        resp::command(&mut string, &["SET", "not_a_list", "x"]);
-        run(&mut sink, &string, 1);
-        assert!(sink.reports("not_a_list", 10, &mut Poll).unwrap().unwrap_err().starts_with("WRONGTYPE"));
-        assert!(sink.is_connected());
+        either!(self, sink => sink.push(batches, waiter))
     }
 }

@@ -4,9 +4,9 @@ Import this module in a Celery app (``app.conf.imports =
 ["outbox_dispatch.celery"]``, or a plain import in the app's module) and
 every worker of it, in any pool (prefork, threads, solo), reports the final
 outcome of each message the outbox_dispatch dispatchers sent, through the
-broker's Redis, to the list the message names in its ``outbox_report_to``
-header. The dispatchers read that list and record the outcome in
-``outbox.events``:
+worker's broker (Redis or RabbitMQ), to the list or queue the message names
+in its ``outbox_report_to`` header. The dispatchers read it and record the
+outcome in ``outbox.events``:
 
 - the task returned: ``processed``;
 - it raised, after its own retries (``self.retry()`` and ``autoretry_for``
@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional
 
+import amqp
 from celery import Celery, signals
 
 from outbox_dispatch import inbox, report
@@ -56,21 +57,43 @@ def _request_headers(request: Any) -> Mapping[str, Any]:
 class _Link:
     """This process's broker connection for reports: opened at the first
     report, kept, opened afresh after a fork (prefork children) or an error.
-    The Redis client it holds is safe to share between threads."""
+
+    On Redis a report is an RPUSH through the broker's own client, which is
+    safe to share between threads. On RabbitMQ (kombu's py-amqp transport)
+    it is a persistent message published to the report queue through the
+    default exchange, ``mandatory`` and with publisher confirms: the send
+    returns once the broker has the report, and raises if it would drop it.
+    An AMQP channel is not shared between threads: those sends hold the
+    lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = 0
         self._connection: Any = None
         self._client: Any = None
+        self._amqp = False
 
-    def client(self, app: Celery) -> Any:
+    def _open(self, app: Celery) -> None:
+        if self._connection is not None and self._pid == os.getpid():
+            return
+        connection = app.connection_for_write(transport_options={
+            **(app.conf.broker_transport_options or {}), "confirm_publish": True})
+        self._amqp = connection.transport.driver_type == "amqp"
+        self._client = connection.default_channel if self._amqp else connection.default_channel.client
+        self._connection, self._pid = connection, os.getpid()
+
+    def append(self, app: Celery, key: str, body: bytes) -> None:
+        """Appends ``body`` to the report list (Redis) or queue (AMQP) ``key``."""
         with self._lock:
-            if self._client is None or self._pid != os.getpid():
-                connection = app.connection_for_write()
-                self._client = connection.default_channel.client
-                self._connection, self._pid = connection, os.getpid()
-            return self._client
+            self._open(app)
+            client, amqp_transport = self._client, self._amqp
+            if amqp_transport:
+                client.basic_publish(
+                    amqp.Message(body, content_type="application/json", content_encoding="utf-8",
+                                 delivery_mode=2),
+                    exchange="", routing_key=key, mandatory=True)
+                return
+        client.rpush(key, body)
 
     def drop(self) -> None:
         with self._lock:
@@ -86,12 +109,12 @@ _link = _Link()
 
 
 def _send(app: Celery, key: str, task_id: str, body: bytes) -> None:
-    """Appends one report to ``key`` in the broker's Redis, with a few
-    attempts; a report that cannot be sent is logged, never raised: the
-    task's own outcome must not change because of it."""
+    """Appends one report to ``key`` on the broker, with a few attempts; a
+    report that cannot be sent is logged, never raised: the task's own
+    outcome must not change because of it."""
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            _link.client(app).rpush(key, body)
+            _link.append(app, key, body)
             return
         except Exception as exc:  # the broker's errors vary by transport and client
             _link.drop()

@@ -1,0 +1,212 @@
+"""RabbitMQ as the broker (outbox.broker_url = amqp://…): a real
+rabbitmq-server on loopback, stock Celery workers on its AMQP, counted as
+the Redis tests count: every committed event reaches a queue at least once,
+a rolled-back one never does, and the broker's faults never spend a retry.
+
+Hostile cases first: bad URLs and credentials, a queue declared otherwise,
+a message nobody can route, the broker stopped mid-drain, a memory alarm."""
+
+import json
+import time
+import uuid
+
+import amqp
+import pytest
+
+from harness import CeleryWorker, Cluster, RabbitMQ, wait_until
+
+
+@pytest.fixture(scope="module")
+def rabbit():
+    node = RabbitMQ()
+    yield node
+    node.close()
+
+
+@pytest.fixture(scope="module")
+def amqp_cluster(rabbit, redis_server):
+    # outbox.redis_url names the Redis; outbox.broker_url, set too, wins.
+    pg = Cluster(redis_server.url, broker_url=rabbit.url, reconnect_delay_min="200ms", reconnect_delay_max="1s",
+                 redis_timeout="3s")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        yield pg
+    finally:
+        pg.close()
+
+
+@pytest.fixture
+def ob(amqp_cluster, rabbit, redis_server):
+    """The AMQP cluster with an empty outbox and a RabbitMQ without queues."""
+    amqp_cluster.sql("ALTER SYSTEM RESET ALL")
+    amqp_cluster.configure(enabled="on")
+    amqp_cluster.sql("TRUNCATE outbox.events")
+    rabbit.reset()
+    redis_server.client().flushdb()
+    yield amqp_cluster
+
+
+def enqueue(pg, n, queue="celery", task="tests.record", **extra):
+    """Enqueues n events in one transaction; their ids."""
+    with pg.connect(autocommit=False) as conn:
+        ids = [str(r[0]) for r in conn.execute(
+            "SELECT outbox_enqueue('test.event', jsonb_build_object('n', g), queue => %s, task => %s) "
+            "FROM generate_series(1, %s) g", (queue, task, n)).fetchall()]
+        conn.commit()
+    return ids
+
+
+def last_error(pg):
+    return pg.value("SELECT string_agg(last_error, ' | ') FROM outbox.workers") or ""
+
+
+def test_a_wrong_password_or_vhost_is_a_clear_error_and_spends_nothing(ob, rabbit):
+    ob.configure(broker_url=f"amqp://guest:Zq-wrong-Wv@127.0.0.1:{rabbit.port}//")
+    ids = enqueue(ob, 3)
+    wait_until(lambda: "ACCESS_REFUSED" in last_error(ob), message="the refusal shown")
+    assert "Zq-wrong-Wv" not in last_error(ob) and "Zq-wrong-Wv" not in ob.log_text()
+    ob.configure(broker_url=f"amqp://guest:guest@127.0.0.1:{rabbit.port}/no-such-vhost")
+    wait_until(lambda: "no-such-vhost" in last_error(ob) and "NOT_ALLOWED" in last_error(ob),
+               message="the vhost refused")
+    ob.configure(broker_url="amqp://guest:Zq%zzWv@127.0.0.1/")
+    wait_until(lambda: "invalid outbox.broker_url" in last_error(ob), message="the URL refused")
+    assert "Zq" not in last_error(ob)
+    assert ob.value("SELECT count(*) FROM outbox.events WHERE status <> 'pending' OR retry_count > 0") == 0
+    ob.configure(broker_url=rabbit.url)
+    wait_until(lambda: ob.count("dispatched") == 3, message="the events sent once the URL is right")
+    assert sorted(rabbit.drain("celery")) == sorted(ids)
+
+
+def test_a_queue_declared_otherwise_is_named_and_waits(ob, rabbit):
+    """A queue a worker declared as quorum, and dispatchers that would
+    declare it classic: RabbitMQ's reason in outbox.workers, no event
+    failed, and the events go once the setting matches."""
+    channel = rabbit.channel()
+    channel.queue_declare("orders", durable=True, auto_delete=False, arguments={"x-queue-type": "quorum"})
+    channel.connection.close()
+    ids = enqueue(ob, 5, queue="orders")
+    wait_until(lambda: "inequivalent arg 'x-queue-type'" in last_error(ob), message="the mismatch shown")
+    assert 'declaring queue "orders" (classic)' in last_error(ob)
+    assert ob.value("SELECT count(*) FROM outbox.events WHERE status <> 'pending' OR retry_count > 0") == 0
+    ob.configure(amqp_queue_type="quorum")
+    wait_until(lambda: ob.count("dispatched") == 5, message="the events sent")
+    assert sorted(rabbit.drain("orders")) == sorted(ids)
+    assert ob.metric("outbox_broker_refusals_total", condition="channel_closed") >= 1
+
+
+def test_an_unroutable_message_is_that_events_failure(ob, rabbit):
+    """The queue deleted behind the dispatcher's back: RabbitMQ returns the
+    message (mandatory); that event fails with the reason, spends one retry,
+    and its retry declares the queue again."""
+    first = enqueue(ob, 1, queue="gone")
+    wait_until(lambda: ob.count("dispatched") == 1, message="the first event sent")
+    channel = rabbit.channel()
+    channel.queue_delete("gone")
+    channel.connection.close()
+    (second,) = enqueue(ob, 1, queue="gone")
+    wait_until(lambda: ob.value("SELECT retry_count FROM outbox.events WHERE id = %s", (second,)) == 1,
+               message="the unroutable event failed once")
+    error = ob.value("SELECT last_error FROM outbox.events WHERE id = %s", (second,))
+    assert "unroutable" in error and "NO_ROUTE" in error and '"gone"' in error, error
+    wait_until(lambda: ob.count("dispatched") == 2, message="the retry sent")
+    assert rabbit.drain("gone") == [second]
+    assert first
+
+
+def test_a_stock_worker_runs_every_event(ob, rabbit, redis_server):
+    """Messages as kombu's py-amqp transport publishes them: a stock Celery
+    worker on amqp:// runs each, with its arguments, headers and priority."""
+    worker = CeleryWorker(rabbit.url, queues=("celery", "renders"), env={"OUTBOX_TEST_NOTES": redis_server.url})
+    try:
+        worker.wait_ready()
+        with ob.connect() as conn:
+            ids = [
+                conn.execute("SELECT outbox_enqueue('t', '{\"a\": 1, \"b\": [true, null]}', task => 'tests.record')")
+                .fetchone()[0],
+                conn.execute("SELECT outbox_enqueue('t', '[1, \"two\", 3.5]', queue => 'renders', "
+                             "task => 'tests.record', priority => 7)").fetchone()[0],
+                conn.execute("SELECT outbox_enqueue('order.paid', '\"just one\"', task => 'tests.record', "
+                             "headers => '{\"traceparent\": \"00-abc-def-01\", \"n\": {\"deep\": [1]}}')")
+                .fetchone()[0],
+            ]
+        ids = [str(i) for i in ids]
+        executed = redis_server.client()
+        wait_until(lambda: executed.hlen("executed") == 3, timeout=60, message="the worker to run every event")
+        ran = {i: json.loads(executed.hget("executed", i)) for i in ids}
+        assert ran[ids[0]]["kwargs"] == {"a": 1, "b": [True, None]} and ran[ids[0]]["args"] == []
+        assert ran[ids[1]]["args"] == [1, "two", 3.5]
+        assert ran[ids[2]]["args"] == ["just one"] and ran[ids[2]]["event_type"] == "order.paid"
+        assert ran[ids[2]]["traceparent"] == "00-abc-def-01"
+        assert ob.count("dispatched") == 3
+    finally:
+        worker.close()
+
+
+def test_rolled_back_events_never_reach_the_broker(ob, rabbit):
+    with ob.connect(autocommit=False) as conn:
+        conn.execute("SELECT outbox_enqueue('t', '{}', task => 'tests.record') FROM generate_series(1, 50)")
+        conn.rollback()
+    committed = enqueue(ob, 20)
+    wait_until(lambda: ob.count("dispatched") == 20, message="the committed events sent")
+    assert sorted(rabbit.drain("celery")) == sorted(committed)
+
+
+def test_the_broker_stopped_mid_drain_loses_nothing(ob, rabbit):
+    """RabbitMQ stopped while 3,000 events drain, then started again (the
+    queue and its persistent messages kept): every event is in the queue,
+    none failed, no retry spent."""
+    ob.configure(batch_size=50)
+    ids = []
+    for _ in range(6):
+        ids += enqueue(ob, 500)
+    wait_until(lambda: ob.count("dispatched") >= 100, message="the drain under way")
+    rabbit.stop()
+    wait_until(lambda: ob.value("SELECT bool_and(NOT broker_connected) FROM outbox.workers"),
+               message="the dispatcher to notice")
+    time.sleep(2)
+    rabbit.start()
+    wait_until(lambda: ob.count("dispatched") == 3000, timeout=120, message="every event dispatched")
+    queued = rabbit.drain("celery")
+    assert set(queued) == set(ids)
+    assert len(queued) - len(set(queued)) <= 50, "duplicates beyond one round trip"
+    assert ob.value("SELECT max(retry_count) FROM outbox.events") == 0
+    assert ob.value("SELECT count(*) FROM outbox.events WHERE status = 'failed'") == 0
+
+
+def test_a_memory_alarm_blocks_without_spending_retries(ob, rabbit):
+    """A memory alarm: RabbitMQ blocks publishers. The dispatcher shows it,
+    spends no retry, and sends everything once the alarm clears."""
+    enqueue(ob, 1)
+    wait_until(lambda: ob.count("dispatched") == 1, message="a first event sent")
+    rabbit.ctl("set_vm_memory_high_watermark", "0.000001")
+    try:
+        ids = enqueue(ob, 20)
+        wait_until(lambda: "blocked" in last_error(ob) or "did not answer" in last_error(ob),
+                   message="the alarm shown")
+        assert ob.value("SELECT max(retry_count) FROM outbox.events") == 0
+        assert ob.count("failed") == 0
+    finally:
+        rabbit.ctl("set_vm_memory_high_watermark", "0.4")
+    wait_until(lambda: ob.count("dispatched") == 21, timeout=60, message="the events sent after the alarm")
+    assert set(ids) <= set(rabbit.drain("celery"))
+    assert ob.value("SELECT max(retry_count) FROM outbox.events") == 0
+
+
+def test_reports_travel_over_amqp(ob, rabbit, redis_server):
+    """The companion reports through the worker's own AMQP connection to a
+    queue the dispatchers read: every event processed, the queue emptied
+    (each report acknowledged once recorded)."""
+    ob.configure(report_key="outbox_reports")
+    worker = CeleryWorker(rabbit.url, app="loop_app", pool="prefork", concurrency=2,
+                          env={"OUTBOX_TEST_NOTES": redis_server.url})
+    try:
+        worker.wait_ready()
+        enqueue(ob, 200, task="loop.ok")
+        (failing,) = enqueue(ob, 1, task="loop.fail")
+        wait_until(lambda: ob.count("processed") == 200, timeout=120, message="every event processed")
+        wait_until(lambda: ob.value("SELECT status FROM outbox.events WHERE id = %s", (failing,)) == "failed",
+                   timeout=60, message="the failing task reported")
+        report_queue = ob.report_list()
+        wait_until(lambda: rabbit.depth(report_queue) == 0, message="every report acknowledged")
+    finally:
+        worker.close()
