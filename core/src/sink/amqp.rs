@@ -269,15 +269,22 @@ impl AmqpSink {
             Ok(name) => name,
             Err(e) => return Ok(Err(e)),
         };
-        self.with_session(|s| match s.read_reports(&name, shape, max, waiter, deadline) {
-            Ok(reports) => Ok(Ok(reports)),
-            Err(Fault::Channel(why)) => {
-                s.reports_open = false;
-                s.report_queues.clear();
-                s.last_report = None;
-                Ok(Err(why))
+        self.with_session(|s| {
+            let mut read = s.read_reports(&name, shape, max, waiter, deadline);
+            // The queue was deleted since it was declared on this
+            // connection: declared again at once, as workers are reporting.
+            if matches!(&read, Err(Fault::Channel(why)) if why.starts_with("404 ")) {
+                s.forget_report_channel();
+                read = s.read_reports(&name, shape, max, waiter, deadline);
             }
-            Err(Fault::Sink(e)) => Err(e),
+            match read {
+                Ok(reports) => Ok(Ok(reports)),
+                Err(Fault::Channel(why)) => {
+                    s.forget_report_channel();
+                    Ok(Err(why))
+                }
+                Err(Fault::Sink(e)) => Err(e),
+            }
         })
     }
 
@@ -851,6 +858,14 @@ impl Session {
             }
         }
         Ok(deliveries)
+    }
+
+    /// The broker closed channel 2: it is opened, and its queue declared,
+    /// afresh at the next read; what it read goes back to the queue.
+    fn forget_report_channel(&mut self) {
+        self.reports_open = false;
+        self.report_queues.clear();
+        self.last_report = None;
     }
 
     /// Reads up to `max` reports with pipelined `basic.get`s on channel 2.
