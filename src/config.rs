@@ -27,9 +27,11 @@ pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
 pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 pub static BROKER_URL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 /// `outbox.redis_url`, the former name of `outbox.broker_url`.
-pub static REDIS_URL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(DEFAULT_BROKER_URL));
+pub static REDIS_URL: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(DEFAULT_BROKER_URL));
 const DEFAULT_BROKER_URL: &CStr = c"redis://127.0.0.1:6379/0";
-pub static AMQP_QUEUE_TYPE: GucSetting<AmqpQueueType> = GucSetting::<AmqpQueueType>::new(AmqpQueueType::Classic);
+pub static AMQP_QUEUE_TYPE: GucSetting<AmqpQueueType> =
+    GucSetting::<AmqpQueueType>::new(AmqpQueueType::Classic);
 pub static AMQP_MAX_PRIORITY: GucSetting<i32> = GucSetting::<i32>::new(0);
 pub static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 pub static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);

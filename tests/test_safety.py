@@ -277,8 +277,8 @@ def reconnect_lines(pg):
 
 
 @pytest.mark.parametrize("bad,error", [
-    ({"redis_url": "redis://user:pw-in-bad-url@127.0.0.1:notaport/0"}, "invalid outbox.redis_url"),
-    ({"redis_url": "redis://127.0.0.1:1/0"}, "cannot connect to Redis"),
+    ({"redis_url": "redis://user:pw-in-bad-url@127.0.0.1:notaport/0"}, "invalid outbox.broker_url"),
+    ({"redis_url": "redis://127.0.0.1:1/0"}, "cannot connect to the broker"),
     ({"redis_url": "sentinel://127.0.0.1:1/0"}, "set outbox.redis_sentinel_master"),
     ({"priority_steps": "3,1"}, 'outbox.priority_steps "3,1" must start at 0 and ascend'),
 ], ids=["malformed", "unreachable", "sentinel-without-master", "priority-steps"])

@@ -958,3 +958,179 @@ fn frame_kind(frame: &AMQPFrame) -> String {
         AMQPFrame::Heartbeat | AMQPFrame::InvalidHeartbeat(_) => "a heartbeat".into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::Poll;
+    use crate::sink::Reason;
+    use std::io::{Read, Write};
+
+    fn sink(url: &str) -> AmqpSink {
+        let config = BrokerConfig::plain(url, Duration::from_secs(1), 1 << 20);
+        AmqpSink::new(&config, BrokerUrl::parse(url).unwrap()).unwrap()
+    }
+
+    fn encode(frames: &[AMQPFrame]) -> Vec<u8> {
+        frames
+            .iter()
+            .fold(Vec::new(), |bytes, frame| gen_frame(frame)(WriteContext::from(bytes)).unwrap().write)
+    }
+
+    /// A peer on loopback that sends `greeting` once the client's first
+    /// bytes came, then reads and ignores whatever comes.
+    fn peer(greeting: Vec<u8>) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("amqp://guest:hunter2@{}//", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let mut buf = [0u8; 4096];
+                if stream.read(&mut buf).is_err() || stream.write_all(&greeting).is_err() {
+                    continue;
+                }
+                while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+            }
+        });
+        url
+    }
+
+    fn start() -> AMQPFrame {
+        let start = connection::Start {
+            version_major: 0,
+            version_minor: 9,
+            server_properties: FieldTable::default(),
+            mechanisms: "PLAIN AMQPLAIN".into(),
+            locales: "en_US".into(),
+        };
+        AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Start(start)))
+    }
+
+    #[test]
+    fn a_peer_that_is_no_amqp_broker_is_refused() {
+        let garbage = peer(b"+PONG\r\n-ERR what is this\r\n".to_vec());
+        let err = sink(&garbage).connect(&mut Poll).unwrap_err();
+        assert_eq!(err.reason(), Reason::ConnectFailed, "{err}");
+        assert!(err.to_string().contains("AMQP protocol error"), "{err}");
+        let other_version = peer(b"AMQP\x00\x00\x09\x00".to_vec());
+        let err = sink(&other_version).connect(&mut Poll).unwrap_err();
+        assert!(err.to_string().contains("does not speak AMQP 0-9-1"), "{err}");
+    }
+
+    #[test]
+    fn a_frame_larger_than_negotiated_is_refused_from_its_header() {
+        // A method frame that says it is 1 GiB long: refused before any of
+        // it is read or held.
+        let mut huge = vec![1u8, 0, 0];
+        huge.extend_from_slice(&(1u32 << 30).to_be_bytes());
+        huge.extend_from_slice(&[0; 64]);
+        let err = sink(&peer(huge)).connect(&mut Poll).unwrap_err();
+        assert!(err.to_string().contains("a frame of 1073741824 bytes"), "{err}");
+        assert!(err.to_string().len() < 200, "{err}");
+    }
+
+    #[test]
+    fn a_broker_that_stops_answering_times_out_within_one_deadline() {
+        // connection.start, then silence after start-ok.
+        let started = Instant::now();
+        let err = sink(&peer(encode(&[start()]))).connect(&mut Poll).unwrap_err();
+        assert_eq!(err, SinkError::Timeout);
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(3), "{took:?}");
+    }
+
+    #[test]
+    fn the_password_is_never_quoted_back() {
+        // A broker that closes the connection quoting the password.
+        let close = connection::Close {
+            reply_code: 403,
+            reply_text: "ACCESS_REFUSED - guest:hunter2 is not welcome".into(),
+            class_id: 0,
+            method_id: 0,
+        };
+        let close = AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Close(close)));
+        let err = sink(&peer(encode(&[start(), close]))).connect(&mut Poll).unwrap_err();
+        assert!(err.to_string().contains("403 ACCESS_REFUSED"), "{err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn a_broker_without_plain_authentication_is_refused_by_name() {
+        let start = connection::Start {
+            version_major: 0,
+            version_minor: 9,
+            server_properties: FieldTable::default(),
+            mechanisms: "EXTERNAL".into(),
+            locales: "en_US".into(),
+        };
+        let start = AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Start(start)));
+        let err = sink(&peer(encode(&[start]))).connect(&mut Poll).unwrap_err();
+        assert!(err.to_string().contains("no PLAIN authentication (it offers EXTERNAL)"), "{err}");
+    }
+
+    #[test]
+    fn confirms_settle_one_or_every_message_up_to_the_tag() {
+        let mut pending: HashMap<u64, usize> = (1..=5).map(|seq| (seq, seq as usize - 1)).collect();
+        assert_eq!(settle(&mut pending, 2, false), [1]);
+        let mut upto = settle(&mut pending, 4, true);
+        upto.sort();
+        assert_eq!(upto, [0, 2, 3]);
+        assert!(settle(&mut pending, 4, true).is_empty());
+        assert_eq!(pending.len(), 1);
+    }
+
+    #[test]
+    fn a_kombu_envelope_becomes_what_py_amqp_publishes() {
+        let message = celery::TaskMessage {
+            id: uuid::Uuid::parse_str("0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a").unwrap(),
+            task: "app.tasks.render",
+            queue: "renders",
+            priority: 7,
+            event_type: "order.paid",
+            created_at: "2026-12-01T00:00:00Z",
+            payload: r#"{"a": 1}"#,
+            args: None,
+            headers: Some(r#"{"traceparent": "00-x-y-01", "deep": {"list": [1, 2.5, null, true]}}"#),
+            expires: None,
+            report_to: "reports:5",
+            send: uuid::Uuid::nil(),
+        };
+        let mut envelope = String::new();
+        celery::encode(&message, "host", uuid::Uuid::nil(), &mut envelope).unwrap();
+        let out = outgoing(&envelope).unwrap();
+        let body: Value = serde_json::from_slice(&out.body).unwrap();
+        assert_eq!(body[1], serde_json::json!({"a": 1}));
+        let p = &out.properties;
+        assert_eq!(p.correlation_id().as_ref().unwrap().as_str(), "0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a");
+        assert_eq!((*p.delivery_mode(), *p.priority()), (Some(2), Some(7)));
+        assert_eq!(p.content_type().as_ref().unwrap().as_str(), "application/json");
+        assert_eq!(p.content_encoding().as_ref().unwrap().as_str(), "utf-8");
+        assert_eq!(p.reply_to(), &None);
+        let headers = p.headers().as_ref().unwrap().inner();
+        assert_eq!(headers["task"], AMQPValue::LongString("app.tasks.render".into()));
+        assert_eq!(headers["retries"], AMQPValue::LongLongInt(0));
+        assert_eq!(headers["eta"], AMQPValue::Void);
+        assert_eq!(headers["outbox_report_to"], AMQPValue::LongString("reports:5".into()));
+        let AMQPValue::FieldTable(deep) = &headers["deep"] else { panic!("{headers:?}") };
+        assert_eq!(
+            deep.inner()["list"],
+            AMQPValue::FieldArray(FieldArray::from(vec![
+                AMQPValue::LongLongInt(1),
+                AMQPValue::Double(2.5),
+                AMQPValue::Void,
+                AMQPValue::Boolean(true)
+            ]))
+        );
+        // A header name AMQP cannot carry is that message's fault.
+        let long = format!(r#"{{"{}": 1}}"#, "k".repeat(256));
+        let mut envelope = String::new();
+        celery::encode(
+            &celery::TaskMessage { headers: Some(&long), ..message },
+            "host",
+            uuid::Uuid::nil(),
+            &mut envelope,
+        )
+        .unwrap();
+        assert!(outgoing(&envelope).err().unwrap().contains("longer than AMQP's 255 bytes"));
+    }
+}

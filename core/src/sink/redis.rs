@@ -598,7 +598,10 @@ mod tests {
         assert!(err.to_string().contains("outbox.redis_tls_ca_file /nonexistent/ca.pem"), "{err}");
         // Plain redis:// ignores the CA file: the refusal comes from port 1.
         let plain = BrokerConfig { tls_ca_file: Some(missing), ..config("redis://127.0.0.1:1/0") };
-        assert_eq!(redis_sink(&plain).unwrap().connect(&mut Poll).unwrap_err().reason(), Reason::ConnectFailed);
+        assert_eq!(
+            redis_sink(&plain).unwrap().connect(&mut Poll).unwrap_err().reason(),
+            Reason::ConnectFailed
+        );
     }
 
     #[test]
