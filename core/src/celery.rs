@@ -278,7 +278,7 @@ fn base64_encode(input: &[u8], out: &mut String) {
 /// apart with it.
 pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
     let bytes = text.as_bytes();
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return None;
     }
     let value = |c: u8| BASE64_ALPHABET.iter().position(|a| *a == c).map(|v| v as u32);

@@ -625,7 +625,7 @@ impl Session {
         }
         let whole = &self.inbox[..size + FRAME_OVERHEAD];
         let frame = match parse_frame(whole) {
-            Ok((rest, frame)) if rest.is_empty() => frame,
+            Ok((&[], frame)) => frame,
             Ok(_) => return Err(protocol("a frame longer than its size")),
             Err(e) => return Err(protocol(format!("a malformed frame ({e})"))),
         };
