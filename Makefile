@@ -62,7 +62,8 @@ stop:
 
 # Throughput, latency and enqueue cost against the raw ceilings, and the
 # full loop through a Celery worker; then dispatch under a pinned xmin
-# against the same without; several databases; per-key order (release
+# against the same without; several databases; per-key order; Redis and
+# RabbitMQ side by side (release
 # build; about an hour; sizes: BENCH_* variables, see bench/*.py).
 bench: install
 	.venv/bin/pip install -q -r bench/requirements.txt
@@ -71,6 +72,7 @@ bench: install
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/pinned.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/databases.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/keys.py
+	PG_BIN=$(PG_BIN) $(PYTHON) bench/brokers.py
 
 # Sustained load with retention purging: costs over time, written to
 # bench/results/soak.md (5 minutes by default; SOAK_* variables, see bench/soak.py).

@@ -1,0 +1,143 @@
+"""`make bench`, part five: Redis and RabbitMQ side by side. Runs its own
+PostgreSQL 15 (fsync on), redis-server and rabbitmq-server, with the
+release build installed by the Makefile; writes bench/results/brokers.md
+and the raw numbers in brokers.json.
+
+- The drain: BENCH_BROKER_EVENTS [100000] pending events, one dispatcher,
+  batch 1000, to a Redis list and to a durable RabbitMQ queue (classic,
+  and quorum), every message confirmed; the median of BENCH_ROUNDS [3]
+  runs of each, in alternation.
+- The full loop through a stock prefork Celery worker (2 processes) on each
+  broker, with outbox_dispatch.celery reporting over the same broker:
+  BENCH_BROKER_LOOP [20000] events from enabling to the last `processed`."""
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from harness import CeleryWorker, Cluster, RabbitMQ, Redis, wait_until  # noqa: E402
+
+EVENTS = int(os.environ.get("BENCH_BROKER_EVENTS", 100_000))
+LOOP_EVENTS = int(os.environ.get("BENCH_BROKER_LOOP", 20_000))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
+BATCH = 1000
+RESULTS = ROOT / "bench" / "results"
+SERVER_CONF = {"fsync": "on", "shared_buffers": "'512MB'", "max_wal_size": "'4GB'", "checkpoint_timeout": "'15min'"}
+
+
+def log(*args):
+    print("bench:", *args, flush=True)
+
+
+def enqueue(pg, n, queue, task="bench.noop"):
+    pg.configure(enabled="off")
+    pg.sql("TRUNCATE outbox.events")
+    with pg.connect() as conn:
+        conn.execute("SELECT outbox_enqueue('bench', '{\"n\": 1}', queue => %s, task => %s) "
+                     "FROM generate_series(1, %s)", (queue, task, n))
+        conn.execute("VACUUM ANALYZE outbox.events")
+    pg.sql("CHECKPOINT")
+
+
+def drain(pg, url, queued, queue, **settings):
+    """Events per second from enabling the dispatcher until `queued()`
+    counts every event in the broker."""
+    pg.configure(broker_url=url, report_key="", **settings)
+    enqueue(pg, EVENTS, queue)
+    started = time.monotonic()
+    pg.configure(enabled="on")
+    while queued() < EVENTS:
+        assert time.monotonic() - started < 900, "the drain stalled"
+        time.sleep(0.02)
+    return EVENTS / (time.monotonic() - started)
+
+
+def full_loop(pg, url, notes):
+    """Events per second processed through a stock prefork worker that
+    reports over the broker it consumes."""
+    pg.configure(broker_url=url, report_key="bench_reports")
+    worker = CeleryWorker(url, queues=("bench_loop",), app="loop_app", pool="prefork", concurrency=2,
+                          env={"OUTBOX_TEST_NOTES": notes},
+                          extra_args=("--prefetch-multiplier=100", "--loglevel=WARNING"))
+    try:
+        wait_until(lambda: "ready." in worker.log_text() or worker.proc.poll() is not None, timeout=60,
+                   message="the Celery worker")
+        enqueue(pg, LOOP_EVENTS, "bench_loop", task="loop.noop")
+        started = time.monotonic()
+        pg.configure(enabled="on")
+        while pg.count("processed") < LOOP_EVENTS:
+            assert time.monotonic() - started < 1800, "the full loop stalled"
+            time.sleep(0.2)
+        return LOOP_EVENTS / (time.monotonic() - started)
+    finally:
+        worker.close()
+
+
+def main():
+    RESULTS.mkdir(exist_ok=True)
+    redis, rabbit = Redis("--loglevel", "warning"), RabbitMQ()
+    r = {"drain": {"redis": [], "classic": [], "quorum": []}, "loop": {}}
+    try:
+        pg = Cluster(redis.url, server_conf=SERVER_CONF, batch_size=BATCH, enabled="off")
+        try:
+            pg.sql("CREATE EXTENSION outbox_dispatch")
+            pg.sql("ALTER SYSTEM SET autovacuum = off")
+            for round_ in range(ROUNDS):
+                redis.client().flushall()
+                r["drain"]["redis"].append(drain(pg, redis.url, lambda: redis.client().llen("bench_drain"),
+                                                 "bench_drain"))
+                log(f"round {round_ + 1}: Redis {r['drain']['redis'][-1]:,.0f} events/s")
+                for kind in ("classic", "quorum"):
+                    rabbit.reset()
+                    queue = f"bench_{kind}"
+                    rate = drain(pg, rabbit.url, lambda q=queue: rabbit.depth(q), queue, amqp_queue_type=kind)
+                    r["drain"][kind].append(rate)
+                    log(f"round {round_ + 1}: RabbitMQ, {kind} queue, {rate:,.0f} events/s")
+            pg.sql("ALTER SYSTEM SET autovacuum = on")
+            redis.client().flushall()
+            r["loop"]["redis"] = full_loop(pg, redis.url, redis.url)
+            log(f"full loop on Redis: {r['loop']['redis']:,.0f} events/s")
+            rabbit.reset()
+            r["loop"]["rabbitmq"] = full_loop(pg, rabbit.url, redis.url)
+            log(f"full loop on RabbitMQ: {r['loop']['rabbitmq']:,.0f} events/s")
+        finally:
+            pg.close()
+    finally:
+        redis.close()
+        rabbit.close()
+    median = {kind: statistics.median(rates) for kind, rates in r["drain"].items()}
+    lines = [
+        "# Redis and RabbitMQ", "",
+        f"One PostgreSQL 15 server (fsync on), one dispatcher, batch {BATCH}; redis-server (no persistence) and "
+        f"rabbitmq-server (Debian's, one node) on loopback; {os.cpu_count()} cores.", "",
+        "## Drain", "",
+        f"{EVENTS:,} pending events, committed while the dispatcher was paused; then enabled, until the broker "
+        "holds every message. On RabbitMQ every message is persistent, published `mandatory` to a durable queue "
+        f"and confirmed before its event counts as dispatched. The median of {ROUNDS} runs, brokers in "
+        "alternation.", "",
+        "| broker | events/s | of Redis's |",
+        "|---|---|---|",
+        f"| Redis list | {median['redis']:,.0f} | 100% |",
+        f"| RabbitMQ, classic queue | {median['classic']:,.0f} | {median['classic'] / median['redis']:.0%} |",
+        f"| RabbitMQ, quorum queue | {median['quorum']:,.0f} | {median['quorum'] / median['redis']:.0%} |", "",
+        "## Full loop", "",
+        f"{LOOP_EVENTS:,} events for a no-op task, through a stock Celery worker (prefork, 2 processes, prefetch "
+        "100) on the same broker, with `outbox_dispatch.celery` reporting each outcome over it.", "",
+        "| broker | processed/s |",
+        "|---|---|",
+        f"| Redis | {r['loop']['redis']:,.0f} |",
+        f"| RabbitMQ | {r['loop']['rabbitmq']:,.0f} |",
+    ]
+    (RESULTS / "brokers.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "brokers.json").write_text(json.dumps(r, indent=1))
+    print((RESULTS / "brokers.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
