@@ -205,9 +205,10 @@ class RabbitMQ:
 
     SBIN = Path("/usr/lib/rabbitmq/bin")
 
-    def __init__(self, home=None):
+    def __init__(self, home=None, wait=True):
         self.port = free_port()
         self.dist_port = free_port()
+        self.own_home = home is None
         self.home = home or tempfile.mkdtemp(prefix="outbox-rabbit-")
         self.dir = Path(tempfile.mkdtemp(prefix="outbox-rabbit-node-", dir=self.home))
         self.node = f"outbox{self.port}@localhost"
@@ -220,7 +221,7 @@ class RabbitMQ:
             RABBITMQ_ENABLED_PLUGINS_FILE=str(self.dir / "plugins"),
             RABBITMQ_CONFIG_FILE=str(self.dir / "rabbitmq"), RABBITMQ_PID_FILE=str(self.dir / "pid"))
         self.proc = None
-        self.start()
+        self.start(wait)
 
     @property
     def url(self):
@@ -315,7 +316,7 @@ class RabbitMQ:
     def close(self):
         if self.proc:
             self.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self.home if self.own_home else self.dir, ignore_errors=True)
 
 
 def decode(raw):

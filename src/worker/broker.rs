@@ -100,12 +100,13 @@ impl Broker {
             Ok(persistence) => {
                 let url = self.sink.as_ref().map_or("", Sink::display_url).to_string();
                 let kind = self.sink.as_ref().map_or("the broker", Sink::kind);
+                let node = self.sink.as_ref().map_or("node", Sink::node_kind);
                 let master = self.sink.as_ref().ok().and_then(Sink::master).map(str::to_string);
                 let paused = self.lost_at.take().map(|at| at.elapsed());
                 if let Some(paused) = paused {
                     counters::broker_unavailable(paused);
                     log!(
-                        "outbox dispatcher {} reconnected to {kind} at {url} (node {}) after {:.1}s",
+                        "outbox dispatcher {} reconnected to {kind} at {url} ({node} {}) after {:.1}s",
                         self.index,
                         master.as_deref().unwrap_or("?"),
                         paused.as_secs_f64()
@@ -115,7 +116,7 @@ impl Broker {
                     if before != now {
                         counters::add(Counter::MasterChanges, 1);
                         log!(
-                            "outbox dispatcher {}: the {kind} node moved from {before} to {now}",
+                            "outbox dispatcher {}: the {kind} {node} moved from {before} to {now}",
                             self.index
                         );
                     }

@@ -195,6 +195,15 @@ impl Sink {
         }
     }
 
+    /// What the broker's address names, as logs say it: Redis's master, a
+    /// RabbitMQ node.
+    pub fn node_kind(&self) -> &'static str {
+        match self {
+            Sink::Redis(_) => "master",
+            Sink::Amqp(_) => "node",
+        }
+    }
+
     /// The broker's kind, as logs name it.
     pub fn kind(&self) -> &'static str {
         match self {
