@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 ATTEMPTS = 3
 PAUSE_SECONDS = 0.5
 
+#: The longest one AMQP send of a report waits for the broker's confirm (or
+#: for its socket).
+TIMEOUT_SECONDS = 10.0
+
 
 def _request_headers(request: Any) -> Mapping[str, Any]:
     """The message's own headers, as a task request holds them. Protocol 2
@@ -76,8 +80,12 @@ class _Link:
     def _open(self, app: Celery) -> None:
         if self._connection is not None and self._pid == os.getpid():
             return
+        # On AMQP: publisher confirms, and no wait without a deadline (a
+        # blocked connection, an alarm, never acks: the send times out and
+        # is tried again, then logged). Redis's transport ignores these.
         connection = app.connection_for_write(transport_options={
-            **(app.conf.broker_transport_options or {}), "confirm_publish": True})
+            **(app.conf.broker_transport_options or {}), "confirm_publish": True,
+            "read_timeout": TIMEOUT_SECONDS, "write_timeout": TIMEOUT_SECONDS})
         self._amqp = connection.transport.driver_type == "amqp"
         self._client = connection.default_channel if self._amqp else connection.default_channel.client
         self._connection, self._pid = connection, os.getpid()
@@ -91,7 +99,7 @@ class _Link:
                 client.basic_publish(
                     amqp.Message(body, content_type="application/json", content_encoding="utf-8",
                                  delivery_mode=2),
-                    exchange="", routing_key=key, mandatory=True)
+                    exchange="", routing_key=key, mandatory=True, confirm_timeout=TIMEOUT_SECONDS)
                 return
         client.rpush(key, body)
 
