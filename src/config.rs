@@ -452,13 +452,15 @@ fn message_bytes(max_payload_bytes: usize) -> usize {
 }
 
 /// The longest a claim may stay in processing while its dispatcher is
-/// alive: a connect, and one timeout per round trip of a batch of the
-/// largest messages, with a margin of one more. A shorter
+/// alive: a connect (a timeout per RabbitMQ node the URL lists), and one
+/// timeout per round trip of a batch of the largest messages, with a
+/// margin of one more. A shorter
 /// `outbox.processing_timeout` would let the sweeper hand a live claim to
 /// another dispatcher and send its events twice.
 fn longest_push(broker: &BrokerConfig, batch_size: usize, max_payload_bytes: usize) -> Duration {
     let message = message_bytes(max_payload_bytes);
     let round_trips = batch_size.saturating_mul(message).div_ceil(broker.max_batch_bytes.max(1));
-    let seconds = broker.timeout.as_secs_f64() * (round_trips as f64 + 2.0);
+    let connect = if broker.url.starts_with("amqp") { broker.url.split(';').count() } else { 1 };
+    let seconds = broker.timeout.as_secs_f64() * ((round_trips + connect) as f64 + 1.0);
     Duration::from_secs(seconds.ceil() as u64)
 }

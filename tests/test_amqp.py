@@ -116,6 +116,52 @@ def test_an_unroutable_message_is_that_events_failure(ob, rabbit):
     assert first
 
 
+def test_a_message_rabbitmq_cannot_take_fails_alone(ob, rabbit):
+    """Poison next to good events in one round trip: headers too large for
+    one AMQP frame, and a queue name RabbitMQ reserves. Each fails with its
+    reason (spending its retries); the others are delivered exactly once."""
+    with ob.connect(autocommit=False) as conn:
+        good = [str(conn.execute("SELECT outbox_enqueue('t', '{}', task => 'tests.record')").fetchone()[0])
+                for _ in range(5)]
+        (big,) = conn.execute("SELECT outbox_enqueue('t', '{}', task => 'tests.record', "
+                              "headers => jsonb_build_object('big', repeat('x', 200000)))").fetchone()
+        (reserved,) = conn.execute("SELECT outbox_enqueue('t', '{}', task => 'tests.record', "
+                                   "queue => 'amq.poison')").fetchone()
+        good += [str(conn.execute("SELECT outbox_enqueue('t', '{}', task => 'tests.record')").fetchone()[0])
+                 for _ in range(5)]
+        conn.commit()
+    wait_until(lambda: ob.count("dispatched") == 10, message="the good events sent")
+    for poison, reason in ((big, "above the frame size negotiated with RabbitMQ"),
+                           (reserved, 'RabbitMQ reserves the queue name "amq.poison"')):
+        wait_until(lambda: ob.value("SELECT retry_count FROM outbox.events WHERE id = %s", (poison,)) >= 1,
+                   message="the poison failed")
+        assert reason in ob.value("SELECT last_error FROM outbox.events WHERE id = %s", (poison,))
+    queued = rabbit.drain("celery")
+    assert sorted(queued) == sorted(good), "each good event exactly once"
+    assert last_error(ob) == ""
+
+
+def test_reports_whose_recording_failed_are_read_again(ob, rabbit, redis_server):
+    """Reports read while the database refuses to record them (a lock
+    held past outbox.statement_timeout) go back to the queue: once the lock
+    is gone every event is processed."""
+    ob.configure(report_key="outbox_reports", statement_timeout="500ms")
+    ids = enqueue(ob, 20, task="loop.ok")
+    wait_until(lambda: ob.count("dispatched") == 20, message="the events sent")
+    with ob.connect(autocommit=False) as lock:
+        lock.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+        worker = CeleryWorker(rabbit.url, app="loop_app", env={"OUTBOX_TEST_NOTES": redis_server.url})
+        try:
+            worker.wait_ready()
+            notes = redis_server.client()
+            wait_until(lambda: all(notes.exists(f"ran:{i}") for i in ids), timeout=60, message="the tasks run")
+            time.sleep(3)  # the dispatcher reads the reports, and fails to record them
+            lock.rollback()
+            wait_until(lambda: ob.count("processed") == 20, timeout=60, message="every report recorded")
+        finally:
+            worker.close()
+
+
 def test_a_stock_worker_runs_every_event(ob, rabbit, redis_server):
     """Messages as kombu's py-amqp transport publishes them: a stock Celery
     worker on amqp:// runs each, with its arguments, headers and priority."""

@@ -214,6 +214,11 @@ fn amqp(urls: &[Url], tls: bool) -> Result<BrokerUrl, String> {
     if urls.iter().any(|u| u.query().is_some()) {
         return Err(format!("AMQP URLs take no parameters (?…); {ENCODE_HINT}"));
     }
+    // A fragment, or an @ in the path, is a password with a /, # or ? that
+    // ended the authority early: what follows may be a piece of it.
+    if urls.iter().any(|u| u.fragment().is_some() || u.path().contains('@')) {
+        return Err(format!("the URL has a # or an @ after the host; {ENCODE_HINT}"));
+    }
     let port = if tls { AMQPS_PORT } else { AMQP_PORT };
     let path = first.path();
     let vhost = decode(path.strip_prefix('/').unwrap_or(path), "vhost")?;
@@ -396,6 +401,8 @@ mod tests {
                 "sentinel://:{}@s1:26379;sentinel://s2:26380/1",
                 "amqp://user:{}@h:5672/vhost",
                 "amqps://user:{}@h1;amqps://h2",
+                "amqp://user:12{}@h:5672/vhost",
+                "amqp://user:{}@h",
             ] {
                 let url = template.replace("{}", &password);
                 let shown = match BrokerUrl::parse(&url) {

@@ -58,6 +58,14 @@ impl Broker {
         self.next_connect = None;
     }
 
+    /// Closes the connection (while paused), without any backoff.
+    pub fn disconnect(&mut self, slot: &slots::Own) {
+        if let Ok(sink) = &mut self.sink {
+            sink.disconnect();
+        }
+        slot.set_connected(false);
+    }
+
     /// The settings were reloaded: the next heartbeat is due within the
     /// (new) interval.
     pub fn reschedule(&mut self, settings: &Settings) {

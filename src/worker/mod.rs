@@ -292,6 +292,10 @@ impl Dispatcher {
             }
         }
         if !self.settings.enabled {
+            // Paused, nothing is sent: a broker that expects heartbeats
+            // (RabbitMQ) would close the connection. Closed here instead,
+            // made again on resuming.
+            self.broker.disconnect(&self.slot);
             self.slot.set_state(State::Paused);
             return poll;
         }

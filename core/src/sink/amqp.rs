@@ -53,6 +53,9 @@ const FRAME_OVERHEAD: usize = 8;
 const GETS_PER_TRIP: usize = 100;
 /// AMQP's class id of `basic`, whose content headers carry messages.
 const BASIC: u16 = 60;
+/// The largest message body published: RabbitMQ's default
+/// `max_message_size` (128 MiB), above which it would close the channel.
+const MAX_BODY_BYTES: usize = 128 << 20;
 
 crate::named! {
     /// The kind of queue declared, as Celery's `task_default_queue_type`.
@@ -100,6 +103,8 @@ pub struct AmqpSink {
     session: Option<Session>,
     /// The node of the current (or last) connection, `host:port`.
     node: Option<String>,
+    /// The index of the node a connect tries first: the last that took one.
+    first_node: usize,
 }
 
 /// One open connection and what was set up on it.
@@ -120,10 +125,10 @@ struct Session {
 }
 
 /// Why one step of a session failed: the connection (or the broker), or
-/// a channel the broker closed (the connection stays).
+/// a channel the broker closed (the connection stays), and why.
 enum Fault {
     Sink(SinkError),
-    Channel(String),
+    Channel(u16, String),
 }
 
 impl From<SinkError> for Fault {
@@ -137,7 +142,7 @@ impl Fault {
     fn into_sink(self, doing: &str) -> SinkError {
         match self {
             Fault::Sink(e) => e,
-            Fault::Channel(why) => SinkError::Refused(Condition::ChannelClosed, format!("{doing}: {why}")),
+            Fault::Channel(_, why) => SinkError::Refused(Condition::ChannelClosed, format!("{doing}: {why}")),
         }
     }
 }
@@ -150,6 +155,17 @@ fn protocol(what: impl std::fmt::Display) -> SinkError {
     SinkError::ConnectionLost(format!("AMQP protocol error: {what}"))
 }
 
+/// Whether messages can be published to `queue` as Celery does (to the
+/// exchange named like it): RabbitMQ refuses to declare names starting
+/// with `amq.`, and the empty name is the default exchange's.
+fn publishable_queue(queue: &str) -> Result<(), String> {
+    short(queue, "the queue's name")?;
+    if queue.is_empty() || queue.starts_with("amq.") {
+        return Err(format!("RabbitMQ reserves the queue name \"{queue}\" (empty, or starting with amq.)"));
+    }
+    Ok(())
+}
+
 fn short(text: &str, what: &str) -> Result<ShortString, String> {
     ShortString::try_new(text).map_err(|_| format!("{what} is longer than AMQP's 255 bytes"))
 }
@@ -157,8 +173,9 @@ fn short(text: &str, what: &str) -> Result<ShortString, String> {
 impl AmqpSink {
     pub fn new(config: &BrokerConfig, url: BrokerUrl) -> Result<AmqpSink, SinkError> {
         let display_url = url.display();
-        short(&url.vhost, "the vhost").map_err(SinkError::InvalidConfig)?;
-        Ok(AmqpSink { config: config.clone(), url, display_url, session: None, node: None })
+        short(&url.vhost, "the vhost")
+            .map_err(|e| SinkError::InvalidConfig(format!("invalid outbox.broker_url {display_url}: {e}")))?;
+        Ok(AmqpSink { config: config.clone(), url, display_url, session: None, node: None, first_node: 0 })
     }
 
     pub fn master(&self) -> Option<&str> {
@@ -186,11 +203,12 @@ impl AmqpSink {
     }
 
     /// Connects to the first node that takes the connection, in the URL's
-    /// order, all within one timeout: TCP, TLS, the AMQP handshake (PLAIN
-    /// authentication, the vhost), the publishing channel in confirm mode.
+    /// order from the last node that took one, each within one timeout:
+    /// TCP, TLS, the AMQP handshake (PLAIN authentication, the vhost), the
+    /// publishing channel in confirm mode. A node that refuses, fails or
+    /// does not answer in time passes the turn to the next.
     pub fn connect(&mut self, waiter: &mut dyn Wait) -> Result<Persistence, SinkError> {
         self.session = None;
-        let deadline = self.deadline();
         let password = match &self.config.password_file {
             Some(path) => Some(password_from_file("outbox.redis_password_file", path)?),
             None => self.url.password.clone(),
@@ -200,12 +218,13 @@ impl AmqpSink {
         let tls = self.url.tls.then(|| tls_config(self.config.tls_ca_file.as_deref())).transpose()?;
         let Endpoints::Amqp(nodes) = &self.url.endpoints else { unreachable!("an AMQP sink has AMQP nodes") };
         let mut failure = SinkError::Connect("no node".into());
-        for (host, port) in nodes {
+        for turn in 0..nodes.len() {
+            let index = (self.first_node + turn) % nodes.len();
+            let (host, port) = &nodes[index];
+            let deadline = Instant::now() + self.config.timeout;
             let link = match Link::connect(host, *port, tls.clone(), waiter, deadline) {
                 Ok(link) => link,
-                Err(e @ (LinkError::Timeout | LinkError::Interrupted)) => {
-                    return Err(SinkError::from_link(e, false))
-                }
+                Err(LinkError::Interrupted) => return Err(SinkError::Interrupted),
                 Err(e) => {
                     failure = SinkError::from_link(e, false);
                     continue;
@@ -228,11 +247,14 @@ impl AmqpSink {
             match opened {
                 Ok(()) => {
                     self.session = Some(session);
+                    self.first_node = index;
                     return Ok(Persistence::Durable);
                 }
-                Err(SinkError::Connect(e)) => failure = SinkError::Connect(scrub(&e, &secrets)),
-                Err(SinkError::ConnectionLost(e)) => failure = SinkError::Connect(scrub(&e, &secrets)),
-                Err(e) => return Err(e),
+                Err(SinkError::Connect(e) | SinkError::ConnectionLost(e)) => {
+                    failure = SinkError::Connect(scrub(&e, &secrets))
+                }
+                Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
+                Err(e) => failure = e,
             }
         }
         Err(failure)
@@ -265,25 +287,22 @@ impl AmqpSink {
     ) -> Result<Result<Vec<Vec<u8>>, String>, SinkError> {
         let deadline = self.deadline();
         let shape = self.config.queues;
-        let name = match short(queue, "the report queue's name") {
-            Ok(name) => name,
-            Err(e) => return Ok(Err(e)),
-        };
+        let name =
+            match short(queue, "the report queue's name (outbox.report_key, a colon, the database's OID)") {
+                Ok(name) => name,
+                Err(e) => return Ok(Err(e)),
+            };
         self.with_session(|s| {
             let mut read = s.read_reports(&name, shape, max, waiter, deadline);
             // The queue was deleted since it was declared on this
             // connection: declared again at once, as workers are reporting.
-            if matches!(&read, Err(Fault::Channel(why)) if why.starts_with("404 ")) {
-                s.forget_report_channel();
+            if matches!(&read, Err(Fault::Channel(REPORTS, why)) if why.starts_with("404 ")) {
                 read = s.read_reports(&name, shape, max, waiter, deadline);
             }
             match read {
                 Ok(reports) => Ok(Ok(reports)),
-                Err(Fault::Channel(why)) => {
-                    s.forget_report_channel();
-                    Ok(Err(why))
-                }
-                Err(Fault::Sink(e)) => Err(e),
+                Err(Fault::Channel(REPORTS, why)) => Ok(Err(why)),
+                Err(fault) => Err(fault.into_sink("reading reports")),
             }
         })
     }
@@ -299,19 +318,26 @@ impl AmqpSink {
     }
 
     /// Publishes every batch in round trips of about `max_batch_bytes`,
-    /// each confirmed before the next is sent.
+    /// each confirmed before the next is sent. When a round trip fails, what
+    /// the broker confirmed (or returned) of it before the failure stands.
     pub fn push(&mut self, batches: &[KeyBatch], waiter: &mut dyn Wait) -> Pushed {
         let total = batches.iter().map(|b| b.messages.len()).sum();
         let mut deliveries = Vec::with_capacity(total);
         for trip in plan_round_trips(batches, self.config.max_batch_bytes) {
             let deadline = self.deadline();
             let shape = self.config.queues;
-            match self.with_session(|s| s.publish(batches, &trip, shape, waiter, deadline)) {
-                Ok(confirmed) => deliveries.extend(confirmed),
-                Err(failure) => {
-                    deliveries.resize(total, Delivery::Unsent);
-                    return Pushed { deliveries, failure: Some(failure) };
+            let failure = match self.session.as_mut() {
+                Some(session) => {
+                    let (settled, failure) = session.publish(batches, &trip, shape, waiter, deadline);
+                    deliveries.extend(settled);
+                    failure
                 }
+                None => Some(SinkError::ConnectionLost("not connected".into())),
+            };
+            if let Some(failure) = failure {
+                self.session = None;
+                deliveries.resize(total, Delivery::Unsent);
+                return Pushed { deliveries, failure: Some(failure) };
             }
         }
         Pushed { deliveries, failure: None }
@@ -422,10 +448,10 @@ impl Session {
         let refused = |e: Fault| match e {
             Fault::Sink(SinkError::ConnectionLost(why)) => SinkError::Connect(why),
             Fault::Sink(e) => e,
-            Fault::Channel(why) => SinkError::Connect(why),
+            Fault::Channel(_, why) => SinkError::Connect(why),
         };
         self.send(&[AMQPFrame::ProtocolHeader(ProtocolVersion::amqp_0_9_1())], waiter, deadline)?;
-        let start = match self.method(waiter, deadline).map_err(refused)? {
+        let start = match self.method(PUBLISH, waiter, deadline).map_err(refused)? {
             (0, AMQPClass::Connection(connection::AMQPMethod::Start(start))) => start,
             (_, other) => {
                 return Err(SinkError::Connect(format!(
@@ -456,7 +482,7 @@ impl Session {
         };
         let start_ok = AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok));
         self.send(&[AMQPFrame::Method(0, start_ok)], waiter, deadline)?;
-        let tune = match self.method(waiter, deadline).map_err(refused)? {
+        let tune = match self.method(PUBLISH, waiter, deadline).map_err(refused)? {
             (0, AMQPClass::Connection(connection::AMQPMethod::Tune(tune))) => tune,
             (_, other) => {
                 return Err(SinkError::Connect(format!(
@@ -484,7 +510,7 @@ impl Session {
             waiter,
             deadline,
         )?;
-        match self.method(waiter, deadline).map_err(refused)? {
+        match self.method(PUBLISH, waiter, deadline).map_err(refused)? {
             (0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))) => {}
             (_, other) => {
                 return Err(SinkError::Connect(format!(
@@ -532,7 +558,7 @@ impl Session {
         deadline: Instant,
         expected: impl Fn(&AMQPClass) -> bool,
     ) -> Result<AMQPClass, Fault> {
-        match self.method(waiter, deadline)? {
+        match self.method(channel, waiter, deadline)? {
             (c, method) if c == channel && expected(&method) => Ok(method),
             (c, method) => {
                 Err(Fault::Sink(protocol(format!("unexpected {} on channel {c}", method_name(&method)))))
@@ -560,8 +586,14 @@ impl Session {
     /// dealt with on the way: heartbeats skipped, `connection.close`
     /// answered (the connection is lost, with the broker's reason),
     /// `connection.blocked` a refusal, a `channel.close` answered and
-    /// returned as [`Fault::Channel`].
-    fn method(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(u16, AMQPClass), Fault> {
+    /// returned as [`Fault::Channel`] (the report channel's only to a
+    /// caller working on it, `owner`: publishing goes on without it).
+    fn method(
+        &mut self,
+        owner: u16,
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<(u16, AMQPClass), Fault> {
         loop {
             match self.frame(waiter, deadline)? {
                 AMQPFrame::Heartbeat => {}
@@ -581,9 +613,22 @@ impl Session {
                 }
                 AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Unblocked(_))) => {}
                 AMQPFrame::Method(c, AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
+                    if c != PUBLISH && !(c == REPORTS && self.reports_open) {
+                        return Err(Fault::Sink(protocol(format!(
+                            "channel.close of channel {c}, never opened"
+                        ))));
+                    }
                     let ok = AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
                     self.send(&[AMQPFrame::Method(c, ok)], waiter, deadline)?;
-                    return Err(Fault::Channel(format!("{} {}", close.reply_code, close.reply_text)));
+                    if c == REPORTS {
+                        // What it read and did not acknowledge goes back to
+                        // the queue; it is opened afresh at the next read.
+                        self.forget_report_channel();
+                        if owner != REPORTS {
+                            continue;
+                        }
+                    }
+                    return Err(Fault::Channel(c, format!("{} {}", close.reply_code, close.reply_text)));
                 }
                 AMQPFrame::Method(c, method) => return Ok((c, method)),
                 other => return Err(Fault::Sink(protocol(format!("unexpected {}", frame_kind(&other))))),
@@ -747,7 +792,9 @@ impl Session {
     }
 
     /// One round trip of a push: its queues declared, its messages
-    /// published (`mandatory`), then every confirm awaited.
+    /// published (`mandatory`), then every confirm awaited. Returns what
+    /// became of each message, and the broker's failure that ended the
+    /// round trip early, if one did: what was confirmed before it stands.
     fn publish(
         &mut self,
         batches: &[KeyBatch],
@@ -755,67 +802,113 @@ impl Session {
         shape: QueueShape,
         waiter: &mut dyn Wait,
         deadline: Instant,
-    ) -> Result<Vec<Delivery>, SinkError> {
+    ) -> (Vec<Delivery>, Option<SinkError>) {
         let mut deliveries = Vec::new();
-        let mut frames = Vec::new();
+        let mut bytes = Vec::new();
         let mut confirms =
             Confirms { pending: HashMap::new(), ids: HashMap::new(), returned: HashMap::new() };
         let mut queues = Vec::new();
         for command in &trip.commands {
             let queue = batches[command.batch].key.as_str();
-            match short(queue, "the queue's name") {
-                Ok(_) => queues.push(queue),
-                Err(e) => {
-                    deliveries.extend(std::iter::repeat_n(Delivery::Rejected(e), command.messages.len()));
-                    continue;
-                }
+            if let Err(e) = publishable_queue(queue) {
+                deliveries.extend(std::iter::repeat_n(Delivery::Rejected(e), command.messages.len()));
+                continue;
             }
+            queues.push(queue);
             for envelope in &batches[command.batch].messages[command.messages.clone()] {
-                let message = match outgoing(envelope) {
-                    Ok(message) => message,
-                    Err(e) => {
-                        deliveries.push(Delivery::Rejected(e));
-                        continue;
+                match self.frames(queue, envelope, &mut bytes) {
+                    Ok(id) => {
+                        let index = deliveries.len();
+                        confirms.pending.insert(self.next_seq, index);
+                        confirms.ids.insert(id, index);
+                        self.next_seq += 1;
+                        deliveries.push(Delivery::Unsent);
                     }
-                };
-                let publish = basic::Publish {
-                    exchange: queue.into(),
-                    routing_key: queue.into(),
-                    mandatory: true,
-                    immediate: false,
-                };
-                frames
-                    .push(AMQPFrame::Method(PUBLISH, AMQPClass::Basic(basic::AMQPMethod::Publish(publish))));
-                let header = AMQPContentHeader {
-                    class_id: BASIC,
-                    body_size: message.body.len() as u64,
-                    properties: message.properties,
-                };
-                frames.push(AMQPFrame::Header(PUBLISH, header));
-                for chunk in message.body.chunks(self.frame_max - FRAME_OVERHEAD) {
-                    frames.push(AMQPFrame::Body(PUBLISH, chunk.to_vec()));
+                    Err(e) => deliveries.push(Delivery::Rejected(e)),
                 }
-                let index = deliveries.len();
-                confirms.pending.insert(self.next_seq, index);
-                confirms.ids.insert(message.id, index);
-                self.next_seq += 1;
-                deliveries.push(Delivery::Unsent);
             }
         }
         queues.dedup();
-        self.declare(&queues, shape, waiter, deadline)?;
-        if confirms.pending.is_empty() {
-            return Ok(deliveries);
+        let sent = self.declare(&queues, shape, waiter, deadline).and_then(|()| {
+            if confirms.pending.is_empty() {
+                return Ok(());
+            }
+            self.link.send(&bytes, waiter, deadline).map_err(lost)?;
+            self.await_confirms(&mut confirms, &mut deliveries, waiter, deadline)
+        });
+        (deliveries, sent.err())
+    }
+
+    /// Appends to `bytes` the frames that publish `envelope` to `queue`
+    /// (`basic.publish`, its content header, its body in frames of
+    /// `frame_max`); returns the task id the message carries. A message
+    /// RabbitMQ could not take is refused here, as that event's fault:
+    /// headers that do not fit in one frame, a body above
+    /// [`MAX_BODY_BYTES`].
+    fn frames(&self, queue: &str, envelope: &str, bytes: &mut Vec<u8>) -> Result<String, String> {
+        let message = outgoing(envelope)?;
+        if message.body.len() > MAX_BODY_BYTES {
+            return Err(format!(
+                "the message takes {} bytes, above RabbitMQ's default max_message_size ({MAX_BODY_BYTES})",
+                message.body.len()
+            ));
         }
-        self.send(&frames, waiter, deadline)?;
+        let header = AMQPFrame::Header(
+            PUBLISH,
+            AMQPContentHeader {
+                class_id: BASIC,
+                body_size: message.body.len() as u64,
+                properties: message.properties,
+            },
+        );
+        let header = gen_frame(&header)(WriteContext::from(Vec::new()))
+            .map_err(|e| format!("its properties cannot be encoded: {e}"))?
+            .write;
+        if header.len() > self.frame_max {
+            return Err(format!(
+                "its properties and headers take {} bytes, above the frame size negotiated with RabbitMQ ({})",
+                header.len(),
+                self.frame_max
+            ));
+        }
+        let publish = basic::Publish {
+            exchange: queue.into(),
+            routing_key: queue.into(),
+            mandatory: true,
+            immediate: false,
+        };
+        let publish = AMQPFrame::Method(PUBLISH, AMQPClass::Basic(basic::AMQPMethod::Publish(publish)));
+        let mut encoded =
+            gen_frame(&publish)(WriteContext::from(std::mem::take(bytes))).map_err(|e| e.to_string())?.write;
+        encoded.extend_from_slice(&header);
+        for chunk in message.body.chunks(self.frame_max - FRAME_OVERHEAD) {
+            encoded = gen_frame(&AMQPFrame::Body(PUBLISH, chunk.to_vec()))(WriteContext::from(encoded))
+                .map_err(|e| e.to_string())?
+                .write;
+        }
+        *bytes = encoded;
+        Ok(message.id)
+    }
+
+    /// Reads confirms (and returns) until every message of the round trip
+    /// is settled, each into its place in `deliveries`.
+    fn await_confirms(
+        &mut self,
+        confirms: &mut Confirms,
+        deliveries: &mut [Delivery],
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<(), SinkError> {
         while !confirms.pending.is_empty() {
-            let (c, method) = self.method(waiter, deadline).map_err(|f| f.into_sink("publishing"))?;
+            let (c, method) =
+                self.method(PUBLISH, waiter, deadline).map_err(|f| f.into_sink("publishing"))?;
             if c != PUBLISH {
                 return Err(protocol(format!("unexpected {} on channel {c}", method_name(&method))));
             }
             match method {
                 AMQPClass::Basic(basic::AMQPMethod::Ack(ack)) => {
-                    for index in settle(&mut confirms.pending, ack.delivery_tag, ack.multiple) {
+                    for index in settle(&mut confirms.pending, ack.delivery_tag, ack.multiple, self.next_seq)?
+                    {
                         deliveries[index] = match confirms.returned.remove(&index) {
                             Some(why) => Delivery::Rejected(why),
                             None => Delivery::Delivered,
@@ -823,7 +916,9 @@ impl Session {
                     }
                 }
                 AMQPClass::Basic(basic::AMQPMethod::Nack(nack)) => {
-                    for index in settle(&mut confirms.pending, nack.delivery_tag, nack.multiple) {
+                    for index in
+                        settle(&mut confirms.pending, nack.delivery_tag, nack.multiple, self.next_seq)?
+                    {
                         deliveries[index] = Delivery::Refused(
                             Condition::Nacked,
                             "RabbitMQ did not take the message (basic.nack)".into(),
@@ -857,7 +952,7 @@ impl Session {
                 }
             }
         }
-        Ok(deliveries)
+        Ok(())
     }
 
     /// The broker closed channel 2: it is opened, and its queue declared,
@@ -878,8 +973,19 @@ impl Session {
         deadline: Instant,
     ) -> Result<Vec<Vec<u8>>, Fault> {
         if !self.reports_open {
-            self.open_channel(REPORTS, waiter, deadline)?;
             self.reports_open = true;
+            self.open_channel(REPORTS, waiter, deadline)?;
+        }
+        // Reports read and never acknowledged (their recording failed): back
+        // to the queue, to be read again now; an acknowledgement of later
+        // ones must not cover them.
+        if let Some(tag) = self.last_report.take() {
+            let nack = basic::Nack { delivery_tag: tag, multiple: true, requeue: true };
+            self.send(
+                &[AMQPFrame::Method(REPORTS, AMQPClass::Basic(basic::AMQPMethod::Nack(nack)))],
+                waiter,
+                deadline,
+            )?;
         }
         if !self.report_queues.contains(queue.as_str()) {
             let declare = queue::Declare {
@@ -910,7 +1016,7 @@ impl Session {
             self.send(&(0..asked).map(|_| get()).collect::<Vec<_>>(), waiter, deadline)?;
             let mut empty = false;
             for _ in 0..asked {
-                match self.method(waiter, deadline)? {
+                match self.method(REPORTS, waiter, deadline)? {
                     (REPORTS, AMQPClass::Basic(basic::AMQPMethod::GetOk(ok))) => {
                         let (_, body) = self.content(REPORTS, report::MAX_REPORT_BYTES, waiter, deadline)?;
                         self.last_report = Some(ok.delivery_tag);
@@ -934,13 +1040,22 @@ impl Session {
 }
 
 /// The messages a confirm settles: `tag`, or with `multiple` every one up
-/// to it. A confirm of nothing pending settles nothing.
-fn settle(pending: &mut HashMap<u64, usize>, tag: u64, multiple: bool) -> Vec<usize> {
+/// to it; a confirm of nothing pending (any more) settles nothing. A tag
+/// never published (`next_seq` is the next to be) is no broker's answer.
+fn settle(
+    pending: &mut HashMap<u64, usize>,
+    tag: u64,
+    multiple: bool,
+    next_seq: u64,
+) -> Result<Vec<usize>, SinkError> {
+    if tag == 0 || tag >= next_seq {
+        return Err(protocol(format!("a confirm of message {tag}, never published")));
+    }
     if !multiple {
-        return pending.remove(&tag).into_iter().collect();
+        return Ok(pending.remove(&tag).into_iter().collect());
     }
     let settled: Vec<u64> = pending.keys().copied().filter(|seq| *seq <= tag).collect();
-    settled.into_iter().filter_map(|seq| pending.remove(&seq)).collect()
+    Ok(settled.into_iter().filter_map(|seq| pending.remove(&seq)).collect())
 }
 
 /// A method as AMQP numbers it (`class.method`): never its arguments,
@@ -1004,6 +1119,51 @@ mod tests {
             locales: "en_US".into(),
         };
         AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Start(start)))
+    }
+
+    /// A peer that answers the handshake as a broker does, whatever the
+    /// client says, then reads and ignores what comes.
+    fn broker() -> u16 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let tune = connection::Tune { channel_max: 0, frame_max: 131072, heartbeat: 60 };
+        let opened = encode(&[
+            AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Tune(tune))),
+            AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {}))),
+            AMQPFrame::Method(PUBLISH, AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {}))),
+            AMQPFrame::Method(PUBLISH, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}))),
+        ]);
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let mut buf = [0u8; 4096];
+                for answer in [encode(&[start()]), opened.clone()] {
+                    if stream.read(&mut buf).is_err() || stream.write_all(&answer).is_err() {
+                        break;
+                    }
+                }
+                while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+            }
+        });
+        port
+    }
+
+    #[test]
+    fn a_node_that_does_not_answer_passes_the_turn_to_the_next() {
+        // The first node accepts (the kernel does, on listen) and is silent.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let (first, second) = (silent.local_addr().unwrap().port(), broker());
+        let mut sink = sink(&format!("amqp://127.0.0.1:{first}//;amqp://127.0.0.1:{second}//"));
+        let started = Instant::now();
+        assert_eq!(sink.connect(&mut Poll).unwrap(), Persistence::Durable);
+        assert!(started.elapsed() >= Duration::from_millis(900), "the first node had its time");
+        assert_eq!(sink.master(), Some(format!("127.0.0.1:{second}").as_str()));
+        // The next connect starts at the node that took the last one.
+        let started = Instant::now();
+        sink.connect(&mut Poll).unwrap();
+        assert!(started.elapsed() < Duration::from_millis(500), "{:?}", started.elapsed());
+        assert_eq!(sink.master(), Some(format!("127.0.0.1:{second}").as_str()));
+        drop(silent);
     }
 
     #[test]
@@ -1071,11 +1231,18 @@ mod tests {
     #[test]
     fn confirms_settle_one_or_every_message_up_to_the_tag() {
         let mut pending: HashMap<u64, usize> = (1..=5).map(|seq| (seq, seq as usize - 1)).collect();
-        assert_eq!(settle(&mut pending, 2, false), [1]);
-        let mut upto = settle(&mut pending, 4, true);
+        assert_eq!(settle(&mut pending, 2, false, 6).unwrap(), [1]);
+        let mut upto = settle(&mut pending, 4, true, 6).unwrap();
         upto.sort();
         assert_eq!(upto, [0, 2, 3]);
-        assert!(settle(&mut pending, 4, true).is_empty());
+        assert!(settle(&mut pending, 4, true, 6).unwrap().is_empty());
+        assert_eq!(pending.len(), 1);
+        // A confirm of a message never published settles nothing: the
+        // peer is no broker to trust.
+        for (tag, multiple) in [(6, true), (u64::MAX, true), (0, false), (9, false)] {
+            let err = settle(&mut pending, tag, multiple, 6).unwrap_err();
+            assert!(err.to_string().contains("never published"), "{err}");
+        }
         assert_eq!(pending.len(), 1);
     }
 
