@@ -154,10 +154,17 @@ def test_reports_whose_recording_failed_are_read_again(ob, rabbit, redis_server)
         try:
             worker.wait_ready()
             notes = redis_server.client()
-            wait_until(lambda: all(notes.exists(f"ran:{i}") for i in ids), timeout=60, message="the tasks run")
+            try:
+                wait_until(lambda: all(notes.exists(f"ran:{i}") for i in ids), timeout=60, message="the tasks run")
+            except AssertionError as e:
+                raise AssertionError(f"{e}: {rabbit.depth('celery')} {worker.log_text()[-3000:]}") from None
             time.sleep(3)  # the dispatcher reads the reports, and fails to record them
             lock.rollback()
-            wait_until(lambda: ob.count("processed") == 20, timeout=60, message="every report recorded")
+            try:
+                wait_until(lambda: ob.count("processed") == 20, timeout=60, message="every report recorded")
+            except AssertionError as e:
+                raise AssertionError(f"{e}: {ob.sql('SELECT status, count(*) FROM outbox.events GROUP BY 1')} "
+                                     f"{rabbit.depth(ob.report_list())} {ob.log_text()[-4000:]}") from None
         finally:
             worker.close()
 

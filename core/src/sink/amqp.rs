@@ -366,6 +366,8 @@ struct Outgoing {
     properties: AMQPProperties,
     /// The task id (`correlation_id`), which a `basic.return` names.
     id: String,
+    /// The queue the worker reports to (`outbox_report_to`); empty: none.
+    report_to: String,
 }
 
 fn outgoing(envelope: &str) -> Result<Outgoing, String> {
@@ -381,6 +383,7 @@ fn outgoing(envelope: &str) -> Result<Outgoing, String> {
         return Err("the message has no headers".into());
     };
     let id = text(properties.get("correlation_id"));
+    let report_to = text(headers.get("outbox_report_to"));
     let priority = properties.get("priority").and_then(Value::as_u64).unwrap_or(0).min(255) as u8;
     let mut amqp = AMQPProperties::default()
         .with_content_type(short(&text(envelope.get("content-type")), "the content type")?)
@@ -393,7 +396,7 @@ fn outgoing(envelope: &str) -> Result<Outgoing, String> {
     if !reply_to.is_empty() {
         amqp = amqp.with_reply_to(short(&reply_to, "reply_to")?);
     }
-    Ok(Outgoing { body, properties: amqp, id })
+    Ok(Outgoing { body, properties: amqp, id, report_to })
 }
 
 /// A JSON object as an AMQP table, as py-amqp encodes Python values: None
@@ -791,6 +794,54 @@ impl Session {
         Ok(())
     }
 
+    /// Makes sure, once per connection, that the report queue `name`
+    /// exists, on channel 2: a queue that exists is used as it is (a
+    /// passive declaration, which no argument can contradict); one that
+    /// does not is declared of `shape`.
+    fn ensure_report_queue(
+        &mut self,
+        name: &ShortString,
+        shape: QueueShape,
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<(), Fault> {
+        if self.report_queues.contains(name.as_str()) {
+            return Ok(());
+        }
+        let declared = |m: &AMQPClass| matches!(m, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_)));
+        let declare = |passive| {
+            let arguments = if passive { FieldTable::default() } else { shape.arguments() };
+            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: name.clone(),
+                passive,
+                durable: true,
+                exclusive: false,
+                auto_delete: false,
+                nowait: false,
+                arguments,
+            }))
+        };
+        self.open_report_channel(waiter, deadline)?;
+        match self.call(REPORTS, declare(true), waiter, deadline, declared) {
+            Ok(_) => {}
+            Err(Fault::Channel(REPORTS, why)) if why.starts_with("404 ") => {
+                self.open_report_channel(waiter, deadline)?;
+                self.call(REPORTS, declare(false), waiter, deadline, declared)?;
+            }
+            Err(fault) => return Err(fault),
+        }
+        self.report_queues.insert(name.to_string());
+        Ok(())
+    }
+
+    fn open_report_channel(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(), Fault> {
+        if !self.reports_open {
+            self.reports_open = true;
+            self.open_channel(REPORTS, waiter, deadline)?;
+        }
+        Ok(())
+    }
+
     /// One round trip of a push: its queues declared, its messages
     /// published (`mandatory`), then every confirm awaited. Returns what
     /// became of each message, and the broker's failure that ended the
@@ -808,6 +859,7 @@ impl Session {
         let mut confirms =
             Confirms { pending: HashMap::new(), ids: HashMap::new(), returned: HashMap::new() };
         let mut queues = Vec::new();
+        let mut report_queues = Vec::new();
         for command in &trip.commands {
             let queue = batches[command.batch].key.as_str();
             if let Err(e) = publishable_queue(queue) {
@@ -817,7 +869,10 @@ impl Session {
             queues.push(queue);
             for envelope in &batches[command.batch].messages[command.messages.clone()] {
                 match self.frames(queue, envelope, &mut bytes) {
-                    Ok(id) => {
+                    Ok((id, report_to)) => {
+                        if !report_to.is_empty() && !report_queues.contains(&report_to) {
+                            report_queues.push(report_to);
+                        }
                         let index = deliveries.len();
                         confirms.pending.insert(self.next_seq, index);
                         confirms.ids.insert(id, index);
@@ -830,6 +885,16 @@ impl Session {
         }
         queues.dedup();
         let sent = self.declare(&queues, shape, waiter, deadline).and_then(|()| {
+            // The report queue exists before any message naming it does:
+            // a worker's report to a queue not yet declared would be lost.
+            // One that cannot be declared (a permission) is the report
+            // read's refusal, logged there: the push goes on.
+            for name in report_queues.iter().filter_map(|name| ShortString::try_new(name.as_str()).ok()) {
+                match self.ensure_report_queue(&name, shape, waiter, deadline) {
+                    Ok(()) | Err(Fault::Channel(REPORTS, _)) => {}
+                    Err(fault) => return Err(fault.into_sink("declaring the report queue")),
+                }
+            }
             if confirms.pending.is_empty() {
                 return Ok(());
             }
@@ -841,11 +906,12 @@ impl Session {
 
     /// Appends to `bytes` the frames that publish `envelope` to `queue`
     /// (`basic.publish`, its content header, its body in frames of
-    /// `frame_max`); returns the task id the message carries. A message
+    /// `frame_max`); returns the task id the message carries and the queue
+    /// it asks the worker to report to. A message
     /// RabbitMQ could not take is refused here, as that event's fault:
     /// headers that do not fit in one frame, a body above
     /// [`MAX_BODY_BYTES`].
-    fn frames(&self, queue: &str, envelope: &str, bytes: &mut Vec<u8>) -> Result<String, String> {
+    fn frames(&self, queue: &str, envelope: &str, bytes: &mut Vec<u8>) -> Result<(String, String), String> {
         let message = outgoing(envelope)?;
         if message.body.len() > MAX_BODY_BYTES {
             return Err(format!(
@@ -887,7 +953,7 @@ impl Session {
                 .write;
         }
         *bytes = encoded;
-        Ok(message.id)
+        Ok((message.id, message.report_to))
     }
 
     /// Reads confirms (and returns) until every message of the round trip
@@ -972,10 +1038,7 @@ impl Session {
         waiter: &mut dyn Wait,
         deadline: Instant,
     ) -> Result<Vec<Vec<u8>>, Fault> {
-        if !self.reports_open {
-            self.reports_open = true;
-            self.open_channel(REPORTS, waiter, deadline)?;
-        }
+        self.open_report_channel(waiter, deadline)?;
         // Reports read and never acknowledged (their recording failed): back
         // to the queue, to be read again now; an acknowledgement of later
         // ones must not cover them.
@@ -987,25 +1050,7 @@ impl Session {
                 deadline,
             )?;
         }
-        if !self.report_queues.contains(queue.as_str()) {
-            let declare = queue::Declare {
-                queue: queue.clone(),
-                passive: false,
-                durable: true,
-                exclusive: false,
-                auto_delete: false,
-                nowait: false,
-                arguments: shape.arguments(),
-            };
-            self.call(
-                REPORTS,
-                AMQPClass::Queue(queue::AMQPMethod::Declare(declare)),
-                waiter,
-                deadline,
-                |m| matches!(m, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_))),
-            )?;
-            self.report_queues.insert(queue.to_string());
-        }
+        self.ensure_report_queue(queue, shape, waiter, deadline)?;
         let mut reports = Vec::new();
         while reports.len() < max {
             let asked = GETS_PER_TRIP.min(max - reports.len());
@@ -1129,9 +1174,15 @@ mod tests {
         let tune = connection::Tune { channel_max: 0, frame_max: 131072, heartbeat: 60 };
         let opened = encode(&[
             AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Tune(tune))),
-            AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {}))),
+            AMQPFrame::Method(
+                0,
+                AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {})),
+            ),
             AMQPFrame::Method(PUBLISH, AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {}))),
-            AMQPFrame::Method(PUBLISH, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {}))),
+            AMQPFrame::Method(
+                PUBLISH,
+                AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
+            ),
         ]);
         std::thread::spawn(move || {
             for stream in listener.incoming() {
