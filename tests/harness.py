@@ -44,6 +44,29 @@ def wait_until(condition, timeout=30.0, interval=0.05, message="condition"):
         time.sleep(interval)
 
 
+def make_tls_files():
+    """A directory with a CA (ca.pem), a server certificate it signed for
+    127.0.0.1 (server.pem, server.key), and a second CA that signed nothing
+    (other-ca.pem)."""
+    directory = Path(tempfile.mkdtemp(prefix="outbox-tls-"))
+    os.chmod(directory, 0o755)
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    for ca in ("ca", "other-ca"):
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN=outbox test {ca}",
+                "-keyout", f"{ca}.key", "-out", f"{ca}.pem")
+    (directory / "san.ext").write_text("subjectAltName = IP:127.0.0.1, DNS:localhost\n")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", "server.key", "-out", "server.csr")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", "san.ext", "-out", "server.pem")
+    for f in directory.iterdir():
+        f.chmod(0o644)
+    return directory
+
+
 def as_postgres(*args, **kwargs):
     return subprocess.run(["runuser", "-u", "postgres", "--", *map(str, args)],
                           check=True, capture_output=True, text=True, **kwargs)
@@ -205,15 +228,21 @@ class RabbitMQ:
 
     SBIN = Path("/usr/lib/rabbitmq/bin")
 
-    def __init__(self, home=None, wait=True):
+    def __init__(self, home=None, wait=True, tls=None):
         self.port = free_port()
+        self.tls_port = free_port()
         self.dist_port = free_port()
         self.own_home = home is None
         self.home = home or tempfile.mkdtemp(prefix="outbox-rabbit-")
         self.dir = Path(tempfile.mkdtemp(prefix="outbox-rabbit-node-", dir=self.home))
         self.node = f"outbox{self.port}@localhost"
         (self.dir / "plugins").write_text("[].\n")
-        (self.dir / "rabbitmq.conf").write_text("loopback_users = none\n")
+        conf = "loopback_users = none\n"
+        if tls:
+            conf += (f"listeners.ssl.default = 127.0.0.1:{self.tls_port}\nssl_options.cacertfile = {tls / 'ca.pem'}\n"
+                     f"ssl_options.certfile = {tls / 'server.pem'}\nssl_options.keyfile = {tls / 'server.key'}\n"
+                     "ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n")
+        (self.dir / "rabbitmq.conf").write_text(conf)
         self.env = dict(
             os.environ, HOME=str(self.home), RABBITMQ_NODENAME=self.node, RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
             RABBITMQ_NODE_PORT=str(self.port), RABBITMQ_DIST_PORT=str(self.dist_port),
@@ -226,6 +255,11 @@ class RabbitMQ:
     @property
     def url(self):
         return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    @property
+    def tls_url(self):
+        """The TLS listener (a node made with `tls`)."""
+        return f"amqps://guest:guest@127.0.0.1:{self.tls_port}//"
 
     def start(self, wait=True):
         self.proc = subprocess.Popen([self.SBIN / "rabbitmq-server"], env=self.env, stdout=subprocess.DEVNULL,

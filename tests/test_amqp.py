@@ -14,12 +14,19 @@ import time
 
 import pytest
 
-from harness import CeleryWorker, Cluster, RabbitMQ, wait_until
+from harness import CeleryWorker, Cluster, RabbitMQ, make_tls_files, wait_until
 
 
 @pytest.fixture(scope="module")
-def rabbit():
-    node = RabbitMQ()
+def tls_files():
+    directory = make_tls_files()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def rabbit(tls_files):
+    node = RabbitMQ(tls=tls_files)
     yield node
     node.close()
 
@@ -78,6 +85,16 @@ def test_a_wrong_password_or_vhost_is_a_clear_error_and_spends_nothing(ob, rabbi
     assert ob.value("SELECT count(*) FROM outbox.events WHERE status <> 'pending' OR retry_count > 0") == 0
     ob.configure(broker_url=rabbit.url)
     wait_until(lambda: ob.count("dispatched") == 3, message="the events sent once the URL is right")
+    assert sorted(rabbit.drain("celery")) == sorted(ids)
+
+
+def test_amqps_with_a_trusted_ca_delivers_and_an_untrusted_one_is_refused(ob, rabbit, tls_files):
+    ob.configure(broker_url=rabbit.tls_url, redis_tls_ca_file=str(tls_files / "other-ca.pem"))
+    ids = enqueue(ob, 3)
+    wait_until(lambda: "TLS" in last_error(ob) and "certificate" in last_error(ob), message="the certificate refused")
+    assert ob.count("pending") == 3
+    ob.configure(redis_tls_ca_file=str(tls_files / "ca.pem"))
+    wait_until(lambda: ob.count("dispatched") == 3, message="the events sent over TLS")
     assert sorted(rabbit.drain("celery")) == sorted(ids)
 
 

@@ -5,7 +5,6 @@ upgrade from the previous version."""
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from harness import Cluster, Redis, queued_ids, wait_until
+from harness import Cluster, Redis, make_tls_files, queued_ids, wait_until
 
 ENQUEUE = "outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb, text)"
 
@@ -226,26 +225,9 @@ def test_redis_settings_are_hidden_from_ordinary_roles(outbox, roles):
         assert hidden == 0
 
 
-def openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def tls_files():
-    """A CA, a server certificate it signed for 127.0.0.1, and a second CA
-    that signed nothing."""
-    directory = Path(tempfile.mkdtemp(prefix="outbox-tls-"))
-    os.chmod(directory, 0o755)
-    for ca in ("ca", "other-ca"):
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN=outbox test {ca}",
-                "-keyout", f"{ca}.key", "-out", f"{ca}.pem", cwd=directory)
-    (directory / "san.ext").write_text("subjectAltName = IP:127.0.0.1, DNS:localhost\n")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-            "-keyout", "server.key", "-out", "server.csr", cwd=directory)
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "2", "-extfile", "san.ext", "-out", "server.pem", cwd=directory)
-    for f in directory.iterdir():
-        f.chmod(0o644)
+    directory = make_tls_files()
     yield directory
     shutil.rmtree(directory, ignore_errors=True)
 

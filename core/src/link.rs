@@ -257,14 +257,7 @@ impl Link {
         let peeked = match self.tls.as_mut() {
             Some(tls) => {
                 // Records that arrived meanwhile hold plaintext, or a close.
-                match tls.read_tls(&mut self.socket) {
-                    Ok(0) => return Err(LinkError::Io("the server closed the TLS session".into())),
-                    Ok(_) => {
-                        tls.process_new_packets().map_err(|e| LinkError::Tls(e.to_string()))?;
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Err(LinkError::Io(e.to_string())),
-                }
+                pull_records(tls, &mut self.socket)?;
                 tls.reader().read(&mut byte)
             }
             None => self.socket.peek(&mut byte),
@@ -314,15 +307,7 @@ impl Link {
         let read = match self.tls.as_mut() {
             None => self.socket.read(&mut chunk),
             Some(tls) => {
-                match tls.read_tls(&mut self.socket) {
-                    Ok(0) => return Err(LinkError::Io("the server closed the TLS session".into())),
-                    Ok(_) => {
-                        tls.process_new_packets().map_err(|e| LinkError::Tls(e.to_string()))?;
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(LinkError::Io(e.to_string())),
-                }
+                pull_records(tls, &mut self.socket)?;
                 match tls.reader().read(&mut chunk) {
                     Ok(0) => return Err(LinkError::Io("the server closed the TLS session".into())),
                     other => other,
@@ -338,6 +323,16 @@ impl Link {
             Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => Ok(0),
             Err(e) => Err(LinkError::Io(e.to_string())),
         }
+    }
+}
+
+/// Reads and decrypts the TLS records that have come, without waiting.
+fn pull_records(tls: &mut rustls::ClientConnection, socket: &mut TcpStream) -> Result<(), LinkError> {
+    match tls.read_tls(socket) {
+        Ok(0) => Err(LinkError::Io("the server closed the TLS session".into())),
+        Ok(_) => tls.process_new_packets().map(drop).map_err(|e| LinkError::Tls(e.to_string())),
+        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => Ok(()),
+        Err(e) => Err(LinkError::Io(e.to_string())),
     }
 }
 
