@@ -203,15 +203,29 @@ def test_a_stock_worker_runs_every_event(ob, rabbit, redis_server):
                              "headers => '{\"traceparent\": \"00-abc-def-01\", \"n\": {\"deep\": [1]}}')")
                 .fetchone()[0],
             ]
+            ids += [
+                conn.execute("SELECT outbox_enqueue('t', '{\"k\": \"v\"}', task => 'tests.record', "
+                             "args => '[1, 2]', expires => '1 hour')").fetchone()[0],
+                conn.execute("SELECT outbox_enqueue('t', '{\"late\": true}', task => 'tests.record', "
+                             "delay => '1 second', ordering_key => 'order:1')").fetchone()[0],
+                conn.execute("SELECT outbox_enqueue('t', '{\"after\": true}', task => 'tests.record', "
+                             "ordering_key => 'order:1')").fetchone()[0],
+            ]
+            # A subscription: the event is routed, its delivery is a message.
+            conn.execute("SELECT outbox_subscribe('shop.paid', 'tests.record')")
+            conn.execute("SELECT outbox_enqueue('shop.paid', '{\"sub\": 1}')")
         ids = [str(i) for i in ids]
         executed = redis_server.client()
-        wait_until(lambda: executed.hlen("executed") == 3, timeout=60, message="the worker to run every event")
+        wait_until(lambda: executed.hlen("executed") == 7, timeout=60, message="the worker to run every event")
         ran = {i: json.loads(executed.hget("executed", i)) for i in ids}
         assert ran[ids[0]]["kwargs"] == {"a": 1, "b": [True, None]} and ran[ids[0]]["args"] == []
         assert ran[ids[1]]["args"] == [1, "two", 3.5]
         assert ran[ids[2]]["args"] == ["just one"] and ran[ids[2]]["event_type"] == "order.paid"
         assert ran[ids[2]]["traceparent"] == "00-abc-def-01"
-        assert ob.count("dispatched") == 3
+        assert ran[ids[3]]["args"] == [1, 2] and ran[ids[3]]["kwargs"] == {"k": "v"}
+        assert ran[ids[4]]["kwargs"] == {"late": True} and ran[ids[5]]["kwargs"] == {"after": True}
+        assert {"sub": 1} in [json.loads(v)["kwargs"] for v in executed.hvals("executed")]
+        wait_until(lambda: ob.count("dispatched") == 7, message="every message recorded as dispatched")
     finally:
         worker.close()
 
