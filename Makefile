@@ -46,7 +46,7 @@ unit: deps
 	cd python && ../$(PYTHON) -m mypy src
 
 integration: install-dev
-	PG_BIN=$(PG_BIN) $(PYTHON) -m pytest -v tests $(PYTEST_ARGS)
+	PG_BIN=$(PG_BIN) $(PYTHON) -m pytest -v --durations=15 tests $(PYTEST_ARGS)
 
 test: unit integration
 

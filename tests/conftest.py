@@ -36,3 +36,9 @@ def outbox(cluster, redis_server):
     cluster.sql("TRUNCATE outbox.events")
     redis_server.client().flushdb()
     yield cluster
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "broker_only: what it tests is the broker's side alone (a cluster, a restart, an alarm): "
+        ".ci/run runs it under its first PostgreSQL version only")

@@ -88,6 +88,7 @@ def test_a_wrong_password_or_vhost_is_a_clear_error_and_spends_nothing(ob, rabbi
     assert sorted(rabbit.drain("celery")) == sorted(ids)
 
 
+@pytest.mark.broker_only
 def test_amqps_with_a_trusted_ca_delivers_and_an_untrusted_one_is_refused(ob, rabbit, tls_files):
     ob.configure(broker_url=rabbit.tls_url, redis_tls_ca_file=str(tls_files / "other-ca.pem"))
     ids = enqueue(ob, 3)
@@ -98,6 +99,7 @@ def test_amqps_with_a_trusted_ca_delivers_and_an_untrusted_one_is_refused(ob, ra
     assert sorted(rabbit.drain("celery")) == sorted(ids)
 
 
+@pytest.mark.broker_only
 def test_a_queue_declared_otherwise_is_named_and_waits(ob, rabbit):
     """A queue a worker declared as quorum, and dispatchers that would
     declare it classic: RabbitMQ's reason in outbox.workers, no event
@@ -115,6 +117,7 @@ def test_a_queue_declared_otherwise_is_named_and_waits(ob, rabbit):
     assert ob.metric("outbox_broker_refusals_total", condition="channel_closed") >= 1
 
 
+@pytest.mark.broker_only
 def test_an_unroutable_message_is_that_events_failure(ob, rabbit):
     """The queue deleted behind the dispatcher's back: RabbitMQ returns the
     message (mandatory); that event fails with the reason, spends one retry,
@@ -134,6 +137,7 @@ def test_an_unroutable_message_is_that_events_failure(ob, rabbit):
     assert first
 
 
+@pytest.mark.broker_only
 def test_a_message_rabbitmq_cannot_take_fails_alone(ob, rabbit):
     """Poison next to good events in one round trip: headers too large for
     one AMQP frame, and a queue name RabbitMQ reserves. Each fails with its
@@ -159,6 +163,7 @@ def test_a_message_rabbitmq_cannot_take_fails_alone(ob, rabbit):
     assert last_error(ob) == ""
 
 
+@pytest.mark.broker_only
 def test_reports_whose_recording_failed_are_read_again(ob, rabbit, redis_server):
     """Reports read while the database refuses to record them (a lock
     held past outbox.statement_timeout) go back to the queue: once the lock
@@ -190,6 +195,9 @@ def test_reports_whose_recording_failed_are_read_again(ob, rabbit, redis_server)
 def test_a_stock_worker_runs_every_event(ob, rabbit, redis_server):
     """Messages as kombu's py-amqp transport publishes them: a stock Celery
     worker on amqp:// runs each, with its arguments, headers and priority."""
+    # No reports (this worker's app does not import the companion): a key's
+    # next event goes once the one before it is confirmed.
+    ob.configure(report_key="")
     worker = CeleryWorker(rabbit.url, queues=("celery", "renders"), env={"OUTBOX_TEST_NOTES": redis_server.url})
     try:
         worker.wait_ready()
@@ -216,7 +224,12 @@ def test_a_stock_worker_runs_every_event(ob, rabbit, redis_server):
             conn.execute("SELECT outbox_enqueue('shop.paid', '{\"sub\": 1}')")
         ids = [str(i) for i in ids]
         executed = redis_server.client()
-        wait_until(lambda: executed.hlen("executed") == 7, timeout=60, message="the worker to run every event")
+        try:
+            wait_until(lambda: executed.hlen("executed") == 7, timeout=60, message="the worker to run every event")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {executed.hlen('executed')} "
+                                 f"{ob.sql('SELECT event_type, status, key_state, last_error FROM outbox.events')} "
+                                 f"{worker.log_text()[-2000:]}") from None
         ran = {i: json.loads(executed.hget("executed", i)) for i in ids}
         assert ran[ids[0]]["kwargs"] == {"a": 1, "b": [True, None]} and ran[ids[0]]["args"] == []
         assert ran[ids[1]]["args"] == [1, "two", 3.5]
@@ -239,6 +252,7 @@ def test_rolled_back_events_never_reach_the_broker(ob, rabbit):
     assert sorted(rabbit.drain("celery")) == sorted(committed)
 
 
+@pytest.mark.broker_only
 def test_the_broker_stopped_mid_drain_loses_nothing(ob, rabbit):
     """RabbitMQ stopped while 3,000 events drain, then started again (the
     queue and its persistent messages kept): every event is in the queue,
@@ -261,6 +275,7 @@ def test_the_broker_stopped_mid_drain_loses_nothing(ob, rabbit):
     assert ob.value("SELECT count(*) FROM outbox.events WHERE status = 'failed'") == 0
 
 
+@pytest.mark.broker_only
 def test_a_memory_alarm_blocks_without_spending_retries(ob, rabbit):
     """A memory alarm: RabbitMQ blocks publishers. The dispatcher shows it,
     spends no retry, and sends everything once the alarm clears."""
@@ -303,6 +318,7 @@ def test_reports_travel_over_amqp(ob, rabbit, redis_server):
         worker.close()
 
 
+@pytest.mark.broker_only
 def test_a_cluster_node_killed_mid_drain_loses_nothing(redis_server):
     """Three RabbitMQ nodes clustered on loopback, a quorum queue, the URL
     naming all three: the node the dispatcher is connected to (the first)
