@@ -21,6 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+import amqp  # noqa: E402
+import amqp.protocol  # noqa: E402
+
 from harness import CeleryWorker, Cluster, RabbitMQ, Redis, wait_until  # noqa: E402
 
 EVENTS = int(os.environ.get("BENCH_BROKER_EVENTS", 100_000))
@@ -58,16 +61,42 @@ def drain(pg, url, queued, queue, **settings):
     return EVENTS / (time.monotonic() - started)
 
 
-def full_loop(pg, url, notes):
+class Depth:
+    """Messages in a RabbitMQ queue, 0 before it exists: a passive
+    declaration per look on one connection (as LLEN is on Redis), its
+    channel opened again after a look at a queue not there yet."""
+
+    def __init__(self, rabbit):
+        self.rabbit = rabbit
+        self.channel = rabbit.channel()
+
+    def __call__(self, queue):
+        return self._look(queue).message_count
+
+    def consumers(self, queue):
+        return self._look(queue).consumer_count
+
+    def _look(self, queue):
+        try:
+            return self.channel.queue_declare(queue, passive=True)
+        except amqp.exceptions.NotFound:
+            self.channel = self.channel.connection.channel()
+            return amqp.protocol.queue_declare_ok_t(queue, 0, 0)
+
+    def close(self):
+        self.channel.connection.close()
+
+
+def full_loop(pg, url, notes, consuming):
     """Events per second processed through a stock prefork worker that
-    reports over the broker it consumes."""
-    pg.configure(broker_url=url, report_key="bench_reports")
+    reports over the broker it consumes (`consuming()`: the worker is
+    consuming the queue)."""
+    pg.configure(broker_url=url, report_key="bench_reports", amqp_queue_type="classic")
     worker = CeleryWorker(url, queues=("bench_loop",), app="loop_app", pool="prefork", concurrency=2,
                           env={"OUTBOX_TEST_NOTES": notes},
                           extra_args=("--prefetch-multiplier=100", "--loglevel=WARNING"))
     try:
-        wait_until(lambda: "ready." in worker.log_text() or worker.proc.poll() is not None, timeout=60,
-                   message="the Celery worker")
+        wait_until(lambda: consuming() or worker.proc.poll() is not None, timeout=60, message="the Celery worker")
         enqueue(pg, LOOP_EVENTS, "bench_loop", task="loop.noop")
         started = time.monotonic()
         pg.configure(enabled="on")
@@ -85,6 +114,9 @@ def main():
     r = {"drain": {"redis": [], "classic": [], "quorum": []}, "loop": {}}
     try:
         pg = Cluster(redis.url, server_conf=SERVER_CONF, batch_size=BATCH, enabled="off")
+        # One connection watches the queue's depth (a passive declaration
+        # per look), as LLEN does on Redis.
+        watch = None
         try:
             pg.sql("CREATE EXTENSION outbox_dispatch")
             pg.sql("ALTER SYSTEM SET autovacuum = off")
@@ -95,18 +127,23 @@ def main():
                 log(f"round {round_ + 1}: Redis {r['drain']['redis'][-1]:,.0f} events/s")
                 for kind in ("classic", "quorum"):
                     rabbit.reset()
+                    watch = watch or Depth(rabbit)
                     queue = f"bench_{kind}"
-                    rate = drain(pg, rabbit.url, lambda q=queue: rabbit.depth(q), queue, amqp_queue_type=kind)
+                    rate = drain(pg, rabbit.url, lambda q=queue: watch(q), queue, amqp_queue_type=kind)
                     r["drain"][kind].append(rate)
                     log(f"round {round_ + 1}: RabbitMQ, {kind} queue, {rate:,.0f} events/s")
             pg.sql("ALTER SYSTEM SET autovacuum = on")
             redis.client().flushall()
-            r["loop"]["redis"] = full_loop(pg, redis.url, redis.url)
+            r["loop"]["redis"] = full_loop(pg, redis.url, redis.url,
+                                           lambda: redis.client().exists("_kombu.binding.bench_loop"))
             log(f"full loop on Redis: {r['loop']['redis']:,.0f} events/s")
             rabbit.reset()
-            r["loop"]["rabbitmq"] = full_loop(pg, rabbit.url, redis.url)
+            watch = watch or Depth(rabbit)
+            r["loop"]["rabbitmq"] = full_loop(pg, rabbit.url, redis.url, lambda: watch.consumers("bench_loop"))
             log(f"full loop on RabbitMQ: {r['loop']['rabbitmq']:,.0f} events/s")
         finally:
+            if watch is not None:
+                watch.close()
             pg.close()
     finally:
         redis.close()

@@ -191,12 +191,13 @@ def test_a_password_with_any_character_is_never_shown(outbox, roles, redis_serve
     Written as it is, the URL is refused without a piece of it shown;
     percent-encoded (as kombu wants it too), it is the password, and Redis
     takes it. Sentinel and TLS URLs go through the same parser and
-    redaction (core/src/broker_url.rs tests each scheme)."""
+    redaction (core/src/broker_url.rs tests each scheme); an AMQP URL too,
+    whose handshake this Redis refuses."""
     password = f"Zq{c}Xy{c}Wv"
     pieces = ["Zq", "Xy", "Wv"]
     server = Redis(password=password)
     try:
-        for scheme in ("redis", "rediss", "sentinel"):
+        for scheme in ("redis", "rediss", "sentinel", "amqp"):
             outbox.configure(redis_url=f"{scheme}://:{password}@127.0.0.1:{server.port}/0",
                              redis_sentinel_master="outbox", reconnect_delay_min="200ms",
                              reconnect_delay_max="500ms")
@@ -217,7 +218,7 @@ def test_a_password_with_any_character_is_never_shown(outbox, roles, redis_serve
 
 
 def test_redis_settings_are_hidden_from_ordinary_roles(outbox, roles):
-    for setting in ("outbox.redis_url", "outbox.redis_password_file"):
+    for setting in ("outbox.broker_url", "outbox.redis_url", "outbox.redis_password_file"):
         denied(outbox, "outbox_nobody", f"SHOW {setting}")
         denied(outbox, "outbox_nobody", "SELECT current_setting(%s)", (setting,))
         with as_role(outbox, "outbox_nobody") as conn:
