@@ -28,7 +28,7 @@ use crate::slots::{self, WakeSource};
 named! {
     /// Plain counters: the metric's name (without `_total`) and its help.
     pub enum Counter {
-        Dispatched = "outbox_dispatched" => "Events pushed to Redis.",
+        Dispatched = "outbox_dispatched" => "Events pushed to the broker.",
         Retries = "outbox_retries" => "Retries scheduled after an event's push failed.",
         DeadLetters = "outbox_dead_letters" => "Events moved to failed (the dead letter).",
         StuckRescued = "outbox_stuck_rescued"
@@ -43,7 +43,7 @@ named! {
         MasterChanges = "outbox_broker_master_changes"
             => "Reconnects that found the Redis master at another address than before (a failover).",
         Purged = "outbox_purged" => "Finished events deleted after outbox.retention.",
-        Batches = "outbox_batches" => "Batches pushed to Redis.",
+        Batches = "outbox_batches" => "Batches pushed to the broker.",
         InboxDuplicates = "outbox_inbox_duplicates"
             => "Messages outbox_inbox_claim() found claimed already: runs whose effects were skipped.",
         KeyTurns = "outbox_key_turns"
@@ -293,7 +293,7 @@ pub fn families() -> Vec<(Family, Vec<Sample>)> {
         ),
         (
             "outbox_broker_refusals",
-            "Pushes Redis refused for a condition of the server (OOM, READONLY, ...), by condition.",
+            "Pushes the broker refused for a condition of its own (OOM, READONLY, blocked, nacked, ...), by condition.",
             "condition",
             Condition::ALL.map(Condition::name).to_vec(),
             &c.refusals[..],
@@ -333,7 +333,7 @@ pub fn families() -> Vec<(Family, Vec<Sample>)> {
     families.push((unavailable, vec![Sample::new(format!("{}_total", unavailable.name), seconds)]));
     let latency = Family {
         name: "outbox_dispatch_latency_seconds",
-        help: "Time from an event's created_at to its push to Redis.",
+        help: "Time from an event's created_at to its push to the broker.",
         kind: Kind::Histogram,
     };
     families.push((latency, c.latency.samples(latency.name, &LATENCY_BOUNDS_SECONDS)));

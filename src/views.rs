@@ -137,7 +137,7 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
         vec![Sample::new("outbox_workers_running", running)],
     ));
     families.push((
-        gauge("outbox_workers_connected", "Dispatchers connected to Redis."),
+        gauge("outbox_workers_connected", "Dispatchers connected to the broker."),
         vec![Sample::new("outbox_workers_connected", connected)],
     ));
     let blocked = workers.iter().filter(|w| w.state == State::Blocked.name()).count() as f64;
