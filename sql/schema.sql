@@ -33,8 +33,6 @@ CREATE TABLE outbox.events (
     event_type            text NOT NULL
                           CONSTRAINT events_event_type_length CHECK (octet_length(event_type) BETWEEN 1 AND 255),
     payload               jsonb NOT NULL DEFAULT '{}',
-    args                  jsonb  -- positional arguments; the payload (an object) is then the keyword ones
-                          CONSTRAINT events_args_array CHECK (jsonb_typeof(args) = 'array'),
     queue                 text NOT NULL DEFAULT coalesce(current_setting('outbox.default_queue', true), 'celery')
                           CONSTRAINT events_queue_length CHECK (octet_length(queue) BETWEEN 1 AND 255),
     task                  text  -- NULL: the task is named like the event_type
@@ -45,21 +43,25 @@ CREATE TABLE outbox.events (
                           CONSTRAINT events_priority_range CHECK (priority BETWEEN 0 AND 9),
     status                outbox.event_status NOT NULL DEFAULT 'pending',
     retry_count           integer NOT NULL DEFAULT 0,
-    deliveries            integer NOT NULL DEFAULT 0,  -- times pushed to Redis
     created_at            timestamptz NOT NULL DEFAULT clock_timestamp(),
     available_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
-    expires_at            timestamptz,  -- not sent after this (Celery's expires)
     processing_started_at timestamptz,
     dispatched_at         timestamptz,
     processed_at          timestamptz,
     last_error            text,
     claimed_by            integer,  -- index of the dispatcher that claimed it
+    -- Columns are in the order in which they came (updates add theirs at
+    -- the end): an updated database has the same table as a fresh one.
+    args                  jsonb  -- positional arguments; the payload (an object) is then the keyword ones
+                          CONSTRAINT events_args_array CHECK (jsonb_typeof(args) = 'array'),
+    expires_at            timestamptz,  -- not sent after this (Celery's expires)
     -- Subscriptions (sql/subscriptions.sql). A routed event is the record of
     -- an event without a task that matched subscriptions: it is processed at
     -- once, and its deliveries, one row each, carry the work.
     event_id              uuid,     -- on a delivery: the event it delivers
     subscription_id       bigint,   -- on a delivery or a batch: its subscription
     routed_to             integer,  -- on an event without a task: subscriptions it went to (0: none)
+    deliveries            integer NOT NULL DEFAULT 0,  -- times pushed to Redis
     send_id               uuid,     -- the last send's id (new at every claim), which its report must name
     -- The transaction that made the row pending (inserted it, or set it
     -- pending again): where the claim is in line (core/src/frontier.rs).
@@ -150,6 +152,12 @@ CREATE INDEX events_key_idx ON outbox.events (ordering_key, (coalesce(subscripti
 -- the dispatchers' sweep for keys left without a head.
 CREATE INDEX events_key_state_idx ON outbox.events (key_state, ordering_key, (coalesce(subscription_id, 0)), key_seq)
     WHERE key_state IS NOT NULL;
+-- One head per key, whatever writes the row: a second head would be sent
+-- beside the first. (An insert that copies a head takes a turn of its own,
+-- outbox_take_turn() in sql/keys.sql; an UPDATE that would make a second
+-- head fails here.)
+CREATE UNIQUE INDEX events_key_head_idx ON outbox.events (ordering_key, (coalesce(subscription_id, 0)))
+    WHERE key_state = 'head';
 -- key_seq: the order in which the transactions that enqueued for one key
 -- committed (each takes it under the key's lock, held to its commit).
 CREATE SEQUENCE outbox.key_seq;

@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 use pgrx::prelude::*;
 use pgrx::PgList;
 
+mod catalog;
+
 use crate::slots::{self, Holding, WakeSource};
 use crate::wake;
 
@@ -186,37 +188,50 @@ unsafe fn drops_this_extension(statement: *mut pg_sys::Node) -> bool {
         })
 }
 
-/// The database `statement` needs alone, when the current user may run it
-/// there and PostgreSQL would run it here. Others are left to PostgreSQL's
-/// own refusal: a user who may not drop a database must not stop its
-/// dispatchers by trying.
+/// A command that needs a database alone.
+enum Command {
+    Drop,
+    Rename { to: *const c_char },
+    MoveTo { tablespace: *const c_char },
+    CopyTo { name: *const c_char, tablespace: Option<*const c_char> },
+}
+
+/// The database `statement` needs alone, when PostgreSQL would run it here
+/// and let the current user run it: each check PostgreSQL makes before it
+/// looks for other sessions is made first ([`permitted`]). Others are left
+/// to PostgreSQL's own refusal: a user who may not run the command must
+/// not stop the database's dispatchers by trying.
 unsafe fn needed_alone(statement: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
     if statement.is_null() {
         return None;
     }
     // All but a rename refuse to run in a transaction block.
     let in_block = pg_sys::IsTransactionBlock();
-    let name: *const c_char = match (*statement).type_ {
-        pg_sys::NodeTag::T_DropdbStmt if !in_block => (*statement.cast::<pg_sys::DropdbStmt>()).dbname,
+    let (name, command): (*mut c_char, Command) = match (*statement).type_ {
+        pg_sys::NodeTag::T_DropdbStmt if !in_block => ((*statement.cast::<pg_sys::DropdbStmt>()).dbname, Command::Drop),
         pg_sys::NodeTag::T_RenameStmt => {
             let rename = statement.cast::<pg_sys::RenameStmt>();
             if (*rename).renameType != pg_sys::ObjectType::OBJECT_DATABASE {
                 return None;
             }
-            (*rename).subname
+            ((*rename).subname, Command::Rename { to: (*rename).newname })
         }
         pg_sys::NodeTag::T_AlterDatabaseStmt if !in_block => {
             let alter = statement.cast::<pg_sys::AlterDatabaseStmt>();
-            option((*alter).options, c"tablespace")?;
-            (*alter).dbname
+            let tablespace = pg_sys::defGetString(option((*alter).options, c"tablespace")?);
+            ((*alter).dbname, Command::MoveTo { tablespace })
         }
         pg_sys::NodeTag::T_CreatedbStmt if !in_block => {
-            let template = option((*statement.cast::<pg_sys::CreatedbStmt>()).options, c"template")?;
+            let create = statement.cast::<pg_sys::CreatedbStmt>();
+            let template = option((*create).options, c"template")?;
             // TEMPLATE DEFAULT has no argument: template1.
             if (*template).arg.is_null() {
                 return None;
             }
-            pg_sys::defGetString(template)
+            let tablespace = option((*create).options, c"tablespace")
+                .filter(|t| !(**t).arg.is_null())
+                .map(|t| pg_sys::defGetString(t).cast_const());
+            (pg_sys::defGetString(template), Command::CopyTo { name: (*create).dbname, tablespace })
         }
         _ => return None,
     };
@@ -224,7 +239,42 @@ unsafe fn needed_alone(statement: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
         return None;
     }
     let database = pg_sys::get_database_oid(name, true);
-    (database != pg_sys::InvalidOid && owns(database)).then_some(database)
+    (database != pg_sys::InvalidOid && permitted(database, &command)).then_some(database)
+}
+
+/// Would PostgreSQL let the current user run `command` on `database`, as
+/// far as the checks it makes before it looks for other sessions go
+/// (commands/dbcommands.c: `dropdb`, `RenameDatabase`, `movedb`,
+/// `createdb`)?
+unsafe fn permitted(database: pg_sys::Oid, command: &Command) -> bool {
+    let Some(info) = catalog::database(database) else {
+        return false;
+    };
+    let elsewhere = database != pg_sys::MyDatabaseId;
+    let name_free = |name: *const c_char| !name.is_null() && pg_sys::get_database_oid(name, true) == pg_sys::InvalidOid;
+    let may_create_in = |tablespace: *const c_char| {
+        let target = pg_sys::get_tablespace_oid(tablespace, true);
+        (target != pg_sys::InvalidOid && catalog::may_create_in(target)).then_some(target)
+    };
+    match *command {
+        Command::Drop => elsewhere && catalog::owns(database) && !info.is_template,
+        Command::Rename { to } => {
+            elsewhere && catalog::owns(database) && catalog::may_create_databases() && name_free(to)
+        }
+        Command::MoveTo { tablespace } => {
+            elsewhere
+                && catalog::owns(database)
+                && may_create_in(tablespace).is_some_and(|target| {
+                    target != info.tablespace && target != pg_sys::Oid::from(pg_sys::GLOBALTABLESPACE_OID)
+                })
+        }
+        Command::CopyTo { name, tablespace } => {
+            catalog::may_create_databases()
+                && (info.is_template || catalog::owns(database))
+                && name_free(name)
+                && tablespace.is_none_or(|t| may_create_in(t).is_some())
+        }
+    }
 }
 
 /// The option `name` of a statement's list of `DefElem`s.
@@ -232,16 +282,6 @@ unsafe fn option(options: *mut pg_sys::List, name: &std::ffi::CStr) -> Option<*m
     PgList::<pg_sys::DefElem>::from_pg(options)
         .iter_ptr()
         .find(|d| !(**d).defname.is_null() && std::ffi::CStr::from_ptr((**d).defname) == name)
-}
-
-#[cfg(feature = "pg15")]
-unsafe fn owns(database: pg_sys::Oid) -> bool {
-    pg_sys::pg_database_ownercheck(database, pg_sys::GetUserId())
-}
-
-#[cfg(not(feature = "pg15"))]
-unsafe fn owns(database: pg_sys::Oid) -> bool {
-    pg_sys::object_ownercheck(pg_sys::DatabaseRelationId, database, pg_sys::GetUserId())
 }
 
 /// Holds `database` (unless this backend holds it already), then stops its

@@ -279,6 +279,12 @@ pub fn broker_url_conflict() -> bool {
     !broker.is_empty() && redis != broker && redis.as_bytes() != DEFAULT_BROKER_URL.to_bytes()
 }
 
+/// The settings that hold a broker URL, with their values: what the server
+/// log must show only redacted (`secrets.rs`).
+pub fn url_settings() -> [(&'static str, String); 2] {
+    [("outbox.broker_url", text(&BROKER_URL)), ("outbox.redis_url", text(&REDIS_URL))]
+}
+
 fn text(setting: &GucSetting<Option<CString>>) -> String {
     setting.get().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
 }

@@ -15,6 +15,7 @@ mod counters;
 mod inbox;
 mod keys;
 mod launcher;
+mod secrets;
 mod slots;
 mod subscriptions;
 mod views;
@@ -61,4 +62,5 @@ pub extern "C-unwind" fn _PG_init() {
     launcher::init();
     launcher::register();
     commands::install();
+    secrets::install();
 }

@@ -113,12 +113,19 @@ pub struct Hold {
     /// The holding backend; 0 while the entry is free.
     pid: AtomicI32,
     database: AtomicU32,
+    /// The role that ran the command.
+    role: AtomicU32,
 }
 
 /// The most databases held at once; a command finding none free waits
 /// for the dispatchers without holding the database (and may have to try
 /// again, as it would without this extension).
 const MAX_HOLDS: usize = 16;
+
+/// The most of them one role may hold at once (a rename in an open
+/// transaction block holds its database until the block ends): no role
+/// can take every entry from the others' commands.
+const HOLDS_PER_ROLE: usize = 4;
 
 /// The asks remembered by database; more between two launcher turns have
 /// it look at every database again.
@@ -171,7 +178,11 @@ pub fn init() {
                 launcher: AtomicI32::new(-1),
                 asked: AtomicU64::new(0),
                 asks: std::array::from_fn(|_| AtomicU64::new(0)),
-                holds: std::array::from_fn(|_| Hold { pid: AtomicI32::new(0), database: AtomicU32::new(0) }),
+                holds: std::array::from_fn(|_| Hold {
+                    pid: AtomicI32::new(0),
+                    database: AtomicU32::new(0),
+                    role: AtomicU32::new(0),
+                }),
             })
         }
     );
@@ -607,18 +618,31 @@ impl Drop for Holding {
 }
 
 /// Holds `database` for this backend: the launcher starts no dispatcher
-/// for it, and one that connects exits. `None` when every entry is taken.
+/// for it, and one that connects exits. `None` when every entry is taken,
+/// or the current role holds [`HOLDS_PER_ROLE`] already.
 pub fn hold(database: pg_sys::Oid) -> Option<Holding> {
     let slots = slots()?;
-    // SAFETY: a process global.
-    let me = unsafe { pg_sys::MyProcPid };
+    // SAFETY: process globals.
+    let (me, role) = unsafe { (pg_sys::MyProcPid, pg_sys::GetUserId().to_u32()) };
     let hold = slots
         .holds
         .iter()
         .find(|h| h.pid.compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok())?;
+    // The entry is taken first and the role's count checked after: two of
+    // its commands at once may both give theirs up, never both keep more.
+    hold.role.store(role, Ordering::Release);
+    let holding = Holding(hold);
+    let of_role = slots
+        .holds
+        .iter()
+        .filter(|h| h.pid.load(Ordering::Acquire) != 0 && h.role.load(Ordering::Acquire) == role)
+        .count();
+    if of_role > HOLDS_PER_ROLE {
+        return None;
+    }
     hold.database.store(database.to_u32(), Ordering::Release);
     wake_launcher();
-    Some(Holding(hold))
+    Some(holding)
 }
 
 /// The pids of the dispatchers running in `database`.

@@ -5,7 +5,10 @@ a rename and a copy never fail or wait because of them; a user who may
 not drop a database cannot stop its dispatchers by trying; worker slots
 that run out are a warning and a row, never a silent database."""
 
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -70,6 +73,44 @@ def test_a_user_who_may_not_drop_a_database_cannot_stop_its_dispatchers(server):
         assert dispatchers(server, "app_a") == before, "the dispatchers were stopped by a refused command"
     finally:
         server.sql("DROP ROLE intruder")
+
+
+def test_an_owner_the_server_refuses_for_another_reason_cannot_stop_its_dispatchers(server):
+    """The owner of a served database runs a command PostgreSQL refuses
+    for a reason other than ownership (no CREATEDB for a rename or a copy,
+    no CREATE on the target tablespace, a name taken) or runs as a no-op
+    (a move to the tablespace it is in): the dispatchers are not stopped
+    first."""
+    location = Path(tempfile.mkdtemp(prefix="outbox-tablespace-"))
+    shutil.chown(location, "postgres", "postgres")
+    server.sql("CREATE ROLE owner_only LOGIN")
+    server.sql(f"CREATE TABLESPACE elsewhere LOCATION '{location}'")
+    server.sql("ALTER DATABASE app_a OWNER TO owner_only")
+    before = dispatchers(server, "app_a")
+    try:
+        with server.connect(user="owner_only", dbname="app_b") as conn:
+            for command, refusal in (
+                    ("ALTER DATABASE app_a RENAME TO app_a_moved", psycopg.errors.InsufficientPrivilege),
+                    ("CREATE DATABASE app_a_copy TEMPLATE app_a", psycopg.errors.InsufficientPrivilege),
+                    ("ALTER DATABASE app_a SET TABLESPACE elsewhere", psycopg.errors.InsufficientPrivilege),
+                    ("ALTER DATABASE app_a SET TABLESPACE pg_default", psycopg.errors.InsufficientPrivilege)):
+                with pytest.raises(refusal):
+                    conn.execute(command)
+        server.sql("GRANT CREATE ON TABLESPACE pg_default TO owner_only")
+        with server.connect(user="owner_only", dbname="app_b") as conn:
+            conn.execute("ALTER DATABASE app_a SET TABLESPACE pg_default")  # where it is: a no-op
+        server.sql("REVOKE CREATE ON TABLESPACE pg_default FROM owner_only")
+        server.sql("ALTER ROLE owner_only CREATEDB")
+        with server.connect(user="owner_only", dbname="app_b") as conn:
+            for command in ("ALTER DATABASE app_a RENAME TO app_b", "CREATE DATABASE app_b TEMPLATE app_a"):
+                with pytest.raises(psycopg.errors.DuplicateDatabase):
+                    conn.execute(command)
+        assert dispatchers(server, "app_a") == before, "the dispatchers were stopped before a refusal"
+    finally:
+        server.sql("ALTER DATABASE app_a OWNER TO postgres")
+        server.sql("DROP TABLESPACE elsewhere")
+        server.sql("DROP ROLE owner_only")
+        shutil.rmtree(location, ignore_errors=True)
 
 
 def test_drop_extension_if_exists_from_anyone_wakes_and_spawns_nothing(server):

@@ -249,6 +249,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "mark_failed.sql": ("(uuid[], text[], text[], float8[], int, timestamptz)",
                                      "(ARRAY[gen_random_uuid()], '{failed}', '{x}', '{0}', 0, now())", [by_id]),
         worker / "sweep_stuck.sql": ("(float8, int)", "(1000, 100)", [("events_processing_idx",)]),
+        worker / "sweep_future.sql": ("(int)", "(100)", [("events_pending_xid_idx",)]),
         worker / "sweep_unacked.sql": ("(float8, int, int)", "(1000, 100, 5)", [("events_dispatched_idx",)]),
         worker / "purge.sql": ("(float8, int, bool, timestamptz, timestamptz)", "(1000, 100, true, now(), now())",
                                [("events_processed_idx",), ("events_dispatched_idx",), ("batch_members_batch_idx",)]),

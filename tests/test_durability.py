@@ -68,3 +68,31 @@ def test_a_crash_after_reports_are_trimmed_loses_none(redis_server):
             == sorted(ids)
     finally:
         pg.close()
+
+
+def test_a_crash_after_a_key_is_passed_on_sends_no_head_after_its_successor():
+    """With nothing to report or acknowledge them, a head is finished once
+    pushed, and the commit that records it passes its key on: the next event
+    of the key is pushed right after. That commit must be durable first, or a
+    crash sends the head again after its successor (a, b, a, b)."""
+    server = Redis()
+    pg = Cluster(server.url, server_conf=SLOW_WAL_WRITER, report_key="")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.wait_idle()
+        client = server.client()
+        # In one transaction: the second waits behind the first.
+        ids = [str(r[0]) for r in pg.sql(
+            "SELECT outbox_enqueue('durable.keyed', jsonb_build_object('seq', n), queue => 'q_durable_keyed', "
+            "ordering_key => 'k') FROM generate_series(1, 2) AS n")]
+        wait_until(lambda: len(queued_ids(client, "q_durable_keyed")) >= 2, interval=0.002,
+                   message="both events of the key sent")
+        pg.stop("immediate")
+        pg.start()
+        wait_until(lambda: pg.count("dispatched") == 2, timeout=60, message="both dispatched after the crash")
+        sent = queued_ids(client, "q_durable_keyed")
+        last_head = max(i for i, id in enumerate(sent) if id == ids[0])
+        assert last_head < sent.index(ids[1]), sent
+    finally:
+        pg.close()
+        server.close()

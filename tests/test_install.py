@@ -10,14 +10,15 @@ depends on anything outside pg_catalog and the extension, and the behaviour:
 with the plants in place a superuser reads every view, subscribes,
 enqueues, acknowledges, and the dispatchers run; no planted code ever runs."""
 
+import difflib
 import time
 
 import pytest
 
-from harness import Cluster, queued_ids, wait_until
+from harness import PG_BIN, Cluster, as_postgres, queued_ids, wait_until
 
-CURRENT = "0.8.0"
-RELEASES = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0"]
+CURRENT = "0.9.0"
+RELEASES = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0"]
 
 # Every object of the extension and everything owned by one of them (an
 # index, a view's rule, a default, a constraint, a trigger), then whatever
@@ -315,3 +316,45 @@ def test_an_update_rebinds_what_an_earlier_install_bound_to_planted_code(hostile
         conn.execute("ALTER EXTENSION outbox_dispatch UPDATE")
     assert foreign_dependencies(hostile, dbname) == []
     assert planted_calls(hostile, dbname) == 0
+
+
+def dumped_schema(pg, dbname):
+    """`pg_dump --schema-only` of what the extension made in `dbname`, as
+    if the database had made it (pg_dump leaves an extension's members out):
+    dumped from a copy whose members are let go, with their privileges in
+    full. pg_dump's own comments and \\restrict lines dropped."""
+    copy = dbname + "_members"
+    pg.sql(f"CREATE DATABASE {copy} TEMPLATE {dbname}")
+    try:
+        with pg.connect(dbname=copy) as conn:
+            conn.execute("DELETE FROM pg_catalog.pg_init_privs WHERE privtype = 'e'")
+            conn.execute("DELETE FROM pg_catalog.pg_depend "
+                         " WHERE refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass "
+                         "   AND refobjid = (SELECT oid FROM pg_catalog.pg_extension "
+                         "                    WHERE extname = 'outbox_dispatch')")
+            conn.execute("DELETE FROM pg_catalog.pg_extension WHERE extname = 'outbox_dispatch'")
+        dump = as_postgres(PG_BIN / "pg_dump", "--schema-only", "-h", pg.dir, "-p", pg.port, "-d", copy).stdout
+    finally:
+        pg.sql(f"DROP DATABASE {copy}")
+    return [line for line in dump.splitlines()
+            if line.strip() and not line.startswith(("--", "\\restrict", "\\unrestrict"))]
+
+
+def test_a_database_updated_step_by_step_equals_a_fresh_install(redis_server):
+    """Installed at 0.1.0 and updated one release at a time, a database has
+    the same schema as one where the current version was installed: the
+    same columns in the same order, constraints, indexes, triggers, views,
+    functions, comments and privileges, as pg_dump writes them."""
+    pg = Cluster(redis_server.url)
+    try:
+        pg.sql("CREATE DATABASE updated")
+        pg.sql("CREATE DATABASE fresh")
+        pg.sql(f"CREATE EXTENSION outbox_dispatch VERSION '{RELEASES[0]}'", dbname="updated")
+        for version in RELEASES[1:] + [CURRENT]:
+            pg.sql(f"ALTER EXTENSION outbox_dispatch UPDATE TO '{version}'", dbname="updated")
+        pg.sql("CREATE EXTENSION outbox_dispatch", dbname="fresh")
+        fresh, updated = dumped_schema(pg, "fresh"), dumped_schema(pg, "updated")
+        assert len(fresh) > 500, fresh
+        assert updated == fresh, "\n".join(difflib.unified_diff(fresh, updated, "fresh", "updated", lineterm=""))
+    finally:
+        pg.close()

@@ -198,6 +198,24 @@ def test_a_forged_key_seq_takes_a_turn_all_the_same(keyed):
     assert states == ["head", "waiting", "waiting"], states
 
 
+def test_a_copied_head_makes_no_second_head(keyed):
+    """An INSERT ... SELECT that copies a head (an ORM's clone), key_seq and
+    key_state with it, takes a turn of its own behind the head; an UPDATE
+    that would make a second head of a key is refused by the schema."""
+    keyed.configure(enabled="off")
+    with keyed.connect() as conn:
+        head = enqueue_ordered(conn, "cloned", 1)
+        conn.execute("INSERT INTO outbox.events (event_type, task, queue, ordering_key, key_seq, key_state, payload) "
+                     "SELECT event_type, task, queue, ordering_key, key_seq, key_state, payload "
+                     "  FROM outbox.events WHERE id = %s", (head,))
+        last = enqueue_ordered(conn, "cloned", 3)
+    states = key_states(keyed, "cloned")
+    assert [r[2] for r in states] == ["head", "waiting", "waiting"], states
+    assert states[0][0] == head and len({r[3] for r in states}) == 3, states
+    with pytest.raises(psycopg.errors.UniqueViolation, match="events_key_head_idx"):
+        keyed.sql("UPDATE outbox.events SET key_state = 'head' WHERE id = %s", (last,))
+
+
 def test_an_acknowledgement_of_a_waiting_event_changes_nothing(keyed):
     keyed.configure(enabled="off")
     with keyed.connect() as conn:
@@ -343,6 +361,42 @@ def test_outbox_skip_lets_a_key_go_on_past_a_head_never_reported(keyed, redis_se
     assert keyed.value("SELECT outbox_skip(%s)", (second,)) is False, "a waiting event holds nothing"
     assert keyed.value("SELECT outbox_skip(%s)", (head,)) is True
     wait_until(lambda: queued_ids(client, idle) == [str(head), str(second)], timeout=30, message="the key went on")
+    client.delete(idle)
+
+
+def test_a_skipped_head_is_never_sent_again_after_its_successor(keyed, redis_server):
+    """With acknowledgements on, a head sent and skipped is not sent again
+    by the unacknowledged sweeper once its successor went out: it is failed,
+    saying why. The same for heads passed on as sent while acknowledgements
+    were off, when outbox.ack_timeout is raised later."""
+    client = redis_server.client()
+    idle = QUEUE + "_skipped"
+    keyed.configure(ack_timeout="2s", sweep_interval="1s", report_key="")
+    with keyed.connect() as conn:
+        head = enqueue_ordered(conn, "skipped", 1, queue=idle)
+        second = enqueue_ordered(conn, "skipped", 2, queue=idle)
+    wait_until(lambda: queued_ids(client, idle) == [str(head)], timeout=30, message="the head sent")
+    assert keyed.value("SELECT outbox_skip(%s)", (head,)) is True
+    wait_until(lambda: queued_ids(client, idle)[:2] == [str(head), str(second)], timeout=30, message="the key went on")
+    wait_until(lambda: keyed.value("SELECT status::text FROM outbox.events WHERE id = %s", (head,)) == "failed",
+               timeout=30, message="the skipped head failed by the sweeper")
+    assert "went on without it" in keyed.value("SELECT last_error FROM outbox.events WHERE id = %s", (head,))
+    sent = queued_ids(client, idle)
+    assert str(head) not in sent[1:], sent
+
+    # Passed on as sent while nothing acknowledged them; then acknowledgements on.
+    client.delete(idle)
+    keyed.configure(ack_timeout="0")
+    with keyed.connect() as conn:
+        first = enqueue_ordered(conn, "raised", 1, queue=idle)
+        then = enqueue_ordered(conn, "raised", 2, queue=idle)
+    wait_until(lambda: queued_ids(client, idle) == [str(first), str(then)], timeout=30, message="both sent")
+    keyed.configure(ack_timeout="2s")
+    wait_until(lambda: keyed.value("SELECT status::text FROM outbox.events WHERE id = %s", (first,)) == "failed",
+               timeout=30, message="the passed head failed by the sweeper")
+    wait_until(lambda: len(queued_ids(client, idle)) >= 3, timeout=30, message="the key's head sent again")
+    sent = queued_ids(client, idle)
+    assert sent[0] == str(first) and str(first) not in sent[1:], sent
     client.delete(idle)
 
 

@@ -174,15 +174,17 @@ def test_an_acl_user_from_the_url_with_its_password_from_a_file(outbox, secrets_
 
 def watcher_sees(pg, pieces):
     """Which of `pieces` a pg_monitor member reads in what the dispatchers
-    show, or anyone in the server log. (PostgreSQL's own line for a changed
-    setting, `parameter "outbox.redis_url" changed to "…"`, shows the value:
-    the README says to keep the password in outbox.redis_password_file.)"""
+    show, or anyone in the server log, PostgreSQL's own line for a changed
+    setting (`parameter "outbox.broker_url" changed to "…"`) included."""
     with as_role(pg, "outbox_watcher") as conn:
         seen = str(conn.execute("SELECT * FROM outbox.workers").fetchall())
         seen += str(conn.execute("SELECT * FROM outbox.metrics").fetchall())
-    seen += "\n".join(line for line in pg.log_text().splitlines()
-                      if 'parameter "outbox.redis_url" changed to' not in line)
+    seen += pg.log_text()
     return [piece for piece in pieces if piece in seen]
+
+
+def changed_lines(pg, setting):
+    return [line for line in pg.log_text().splitlines() if f'parameter "{setting}" changed to' in line]
 
 
 @pytest.mark.parametrize("c", ["/", "?", "#", "@", ":", "%"])
@@ -197,10 +199,15 @@ def test_a_password_with_any_character_is_never_shown(outbox, roles, redis_serve
     pieces = ["Zq", "Xy", "Wv"]
     server = Redis(password=password)
     try:
-        for scheme in ("redis", "rediss", "sentinel", "amqp"):
-            outbox.configure(redis_url=f"{scheme}://:{password}@127.0.0.1:{server.port}/0",
+        for setting, scheme in (("redis_url", "redis"), ("redis_url", "rediss"), ("redis_url", "sentinel"),
+                                ("broker_url", "amqp"), ("broker_url", "redis")):
+            logged = len(changed_lines(outbox, f"outbox.{setting}"))
+            outbox.configure(**{setting: f"{scheme}://:{password}@127.0.0.1:{server.port}/0"},
                              redis_sentinel_master="outbox", reconnect_delay_min="200ms",
                              reconnect_delay_max="500ms")
+            # PostgreSQL's own line is there, the URL in it redacted.
+            wait_until(lambda: len(changed_lines(outbox, f"outbox.{setting}")) > logged,
+                       message=f"{setting}: the server's line for the change")
             # An error (most), or a connection (a URL that still parses as
             # meant: kombu's parser, too, takes the last @ and the first :).
             wait_until(lambda: outbox.value("SELECT last_error IS NOT NULL OR connected FROM outbox.workers"),
@@ -208,7 +215,10 @@ def test_a_password_with_any_character_is_never_shown(outbox, roles, redis_serve
             time.sleep(0.5)
             assert watcher_sees(outbox, pieces) == [], scheme
         encoded = "".join(f"%{b:02X}" for b in password.encode())
-        outbox.configure(redis_url=f"redis://:{encoded}@127.0.0.1:{server.port}/0")
+        outbox.configure(broker_url="", redis_url=f"redis://:{encoded}@127.0.0.1:{server.port}/0")
+        wait_until(lambda: f"redis://***@127.0.0.1:{server.port}/0" in changed_lines(outbox, "outbox.redis_url")[-1],
+                   message="the line for the encoded password, redacted")
+        assert encoded not in outbox.log_text()
         event_id = outbox.value("SELECT outbox_enqueue('secret', '{}', queue => 'q_secret_chars')")
         wait_until(lambda: queued_ids(server.client(), "q_secret_chars") == [str(event_id)],
                    message="delivery with the percent-encoded password")
@@ -371,7 +381,7 @@ def test_upgrade_from_the_previous_version_keeps_events_flowing(redis_server):
         assert pg.sql("SELECT status::text, count, estimated FROM outbox.status") == [
             ("pending", 2, False), ("processing", 0, False), ("dispatched", 0, False), ("processed", 0, False),
             ("failed", 0, False)]
-        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "0.8.0"
+        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "0.9.0"
         pg.configure(enabled="on")
         third = pg.value("SELECT outbox_enqueue('new', '{}', queue => 'q_upgrade')")
         wait_until(lambda: set(queued_ids(redis_server.client(), "q_upgrade")) == {str(first), str(second), str(third)},

@@ -291,9 +291,30 @@ pub fn redact(url: &str) -> String {
     BrokerUrl::parse(url).map_or_else(|_| "(unparsable URL)".into(), |u| u.display())
 }
 
+/// `text` with every occurrence of `url` replaced by its redacted form;
+/// `None` when `url` is empty or not in `text`.
+pub fn redact_within(text: &str, url: &str) -> Option<String> {
+    (!url.is_empty() && text.contains(url)).then(|| text.replace(url, &redact(url)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_within_a_line_is_redacted() {
+        let url = "amqp://outbox:s%2F%3F%23%40%25ecret@rabbit.example:5672/%2F";
+        let line = format!("parameter \"outbox.broker_url\" changed to \"{url}\"");
+        let redacted = redact_within(&line, url).unwrap();
+        assert!(!redacted.contains("ecret") && redacted.contains("rabbit.example"), "{redacted}");
+        assert!(redacted.starts_with("parameter \"outbox.broker_url\" changed to \""));
+        // Written unencoded, the URL does not parse: none of it is shown.
+        let raw = "redis://:se/cr?et@h:1/0";
+        let redacted = redact_within(&format!("changed to \"{raw}\""), raw).unwrap();
+        assert!(!redacted.contains("se/cr") && !redacted.contains("et@h"), "{redacted}");
+        assert_eq!(redact_within("changed to \"\"", ""), None);
+        assert_eq!(redact_within("another line", url), None);
+    }
 
     #[test]
     fn kombu_urls_parse() {

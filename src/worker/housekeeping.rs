@@ -1,6 +1,7 @@
-//! Housekeeping: the stuck and unacknowledged sweepers, the sweep for keys
-//! left without a head, and the lifecycle purge (of events, then of the
-//! inbox). One dispatcher at a time does it (a turn in shared memory), for
+//! Housekeeping: the sweepers of stuck claims, of events pending from
+//! this cluster's future (a restore's) and of unacknowledged events, the
+//! sweep for keys left without a head, and the lifecycle purge (of events,
+//! then of the inbox). One dispatcher at a time does it (a turn in shared memory), for
 //! at most [`BATCHES`] transactions a step: what is left falls due again at
 //! once, after the next drain, so a large purge never stalls delivery.
 
@@ -149,6 +150,13 @@ fn sweep(dispatcher: usize, store: &mut Store, settings: &Settings) -> Result<bo
     if rescued > 0 {
         log!("outbox dispatcher {dispatcher}: {rescued} events stuck in processing returned to pending");
     }
+    let (restored, more_future) = sweep_some(|| store.sweep_future())?;
+    if restored > 0 {
+        log!(
+            "outbox dispatcher {dispatcher}: {restored} pending events with a transaction id in this \
+             cluster's future (a restore's) were put in line"
+        );
+    }
     let mut failed = 0;
     let (swept, more_unacked) = if settings.ack_timeout.is_zero() {
         (0, false)
@@ -165,10 +173,10 @@ fn sweep(dispatcher: usize, store: &mut Store, settings: &Settings) -> Result<bo
     if resent > 0 || failed > 0 {
         log!(
             "outbox dispatcher {dispatcher}: {resent} unacknowledged events will be sent again, \
-             {failed} failed after outbox.max_redeliveries re-sends"
+             {failed} failed (their last_error says why)"
         );
     }
-    Ok(more_stuck || more_unacked)
+    Ok(more_stuck || more_future || more_unacked)
 }
 
 /// The wait before a failed part runs again: [`RETRY`], doubling with each

@@ -164,6 +164,7 @@ struct Plans {
     mark_failed: Statement,
     release: Statement,
     sweep_stuck: Statement,
+    sweep_future: Statement,
     sweep_unacked: Statement,
     purge: Statement,
     apply_reports: Statement,
@@ -294,6 +295,7 @@ impl Plans {
                 &[UUID_ARRAY, INT4, TIMESTAMPTZ],
             )?,
             sweep_stuck: prepare(include_str!("../../../sql/worker/sweep_stuck.sql"), &[FLOAT8, INT4])?,
+            sweep_future: prepare(include_str!("../../../sql/worker/sweep_future.sql"), &[INT4])?,
             sweep_unacked: prepare(
                 include_str!("../../../sql/worker/sweep_unacked.sql"),
                 &[FLOAT8, INT4, INT4],
@@ -772,6 +774,16 @@ impl Store {
         self.sweep(|p| &p.sweep_stuck, timeout)
     }
 
+    /// Puts in line up to [`SWEEP_BATCH`] pending events whose transaction
+    /// id lies in this cluster's future (a restore's, with its triggers
+    /// off), where no claim would reach them for a long time.
+    pub fn sweep_future(&mut self) -> Result<u64, StoreError> {
+        let swept = self.with_plans(|client, plans, _| {
+            update(client, &plans.sweep_future, &[(SWEEP_BATCH as i32).into()])
+        })?;
+        Ok(swept.unwrap_or(0))
+    }
+
     /// Up to [`SWEEP_BATCH`] events dispatched longer than `timeout` ago
     /// and never acknowledged: back to pending to be sent again, or failed
     /// when re-sent `max_redeliveries` times already. Returns how many of
@@ -999,6 +1011,12 @@ impl Turns {
             report_running(&plans.pass_keys.text);
         }
         let passed = keys::pass(client, plans.keys(), heads, &[], self.policy, false)?;
+        if passed.promoted > 0 {
+            // The new heads may be claimed and sent right after this
+            // commits: it must outlive a crash, or the heads that let their
+            // keys go would be sent again after them.
+            durable_commit(client)?;
+        }
         self.promoted += passed.promoted;
         self.heads = passed.deferred;
         Ok(())
