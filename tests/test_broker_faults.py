@@ -280,3 +280,31 @@ def test_a_push_cut_part_way_keeps_what_its_round_trips_confirmed(redis_server):
     finally:
         pg.close()
         proxy.close()
+
+
+def test_a_report_read_the_acl_denies_is_reported_once(redis_server):
+    """A Redis user whose ACL denies scripts (the report read is one): the
+    refusal is logged once, the connection stays (no reconnect each
+    collect), and events are pushed as usual."""
+    from harness import Redis
+    redis = Redis(password="admin-pw")
+    redis.client().execute_command("ACL", "SETUSER", "pusher", "on", ">pusher-pw", "~*", "&*", "+@all", "-@scripting")
+    pg = Cluster(f"redis://pusher:pusher-pw@127.0.0.1:{redis.port}/0", reconnect_delay_min="100ms",
+                 reconnect_delay_max="200ms")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        ids = [str(r[0]) for r in pg.sql(
+            "SELECT outbox_enqueue('acl', '{}', queue => 'q_acl') FROM generate_series(1, 5)")]
+        wait_until(lambda: pg.count("dispatched") == 5, message="the events pushed")
+        wait_until(lambda: "refused to read the reports" in pg.log_text(), message="the refusal logged")
+        time.sleep(3)  # thirty collect cycles
+        log = pg.log_text()
+        assert log.count("refused to read the reports") == 1, log[-3000:]
+        assert "NOPERM" in log and "reconnecting" not in log, log[-3000:]
+        assert pg.value("SELECT coalesce(sum(value), 0) FROM outbox.metrics "
+                        "WHERE name = 'outbox_reconnects_total'") == 0
+        assert pg.value("SELECT bool_and(connected) FROM outbox.workers")
+        assert sorted(queued_ids(redis.client(), "q_acl")) == sorted(ids)
+    finally:
+        pg.close()
+        redis.close()

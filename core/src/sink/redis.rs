@@ -256,10 +256,10 @@ impl RedisSink {
                 self.read_only_scripts = false;
                 return self.reports(key, max.parse().unwrap_or(0), waiter);
             }
-            // The list's own fault (WRONGTYPE: the key is not a list; an
-            // ACL denying the script): the read is refused, the connection
-            // and the pushes go on.
-            Reply::Error(e) if Condition::of(&e).is_none() => return Ok(Err(e)),
+            // The list's own fault (WRONGTYPE: the key is not a list), or
+            // an ACL denying the script or the key (NOPERM): the read is
+            // refused, the connection and the pushes go on.
+            Reply::Error(e) if Condition::of(&e).is_none_or(|c| c == Condition::NoPerm) => return Ok(Err(e)),
             reply => self.answer(reply)?,
         };
         match reply {
@@ -751,5 +751,26 @@ mod tests {
         run(&mut sink, &string, 1);
         assert!(sink.reports("not_a_list", 10, &mut Poll).unwrap().unwrap_err().starts_with("WRONGTYPE"));
         assert!(sink.is_connected());
+    }
+
+    #[test]
+    fn a_report_read_an_acl_denies_is_refused_and_the_link_stays() {
+        let server = Server::start("s3cret");
+        let admin_url = format!("redis://:s3cret@127.0.0.1:{}/0", server.1);
+        let mut admin = redis_sink(&config(&admin_url)).unwrap();
+        admin.connect(&mut Poll).unwrap();
+        let mut user = Vec::new();
+        resp::command(
+            &mut user,
+            &["ACL", "SETUSER", "pusher", "on", ">pw", "~*", "&*", "+@all", "-@scripting"],
+        );
+        run(&mut admin, &user, 1);
+        let url = format!("redis://pusher:pw@127.0.0.1:{}/0", server.1);
+        let mut sink = redis_sink(&config(&url)).unwrap();
+        sink.connect(&mut Poll).unwrap();
+        let refused = sink.reports("r", 10, &mut Poll).unwrap().unwrap_err();
+        assert!(refused.starts_with("NOPERM"), "{refused}");
+        assert!(sink.is_connected());
+        assert_eq!(sink.push(&[batch("q", &[5])], &mut Poll).deliveries, [Delivery::Delivered]);
     }
 }
