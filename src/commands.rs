@@ -28,7 +28,7 @@ use pgrx::PgList;
 
 mod catalog;
 
-use crate::slots::{self, Holding, WakeSource};
+use crate::slots::{self, Holding, NotHeld, WakeSource};
 use crate::wake;
 
 /// The longest a command waits for the dispatchers to leave; PostgreSQL
@@ -288,7 +288,21 @@ unsafe fn option(options: *mut pg_sys::List, name: &std::ffi::CStr) -> Option<*m
 /// dispatchers and waits for them to exit, [`WAIT`] at most (the command
 /// then says who is still there).
 fn clear(database: pg_sys::Oid, held: bool) -> Option<Holding> {
-    let holding = if held { None } else { slots::hold(database) };
+    let holding = if held {
+        None
+    } else {
+        match slots::hold(database) {
+            Ok(holding) => Some(holding),
+            Err(NotHeld::NotPreloaded) => None,
+            Err(why) => {
+                notice!(
+                    "outbox_dispatch: the database's dispatchers are stopped for this command, \
+                     but it is not held against their return: {why}"
+                );
+                None
+            }
+        }
+    };
     let deadline = Instant::now() + WAIT;
     let mut signalled = HashSet::new();
     loop {

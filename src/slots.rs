@@ -617,17 +617,40 @@ impl Drop for Holding {
     }
 }
 
+/// Why [`hold`] holds nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotHeld {
+    /// The library is not preloaded: there are no dispatchers to hold off.
+    NotPreloaded,
+    /// Every entry is taken.
+    Full,
+    /// The current role holds [`HOLDS_PER_ROLE`] databases already.
+    RoleShare,
+}
+
+impl std::fmt::Display for NotHeld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotHeld::NotPreloaded => write!(f, "the library is not preloaded"),
+            NotHeld::Full => write!(f, "{MAX_HOLDS} databases are held already, the most at once"),
+            NotHeld::RoleShare => {
+                write!(f, "this role holds {HOLDS_PER_ROLE} databases already, the most one role may")
+            }
+        }
+    }
+}
+
 /// Holds `database` for this backend: the launcher starts no dispatcher
-/// for it, and one that connects exits. `None` when every entry is taken,
-/// or the current role holds [`HOLDS_PER_ROLE`] already.
-pub fn hold(database: pg_sys::Oid) -> Option<Holding> {
-    let slots = slots()?;
+/// for it, and one that connects exits.
+pub fn hold(database: pg_sys::Oid) -> Result<Holding, NotHeld> {
+    let slots = slots().ok_or(NotHeld::NotPreloaded)?;
     // SAFETY: process globals.
     let (me, role) = unsafe { (pg_sys::MyProcPid, pg_sys::GetUserId().to_u32()) };
     let hold = slots
         .holds
         .iter()
-        .find(|h| h.pid.compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok())?;
+        .find(|h| h.pid.compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok())
+        .ok_or(NotHeld::Full)?;
     // The entry is taken first and the role's count checked after: two of
     // its commands at once may both give theirs up, never both keep more.
     hold.role.store(role, Ordering::Release);
@@ -638,11 +661,11 @@ pub fn hold(database: pg_sys::Oid) -> Option<Holding> {
         .filter(|h| h.pid.load(Ordering::Acquire) != 0 && h.role.load(Ordering::Acquire) == role)
         .count();
     if of_role > HOLDS_PER_ROLE {
-        return None;
+        return Err(NotHeld::RoleShare);
     }
     hold.database.store(database.to_u32(), Ordering::Release);
     wake_launcher();
-    Some(holding)
+    Ok(holding)
 }
 
 /// The pids of the dispatchers running in `database`.

@@ -113,6 +113,46 @@ def test_an_owner_the_server_refuses_for_another_reason_cannot_stop_its_dispatch
         shutil.rmtree(location, ignore_errors=True)
 
 
+def test_one_role_holds_at_most_its_share_of_the_databases_that_can_be_held(server):
+    """A rename in an open transaction block holds its database until the
+    block ends. One role holds at most 4 databases at once (its fifth rename
+    holds nothing, and runs as it would without the extension): the other
+    holds stay for other roles' commands."""
+    server.sql("CREATE ROLE hoarder LOGIN CREATEDB")
+    names = [f"hoard_{i}" for i in range(5)]
+    for name in names:
+        server.sql(f"CREATE DATABASE {name} OWNER hoarder")
+        server.sql("CREATE EXTENSION outbox_dispatch", dbname=name)
+    server.configure(database=", ".join(("postgres",) + APPS + tuple(names)))
+    blocks = [server.connect(user="hoarder", dbname="plain", autocommit=False) for _ in names]
+    notices = []
+    for conn in blocks:
+        conn.add_notice_handler(lambda n: notices.append(n.message_primary))
+    try:
+        for name in names:
+            serving(server, name, workers=2)
+        for conn, name in zip(blocks, names):
+            try:
+                conn.execute(f"ALTER DATABASE {name} RENAME TO {name}_renamed")
+            except psycopg.errors.ObjectInUse:  # the unheld one's dispatchers were back first
+                conn.rollback()
+        assert notices == ["outbox_dispatch: the database's dispatchers are stopped for this command, but it is "
+                           "not held against their return: this role holds 4 databases already, the most one "
+                           "role may"], notices
+        # Another role's command still gets a hold.
+        server.sql("ALTER DATABASE app_c RENAME TO app_c_renamed")
+        server.sql("ALTER DATABASE app_c_renamed RENAME TO app_c")
+    finally:
+        for conn in blocks:
+            conn.rollback()
+            conn.close()
+        server.configure(database="*")
+        for name in names:
+            server.sql(f"DROP DATABASE {name}")
+        server.sql("DROP ROLE hoarder")
+    serving(server, "app_c", workers=2)
+
+
 def test_drop_extension_if_exists_from_anyone_wakes_and_spawns_nothing(server):
     server.sql("CREATE ROLE loiterer LOGIN")
     try:
