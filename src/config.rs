@@ -381,7 +381,7 @@ fn report_list(key: &str) -> String {
 
 impl Settings {
     pub fn current() -> Settings {
-        let broker = BrokerConfig {
+        let mut broker = BrokerConfig {
             url: broker_url(),
             timeout: millis(&REDIS_TIMEOUT_MS),
             tls_ca_file: path(&REDIS_TLS_CA_FILE),
@@ -405,11 +405,16 @@ impl Settings {
             // The broker closes a connection it heard nothing on for two
             // heartbeats; the dispatcher PINGs every heartbeat_interval.
             heartbeat: seconds(&HEARTBEAT_INTERVAL_S) + Duration::from_secs(10),
+            pause_limit: Duration::ZERO,
         };
         let batch_size = BATCH_SIZE.get().max(1) as usize;
         let batch_budget = batch_budget(broker.max_batch_bytes, MAX_PAYLOAD_BYTES.get().max(1) as usize);
         let longest = longest_push(&broker, batch_size, MAX_PAYLOAD_BYTES.get().max(1) as usize);
         let processing_timeout = seconds(&PROCESSING_TIMEOUT_S);
+        // A push paused by the broker (an alarm) may wait as long as the
+        // claim's timeout leaves beyond the longest push: the sweeper must
+        // not hand it to another dispatcher meanwhile.
+        broker.pause_limit = processing_timeout.saturating_sub(longest);
         Settings {
             enabled: ENABLED.get(),
             broker,

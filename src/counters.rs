@@ -218,8 +218,13 @@ pub fn push_failed(reason: PushFailure, events: u64) {
 pub fn reconnect(error: &SinkError) {
     bump(|c| &c.reconnects[error.reason().index()], 1);
     if let SinkError::Refused(condition, _) = error {
-        bump(|c| &c.refusals[condition.index()], 1);
+        refused(*condition);
     }
+}
+
+/// The broker refused the dispatcher for a condition of its own.
+pub fn refused(condition: Condition) {
+    bump(|c| &c.refusals[condition.index()], 1);
 }
 
 pub fn woke(source: WakeSource) {

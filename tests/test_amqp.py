@@ -100,21 +100,61 @@ def test_amqps_with_a_trusted_ca_delivers_and_an_untrusted_one_is_refused(ob, ra
 
 
 @pytest.mark.broker_only
-def test_a_queue_declared_otherwise_is_named_and_waits(ob, rabbit):
-    """A queue a worker declared as quorum, and dispatchers that would
-    declare it classic: RabbitMQ's reason in outbox.workers, no event
-    failed, and the events go once the setting matches."""
+def test_queues_declared_their_own_way_are_used_as_they_are(ob, rabbit):
+    """Queues an application declared its own way (Celery's
+    `Queue('orders', queue_arguments={'x-message-ttl': …,
+    'x-dead-letter-exchange': …})`, a quorum queue where the dispatchers
+    would declare classic ones): used as they are, every event of every
+    queue in the same claim delivered once, no retry spent."""
     channel = rabbit.channel()
-    channel.queue_declare("orders", durable=True, auto_delete=False, arguments={"x-queue-type": "quorum"})
+    channel.exchange_declare("orders", "direct", durable=True, auto_delete=False)
+    channel.queue_declare("orders", durable=True, auto_delete=False,
+                          arguments={"x-message-ttl": 3_600_000, "x-dead-letter-exchange": "orders.dead"})
+    channel.queue_bind("orders", "orders", "orders")
+    channel.queue_declare("ledger", durable=True, auto_delete=False, arguments={"x-queue-type": "quorum"})
     channel.connection.close()
-    ids = enqueue(ob, 5, queue="orders")
-    wait_until(lambda: "inequivalent arg 'x-queue-type'" in last_error(ob), message="the mismatch shown")
-    assert 'declaring queue "orders" (classic)' in last_error(ob)
-    assert ob.value("SELECT count(*) FROM outbox.events WHERE status <> 'pending' OR retry_count > 0") == 0
-    ob.configure(amqp_queue_type="quorum")
-    wait_until(lambda: ob.count("dispatched") == 5, message="the events sent")
-    assert sorted(rabbit.drain("orders")) == sorted(ids)
-    assert ob.metric("outbox_broker_refusals_total", condition="channel_closed") >= 1
+    with ob.connect(autocommit=False) as conn:
+        ids = {queue: [] for queue in ("orders", "celery", "ledger")}
+        for n in range(150):
+            queue = ("orders", "celery", "ledger")[n % 3]
+            ids[queue].append(str(conn.execute("SELECT outbox_enqueue('t', '{}', queue => %s, task => 'tests.record')",
+                                               (queue,)).fetchone()[0]))
+        conn.commit()
+    wait_until(lambda: ob.count("dispatched") == 150,
+               message=f"every event sent ({ob.count('dispatched')}; {last_error(ob)})")
+    assert ob.value("SELECT max(retry_count) FROM outbox.events") == 0
+    for queue, sent in ids.items():
+        assert sorted(rabbit.drain(queue)) == sorted(sent), queue
+    assert last_error(ob) == ""
+
+
+@pytest.mark.broker_only
+def test_a_queue_the_user_may_not_declare_fails_alone(ob, rabbit):
+    """A user without the configure permission on one queue that does not
+    exist: that queue's events retry and fail with RabbitMQ's reason; the
+    events for the other queue, in the same claims, go out at once."""
+    rabbit.ctl("add_user", "limited", "limited-pw")
+    try:
+        rabbit.ctl("set_permissions", "-p", "/", "limited", "^(?!forbidden).*", ".*", ".*")
+        ob.configure(broker_url=f"amqp://limited:limited-pw@127.0.0.1:{rabbit.port}//", max_retries=2,
+                     retry_backoff="100ms")
+        with ob.connect(autocommit=False) as conn:
+            allowed, forbidden = [], []
+            for n in range(40):
+                queue = "forbidden" if n % 2 else "celery"
+                (allowed, forbidden)[n % 2].append(str(conn.execute(
+                    "SELECT outbox_enqueue('t', '{}', queue => %s, task => 'tests.record')", (queue,)).fetchone()[0]))
+            conn.commit()
+        wait_until(lambda: ob.count("dispatched") == 20, message=f"the allowed events sent ({last_error(ob)})")
+        wait_until(lambda: ob.count("failed") == 20, message="the forbidden events failed")
+        errors = ob.sql("SELECT DISTINCT retry_count, last_error FROM outbox.events WHERE status = 'failed'")
+        assert len(errors) == 1 and errors[0][0] == 2, errors
+        assert 'declaring queue "forbidden"' in errors[0][1] and "403 ACCESS_REFUSED" in errors[0][1], errors
+        assert sorted(rabbit.drain("celery")) == sorted(allowed)
+        assert ob.value("SELECT max(retry_count) FROM outbox.events WHERE queue = 'celery'") == 0
+    finally:
+        ob.configure(broker_url=rabbit.url)
+        rabbit.ctl("delete_user", "limited")
 
 
 @pytest.mark.broker_only
@@ -164,32 +204,151 @@ def test_a_message_rabbitmq_cannot_take_fails_alone(ob, rabbit):
 
 
 @pytest.mark.broker_only
-def test_reports_whose_recording_failed_are_read_again(ob, rabbit, redis_server):
+def test_a_message_above_the_brokers_max_message_size_fails_alone(ob, rabbit):
+    """RabbitMQ set to take at most 4 kB a message: one event above it (an
+    ORM insert bypasses outbox.max_payload_bytes) spends its retries and is
+    dead-lettered with RabbitMQ's reason; the events around it in the same
+    round trip are delivered."""
+    rabbit.ctl("eval", "application:set_env(rabbit, max_message_size, 4096).")
+    try:
+        rabbit.ctl("close_all_connections", "max_message_size changed")  # new channels take the limit
+        ob.configure(max_retries=2, retry_backoff="100ms")
+        with ob.connect(autocommit=False) as conn:
+            good = enqueue_in(conn, 5)
+            (big,) = conn.execute("INSERT INTO outbox.events (event_type, payload, queue, task) "
+                                  "VALUES ('t', jsonb_build_object('blob', repeat('x', 10000)), 'celery', "
+                                  "'tests.record') RETURNING id").fetchone()
+            good += enqueue_in(conn, 5)
+            conn.commit()
+        wait_until(lambda: ob.count("dispatched") == 10, message=f"the good events sent ({last_error(ob)})")
+        wait_until(lambda: ob.count("failed") == 1, message=f"the large event failed ({last_error(ob)})")
+        status, retries, error = ob.sql("SELECT status, retry_count, last_error FROM outbox.events WHERE id = %s",
+                                        (big,))[0]
+        assert (status, retries) == ("failed", 2)
+        assert "max_message_size (4096 bytes" in error and "is larger than configured max size 4096" in error, error
+        queued = rabbit.drain("celery")
+        assert set(queued) == set(good) and str(big) not in queued
+        assert len(queued) - len(set(queued)) <= 10, "duplicates beyond the round trip"
+    finally:
+        rabbit.ctl("eval", "application:set_env(rabbit, max_message_size, 134217728).")
+
+
+@pytest.mark.broker_only
+def test_a_message_a_full_queue_rejects_fails_once_refused_twice(ob, rabbit):
+    """A queue that rejects publishes when full (x-overflow reject-publish):
+    RabbitMQ nacks its messages. Refused twice, a message is its own fault:
+    it spends a retry, and is dead-lettered after outbox.max_retries. The
+    events for another queue in the same claims are delivered."""
+    channel = rabbit.channel()
+    channel.exchange_declare("bounded", "direct", durable=True, auto_delete=False)
+    channel.queue_declare("bounded", durable=True, auto_delete=False,
+                          arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    channel.queue_bind("bounded", "bounded", "bounded")
+    channel.connection.close()
+    ob.configure(max_retries=2, retry_backoff="100ms")
+    (kept,) = enqueue(ob, 1, queue="bounded")
+    wait_until(lambda: ob.count("dispatched") == 1, message="the queue filled")
+    with ob.connect(autocommit=False) as conn:
+        others = enqueue_in(conn, 3)
+        refused = enqueue_in(conn, 3, queue="bounded")
+        others += enqueue_in(conn, 3)
+        conn.commit()
+    wait_until(lambda: ob.count("failed") == 3, timeout=60,
+               message=f"the refused events dead-lettered ({ob.sql('SELECT status, retry_count FROM outbox.events')})")
+    rows = ob.sql("SELECT id::text, retry_count, last_error FROM outbox.events WHERE status = 'failed'")
+    assert sorted(i for i, _, _ in rows) == sorted(refused)
+    assert all(r == 2 and "refused the message twice (basic.nack)" in e for _, r, e in rows), rows
+    wait_until(lambda: ob.count("dispatched") == 7, message="the other events sent")
+    assert sorted(set(rabbit.drain("celery"))) == sorted(others)
+    assert rabbit.drain("bounded") == [kept]
+
+
+@pytest.mark.broker_only
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_an_urgent_event_overtakes_a_backlog(ob, rabbit, redis_server, broker):
+    """Priority 0 is the most urgent on both brokers: an event of priority 0
+    enqueued after a backlog of priority 9 is the first a consumer gets,
+    from kombu's priority lists on Redis, from a queue with x-max-priority
+    on RabbitMQ."""
+    ob.configure(report_key="", amqp_max_priority=10,
+                 **({"broker_url": redis_server.url} if broker == "redis" else {}))
+    backlog = enqueue_at(ob, 30, priority=9)
+    wait_until(lambda: ob.count("dispatched") == 30, message="the backlog sent")
+    (urgent,) = enqueue_at(ob, 1, priority=0)
+    wait_until(lambda: ob.count("dispatched") == 31, message="the urgent event sent")
+    if broker == "redis":
+        import kombu
+        with kombu.Connection(redis_server.url) as connection:
+            queue = connection.SimpleQueue("celery", no_ack=True)
+            order = [queue.get(timeout=5).headers["id"] for _ in range(31)]
+    else:
+        order = rabbit.drain("celery")
+    assert order[0] == urgent, (order.index(urgent), broker)
+    assert sorted(order[1:]) == sorted(backlog)
+
+
+def enqueue_in(conn, n, queue="celery"):
+    """Enqueues n events in the transaction of `conn`; their ids."""
+    return [str(r[0]) for r in conn.execute(
+        "SELECT outbox_enqueue('t', '{}', queue => %s, task => 'tests.record') FROM generate_series(1, %s)",
+        (queue, n)).fetchall()]
+
+
+def enqueue_at(pg, n, priority):
+    return [str(r[0]) for r in pg.sql(
+        "SELECT outbox_enqueue('t', '{}', task => 'tests.record', priority => %s) FROM generate_series(1, %s)",
+        (priority, n))]
+
+
+@pytest.mark.broker_only
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_reports_whose_recording_failed_are_read_again(ob, rabbit, redis_server, queue_type):
     """Reports read while the database refuses to record them (a lock
-    held past outbox.statement_timeout) go back to the queue: once the lock
-    is gone every event is processed."""
-    ob.configure(report_key="outbox_reports", statement_timeout="500ms")
-    ids = enqueue(ob, 20, task="loop.ok")
-    wait_until(lambda: ob.count("dispatched") == 20, message="the events sent")
-    with ob.connect(autocommit=False) as lock:
-        lock.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
-        worker = CeleryWorker(rabbit.url, app="loop_app", env={"OUTBOX_TEST_NOTES": redis_server.url})
+    held past outbox.statement_timeout) are read again: once the lock is
+    gone every event is processed. On a quorum report queue whose delivery
+    limit (a policy) is 1, too: they are never handed back to the queue
+    meanwhile, where each return would count and the second drop them."""
+    ob.configure(report_key="outbox_reports", statement_timeout="500ms", amqp_queue_type=queue_type)
+    if queue_type == "quorum":
+        rabbit.ctl("set_policy", "report-limit", "^outbox_reports", '{"delivery-limit": 1}', "--apply-to", "queues")
+        # The task queue as the (classic) worker declares it; the report
+        # queue, missing, is declared of outbox.amqp_queue_type.
+        channel = rabbit.channel()
+        channel.queue_declare("celery", durable=True, auto_delete=False)
+        channel.connection.close()
+    try:
+        ids = enqueue(ob, 20, task="loop.ok")
+        wait_until(lambda: ob.count("dispatched") == 20, message="the events sent")
+        if queue_type == "quorum":
+            assert "quorum" in rabbit.ctl("list_queues", "name", "type", "--quiet", "--no-table-headers")
+        with ob.connect(autocommit=False) as lock:
+            lock.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+            read_again(ob, rabbit, redis_server, ids, lock)
+    finally:
+        if queue_type == "quorum":
+            rabbit.ctl("clear_policy", "report-limit")
+
+
+def read_again(ob, rabbit, redis_server, ids, lock):
+    """Runs the tasks while `lock` keeps their reports from being recorded
+    for several tries, then releases it: every event ends processed."""
+    worker = CeleryWorker(rabbit.url, app="loop_app", env={"OUTBOX_TEST_NOTES": redis_server.url})
+    try:
+        worker.wait_ready()
+        notes = redis_server.client()
         try:
-            worker.wait_ready()
-            notes = redis_server.client()
-            try:
-                wait_until(lambda: all(notes.exists(f"ran:{i}") for i in ids), timeout=60, message="the tasks run")
-            except AssertionError as e:
-                raise AssertionError(f"{e}: {rabbit.depth('celery')} {worker.log_text()[-3000:]}") from None
-            time.sleep(3)  # the dispatcher reads the reports, and fails to record them
-            lock.rollback()
-            try:
-                wait_until(lambda: ob.count("processed") == 20, timeout=60, message="every report recorded")
-            except AssertionError as e:
-                raise AssertionError(f"{e}: {ob.sql('SELECT status, count(*) FROM outbox.events GROUP BY 1')} "
-                                     f"{rabbit.depth(ob.report_list())} {ob.log_text()[-4000:]}") from None
-        finally:
-            worker.close()
+            wait_until(lambda: all(notes.exists(f"ran:{i}") for i in ids), timeout=60, message="the tasks run")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {rabbit.depth('celery')} {worker.log_text()[-3000:]}") from None
+        time.sleep(6)  # the dispatcher reads the reports, and fails to record them, several times
+        lock.rollback()
+        try:
+            wait_until(lambda: ob.count("processed") == 20, timeout=60, message="every report recorded")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {ob.sql('SELECT status, count(*) FROM outbox.events GROUP BY 1')} "
+                                 f"{rabbit.depth(ob.report_list())} {ob.log_text()[-4000:]}") from None
+    finally:
+        worker.close()
 
 
 def test_a_stock_worker_runs_every_event(ob, rabbit, redis_server):
@@ -275,24 +434,42 @@ def test_the_broker_stopped_mid_drain_loses_nothing(ob, rabbit):
     assert ob.value("SELECT count(*) FROM outbox.events WHERE status = 'failed'") == 0
 
 
+def reconnects(pg):
+    return pg.value("SELECT coalesce(sum(value), 0) FROM outbox.metrics WHERE name = 'outbox_reconnects_total'")
+
+
 @pytest.mark.broker_only
-def test_a_memory_alarm_blocks_without_spending_retries(ob, rabbit):
-    """A memory alarm: RabbitMQ blocks publishers. The dispatcher shows it,
-    spends no retry, and sends everything once the alarm clears."""
-    enqueue(ob, 1)
+def test_a_memory_alarm_pauses_publishing_on_the_same_connection(ob, rabbit):
+    """A memory alarm: RabbitMQ blocks publishers. The dispatcher keeps
+    the connection and shows the alarm (not a broker that did not answer,
+    though the pause outlasts outbox.redis_timeout), spends no retry, and
+    its round trip is confirmed once the alarm clears: each event in the
+    queue once."""
+    first = enqueue(ob, 1)
     wait_until(lambda: ob.count("dispatched") == 1, message="a first event sent")
+    before = reconnects(ob)
     rabbit.ctl("set_vm_memory_high_watermark", "0.000001")
     try:
         ids = enqueue(ob, 20)
-        wait_until(lambda: "blocked" in last_error(ob) or "did not answer" in last_error(ob),
-                   message="the alarm shown")
+        wait_until(lambda: "RabbitMQ blocked the connection" in last_error(ob), message="the alarm shown")
+        time.sleep(4)  # longer than outbox.redis_timeout (3s)
+        assert "RabbitMQ blocked the connection" in last_error(ob), last_error(ob)
+        assert ob.value("SELECT bool_and(connected) FROM outbox.workers")
+        assert reconnects(ob) == before
         assert ob.value("SELECT max(retry_count) FROM outbox.events") == 0
         assert ob.count("failed") == 0
+        # SIGHUP is answered meanwhile (the reload is logged).
+        ob.configure(poll_interval="59s")
+        wait_until(lambda: "reloaded its settings" in ob.log_text(), message="the reload during the alarm")
     finally:
         rabbit.ctl("set_vm_memory_high_watermark", "0.4")
     wait_until(lambda: ob.count("dispatched") == 21, timeout=60, message="the events sent after the alarm")
-    assert set(ids) <= set(rabbit.drain("celery"))
+    queued = rabbit.drain("celery")
+    assert sorted(queued) == sorted(first + ids), "each event once"
+    assert reconnects(ob) == before
     assert ob.value("SELECT max(retry_count) FROM outbox.events") == 0
+    wait_until(lambda: last_error(ob) == "", message="the alarm no longer shown")
+    assert ob.metric("outbox_broker_refusals_total", condition="blocked") >= 1
 
 
 def test_reports_travel_over_amqp(ob, rabbit, redis_server):

@@ -42,6 +42,11 @@ pub trait Wait {
     fn check(&mut self) -> Result<(), Interrupted> {
         Ok(())
     }
+
+    /// The peer paused the traffic the caller waits on (`Some(why)`: a
+    /// RabbitMQ alarm), or lifted the pause (`None`); the wait goes on
+    /// meanwhile. The caller may show it.
+    fn paused(&mut self, _why: Option<&str>) {}
 }
 
 /// A [`Wait`] on poll(2), for programs without a latch (tests, examples).
@@ -149,7 +154,7 @@ impl Link {
         while self.tls.as_ref().is_some_and(|t| t.is_handshaking()) {
             self.exchange_tls(waiter, deadline)?;
         }
-        self.flush_tls(waiter, deadline)
+        self.flush(waiter, deadline)
     }
 
     /// One step of TLS traffic: send what is pending, else receive.
@@ -170,30 +175,47 @@ impl Link {
         }
     }
 
-    fn flush_tls(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(), LinkError> {
-        while self.tls.as_ref().is_some_and(|t| t.wants_write()) {
-            self.exchange_tls(waiter, deadline)?;
-        }
-        Ok(())
-    }
-
     /// Sends all of `data`.
     pub fn send(&mut self, data: &[u8], waiter: &mut dyn Wait, deadline: Instant) -> Result<(), LinkError> {
-        let fd = self.fd();
         let mut sent = 0;
         while sent < data.len() {
+            sent += self.send_some(&data[sent..], waiter, deadline)?;
+        }
+        self.flush(waiter, deadline)
+    }
+
+    /// Sends what the socket takes now of `data` (with TLS: what rustls
+    /// takes, once the records of what it took before are out), waiting for
+    /// the socket, until `deadline` at the latest, only while it takes
+    /// nothing; returns how many bytes went. [`Link::flush`] sends the
+    /// records of the last of them.
+    pub fn send_some(
+        &mut self,
+        data: &[u8],
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<usize, LinkError> {
+        let fd = self.fd();
+        loop {
+            self.flush(waiter, deadline)?;
             let written = match self.tls.as_mut() {
                 // rustls takes plaintext up to its buffer limit; the records
-                // go out below.
-                Some(tls) => tls.writer().write(&data[sent..]),
-                None => self.socket.write(&data[sent..]),
+                // go out at the next flush.
+                Some(tls) => tls.writer().write(data),
+                None => self.socket.write(data),
             };
             match written {
-                Ok(n) => sent += n,
+                Ok(n) => return Ok(n),
                 Err(e) if self.tls.is_none() => would_block(e, fd, Interest::Writable, waiter, deadline)?,
                 Err(e) => return Err(LinkError::Tls(e.to_string())),
             }
-            self.flush_tls(waiter, deadline)?;
+        }
+    }
+
+    /// Sends the TLS records still pending (nothing to do without TLS).
+    pub fn flush(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(), LinkError> {
+        while self.tls.as_ref().is_some_and(|t| t.wants_write()) {
+            self.exchange_tls(waiter, deadline)?;
         }
         Ok(())
     }

@@ -508,7 +508,7 @@ impl Dispatcher {
                 report_to: self.settings.report_key.as_deref().unwrap_or(""),
             };
             let Pushed { outcome, failure } =
-                push::push(sink, waiter, &events, claimed_at, &envelope, &policy);
+                push::push(sink, waiter, &self.slot, &events, claimed_at, &envelope, &policy);
             self.slot.add_dispatched(outcome.dispatched.len() as u64);
             if !outcome.dispatched.is_empty() {
                 self.broker.answered(&self.slot, &self.settings);

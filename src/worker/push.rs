@@ -2,15 +2,17 @@
 //! an AMQP queue) → a push → what became of each event.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
 
 use outbox_core::backoff;
 use outbox_core::celery::{self, TaskMessage};
-use outbox_core::link::Wait;
-use outbox_core::sink::{Delivery, KeyBatch, Sink, SinkError};
+use outbox_core::link::{Interest, Interrupted, Wait};
+use outbox_core::sink::{Condition, Delivery, KeyBatch, Sink, SinkError};
 
 use super::store::{ClaimTime, ClaimedEvent, Failure, Outcome};
 use crate::counters::{self, Counter, PushFailure};
+use crate::slots;
 
 /// How the dispatcher treats one event's failure.
 pub struct RetryPolicy {
@@ -47,6 +49,31 @@ pub struct Envelope<'a> {
     pub report_to: &'a str,
 }
 
+/// The dispatcher's wait during a push: a pause of the broker (a RabbitMQ
+/// alarm) is shown in `outbox.workers.last_error` while it lasts, and
+/// counted as a refusal of its condition.
+struct ShowingPauses<'a> {
+    waiter: &'a mut dyn Wait,
+    slot: &'a slots::Own,
+}
+
+impl Wait for ShowingPauses<'_> {
+    fn wait(&mut self, socket: Option<(RawFd, Interest)>, deadline: Instant) -> Result<(), Interrupted> {
+        self.waiter.wait(socket, deadline)
+    }
+
+    fn check(&mut self) -> Result<(), Interrupted> {
+        self.waiter.check()
+    }
+
+    fn paused(&mut self, why: Option<&str>) {
+        if why.is_some() {
+            counters::refused(Condition::Blocked);
+        }
+        self.slot.set_error(why);
+    }
+}
+
 /// Encodes and pushes `events`, claimed at `claimed_at`; an expired event
 /// is not sent but failed. When the broker fails part way, what its
 /// earlier round trips confirmed stays dispatched, and the rest goes back
@@ -54,6 +81,7 @@ pub struct Envelope<'a> {
 pub fn push(
     sink: &mut Sink,
     waiter: &mut dyn Wait,
+    slot: &slots::Own,
     events: &[ClaimedEvent],
     claimed_at: Option<ClaimTime>,
     envelope: &Envelope<'_>,
@@ -113,7 +141,7 @@ pub fn push(
     if batches.is_empty() {
         return Pushed { outcome, failure: None };
     }
-    let pushed = sink.push(&batches, waiter);
+    let pushed = sink.push(&batches, &mut ShowingPauses { waiter, slot });
     let now = unix_now();
     let mut latencies = Vec::with_capacity(events.len());
     let mut failure = pushed.failure;

@@ -61,6 +61,9 @@ pub struct BrokerConfig {
     /// AMQP: how long the broker may hear nothing from the dispatcher
     /// before it closes the connection (the negotiated heartbeat).
     pub heartbeat: Duration,
+    /// AMQP: how long a push waits on a broker that paused publishing (an
+    /// alarm: `connection.blocked`) before it gives up the connection.
+    pub pause_limit: Duration,
 }
 
 impl BrokerConfig {
@@ -81,6 +84,7 @@ impl BrokerConfig {
             priority_separator: KOMBU_SEPARATOR.into(),
             queues: QueueShape::default(),
             heartbeat: Duration::from_secs(60),
+            pause_limit: Duration::from_secs(60),
         }
     }
 }
@@ -99,10 +103,14 @@ pub struct KeyBatch {
 pub enum Delivery {
     /// In the list.
     Delivered,
-    /// Redis answered an error that belongs to the message or its key.
+    /// The broker refused it for a reason of its own or of its
+    /// destination: Redis answered an error that belongs to the message or
+    /// its key; RabbitMQ would not declare its queue, returned it, took it
+    /// for too large, or refused it twice. It spends one of the event's
+    /// retries.
     Rejected(String),
-    /// Redis answered a condition of its own, and the reply: not delivered,
-    /// and not the message's fault.
+    /// The broker answered a condition of its own, and the reply: not
+    /// delivered, and not the message's fault.
     Refused(Condition, String),
     /// Its round trip failed, or never ran after an earlier one failed:
     /// not known to be delivered, and not the message's fault.
