@@ -1,5 +1,5 @@
 //! The broker end: where committed events go, as Celery messages. Redis
-//! (`redis.rs`) or RabbitMQ over AMQP 0-9-1 (`amqp.rs`), chosen by the
+//! (`redis.rs`) or RabbitMQ over AMQP 0-9-1 (`amqp/`), chosen by the
 //! URL's scheme; both push batches in round trips of bounded size, each
 //! with one deadline, and draw the same line between the broker's fault
 //! (the connection, a condition of the server: never an event's retry) and
