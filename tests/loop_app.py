@@ -15,7 +15,8 @@ from outbox_dispatch.inbox import once
 
 BROKER = os.environ["OUTBOX_TEST_BROKER"]
 
-app = Celery("outbox_loop", broker=BROKER)
+# A result backend only where a test names one (tests/test_inbox.py).
+app = Celery("outbox_loop", broker=BROKER, backend=os.environ.get("OUTBOX_TEST_RESULTS"))
 app.conf.update(
     imports=["outbox_dispatch.celery"],
     broker_connection_retry_on_startup=True,
@@ -152,14 +153,16 @@ def effects_connection():
     return psycopg.connect(os.environ["OUTBOX_TEST_DSN"])
 
 
-@app.task(name="loop.effect", bind=True, max_retries=3)
+@app.task(name="loop.effect", bind=True, max_retries=3, ignore_result=False)
 @once(effects_connection)
 def effect(self, n, fail_first=False, hold=0.3, conn=None):
     """Effects once (tests/test_inbox.py): writes its row, then holds its
     transaction `hold` seconds, so that a duplicate running at the same
     time waits for it; with fail_first, its first run raises after
-    writing, and Celery retries it."""
+    writing, and Celery retries it. Returns n, which Celery stores
+    (Celery's default ignore_result=False) where a result backend is set."""
     conn.execute("INSERT INTO effects (event, n) VALUES (%s, %s)", (self.request.id, n))
     time.sleep(hold)
     if fail_first and self.request.retries == 0:
         raise self.retry(exc=RuntimeError("the first run fails after its write"), countdown=0.1)
+    return n

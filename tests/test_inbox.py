@@ -12,8 +12,9 @@ import uuid
 
 import psycopg
 import pytest
+import redis as redis_lib
 
-from harness import CeleryWorker, Cluster, wait_until
+from harness import CeleryWorker, Cluster, decode, wait_until
 from outbox_dispatch.inbox import once
 
 
@@ -150,7 +151,7 @@ def test_the_retention_is_checked(inbox):
             conn.execute("ALTER SYSTEM SET outbox.inbox_retention = '10min'")
 
 
-# --- Through a prefork Celery worker -------------------------------------------
+# --- Through a Celery worker ---------------------------------------------------
 
 QUEUE = "effects"
 
@@ -159,11 +160,24 @@ def dsn(pg):
     return f"host={pg.dir} port={pg.port} user=postgres dbname=postgres"
 
 
+def results_url(redis_server):
+    """The workers' result backend: the tests' Redis, database 1."""
+    return redis_server.url.rsplit("/", 1)[0] + "/1"
+
+
 def start_worker(pg, redis_server, pool="prefork"):
     worker = CeleryWorker(redis_server.url, queues=(QUEUE,), app="loop_app", pool=pool, concurrency=4,
-                          env={"OUTBOX_TEST_DSN": dsn(pg)})
+                          env={"OUTBOX_TEST_DSN": dsn(pg), "OUTBOX_TEST_RESULTS": results_url(redis_server)})
     worker.wait_ready()
     return worker
+
+
+def stored_results(redis_server, ids):
+    """What the result backend holds for each task id: (state, result)."""
+    client = redis_lib.Redis.from_url(results_url(redis_server))
+    stored = [client.get(f"celery-task-meta-{i}") for i in ids]
+    return [(meta["status"], meta["result"]) for meta in (json.loads(m) if m else {"status": None, "result": None}
+                                                          for m in stored)]
 
 
 @pytest.fixture
@@ -176,12 +190,15 @@ def effects(inbox, redis_server):
     inbox.sql("DROP TABLE effects")
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
 def test_every_message_delivered_twice_at_once_makes_its_effect_once(effects, redis_server, pool):
     """20 events sent while no worker runs; each message is then put in
-    the queue twice, side by side, for four processes (or threads) to run
-    at once: the effects table holds each event's row once, and every event
-    is processed."""
+    the queue twice, side by side, for four processes (or threads, or
+    greenlets) to run at once: the effects table holds each event's row
+    once, and every event is processed. Under gevent, a duplicate waiting
+    for the first run's transaction must let that first run go on. The
+    result backend keeps what each first run returned: a skipped duplicate,
+    at once or late, stores nothing over it."""
     client = redis_server.client()
     with effects.connect() as conn:
         ids = [str(conn.execute("SELECT outbox_enqueue('effect', %s::jsonb, queue => %s, task => 'loop.effect')",
@@ -201,9 +218,12 @@ def test_every_message_delivered_twice_at_once_makes_its_effect_once(effects, re
         assert sorted(rows) == sorted((i, 1) for i in ids)
         # A duplicate that arrives after the first committed is skipped too.
         client.rpush(QUEUE, messages[0])
-        wait_until(lambda: (effects.metric("outbox_inbox_duplicates_total") or 0) - before == 21, timeout=60,
-                   message="the late duplicate skipped")
+        late = decode(messages[0])[0]["headers"]["id"]
+        wait_until(lambda: worker.log_text().count(f"Task loop.effect[{late}] succeeded") == 3, timeout=60,
+                   message="the late duplicate's run over")
+        assert (effects.metric("outbox_inbox_duplicates_total") or 0) - before == 21
         assert effects.value("SELECT count(*) FROM effects") == 20
+        assert stored_results(redis_server, ids) == [("SUCCESS", n) for n in range(20)]
     finally:
         worker.close()
 

@@ -89,3 +89,19 @@ def test_once_runs_the_body_only_for_the_first_claim(first):
     assert conn.transactions == 1
     assert conn.cursor.calls[0][1] == (task.request.id, "shop.charge")
     assert getattr(task.request, inbox.DUPLICATE_ATTRIBUTE, False) is (not first)
+
+
+def test_a_skipped_duplicate_leaves_the_first_runs_outcome_to_celery():
+    """Its request stores no result (Celery's trace reads ignore_result from
+    it), and has no callbacks, chain or chord to send again."""
+    conn = Transactional(False)
+    request = types.SimpleNamespace(id=str(uuid.uuid4()), ignore_result=False, callbacks=[{"task": "next"}],
+                                    chain=[{"task": "then"}], chord={"task": "joined"})
+
+    @inbox.once(lambda: conn)
+    def body(task, conn=None):
+        return "ran"
+
+    assert body(types.SimpleNamespace(name="shop.charge", request=request)) is None
+    assert (request.ignore_result, request.callbacks, request.chain, request.chord) == (True, None, None, None)
+

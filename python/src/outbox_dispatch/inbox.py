@@ -54,7 +54,8 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
     above it) so that its body runs in a transaction that first claims the
     task id (:func:`claim`, consumer the task's name unless given), and is
     skipped when that claim is False: the task then returns None, and its
-    report says it was a duplicate.
+    report says it was a duplicate; Celery stores no result for it (the
+    first run's stays) and sends none of its callbacks, chain or chord.
 
     ``using`` says where the transaction is:
 
@@ -90,7 +91,7 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
                 try:
                     with _transaction(using) as (conn, keyword):
                         if not claim(conn, message, name):
-                            setattr(task.request, DUPLICATE_ATTRIBUTE, True)
+                            _skip(task.request)
                             return None
                         claimed = True
                         if keyword is not None:
@@ -121,6 +122,18 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
 
 #: Transactions a claim is tried in when it meets a serialization failure.
 CLAIM_ATTEMPTS = 3
+
+
+def _skip(request: Any) -> None:
+    """Marks the request of a skipped duplicate: its report says so, and
+    Celery leaves the first run's outcome as it is. It stores no result
+    (with ``ignore_result=False``, Celery's default, its None would
+    replace the first run's value in the result backend), and sends no
+    callback, no next step of a chain and no chord part: the first run
+    did."""
+    setattr(request, DUPLICATE_ATTRIBUTE, True)
+    request.ignore_result = True
+    request.callbacks = request.chain = request.chord = None
 
 
 def _keyword_of(using: Any) -> Optional[str]:
