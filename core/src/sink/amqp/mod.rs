@@ -109,7 +109,7 @@ pub struct AmqpSink {
     config: BrokerConfig,
     url: BrokerUrl,
     display_url: String,
-    session: Option<Session>,
+    session: Option<Box<Session>>,
     /// The node of the current (or last) connection, `host:port`.
     node: Option<String>,
     /// The index of the node a connect tries first: the last that took one.
@@ -240,7 +240,7 @@ impl AmqpSink {
             let secrets = [Some(password.as_str()), Some(user.as_str())];
             match opened {
                 Ok(()) => {
-                    self.session = Some(session);
+                    self.session = Some(Box::new(session));
                     self.first_node = index;
                     return Ok(Persistence::Durable);
                 }
@@ -355,8 +355,8 @@ mod tests {
     use super::*;
     use crate::link::Poll;
     use crate::sink::Reason;
-    use amq_protocol::frame::{gen_frame, AMQPFrame, WriteContext};
-    use amq_protocol::protocol::{channel, confirm, connection};
+    use amq_protocol::frame::{gen_frame, parse_frame, AMQPFrame, WriteContext};
+    use amq_protocol::protocol::{channel, confirm, connection, exchange, queue};
     use std::io::{Read, Write};
     use std::time::Duration;
 
@@ -403,6 +403,15 @@ mod tests {
     /// A peer that answers the handshake as a broker does, whatever the
     /// client says, then reads and ignores what comes.
     fn broker() -> u16 {
+        broker_then(|stream| {
+            let mut buf = [0u8; 4096];
+            while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+        })
+    }
+
+    /// A peer that answers the handshake as a broker does, whatever the
+    /// client says, then lets `serve` take the connection.
+    fn broker_then(serve: impl Fn(&mut std::net::TcpStream) + Send + 'static) -> u16 {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let tune = connection::Tune { channel_max: 0, frame_max: 131072, heartbeat: 60 };
@@ -427,10 +436,123 @@ mod tests {
                         break;
                     }
                 }
-                while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+                serve(&mut stream);
             }
         });
         port
+    }
+
+    /// A broker whose queues and exchanges all exist, and that blocks the
+    /// connection (an alarm) when a message is published, for `pause`,
+    /// then unblocks it and confirms the message.
+    fn alarmed_broker(pause: Duration) -> u16 {
+        broker_then(move |stream| {
+            let (mut inbox, mut buf, mut published) = (Vec::new(), [0u8; 65536], 0);
+            while let Ok(n @ 1..) = stream.read(&mut buf) {
+                inbox.extend_from_slice(&buf[..n]);
+                while let Ok((rest, frame)) = parse_frame(&inbox[..]) {
+                    let used = inbox.len() - rest.len();
+                    let answer = match frame {
+                        AMQPFrame::Method(c, AMQPClass::Queue(queue::AMQPMethod::Declare(d))) => {
+                            let ok = queue::DeclareOk { queue: d.queue, message_count: 0, consumer_count: 0 };
+                            vec![AMQPFrame::Method(c, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok)))]
+                        }
+                        AMQPFrame::Method(c, AMQPClass::Exchange(exchange::AMQPMethod::Declare(_))) => {
+                            let ok = exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {});
+                            vec![AMQPFrame::Method(c, AMQPClass::Exchange(ok))]
+                        }
+                        AMQPFrame::Body(c, _) => {
+                            published += 1;
+                            let blocked = connection::Blocked { reason: "low on memory".into() };
+                            let blocked = AMQPClass::Connection(connection::AMQPMethod::Blocked(blocked));
+                            let _ = stream.write_all(&encode(&[AMQPFrame::Method(0, blocked)]));
+                            std::thread::sleep(pause);
+                            let unblocked = connection::AMQPMethod::Unblocked(connection::Unblocked {});
+                            let ack = basic::Ack { delivery_tag: published, multiple: true };
+                            vec![
+                                AMQPFrame::Method(0, AMQPClass::Connection(unblocked)),
+                                AMQPFrame::Method(c, AMQPClass::Basic(basic::AMQPMethod::Ack(ack))),
+                            ]
+                        }
+                        _ => Vec::new(),
+                    };
+                    inbox.drain(..used);
+                    if stream.write_all(&encode(&answer)).is_err() {
+                        return;
+                    }
+                }
+            }
+        })
+    }
+
+    /// A wait on poll(2) that notes what it is told of pauses.
+    #[derive(Default)]
+    struct Noting(Vec<Option<String>>);
+
+    impl Wait for Noting {
+        fn wait(
+            &mut self,
+            socket: Option<(std::os::fd::RawFd, crate::link::Interest)>,
+            deadline: Instant,
+        ) -> Result<(), crate::link::Interrupted> {
+            Poll.wait(socket, deadline)
+        }
+
+        fn paused(&mut self, why: Option<&str>) {
+            self.0.push(why.map(str::to_string));
+        }
+    }
+
+    fn one_message() -> KeyBatch {
+        let message = crate::celery::TaskMessage {
+            id: uuid::Uuid::nil(),
+            task: "t",
+            queue: "q",
+            priority: 0,
+            event_type: "e",
+            created_at: "2026-12-01T00:00:00Z",
+            payload: "{}",
+            args: None,
+            headers: None,
+            expires: None,
+            report_to: "",
+            send: uuid::Uuid::nil(),
+        };
+        let mut envelope = String::new();
+        crate::celery::encode(&message, "host", uuid::Uuid::nil(), &mut envelope).unwrap();
+        KeyBatch { key: "q".into(), messages: vec![envelope] }
+    }
+
+    #[test]
+    fn an_alarm_pauses_a_push_on_the_same_connection() {
+        // Blocked for longer than the timeout (1 s): the push waits, told
+        // of the pause, and its message is confirmed once it lifts.
+        let mut sink = sink(&format!("amqp://127.0.0.1:{}//", alarmed_broker(Duration::from_millis(1500))));
+        sink.connect(&mut Poll).unwrap();
+        let mut waiter = Noting::default();
+        let started = Instant::now();
+        let pushed = sink.push(&[one_message()], &mut waiter);
+        assert_eq!((pushed.deliveries, pushed.failure), (vec![Delivery::Delivered], None));
+        assert!(started.elapsed() >= Duration::from_millis(1500));
+        assert!(sink.is_connected());
+        let [Some(paused), None] = &waiter.0[..] else { panic!("{:?}", waiter.0) };
+        assert!(paused.starts_with("RabbitMQ blocked the connection: low on memory"), "{paused}");
+        // A pause longer than a push may wait is the broker's fault.
+        let url = format!("amqp://127.0.0.1:{}//", alarmed_broker(Duration::from_secs(5)));
+        let config = BrokerConfig {
+            pause_limit: Duration::from_millis(1500),
+            ..BrokerConfig::plain(&url, Duration::from_secs(1), 1 << 20)
+        };
+        let mut sink = AmqpSink::new(&config, BrokerUrl::parse(&url).unwrap()).unwrap();
+        sink.connect(&mut Poll).unwrap();
+        let started = Instant::now();
+        let pushed = sink.push(&[one_message()], &mut Poll);
+        assert_eq!(pushed.deliveries, [Delivery::Unsent]);
+        let failure = pushed.failure.unwrap();
+        assert_eq!(failure.reason(), Reason::Refused);
+        assert!(failure.to_string().contains("for longer than a push may wait (1s)"), "{failure}");
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(1500) && took < Duration::from_secs(3), "{took:?}");
     }
 
     #[test]
