@@ -6,12 +6,15 @@ check rules` and their unit tests; the Grafana dashboard asks only for
 metrics the project exports."""
 
 import json
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from alert_recording import INSTANCE, JOB, Recording, promtool_input
 from harness import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,10 +103,14 @@ def test_prometheus_scrapes_the_exporter_as_a_pg_monitor_role(monitor, redis_ser
         wait_until(lambda: [float(r["value"][1]) for r in query('outbox_dispatched_total{database="postgres"}')]
                    == [expected], timeout=60, message="outbox_dispatched_total in Prometheus")
         assert [r["value"][1] for r in query('up{job="outbox"}')] == ["1"]
-        # The rules load and evaluate: a healthy outbox fires none.
+        # The rules load and evaluate: a healthy outbox fires none (the
+        # exporter's alert is pending at most until the first evaluation
+        # after the first scrape).
         rules = json.loads(fetch(f"http://127.0.0.1:{port}/api/v1/rules"))["data"]["groups"]
-        assert {r["name"] for g in rules for r in g["rules"]} >= {"OutboxLagHigh", "OutboxReportsNotArriving"}
-        assert json.loads(fetch(f"http://127.0.0.1:{port}/api/v1/alerts"))["data"]["alerts"] == []
+        assert {r["name"] for g in rules for r in g["rules"]} >= {"OutboxLagHigh", "OutboxReportsNotArriving",
+                                                                  "OutboxExporterDown"}
+        wait_until(lambda: json.loads(fetch(f"http://127.0.0.1:{port}/api/v1/alerts"))["data"]["alerts"] == [],
+                   timeout=30, message="no alert, not even pending")
     finally:
         if prometheus:
             prometheus.terminate()
@@ -136,6 +144,80 @@ def test_a_database_that_cannot_answer_is_down_and_the_others_are_served(monitor
         proc.wait(timeout=30)
 
 
+def test_a_database_that_stops_answering_is_down_within_the_deadline_and_nothing_piles_up(monitor):
+    """Two targets with the database name postgres: the cluster, and a
+    server that accepts connections and never answers. Each gets its own
+    label, and every scrape ends within the deadline (the two are asked at
+    once), with outbox_up 0 for the silent one. Then the cluster stops
+    answering too (its postmaster and the backend serving the exporter
+    stopped with SIGSTOP): scrapes, several at once, still end within the
+    deadline, with no thread or connection left behind; and once it
+    answers again, so does the exporter."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    accepted = []
+
+    def accept():
+        while True:
+            try:
+                accepted.append(silent.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    host, port = silent.getsockname()
+    proc, url = exporter(monitor, dsn(monitor), f"host={host} port={port} user=outbox_metrics dbname=postgres",
+                         timeout=2)
+    ours, theirs = f"postgres@{monitor.dir}:{monitor.port}", f"postgres@{host}:{port}"
+    stopped = []
+    try:
+        def scrape():
+            started = time.monotonic()
+            scraped = families(fetch(url, timeout=30))
+            up = {s.labels["database"]: s.value for s in scraped["outbox_up"].samples}
+            return up, time.monotonic() - started
+
+        up, took = scrape()
+        assert up == {ours: 1, theirs: 0} and took < 3.5, (up, took)
+
+        [backend] = [r[0] for r in monitor.sql(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox_dispatch exporter'")]
+        postmaster = int((monitor.data / "postmaster.pid").read_text().split()[0])
+        for pid in (postmaster, backend):
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        results = []
+        scrapers = [threading.Thread(target=lambda: results.append(scrape())) for _ in range(3)]
+        for t in scrapers:
+            t.start()
+        for t in scrapers:
+            t.join(timeout=60)
+        for _ in range(3):
+            results.append(scrape())
+        assert [up for up, _ in results] == [{ours: 0, theirs: 0}] * 6
+        assert max(took for _, took in results) < 3.5, results
+        threads = int(re.search(r"Threads:\s+(\d+)", Path(f"/proc/{proc.pid}/status").read_text())[1])
+        assert threads <= 4, f"{threads} threads after the scrapes"
+        sockets = [f for f in Path(f"/proc/{proc.pid}/fd").iterdir() if os.readlink(f).startswith("socket:")]
+        # The listener, and per database at most its connection and the
+        # request that cancels a query cut off (psycopg's, a few seconds).
+        assert len(sockets) <= 5, f"{len(sockets)} sockets open"
+
+        while stopped:
+            os.kill(stopped.pop(), signal.SIGCONT)
+        assert wait_until(lambda: scrape()[0] == {ours: 1, theirs: 0}, timeout=30, message="the database back")
+        assert proc.poll() is None
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=30)
+        silent.close()
+        for s in accepted:
+            s.close()
+
+
 def test_the_alert_rules_pass_promtool():
     rules = CONTRIB / "prometheus"
     checked = subprocess.run(["promtool", "check", "rules", "outbox_alerts.yml"], cwd=rules,
@@ -144,6 +226,66 @@ def test_the_alert_rules_pass_promtool():
     tested = subprocess.run(["promtool", "test", "rules", "outbox_alerts_test.yml"], cwd=rules,
                             capture_output=True, text=True)
     assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout + tested.stderr
+
+
+RECORDING = Path(__file__).resolve().parent / "fixtures" / "outage.jsonl.gz"
+
+
+def test_the_alerts_on_a_recorded_outage_fire_while_it_lasts_and_not_while_paused(tmp_path):
+    """promtool on what the exporter served through real faults
+    (tests/alert_recording.py made the recording): Redis stopped for six
+    minutes, then the dispatchers paused, the database stopped, the
+    exporter stopped. The broker's alerts fire during the outage and are
+    silent after it and while paused; the database's and the exporter's
+    fire while they are down; a healthy outbox fires none."""
+    recording = Recording.load(RECORDING)
+    rules = CONTRIB / "prometheus" / "outbox_alerts.yml"
+    annotations = alert_annotations(rules.read_text())
+
+    def at(phase, minutes):
+        return f"{recording.phases[phase] * recording.interval + round(minutes * 60)}s"
+
+    def firing(alert, **labels):
+        value = {"OutboxExporterDown": "1"}.get(alert, "")
+        database = labels.get("database", "")
+        return {"exp_labels": labels, "exp_annotations": {
+            k: v.replace("{{ $labels.database }}", database).replace("{{ $value | humanize }}", value)
+            for k, v in annotations[alert].items()}}
+
+    target = {"database": "postgres", "job": JOB, "instance": INSTANCE}
+    expected = {
+        at("healthy", 1.75): {},
+        at("broker down", 5): {"OutboxBrokerUnavailable": [firing("OutboxBrokerUnavailable", severity="warning",
+                                                                  **target)],
+                               "OutboxNoDispatcherConnected": [firing("OutboxNoDispatcherConnected",
+                                                                      severity="critical", **target)]},
+        at("broker back", 1.75): {},
+        at("paused", 3.75): {},
+        at("database down", 2.75): {"OutboxDatabaseUnreachable": [firing("OutboxDatabaseUnreachable",
+                                                                          severity="critical", **target)]},
+        at("exporter down", 1.75): {"OutboxExporterDown": [firing("OutboxExporterDown", severity="critical")]},
+    }
+    tests = [{"eval_time": when, "alertname": alert, "exp_alerts": fired.get(alert, [])}
+             for when, fired in expected.items() for alert in annotations]
+    suite = {"rule_files": [str(rules)], "evaluation_interval": f"{recording.interval}s",
+             "tests": [{"interval": f"{recording.interval}s", "input_series": promtool_input(recording),
+                        "alert_rule_test": tests}]}
+    (tmp_path / "recorded_test.yml").write_text(json.dumps(suite))
+    tested = subprocess.run(["promtool", "test", "rules", "recorded_test.yml"], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout[-6000:] + tested.stderr[-6000:]
+
+
+def alert_annotations(rules):
+    """Each alert's annotations, as the rule file writes them (the file is
+    YAML; its annotations are one line each)."""
+    alerts, current = {}, None
+    for line in rules.splitlines():
+        if m := re.match(r"\s*- alert: (\w+)", line):
+            current = alerts.setdefault(m[1], {})
+        elif current is not None and (m := re.match(r'\s+(summary|description|runbook_url): "(.*)"$', line)):
+            current[m[1]] = m[2].replace('\\"', '"')
+    return alerts
 
 
 def test_the_dashboard_and_the_rules_ask_only_for_exported_metrics(monitor):

@@ -4,7 +4,9 @@ with its database, each family's HELP and TYPE once, outbox_up for each
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from outbox_dispatch.exporter import address, label, merge
+import pytest
+
+from outbox_dispatch.exporter import address, deadline, label, merge, names
 
 TEXT = """# HELP outbox_dispatched_total Events pushed.
 # TYPE outbox_dispatched_total counter
@@ -41,3 +43,22 @@ def test_listen_addresses():
     assert address(":9808") == ("", 9808)
     assert address("127.0.0.1:9100") == ("127.0.0.1", 9100)
     assert address("[::1]:9100") == ("::1", 9100)
+
+
+def test_databases_of_the_same_name_are_told_apart_by_their_server():
+    assert names(["host=a dbname=app", "host=b dbname=billing"]) == ["app", "billing"]
+    assert names(["host=a dbname=app", "host=b port=5433 dbname=app", "dbname=other user=u"]) == [
+        "app@a:5432", "app@b:5433", "other"]
+    assert names(["postgresql://u@db1/app", "postgresql://u@db2/app"]) == ["app@db1:5432", "app@db2:5432"]
+    assert names(["user=metrics"]) == ["metrics"], "libpq's default database is the user's name"
+    with pytest.raises(ValueError, match="the same database is given more than once: app@a:5432"):
+        names(["host=a dbname=app", "host=a port=5432 dbname=app user=other"])
+
+
+def test_a_scrape_ends_before_prometheus_gives_up_on_it():
+    assert deadline(5, None) == 5
+    assert deadline(5, "10") == 5
+    assert deadline(5, "3") == 2.5
+    assert deadline(5, "0.2") == 0.1, "never nothing"
+    assert deadline(5, "soon") == deadline(5, "0") == deadline(5, "nan") == 5
+

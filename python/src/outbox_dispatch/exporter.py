@@ -5,17 +5,21 @@
 It serves ``/metrics``: for each database given (``--dsn``, once per
 database), what ``outbox_metrics_prometheus()`` renders there, each sample
 labelled ``database``, and ``outbox_up{database}``: 1 when that database
-answered the last scrape, 0 when it did not (unreachable, too slow, the
+answered the scrape, 0 when it did not (unreachable, too slow, the
 extension missing), so that Prometheus sees a database that is down rather
-than a gap. Each database has one connection, opened at the first scrape
-and again after a failure, and each scrape of it has a deadline
-(``--timeout``, connect and statement). The role needs nothing but
-``pg_monitor``, which may execute ``outbox_metrics_prometheus()``.
+than a gap. The databases are asked at once, each over one connection kept
+between scrapes and opened again after a failure. Every scrape ends within
+its deadline (``--timeout``, and never later than Prometheus's own scrape
+timeout allows), whatever a server does: the deadline is the client's, and
+a database that does not answer within it is dropped and shows as down.
+The role needs nothing but ``pg_monitor``, which may execute
+``outbox_metrics_prometheus()``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import threading
 import time
@@ -23,62 +27,150 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 #: The exposition format's content type.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+#: The header in which Prometheus sends its scrape timeout, in seconds.
+SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
+
+#: What a scrape leaves of Prometheus's timeout for merging and sending the
+#: answer.
+SCRAPE_MARGIN_SECONDS = 0.5
+
+#: What pg_stat_activity shows of the exporter's connections (unless the
+#: DSN names another).
+APPLICATION_NAME = "outbox_dispatch exporter"
+
+#: TCP keepalives on the connections kept between scrapes: a peer that
+#: vanished is noticed while idle, not by the next scrape's deadline.
+KEEPALIVES = {"keepalives": "1", "keepalives_idle": "30", "keepalives_interval": "10", "keepalives_count": "3"}
+
+
+def deadline(timeout: float, scrape_timeout: Optional[str]) -> float:
+    """Seconds a scrape may take: ``timeout``, and less than the scrape
+    timeout Prometheus sent (its header's value), by
+    :data:`SCRAPE_MARGIN_SECONDS`."""
+    try:
+        given = float(scrape_timeout) if scrape_timeout is not None else math.inf
+    except ValueError:
+        given = math.inf
+    if not given > 0:  # NaN, 0 or negative: not a timeout
+        given = math.inf
+    return max(0.1, min(timeout, given - SCRAPE_MARGIN_SECONDS))
+
+
+def names(dsns: Sequence[str]) -> List[str]:
+    """The ``database`` label of each DSN: its database name (libpq's
+    default, the user name, when it gives none), followed by
+    ``@host:port`` where several DSNs name databases of the same name.
+    Two DSNs for the same database are refused (ValueError)."""
+    parsed = [conninfo_to_dict(dsn) for dsn in dsns]
+    plain = [str(p.get("dbname") or p.get("user") or "") for p in parsed]
+    labels = [
+        f"{name}@{p.get('host') or p.get('hostaddr') or 'localhost'}:{p.get('port') or 5432}"
+        if plain.count(name) > 1 else name
+        for name, p in zip(plain, parsed)
+    ]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ValueError(f"--dsn: the same database is given more than once: {', '.join(twice)}")
+    return labels
+
+
+def _retrieved(task: "asyncio.Future[Any]") -> None:
+    """Marks the outcome of a scrape cut off by its deadline as seen (its
+    target is down), so that asyncio does not log it as lost."""
+    if not task.cancelled():
+        task.exception()
 
 
 class Target:
-    """One database, scraped over one connection kept between scrapes."""
+    """One database, scraped over one connection kept between scrapes. Its
+    methods run on the exporter's event loop."""
 
-    def __init__(self, dsn: str, timeout: float) -> None:
+    def __init__(self, dsn: str, database: str, timeout: float) -> None:
         self.dsn = dsn
+        self.database = database
         self.timeout = timeout
-        self.database = str(conninfo_to_dict(dsn).get("dbname") or conninfo_to_dict(dsn).get("user") or "")
-        self._lock = threading.Lock()
-        self._conn: Optional[psycopg.Connection[Any]] = None
+        self._lock: Optional[asyncio.Lock] = None
+        self._conn: Optional[psycopg.AsyncConnection[Any]] = None
         self._call = ""
 
-    def scrape(self) -> Tuple[Optional[str], float]:
-        """The database's exposition text (None when it could not be had)
-        and how long asking took."""
+    async def scrape(self, seconds: float) -> Tuple[Optional[str], float]:
+        """The database's exposition text (None when it could not be had
+        within ``seconds``) and how long asking took."""
         started = time.monotonic()
-        with self._lock:
+        asking = asyncio.ensure_future(self._ask_alone())
+        asking.add_done_callback(_retrieved)
+        done, _ = await asyncio.wait({asking}, timeout=seconds)
+        text = None
+        if not done:
+            # Cut off, and left to end on its own: psycopg first asks the
+            # server to cancel the query (a few seconds at most) and then
+            # closes the connection. Scrapes meanwhile wait for it no longer
+            # than their own deadline.
+            asking.cancel()
+        else:
             try:
-                text = self._ask()
-            except psycopg.Error:
-                self._close()
-                text = None
+                text = asking.result()
+            except (psycopg.Error, OSError):  # unreachable, refused, the connection lost: down
+                pass
         return text, time.monotonic() - started
 
-    def _ask(self) -> Optional[str]:
+    async def _ask_alone(self) -> Optional[str]:
+        """One scrape at a time on the connection. One that fails or is cut
+        off by its deadline leaves the connection in no known state: it is
+        closed, and the next scrape opens another."""
+        if self._lock is None:  # made on the loop it serves
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            try:
+                return await self._ask()
+            except BaseException:
+                await self._close()
+                raise
+
+    async def _ask(self) -> Optional[str]:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(
-                self.dsn,
-                autocommit=True,
-                connect_timeout=max(1, math.ceil(self.timeout)),
-                options=f"-c statement_timeout={int(self.timeout * 1000)} -c search_path=pg_catalog",
-            )
-            row = self._conn.execute(
+            self._conn = await psycopg.AsyncConnection.connect(self._conninfo(), autocommit=True)
+            cursor = await self._conn.execute(
                 "SELECT pg_catalog.quote_ident(n.nspname) FROM pg_catalog.pg_extension AS x "
                 "JOIN pg_catalog.pg_namespace AS n ON n.oid = x.extnamespace WHERE x.extname = 'outbox_dispatch'"
-            ).fetchone()
+            )
+            row = await cursor.fetchone()
             if row is None:
-                self._close()
+                await self._close()
                 return None
             self._call = f"SELECT {row[0]}.outbox_metrics_prometheus()"
-        result = self._conn.execute(self._call.encode()).fetchone()
+        cursor = await self._conn.execute(self._call.encode())
+        result = await cursor.fetchone()
         return None if result is None else str(result[0])
 
-    def _close(self) -> None:
-        if self._conn is not None:
+    def _conninfo(self) -> str:
+        """The DSN with the exporter's deadlines (they override the DSN's)
+        and TCP keepalives (unless the DSN has its own)."""
+        milliseconds = int(self.timeout * 1000)
+        return make_conninfo("", **{
+            **KEEPALIVES,
+            "application_name": APPLICATION_NAME,
+            **conninfo_to_dict(self.dsn),
+            "connect_timeout": max(1, math.ceil(self.timeout)),
+            # Data the server's host does not acknowledge is given up on
+            # after the deadline; a server that stops answering, by the
+            # deadline of the scrape (Target.scrape).
+            "tcp_user_timeout": milliseconds,
+            "options": f"-c statement_timeout={milliseconds} -c search_path=pg_catalog",
+        })
+
+    async def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
             try:
-                self._conn.close()
+                await conn.close()
             except psycopg.Error:
                 pass
-        self._conn = None
 
 
 def label(line: str, database: str) -> str:
@@ -126,18 +218,35 @@ def gauge(name: str, help_text: str, values: Sequence[Tuple[str, float]]) -> Lis
 
 
 class Exporter:
-    def __init__(self, targets: Sequence[Target]) -> None:
-        self.targets = list(targets)
+    """Scrapes every target at once, on one event loop of its own: a
+    scrape's cost in threads is the HTTP request's, whatever the databases
+    do."""
 
-    def exposition(self) -> str:
-        return merge([(t.database, *t.scrape()) for t in self.targets])
+    def __init__(self, dsns: Sequence[str], timeout: float) -> None:
+        self.timeout = timeout
+        self._loop = asyncio.new_event_loop()
+        self.targets = [Target(dsn, name, timeout) for dsn, name in zip(dsns, names(dsns))]
+        threading.Thread(target=self._loop.run_forever, name="outbox-exporter-scrapes", daemon=True).start()
+
+    def exposition(self, seconds: Optional[float] = None) -> str:
+        """The merged exposition, within ``seconds`` (``--timeout`` by default)."""
+        limit = self.timeout if seconds is None else min(seconds, self.timeout)
+        return merge(asyncio.run_coroutine_threadsafe(self._scrape(limit), self._loop).result())
+
+    async def _scrape(self, seconds: float) -> List[Tuple[str, Optional[str], float]]:
+        scraped = await asyncio.gather(*(t.scrape(seconds) for t in self.targets))
+        return [(t.database, text, took) for t, (text, took) in zip(self.targets, scraped)]
 
 
 def handler(exporter: Exporter) -> type:
     class Handler(BaseHTTPRequestHandler):
+        #: A client that sends nothing for this long is dropped, with its thread.
+        timeout = 30
+
         def do_GET(self) -> None:
             if self.path.split("?")[0] == "/metrics":
-                body, status, kind = exporter.exposition().encode(), 200, CONTENT_TYPE
+                seconds = deadline(exporter.timeout, self.headers.get(SCRAPE_TIMEOUT_HEADER))
+                body, status, kind = exporter.exposition(seconds).encode(), 200, CONTENT_TYPE
             elif self.path == "/":
                 body, status, kind = b"outbox_dispatch exporter: see /metrics\n", 200, "text/plain"
             else:
@@ -168,9 +277,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="a libpq connection string or URI; once per database")
     parser.add_argument("--listen", type=address, default=("", 9808), help="host:port or :port (default :9808)")
     parser.add_argument("--timeout", type=float, default=5.0,
-                        help="seconds each database may take to answer a scrape (default 5)")
+                        help="seconds a scrape may take, connecting included (default 5); never more than "
+                             "Prometheus's scrape timeout less half a second")
     options = parser.parse_args(argv)
-    exporter = Exporter([Target(dsn, options.timeout) for dsn in options.dsn])
+    if not options.timeout > 0:
+        parser.error("--timeout must be above 0")
+    try:
+        exporter = Exporter(options.dsn, options.timeout)
+    except (ValueError, psycopg.Error) as e:  # the same database twice, a DSN libpq cannot read
+        parser.error(str(e))
     server = ThreadingHTTPServer(options.listen, handler(exporter))
     try:
         server.serve_forever()

@@ -1,0 +1,187 @@
+"""Recorded scrapes for the alert rules' tests: the exporter scraped
+through real faults, and the series Prometheus would have stored from it.
+
+`record()` starts a cluster, Redis and the exporter with the harness,
+enqueues an event every few seconds, and makes the faults of `PHASES` one
+after another (Redis stopped, the dispatchers paused, the database
+stopped, the exporter stopped), scraping `/metrics` every `INTERVAL`
+seconds as Prometheus would. It writes what each scrape got (None when it
+failed) and when each phase began, as gzipped JSON lines. Run it again
+when the metrics change:
+
+    PG_BIN=/usr/lib/postgresql/15/bin .venv/bin/python tests/alert_recording.py tests/fixtures/outage.jsonl.gz
+
+`promtool_input()` turns a recording into `promtool test rules` input
+series: each sample labelled with the scrape's job and instance, `up`
+for each scrape, and a staleness marker where a series stops, as
+Prometheus stores a target's scrapes.
+"""
+
+import gzip
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness import Cluster, Redis, free_port, wait_until
+
+#: Seconds between scrapes (Prometheus's default scrape_interval).
+INTERVAL = 15
+
+#: The labels Prometheus gives the samples of the exporter's target.
+JOB, INSTANCE = "outbox", "exporter:9808"
+
+#: Each phase of the recording and how many minutes it lasts; the phase's
+#: fault starts as it begins.
+PHASES = (
+    ("healthy", 2),
+    ("broker down", 6),
+    ("broker back", 2),
+    ("paused", 4),
+    ("resumed", 1),
+    ("database down", 3),
+    ("database back", 1),
+    ("exporter down", 2),
+)
+
+
+@dataclass
+class Recording:
+    """Scrapes `INTERVAL` seconds apart (the text, or None for a failed
+    one), and the index of the first scrape of each phase."""
+
+    interval: int
+    scrapes: List[Optional[str]]
+    phases: Dict[str, int]
+
+    @classmethod
+    def load(cls, path: Path) -> "Recording":
+        with gzip.open(path, "rt") as f:
+            lines = [json.loads(line) for line in f]
+        head, rows = lines[0], lines[1:]
+        phases = {r["phase"]: r["scrape"] for r in rows if "phase" in r}
+        return cls(head["interval"], [r["text"] for r in rows if "text" in r], phases)
+
+
+def series_name(name: str, labels: Dict[str, str]) -> str:
+    """A series in PromQL's notation, as promtool reads it."""
+    escaped = {k: v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for k, v in labels.items()}
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(escaped.items())) + "}"
+
+
+def promtool_input(recording: Recording) -> List[Dict[str, str]]:
+    """promtool's `input_series` for the recording: one value per scrape,
+    `_` before a series first appears, `stale` where it stops."""
+    target = {"job": JOB, "instance": INSTANCE}
+    values: Dict[str, List[Optional[float]]] = {}
+    count = len(recording.scrapes)
+    up = series_name("up", target)
+    values[up] = [0.0 if text is None else 1.0 for text in recording.scrapes]
+    for i, text in enumerate(recording.scrapes):
+        for family in text_string_to_metric_families(text or ""):
+            for sample in family.samples:
+                key = series_name(sample.name, {**sample.labels, **target})
+                values.setdefault(key, [None] * count)[i] = sample.value
+    return [{"series": key, "values": " ".join(notation(v)) } for key, v in sorted(values.items())]
+
+
+def notation(values: List[Optional[float]]) -> List[str]:
+    """Each value as promtool writes it: a number, `_` (no sample), or
+    `stale` (the first scrape a series is missing from)."""
+    out = []
+    for i, value in enumerate(values):
+        if value is not None:
+            out.append(repr(value))
+        elif i > 0 and values[i - 1] is not None:
+            out.append("stale")
+        else:
+            out.append("_")
+    return out
+
+
+# --- Recording ----------------------------------------------------------------
+
+
+def record(path: Path) -> None:
+    redis_server = Redis()
+    pg = Cluster(redis_server.url)
+    exporter = None
+    stop = threading.Event()
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.sql("DO $$ BEGIN CREATE ROLE outbox_metrics LOGIN IN ROLE pg_monitor; "
+               "EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+        exporter, url = start_exporter(pg)
+        producer = threading.Thread(target=produce, args=(pg, stop), daemon=True)
+        producer.start()
+        faults = {
+            "broker down": redis_server.stop,
+            "broker back": redis_server.start,
+            "paused": lambda: pg.configure(enabled="off"),
+            "resumed": lambda: pg.configure(enabled="on"),
+            "database down": pg.stop,
+            "database back": pg.start,
+            "exporter down": lambda: (exporter.terminate(), exporter.wait(timeout=30)),
+        }
+        with gzip.open(path, "wt") as out:
+            out.write(json.dumps({"interval": INTERVAL, "phases": PHASES}) + "\n")
+            started = time.monotonic()
+            scrape = 0
+            for phase, minutes in PHASES:
+                if phase in faults:
+                    faults[phase]()
+                out.write(json.dumps({"phase": phase, "scrape": scrape}) + "\n")
+                print(f"{time.monotonic() - started:6.0f}s {phase}", file=sys.stderr)
+                for _ in range(minutes * 60 // INTERVAL):
+                    time.sleep(max(0.0, started + scrape * INTERVAL - time.monotonic()))
+                    out.write(json.dumps({"scrape": scrape, "text": fetch(url)}) + "\n")
+                    out.flush()
+                    scrape += 1
+    finally:
+        stop.set()
+        if exporter is not None and exporter.poll() is None:
+            exporter.terminate()
+            exporter.wait(timeout=30)
+        pg.close()
+        redis_server.close()
+
+
+def start_exporter(pg: Cluster) -> Tuple[subprocess.Popen, str]:
+    port = free_port()
+    dsn = f"host={pg.dir} port={pg.port} user=outbox_metrics dbname=postgres"
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_dispatch.exporter", "--listen", f"127.0.0.1:{port}",
+                             "--dsn", dsn], stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/metrics"
+    wait_until(lambda: fetch(url) is not None, timeout=30, message="the exporter to answer")
+    return proc, url
+
+
+def fetch(url: str) -> Optional[str]:
+    """A scrape as Prometheus makes it (a 10 s scrape timeout): its text,
+    or None when it failed."""
+    request = urllib.request.Request(url, headers={"X-Prometheus-Scrape-Timeout-Seconds": "10"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+def produce(pg: Cluster, stop: threading.Event) -> None:
+    """An event every 5 seconds, while the database answers."""
+    while not stop.wait(5):
+        try:
+            pg.sql("SELECT outbox_enqueue('recorded', '{}', queue => 'q_recorded')")
+        except Exception:  # noqa: BLE001 - the database is down in one phase
+            pass
+
+
+if __name__ == "__main__":
+    record(Path(sys.argv[1]))
