@@ -180,7 +180,7 @@ BEGIN
     -- that still holds it is its head again; one whose key went on
     -- without it (outbox.key_on_failure = continue, outbox_skip()) takes
     -- a new turn, behind the key's events (key_seq cleared: the trigger
-    -- events_take_turn).
+    -- events_take_turn_again).
     UPDATE outbox.events AS e
        SET status = 'pending',
            retry_count = 0,
@@ -349,7 +349,8 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_events_inserted(),
     @extschema@.outbox_pending_again(),
     @extschema@.outbox_take_turn(),
-    @extschema@.outbox_key_taken(text, bigint)
+    @extschema@.outbox_key_taken(text, bigint),
+    @extschema@.outbox_turn_fits(text, bigint, bigint, text)
     FROM PUBLIC;
 
 -- Monitoring: members of pg_monitor read the views that carry no payloads.

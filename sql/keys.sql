@@ -17,9 +17,11 @@ SET LOCAL search_path = pg_catalog, pg_temp;
 -- so key_seq, taken under the lock, is their commit order. It becomes the
 -- head when no event of the key is unfinished, or waits behind them.
 -- A row inserted with a turn of its own (key_seq and key_state set, as a
--- restore's rows are) keeps it; one whose turn another row of its key has
--- (an INSERT ... SELECT or an ORM's clone of a head) takes a new one: a key
--- never has two heads (events_key_head_idx says so too).
+-- restore's rows are) keeps it when it fits the key (outbox_turn_fits():
+-- in whatever order a restore's rows come); one that does not (a copy of
+-- another row, into its key or another) takes a new one. A key never has
+-- two heads, nor two rows of one key_seq (events_key_head_idx and
+-- events_key_idx say so too).
 -- (The lock is the one the dispatchers try, src/keys.rs and
 -- sql/keys/lock.sql, before they pass a key on.) SECURITY DEFINER: writers
 -- need no rights on the sequence, nor to read outbox.events; every name
@@ -28,15 +30,13 @@ CREATE FUNCTION @extschema@.outbox_take_turn() RETURNS trigger
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 AS $$
 BEGIN
-    IF NEW.key_seq IS NOT NULL AND NEW.key_state IS NOT NULL
-       AND NOT EXISTS (SELECT FROM outbox.events AS e
-                        WHERE e.ordering_key OPERATOR(pg_catalog.=) NEW.ordering_key
-                          AND coalesce(e.subscription_id, 0) OPERATOR(pg_catalog.=) coalesce(NEW.subscription_id, 0)
-                          AND e.key_seq OPERATOR(pg_catalog.=) NEW.key_seq) THEN
-        RETURN NEW;
-    END IF;
     PERFORM pg_catalog.pg_advisory_xact_lock(
         pg_catalog.hashtextextended(NEW.ordering_key, coalesce(NEW.subscription_id, 0)));
+    IF NEW.key_seq IS NOT NULL AND NEW.key_state IS NOT NULL
+       AND @extschema@.outbox_turn_fits(NEW.ordering_key, coalesce(NEW.subscription_id, 0),
+                                        NEW.key_seq, NEW.key_state) THEN
+        RETURN NEW;
+    END IF;
     NEW.key_seq := pg_catalog.nextval('outbox.key_seq'::pg_catalog.regclass);
     NEW.key_state := CASE WHEN @extschema@.outbox_key_taken(NEW.ordering_key, coalesce(NEW.subscription_id, 0))
                           THEN 'waiting' ELSE 'head' END;
@@ -47,14 +47,15 @@ $$;
 -- Named to fire after events_route: an event routed to subscriptions is
 -- processed at once, and its deliveries take turns of their own. Every
 -- pending event inserted with a key takes a turn, or keeps the one it
--- brings (above); one updated so that it has a key and no turn (key_seq or
--- key_state unset: a hand edit) takes one.
+-- brings (above); one updated so that it is pending with a key and no turn
+-- (key_seq or key_state unset: a retry of an event whose key went on
+-- without it, a hand edit) takes one.
 CREATE TRIGGER events_take_turn
     BEFORE INSERT ON outbox.events
     FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending')
     EXECUTE FUNCTION @extschema@.outbox_take_turn();
 CREATE TRIGGER events_take_turn_again
-    BEFORE UPDATE OF ordering_key, key_seq, key_state ON outbox.events
+    BEFORE UPDATE OF status, ordering_key, key_seq, key_state ON outbox.events
     FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending'
                        AND (NEW.key_seq IS NULL OR NEW.key_state IS NULL))
     EXECUTE FUNCTION @extschema@.outbox_take_turn();

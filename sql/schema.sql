@@ -146,7 +146,8 @@ CREATE INDEX events_processed_idx ON outbox.events (processed_at) WHERE status =
 -- says whether the key is taken (outbox_key_taken()), and the one after a
 -- head is the next to take it; both are the first entry a scan reads,
 -- however many finished events of the key are left behind.
-CREATE INDEX events_key_idx ON outbox.events (ordering_key, (coalesce(subscription_id, 0)), key_seq)
+-- Unique: two rows of a key never share a turn.
+CREATE UNIQUE INDEX events_key_idx ON outbox.events (ordering_key, (coalesce(subscription_id, 0)), key_seq)
     WHERE key_seq IS NOT NULL;
 -- Heads and waiting events, by key: outbox.blocked_keys, the metrics, and
 -- the dispatchers' sweep for keys left without a head.

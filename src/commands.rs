@@ -5,8 +5,8 @@
 //! Commands that need a database to themselves: `DROP DATABASE`, `ALTER
 //! DATABASE … RENAME` and `… SET TABLESPACE`, `CREATE DATABASE … TEMPLATE`.
 //! Each fails while another session is connected to the database, and a
-//! dispatcher is one. When the user may run the command on that database
-//! (owns it, or is a superuser), the hook first holds the database — the
+//! dispatcher is one. When PostgreSQL would run the command for the user
+//! (the hook makes its checks first), the hook holds the database — the
 //! launcher starts no dispatcher there, and one that connects leaves at
 //! once — stops the dispatchers connected to it and waits until they are
 //! gone, [`WAIT`] at most, then runs the command. The hold ends with the
@@ -20,7 +20,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
-use std::ffi::c_char;
+use std::ffi::{c_char, CStr};
 use std::time::{Duration, Instant};
 
 use pgrx::prelude::*;
@@ -80,7 +80,7 @@ unsafe extern "C-unwind" fn process_utility(
     dest: *mut pg_sys::DestReceiver,
     qc: *mut pg_sys::QueryCompletion,
 ) {
-    let drops_this_extension = before((*pstmt).utilityStmt);
+    let seen = before((*pstmt).utilityStmt, context);
     match PREVIOUS {
         Some(previous) => previous(pstmt, query_string, read_only_tree, context, params, query_env, dest, qc),
         None => standard_process_utility(
@@ -94,7 +94,7 @@ unsafe extern "C-unwind" fn process_utility(
             qc,
         ),
     }
-    after(drops_this_extension);
+    after(seen);
 }
 
 thread_local! {
@@ -104,39 +104,54 @@ thread_local! {
     static CALLBACKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
 }
 
+/// What [`before`] saw of the command, for [`after`].
+#[repr(C)]
+struct Seen {
+    drops_this_extension: bool,
+    /// It holds a database.
+    held: bool,
+}
+
 /// Before the command: holds the database it needs alone, if any, and
-/// makes way. Returns whether the command drops this extension.
+/// makes way.
 #[pg_guard]
-unsafe extern "C-unwind" fn before(statement: *mut pg_sys::Node) -> bool {
-    if let Some(database) = needed_alone(statement) {
-        let held = HOLDING.with_borrow(|held| held.iter().any(|(_, h)| h.database() == database));
-        if let Some(holding) = clear(database, held) {
-            if !CALLBACKS_REGISTERED.replace(true) {
-                // SAFETY: registered once per backend, for its life.
-                pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
-                pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
-            }
-            let subtransaction = pg_sys::GetCurrentSubTransactionId();
-            HOLDING.with_borrow_mut(|held| held.push((subtransaction, holding)));
-        }
+unsafe extern "C-unwind" fn before(statement: *mut pg_sys::Node, context: pg_sys::ProcessUtilityContext::Type) -> Seen {
+    let mut seen = Seen { drops_this_extension: drops_this_extension(statement), held: false };
+    let Some(database) = needed_alone(statement, context) else {
+        return seen;
+    };
+    let Some(holding) = clear(database) else {
+        return seen;
+    };
+    if !CALLBACKS_REGISTERED.replace(true) {
+        // SAFETY: registered once per backend, for its life.
+        pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(Some(on_subxact_event), std::ptr::null_mut());
     }
-    drops_this_extension(statement)
+    let subtransaction = pg_sys::GetCurrentSubTransactionId();
+    HOLDING.with_borrow_mut(|holds| holds.push((subtransaction, holding)));
+    seen.held = true;
+    seen
 }
 
 /// After the command (not after an error: the end of the (sub)transaction
-/// frees a hold then).
+/// frees a hold then). The hold ends with its command: what a rename in a
+/// transaction block still needs, its lock on the database keeps (a
+/// dispatcher connecting waits for the block to end), and holds never
+/// outlive the commands that need them.
 #[pg_guard]
-unsafe extern "C-unwind" fn after(drops_this_extension: bool) {
-    if drops_this_extension {
+unsafe extern "C-unwind" fn after(seen: Seen) {
+    if seen.held {
+        HOLDING.with_borrow_mut(|holds| holds.pop());
+    }
+    if seen.drops_this_extension {
         // Manual: paused dispatchers answer it too.
         wake::at_commit(WakeSource::Manual);
     }
 }
 
-/// Frees the holds as the transaction ends, committed or not: a `DROP
-/// DATABASE` has done its work by then, and a rename inside a transaction
-/// block is only visible then. A backend that exits aborts its transaction
-/// first, which lands here too.
+/// Frees the holds of a command that failed as its transaction ends. A
+/// backend that exits aborts its transaction first, which lands here too.
 #[pg_guard]
 unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
     use pg_sys::XactEvent::*;
@@ -193,22 +208,48 @@ enum Command {
     Drop,
     Rename { to: *const c_char },
     MoveTo { tablespace: *const c_char },
-    CopyTo { name: *const c_char, tablespace: Option<*const c_char> },
+    CopyTo { name: *const c_char, options: CopyOptions },
 }
+
+/// What the hook checks of a copy's options.
+#[derive(Default)]
+struct CopyOptions {
+    tablespace: Option<*const c_char>,
+    owner: Option<*const c_char>,
+}
+
+/// The options of `CREATE DATABASE … TEMPLATE` the hook checks as
+/// PostgreSQL does. A copy with any other (an encoding, a locale, a
+/// collation, an OID: each must match the template's anyway) is left to
+/// PostgreSQL, as is one with an option given twice.
+const COPY_OPTIONS: [&CStr; 7] = [
+    c"template",
+    c"owner",
+    c"tablespace",
+    c"connection_limit",
+    c"is_template",
+    c"allow_connections",
+    c"strategy",
+];
 
 /// The database `statement` needs alone, when PostgreSQL would run it here
 /// and let the current user run it: each check PostgreSQL makes before it
-/// looks for other sessions is made first ([`permitted`]). Others are left
-/// to PostgreSQL's own refusal: a user who may not run the command must
-/// not stop the database's dispatchers by trying.
-unsafe fn needed_alone(statement: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
+/// looks for other sessions is made first ([`permitted`], and the options'
+/// own checks, which raise PostgreSQL's error here before anything is
+/// done). Others are left to PostgreSQL's own refusal: a user who may not
+/// run the command must not stop the database's dispatchers by trying.
+unsafe fn needed_alone(
+    statement: *mut pg_sys::Node,
+    context: pg_sys::ProcessUtilityContext::Type,
+) -> Option<pg_sys::Oid> {
     if statement.is_null() {
         return None;
     }
-    // All but a rename refuse to run in a transaction block.
-    let in_block = pg_sys::IsTransactionBlock();
+    // All but a rename refuse to run in a transaction block, or anywhere
+    // but at the top level (a function's EXECUTE).
+    let alone = context == pg_sys::ProcessUtilityContext::PROCESS_UTILITY_TOPLEVEL && !pg_sys::IsTransactionBlock();
     let (name, command): (*mut c_char, Command) = match (*statement).type_ {
-        pg_sys::NodeTag::T_DropdbStmt if !in_block => ((*statement.cast::<pg_sys::DropdbStmt>()).dbname, Command::Drop),
+        pg_sys::NodeTag::T_DropdbStmt if alone => ((*statement.cast::<pg_sys::DropdbStmt>()).dbname, Command::Drop),
         pg_sys::NodeTag::T_RenameStmt => {
             let rename = statement.cast::<pg_sys::RenameStmt>();
             if (*rename).renameType != pg_sys::ObjectType::OBJECT_DATABASE {
@@ -216,22 +257,21 @@ unsafe fn needed_alone(statement: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
             }
             ((*rename).subname, Command::Rename { to: (*rename).newname })
         }
-        pg_sys::NodeTag::T_AlterDatabaseStmt if !in_block => {
+        pg_sys::NodeTag::T_AlterDatabaseStmt if alone => {
             let alter = statement.cast::<pg_sys::AlterDatabaseStmt>();
-            let tablespace = pg_sys::defGetString(option((*alter).options, c"tablespace")?);
-            ((*alter).dbname, Command::MoveTo { tablespace })
-        }
-        pg_sys::NodeTag::T_CreatedbStmt if !in_block => {
-            let create = statement.cast::<pg_sys::CreatedbStmt>();
-            let template = option((*create).options, c"template")?;
-            // TEMPLATE DEFAULT has no argument: template1.
-            if (*template).arg.is_null() {
+            // A tablespace goes alone: with other options, it is refused.
+            let [tablespace] = options((*alter).options)[..] else {
+                return None;
+            };
+            if CStr::from_ptr((*tablespace).defname) != c"tablespace" {
                 return None;
             }
-            let tablespace = option((*create).options, c"tablespace")
-                .filter(|t| !(**t).arg.is_null())
-                .map(|t| pg_sys::defGetString(t).cast_const());
-            (pg_sys::defGetString(template), Command::CopyTo { name: (*create).dbname, tablespace })
+            ((*alter).dbname, Command::MoveTo { tablespace: pg_sys::defGetString(tablespace) })
+        }
+        pg_sys::NodeTag::T_CreatedbStmt if alone => {
+            let create = statement.cast::<pg_sys::CreatedbStmt>();
+            let (template, options) = copy_options((*create).options)?;
+            (template, Command::CopyTo { name: (*create).dbname, options })
         }
         _ => return None,
     };
@@ -240,6 +280,48 @@ unsafe fn needed_alone(statement: *mut pg_sys::Node) -> Option<pg_sys::Oid> {
     }
     let database = pg_sys::get_database_oid(name, true);
     (database != pg_sys::InvalidOid && permitted(database, &command)).then_some(database)
+}
+
+/// The template a `CREATE DATABASE` copies, and its options, when the
+/// hook can check them all ([`COPY_OPTIONS`]); each checked as
+/// `createdb` does, its error raised here.
+unsafe fn copy_options(list: *mut pg_sys::List) -> Option<(*mut c_char, CopyOptions)> {
+    let given = options(list);
+    let names: Vec<&CStr> = given.iter().map(|d| CStr::from_ptr((**d).defname)).collect();
+    let known = names.iter().all(|n| COPY_OPTIONS.contains(n));
+    let once = names.iter().enumerate().all(|(i, n)| !names[..i].contains(n));
+    if !known || !once {
+        return None;
+    }
+    let mut template = None;
+    let mut checked = CopyOptions::default();
+    for &option in &given {
+        // An option without a value is DEFAULT: PostgreSQL's own.
+        if (*option).arg.is_null() {
+            continue;
+        }
+        match CStr::from_ptr((*option).defname).to_bytes() {
+            b"template" => template = Some(pg_sys::defGetString(option)),
+            b"owner" => checked.owner = Some(pg_sys::defGetString(option).cast_const()),
+            b"tablespace" => checked.tablespace = Some(pg_sys::defGetString(option).cast_const()),
+            b"connection_limit" => {
+                if pg_sys::defGetInt32(option) < -1 {
+                    return None;
+                }
+            }
+            b"strategy" => {
+                let strategy = CStr::from_ptr(pg_sys::defGetString(option));
+                if !["wal_log", "file_copy"].iter().any(|s| strategy.to_bytes().eq_ignore_ascii_case(s.as_bytes())) {
+                    return None;
+                }
+            }
+            _ => {
+                pg_sys::defGetBoolean(option);
+            }
+        }
+    }
+    // TEMPLATE DEFAULT, or none: template1, never served.
+    Some((template?, checked))
 }
 
 /// Would PostgreSQL let the current user run `command` on `database`, as
@@ -256,51 +338,50 @@ unsafe fn permitted(database: pg_sys::Oid, command: &Command) -> bool {
         let target = pg_sys::get_tablespace_oid(tablespace, true);
         (target != pg_sys::InvalidOid && catalog::may_create_in(target)).then_some(target)
     };
-    match *command {
-        Command::Drop => elsewhere && catalog::owns(database) && !info.is_template,
+    match command {
+        Command::Drop => {
+            elsewhere && catalog::owns(database) && !info.is_template && !catalog::replicated_from(database)
+        }
         Command::Rename { to } => {
-            elsewhere && catalog::owns(database) && catalog::may_create_databases() && name_free(to)
+            elsewhere && catalog::owns(database) && catalog::may_create_databases() && name_free(*to)
         }
         Command::MoveTo { tablespace } => {
             elsewhere
                 && catalog::owns(database)
-                && may_create_in(tablespace).is_some_and(|target| {
+                && may_create_in(*tablespace).is_some_and(|target| {
                     target != info.tablespace && target != pg_sys::Oid::from(pg_sys::GLOBALTABLESPACE_OID)
                 })
         }
-        Command::CopyTo { name, tablespace } => {
+        Command::CopyTo { name, options } => {
             catalog::may_create_databases()
                 && (info.is_template || catalog::owns(database))
-                && name_free(name)
-                && tablespace.is_none_or(|t| may_create_in(t).is_some())
+                && name_free(*name)
+                && options.tablespace.is_none_or(|t| may_create_in(t).is_some())
+                && options.owner.is_none_or(|owner| {
+                    let role = pg_sys::get_role_oid(owner, true);
+                    role != pg_sys::InvalidOid && catalog::may_act_as(role)
+                })
         }
     }
 }
 
-/// The option `name` of a statement's list of `DefElem`s.
-unsafe fn option(options: *mut pg_sys::List, name: &std::ffi::CStr) -> Option<*mut pg_sys::DefElem> {
-    PgList::<pg_sys::DefElem>::from_pg(options)
-        .iter_ptr()
-        .find(|d| !(**d).defname.is_null() && std::ffi::CStr::from_ptr((**d).defname) == name)
+/// A statement's list of `DefElem`s.
+unsafe fn options(list: *mut pg_sys::List) -> Vec<*mut pg_sys::DefElem> {
+    PgList::<pg_sys::DefElem>::from_pg(list).iter_ptr().filter(|d| !(**d).defname.is_null()).collect()
 }
 
-/// Holds `database` (unless this backend holds it already), then stops its
-/// dispatchers and waits for them to exit, [`WAIT`] at most (the command
-/// then says who is still there).
-fn clear(database: pg_sys::Oid, held: bool) -> Option<Holding> {
-    let holding = if held {
-        None
-    } else {
-        match slots::hold(database) {
-            Ok(holding) => Some(holding),
-            Err(NotHeld::NotPreloaded) => None,
-            Err(why) => {
-                notice!(
-                    "outbox_dispatch: the database's dispatchers are stopped for this command, \
-                     but it is not held against their return: {why}"
-                );
-                None
-            }
+/// Holds `database`, then stops its dispatchers and waits for them to
+/// exit, [`WAIT`] at most (the command then says who is still there).
+fn clear(database: pg_sys::Oid) -> Option<Holding> {
+    let holding = match slots::hold(database) {
+        Ok(holding) => Some(holding),
+        Err(NotHeld::NotPreloaded) => None,
+        Err(why) => {
+            notice!(
+                "outbox_dispatch: the database's dispatchers are stopped for this command, \
+                 but it is not held against their return: {why}"
+            );
+            None
         }
     };
     let deadline = Instant::now() + WAIT;

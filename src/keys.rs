@@ -142,6 +142,58 @@ pub fn pass_now(client: &mut SpiClient<'_>, head: Head, finished: KeyPolicy) -> 
 /// statement inserted before are seen too (as PL/pgSQL sees them).
 #[pg_extern(volatile, parallel_unsafe)]
 fn outbox_key_taken(ordering_key: &str, subscription: i64) -> bool {
+    let key = ordering_key.into_datum().expect("text is never null");
+    // SAFETY: the plan takes a text and a bigint, as given.
+    unsafe { ask_as_of_now(&TAKEN, [key, subscription.into()]) }
+}
+
+/// Does the turn an inserted row brings (`key_seq`, as `key_state`) fit
+/// the key: no row of the key has that `key_seq`, every row after it
+/// waits, and, for a head, every row before it is finished? (A key's rows
+/// in `key_seq` order are the finished ones, its head, then the waiting
+/// ones.) A restore's rows fit, in whatever order they come; a copy of a
+/// row, into its own key or another, does not, and takes a new turn.
+/// Called by `outbox_take_turn()` under the key's lock, read as of now as
+/// [`outbox_key_taken`].
+#[pg_extern(volatile, parallel_unsafe)]
+fn outbox_turn_fits(ordering_key: &str, subscription: i64, key_seq: i64, key_state: &str) -> bool {
+    let key = ordering_key.into_datum().expect("text is never null");
+    let state = key_state.into_datum().expect("text is never null");
+    // SAFETY: the plan takes a text, two bigints and a text, as given.
+    unsafe { ask_as_of_now(&FITS, [key, subscription.into(), key_seq.into(), state]) }
+}
+
+/// A yes-or-no query of the key's rows, run as of now (whatever the
+/// caller's isolation), its plan prepared once per backend.
+struct AsOfNow {
+    sql: &'static str,
+    types: &'static [pg_sys::Oid],
+    plan: &'static std::thread::LocalKey<std::cell::Cell<pg_sys::SPIPlanPtr>>,
+}
+
+thread_local! {
+    static TAKEN_PLAN: std::cell::Cell<pg_sys::SPIPlanPtr> = const { std::cell::Cell::new(std::ptr::null_mut()) };
+    static FITS_PLAN: std::cell::Cell<pg_sys::SPIPlanPtr> = const { std::cell::Cell::new(std::ptr::null_mut()) };
+}
+
+static TAKEN: AsOfNow = AsOfNow {
+    sql: include_str!("../sql/keys/taken.sql"),
+    types: &[pg_sys::TEXTOID, pg_sys::INT8OID],
+    plan: &TAKEN_PLAN,
+};
+
+static FITS: AsOfNow = AsOfNow {
+    sql: include_str!("../sql/keys/fits.sql"),
+    types: &[pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::INT8OID, pg_sys::TEXTOID],
+    plan: &FITS_PLAN,
+};
+
+/// Runs `query` with `values` under the latest snapshot, after making
+/// this statement's own rows visible; its one boolean (false for none).
+///
+/// # Safety
+/// `values` are of `query.types`, none null.
+unsafe fn ask_as_of_now<const N: usize>(query: &'static AsOfNow, mut values: [pg_sys::Datum; N]) -> bool {
     Spi::connect(|_| {
         // SAFETY: the SPI calls of ri_triggers.c's ri_PerformCheck, inside
         // the connection pgrx opened, on the main thread. The plan is kept
@@ -149,10 +201,8 @@ fn outbox_key_taken(ordering_key: &str, subscription: i64) -> bool {
         // it), the arguments outlive the call, and the one result column is
         // a bool.
         unsafe {
-            let plan = taken_plan();
-            let key = pgrx::IntoDatum::into_datum(ordering_key).expect("text is never null");
-            let mut values = [key, pg_sys::Datum::from(subscription)];
-            let nulls = [b' ' as std::ffi::c_char; 2];
+            let plan = plan_of(query);
+            let nulls = [b' ' as std::ffi::c_char; N];
             pg_sys::CommandCounterIncrement();
             let status = pg_sys::SPI_execute_snapshot(
                 plan,
@@ -165,7 +215,7 @@ fn outbox_key_taken(ordering_key: &str, subscription: i64) -> bool {
                 1,
             );
             if status != pg_sys::SPI_OK_SELECT as i32 {
-                error!("outbox_key_taken: its query failed (SPI status {status})");
+                error!("outbox_dispatch: a query of the key's rows failed (SPI status {status})");
             }
             if pg_sys::SPI_processed == 0 {
                 return false;
@@ -178,30 +228,25 @@ fn outbox_key_taken(ordering_key: &str, subscription: i64) -> bool {
     })
 }
 
-thread_local! {
-    /// The plan of `sql/keys/taken.sql`, prepared once per backend.
-    static TAKEN: std::cell::Cell<pg_sys::SPIPlanPtr> = const { std::cell::Cell::new(std::ptr::null_mut()) };
-}
-
-/// The plan of `sql/keys/taken.sql`, prepared and kept the first time.
+/// The plan of `query`, prepared and kept the first time.
 ///
 /// # Safety
 /// Inside an SPI connection.
-unsafe fn taken_plan() -> pg_sys::SPIPlanPtr {
-    let kept = TAKEN.get();
+unsafe fn plan_of(query: &'static AsOfNow) -> pg_sys::SPIPlanPtr {
+    let kept = query.plan.get();
     if !kept.is_null() {
         return kept;
     }
-    let sql = std::ffi::CString::new(include_str!("../sql/keys/taken.sql")).expect("no NUL in SQL files");
-    let mut types = [pg_sys::TEXTOID, pg_sys::INT8OID];
-    let plan = pg_sys::SPI_prepare(sql.as_ptr(), 2, types.as_mut_ptr());
+    let sql = std::ffi::CString::new(query.sql).expect("no NUL in SQL files");
+    let mut types = query.types.to_vec();
+    let plan = pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr());
     if plan.is_null() || pg_sys::SPI_keepplan(plan) != 0 {
         error!(
-            "outbox_key_taken: cannot prepare its query (SPI error {})",
+            "outbox_dispatch: cannot prepare a query of the key's rows (SPI error {})",
             std::ptr::addr_of!(pg_sys::SPI_result).read()
         );
     }
-    TAKEN.set(plan);
+    query.plan.set(plan);
     plan
 }
 

@@ -40,7 +40,7 @@ extension_sql_file!(
 extension_sql_file!(
     "../sql/keys.sql",
     name = "keys",
-    requires = ["schema", "subscriptions", keys::outbox_key_taken]
+    requires = ["schema", "subscriptions", keys::outbox_key_taken, keys::outbox_turn_fits]
 );
 extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["schema"]);
 extension_sql_file!("../sql/api.sql", name = "api", finalize);

@@ -113,7 +113,7 @@ pub struct Hold {
     /// The holding backend; 0 while the entry is free.
     pid: AtomicI32,
     database: AtomicU32,
-    /// The role that ran the command.
+    /// The session's user (not changed by `SET ROLE`) that ran the command.
     role: AtomicU32,
 }
 
@@ -122,9 +122,9 @@ pub struct Hold {
 /// again, as it would without this extension).
 const MAX_HOLDS: usize = 16;
 
-/// The most of them one role may hold at once (a rename in an open
-/// transaction block holds its database until the block ends): no role
-/// can take every entry from the others' commands.
+/// The most of them one login may hold at once (a copy of a large
+/// database holds it as long as the copy runs): no login can take every
+/// entry from the others' commands.
 const HOLDS_PER_ROLE: usize = 4;
 
 /// The asks remembered by database; more between two launcher turns have
@@ -603,12 +603,6 @@ pub fn held(database: pg_sys::Oid) -> bool {
 /// A hold on a database, freed when dropped.
 pub struct Holding(&'static Hold);
 
-impl Holding {
-    pub fn database(&self) -> pg_sys::Oid {
-        pg_sys::Oid::from(self.0.database.load(Ordering::Acquire))
-    }
-}
-
 impl Drop for Holding {
     fn drop(&mut self) {
         self.0.database.store(0, Ordering::Release);
@@ -624,7 +618,7 @@ pub enum NotHeld {
     NotPreloaded,
     /// Every entry is taken.
     Full,
-    /// The current role holds [`HOLDS_PER_ROLE`] databases already.
+    /// The session's user holds [`HOLDS_PER_ROLE`] databases already.
     RoleShare,
 }
 
@@ -634,7 +628,7 @@ impl std::fmt::Display for NotHeld {
             NotHeld::NotPreloaded => write!(f, "the library is not preloaded"),
             NotHeld::Full => write!(f, "{MAX_HOLDS} databases are held already, the most at once"),
             NotHeld::RoleShare => {
-                write!(f, "this role holds {HOLDS_PER_ROLE} databases already, the most one role may")
+                write!(f, "this login holds {HOLDS_PER_ROLE} databases already, the most one login may")
             }
         }
     }
@@ -645,20 +639,21 @@ impl std::fmt::Display for NotHeld {
 pub fn hold(database: pg_sys::Oid) -> Result<Holding, NotHeld> {
     let slots = slots().ok_or(NotHeld::NotPreloaded)?;
     // SAFETY: process globals.
-    let (me, role) = unsafe { (pg_sys::MyProcPid, pg_sys::GetUserId().to_u32()) };
+    let (me, role) = unsafe { (pg_sys::MyProcPid, pg_sys::GetSessionUserId().to_u32()) };
     let hold = slots
         .holds
         .iter()
-        .find(|h| h.pid.compare_exchange(0, me, Ordering::AcqRel, Ordering::Relaxed).is_ok())
+        .find(|h| h.pid.compare_exchange(0, me, Ordering::SeqCst, Ordering::Relaxed).is_ok())
         .ok_or(NotHeld::Full)?;
-    // The entry is taken first and the role's count checked after: two of
-    // its commands at once may both give theirs up, never both keep more.
-    hold.role.store(role, Ordering::Release);
+    // The entry is taken first and the login's count checked after, all in
+    // one order: two of its commands at once may both give theirs up,
+    // never both keep more.
+    hold.role.store(role, Ordering::SeqCst);
     let holding = Holding(hold);
     let of_role = slots
         .holds
         .iter()
-        .filter(|h| h.pid.load(Ordering::Acquire) != 0 && h.role.load(Ordering::Acquire) == role)
+        .filter(|h| h.pid.load(Ordering::SeqCst) != 0 && h.role.load(Ordering::SeqCst) == role)
         .count();
     if of_role > HOLDS_PER_ROLE {
         return Err(NotHeld::RoleShare);

@@ -318,6 +318,21 @@ def test_an_update_rebinds_what_an_earlier_install_bound_to_planted_code(hostile
     assert planted_calls(hostile, dbname) == 0
 
 
+MEMBERS = """
+SELECT pg_describe_object(classid, objid, objsubid)
+  FROM pg_depend
+ WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
+   AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'outbox_dispatch')
+ ORDER BY 1
+"""
+CONFIG_DUMPED = """
+SELECT c::regclass::text, coalesce(cond, '')
+  FROM pg_extension, unnest(extconfig, extcondition) AS u(c, cond)
+ WHERE extname = 'outbox_dispatch'
+ ORDER BY 1
+"""
+
+
 def dumped_schema(pg, dbname):
     """`pg_dump --schema-only` of what the extension made in `dbname`, as
     if the database had made it (pg_dump leaves an extension's members out):
@@ -353,6 +368,10 @@ def test_a_database_updated_step_by_step_equals_a_fresh_install(redis_server):
         for version in RELEASES[1:] + [CURRENT]:
             pg.sql(f"ALTER EXTENSION outbox_dispatch UPDATE TO '{version}'", dbname="updated")
         pg.sql("CREATE EXTENSION outbox_dispatch", dbname="fresh")
+        # What pg_dump leaves out of an extension's members: which objects
+        # are members, and which tables' rows a dump keeps.
+        for query in (MEMBERS, CONFIG_DUMPED):
+            assert pg.sql(query, dbname="updated") == pg.sql(query, dbname="fresh"), query
         fresh, updated = dumped_schema(pg, "fresh"), dumped_schema(pg, "updated")
         assert len(fresh) > 500, fresh
         assert updated == fresh, "\n".join(difflib.unified_diff(fresh, updated, "fresh", "updated", lineterm=""))

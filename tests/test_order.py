@@ -216,6 +216,131 @@ def test_a_copied_head_makes_no_second_head(keyed):
         keyed.sql("UPDATE outbox.events SET key_state = 'head' WHERE id = %s", (last,))
 
 
+# --- Rows that bring their own turn (dispatch paused: the states stay as
+# the SQL leaves them) ---------------------------------------------------------
+
+
+@pytest.fixture
+def paused(cluster):
+    cluster.sql("ALTER SYSTEM RESET ALL")
+    cluster.configure(enabled="off")
+    cluster.sql("TRUNCATE outbox.events")
+    yield cluster
+    cluster.sql("ALTER SYSTEM RESET ALL")
+    cluster.configure(enabled="on")
+
+
+def states(pg, key):
+    return pg.sql("SELECT status::text, key_state, key_seq FROM outbox.events "
+                  "WHERE ordering_key = %s ORDER BY key_seq", (key,))
+
+
+def test_a_head_copied_into_another_key_takes_a_turn_there(paused):
+    """An ORM clones key A's head into key B (ordering_key changed, key_seq
+    and key_state copied; no row of B has that key_seq). The turn does not
+    fit B, whose newest event is finished: the clone takes a turn of its
+    own, and B's next producer waits behind it (it would otherwise find B
+    free, make a second head, and fail on events_key_head_idx)."""
+    with paused.connect() as conn:
+        a1 = enqueue_ordered(conn, "rt_a", 1)
+        b1 = enqueue_ordered(conn, "rt_b", 1)
+        assert conn.execute("SELECT outbox_ack(%s)", (b1,)).fetchone()[0] is True  # B1 done, key B passed
+        conn.execute("INSERT INTO outbox.events (event_type, task, queue, ordering_key, key_seq, key_state, payload) "
+                     "SELECT event_type, task, queue, 'rt_b', key_seq, key_state, payload "
+                     "  FROM outbox.events WHERE id = %s", (a1,))
+        enqueue_ordered(conn, "rt_b", 2)
+    assert [r[:2] for r in states(paused, "rt_b")] == [("processed", None), ("pending", "head"), ("pending", "waiting")]
+    assert [r[:2] for r in states(paused, "rt_a")] == [("pending", "head")]
+
+
+def test_a_row_bringing_its_own_turn_waits_for_the_keys_lock(paused):
+    """A row inserted with key_seq and key_state (a restore's, an import's)
+    takes the key's lock like any producer: one that runs outbox_enqueue()
+    for the key while that insert is uncommitted waits for it, then waits
+    behind it (it would otherwise find the key free, make a second head,
+    and fail on events_key_head_idx as the insert commits)."""
+    forger = paused.connect(autocommit=False)
+    forger.execute("INSERT INTO outbox.events (event_type, task, queue, ordering_key, key_seq, key_state, payload) "
+                   "VALUES ('imported', 'loop.ordered', %s, 'rt_race', 9000000000000, 'head', '{}')", (QUEUE,))
+    outcome = {}
+
+    def produce():
+        try:
+            with paused.connect() as conn:
+                outcome["id"] = enqueue_ordered(conn, "rt_race", 1)
+        except Exception as e:  # noqa: BLE001
+            outcome["error"] = e
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    wait_until(lambda: paused.value("SELECT wait_event_type || ':' || wait_event FROM pg_stat_activity "
+                                    "WHERE query LIKE 'SELECT outbox_enqueue%%' AND state = 'active'")
+               == "Lock:advisory", message="the producer waiting for the key's lock")
+    forger.commit()
+    forger.close()
+    producer.join(30)
+    assert "error" not in outcome, f"the producer failed: {outcome.get('error')!r}"
+    assert [r[:2] for r in states(paused, "rt_race")] == [("pending", "waiting"), ("pending", "head")]
+
+
+def test_concurrent_copies_of_a_turn_at_repeatable_read_take_turns_of_their_own(paused):
+    """Two producers at REPEATABLE READ bring the same turn of a key in
+    concurrent transactions. The second, once it has the key's lock, reads
+    the key as of now and sees the first's row: it takes a turn of its own
+    (two rows of one key_seq would have pass.sql skip one)."""
+    brought = ("INSERT INTO outbox.events (event_type, task, queue, ordering_key, key_seq, key_state, payload) "
+               "VALUES ('imported', 'loop.ordered', %s, 'rt_dup', 7, 'waiting', '{}')")
+    first, second = (paused.connect(autocommit=False) for _ in range(2))
+    try:
+        for conn in (first, second):
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            conn.execute("SELECT 1")  # the snapshot: neither sees the other's row
+        first.execute(brought, (QUEUE,))
+        waiting = threading.Thread(target=lambda: (second.execute(brought, (QUEUE,)), second.commit()))
+        waiting.start()
+        wait_until(lambda: paused.value("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                        "AND query LIKE 'INSERT INTO outbox.events%%'") == 1,
+                   message="the second waiting for the key's lock")
+        first.commit()
+        waiting.join(30)
+    finally:
+        first.close()
+        second.close()
+    seqs = [r[2] for r in states(paused, "rt_dup")]
+    assert len(set(seqs)) == len(seqs), f"two rows of key rt_dup share a key_seq: {states(paused, 'rt_dup')}"
+
+
+def test_the_upgrade_repair_leaves_no_second_claimable_event_of_a_key(cluster):
+    """0.8.0 let an insert copy a head. The 0.9.0 update keeps one head per
+    key, the one in flight; when its claim is given back (as sweep_stuck.sql
+    does) and later the other's, no two events of the key are claimable at
+    once: a pending event of the key without a turn takes one
+    (events_take_turn_again fires on status too)."""
+    cluster.sql("DROP DATABASE IF EXISTS redteam_upgrade")
+    cluster.sql("CREATE DATABASE redteam_upgrade")
+    try:
+        db = "redteam_upgrade"
+        cluster.sql("CREATE EXTENSION outbox_dispatch VERSION '0.8.0'", dbname=db)
+        with cluster.connect(dbname=db) as conn:
+            head = enqueue_ordered(conn, "rt_up", 1)
+            conn.execute("INSERT INTO outbox.events (event_type, task, queue, ordering_key, key_seq, key_state, payload) "
+                         "SELECT event_type, task, queue, ordering_key, key_seq, key_state, payload "
+                         "  FROM outbox.events WHERE id = %s", (head,))
+            # The clone is the one a dispatcher has claimed when the update runs.
+            conn.execute("UPDATE outbox.events SET status = 'processing', processing_started_at = now() "
+                         "WHERE ordering_key = 'rt_up' AND id <> %s", (head,))
+            conn.execute("ALTER EXTENSION outbox_dispatch UPDATE TO '0.9.0'")
+            # sweep_stuck.sql's update, as the stuck sweeper would run it:
+            conn.execute("UPDATE outbox.events SET status = 'pending', processing_started_at = NULL, claimed_by = NULL "
+                         "WHERE status = 'processing'")
+            rows = conn.execute("SELECT id = %s, status::text, key_state FROM outbox.events "
+                                "WHERE ordering_key = 'rt_up' ORDER BY key_seq, id", (head,)).fetchall()
+        claimable = [r for r in rows if r[1] == "pending" and r[2] != "waiting"]
+        assert len(claimable) == 1, f"two events of key rt_up are claimable at once: {rows}"
+    finally:
+        cluster.sql("DROP DATABASE IF EXISTS redteam_upgrade")
+
+
 def test_an_acknowledgement_of_a_waiting_event_changes_nothing(keyed):
     keyed.configure(enabled="off")
     with keyed.connect() as conn:

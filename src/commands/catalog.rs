@@ -72,3 +72,35 @@ pub unsafe fn may_create_in(tablespace: pg_sys::Oid) -> bool {
     pg_sys::object_aclcheck(pg_sys::TableSpaceRelationId, tablespace, pg_sys::GetUserId(), pg_sys::ACL_CREATE as _)
         == pg_sys::AclResult::ACLCHECK_OK
 }
+
+/// May the current role make `role` the owner of what it creates (be a
+/// member of it, as `createdb` checks for `OWNER`)?
+///
+/// # Safety
+/// In a transaction.
+#[cfg(feature = "pg15")]
+pub unsafe fn may_act_as(role: pg_sys::Oid) -> bool {
+    pg_sys::is_member_of_role(pg_sys::GetUserId(), role)
+}
+
+#[cfg(not(feature = "pg15"))]
+pub unsafe fn may_act_as(role: pg_sys::Oid) -> bool {
+    pg_sys::member_can_set_role(pg_sys::GetUserId(), role)
+}
+
+unsafe extern "C-unwind" {
+    /// catalog/pg_subscription.h (not in pgrx's bindings).
+    fn CountDBSubscriptions(database: pg_sys::Oid) -> std::ffi::c_int;
+}
+
+/// Is `database` the source of logical replication that `DROP DATABASE`
+/// refuses to drop: a subscription defined in it, or a logical slot of it
+/// in use?
+///
+/// # Safety
+/// In a transaction.
+pub unsafe fn replicated_from(database: pg_sys::Oid) -> bool {
+    let (mut slots, mut active) = (0, 0);
+    CountDBSubscriptions(database) > 0
+        || (pg_sys::ReplicationSlotsCountDBSlots(database, &mut slots, &mut active) && active > 0)
+}

@@ -836,7 +836,12 @@ impl Store {
                     None => stranded.push(key),
                 }
             }
-            Ok(keys::pass(client, plans.keys(), heads, &stranded, policy, false)?.promoted)
+            let promoted = keys::pass(client, plans.keys(), heads, &stranded, policy, false)?.promoted;
+            if promoted > 0 {
+                // As in Turns::pass: the new heads may be sent right after.
+                durable_commit(client)?;
+            }
+            Ok(promoted)
         })?;
         let promoted = swept.unwrap_or(0);
         counters::add(Counter::KeyTurns, promoted);
