@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -216,6 +217,107 @@ def test_a_database_that_stops_answering_is_down_within_the_deadline_and_nothing
         silent.close()
         for s in accepted:
             s.close()
+
+
+def scrape_with(url, scrape_timeout):
+    """A scrape as a client sending its own scrape timeout makes it: its
+    outbox_up and how long it took."""
+    started = time.monotonic()
+    request = urllib.request.Request(url, headers={"X-Prometheus-Scrape-Timeout-Seconds": scrape_timeout})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        scraped = families(response.read().decode())
+    return [s.value for s in scraped["outbox_up"].samples], time.monotonic() - started
+
+
+def queries_logged(pg, since):
+    """How many times the server log shows outbox_metrics_prometheus()
+    asked for after offset `since` (log_statement = all for the role)."""
+    return pg.log.read_bytes()[since:].count(b"outbox_metrics_prometheus()")
+
+
+def test_clients_that_give_up_early_share_one_query_and_leave_the_connection_open(monitor):
+    """Six clients scrape at once, each saying its scrape times out in
+    0.6 s, while the database is slow to answer (outbox.events locked for
+    2.5 s): each waits at least a second (the exporter's floor, not the
+    0.1 s the header would leave), they share one query, and giving up
+    closes nothing: the query ends when the lock is released, on the same
+    connection, which the next scrape uses again."""
+    monitor.sql("ALTER ROLE outbox_metrics SET log_statement = 'all'")
+    proc, url = exporter(monitor, dsn(monitor), timeout=5)
+    try:
+        assert scrape_with(url, "10")[0] == [1]
+        [[backend]] = monitor.sql("SELECT pid FROM pg_stat_activity "
+                                  "WHERE application_name = 'outbox_dispatch exporter'")
+        since = monitor.log.stat().st_size
+        results = []
+        with monitor.connect(autocommit=False) as holder:
+            holder.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+            locked = time.monotonic()
+            clients = [threading.Thread(target=lambda: results.append(scrape_with(url, "0.6"))) for _ in range(6)]
+            for t in clients:
+                t.start()
+            for t in clients:
+                t.join(timeout=30)
+            time.sleep(max(0.0, locked + 2.5 - time.monotonic()))
+            holder.rollback()
+        assert [up for up, _ in results] == [[0]] * 6, results
+        assert all(0.9 <= took < 2.5 for _, took in results), results
+        assert queries_logged(monitor, since) == 1, "one query for the six"
+        time.sleep(0.5)
+        assert scrape_with(url, "0.6")[0] == [1]
+        assert queries_logged(monitor, since) == 2
+        assert monitor.sql("SELECT pid FROM pg_stat_activity "
+                           "WHERE application_name = 'outbox_dispatch exporter'") == [(backend,)], \
+            "the connection was closed and opened again"
+    finally:
+        monitor.sql("ALTER ROLE outbox_metrics RESET log_statement")
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_slow_clients_hold_no_thread_for_long_and_too_many_are_turned_away(monitor):
+    """Eight clients that open a connection and send a request a byte now
+    and then (slowloris) fill the exporter's requests: a ninth is answered
+    503 at once. Each is cut off 5 s after it connected, however steadily
+    it trickles; then Prometheus's scrapes are served again."""
+    proc, url = exporter(monitor, dsn(monitor), timeout=2)
+    port = urllib.parse.urlparse(url).port
+    slow = []
+    try:
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Padding: " + b"a" * 200
+        for _ in range(8):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(request[:5])
+            slow.append(s)
+        time.sleep(0.5)
+        with pytest.raises(urllib.error.HTTPError) as busy:
+            fetch(url, timeout=5)
+        assert busy.value.code == 503
+        started, cut = time.monotonic(), [None] * len(slow)
+        sent = 5
+        while None in cut and time.monotonic() - started < 20:
+            for i, s in enumerate(slow):
+                if cut[i] is None:
+                    try:
+                        s.sendall(request[sent:sent + 1])
+                        s.setblocking(False)
+                        if s.recv(1) == b"":
+                            cut[i] = time.monotonic() - started
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        cut[i] = time.monotonic() - started
+                    finally:
+                        s.setblocking(True)
+            sent += 1
+            time.sleep(0.5)
+        assert None not in cut and max(cut) < 7, cut
+        assert [s.value for s in families(fetch(url))["outbox_up"].samples] == [1]
+    finally:
+        for s in slow:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_the_alert_rules_pass_promtool():

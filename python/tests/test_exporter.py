@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import pytest
 
-from outbox_dispatch.exporter import address, deadline, label, merge, names
+from outbox_dispatch.exporter import address, deadline, label, main, merge, names
 
 TEXT = """# HELP outbox_dispatched_total Events pushed.
 # TYPE outbox_dispatched_total counter
@@ -59,6 +59,15 @@ def test_a_scrape_ends_before_prometheus_gives_up_on_it():
     assert deadline(5, None) == 5
     assert deadline(5, "10") == 5
     assert deadline(5, "3") == 2.5
-    assert deadline(5, "0.2") == 0.1, "never nothing"
+    assert deadline(5, "0.6") == deadline(5, "0.2") == 1, "never less than a second, whatever a client sends"
+    assert deadline(0.5, "0.6") == 0.5, "nor more than --timeout"
     assert deadline(5, "soon") == deadline(5, "0") == deadline(5, "nan") == 5
 
+
+def test_a_dsn_libpq_cannot_read_is_named_not_shown(capsys):
+    """libpq's message quotes the DSN: its password must not reach the
+    terminal or the service's log."""
+    with pytest.raises(SystemExit):
+        main(["--dsn", "dbname=app", "--dsn", "postgresql://metrics:s3cr%zzet@db/app"])
+    err = capsys.readouterr().err
+    assert "--dsn number 2" in err and "s3cr" not in err and "zzet" not in err, err

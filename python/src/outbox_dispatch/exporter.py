@@ -10,9 +10,11 @@ extension missing), so that Prometheus sees a database that is down rather
 than a gap. The databases are asked at once, each over one connection kept
 between scrapes and opened again after a failure. Every scrape ends within
 its deadline (``--timeout``, and never later than Prometheus's own scrape
-timeout allows), whatever a server does: the deadline is the client's, and
-a database that does not answer within it is dropped and shows as down.
-The role needs nothing but ``pg_monitor``, which may execute
+timeout allows, but at least a second), whatever a server does. Scrapes at
+the same time share one query per database; a scrape that gives up leaves
+it to end on its own deadline (``--timeout``), and only a query past that
+drops its connection. At most :data:`MAX_REQUESTS` requests are served at
+once, each read within :data:`REQUEST_SECONDS`. The role needs nothing but ``pg_monitor``, which may execute
 ``outbox_metrics_prometheus()``.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -39,6 +42,19 @@ SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
 #: answer.
 SCRAPE_MARGIN_SECONDS = 0.5
 
+#: The shortest a scrape waits, whatever scrape timeout a client sends (but
+#: never longer than ``--timeout``): a client cannot make the exporter give
+#: up on every answer.
+MIN_DEADLINE_SECONDS = 1.0
+
+#: Requests served at once; those beyond are answered 503 at once, with no
+#: thread.
+MAX_REQUESTS = 8
+
+#: Seconds a client has to send its whole request (line and headers), and
+#: the longest any one read or write of the connection may wait.
+REQUEST_SECONDS = 5.0
+
 #: What pg_stat_activity shows of the exporter's connections (unless the
 #: DSN names another).
 APPLICATION_NAME = "outbox_dispatch exporter"
@@ -51,14 +67,16 @@ KEEPALIVES = {"keepalives": "1", "keepalives_idle": "30", "keepalives_interval":
 def deadline(timeout: float, scrape_timeout: Optional[str]) -> float:
     """Seconds a scrape may take: ``timeout``, and less than the scrape
     timeout Prometheus sent (its header's value), by
-    :data:`SCRAPE_MARGIN_SECONDS`."""
+    :data:`SCRAPE_MARGIN_SECONDS`; but never less than
+    :data:`MIN_DEADLINE_SECONDS` (or ``timeout``, when that is shorter),
+    whatever the header says."""
     try:
         given = float(scrape_timeout) if scrape_timeout is not None else math.inf
     except ValueError:
         given = math.inf
     if not given > 0:  # NaN, 0 or negative: not a timeout
         given = math.inf
-    return max(0.1, min(timeout, given - SCRAPE_MARGIN_SECONDS))
+    return min(timeout, max(MIN_DEADLINE_SECONDS, given - SCRAPE_MARGIN_SECONDS))
 
 
 def names(dsns: Sequence[str]) -> List[str]:
@@ -80,8 +98,8 @@ def names(dsns: Sequence[str]) -> List[str]:
 
 
 def _retrieved(task: "asyncio.Future[Any]") -> None:
-    """Marks the outcome of a scrape cut off by its deadline as seen (its
-    target is down), so that asyncio does not log it as lost."""
+    """Marks the outcome of a query as seen, whether a scrape still waited
+    for it or not, so that asyncio does not log it as lost."""
     if not task.cancelled():
         task.exception()
 
@@ -94,43 +112,67 @@ class Target:
         self.dsn = dsn
         self.database = database
         self.timeout = timeout
-        self._lock: Optional[asyncio.Lock] = None
+        self._asking: Optional["asyncio.Task[Optional[str]]"] = None
         self._conn: Optional[psycopg.AsyncConnection[Any]] = None
         self._call = ""
 
     async def scrape(self, seconds: float) -> Tuple[Optional[str], float]:
         """The database's exposition text (None when it could not be had
-        within ``seconds``) and how long asking took."""
+        within ``seconds``) and how long waiting for it took. Scrapes at
+        the same time share one query: the one in flight, or a new one.
+        A scrape that gives up leaves the query to end on its own (within
+        ``--timeout``, its own deadline), and its connection open."""
         started = time.monotonic()
-        asking = asyncio.ensure_future(self._ask_alone())
-        asking.add_done_callback(_retrieved)
-        done, _ = await asyncio.wait({asking}, timeout=seconds)
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._ask_within_deadline())
+            self._asking.add_done_callback(_retrieved)
+        done, _ = await asyncio.wait({self._asking}, timeout=seconds)
         text = None
-        if not done:
-            # Cut off, and left to end on its own: psycopg first asks the
-            # server to cancel the query (a few seconds at most) and then
-            # closes the connection. Scrapes meanwhile wait for it no longer
-            # than their own deadline.
-            asking.cancel()
-        else:
+        if done:
             try:
-                text = asking.result()
-            except (psycopg.Error, OSError):  # unreachable, refused, the connection lost: down
+                text = self._asking.result()
+            except Exception:  # noqa: BLE001 - a fault of the exporter's own: down, and not lost
                 pass
         return text, time.monotonic() - started
 
-    async def _ask_alone(self) -> Optional[str]:
-        """One scrape at a time on the connection. One that fails or is cut
-        off by its deadline leaves the connection in no known state: it is
-        closed, and the next scrape opens another."""
-        if self._lock is None:  # made on the loop it serves
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            try:
-                return await self._ask()
-            except BaseException:
+    async def _ask_within_deadline(self) -> Optional[str]:
+        """One query, connecting included, within ``--timeout``: its text,
+        or None (unreachable, the connection lost, the deadline passed).
+        One that fails or exceeds its deadline leaves the connection in no
+        known state: it is closed (psycopg first asks the server to cancel
+        the query, a few seconds at most), and the next scrape opens
+        another."""
+        task = asyncio.current_task()
+        assert task is not None
+        expired = []
+
+        def expire() -> None:
+            expired.append(True)
+            task.cancel()
+
+        # Not asyncio.wait_for, which may hang on Python 3.11 (CPython
+        # issue 86296).
+        timer = asyncio.get_running_loop().call_later(self.timeout, expire)
+        try:
+            return await self._ask()
+        except (psycopg.Error, OSError):
+            pass
+        except asyncio.CancelledError:
+            if not expired:  # not ours: the exporter is stopping
                 await self._close()
                 raise
+            if hasattr(task, "uncancel"):  # Python 3.11: the cancellation was ours, and is handled
+                task.uncancel()
+        except BaseException:
+            await self._close()
+            raise
+        finally:
+            timer.cancel()
+        # Down. Out of the except clauses, so that no exception kept with
+        # the task keeps the frames of an abandoned connection attempt, and
+        # its socket, alive until the next scrape.
+        await self._close()
+        return None
 
     async def _ask(self) -> Optional[str]:
         if self._conn is None or self._conn.closed:
@@ -240,8 +282,33 @@ class Exporter:
 
 def handler(exporter: Exporter) -> type:
     class Handler(BaseHTTPRequestHandler):
-        #: A client that sends nothing for this long is dropped, with its thread.
-        timeout = 30
+        #: The longest one read or write of the connection may wait; the
+        #: whole request must have arrived within it too (setup()).
+        timeout = REQUEST_SECONDS
+
+        def setup(self) -> None:
+            super().setup()
+            # A client that sends its request slowly, a byte at a time, is
+            # cut off when the request has not all arrived in time: shutting
+            # the socket down ends the read its thread waits in.
+            self._read_by = threading.Timer(REQUEST_SECONDS, self._cut_off)
+            self._read_by.daemon = True
+            self._read_by.start()
+
+        def _cut_off(self) -> None:
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        def parse_request(self) -> bool:
+            parsed = super().parse_request()
+            self._read_by.cancel()  # the request line and headers are in
+            return parsed
+
+        def finish(self) -> None:
+            self._read_by.cancel()
+            super().finish()
 
         def do_GET(self) -> None:
             if self.path.split("?")[0] == "/metrics":
@@ -263,6 +330,38 @@ def handler(exporter: Exporter) -> type:
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    """A thread per request, at most ``max_requests`` at once: a request
+    beyond them is answered 503 at once and closed, with no thread."""
+
+    BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+    def __init__(self, listen: Tuple[str, int], handler_class: type, max_requests: int = MAX_REQUESTS) -> None:
+        super().__init__(listen, handler_class)
+        self._slots = threading.BoundedSemaphore(max_requests)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)
+                request.send(self.BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 def address(listen: str) -> Tuple[str, int]:
     """``host:port`` or ``:port`` (every interface)."""
     host, _, port = listen.rpartition(":")
@@ -282,11 +381,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     options = parser.parse_args(argv)
     if not options.timeout > 0:
         parser.error("--timeout must be above 0")
+    for number, dsn in enumerate(options.dsn, 1):
+        try:
+            conninfo_to_dict(dsn)
+        except psycopg.Error:
+            # libpq's message quotes the DSN, password included: not shown.
+            parser.error(f"--dsn number {number} is not a connection string or URI libpq can read "
+                         "(not shown: it may hold a password)")
     try:
         exporter = Exporter(options.dsn, options.timeout)
-    except (ValueError, psycopg.Error) as e:  # the same database twice, a DSN libpq cannot read
+    except ValueError as e:  # the same database twice (named by database, host and port)
         parser.error(str(e))
-    server = ThreadingHTTPServer(options.listen, handler(exporter))
+    server = Server(options.listen, handler(exporter))
     try:
         server.serve_forever()
     except KeyboardInterrupt:
