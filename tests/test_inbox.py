@@ -228,6 +228,69 @@ def test_every_message_delivered_twice_at_once_makes_its_effect_once(effects, re
         worker.close()
 
 
+def ran(redis_server, task_id):
+    """The args of each run of loop.ok under task id `task_id`."""
+    return [json.loads(n)["args"] for n in redis_server.client().lrange(f"ran:{task_id}", 0, -1)]
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_duplicate_of_a_first_run_that_died_before_its_callbacks_sends_them(effects, redis_server, pool):
+    """Three first runs committed their effect and their claim, and their
+    worker died before Celery sent their callbacks or stored their results
+    (the state they left is made here: the effect rows and the claims,
+    committed, nothing else). Each message's redelivery is a duplicate,
+    and what the first run left undone is done: its link runs, the chain
+    goes on, the chord completes, each given None (the first run's value
+    died with it), and the result backend holds the duplicate's SUCCESS.
+    A duplicate of a first run that finished sends nothing again and
+    leaves its stored value."""
+    from celery import Celery, chain, chord
+
+    app = Celery("outbox_inbox_client", broker=redis_server.url, backend=results_url(redis_server))
+
+    def effect(n, task_id):
+        return app.signature("loop.effect", args=(n,), queue=QUEUE).set(task_id=task_id)
+
+    def ok(task_id):
+        return app.signature("loop.ok", queue=QUEUE).set(task_id=task_id)
+
+    linked, chained, part, other, finished = (str(uuid.uuid4()) for _ in range(5))
+    after_link, after_chain, after_chord, after_finished = (str(uuid.uuid4()) for _ in range(4))
+    with effects.connect() as conn:
+        for died in (linked, chained, part):
+            with conn.transaction():
+                conn.execute("INSERT INTO effects (event, n) VALUES (%s, 0)", (died,))
+                claim(conn, died, "loop.effect")
+    worker = start_worker(effects, redis_server, pool)
+    try:
+        # A first run that finishes, and its link.
+        effect(5, finished).apply_async(link=ok(after_finished))
+        wait_until(lambda: ran(redis_server, after_finished) == [[5]], timeout=60, message="the finished run's link")
+
+        effect(1, linked).apply_async(link=ok(after_link))
+        chain(effect(2, chained), ok(after_chain)).apply_async()
+        chord([effect(3, part), effect(4, other)], ok(after_chord)).apply_async()
+        wait_until(lambda: ran(redis_server, after_link) and ran(redis_server, after_chain)
+                   and ran(redis_server, after_chord), timeout=90, message="the callbacks the dead runs never sent")
+        assert ran(redis_server, after_link) == [[None]]
+        assert ran(redis_server, after_chain) == [[None]]
+        assert ran(redis_server, after_chord) == [[[None, 4]]]
+        assert stored_results(redis_server, [linked, chained, part, other]) == [("SUCCESS", None)] * 3 + [
+            ("SUCCESS", 4)]
+
+        # The finished run's message again: a duplicate that sends nothing.
+        effect(5, finished).apply_async(link=ok(after_finished))
+        wait_until(lambda: worker.log_text().count(f"Task loop.effect[{finished}] succeeded") == 2, timeout=60,
+                   message="the duplicate of the finished run over")
+        time.sleep(1)
+        assert ran(redis_server, after_finished) == [[5]]
+        assert stored_results(redis_server, [finished]) == [("SUCCESS", 5)]
+        assert sorted(effects.sql("SELECT event::text, n FROM effects")) == sorted(
+            [(linked, 0), (chained, 0), (part, 0), (other, 4), (finished, 5)])
+    finally:
+        worker.close()
+
+
 def test_a_body_that_raises_rolls_its_claim_back_and_the_retry_makes_the_effect_once(effects, redis_server):
     worker = start_worker(effects, redis_server)
     try:

@@ -2,6 +2,7 @@
 refuses what it cannot use (tests/test_inbox.py runs them against
 PostgreSQL through a prefork Celery worker)."""
 
+import time
 import types
 import uuid
 
@@ -91,17 +92,52 @@ def test_once_runs_the_body_only_for_the_first_claim(first):
     assert getattr(task.request, inbox.DUPLICATE_ATTRIBUTE, False) is (not first)
 
 
-def test_a_skipped_duplicate_leaves_the_first_runs_outcome_to_celery():
-    """Its request stores no result (Celery's trace reads ignore_result from
-    it), and has no callbacks, chain or chord to send again."""
-    conn = Transactional(False)
-    request = types.SimpleNamespace(id=str(uuid.uuid4()), ignore_result=False, callbacks=[{"task": "next"}],
-                                    chain=[{"task": "then"}], chord={"task": "joined"})
+class Backend:
+    """A result backend holding the first run's outcome, or nothing."""
 
-    @inbox.once(lambda: conn)
+    def __init__(self, status):
+        self.status = status
+        self.asked = 0
+
+    def get_task_meta(self, task_id, cache=True):
+        self.asked += 1
+        return {"status": self.status, "result": 7 if self.status else None}
+
+
+def duplicate(backend, ignore_result=False, outcome_wait=0.3):
+    """A skipped duplicate's request, after the run."""
+    conn = Transactional(False)
+    request = types.SimpleNamespace(id=str(uuid.uuid4()), ignore_result=ignore_result,
+                                    callbacks=[{"task": "next"}], chain=[{"task": "then"}], chord={"task": "joined"})
+
+    @inbox.once(lambda: conn, outcome_wait=outcome_wait)
     def body(task, conn=None):
         return "ran"
 
-    assert body(types.SimpleNamespace(name="shop.charge", request=request)) is None
+    task = types.SimpleNamespace(name="shop.charge", request=request, backend=backend, ignore_result=ignore_result)
+    assert body(task) is None
+    assert getattr(request, inbox.DUPLICATE_ATTRIBUTE) is True
+    return request
+
+
+def test_a_duplicate_of_a_first_run_that_finished_leaves_its_outcome_to_celery():
+    """The result backend holds the first run's SUCCESS, stored after its
+    callbacks were sent: the duplicate stores no result (Celery's trace
+    reads ignore_result from the request), and has no callbacks, chain or
+    chord to send again."""
+    request = duplicate(Backend("SUCCESS"))
     assert (request.ignore_result, request.callbacks, request.chain, request.chord) == (True, None, None, None)
 
+
+@pytest.mark.parametrize("backend, ignore_result", [(None, False), (Backend(None), False), (Backend("SUCCESS"), True)])
+def test_a_duplicate_of_a_first_run_that_may_have_died_sends_its_callbacks(backend, ignore_result):
+    """No result backend, nothing stored within outcome_wait (the first run
+    died after its commit, before its callbacks), or results ignored (the
+    backend cannot tell): callbacks, chain and chord are sent, at least
+    once, rather than never."""
+    started = time.monotonic()
+    request = duplicate(backend, ignore_result)
+    assert request.callbacks == [{"task": "next"}] and request.chain == [{"task": "then"}]
+    assert request.chord == {"task": "joined"} and request.ignore_result is ignore_result
+    if isinstance(backend, Backend) and not ignore_result:
+        assert 0.3 <= time.monotonic() - started < 2 and backend.asked > 1, "it waited for the outcome"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import uuid
 from typing import Any, Callable, Iterator, Optional, Tuple, TypeVar, Union
 
@@ -49,13 +50,28 @@ def claim(conn: Any, message_id: Union[str, uuid.UUID], consumer: str = "") -> b
     return bool(_CLAIM.scalar(conn, (str(message_id), consumer), "claim"))
 
 
-def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[[Callable[..., R]], Callable[..., Optional[R]]]:
+def once(
+    using: Any = "default", *, consumer: Optional[str] = None, outcome_wait: float = 10.0
+) -> Callable[[Callable[..., R]], Callable[..., Optional[R]]]:
     """Decorates the function of a bound Celery task (``@app.task(bind=True)``
     above it) so that its body runs in a transaction that first claims the
     task id (:func:`claim`, consumer the task's name unless given), and is
     skipped when that claim is False: the task then returns None, and its
-    report says it was a duplicate; Celery stores no result for it (the
-    first run's stays) and sends none of its callbacks, chain or chord.
+    report says it was a duplicate.
+
+    What Celery does after a skipped duplicate depends on whether the first
+    run is known to have finished its own after-steps (Celery sends a
+    task's callbacks and next chain step, then stores its result and counts
+    its chord part: a worker that dies after the body committed does none
+    of them). The first run is known to have finished when the task's
+    result backend holds its ``SUCCESS``; a duplicate waits up to
+    ``outcome_wait`` seconds for it to appear (a first run still finishing).
+    Then Celery stores no result for the duplicate (the first run's stays)
+    and sends none of its callbacks, chain or chord again. Otherwise (no
+    result backend, ``ignore_result``, or nothing stored in time) the first
+    run may have died before them: Celery stores the duplicate's None and
+    sends its callbacks, next chain step and chord part, at least once,
+    each with None as the parent's value (the first run's is unknown).
 
     ``using`` says where the transaction is:
 
@@ -90,21 +106,24 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
                 claimed = False
                 try:
                     with _transaction(using) as (conn, keyword):
-                        if not claim(conn, message, name):
-                            _skip(task.request)
-                            return None
-                        claimed = True
-                        if keyword is not None:
-                            kwargs[keyword] = conn
-                        try:
-                            result = body(task, *args, **kwargs)
-                        except Exception as e:
-                            if not _ends_the_task(e):
-                                raise
-                            ended = e
-                        else:
-                            _check_healthy(conn)
-                            return result
+                        if claim(conn, message, name):
+                            claimed = True
+                            if keyword is not None:
+                                kwargs[keyword] = conn
+                            try:
+                                result = body(task, *args, **kwargs)
+                            except Exception as e:
+                                if not _ends_the_task(e):
+                                    raise
+                                ended = e
+                            else:
+                                _check_healthy(conn)
+                                return result
+                    if not claimed:
+                        # A duplicate, its transaction over: what the first
+                        # run left undone is found out of it.
+                        _skip(task, message, outcome_wait)
+                        return None
                     # Committed: the task ended on purpose (self.replace()).
                     raise ended
                 except Exception as e:
@@ -124,16 +143,56 @@ def once(using: Any = "default", *, consumer: Optional[str] = None) -> Callable[
 CLAIM_ATTEMPTS = 3
 
 
-def _skip(request: Any) -> None:
-    """Marks the request of a skipped duplicate: its report says so, and
-    Celery leaves the first run's outcome as it is. It stores no result
-    (with ``ignore_result=False``, Celery's default, its None would
-    replace the first run's value in the result backend), and sends no
-    callback, no next step of a chain and no chord part: the first run
-    did."""
+def _skip(task: Any, message: str, wait: float) -> None:
+    """Marks the request of a skipped duplicate: its report says so. When
+    the first run is known to have finished (:func:`_first_run_finished`),
+    Celery leaves its outcome as it is: the duplicate stores no result (with
+    ``ignore_result=False``, Celery's default, its None would replace the
+    first run's value in the result backend) and sends no callback, no next
+    step of a chain and no chord part (the first run did). Otherwise the
+    request is left as it came: the first run may have died after its
+    commit and before any of them, and a chain that stops or a chord that
+    never completes is worse than a callback sent twice."""
+    request = task.request
     setattr(request, DUPLICATE_ATTRIBUTE, True)
-    request.ignore_result = True
-    request.callbacks = request.chain = request.chord = None
+    if _first_run_finished(task, message, wait):
+        request.ignore_result = True
+        request.callbacks = request.chain = request.chord = None
+
+
+def _first_run_finished(task: Any, message: str, wait: float) -> bool:
+    """Whether the result backend holds the ``SUCCESS`` of ``message``,
+    waiting up to ``wait`` seconds for it. Celery stores it after sending
+    the task's callbacks and next chain step, and counts a chord part right
+    after: once it is there, they were sent. False when it cannot be known:
+    no result backend, results ignored (the first run stored none), or the
+    backend unreachable."""
+    backend = getattr(task, "backend", None)
+    if backend is None or type(backend).__name__ == "DisabledBackend" or _ignores_result(task):
+        return False
+    deadline = time.monotonic() + wait
+    pause = 0.02
+    while True:
+        try:
+            meta = backend.get_task_meta(message, cache=False)
+        except Exception:  # noqa: BLE001 - unreachable, or a backend that stores nothing: unknown
+            return False
+        if meta.get("status") == "SUCCESS":
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))  # gevent and eventlet patch it
+        pause = min(pause * 2, 0.5)
+
+
+def _ignores_result(task: Any) -> bool:
+    """Whether Celery stores no result for this run of ``task`` (the
+    request's ``ignore_result`` over the task's), as Celery decides it."""
+    try:
+        from celery.app.task import get_actual_ignore_result
+    except ImportError:  # an older Celery
+        return bool(getattr(task, "ignore_result", False) or getattr(task.request, "ignore_result", False))
+    return bool(get_actual_ignore_result(task, task.request))
 
 
 def _keyword_of(using: Any) -> Optional[str]:
