@@ -6,10 +6,17 @@ enqueues an event every few seconds, and makes the faults of `PHASES` one
 after another (Redis stopped, the dispatchers paused, the database
 stopped, the exporter stopped), scraping `/metrics` every `INTERVAL`
 seconds as Prometheus would. It writes what each scrape got (None when it
-failed) and when each phase began, as gzipped JSON lines. Run it again
-when the metrics change:
+failed) and when each phase began, as gzipped JSON lines.
+`record_alarm()` does the same with RabbitMQ as the broker and the faults
+of `ALARM_PHASES`: a memory alarm of a minute, then one of eight, with the
+default settings (recorded so: each blocked push was refused at once and
+the dispatchers reconnected, counting `condition="blocked"` each time; a
+dispatcher that waits an alarm out connected counts each pause once, which
+contrib/prometheus/outbox_alerts_test.yml models). Run them again when the
+metrics change:
 
     PG_BIN=/usr/lib/postgresql/15/bin .venv/bin/python tests/alert_recording.py tests/fixtures/outage.jsonl.gz
+    PG_BIN=/usr/lib/postgresql/15/bin .venv/bin/python tests/alert_recording.py --alarm tests/fixtures/alarm.jsonl.gz
 
 `promtool_input()` turns a recording into `promtool test rules` input
 series: each sample labelled with the scrape's job and instance, `up`
@@ -17,6 +24,7 @@ for each scrape, and a staleness marker where a series stops, as
 Prometheus stores a target's scrapes.
 """
 
+import contextlib
 import gzip
 import json
 import subprocess
@@ -26,11 +34,11 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import Cluster, Redis, free_port, wait_until
+from harness import Cluster, RabbitMQ, Redis, free_port, wait_until
 
 #: Seconds between scrapes (Prometheus's default scrape_interval).
 INTERVAL = 15
@@ -49,6 +57,15 @@ PHASES = (
     ("database down", 3),
     ("database back", 1),
     ("exporter down", 2),
+)
+
+#: The phases of the RabbitMQ recordings (record_alarm).
+ALARM_PHASES = (
+    ("healthy", 1),
+    ("brief alarm", 1),
+    ("brief alarm over", 2),
+    ("alarm", 8),
+    ("alarm over", 3),
 )
 
 
@@ -112,6 +129,45 @@ def notation(values: List[Optional[float]]) -> List[str]:
 def record(path: Path) -> None:
     redis_server = Redis()
     pg = Cluster(redis_server.url)
+    try:
+        with observed(pg) as (exporter, url):
+            faults = {
+                "broker down": redis_server.stop,
+                "broker back": redis_server.start,
+                "paused": lambda: pg.configure(enabled="off"),
+                "resumed": lambda: pg.configure(enabled="on"),
+                "database down": pg.stop,
+                "database back": pg.start,
+                "exporter down": lambda: (exporter.terminate(), exporter.wait(timeout=30)),
+            }
+            scrape_through(path, url, PHASES, faults)
+    finally:
+        pg.close()
+        redis_server.close()
+
+
+def record_alarm(path: Path, **settings: str) -> None:
+    """RabbitMQ as the broker, its memory alarm raised twice, with the
+    outbox.* `settings` given."""
+    redis_server = Redis()
+    rabbit = RabbitMQ()
+    pg = Cluster(redis_server.url, broker_url=rabbit.url, **settings)
+    try:
+        with observed(pg) as (_, url):
+            alarm = lambda: rabbit.ctl("set_vm_memory_high_watermark", "0.000001")  # noqa: E731
+            over = lambda: rabbit.ctl("set_vm_memory_high_watermark", "0.4")  # noqa: E731
+            faults = {"brief alarm": alarm, "brief alarm over": over, "alarm": alarm, "alarm over": over}
+            scrape_through(path, url, ALARM_PHASES, faults)
+    finally:
+        pg.close()
+        rabbit.close()
+        redis_server.close()
+
+
+@contextlib.contextmanager
+def observed(pg: Cluster) -> Iterator[Tuple[subprocess.Popen, str]]:
+    """The extension and the exporter's role in `pg`, the exporter (and
+    its URL), and an event enqueued every few seconds meanwhile."""
     exporter = None
     stop = threading.Event()
     try:
@@ -119,38 +175,32 @@ def record(path: Path) -> None:
         pg.sql("DO $$ BEGIN CREATE ROLE outbox_metrics LOGIN IN ROLE pg_monitor; "
                "EXCEPTION WHEN duplicate_object THEN NULL; END $$")
         exporter, url = start_exporter(pg)
-        producer = threading.Thread(target=produce, args=(pg, stop), daemon=True)
-        producer.start()
-        faults = {
-            "broker down": redis_server.stop,
-            "broker back": redis_server.start,
-            "paused": lambda: pg.configure(enabled="off"),
-            "resumed": lambda: pg.configure(enabled="on"),
-            "database down": pg.stop,
-            "database back": pg.start,
-            "exporter down": lambda: (exporter.terminate(), exporter.wait(timeout=30)),
-        }
-        with gzip.open(path, "wt") as out:
-            out.write(json.dumps({"interval": INTERVAL, "phases": PHASES}) + "\n")
-            started = time.monotonic()
-            scrape = 0
-            for phase, minutes in PHASES:
-                if phase in faults:
-                    faults[phase]()
-                out.write(json.dumps({"phase": phase, "scrape": scrape}) + "\n")
-                print(f"{time.monotonic() - started:6.0f}s {phase}", file=sys.stderr)
-                for _ in range(minutes * 60 // INTERVAL):
-                    time.sleep(max(0.0, started + scrape * INTERVAL - time.monotonic()))
-                    out.write(json.dumps({"scrape": scrape, "text": fetch(url)}) + "\n")
-                    out.flush()
-                    scrape += 1
+        threading.Thread(target=produce, args=(pg, stop), daemon=True).start()
+        yield exporter, url
     finally:
         stop.set()
         if exporter is not None and exporter.poll() is None:
             exporter.terminate()
             exporter.wait(timeout=30)
-        pg.close()
-        redis_server.close()
+
+
+def scrape_through(path: Path, url: str, phases: Tuple[Tuple[str, int], ...], faults: Dict[str, Any]) -> None:
+    """Scrapes `url` every `INTERVAL` seconds through `phases`, making
+    each phase's fault as it begins; writes the recording to `path`."""
+    with gzip.open(path, "wt") as out:
+        out.write(json.dumps({"interval": INTERVAL, "phases": phases}) + "\n")
+        started = time.monotonic()
+        scrape = 0
+        for phase, minutes in phases:
+            if phase in faults:
+                faults[phase]()
+            out.write(json.dumps({"phase": phase, "scrape": scrape}) + "\n")
+            print(f"{time.monotonic() - started:6.0f}s {phase}", file=sys.stderr)
+            for _ in range(minutes * 60 // INTERVAL):
+                time.sleep(max(0.0, started + scrape * INTERVAL - time.monotonic()))
+                out.write(json.dumps({"scrape": scrape, "text": fetch(url)}) + "\n")
+                out.flush()
+                scrape += 1
 
 
 def start_exporter(pg: Cluster) -> Tuple[subprocess.Popen, str]:
@@ -184,4 +234,7 @@ def produce(pg: Cluster, stop: threading.Event) -> None:
 
 
 if __name__ == "__main__":
-    record(Path(sys.argv[1]))
+    if sys.argv[1] == "--alarm":
+        record_alarm(Path(sys.argv[2]))
+    else:
+        record(Path(sys.argv[1]))
