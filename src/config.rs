@@ -339,6 +339,11 @@ pub struct Settings {
     pub processing_timeout: Duration,
     /// The value set, when it was raised.
     pub processing_timeout_set: Option<Duration>,
+    /// How long after its claim a push paused by the broker (an alarm:
+    /// `connection.blocked`) may wait for it, at most: the claim's
+    /// timeout less the longest push. Not a setting of the connection: a
+    /// reload that changes it abandons no push.
+    pub pause_limit: Duration,
     /// Zero: acknowledgements are off.
     pub ack_timeout: Duration,
     pub max_redeliveries: i32,
@@ -381,7 +386,7 @@ fn report_list(key: &str) -> String {
 
 impl Settings {
     pub fn current() -> Settings {
-        let mut broker = BrokerConfig {
+        let broker = BrokerConfig {
             url: broker_url(),
             timeout: millis(&REDIS_TIMEOUT_MS),
             tls_ca_file: path(&REDIS_TLS_CA_FILE),
@@ -405,16 +410,15 @@ impl Settings {
             // The broker closes a connection it heard nothing on for two
             // heartbeats; the dispatcher PINGs every heartbeat_interval.
             heartbeat: seconds(&HEARTBEAT_INTERVAL_S) + Duration::from_secs(10),
-            pause_limit: Duration::ZERO,
         };
         let batch_size = BATCH_SIZE.get().max(1) as usize;
         let batch_budget = batch_budget(broker.max_batch_bytes, MAX_PAYLOAD_BYTES.get().max(1) as usize);
         let longest = longest_push(&broker, batch_size, MAX_PAYLOAD_BYTES.get().max(1) as usize);
         let processing_timeout = seconds(&PROCESSING_TIMEOUT_S);
-        // A push paused by the broker (an alarm) may wait as long as the
-        // claim's timeout leaves beyond the longest push: the sweeper must
-        // not hand it to another dispatcher meanwhile.
-        broker.pause_limit = processing_timeout.saturating_sub(longest);
+        // A push paused by the broker (an alarm) may wait, from its claim,
+        // as long as the claim's timeout leaves beyond the longest push:
+        // the sweeper must not hand it to another dispatcher meanwhile.
+        let pause_limit = processing_timeout.saturating_sub(longest);
         Settings {
             enabled: ENABLED.get(),
             broker,
@@ -426,6 +430,7 @@ impl Settings {
             reconnect_delay_max: millis(&RECONNECT_DELAY_MAX_MS),
             processing_timeout: processing_timeout.max(longest),
             processing_timeout_set: (processing_timeout < longest).then_some(processing_timeout),
+            pause_limit,
             ack_timeout: seconds(&ACK_TIMEOUT_S),
             max_redeliveries: MAX_REDELIVERIES.get(),
             statement_timeout: millis(&STATEMENT_TIMEOUT_MS),

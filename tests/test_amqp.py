@@ -238,7 +238,8 @@ def test_a_message_a_full_queue_rejects_fails_once_refused_twice(ob, rabbit):
     """A queue that rejects publishes when full (x-overflow reject-publish):
     RabbitMQ nacks its messages. Refused twice, a message is its own fault:
     it spends a retry, and is dead-lettered after outbox.max_retries. The
-    events for another queue in the same claims are delivered."""
+    events for another queue in the same claims are delivered, and the
+    connection stays (a nack is no broker failure: it used to reconnect)."""
     channel = rabbit.channel()
     channel.exchange_declare("bounded", "direct", durable=True, auto_delete=False)
     channel.queue_declare("bounded", durable=True, auto_delete=False,
@@ -248,6 +249,11 @@ def test_a_message_a_full_queue_rejects_fails_once_refused_twice(ob, rabbit):
     ob.configure(max_retries=2, retry_backoff="100ms")
     (kept,) = enqueue(ob, 1, queue="bounded")
     wait_until(lambda: ob.count("dispatched") == 1, message="the queue filled")
+    # A first event for the other queue: it is declared afresh on this
+    # connection (the fixture deleted it under the connection: refused once).
+    warm = enqueue(ob, 1)
+    wait_until(lambda: ob.count("dispatched") == 2, message="the other queue declared")
+    before = reconnects(ob)
     with ob.connect(autocommit=False) as conn:
         others = enqueue_in(conn, 3)
         refused = enqueue_in(conn, 3, queue="bounded")
@@ -258,9 +264,11 @@ def test_a_message_a_full_queue_rejects_fails_once_refused_twice(ob, rabbit):
     rows = ob.sql("SELECT id::text, retry_count, last_error FROM outbox.events WHERE status = 'failed'")
     assert sorted(i for i, _, _ in rows) == sorted(refused)
     assert all(r == 2 and "refused the message twice (basic.nack)" in e for _, r, e in rows), rows
-    wait_until(lambda: ob.count("dispatched") == 7, message="the other events sent")
-    assert sorted(set(rabbit.drain("celery"))) == sorted(others)
+    wait_until(lambda: ob.count("dispatched") == 8, message="the other events sent")
+    assert sorted(set(rabbit.drain("celery"))) == sorted(others + warm)
     assert rabbit.drain("bounded") == [kept]
+    assert reconnects(ob) == before, ob.log_text()[-3000:]
+    assert ob.value("SELECT bool_and(connected) FROM outbox.workers")
 
 
 @pytest.mark.broker_only
@@ -453,14 +461,21 @@ def test_a_memory_alarm_pauses_publishing_on_the_same_connection(ob, rabbit):
         ids = enqueue(ob, 20)
         wait_until(lambda: "RabbitMQ blocked the connection" in last_error(ob), message="the alarm shown")
         time.sleep(4)  # longer than outbox.redis_timeout (3s)
+        assert ob.sql("SELECT status, retry_count, last_error FROM outbox.events WHERE retry_count > 0") == []
         assert "RabbitMQ blocked the connection" in last_error(ob), last_error(ob)
         assert ob.value("SELECT bool_and(connected) FROM outbox.workers")
         assert reconnects(ob) == before
         assert ob.value("SELECT max(retry_count) FROM outbox.events") == 0
         assert ob.count("failed") == 0
-        # SIGHUP is answered meanwhile (the reload is logged).
-        ob.configure(poll_interval="59s")
+        # SIGHUP is answered meanwhile (the reload is logged); a reload of
+        # settings the pause derives from (processing_timeout, batch_size)
+        # changes no connection: the paused push goes on, on the same one.
+        ports = rabbit.ctl("list_connections", "peer_port", "--quiet", "--no-table-headers").split()
+        ob.configure(poll_interval="59s", processing_timeout="301s", batch_size=99)
         wait_until(lambda: "reloaded its settings" in ob.log_text(), message="the reload during the alarm")
+        time.sleep(1)
+        assert rabbit.ctl("list_connections", "peer_port", "--quiet", "--no-table-headers").split() == ports
+        assert ob.value("SELECT bool_and(connected) FROM outbox.workers")
     finally:
         rabbit.ctl("set_vm_memory_high_watermark", "0.4")
     wait_until(lambda: ob.count("dispatched") == 21, timeout=60, message="the events sent after the alarm")

@@ -308,3 +308,53 @@ def test_a_report_read_the_acl_denies_is_reported_once(redis_server):
     finally:
         pg.close()
         redis.close()
+
+
+def test_reports_are_read_with_eval_when_the_acl_denies_eval_ro(redis_server):
+    """An ACL that denies EVAL_RO and allows EVAL: the reports are read with
+    EVAL (as on a Redis without EVAL_RO), not refused for good."""
+    from harness import Redis
+    redis = Redis(password="admin-pw")
+    redis.client().execute_command("ACL", "SETUSER", "pusher", "on", ">pusher-pw", "~*", "&*", "+@all", "-eval_ro")
+    pg = Cluster(f"redis://pusher:pusher-pw@127.0.0.1:{redis.port}/0", reconnect_delay_min="100ms",
+                 reconnect_delay_max="200ms", report_key="outbox_reports")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        reports = pg.report_list()
+        redis.client().rpush(reports, b"not a report")
+        wait_until(lambda: redis.client().llen(reports) == 0, message=f"the report read and trimmed "
+                   f"({pg.log_text()[-2000:]})")
+        log = pg.log_text()
+        assert "refused to read the reports" not in log and "reconnecting" not in log, log[-3000:]
+    finally:
+        pg.close()
+        redis.close()
+
+
+def test_a_trim_the_acl_denies_is_the_reads_refusal(redis_server):
+    """An ACL that lets the reports be read but not trimmed (LTRIM): the
+    refusal is logged once, like a read's; the connection stays (it was
+    dropped at every collect)."""
+    from harness import Redis
+    redis = Redis(password="admin-pw")
+    redis.client().execute_command("ACL", "SETUSER", "pusher", "on", ">pusher-pw", "~*", "&*", "+@all", "-ltrim")
+    pg = Cluster(f"redis://pusher:pusher-pw@127.0.0.1:{redis.port}/0", reconnect_delay_min="100ms",
+                 reconnect_delay_max="200ms", report_key="outbox_reports")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        redis.client().rpush(pg.report_list(), b"not a report")
+        wait_until(lambda: "refused to read the reports" in pg.log_text(), message="the refusal logged")
+        ids = [str(r[0]) for r in pg.sql(
+            "SELECT outbox_enqueue('acl', '{}', queue => 'q_trim') FROM generate_series(1, 5)")]
+        wait_until(lambda: pg.count("dispatched") == 5, message="the events pushed")
+        time.sleep(3)
+        log = pg.log_text()
+        assert log.count("refused to read the reports") == 1, log[-3000:]
+        assert "NOPERM" in log and "reconnecting" not in log, log[-3000:]
+        assert pg.value("SELECT coalesce(sum(value), 0) FROM outbox.metrics "
+                        "WHERE name = 'outbox_reconnects_total'") == 0
+        assert pg.value("SELECT bool_and(connected) FROM outbox.workers")
+        assert sorted(queued_ids(redis.client(), "q_trim")) == sorted(ids)
+    finally:
+        pg.close()
+        redis.close()

@@ -54,7 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     sink.connect(&mut Poll)?;
     let started = Instant::now();
     for batch in &batches {
-        let pushed = sink.push(batch, &mut Poll);
+        let pushed = sink.push(batch, &mut Poll, Instant::now() + Duration::from_secs(30));
         if let Some(failure) = pushed.failure {
             return Err(failure.into());
         }

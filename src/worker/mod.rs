@@ -471,6 +471,9 @@ impl Dispatcher {
         let mut nap = self.settings.poll_interval;
         loop {
             let settled = std::mem::take(&mut self.unsettled);
+            // No later than the claim's own instant (its transaction's
+            // start): the pause deadline counts from here.
+            let claiming = Instant::now();
             let claim =
                 self.store.settle_and_claim(&settled, self.settings.batch_size, self.settings.batch_budget);
             let claim = match claim {
@@ -507,8 +510,12 @@ impl Dispatcher {
                 origin: &self.origin,
                 report_to: self.settings.report_key.as_deref().unwrap_or(""),
             };
+            // An alarm may pause the push until the claim's timeout less
+            // the longest push, never later: the stuck sweeper must not
+            // hand a live claim to another dispatcher.
+            let pause_until = claiming + self.settings.pause_limit;
             let Pushed { outcome, failure } =
-                push::push(sink, waiter, &self.slot, &events, claimed_at, &envelope, &policy);
+                push::push(sink, waiter, &self.slot, &events, claimed_at, pause_until, &envelope, &policy);
             self.slot.add_dispatched(outcome.dispatched.len() as u64);
             if !outcome.dispatched.is_empty() {
                 self.broker.answered(&self.slot, &self.settings);
@@ -519,10 +526,15 @@ impl Dispatcher {
                 return self.broker.failed(&failure, &self.slot, &self.settings);
             }
             // Under sustained load the drain may not end for a while:
-            // reports are collected as it goes.
-            if let Some(wait) = self.collect_reports() {
-                self.settle();
-                return wait;
+            // reports are collected as it goes, the push recorded first (a
+            // slow collect must not stretch the claim).
+            if self.reports_due() {
+                if let Some(wait) = self.settle() {
+                    return wait;
+                }
+                if let Some(wait) = self.collect_reports() {
+                    return wait;
+                }
             }
             if signals::interrupt_pending() {
                 self.settle();
@@ -531,17 +543,27 @@ impl Dispatcher {
         }
     }
 
+    /// Whether reports are on and due to be collected.
+    fn reports_due(&self) -> bool {
+        self.settings.report_key.is_some() && self.reports.next_due() <= Instant::now()
+    }
+
     /// Records the last push's outcome now, when no claim is to follow;
-    /// kept for the next attempt if the statement fails.
-    fn settle(&mut self) {
+    /// kept for the next attempt if the statement fails (then returns the
+    /// wait before it).
+    fn settle(&mut self) -> Option<Duration> {
+        if self.unsettled.is_empty() {
+            return None;
+        }
         let settled = std::mem::take(&mut self.unsettled);
         match self.store.settle(&settled) {
             Ok(()) => {
                 account(&settled);
+                None
             }
             Err(e) => {
                 self.unsettled = settled;
-                self.store_failed(&e);
+                Some(self.store_failed(&e))
             }
         }
     }

@@ -77,13 +77,17 @@ impl Wait for ShowingPauses<'_> {
 /// Encodes and pushes `events`, claimed at `claimed_at`; an expired event
 /// is not sent but failed. When the broker fails part way, what its
 /// earlier round trips confirmed stays dispatched, and the rest goes back
-/// to pending, no retry spent.
+/// to pending, no retry spent. A broker that pauses publishing (an alarm)
+/// is waited for until `pause_until` at the latest, an instant the claim
+/// fixes (see [`crate::config::Settings::pause_limit`]).
+#[allow(clippy::too_many_arguments)]
 pub fn push(
     sink: &mut Sink,
     waiter: &mut dyn Wait,
     slot: &slots::Own,
     events: &[ClaimedEvent],
     claimed_at: Option<ClaimTime>,
+    pause_until: Instant,
     envelope: &Envelope<'_>,
     policy: &RetryPolicy,
 ) -> Pushed {
@@ -141,7 +145,7 @@ pub fn push(
     if batches.is_empty() {
         return Pushed { outcome, failure: None };
     }
-    let pushed = sink.push(&batches, &mut ShowingPauses { waiter, slot });
+    let pushed = sink.push(&batches, &mut ShowingPauses { waiter, slot }, pause_until);
     let now = unix_now();
     let mut latencies = Vec::with_capacity(events.len());
     let mut failure = pushed.failure;
@@ -156,6 +160,14 @@ pub fn push(
             Delivery::Rejected(error) => {
                 counters::push_failed(PushFailure::RedisError, 1);
                 outcome.failures.push(policy.failure(event, format!("{}: {error}", sink.kind()), true));
+            }
+            // Refused once (basic.nack): released, no retry spent; the
+            // connection and the other queues go on. A second refusal is
+            // the message's own fault (Rejected).
+            Delivery::Refused(Condition::Nacked, _) => {
+                counters::push_failed(PushFailure::Refused, 1);
+                counters::refused(Condition::Nacked);
+                outcome.released.push(event.id);
             }
             Delivery::Refused(condition, error) => {
                 counters::push_failed(PushFailure::Refused, 1);

@@ -96,7 +96,10 @@ impl Collector {
                 counters::add(Counter::TaskFailures, failed);
                 counters::reports_ignored(ReportIgnored::Stale, reports.len() as u64 - processed - failed);
             }
-            sink.forget_reports(key, raw.len(), waiter).map_err(CollectError::Broker)?;
+            if let Err(refused) = sink.forget_reports(key, raw.len(), waiter).map_err(CollectError::Broker)? {
+                self.refused(dispatcher, &place, &refused);
+                return Ok(());
+            }
             if raw.len() < BATCH || signals::interrupt_pending() {
                 return Ok(());
             }

@@ -82,11 +82,21 @@ impl Wait for Waiter {
 
 impl Waiter {
     /// Performs a pending reload; the operation is abandoned when it
-    /// changed the broker's settings.
+    /// changed the broker's settings (the connection's: not the pause a
+    /// push may wait, which derives from `outbox.processing_timeout` and
+    /// the batch's size and is fixed at the claim). Else it goes on, and
+    /// the rest applies once it is done.
     fn reload(&self) -> Result<(), Interrupted> {
-        if signals::reload_if_requested() && Settings::current().broker != self.config {
+        if !signals::reload_if_requested() {
+            return Ok(());
+        }
+        if Settings::current().broker != self.config {
             return Err(Interrupted);
         }
+        log!(
+            "outbox dispatcher reloaded its settings during a broker operation; the broker's are unchanged: \
+             the operation goes on, the rest applies once it is done"
+        );
         Ok(())
     }
 }

@@ -152,9 +152,41 @@ pub(super) fn scrub(text: &str, secrets: &[Option<&str>]) -> String {
     secrets.iter().flatten().filter(|s| !s.is_empty()).fold(text.to_string(), |t, s| t.replace(s, "***"))
 }
 
+/// The most characters of a peer's text a message quotes.
+const BROKER_TEXT_MAX: usize = 300;
+
+/// Text the broker chose (a close's `reply_text`, an alarm's reason, a
+/// return's), as logs and `outbox.workers.last_error` may quote it: control
+/// characters escaped (no forged log line), at most [`BROKER_TEXT_MAX`]
+/// characters.
+pub(super) fn broker_text(text: &str) -> String {
+    let mut quoted = String::new();
+    for (n, c) in text.chars().enumerate() {
+        if n == BROKER_TEXT_MAX {
+            quoted.push_str("[…]");
+            break;
+        }
+        if c.is_control() || c == '\\' {
+            quoted.extend(c.escape_default());
+        } else {
+            quoted.push(c);
+        }
+    }
+    quoted
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_brokers_text_cannot_forge_a_log_line() {
+        let forged = broker_text("fine\n2026-12-01 LOG:  forged\r\u{1b}[2J\\n");
+        assert_eq!(forged, "fine\\n2026-12-01 LOG:  forged\\r\\u{1b}[2J\\\\n");
+        assert!(!forged.chars().any(char::is_control));
+        let long = broker_text(&"\u{7}".repeat(10_000));
+        assert!(long.len() < 3000 && long.ends_with("[…]"), "{}", long.len());
+    }
 
     #[test]
     fn server_conditions_are_told_from_message_errors() {

@@ -15,7 +15,7 @@ mod sentinel;
 mod tls;
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::broker_url::{self, BrokerUrl};
 use crate::link::Wait;
@@ -61,9 +61,6 @@ pub struct BrokerConfig {
     /// AMQP: how long the broker may hear nothing from the dispatcher
     /// before it closes the connection (the negotiated heartbeat).
     pub heartbeat: Duration,
-    /// AMQP: how long a push waits on a broker that paused publishing (an
-    /// alarm: `connection.blocked`) before it gives up the connection.
-    pub pause_limit: Duration,
 }
 
 impl BrokerConfig {
@@ -84,7 +81,6 @@ impl BrokerConfig {
             priority_separator: KOMBU_SEPARATOR.into(),
             queues: QueueShape::default(),
             heartbeat: Duration::from_secs(60),
-            pause_limit: Duration::from_secs(60),
         }
     }
 }
@@ -269,15 +265,27 @@ impl Sink {
     }
 
     /// Drops the `n` reports [`Sink::reports`] read last, once recorded.
-    pub fn forget_reports(&mut self, queue: &str, n: usize, waiter: &mut dyn Wait) -> Result<(), SinkError> {
+    /// The inner error is the broker refusing it as it may refuse a read
+    /// (Redis: an ACL denying LTRIM): the connection stays.
+    pub fn forget_reports(
+        &mut self,
+        queue: &str,
+        n: usize,
+        waiter: &mut dyn Wait,
+    ) -> Result<Result<(), String>, SinkError> {
         either!(self, sink => sink.forget_reports(queue, n, waiter))
     }
 
     /// Pushes every batch, in as few round trips as `max_batch_bytes`
     /// allows, each with its own deadline. When a round trip fails, the
     /// messages of the round trips before it keep what the broker said, and
-    /// the rest are [`Delivery::Unsent`].
-    pub fn push(&mut self, batches: &[KeyBatch], waiter: &mut dyn Wait) -> Pushed {
-        either!(self, sink => sink.push(batches, waiter))
+    /// the rest are [`Delivery::Unsent`]. A broker that pauses publishing
+    /// (a RabbitMQ alarm) is waited for until `pause_until` at the latest:
+    /// an instant the caller derives from its claim, which no alarm moves.
+    pub fn push(&mut self, batches: &[KeyBatch], waiter: &mut dyn Wait, pause_until: Instant) -> Pushed {
+        match self {
+            Sink::Redis(sink) => sink.push(batches, waiter),
+            Sink::Amqp(sink) => sink.push(batches, waiter, pause_until),
+        }
     }
 }

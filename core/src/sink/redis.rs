@@ -19,7 +19,7 @@ use crate::link::{Link, Wait};
 use crate::report;
 use crate::resp::{self, Limits, Reply};
 
-use super::errors::{not_redis, scrub};
+use super::errors::{broker_text, not_redis, scrub};
 use super::keys::Keys;
 use super::plan::{plan_round_trips, RoundTrip};
 use super::secrets::password_from_file;
@@ -252,14 +252,27 @@ impl RedisSink {
         let eval = if self.read_only_scripts { "EVAL_RO" } else { "EVAL" };
         let read = [eval, READ, "1", key, &max, &most];
         let reply = match self.exchange_within(&read, Limits::REPORTS, waiter)? {
-            Reply::Error(e) if self.read_only_scripts && e.starts_with("ERR unknown command") => {
+            // A Redis before 7, or an ACL that denies EVAL_RO (and may
+            // allow EVAL): EVAL from now on. When EVAL is denied too, the
+            // denial was not EVAL_RO's: it is kept for the next read.
+            Reply::Error(e)
+                if self.read_only_scripts
+                    && (e.starts_with("ERR unknown command")
+                        || Condition::of(&e) == Some(Condition::NoPerm)) =>
+            {
                 self.read_only_scripts = false;
-                return self.reports(key, max.parse().unwrap_or(0), waiter);
+                let read = self.reports(key, max.parse().unwrap_or(0), waiter);
+                if matches!(&read, Ok(Err(again)) if Condition::of(again) == Some(Condition::NoPerm)) {
+                    self.read_only_scripts = true;
+                }
+                return read;
             }
             // The list's own fault (WRONGTYPE: the key is not a list), or
             // an ACL denying the script or the key (NOPERM): the read is
             // refused, the connection and the pushes go on.
-            Reply::Error(e) if Condition::of(&e).is_none_or(|c| c == Condition::NoPerm) => return Ok(Err(e)),
+            Reply::Error(e) if Condition::of(&e).is_none_or(|c| c == Condition::NoPerm) => {
+                return Ok(Err(broker_text(&e)))
+            }
             reply => self.answer(reply)?,
         };
         match reply {
@@ -277,8 +290,20 @@ impl RedisSink {
 
     /// Drops the first `n` reports of list `key`, once they are recorded.
     /// Workers only append, so these are the ones [`Sink::reports`] read.
-    pub fn forget_reports(&mut self, key: &str, n: usize, waiter: &mut dyn Wait) -> Result<(), SinkError> {
-        self.call_expecting(&["LTRIM", key, &n.to_string(), "-1"], "OK", waiter)
+    /// The inner error is an ACL denying the trim (NOPERM): the read's
+    /// refusal, the connection stays.
+    pub fn forget_reports(
+        &mut self,
+        key: &str,
+        n: usize,
+        waiter: &mut dyn Wait,
+    ) -> Result<Result<(), String>, SinkError> {
+        match self.exchange_within(&["LTRIM", key, &n.to_string(), "-1"], Limits::REPLY, waiter)? {
+            Reply::Status(status) if status == "OK" => Ok(Ok(())),
+            Reply::Error(e) if Condition::of(&e) == Some(Condition::NoPerm) => Ok(Err(broker_text(&e))),
+            reply @ Reply::Error(_) => self.answer(reply).map(|_| Ok(())),
+            other => Err(self.fail(not_redis(&format!("LTRIM answered {}", other.describe())))),
+        }
     }
 
     /// One command, one round trip within the timeout, whose reply must be
@@ -734,7 +759,7 @@ mod tests {
         let mut more = Vec::new();
         resp::command(&mut more, &["RPUSH", "r", "d"]);
         run(&mut sink, &more, 1);
-        sink.forget_reports("r", first.len(), &mut Poll).unwrap();
+        sink.forget_reports("r", first.len(), &mut Poll).unwrap().unwrap();
         assert_eq!(sink.reports("r", 10, &mut Poll).unwrap().unwrap(), [b"c".to_vec(), b"d".to_vec()]);
         // A report over the limit never travels: it reads as empty.
         let huge = "x".repeat(report::MAX_REPORT_BYTES + 1);

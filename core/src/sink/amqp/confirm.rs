@@ -4,12 +4,21 @@
 //!
 //! What belongs to one queue or one message fails those alone, and the
 //! others go out in the same round trip:
-//! - a queue the broker will not let be declared (a permission) closes
-//!   the channel: that queue's messages fail with its reason;
-//! - a channel closed while publishing, naming an exchange (deleted, not
-//!   writable) or a size (`max_message_size`, which the connection then
-//!   keeps to), fails the messages it names; the channel is opened again
-//!   and the rest published again;
+//! - a queue the broker will not let be declared closes the channel: for
+//!   a reason of the destination's own (403 ACCESS_REFUSED, 406
+//!   PRECONDITION_FAILED), that queue's messages fail with it; for any
+//!   other (404 after the active declaration: a classic queue whose home
+//!   node is down; 5xx), they are refused as the broker's condition, no
+//!   retry spent;
+//! - a channel closed while publishing, naming an exchange not writable
+//!   (403) or a size (`max_message_size`, which the connection then keeps
+//!   to), fails the messages it names; one naming an exchange deleted
+//!   since it was declared (404) refuses them (the broker's condition: it
+//!   is declared again); the channel is opened again and the rest
+//!   published again. A size is believed only in RabbitMQ's
+//!   own words (406, "message size N is larger than [configured] max size
+//!   M"), when N is the body of a message of that round trip and M is at
+//!   least [`MIN_MAX_BODY`];
 //! - a `basic.return` (no queue bound) fails that message;
 //! - a `basic.nack` (a queue that rejects publishes when full, or one
 //!   that cannot take the message) is taken for the broker's condition
@@ -27,6 +36,7 @@ use amq_protocol::protocol::{basic, AMQPClass};
 use amq_protocol::types::ShortString;
 
 use crate::link::Wait;
+use crate::sink::errors::broker_text;
 use crate::sink::plan::RoundTrip;
 use crate::sink::{Condition, Delivery, KeyBatch, SinkError};
 
@@ -36,6 +46,11 @@ use super::{protocol, publishable_queue, Fault, QueueShape, BASIC, FRAME_OVERHEA
 
 /// Messages refused once remembered at most, per dispatcher.
 const REFUSALS_KEPT: usize = 10_000;
+
+/// The smallest `max_message_size` believed: below it, a channel closed
+/// naming a limit is no broker's (RabbitMQ takes far larger messages), and
+/// every message would fail before it is sent.
+const MIN_MAX_BODY: usize = 4096;
 
 /// Messages the broker refused (`basic.nack`), by task id, until they are
 /// refused again or delivered.
@@ -102,16 +117,37 @@ enum Blame {
 }
 
 impl Blame {
-    fn of(why: &str) -> Option<Blame> {
-        if why.contains("larger than") {
-            let size = why.rsplit_once("max size ")?.1;
-            let digits = size.find(|c: char| !c.is_ascii_digit()).unwrap_or(size.len());
-            return size[..digits].parse().ok().map(Blame::LargerThan);
+    /// What `why` (the reply code, then the text) blames, when it is one
+    /// of RabbitMQ's own answers to a publish: a size only when it is the
+    /// body of a message `sent` in the round trip, above a limit no lower
+    /// than [`MIN_MAX_BODY`].
+    fn of(why: &str, sent: &[usize]) -> Option<Blame> {
+        if let Some(said) = why.strip_prefix("406 PRECONDITION_FAILED - message size ") {
+            let (size, limit) = said
+                .split_once(" is larger than configured max size ")
+                .or_else(|| said.split_once(" is larger than max size "))?;
+            let number = |digits: &str| {
+                (!digits.is_empty() && digits.len() < 20 && digits.bytes().all(|b| b.is_ascii_digit()))
+                    .then(|| digits.parse::<usize>().ok())
+                    .flatten()
+            };
+            let (size, limit) = (number(size)?, number(limit)?);
+            let believed = size > limit && limit >= MIN_MAX_BODY && sent.contains(&size);
+            return believed.then_some(Blame::LargerThan(limit));
         }
-        let (_, rest) = why.split_once("exchange '")?;
-        let (name, _) = rest.rsplit_once("' in vhost")?;
+        let named = match reply_code(why) {
+            404 => why.strip_prefix("404 NOT_FOUND - no exchange '")?,
+            403 => why.strip_prefix("403 ACCESS_REFUSED - access to exchange '")?,
+            _ => return None,
+        };
+        let (name, _) = named.rsplit_once("' in vhost")?;
         Some(Blame::Exchange(name.to_string()))
     }
+}
+
+/// The reply code a closed channel's reason starts with (0: none).
+fn reply_code(why: &str) -> u16 {
+    why.split(' ').next().and_then(|code| code.parse().ok()).unwrap_or(0)
 }
 
 impl Session {
@@ -184,9 +220,18 @@ impl Session {
             match self.declare(queue, shape, waiter, deadline) {
                 Ok(()) => {}
                 Err(Fault::Channel(PUBLISH, why)) => {
+                    let code = reply_code(&why);
                     let why =
                         format!("declaring queue \"{queue}\" ({}) and its exchange: {why}", shape.describe());
-                    trip.reject(|m| m.queue == queue, &why);
+                    match code {
+                        // The destination's own: a permission, arguments
+                        // or a type that differ.
+                        403 | 406 => trip.reject(|m| m.queue == queue, &why),
+                        // The broker's: 404 after the active declaration
+                        // (a classic queue whose home node is down), a
+                        // 5xx, anything else.
+                        _ => trip.refuse(|m| m.queue == queue, &why),
+                    };
                     self.open_publishing(waiter, deadline)
                         .map_err(|f| f.into_sink("opening the channel again"))?;
                 }
@@ -229,15 +274,26 @@ impl Session {
             for (index, returned) in confirms.returned.drain() {
                 trip.messages[index].delivery = Delivery::Rejected(returned);
             }
-            let blamed = match Blame::of(&why) {
+            let sent: Vec<usize> = sending.iter().map(|&i| trip.messages[i].body).collect();
+            let blamed = match Blame::of(&why, &sent) {
                 Some(Blame::LargerThan(max)) => {
                     self.max_body = (max, Some(why.clone()));
                     trip.reject(|m| m.body > max, &format!("RabbitMQ closed the channel over it: {why}"))
                 }
                 Some(Blame::Exchange(name)) => {
-                    self.declared.remove(&name);
+                    // As the reason quotes it (escaped).
+                    let named = |m: &Message<'_>| broker_text(m.queue) == name;
+                    if let Some(queue) = trip.messages.iter().find(|m| named(m)).map(|m| m.queue) {
+                        self.declared.remove(queue);
+                    }
+                    let code = reply_code(&why);
                     let why = format!("publishing to exchange \"{name}\": {why}");
-                    trip.reject(|m| m.queue == name, &why)
+                    match code {
+                        // Deleted since this connection declared it: the
+                        // broker's as it is now, declared again next time.
+                        404 => trip.refuse(named, &why),
+                        _ => trip.reject(named, &why),
+                    }
                 }
                 None => 0,
             };
@@ -368,7 +424,10 @@ impl Session {
                         format!(
                             "unroutable: RabbitMQ returned the message ({} {}): no queue is bound to exchange \"{}\" \
                              with routing key \"{}\"",
-                            returned.reply_code, returned.reply_text, returned.exchange, returned.routing_key
+                            returned.reply_code,
+                            broker_text(returned.reply_text.as_str()),
+                            broker_text(returned.exchange.as_str()),
+                            broker_text(returned.routing_key.as_str())
                         ),
                     );
                 }
@@ -394,9 +453,19 @@ impl Trip<'_> {
     /// Fails, for `why`, the unsent messages `blamed` names; returns how
     /// many.
     fn reject(&mut self, blamed: impl Fn(&Message<'_>) -> bool, why: &str) -> usize {
+        self.settle(blamed, || Delivery::Rejected(why.to_string()))
+    }
+
+    /// Refuses, for `why`, the unsent messages `blamed` names: the
+    /// broker's condition, not theirs. Returns how many.
+    fn refuse(&mut self, blamed: impl Fn(&Message<'_>) -> bool, why: &str) -> usize {
+        self.settle(blamed, || Delivery::Refused(Condition::ChannelClosed, why.to_string()))
+    }
+
+    fn settle(&mut self, blamed: impl Fn(&Message<'_>) -> bool, delivery: impl Fn() -> Delivery) -> usize {
         let mut n = 0;
         for message in self.messages.iter_mut().filter(|m| m.delivery == Delivery::Unsent && blamed(m)) {
-            message.delivery = Delivery::Rejected(why.to_string());
+            message.delivery = delivery();
             n += 1;
         }
         n
@@ -446,25 +515,80 @@ mod tests {
 
     #[test]
     fn a_closed_channel_is_blamed_on_what_it_names() {
+        let sent = [100, 9000, 200000000];
         assert_eq!(
-            Blame::of("406 PRECONDITION_FAILED - message size 2000 is larger than configured max size 1024"),
-            Some(Blame::LargerThan(1024))
+            Blame::of(
+                "406 PRECONDITION_FAILED - message size 9000 is larger than configured max size 8192",
+                &sent
+            ),
+            Some(Blame::LargerThan(8192))
         );
         assert_eq!(
-            Blame::of("406 PRECONDITION_FAILED - message size 200000000 is larger than max size 134217728"),
+            Blame::of(
+                "406 PRECONDITION_FAILED - message size 200000000 is larger than max size 134217728",
+                &sent
+            ),
             Some(Blame::LargerThan(134217728))
         );
         assert_eq!(
-            Blame::of("404 NOT_FOUND - no exchange 'orders' in vhost '/'"),
+            Blame::of("404 NOT_FOUND - no exchange 'orders' in vhost '/'", &sent),
             Some(Blame::Exchange("orders".into()))
         );
         assert_eq!(
-            Blame::of("403 ACCESS_REFUSED - access to exchange 'it's' in vhost 'v' refused for user 'u'"),
+            Blame::of(
+                "403 ACCESS_REFUSED - access to exchange 'it's' in vhost 'v' refused for user 'u'",
+                &sent
+            ),
             Some(Blame::Exchange("it's".into()))
         );
-        assert_eq!(Blame::of("406 PRECONDITION_FAILED - message size is larger than max size x"), None);
-        assert_eq!(Blame::of("541 INTERNAL_ERROR"), None);
-        assert_eq!(Blame::of("320 CONNECTION_FORCED - exchange 'x"), None);
+        assert_eq!(
+            Blame::of("406 PRECONDITION_FAILED - message size is larger than max size x", &sent),
+            None
+        );
+        assert_eq!(Blame::of("541 INTERNAL_ERROR", &sent), None);
+        assert_eq!(Blame::of("320 CONNECTION_FORCED - exchange 'x", &sent), None);
+    }
+
+    #[test]
+    fn a_size_limit_is_believed_only_in_rabbitmqs_words_about_a_body_sent() {
+        let sent = [100, 9000];
+        let of = |why: &str| Blame::of(why, &sent);
+        // Any other reply code, or other words.
+        assert_eq!(
+            of("541 INTERNAL_ERROR - message size 9000 is larger than configured max size 8192"),
+            None
+        );
+        assert_eq!(of("320 CONNECTION_FORCED - larger than anything, max size 4096"), None);
+        assert_eq!(of("406 PRECONDITION_FAILED - it is larger than you think; max size 5000"), None);
+        assert_eq!(
+            of("406 PRECONDITION_FAILED - message size 9000 is larger than configured max size 8192 ok"),
+            None
+        );
+        // A size no message of the round trip had.
+        assert_eq!(
+            of("406 PRECONDITION_FAILED - message size 9001 is larger than configured max size 8192"),
+            None
+        );
+        // A limit no smaller than the size, or below any broker's.
+        assert_eq!(
+            of("406 PRECONDITION_FAILED - message size 9000 is larger than configured max size 9000"),
+            None
+        );
+        assert_eq!(
+            of("406 PRECONDITION_FAILED - message size 100 is larger than configured max size 10"),
+            None
+        );
+        assert_eq!(
+            of("406 PRECONDITION_FAILED - message size 9000 is larger than configured max size 4095"),
+            None
+        );
+        assert_eq!(
+            of("406 PRECONDITION_FAILED - message size 9000 is larger than configured max size 4096"),
+            Some(Blame::LargerThan(4096))
+        );
+        // An exchange, only with its reply code.
+        assert_eq!(of("406 PRECONDITION_FAILED - no exchange 'orders' in vhost '/'"), None);
+        assert_eq!(of("541 INTERNAL_ERROR - access to exchange 'orders' in vhost '/' refused"), None);
     }
 
     #[test]

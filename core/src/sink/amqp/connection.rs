@@ -5,10 +5,13 @@
 //!
 //! An alarm (`connection.blocked`: memory or disk) is a pause: the broker
 //! stops reading from the connection until `connection.unblocked`. The
-//! connection stays; every wait meanwhile runs to the pause's own deadline
-//! (`BrokerConfig::pause_limit`), in waits on the socket and the caller's
-//! latch, and the caller is told ([`Wait::paused`]). Once it lifts, the
-//! operation under way has a fresh timeout.
+//! connection stays; during a push, every wait meanwhile runs to the
+//! push's pause deadline ([`Session::pause_until`]: an instant fixed by
+//! the claim, which no alarm moves), in waits on the socket and the
+//! caller's latch, and the caller is told ([`Wait::paused`]). Once it
+//! lifts, the round trip under way has a fresh timeout, from the lift or
+//! the pause deadline, whichever is first. Outside a push, an alarm
+//! stretches nothing.
 
 use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -22,6 +25,7 @@ use crate::link::{Link, LinkError, Wait};
 
 use super::reports::ReportChannel;
 use super::{lost, protocol, Fault, FRAME_MAX, FRAME_OVERHEAD, MAX_BODY_BYTES, PUBLISH, REPORTS};
+use crate::sink::errors::broker_text;
 use crate::sink::{Condition, SinkError};
 
 /// How long a send waits on a socket the broker does not read before it
@@ -32,13 +36,29 @@ const LISTEN_EVERY: Duration = Duration::from_millis(200);
 /// Bytes read from a busy socket by one look between sends, at most.
 const LISTEN_BYTES: usize = 1 << 20;
 
+/// Bytes of frames a round trip's send may keep for later beyond the
+/// bytes it sends (what the broker may owe: a confirm or a return of each
+/// message sent, a close). A peer that sends more while the round trip is
+/// sent is no broker to trust.
+const ARRIVED_SLACK: usize = 64 << 10;
+
+/// What a frame kept costs at least, counted against that room: its
+/// bytes in memory, besides its size on the wire. (A confirm takes 21
+/// bytes on the wire, a message sent far more.)
+const FRAME_COST: usize = 128;
+
+/// The smallest `frame_max` AMQP 0-9-1 allows a peer to offer.
+pub(super) const MIN_FRAME_MAX: u32 = 4096;
+
 /// One open connection and what was set up on it.
 pub(super) struct Session {
     pub(super) link: Link,
     /// Bytes received and not yet framed: at most one frame and one read.
     inbox: Vec<u8>,
-    /// Frames read while sending, not yet taken.
-    arrived: VecDeque<AMQPFrame>,
+    /// Frames read while sending, not yet taken, and their sizes on the
+    /// wire; in all, `arrived_bytes`.
+    arrived: VecDeque<(AMQPFrame, usize)>,
+    arrived_bytes: usize,
     pub(super) frame_max: usize,
     /// The publish sequence number of the next message (confirm mode).
     pub(super) next_seq: u64,
@@ -49,9 +69,11 @@ pub(super) struct Session {
     pub(super) max_body: (usize, Option<String>),
     pub(super) reports: ReportChannel,
     alarm: Alarm,
-    /// `BrokerConfig::timeout` and `pause_limit`.
+    /// `BrokerConfig::timeout`.
     timeout: Duration,
-    pause_limit: Duration,
+    /// During a push: how long an alarm may pause it, at most (derived
+    /// from the claim: no alarm moves it). `None`: no pause is waited for.
+    pub(super) pause_until: Option<Instant>,
 }
 
 /// The broker's alarms, as this connection saw them.
@@ -60,18 +82,18 @@ enum Alarm {
     /// `connection.blocked`: the broker reads nothing from this connection.
     Blocked {
         reason: String,
-        since: Instant,
     },
     /// `connection.unblocked`, at this instant.
     Lifted(Instant),
 }
 
 impl Session {
-    pub(super) fn new(link: Link, timeout: Duration, pause_limit: Duration) -> Session {
+    pub(super) fn new(link: Link, timeout: Duration) -> Session {
         Session {
             link,
             inbox: Vec::new(),
             arrived: VecDeque::new(),
+            arrived_bytes: 0,
             frame_max: FRAME_MAX as usize,
             next_seq: 1,
             declared: HashSet::new(),
@@ -79,7 +101,7 @@ impl Session {
             reports: ReportChannel::default(),
             alarm: Alarm::Clear,
             timeout,
-            pause_limit,
+            pause_until: None,
         }
     }
 
@@ -108,7 +130,7 @@ impl Session {
                 )))
             }
         };
-        let mechanisms = String::from_utf8_lossy(start.mechanisms.as_bytes()).to_string();
+        let mechanisms = broker_text(&String::from_utf8_lossy(start.mechanisms.as_bytes()));
         if !mechanisms.split_whitespace().any(|m| m == "PLAIN") {
             return Err(SinkError::Connect(format!(
                 "the broker offers no PLAIN authentication (it offers {mechanisms})"
@@ -141,6 +163,14 @@ impl Session {
         };
         let frame_max = match tune.frame_max {
             0 => FRAME_MAX,
+            // No content header fits: every message would fail as its own
+            // fault. The broker's.
+            offered @ ..MIN_FRAME_MAX => {
+                return Err(SinkError::Connect(format!(
+                    "the broker offers frame_max {offered}, below AMQP's minimum of {MIN_FRAME_MAX} bytes \
+                     (its frame_max setting)"
+                )))
+            }
             offered => offered.min(FRAME_MAX),
         };
         self.frame_max = frame_max as usize;
@@ -253,6 +283,7 @@ impl Session {
         deadline: Instant,
     ) -> Result<(), SinkError> {
         let mut sent = 0;
+        let room = bytes.len().saturating_add(ARRIVED_SLACK);
         loop {
             let until = self.stretch(deadline);
             let slice = until.min(Instant::now() + LISTEN_EVERY);
@@ -269,13 +300,15 @@ impl Session {
                 Err(LinkError::Timeout) => return Err(self.expired()),
                 Err(e) => return Err(lost(e)),
             }
-            self.listen(waiter)?;
+            self.listen(waiter, room)?;
         }
     }
 
     /// Reads and frames what the broker sent, without waiting: alarms are
-    /// noted, other frames kept in order for [`Session::frame`].
-    fn listen(&mut self, waiter: &mut dyn Wait) -> Result<(), SinkError> {
+    /// noted and heartbeats dropped, other frames kept in order for
+    /// [`Session::frame`], at most `room` bytes of them (more is a
+    /// protocol error: memory stays bounded whatever the peer sends).
+    fn listen(&mut self, waiter: &mut dyn Wait, room: usize) -> Result<(), SinkError> {
         let mut read = 0;
         while read < LISTEN_BYTES {
             let before = self.inbox.len();
@@ -285,9 +318,23 @@ impl Session {
                 Err(LinkError::Timeout) => break,
                 Err(e) => return Err(lost(e)),
             }
-            while let Some(frame) = self.take_frame()? {
-                if let Some(frame) = self.note_alarm(frame, waiter) {
-                    self.arrived.push_back(frame);
+            loop {
+                let before = self.inbox.len();
+                let Some(frame) = self.take_frame()? else { break };
+                let size = (before - self.inbox.len()).max(FRAME_COST);
+                match self.note_alarm(frame, waiter) {
+                    None | Some(AMQPFrame::Heartbeat) => {}
+                    Some(frame) => {
+                        self.arrived_bytes += size;
+                        if self.arrived_bytes > room {
+                            return Err(protocol(format!(
+                                "the broker sent more than {room} bytes of frames while a round trip of \
+                                 {} bytes was being sent",
+                                room - ARRIVED_SLACK
+                            )));
+                        }
+                        self.arrived.push_back((frame, size));
+                    }
                 }
             }
         }
@@ -314,7 +361,8 @@ impl Session {
                     let _ = self.send(&[AMQPFrame::Method(0, ok)], waiter, deadline);
                     return Err(Fault::Sink(SinkError::ConnectionLost(format!(
                         "RabbitMQ closed the connection: {} {}",
-                        close.reply_code, close.reply_text
+                        close.reply_code,
+                        broker_text(close.reply_text.as_str())
                     ))));
                 }
                 AMQPFrame::Method(c, AMQPClass::Channel(channel::AMQPMethod::Close(close))) => {
@@ -333,7 +381,8 @@ impl Session {
                             continue;
                         }
                     }
-                    return Err(Fault::Channel(c, format!("{} {}", close.reply_code, close.reply_text)));
+                    let why = format!("{} {}", close.reply_code, broker_text(close.reply_text.as_str()));
+                    return Err(Fault::Channel(c, why));
                 }
                 AMQPFrame::Method(c, method) => return Ok((c, method)),
                 other => return Err(Fault::Sink(protocol(format!("unexpected {}", frame_kind(&other))))),
@@ -346,7 +395,8 @@ impl Session {
     /// its bytes are read.
     pub(super) fn frame(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<AMQPFrame, SinkError> {
         loop {
-            if let Some(frame) = self.arrived.pop_front() {
+            if let Some((frame, size)) = self.arrived.pop_front() {
+                self.arrived_bytes -= size;
                 return Ok(frame);
             }
             if let Some(frame) = self.take_frame()? {
@@ -369,17 +419,17 @@ impl Session {
     fn note_alarm(&mut self, frame: AMQPFrame, waiter: &mut dyn Wait) -> Option<AMQPFrame> {
         match frame {
             AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Blocked(blocked))) => {
-                let reason = blocked.reason.to_string();
-                waiter.paused(Some(&format!(
-                    "RabbitMQ blocked the connection: {reason}; publishing waits until it unblocks \
-                     (at most {}s)",
-                    self.pause_limit.as_secs()
-                )));
-                let since = match self.alarm {
-                    Alarm::Blocked { since, .. } => since,
-                    _ => Instant::now(),
-                };
-                self.alarm = Alarm::Blocked { reason, since };
+                let reason = broker_text(blocked.reason.as_str());
+                let left = self.pause_until.map(|until| until.saturating_duration_since(Instant::now()));
+                waiter.paused(Some(&match left {
+                    Some(left) => format!(
+                        "RabbitMQ blocked the connection: {reason}; publishing waits until it unblocks \
+                         (at most {}s more)",
+                        left.as_secs()
+                    ),
+                    None => format!("RabbitMQ blocked the connection: {reason}"),
+                }));
+                self.alarm = Alarm::Blocked { reason };
                 None
             }
             AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Unblocked(_))) => {
@@ -391,25 +441,31 @@ impl Session {
         }
     }
 
-    /// `deadline`, as the broker's alarm makes it: while blocked, the
-    /// pause's own; once unblocked, a fresh timeout from then.
+    /// `deadline`, as the broker's alarm makes it during a push: while
+    /// blocked, the push's pause deadline; once unblocked, a fresh timeout
+    /// from then (or from the pause deadline, if it passed). Neither moves
+    /// with the alarms: a block, an unblock and a block again wait no
+    /// longer than one block.
     fn stretch(&self, deadline: Instant) -> Instant {
-        match &self.alarm {
-            Alarm::Clear => deadline,
-            Alarm::Blocked { since, .. } => deadline.max(*since + self.pause_limit),
-            Alarm::Lifted(at) => deadline.max(*at + self.timeout),
+        match (&self.alarm, self.pause_until) {
+            (Alarm::Blocked { .. }, Some(until)) => deadline.max(until),
+            (Alarm::Lifted(at), Some(until)) => deadline.max((*at).min(until) + self.timeout),
+            _ => deadline,
         }
     }
 
     /// The failure of an operation whose (stretched) deadline passed.
     fn expired(&self) -> SinkError {
         match &self.alarm {
-            Alarm::Blocked { reason, .. } => SinkError::Refused(
+            Alarm::Blocked { reason } => SinkError::Refused(
                 Condition::Blocked,
-                format!(
-                    "RabbitMQ blocked the connection: {reason}, for longer than a push may wait ({}s)",
-                    self.pause_limit.as_secs()
-                ),
+                match self.pause_until {
+                    Some(_) => format!(
+                        "RabbitMQ blocked the connection: {reason}, for longer than a push may wait \
+                         (outbox.processing_timeout from the claim, less the longest push)"
+                    ),
+                    None => format!("RabbitMQ blocked the connection: {reason}, and did not answer in time"),
+                },
             ),
             _ => SinkError::Timeout,
         }
