@@ -115,7 +115,10 @@ struct Seen {
 /// Before the command: holds the database it needs alone, if any, and
 /// makes way.
 #[pg_guard]
-unsafe extern "C-unwind" fn before(statement: *mut pg_sys::Node, context: pg_sys::ProcessUtilityContext::Type) -> Seen {
+unsafe extern "C-unwind" fn before(
+    statement: *mut pg_sys::Node,
+    context: pg_sys::ProcessUtilityContext::Type,
+) -> Seen {
     let mut seen = Seen { drops_this_extension: drops_this_extension(statement), held: false };
     let Some(database) = needed_alone(statement, context) else {
         return seen;
@@ -247,9 +250,12 @@ unsafe fn needed_alone(
     }
     // All but a rename refuse to run in a transaction block, or anywhere
     // but at the top level (a function's EXECUTE).
-    let alone = context == pg_sys::ProcessUtilityContext::PROCESS_UTILITY_TOPLEVEL && !pg_sys::IsTransactionBlock();
+    let alone =
+        context == pg_sys::ProcessUtilityContext::PROCESS_UTILITY_TOPLEVEL && !pg_sys::IsTransactionBlock();
     let (name, command): (*mut c_char, Command) = match (*statement).type_ {
-        pg_sys::NodeTag::T_DropdbStmt if alone => ((*statement.cast::<pg_sys::DropdbStmt>()).dbname, Command::Drop),
+        pg_sys::NodeTag::T_DropdbStmt if alone => {
+            ((*statement.cast::<pg_sys::DropdbStmt>()).dbname, Command::Drop)
+        }
         pg_sys::NodeTag::T_RenameStmt => {
             let rename = statement.cast::<pg_sys::RenameStmt>();
             if (*rename).renameType != pg_sys::ObjectType::OBJECT_DATABASE {
@@ -311,7 +317,10 @@ unsafe fn copy_options(list: *mut pg_sys::List) -> Option<(*mut c_char, CopyOpti
             }
             b"strategy" => {
                 let strategy = CStr::from_ptr(pg_sys::defGetString(option));
-                if !["wal_log", "file_copy"].iter().any(|s| strategy.to_bytes().eq_ignore_ascii_case(s.as_bytes())) {
+                if !["wal_log", "file_copy"]
+                    .iter()
+                    .any(|s| strategy.to_bytes().eq_ignore_ascii_case(s.as_bytes()))
+                {
                     return None;
                 }
             }
@@ -333,7 +342,8 @@ unsafe fn permitted(database: pg_sys::Oid, command: &Command) -> bool {
         return false;
     };
     let elsewhere = database != pg_sys::MyDatabaseId;
-    let name_free = |name: *const c_char| !name.is_null() && pg_sys::get_database_oid(name, true) == pg_sys::InvalidOid;
+    let name_free =
+        |name: *const c_char| !name.is_null() && pg_sys::get_database_oid(name, true) == pg_sys::InvalidOid;
     let may_create_in = |tablespace: *const c_char| {
         let target = pg_sys::get_tablespace_oid(tablespace, true);
         (target != pg_sys::InvalidOid && catalog::may_create_in(target)).then_some(target)
@@ -348,9 +358,8 @@ unsafe fn permitted(database: pg_sys::Oid, command: &Command) -> bool {
         Command::MoveTo { tablespace } => {
             elsewhere
                 && catalog::owns(database)
-                && may_create_in(*tablespace).is_some_and(|target| {
-                    target != info.tablespace && target != pg_sys::Oid::from(pg_sys::GLOBALTABLESPACE_OID)
-                })
+                && may_create_in(*tablespace)
+                    .is_some_and(|target| target != info.tablespace && target != pg_sys::GLOBALTABLESPACE_OID)
         }
         Command::CopyTo { name, options } => {
             catalog::may_create_databases()

@@ -69,8 +69,12 @@ pub unsafe fn may_create_in(tablespace: pg_sys::Oid) -> bool {
 
 #[cfg(not(feature = "pg15"))]
 pub unsafe fn may_create_in(tablespace: pg_sys::Oid) -> bool {
-    pg_sys::object_aclcheck(pg_sys::TableSpaceRelationId, tablespace, pg_sys::GetUserId(), pg_sys::ACL_CREATE as _)
-        == pg_sys::AclResult::ACLCHECK_OK
+    pg_sys::object_aclcheck(
+        pg_sys::TableSpaceRelationId,
+        tablespace,
+        pg_sys::GetUserId(),
+        pg_sys::ACL_CREATE as _,
+    ) == pg_sys::AclResult::ACLCHECK_OK
 }
 
 /// May the current role make `role` the owner of what it creates (be a
