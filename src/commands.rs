@@ -99,7 +99,8 @@ unsafe extern "C-unwind" fn process_utility(
 
 thread_local! {
     /// The databases this backend holds, each with the subtransaction that
-    /// took it, until that ends without committing or the transaction ends.
+    /// took it: until the rename that took it ends, or its transaction (or,
+    /// when it fails, its subtransaction).
     static HOLDING: RefCell<Vec<(pg_sys::SubTransactionId, Holding)>> = const { RefCell::new(Vec::new()) };
     static CALLBACKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
 }
@@ -108,8 +109,9 @@ thread_local! {
 #[repr(C)]
 struct Seen {
     drops_this_extension: bool,
-    /// It holds a database.
-    held: bool,
+    /// It holds a database until it ends (a rename, which may run in a
+    /// transaction block).
+    holds_to_its_end: bool,
 }
 
 /// Before the command: holds the database it needs alone, if any, and
@@ -119,7 +121,7 @@ unsafe extern "C-unwind" fn before(
     statement: *mut pg_sys::Node,
     context: pg_sys::ProcessUtilityContext::Type,
 ) -> Seen {
-    let mut seen = Seen { drops_this_extension: drops_this_extension(statement), held: false };
+    let mut seen = Seen { drops_this_extension: drops_this_extension(statement), holds_to_its_end: false };
     let Some(database) = needed_alone(statement, context) else {
         return seen;
     };
@@ -133,18 +135,20 @@ unsafe extern "C-unwind" fn before(
     }
     let subtransaction = pg_sys::GetCurrentSubTransactionId();
     HOLDING.with_borrow_mut(|holds| holds.push((subtransaction, holding)));
-    seen.held = true;
+    seen.holds_to_its_end = (*statement).type_ == pg_sys::NodeTag::T_RenameStmt;
     seen
 }
 
 /// After the command (not after an error: the end of the (sub)transaction
-/// frees a hold then). The hold ends with its command: what a rename in a
+/// frees a hold then). A rename's hold ends with it: what a rename in a
 /// transaction block still needs, its lock on the database keeps (a
-/// dispatcher connecting waits for the block to end), and holds never
-/// outlive the commands that need them.
+/// dispatcher connecting waits for the block to end), so no hold outlives
+/// the command that needs it. The others run in a transaction of their
+/// own, which ends right after them (the hold keeps the launcher from
+/// starting dispatchers for a database being dropped until it is gone).
 #[pg_guard]
 unsafe extern "C-unwind" fn after(seen: Seen) {
-    if seen.held {
+    if seen.holds_to_its_end {
         HOLDING.with_borrow_mut(|holds| holds.pop());
     }
     if seen.drops_this_extension {
@@ -153,8 +157,9 @@ unsafe extern "C-unwind" fn after(seen: Seen) {
     }
 }
 
-/// Frees the holds of a command that failed as its transaction ends. A
-/// backend that exits aborts its transaction first, which lands here too.
+/// Frees the holds as the transaction ends, committed or not: a `DROP
+/// DATABASE` has done its work by then. A backend that exits aborts its
+/// transaction first, which lands here too.
 #[pg_guard]
 unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
     use pg_sys::XactEvent::*;
