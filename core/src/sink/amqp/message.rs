@@ -147,22 +147,7 @@ mod tests {
     #[test]
     fn the_most_urgent_level_is_amqps_highest_priority() {
         let priority = |level: u8| {
-            let message = celery::TaskMessage {
-                id: uuid::Uuid::nil(),
-                task: "t",
-                queue: "q",
-                priority: level,
-                event_type: "e",
-                created_at: "2026-12-01T00:00:00Z",
-                payload: "{}",
-                args: None,
-                headers: None,
-                expires: None,
-                report_to: "",
-                send: uuid::Uuid::nil(),
-            };
-            let mut envelope = String::new();
-            celery::encode(&message, "host", uuid::Uuid::nil(), &mut envelope).unwrap();
+            let envelope = super::super::sample_envelope("q", level, "{}");
             outgoing(&envelope).unwrap().properties.priority().unwrap()
         };
         assert_eq!((priority(0), priority(3), priority(9)), (9, 6, 0));

@@ -359,6 +359,29 @@ impl AmqpSink {
     }
 }
 
+/// The unit tests' message: a Celery envelope for `queue` at `priority`
+/// with `payload`, under a fresh task id.
+#[cfg(test)]
+fn sample_envelope(queue: &str, priority: u8, payload: &str) -> String {
+    let message = crate::celery::TaskMessage {
+        id: uuid::Uuid::new_v4(),
+        task: "t",
+        queue,
+        priority,
+        event_type: "e",
+        created_at: "2026-12-01T00:00:00Z",
+        payload,
+        args: None,
+        headers: None,
+        expires: None,
+        report_to: "",
+        send: uuid::Uuid::nil(),
+    };
+    let mut envelope = String::new();
+    crate::celery::encode(&message, "host", uuid::Uuid::nil(), &mut envelope).unwrap();
+    envelope
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -614,24 +637,7 @@ mod tests {
 
     /// A message for `queue` whose body takes about `payload` bytes.
     fn message_for(queue: &str, payload: usize) -> String {
-        let payload = format!("{{\"blob\": \"{}\"}}", "x".repeat(payload));
-        let message = crate::celery::TaskMessage {
-            id: uuid::Uuid::new_v4(),
-            task: "t",
-            queue,
-            priority: 0,
-            event_type: "e",
-            created_at: "2026-12-01T00:00:00Z",
-            payload: &payload,
-            args: None,
-            headers: None,
-            expires: None,
-            report_to: "",
-            send: uuid::Uuid::nil(),
-        };
-        let mut envelope = String::new();
-        crate::celery::encode(&message, "host", uuid::Uuid::nil(), &mut envelope).unwrap();
-        envelope
+        sample_envelope(queue, 0, &format!("{{\"blob\": \"{}\"}}", "x".repeat(payload)))
     }
 
     fn in_a_while() -> Instant {
@@ -700,23 +706,7 @@ mod tests {
     }
 
     fn one_message() -> KeyBatch {
-        let message = crate::celery::TaskMessage {
-            id: uuid::Uuid::nil(),
-            task: "t",
-            queue: "q",
-            priority: 0,
-            event_type: "e",
-            created_at: "2026-12-01T00:00:00Z",
-            payload: "{}",
-            args: None,
-            headers: None,
-            expires: None,
-            report_to: "",
-            send: uuid::Uuid::nil(),
-        };
-        let mut envelope = String::new();
-        crate::celery::encode(&message, "host", uuid::Uuid::nil(), &mut envelope).unwrap();
-        KeyBatch { key: "q".into(), messages: vec![envelope] }
+        KeyBatch { key: "q".into(), messages: vec![sample_envelope("q", 0, "{}")] }
     }
 
     #[test]
