@@ -7,6 +7,7 @@ stays under the bound the README gives, a fast shutdown takes seconds, no
 process crashes, and once the real Redis is back every event is delivered,
 none failed, from the same dispatcher process."""
 
+import contextlib
 import socket
 import threading
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import Cluster, queued_ids, wait_until
+from harness import Cluster, Redis, queued_ids, wait_until
 
 # The dispatcher's own bound (core/src/resp.rs Limits: 64 KiB a reply, 17 MiB
 # for the report read) plus what a PostgreSQL backend uses anyway.
@@ -282,79 +283,63 @@ def test_a_push_cut_part_way_keeps_what_its_round_trips_confirmed(redis_server):
         proxy.close()
 
 
-def test_a_report_read_the_acl_denies_is_reported_once(redis_server):
-    """A Redis user whose ACL denies scripts (the report read is one): the
-    refusal is logged once, the connection stays (no reconnect each
-    collect), and events are pushed as usual."""
-    from harness import Redis
+@contextlib.contextmanager
+def acl_user(denied, **settings):
+    """A Redis whose dispatcher user may do everything but `denied`, and a
+    cluster pushing to it as that user."""
     redis = Redis(password="admin-pw")
-    redis.client().execute_command("ACL", "SETUSER", "pusher", "on", ">pusher-pw", "~*", "&*", "+@all", "-@scripting")
+    redis.client().execute_command("ACL", "SETUSER", "pusher", "on", ">pusher-pw", "~*", "&*", "+@all", denied)
     pg = Cluster(f"redis://pusher:pusher-pw@127.0.0.1:{redis.port}/0", reconnect_delay_min="100ms",
-                 reconnect_delay_max="200ms")
+                 reconnect_delay_max="200ms", **settings)
     try:
         pg.sql("CREATE EXTENSION outbox_dispatch")
-        ids = [str(r[0]) for r in pg.sql(
-            "SELECT outbox_enqueue('acl', '{}', queue => 'q_acl') FROM generate_series(1, 5)")]
-        wait_until(lambda: pg.count("dispatched") == 5, message="the events pushed")
-        wait_until(lambda: "refused to read the reports" in pg.log_text(), message="the refusal logged")
-        time.sleep(3)  # thirty collect cycles
-        log = pg.log_text()
-        assert log.count("refused to read the reports") == 1, log[-3000:]
-        assert "NOPERM" in log and "reconnecting" not in log, log[-3000:]
-        assert pg.value("SELECT coalesce(sum(value), 0) FROM outbox.metrics "
-                        "WHERE name = 'outbox_reconnects_total'") == 0
-        assert pg.value("SELECT bool_and(connected) FROM outbox.workers")
-        assert sorted(queued_ids(redis.client(), "q_acl")) == sorted(ids)
+        yield redis, pg
     finally:
         pg.close()
         redis.close()
 
 
-def test_reports_are_read_with_eval_when_the_acl_denies_eval_ro(redis_server):
+def assert_refused_once_and_pushing(pg, redis, queue):
+    """The refusal logged once, the connection kept, and events pushed."""
+    ids = [str(r[0]) for r in pg.sql(
+        "SELECT outbox_enqueue('acl', '{}', queue => %s) FROM generate_series(1, 5)", (queue,))]
+    wait_until(lambda: pg.count("dispatched") == 5, message="the events pushed")
+    time.sleep(3)  # thirty collect cycles
+    log = pg.log_text()
+    assert log.count("refused to read the reports") == 1, log[-3000:]
+    assert "NOPERM" in log and "reconnecting" not in log, log[-3000:]
+    assert pg.value("SELECT coalesce(sum(value), 0) FROM outbox.metrics "
+                    "WHERE name = 'outbox_reconnects_total'") == 0
+    assert pg.value("SELECT bool_and(connected) FROM outbox.workers")
+    assert sorted(queued_ids(redis.client(), queue)) == sorted(ids)
+
+
+def test_a_report_read_the_acl_denies_is_reported_once():
+    """A Redis user whose ACL denies scripts (the report read is one): the
+    refusal is logged once, the connection stays (no reconnect each
+    collect), and events are pushed as usual."""
+    with acl_user("-@scripting") as (redis, pg):
+        wait_until(lambda: "refused to read the reports" in pg.log_text(), message="the refusal logged")
+        assert_refused_once_and_pushing(pg, redis, "q_acl")
+
+
+def test_reports_are_read_with_eval_when_the_acl_denies_eval_ro():
     """An ACL that denies EVAL_RO and allows EVAL: the reports are read with
     EVAL (as on a Redis without EVAL_RO), not refused for good."""
-    from harness import Redis
-    redis = Redis(password="admin-pw")
-    redis.client().execute_command("ACL", "SETUSER", "pusher", "on", ">pusher-pw", "~*", "&*", "+@all", "-eval_ro")
-    pg = Cluster(f"redis://pusher:pusher-pw@127.0.0.1:{redis.port}/0", reconnect_delay_min="100ms",
-                 reconnect_delay_max="200ms", report_key="outbox_reports")
-    try:
-        pg.sql("CREATE EXTENSION outbox_dispatch")
+    with acl_user("-eval_ro", report_key="outbox_reports") as (redis, pg):
         reports = pg.report_list()
         redis.client().rpush(reports, b"not a report")
         wait_until(lambda: redis.client().llen(reports) == 0, message=f"the report read and trimmed "
                    f"({pg.log_text()[-2000:]})")
         log = pg.log_text()
         assert "refused to read the reports" not in log and "reconnecting" not in log, log[-3000:]
-    finally:
-        pg.close()
-        redis.close()
 
 
-def test_a_trim_the_acl_denies_is_the_reads_refusal(redis_server):
+def test_a_trim_the_acl_denies_is_the_reads_refusal():
     """An ACL that lets the reports be read but not trimmed (LTRIM): the
     refusal is logged once, like a read's; the connection stays (it was
     dropped at every collect)."""
-    from harness import Redis
-    redis = Redis(password="admin-pw")
-    redis.client().execute_command("ACL", "SETUSER", "pusher", "on", ">pusher-pw", "~*", "&*", "+@all", "-ltrim")
-    pg = Cluster(f"redis://pusher:pusher-pw@127.0.0.1:{redis.port}/0", reconnect_delay_min="100ms",
-                 reconnect_delay_max="200ms", report_key="outbox_reports")
-    try:
-        pg.sql("CREATE EXTENSION outbox_dispatch")
+    with acl_user("-ltrim", report_key="outbox_reports") as (redis, pg):
         redis.client().rpush(pg.report_list(), b"not a report")
         wait_until(lambda: "refused to read the reports" in pg.log_text(), message="the refusal logged")
-        ids = [str(r[0]) for r in pg.sql(
-            "SELECT outbox_enqueue('acl', '{}', queue => 'q_trim') FROM generate_series(1, 5)")]
-        wait_until(lambda: pg.count("dispatched") == 5, message="the events pushed")
-        time.sleep(3)
-        log = pg.log_text()
-        assert log.count("refused to read the reports") == 1, log[-3000:]
-        assert "NOPERM" in log and "reconnecting" not in log, log[-3000:]
-        assert pg.value("SELECT coalesce(sum(value), 0) FROM outbox.metrics "
-                        "WHERE name = 'outbox_reconnects_total'") == 0
-        assert pg.value("SELECT bool_and(connected) FROM outbox.workers")
-        assert sorted(queued_ids(redis.client(), "q_trim")) == sorted(ids)
-    finally:
-        pg.close()
-        redis.close()
+        assert_refused_once_and_pushing(pg, redis, "q_trim")
