@@ -410,7 +410,12 @@ impl Session {
                 return Err(self.expired());
             }
             waiter.check().map_err(|_| SinkError::Interrupted)?;
-            self.link.read_some(&mut self.inbox, waiter, until).map_err(lost)?;
+            match self.link.read_some(&mut self.inbox, waiter, until) {
+                Ok(()) => {}
+                // The deadline passed between the check above and the read.
+                Err(LinkError::Timeout) => return Err(self.expired()),
+                Err(e) => return Err(lost(e)),
+            }
         }
     }
 
