@@ -40,11 +40,11 @@ def log(*args):
 
 def enqueue(pg, n, queue, task="bench.noop"):
     pg.configure(enabled="off")
-    pg.sql("TRUNCATE outbox.events")
+    pg.sql("TRUNCATE outbox.log")
     with pg.connect() as conn:
         conn.execute("SELECT outbox_enqueue('bench', '{\"n\": 1}', queue => %s, task => %s) "
                      "FROM generate_series(1, %s)", (queue, task, n))
-        conn.execute("VACUUM ANALYZE outbox.events")
+        conn.execute("VACUUM ANALYZE outbox.log")
     pg.sql("CHECKPOINT")
 
 

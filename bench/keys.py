@@ -49,7 +49,7 @@ def full_loop(pg, redis, keyed):
     full loop): LOOP_EVENTS events, keyed round-robin over KEYS keys or
     not at all."""
     pg.configure(enabled="off")
-    pg.sql("TRUNCATE outbox.events")
+    pg.sql("TRUNCATE outbox.log")
     redis.client().flushall()
     worker = CeleryWorker(redis.url, queues=("bench_keys",), app="loop_app", pool="prefork", concurrency=2,
                           extra_args=("--prefetch-multiplier=100", "--loglevel=WARNING"))
@@ -60,7 +60,7 @@ def full_loop(pg, redis, keyed):
         with pg.connect() as conn:
             conn.execute(f"SELECT outbox_enqueue('bench.loop', '{{}}', queue => 'bench_keys', task => 'loop.noop', "
                          f"ordering_key => {key}) FROM generate_series(1, %s) AS g", (LOOP_EVENTS,))
-            conn.execute("VACUUM ANALYZE outbox.events")
+            conn.execute("VACUUM ANALYZE outbox.log")
         started = time.monotonic()
         pg.configure(enabled="on")
         while pg.count("processed") < LOOP_EVENTS:
@@ -76,7 +76,7 @@ def enqueue_rate(pg, keyed):
     """Events per second that one session enqueues, 1,000 per transaction,
     keyed over 1,000 keys or not (the dispatchers paused)."""
     pg.configure(enabled="off")
-    pg.sql("TRUNCATE outbox.events")
+    pg.sql("TRUNCATE outbox.log")
     key = "'k' || g" if keyed else "NULL"
     started = time.monotonic()
     with pg.connect() as conn:
@@ -89,7 +89,7 @@ def enqueue_rate(pg, keyed):
 def block_keys(pg, n):
     """`n` keys whose head is dead-lettered (outbox.key_on_failure =
     block), each with WAITING events behind it."""
-    pg.sql("TRUNCATE outbox.events")
+    pg.sql("TRUNCATE outbox.log")
     if n == 0:
         return
     with pg.connect() as conn:
@@ -101,7 +101,7 @@ def block_keys(pg, n):
                          "FROM generate_series(%s::int, %s::int) AS k, generate_series(0, %s::int) AS s ORDER BY k, s",
                          (first, min(first + 999, n), WAITING))
         conn.execute("UPDATE outbox.events SET status = 'failed', last_error = 'bench' WHERE key_state = 'head'")
-        conn.execute("VACUUM ANALYZE outbox.events")
+        conn.execute("VACUUM ANALYZE outbox.log")
 
 
 def drain(pg, redis, blocked):
@@ -113,7 +113,7 @@ def drain(pg, redis, blocked):
     with pg.connect() as conn:
         conn.execute("SELECT outbox_enqueue('bench', '{\"n\": 1}', queue => 'bench_drain') "
                      "FROM generate_series(1, %s)", (DRAIN_EVENTS,))
-        conn.execute("VACUUM ANALYZE outbox.events")
+        conn.execute("VACUUM ANALYZE outbox.log")
     pg.sql("CHECKPOINT")
     started = time.monotonic()
     pg.configure(enabled="on")

@@ -39,9 +39,9 @@ WINDOW = 10  # seconds per latency percentile
 RESULTS = ROOT / "bench" / "results"
 
 SAMPLE_SQL = """
-SELECT pg_relation_size('outbox.events'), pg_indexes_size('outbox.events'),
+SELECT pg_relation_size('outbox.log'), pg_indexes_size('outbox.events'),
        n_live_tup, n_dead_tup, autovacuum_count
-  FROM pg_stat_user_tables WHERE relid = 'outbox.events'::regclass"""
+  FROM pg_stat_user_tables WHERE relid = 'outbox.log'::regclass"""
 
 
 def log(*args):
@@ -137,7 +137,7 @@ def purge_capacity(pg):
     pg.configure(enabled="off")
     pg.sql(f"INSERT INTO outbox.events (event_type, status, dispatched_at) "
            f"SELECT 'old', 'dispatched', now() - interval '1 day' FROM generate_series(1, {PURGE_ROWS})")
-    pg.sql("VACUUM ANALYZE outbox.events")
+    pg.sql("VACUUM ANALYZE outbox.log")
     before = pg.metric("outbox_purged_total")
     started = time.monotonic()
     pg.configure(enabled="on")

@@ -4,7 +4,7 @@
 -- for its key's turn (it was never sent). Returns the event, and
 -- its key when it held it (it then passes it on: src/keys.rs). Served by
 -- the primary key.
-UPDATE outbox.events
+UPDATE outbox.log
    SET status = 'processed',
        processed_at = now()
  WHERE id = $1

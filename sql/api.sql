@@ -5,7 +5,7 @@
 -- object the database owner may have put in the extension's schema.
 SET LOCAL search_path = pg_catalog, pg_temp;
 
-ALTER TABLE outbox.events ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7();
+ALTER TABLE outbox.log ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7();
 
 -- Every insert path (outbox_enqueue() or an ORM's INSERT) wakes the
 -- dispatchers when its transaction commits. Once per statement, not per row;
@@ -13,7 +13,7 @@ ALTER TABLE outbox.events ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7
 -- statement. (An INSERT that then fails aborts the transaction, and with it
 -- the wake; one caught by a savepoint costs a spurious wake at most.)
 CREATE TRIGGER events_wake_dispatchers
-    BEFORE INSERT ON outbox.events
+    BEFORE INSERT ON outbox.log
     FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.outbox_events_inserted();
 
 -- Enqueue one event in the caller's transaction; returns its id, which is
@@ -263,21 +263,21 @@ WITH exact AS (
            coalesce(pg_catalog.now() - pg_catalog.min(e.available_at)
                         FILTER (WHERE e.available_at <= pg_catalog.now()),
                     interval '0') AS lag
-      FROM outbox.events AS e WHERE e.status = 'pending' AND e.key_state IS DISTINCT FROM 'waiting'
+      FROM outbox.log AS e WHERE e.status = 'pending' AND e.key_state IS DISTINCT FROM 'waiting'
     UNION ALL
     SELECT 'processing', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
-      FROM outbox.events AS e WHERE e.status = 'processing'
+      FROM outbox.log AS e WHERE e.status = 'processing'
     UNION ALL
     SELECT 'failed', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
-      FROM outbox.events AS e WHERE e.status = 'failed'
+      FROM outbox.log AS e WHERE e.status = 'failed'
 ), finished AS (
     SELECT 'dispatched'::outbox.event_status AS status, 'outbox.events_dispatched_idx' AS index_name,
            (SELECT pg_catalog.count(*)
-              FROM (SELECT FROM outbox.events AS e WHERE e.status = 'dispatched' LIMIT 1001) AS f) AS counted
+              FROM (SELECT FROM outbox.log AS e WHERE e.status = 'dispatched' LIMIT 1001) AS f) AS counted
     UNION ALL
     SELECT 'processed', 'outbox.events_processed_idx',
            (SELECT pg_catalog.count(*)
-              FROM (SELECT FROM outbox.events AS e WHERE e.status = 'processed' LIMIT 1001) AS f)
+              FROM (SELECT FROM outbox.log AS e WHERE e.status = 'processed' LIMIT 1001) AS f)
 )
 SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
        false AS estimated
@@ -309,7 +309,7 @@ CREATE VIEW outbox.dead_letters AS
 SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
        retry_count, last_error, created_at, deliveries, args, event_id, subscription_id,
        ordering_key, key_state IS NOT DISTINCT FROM 'head' AS holds_key
-  FROM outbox.events
+  FROM outbox.log
  WHERE status = 'failed';
 
 COMMENT ON VIEW outbox.dead_letters IS
@@ -323,7 +323,7 @@ COMMENT ON VIEW outbox.dead_letters IS
 CREATE VIEW outbox.unreported AS
 SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, e.dispatched_at,
        pg_catalog.now() - e.dispatched_at AS waiting, e.deliveries AS sends, e.event_id, e.subscription_id
-  FROM outbox.events AS e
+  FROM outbox.log AS e
  WHERE e.status = 'dispatched'
    AND e.dispatched_at < pg_catalog.now() - @extschema@.outbox_report_timeout();
 

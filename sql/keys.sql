@@ -51,11 +51,11 @@ $$;
 -- (key_seq or key_state unset: a retry of an event whose key went on
 -- without it, a hand edit) takes one.
 CREATE TRIGGER events_take_turn
-    BEFORE INSERT ON outbox.events
+    BEFORE INSERT ON outbox.log
     FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending')
     EXECUTE FUNCTION @extschema@.outbox_take_turn();
 CREATE TRIGGER events_take_turn_again
-    BEFORE UPDATE OF status, ordering_key, key_seq, key_state ON outbox.events
+    BEFORE UPDATE OF status, ordering_key, key_seq, key_state ON outbox.log
     FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending'
                        AND (NEW.key_seq IS NULL OR NEW.key_state IS NULL))
     EXECUTE FUNCTION @extschema@.outbox_take_turn();
@@ -75,18 +75,18 @@ SELECT h.ordering_key, h.subscription_id, h.id AS head, h.status,
        END AS since,
        h.last_error,
        (SELECT pg_catalog.count(*)
-          FROM outbox.events AS w
+          FROM outbox.log AS w
          WHERE w.key_state = 'waiting'
            AND w.ordering_key = h.ordering_key
            AND coalesce(w.subscription_id, 0) = coalesce(h.subscription_id, 0)) AS waiting
-  FROM outbox.events AS h
+  FROM outbox.log AS h
  WHERE h.key_state = 'head'
    AND NOT (h.status = 'pending' AND h.available_at <= pg_catalog.now())
 UNION ALL
 SELECT w.ordering_key, w.subscription_id, NULL, NULL, pg_catalog.min(w.available_at), NULL, pg_catalog.count(*)
-  FROM outbox.events AS w
+  FROM outbox.log AS w
  WHERE w.key_state = 'waiting'
-   AND NOT EXISTS (SELECT FROM outbox.events AS h
+   AND NOT EXISTS (SELECT FROM outbox.log AS h
                     WHERE h.key_state = 'head'
                       AND h.ordering_key = w.ordering_key
                       AND coalesce(h.subscription_id, 0) = coalesce(w.subscription_id, 0))

@@ -28,7 +28,7 @@ COMMENT ON SCHEMA outbox IS 'Transactional outbox: events delivered to Redis as 
 CREATE TYPE outbox.event_status AS ENUM
     ('pending', 'processing', 'dispatched', 'processed', 'failed');
 
-CREATE TABLE outbox.events (
+CREATE TABLE outbox.log (
     id                    uuid PRIMARY KEY,  -- default: outbox_uuid_v7(), set in api.sql
     event_type            text NOT NULL
                           CONSTRAINT events_event_type_length CHECK (octet_length(event_type) BETWEEN 1 AND 255),
@@ -92,12 +92,28 @@ WITH (
     autovacuum_vacuum_cost_delay = 1
 );
 
-COMMENT ON TABLE outbox.events IS
-    'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
+COMMENT ON TABLE outbox.log IS
+    'Outbox events as they were written; read and write them through the view outbox.events.';
 
 -- pg_dump keeps the events (undelivered ones above all): the table belongs
 -- to the extension, whose member tables are otherwise dumped empty.
-SELECT pg_catalog.pg_extension_config_dump('outbox.events', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.log', '');
+
+-- The name applications, ORMs and DBAs use. A view of one table, so
+-- PostgreSQL updates it by itself: an INSERT (RETURNING included), UPDATE
+-- or DELETE through it is one on outbox.log, with the table's defaults,
+-- constraints and triggers (its statement triggers too). It acts as its
+-- caller (security_invoker): a role needs the privilege on both, and the
+-- table's row-level security applies to it as to a statement on the table.
+CREATE VIEW outbox.events WITH (security_invoker = true) AS
+SELECT l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority, l.status, l.retry_count,
+       l.created_at, l.available_at, l.processing_started_at, l.dispatched_at, l.processed_at, l.last_error,
+       l.claimed_by, l.args, l.expires_at, l.event_id, l.subscription_id, l.routed_to, l.deliveries, l.send_id,
+       l.pending_xid, l.ordering_key, l.key_seq, l.key_state
+  FROM outbox.log AS l;
+
+COMMENT ON VIEW outbox.events IS
+    'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
 
 -- The claim. Each dispatcher scans pending events in the order their
 -- transactions made them pending, from where it got to (a dead entry left
@@ -106,9 +122,9 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.events', '');
 -- those it could not lock, and the earliest one still to come.
 -- An event waiting for its key's turn is in neither: however many wait
 -- behind blocked keys, the claim never reads them.
-CREATE INDEX events_pending_xid_idx ON outbox.events (pending_xid, id)
+CREATE INDEX events_pending_xid_idx ON outbox.log (pending_xid, id)
     WHERE status = 'pending' AND key_state IS DISTINCT FROM 'waiting';
-CREATE INDEX events_pending_idx ON outbox.events (available_at, id)
+CREATE INDEX events_pending_idx ON outbox.log (available_at, id)
     WHERE status = 'pending' AND key_state IS DISTINCT FROM 'waiting';
 -- An update that makes an event pending again (a retry, a release, a sweep,
 -- a DBA's UPDATE, its key's turn come) or moves when it falls due puts it
@@ -124,22 +140,22 @@ BEGIN
 END
 $$;
 CREATE TRIGGER events_pending_again
-    BEFORE INSERT OR UPDATE OF status, available_at, pending_xid, key_state ON outbox.events
+    BEFORE INSERT OR UPDATE OF status, available_at, pending_xid, key_state ON outbox.log
     FOR EACH ROW WHEN (NEW.status = 'pending' AND NEW.pending_xid <> pg_catalog.pg_current_xact_id())
     EXECUTE FUNCTION @extschema@.outbox_pending_again();
 -- Also where triggers are off for replication (a logical replication
 -- subscriber applying the rows of another server's history).
-ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER events_pending_again;
+ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again;
 
 -- Stuck claims, and the claims a restarted dispatcher releases.
-CREATE INDEX events_processing_idx ON outbox.events (processing_started_at, claimed_by)
+CREATE INDEX events_processing_idx ON outbox.log (processing_started_at, claimed_by)
     WHERE status = 'processing';
 -- Unacknowledged dispatched events.
-CREATE INDEX events_dispatched_idx ON outbox.events (dispatched_at) WHERE status = 'dispatched';
+CREATE INDEX events_dispatched_idx ON outbox.log (dispatched_at) WHERE status = 'dispatched';
 -- Dead letters.
-CREATE INDEX events_failed_idx ON outbox.events (created_at) WHERE status = 'failed';
+CREATE INDEX events_failed_idx ON outbox.log (created_at) WHERE status = 'failed';
 -- The lifecycle sweeper's deletes.
-CREATE INDEX events_processed_idx ON outbox.events (processed_at) WHERE status = 'processed';
+CREATE INDEX events_processed_idx ON outbox.log (processed_at) WHERE status = 'processed';
 
 -- Per-key order. The events of a key in key_seq order (those that took a
 -- turn: an event routed to subscriptions, a record, took none): its newest
@@ -147,24 +163,24 @@ CREATE INDEX events_processed_idx ON outbox.events (processed_at) WHERE status =
 -- head is the next to take it; both are the first entry a scan reads,
 -- however many finished events of the key are left behind.
 -- Unique: two rows of a key never share a turn.
-CREATE UNIQUE INDEX events_key_idx ON outbox.events (ordering_key, (coalesce(subscription_id, 0)), key_seq)
+CREATE UNIQUE INDEX events_key_idx ON outbox.log (ordering_key, (coalesce(subscription_id, 0)), key_seq)
     WHERE key_seq IS NOT NULL;
 -- Heads and waiting events, by key: outbox.blocked_keys, the metrics, and
 -- the dispatchers' sweep for keys left without a head.
-CREATE INDEX events_key_state_idx ON outbox.events (key_state, ordering_key, (coalesce(subscription_id, 0)), key_seq)
+CREATE INDEX events_key_state_idx ON outbox.log (key_state, ordering_key, (coalesce(subscription_id, 0)), key_seq)
     WHERE key_state IS NOT NULL;
 -- One head per key, whatever writes the row: a second head would be sent
 -- beside the first. (An insert that copies a head takes a turn of its own,
 -- outbox_take_turn() in sql/keys.sql; an UPDATE that would make a second
 -- head fails here.)
-CREATE UNIQUE INDEX events_key_head_idx ON outbox.events (ordering_key, (coalesce(subscription_id, 0)))
+CREATE UNIQUE INDEX events_key_head_idx ON outbox.log (ordering_key, (coalesce(subscription_id, 0)))
     WHERE key_state = 'head';
 -- key_seq: the order in which the transactions that enqueued for one key
 -- committed (each takes it under the key's lock, held to its commit).
 CREATE SEQUENCE outbox.key_seq;
 
 -- The deliveries of one event.
-CREATE INDEX events_event_id_idx ON outbox.events (event_id) WHERE event_id IS NOT NULL;
+CREATE INDEX events_event_id_idx ON outbox.log (event_id) WHERE event_id IS NOT NULL;
 
 -- Subscriptions: which tasks an event without a task goes to. Rows are
 -- never deleted (outbox_unsubscribe() stamps unsubscribed_at): deliveries

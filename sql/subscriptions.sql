@@ -49,7 +49,7 @@ BEGIN
            AND (s.event_type OPERATOR(pg_catalog.=) NEW.event_type
                 OR pg_catalog.starts_with(NEW.event_type, s.prefix))
     ), delivered AS (
-        INSERT INTO outbox.events (event_id, subscription_id, event_type, payload, args, queue, task,
+        INSERT INTO outbox.log (event_id, subscription_id, event_type, payload, args, queue, task,
                                    headers, priority, created_at, available_at, expires_at, ordering_key)
         SELECT NEW.id, m.id, NEW.event_type, NEW.payload, NEW.args, coalesce(m.queue, NEW.queue), m.task,
                coalesce(NEW.headers, '{}'::pg_catalog.jsonb) OPERATOR(pg_catalog.||)
@@ -84,7 +84,7 @@ $$;
 -- routed (deliveries and batches have a task; a restored dump's routed
 -- events have routed_to).
 CREATE TRIGGER events_route
-    BEFORE INSERT ON outbox.events
+    BEFORE INSERT ON outbox.log
     FOR EACH ROW WHEN (NEW.task IS NULL AND NEW.routed_to IS NULL)
     EXECUTE FUNCTION @extschema@.outbox_route();
 
@@ -93,7 +93,7 @@ CREATE TRIGGER events_route
 -- without a task costs what it did before subscriptions existed. The
 -- default function caches the answer per backend (src/subscriptions.rs);
 -- every change to the subscriptions drops the caches at its commit.
-ALTER TABLE outbox.events ALTER COLUMN routed_to SET DEFAULT @extschema@.outbox_routed_to_default();
+ALTER TABLE outbox.log ALTER COLUMN routed_to SET DEFAULT @extschema@.outbox_routed_to_default();
 
 CREATE TRIGGER all_subscriptions_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.all_subscriptions
@@ -253,7 +253,7 @@ CREATE VIEW outbox.deliveries AS
 SELECT e.event_id, e.subscription_id, e.task, e.id AS delivery_id, false AS batched,
        e.status::text AS status, e.retry_count, e.deliveries AS sends, e.last_error,
        e.dispatched_at, e.processed_at
-  FROM outbox.events AS e
+  FROM outbox.log AS e
  WHERE e.event_id IS NOT NULL
 UNION ALL
 SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
@@ -261,7 +261,7 @@ SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
        b.dispatched_at, b.processed_at
   FROM outbox.batch_members AS m
   JOIN outbox.all_subscriptions AS s ON s.id = m.subscription_id
-  LEFT JOIN outbox.events AS b ON b.id = m.batch_id;
+  LEFT JOIN outbox.log AS b ON b.id = m.batch_id;
 
 COMMENT ON VIEW outbox.deliveries IS
     'Per routed event and subscription: the delivery (or batch) that carries it, and its status.';

@@ -73,7 +73,7 @@ fn outbox_ack(id: pgrx::Uuid) -> bool {
     acked
 }
 
-/// BEFORE INSERT ... FOR EACH STATEMENT on `outbox.events`: every insert path,
+/// BEFORE INSERT ... FOR EACH STATEMENT on `outbox.log`: every insert path,
 /// `outbox_enqueue()` or an ORM's INSERT, wakes the dispatchers at commit,
 /// and NOTIFYs `outbox.notify_channel` when `outbox.notify` is on. A
 /// dispatcher's own inserts do neither (see [`wake::mute`]).

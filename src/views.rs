@@ -164,7 +164,7 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
     families.push((
         gauge(
             "outbox_events_dead_tuples",
-            "Dead row versions in outbox.events, as the statistics last counted them.",
+            "Dead row versions in outbox.log, as the statistics last counted them.",
         ),
         vec![Sample::new("outbox_events_dead_tuples", dead_tuples())],
     ));
@@ -238,12 +238,12 @@ struct KeyGauges {
 /// waiting events and of the heads, which a healthy outbox keeps small.
 fn key_gauges() -> KeyGauges {
     const QUERY: &str = "SELECT
-            (SELECT pg_catalog.count(*) FROM outbox.events WHERE key_state = 'waiting')::float8,
+            (SELECT pg_catalog.count(*) FROM outbox.log WHERE key_state = 'waiting')::float8,
             (SELECT pg_catalog.count(*) FROM (SELECT DISTINCT ordering_key, coalesce(subscription_id, 0)
-                                                FROM outbox.events WHERE key_state = 'waiting') AS k)::float8,
-            (SELECT pg_catalog.count(*) FROM outbox.events WHERE key_state = 'head' AND status = 'failed')::float8,
+                                                FROM outbox.log WHERE key_state = 'waiting') AS k)::float8,
+            (SELECT pg_catalog.count(*) FROM outbox.log WHERE key_state = 'head' AND status = 'failed')::float8,
             coalesce((SELECT pg_catalog.date_part('epoch', pg_catalog.now() - pg_catalog.min(available_at))
-                        FROM outbox.events WHERE key_state = 'head' AND available_at <= pg_catalog.now()), 0)";
+                        FROM outbox.log WHERE key_state = 'head' AND available_at <= pg_catalog.now()), 0)";
     Spi::connect(|client| {
         let row = client.select(QUERY, Some(1), &[])?.first();
         Ok::<_, pgrx::spi::SpiError>(KeyGauges {
@@ -264,8 +264,8 @@ fn purge_lag() -> f64 {
     let dispatched_too = config::ACK_TIMEOUT_S.get() == 0;
     let query = format!(
         "SELECT pg_catalog.date_part('epoch', pg_catalog.now() - LEAST(
-                (SELECT pg_catalog.min(processed_at) FROM outbox.events WHERE status = 'processed'),
-                (SELECT pg_catalog.min(dispatched_at) FROM outbox.events WHERE status = 'dispatched' AND {dispatched_too})))"
+                (SELECT pg_catalog.min(processed_at) FROM outbox.log WHERE status = 'processed'),
+                (SELECT pg_catalog.min(dispatched_at) FROM outbox.log WHERE status = 'dispatched' AND {dispatched_too})))"
     );
     let age = Spi::get_one::<f64>(&query)
         .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest finished event: {e}"))
@@ -292,12 +292,12 @@ fn oldest_transaction() -> f64 {
         .max(0.0)
 }
 
-/// `n_dead_tup` of `outbox.events`: what vacuum found it could not remove
+/// `n_dead_tup` of `outbox.log`: what vacuum found it could not remove
 /// yet, and what was deleted or updated since.
 fn dead_tuples() -> f64 {
-    const QUERY: &str = "SELECT pg_catalog.pg_stat_get_dead_tuples('outbox.events'::pg_catalog.regclass)";
+    const QUERY: &str = "SELECT pg_catalog.pg_stat_get_dead_tuples('outbox.log'::pg_catalog.regclass)";
     Spi::get_one::<i64>(QUERY)
-        .unwrap_or_else(|e| error!("outbox metrics: cannot read the dead tuples of outbox.events: {e}"))
+        .unwrap_or_else(|e| error!("outbox metrics: cannot read the dead tuples of outbox.log: {e}"))
         .unwrap_or(0) as f64
 }
 
@@ -346,7 +346,7 @@ fn status_samples() -> (Vec<Sample>, Vec<Sample>, f64) {
 
 /// One row per sample: the source of the view `outbox.metrics`. SECURITY
 /// DEFINER, so that a role with nothing but `pg_monitor` reads what the
-/// gauges need of `outbox.events` (no payload reaches it); the search_path
+/// gauges need of `outbox.log` (no payload reaches it); the search_path
 /// is pinned: a scrape must not resolve names through a path the database
 /// owner chose.
 #[pg_extern(volatile, parallel_safe, security_definer)]

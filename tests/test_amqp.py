@@ -48,7 +48,7 @@ def ob(amqp_cluster, rabbit, redis_server):
     """The AMQP cluster with an empty outbox and a RabbitMQ without queues."""
     amqp_cluster.sql("ALTER SYSTEM RESET ALL")
     amqp_cluster.configure(enabled="on")
-    amqp_cluster.sql("TRUNCATE outbox.events")
+    amqp_cluster.sql("TRUNCATE outbox.log")
     rabbit.reset()
     redis_server.client().flushdb()
     yield amqp_cluster
@@ -330,7 +330,7 @@ def test_reports_whose_recording_failed_are_read_again(ob, rabbit, redis_server,
         if queue_type == "quorum":
             assert "quorum" in rabbit.ctl("list_queues", "name", "type", "--quiet", "--no-table-headers")
         with ob.connect(autocommit=False) as lock:
-            lock.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+            lock.execute("LOCK TABLE outbox.log IN ACCESS EXCLUSIVE MODE")
             read_again(ob, rabbit, redis_server, ids, lock)
     finally:
         if queue_type == "quorum":

@@ -54,7 +54,7 @@ def loop(cluster, redis_server, workers):
     workers' own keys (kombu's bindings) must stay."""
     cluster.sql("ALTER SYSTEM RESET ALL")
     cluster.configure(enabled="on")
-    cluster.sql("TRUNCATE outbox.events")
+    cluster.sql("TRUNCATE outbox.log")
     yield cluster
 
 

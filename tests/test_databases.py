@@ -417,7 +417,7 @@ def test_utility_errors_keep_their_position_context_and_fields(server):
 
 def test_one_blocked_database_does_not_stall_another(server, redis_server):
     with server.connect(dbname="app_a", autocommit=False) as blocker:
-        blocker.execute("LOCK outbox.events IN ACCESS EXCLUSIVE MODE")
+        blocker.execute("LOCK outbox.log IN ACCESS EXCLUSIVE MODE")
         wait_until(lambda: "blocked" in [r[2] for r in dispatchers(server, "app_a")], timeout=30,
                    message="app_a's dispatchers blocked")
         [event] = enqueue(server, "app_b", "q_unblocked")

@@ -105,7 +105,7 @@ def test_no_wake_is_lost_across_pauses_reloads_and_brief_locks(redis_server):
                        message="paused dispatchers")
             pg.sql("SELECT outbox_enqueue('cycle', '{}', queue => %s) FROM generate_series(1, 3000)", (queue,))
             with pg.connect(autocommit=False) as locker:
-                locker.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+                locker.execute("LOCK TABLE outbox.log IN ACCESS EXCLUSIVE MODE")
                 pg.configure(enabled="on")
                 time.sleep(0.1 + 0.1 * (cycle % 4))
                 # A commit while they wait on the lock: its wake must count.
@@ -224,7 +224,7 @@ LAST = "ffffffff-ffff-ffff-ffff-ffffffffffff"
 def test_worker_queries_are_served_by_indexes(outbox):
     outbox.configure(enabled="off")
     outbox.sql("SELECT outbox_enqueue('e', '{}', queue => 'q_plan') FROM generate_series(1, 2000)")
-    outbox.sql("ANALYZE outbox.events")
+    outbox.sql("ANALYZE outbox.log")
     worker = ROOT / "sql" / "worker"
     by_id = ("events_pkey", "events_processing_idx")  # either serves a claimed batch
     # Per statement: its parameter types, sample arguments, and the indexes

@@ -53,8 +53,8 @@ def test_a_claim_costs_the_same_with_500000_dead_entries_ahead_of_it(redis_serve
         pg.configure(enabled="off")
         pg.sql("INSERT INTO outbox.events (event_type, queue) SELECT 'gone', 'q_gone' FROM generate_series(1, 500000)")
         pg.sql("UPDATE outbox.events SET status = 'dispatched', dispatched_at = now() WHERE queue = 'q_gone'")
-        pg.sql("VACUUM outbox.events")
-        wait_until(lambda: pg.value("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'events'") >= 500000,
+        pg.sql("VACUUM outbox.log")
+        wait_until(lambda: pg.value("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'log'") >= 500000,
                    message="vacuum to leave the dead rows in place")
         pg.configure(enabled="on")
         # The first claim walks them, once; later claims start past them.
@@ -191,7 +191,7 @@ def test_events_restored_from_a_busier_cluster_are_put_in_line(outbox, redis_ser
     client = redis_server.client()
     outbox.configure(sweep_interval="1s")
     with outbox.connect() as conn:
-        conn.execute("ALTER TABLE outbox.events DISABLE TRIGGER ALL")
+        conn.execute("ALTER TABLE outbox.log DISABLE TRIGGER ALL")
         try:
             future = conn.execute(
                 "INSERT INTO outbox.events (event_type, queue, pending_xid) "
@@ -199,8 +199,8 @@ def test_events_restored_from_a_busier_cluster_are_put_in_line(outbox, redis_ser
                 "                                + 1000000000)::text::xid8 "
                 "RETURNING id::text").fetchone()[0]
         finally:
-            conn.execute("ALTER TABLE outbox.events ENABLE TRIGGER ALL")
-            conn.execute("ALTER TABLE outbox.events ENABLE ALWAYS TRIGGER events_pending_again")
+            conn.execute("ALTER TABLE outbox.log ENABLE TRIGGER ALL")
+            conn.execute("ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again")
         after = enqueue(conn, "q_future")
     wait_until(lambda: after in queued_ids(client, "q_future"), message="an event after it")
     wait_until(lambda: future in queued_ids(client, "q_future"), timeout=60, message="the restored event")

@@ -17,8 +17,8 @@ import pytest
 
 from harness import PG_BIN, Cluster, as_postgres, queued_ids, wait_until
 
-CURRENT = "0.9.0"
-RELEASES = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0"]
+CURRENT = "0.10.0"
+RELEASES = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "0.9.0"]
 
 # Every object of the extension and everything owned by one of them (an
 # index, a view's rule, a default, a constraint, a trigger), then whatever

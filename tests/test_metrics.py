@@ -174,7 +174,7 @@ def test_status_is_exact_while_counting_is_cheap_and_costs_the_same_beyond(outbo
                "SELECT 'p', 'processed', now() - interval '1 day' FROM generate_series(1, 1000)")
     outbox.sql("INSERT INTO outbox.events (event_type, status, dispatched_at) "
                "SELECT 'd', 'dispatched', now() FROM generate_series(1, 999)")
-    outbox.sql("VACUUM ANALYZE outbox.events")
+    outbox.sql("VACUUM ANALYZE outbox.log")
     assert outbox.sql("SELECT status::text, count, estimated FROM outbox.status") == [
         ("pending", 10, False), ("processing", 0, False), ("dispatched", 999, False), ("processed", 1000, False),
         ("failed", 0, False)]
@@ -184,8 +184,8 @@ def test_status_is_exact_while_counting_is_cheap_and_costs_the_same_beyond(outbo
                "SELECT 'p', 'processed', now() - interval '1 day' FROM generate_series(1, 200000)")
     outbox.sql("INSERT INTO outbox.events (event_type, status, dispatched_at) "
                "SELECT 'd', 'dispatched', now() FROM generate_series(1, 50000)")
-    outbox.sql("VACUUM ANALYZE outbox.events")
-    table_pages = outbox.value("SELECT pg_relation_size('outbox.events') / current_setting('block_size')::int")
+    outbox.sql("VACUUM ANALYZE outbox.log")
+    table_pages = outbox.value("SELECT pg_relation_size('outbox.log') / current_setting('block_size')::int")
     with outbox.connect() as conn:
         for query in QUERIES:
             touched = buffers(conn, query)
@@ -204,7 +204,7 @@ def test_status_is_exact_while_counting_is_cheap_and_costs_the_same_beyond(outbo
     # A purge, then the vacuum that records it: counted again.
     outbox.configure(enabled="on", retention="1h", lifecycle_interval="1s")
     wait_until(lambda: outbox.count("processed") == 0, timeout=120, message="the processed events purged")
-    outbox.sql("VACUUM ANALYZE outbox.events")
+    outbox.sql("VACUUM ANALYZE outbox.log")
     assert outbox.sql("SELECT count, estimated FROM outbox.status WHERE status = 'processed'") == [(0, False)]
     # A restart keeps both kinds.
     before = outbox.sql("SELECT status, count, estimated FROM outbox.status")
@@ -224,7 +224,7 @@ def test_a_long_transaction_and_the_dead_rows_it_keeps_show_in_the_metrics(outbo
         assert outbox.metric("outbox_oldest_transaction_seconds") >= 2
         outbox.sql("SELECT outbox_enqueue('m', '{}', queue => 'q_dead') FROM generate_series(1, 100)")
         wait_until(lambda: outbox.count("dispatched") == 100, message="the events dispatched")
-        outbox.sql("VACUUM outbox.events")
+        outbox.sql("VACUUM outbox.log")
         # Claimed and marked: two dead versions each, which vacuum keeps.
         wait_until(lambda: outbox.metric("outbox_events_dead_tuples") >= 200, message="the dead rows counted")
     with outbox.connect() as conn:

@@ -251,7 +251,7 @@ def test_clients_that_give_up_early_share_one_query_and_leave_the_connection_ope
         since = monitor.log.stat().st_size
         results = []
         with monitor.connect(autocommit=False) as holder:
-            holder.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+            holder.execute("LOCK TABLE outbox.log IN ACCESS EXCLUSIVE MODE")
             locked = time.monotonic()
             clients = [threading.Thread(target=lambda: results.append(scrape_with(url, "0.6"))) for _ in range(6)]
             for t in clients:

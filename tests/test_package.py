@@ -26,12 +26,13 @@ def test_the_archive_installs_and_runs(redis_server):
                 "outbox_dispatch/report.py", "outbox_dispatch/py.typed"} <= set(python_package.namelist())
     with tempfile.TemporaryDirectory() as unpacked, tarfile.open(archive) as tar:
         names = {Path(n).name for n in tar.getnames()}
-        assert {"outbox_dispatch.so", "outbox_dispatch.control", "outbox_dispatch--0.9.0.sql", "outbox_dispatch--0.8.0.sql", "outbox_dispatch--0.7.0.sql", "outbox_dispatch--0.6.0.sql", "outbox_dispatch--0.5.0.sql",
+        assert {"outbox_dispatch.so", "outbox_dispatch.control", "outbox_dispatch--0.10.0.sql", "outbox_dispatch--0.9.0.sql", "outbox_dispatch--0.8.0.sql", "outbox_dispatch--0.7.0.sql", "outbox_dispatch--0.6.0.sql", "outbox_dispatch--0.5.0.sql",
                 "outbox_dispatch--0.4.0.sql", "outbox_dispatch--0.3.0.sql", "outbox_dispatch--0.2.0.sql", "outbox_dispatch--0.1.0.sql",
                 "outbox_dispatch--0.1.0--0.2.0.sql", "outbox_dispatch--0.2.0--0.3.0.sql",
                 "outbox_dispatch--0.3.0--0.4.0.sql", "outbox_dispatch--0.4.0--0.5.0.sql", "outbox_dispatch--0.5.0--0.6.0.sql",
                 "outbox_dispatch--0.6.0--0.7.0.sql",
-                "outbox_dispatch--0.7.0--0.8.0.sql", "outbox_dispatch--0.8.0--0.9.0.sql", "install.sh"} <= names
+                "outbox_dispatch--0.7.0--0.8.0.sql", "outbox_dispatch--0.8.0--0.9.0.sql",
+                "outbox_dispatch--0.9.0--0.10.0.sql", "install.sh"} <= names
         tar.extractall(unpacked)
         [top] = Path(unpacked).iterdir()
         # A server of another major is refused, and nothing is copied.

@@ -48,7 +48,7 @@ def roles(cluster):
         END $$""")
     cluster.sql(f"""
         GRANT USAGE ON SCHEMA outbox TO outbox_app;
-        GRANT INSERT ON outbox.events TO outbox_app;
+        GRANT INSERT ON outbox.events, outbox.log TO outbox_app;
         GRANT EXECUTE ON FUNCTION {ENQUEUE} TO outbox_app;
         GRANT EXECUTE ON FUNCTION outbox_ack(uuid) TO outbox_consumer""")
     return cluster
@@ -100,6 +100,18 @@ def test_pg_monitor_members_read_the_views_but_no_payloads(outbox, roles):
         denied(outbox, "outbox_watcher", query)
 
 
+def test_the_view_acts_as_its_caller(outbox, roles):
+    """outbox.events is a view of outbox.log that checks privileges as the
+    role using it: INSERT on the view alone is not enough, and nothing the
+    role may not do to the table is done through the view's owner."""
+    outbox.sql("CREATE ROLE outbox_view_only LOGIN; GRANT USAGE ON SCHEMA outbox TO outbox_view_only; "
+               "GRANT INSERT ON outbox.events TO outbox_view_only")
+    try:
+        denied(outbox, "outbox_view_only", "INSERT INTO outbox.events (event_type) VALUES ('e')")
+    finally:
+        outbox.sql("DROP OWNED BY outbox_view_only; DROP ROLE outbox_view_only")
+
+
 def test_an_ungranted_role_can_do_nothing(outbox, roles):
     for query in ["SELECT outbox_enqueue('e', '{}')", "INSERT INTO outbox.events (event_type) VALUES ('e')",
                   "TABLE outbox.status", "TABLE outbox.workers", "SELECT outbox_wake()",
@@ -109,9 +121,9 @@ def test_an_ungranted_role_can_do_nothing(outbox, roles):
 
 def test_row_level_security_does_not_hide_events_from_the_dispatchers(outbox, roles, redis_server):
     outbox.sql("""
-        ALTER TABLE outbox.events ENABLE ROW LEVEL SECURITY;
-        ALTER TABLE outbox.events FORCE ROW LEVEL SECURITY;
-        CREATE POLICY tenant_insert ON outbox.events FOR INSERT TO outbox_app
+        ALTER TABLE outbox.log ENABLE ROW LEVEL SECURITY;
+        ALTER TABLE outbox.log FORCE ROW LEVEL SECURITY;
+        CREATE POLICY tenant_insert ON outbox.log FOR INSERT TO outbox_app
             WITH CHECK (headers->>'tenant' = current_setting('app.tenant'))""")
     try:
         with as_role(outbox, "outbox_app") as conn:
@@ -123,9 +135,9 @@ def test_row_level_security_does_not_hide_events_from_the_dispatchers(outbox, ro
         wait_until(lambda: outbox.count("dispatched") == 1, message="the tenant's event marked")
     finally:
         outbox.sql("""
-            DROP POLICY tenant_insert ON outbox.events;
-            ALTER TABLE outbox.events NO FORCE ROW LEVEL SECURITY;
-            ALTER TABLE outbox.events DISABLE ROW LEVEL SECURITY""")
+            DROP POLICY tenant_insert ON outbox.log;
+            ALTER TABLE outbox.log NO FORCE ROW LEVEL SECURITY;
+            ALTER TABLE outbox.log DISABLE ROW LEVEL SECURITY""")
 
 
 # -- secrets, AUTH and TLS ----------------------------------------------------
@@ -347,13 +359,16 @@ def test_drop_and_create_extension_while_dispatchers_run(redis_server):
         pg.close()
 
 
+# (A grant taken back leaves an ACL written out where there was none: the
+# same privileges.)
 CATALOG_STATE = """
 SELECT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')',
        p.prosecdef, p.proconfig, p.proacl::text, md5(p.prosrc)
   FROM pg_proc p JOIN pg_depend d ON d.objid = p.oid AND d.deptype = 'e'
   JOIN pg_extension e ON e.oid = d.refobjid AND e.extname = 'outbox_dispatch'
 UNION ALL
-SELECT c.relname, NULL, c.reloptions, c.relacl::text, md5(coalesce(pg_get_viewdef(c.oid), ''))
+SELECT c.relname, NULL, c.reloptions, coalesce(c.relacl, acldefault('r', c.relowner))::text,
+       md5(coalesce(pg_get_viewdef(c.oid), ''))
   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = 'outbox'
 ORDER BY 1
 """
@@ -371,9 +386,11 @@ def test_upgrade_from_the_previous_version_keeps_events_flowing(redis_server):
         assert pg.count("pending") == 1
         pg.configure(enabled="off")
         second = pg.value("SELECT outbox_enqueue('pending', '{}', queue => 'q_upgrade')")
-        pg.sql("CREATE ROLE upgrade_app; GRANT EXECUTE ON FUNCTION "
-               "outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer) TO upgrade_app")
+        pg.sql("CREATE ROLE upgrade_app LOGIN; GRANT EXECUTE ON FUNCTION "
+               "outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer) TO upgrade_app; "
+               "GRANT USAGE ON SCHEMA outbox TO upgrade_app; GRANT INSERT ON outbox.events TO upgrade_app")
         pg.sql("ALTER EXTENSION outbox_dispatch UPDATE")
+
         # outbox_enqueue's new signature is a new function: the grant followed it.
         assert pg.value(f"SELECT has_function_privilege('upgrade_app', '{ENQUEUE}', 'EXECUTE')")
         pg.sql(f"REVOKE EXECUTE ON FUNCTION {ENQUEUE} FROM upgrade_app")
@@ -381,11 +398,21 @@ def test_upgrade_from_the_previous_version_keeps_events_flowing(redis_server):
         assert pg.sql("SELECT status::text, count, estimated FROM outbox.status") == [
             ("pending", 2, False), ("processing", 0, False), ("dispatched", 0, False), ("processed", 0, False),
             ("failed", 0, False)]
-        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "0.9.0"
+        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "0.10.0"
+        # The table became outbox.log, under the view outbox.events: the
+        # role may insert through the view as it did into the table.
+        assert pg.sql("SELECT relname::text, relkind::text FROM pg_class WHERE relnamespace = 'outbox'::regnamespace "
+                      "AND relname IN ('events', 'log') ORDER BY 1") == [("events", "v"), ("log", "r")]
+        with pg.connect(user="upgrade_app") as conn:
+            conn.execute("INSERT INTO outbox.events (event_type, queue) VALUES ('orm', 'q_upgrade_orm')")
+        pg.sql("REVOKE INSERT ON outbox.events, outbox.log FROM upgrade_app; "
+               "REVOKE USAGE ON SCHEMA outbox FROM upgrade_app")
         pg.configure(enabled="on")
         third = pg.value("SELECT outbox_enqueue('new', '{}', queue => 'q_upgrade')")
         wait_until(lambda: set(queued_ids(redis_server.client(), "q_upgrade")) == {str(first), str(second), str(third)},
                    message="events from before and after the update")
+        wait_until(lambda: len(queued_ids(redis_server.client(), "q_upgrade_orm")) == 1,
+                   message="the event inserted through the view")
 
         # An updated installation is the same as a fresh one.
         pg.sql("CREATE DATABASE fresh")

@@ -31,7 +31,7 @@ def subscriber(redis_server):
 def clear(pg):
     """Empties the tables. A dispatcher's flush locks them in another order;
     in a deadlock the dispatcher (deadlock_timeout 100ms) gives way."""
-    pg.sql("TRUNCATE outbox.events, outbox.batch_members, outbox.all_subscriptions")
+    pg.sql("TRUNCATE outbox.log, outbox.batch_members, outbox.all_subscriptions")
 
 
 @pytest.fixture
@@ -312,7 +312,7 @@ def test_only_the_owner_or_a_grantee_subscribes_and_any_writer_routes(subs, redi
     subs.sql("DROP ROLE IF EXISTS sub_writer")
     subs.sql("""CREATE ROLE sub_writer LOGIN;
                 GRANT USAGE ON SCHEMA outbox TO sub_writer;
-                GRANT INSERT ON outbox.events TO sub_writer;
+                GRANT INSERT ON outbox.events, outbox.log TO sub_writer;
                 GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer,
                                                          interval, jsonb, text) TO sub_writer""")
     try:

@@ -201,7 +201,7 @@ def test_a_table_lock_shows_in_workers_and_does_not_hold_up_shutdown(outbox, red
     ids = enqueue(outbox, 3, "q_locked")
     wait_until(lambda: len(queued_ids(redis_server.client(), "q_locked")) == 3, message="the first events")
     with outbox.connect(autocommit=False) as locker:
-        locker.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+        locker.execute("LOCK TABLE outbox.log IN ACCESS EXCLUSIVE MODE")
         outbox.sql("SELECT outbox_wake()")
         wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "blocked", timeout=30,
                    message="the dispatcher to show the lock")
@@ -218,7 +218,7 @@ def test_a_lock_held_during_shutdown_does_not_delay_it(redis_server):
         pg.sql("CREATE EXTENSION outbox_dispatch")
         pg.wait_idle()
         locker = pg.connect(autocommit=False)
-        locker.execute("LOCK TABLE outbox.events IN ACCESS EXCLUSIVE MODE")
+        locker.execute("LOCK TABLE outbox.log IN ACCESS EXCLUSIVE MODE")
         pg.sql("SELECT outbox_wake()")
         wait_until(lambda: pg.value("SELECT state FROM outbox.workers") == "blocked", timeout=30,
                    message="the dispatcher waiting on the lock")
@@ -353,7 +353,7 @@ def test_dispatchers_report_statistics_and_activity(outbox, redis_server):
 
     def updates():
         outbox.sql("SELECT pg_stat_clear_snapshot()")
-        return outbox.value("SELECT n_tup_upd FROM pg_stat_user_tables WHERE relid = 'outbox.events'::regclass")
+        return outbox.value("SELECT n_tup_upd FROM pg_stat_user_tables WHERE relid = 'outbox.log'::regclass")
 
     before = updates()
     enqueue(outbox, 1000, "q_stats")

@@ -7,7 +7,7 @@
 -- key's lock. Served by events_key_idx.
 SELECT NOT EXISTS (
     SELECT
-      FROM outbox.events AS e
+      FROM outbox.log AS e
      WHERE e.ordering_key OPERATOR(pg_catalog.=) $1
        AND coalesce(e.subscription_id, 0) OPERATOR(pg_catalog.=) $2
        AND e.key_seq IS NOT NULL

@@ -12,7 +12,7 @@
 -- let their key go, and how many events became heads.
 -- Served by events_key_idx and events_key_state_idx.
 WITH passed AS (
-    UPDATE outbox.events AS e
+    UPDATE outbox.log AS e
        SET key_state = NULL
      WHERE e.id OPERATOR(pg_catalog.=) ANY ($1::uuid[])
        AND e.key_state OPERATOR(pg_catalog.=) 'head'
@@ -25,7 +25,7 @@ WITH passed AS (
       FROM passed AS p
      CROSS JOIN LATERAL (
            SELECT w.id
-             FROM outbox.events AS w
+             FROM outbox.log AS w
             WHERE w.ordering_key OPERATOR(pg_catalog.=) p.ordering_key
               AND coalesce(w.subscription_id, 0) OPERATOR(pg_catalog.=) p.subscription
               AND w.key_seq OPERATOR(pg_catalog.>) p.key_seq
@@ -37,18 +37,18 @@ WITH passed AS (
            AS k(key, subscription)
      CROSS JOIN LATERAL (
            SELECT w.id
-             FROM outbox.events AS w
+             FROM outbox.log AS w
             WHERE w.key_state OPERATOR(pg_catalog.=) 'waiting'
               AND w.ordering_key OPERATOR(pg_catalog.=) k.key
               AND coalesce(w.subscription_id, 0) OPERATOR(pg_catalog.=) k.subscription
             ORDER BY w.key_seq
             LIMIT 1) AS n
-     WHERE NOT EXISTS (SELECT FROM outbox.events AS h
+     WHERE NOT EXISTS (SELECT FROM outbox.log AS h
                         WHERE h.key_state OPERATOR(pg_catalog.=) 'head'
                           AND h.ordering_key OPERATOR(pg_catalog.=) k.key
                           AND coalesce(h.subscription_id, 0) OPERATOR(pg_catalog.=) k.subscription)
 ), promoted AS (
-    UPDATE outbox.events AS e
+    UPDATE outbox.log AS e
        SET key_state = 'head',
            available_at = GREATEST(e.available_at, pg_catalog.now())
       FROM next

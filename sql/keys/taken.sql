@@ -4,7 +4,7 @@
 -- caller's isolation (src/keys.rs), under the key's lock. Served by
 -- events_key_idx: the scan reads the newest entry first.
 SELECT e.key_state IS NOT NULL
-  FROM outbox.events AS e
+  FROM outbox.log AS e
  WHERE e.ordering_key OPERATOR(pg_catalog.=) $1
    AND coalesce(e.subscription_id, 0) OPERATOR(pg_catalog.=) $2
    AND e.key_seq IS NOT NULL

@@ -10,7 +10,7 @@
 -- took one, and its key when it is its key's head (src/keys.rs: finished
 -- now, unless it failed and outbox.key_on_failure blocks); the rest were
 -- stale. Served by the primary key.
-UPDATE outbox.events AS e
+UPDATE outbox.log AS e
    SET status = r.outcome::outbox.event_status,
        processed_at = pg_catalog.now(),
        last_error = r.error,

@@ -39,7 +39,7 @@ WITH snapshot AS MATERIALIZED (
       FROM ROWS FROM (pg_catalog.unnest($10::pg_catalog.xid8[]), pg_catalog.unnest($11::uuid[])) AS b(xid, after)
 ), came_due AS MATERIALIZED (
     SELECT e.id
-      FROM outbox.events AS e
+      FROM outbox.log AS e
      WHERE e.status = 'pending'
        AND e.key_state IS DISTINCT FROM 'waiting'
        AND (e.available_at, e.id) > ($12, $13)
@@ -63,7 +63,7 @@ WITH snapshot AS MATERIALIZED (
       FROM segment AS g
      CROSS JOIN LATERAL (
            SELECT e.id
-             FROM outbox.events AS e
+             FROM outbox.log AS e
             WHERE e.status = 'pending'
               AND e.key_state IS DISTINCT FROM 'waiting'
               AND (e.pending_xid, e.id) > (g.after_xid, g.after_id)
@@ -83,7 +83,7 @@ WITH snapshot AS MATERIALIZED (
     UNION ALL
     SELECT segmented.segment, segmented.id FROM segmented
 ), claimed AS (
-    UPDATE outbox.events AS e
+    UPDATE outbox.log AS e
        SET status = 'processing',
            processing_started_at = coalesce($16, pg_catalog.now()),
            claimed_by = $2,

@@ -27,7 +27,7 @@ WITH subscription AS (
                       FOR UPDATE) AS m) AS m
      WHERE m.position = 1 OR m.running_bytes <= $3
 ), failed AS (
-    INSERT INTO outbox.events (id, event_type, payload, args, queue, task, headers, priority, available_at,
+    INSERT INTO outbox.log (id, event_type, payload, args, queue, task, headers, priority, available_at,
                                subscription_id, status, last_error)
     SELECT t.failed_id, s.event_type, '{}',
            pg_catalog.jsonb_build_array(pg_catalog.jsonb_build_array(

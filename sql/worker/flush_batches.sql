@@ -51,7 +51,7 @@ WITH due AS (
                       FOR UPDATE) AS m) AS m
      WHERE m.position = 1 OR m.running_bytes <= $1
 ), batch AS (
-    INSERT INTO outbox.events (event_type, payload, args, queue, task, headers, priority, available_at,
+    INSERT INTO outbox.log (event_type, payload, args, queue, task, headers, priority, available_at,
                                subscription_id)
     SELECT due.event_type, '{}', pg_catalog.jsonb_build_array(pg_catalog.jsonb_agg(
                pg_catalog.jsonb_build_object('id', t.event_id, 'event_type', t.event_type, 'payload', t.payload)

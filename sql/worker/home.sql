@@ -9,10 +9,10 @@ WITH adopted AS (
     UPDATE outbox.installed_in
        SET database = $1
      WHERE database <> $1
-       AND NOT EXISTS (SELECT FROM outbox.events WHERE status = 'pending' AND key_state IS DISTINCT FROM 'waiting')
-       AND NOT EXISTS (SELECT FROM outbox.events WHERE key_state = 'waiting')
-       AND NOT EXISTS (SELECT FROM outbox.events WHERE status = 'processing')
-       AND NOT EXISTS (SELECT FROM outbox.events WHERE status = 'dispatched')
+       AND NOT EXISTS (SELECT FROM outbox.log WHERE status = 'pending' AND key_state IS DISTINCT FROM 'waiting')
+       AND NOT EXISTS (SELECT FROM outbox.log WHERE key_state = 'waiting')
+       AND NOT EXISTS (SELECT FROM outbox.log WHERE status = 'processing')
+       AND NOT EXISTS (SELECT FROM outbox.log WHERE status = 'dispatched')
        AND NOT EXISTS (SELECT FROM outbox.batch_members WHERE batch_id IS NULL)
     RETURNING database
 )

@@ -3,7 +3,7 @@
 -- the heads of keys among them (src/keys.rs), which are finished now if
 -- nothing is to report or acknowledge them.
 WITH marked AS (
-    UPDATE outbox.events
+    UPDATE outbox.log
        SET status = 'dispatched',
            dispatched_at = pg_catalog.now(),
            deliveries = deliveries + 1,

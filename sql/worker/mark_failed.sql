@@ -6,7 +6,7 @@
 -- to go on. (Multi-argument unnest is syntax and cannot be qualified; the
 -- pinned search_path resolves it in pg_catalog.)
 WITH marked AS (
-    UPDATE outbox.events AS e
+    UPDATE outbox.log AS e
        SET status = f.status::outbox.event_status,
            retry_count = e.retry_count + 1,
            last_error = f.error,

@@ -8,7 +8,7 @@
 -- sides: an event due at 'infinity' gives Infinity, not an error.
 SELECT pg_catalog.date_part('epoch', LEAST(
     (SELECT pg_catalog.min(available_at)
-       FROM outbox.events
+       FROM outbox.log
       WHERE status = 'pending'
         AND key_state IS DISTINCT FROM 'waiting'
         AND available_at > pg_catalog.now()),

@@ -9,7 +9,7 @@
 -- events_dispatched_idx, and batch_members_batch_idx.
 WITH expired AS (
     (SELECT id
-       FROM outbox.events
+       FROM outbox.log
       WHERE status = 'processed'
         AND processed_at < pg_catalog.now() - $1 * interval '1 millisecond'
         AND ($4::timestamptz IS NULL OR processed_at >= $4)
@@ -17,7 +17,7 @@ WITH expired AS (
       LIMIT $2)
     UNION ALL
     (SELECT id
-       FROM outbox.events
+       FROM outbox.log
       WHERE $3
         AND status = 'dispatched'
         AND dispatched_at < pg_catalog.now() - $1 * interval '1 millisecond'
@@ -25,7 +25,7 @@ WITH expired AS (
       ORDER BY dispatched_at
       LIMIT $2)
 ), purged AS (
-    DELETE FROM outbox.events AS e
+    DELETE FROM outbox.log AS e
      USING (SELECT id FROM expired LIMIT $2) AS batch
      WHERE e.id = batch.id
     RETURNING e.id, e.status, e.processed_at, e.dispatched_at, e.subscription_id, e.event_id

@@ -9,7 +9,7 @@ WITH expired AS (
     SELECT id, consumer
       FROM outbox.inbox
      WHERE claimed_at < pg_catalog.now() - $1 * interval '1 millisecond'
-       AND NOT EXISTS (SELECT FROM outbox.events AS e
+       AND NOT EXISTS (SELECT FROM outbox.log AS e
                         WHERE e.id = inbox.id
                           AND e.status <> 'processed')
      ORDER BY claimed_at

@@ -2,7 +2,7 @@
 -- the events. $1: the events of claim ($2, $3). With $1 and $3 NULL, every
 -- event dispatcher $2 holds (run when a dispatcher starts: what it held
 -- before it died is nobody's now). Served by events_processing_idx.
-UPDATE outbox.events
+UPDATE outbox.log
    SET status = 'pending',
        processing_started_at = NULL,
        claimed_by = NULL

@@ -7,7 +7,7 @@
 -- read from its top.
 WITH future AS (
     SELECT id
-      FROM outbox.events
+      FROM outbox.log
      WHERE status = 'pending'
        AND key_state IS DISTINCT FROM 'waiting'
        AND pending_xid >= pg_catalog.pg_snapshot_xmax(pg_catalog.pg_current_snapshot())
@@ -15,7 +15,7 @@ WITH future AS (
      LIMIT $1
        FOR UPDATE SKIP LOCKED
 )
-UPDATE outbox.events AS e
+UPDATE outbox.log AS e
    SET pending_xid = pg_catalog.pg_current_xact_id()
   FROM future
  WHERE e.id = future.id

@@ -9,16 +9,16 @@
 -- a key without one), the key and its subscription (0: none). Served by
 -- events_key_state_idx.
 (SELECT h.id, h.ordering_key, coalesce(h.subscription_id, 0)
-   FROM outbox.events AS h
+   FROM outbox.log AS h
   WHERE h.key_state = 'head'
     AND (h.status = 'processed' OR (h.status = 'failed' AND $1) OR (h.status = 'dispatched' AND $2))
   LIMIT $3)
 UNION ALL
 (SELECT NULL, w.ordering_key, w.subscription
    FROM (SELECT DISTINCT e.ordering_key, coalesce(e.subscription_id, 0) AS subscription
-           FROM outbox.events AS e
+           FROM outbox.log AS e
           WHERE e.key_state = 'waiting') AS w
-  WHERE NOT EXISTS (SELECT FROM outbox.events AS h
+  WHERE NOT EXISTS (SELECT FROM outbox.log AS h
                      WHERE h.key_state = 'head'
                        AND h.ordering_key = w.ordering_key
                        AND coalesce(h.subscription_id, 0) = w.subscription)

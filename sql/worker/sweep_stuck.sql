@@ -3,13 +3,13 @@
 -- Served by events_processing_idx.
 WITH stuck AS (
     SELECT id
-      FROM outbox.events
+      FROM outbox.log
      WHERE status = 'processing'
        AND processing_started_at < pg_catalog.now() - $1 * interval '1 millisecond'
      LIMIT $2
        FOR UPDATE SKIP LOCKED
 )
-UPDATE outbox.events AS e
+UPDATE outbox.log AS e
    SET status = 'pending',
        processing_started_at = NULL,
        claimed_by = NULL

@@ -10,13 +10,13 @@
 -- Served by events_dispatched_idx.
 WITH unacked AS (
     SELECT id, deliveries > $3 AS exhausted, ordering_key IS NOT NULL AND key_state IS NULL AS passed
-      FROM outbox.events
+      FROM outbox.log
      WHERE status = 'dispatched'
        AND dispatched_at < pg_catalog.now() - $1 * interval '1 millisecond'
      LIMIT $2
        FOR UPDATE SKIP LOCKED
 )
-UPDATE outbox.events AS e
+UPDATE outbox.log AS e
    SET status = (CASE WHEN unacked.exhausted OR unacked.passed THEN 'failed' ELSE 'pending' END)::outbox.event_status,
        last_error = CASE WHEN unacked.passed
                          THEN 'not acknowledged, and not sent again: its key went on without it '

@@ -1,4 +1,4 @@
-//! The dispatcher's statements against `outbox.events` (the SQL is in
+//! The dispatcher's statements against `outbox.log` (the SQL is in
 //! sql/worker/). Each public function is one short transaction: no
 //! transaction is ever held open across broker I/O. A statement's error
 //! (a lock not granted within `lock_timeout`, say) rolls the transaction
@@ -132,7 +132,7 @@ impl std::fmt::Display for StoreError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             StoreError::Locked(e) => {
-                write!(f, "waiting for a lock on outbox.events held by another session: {e}")
+                write!(f, "waiting for a lock on outbox.log held by another session: {e}")
             }
             StoreError::Failed(e) => write!(f, "database error: {e}"),
         }
