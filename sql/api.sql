@@ -175,8 +175,8 @@ LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    -- send_id cleared: a report of the failed send, replayed, finishes
-    -- nothing (the next claim gives it a new one). An event with a key
+    -- Back in line: a report of the failed send, replayed, names a batch
+    -- that no longer holds it and finishes nothing. An event with a key
     -- that still holds it is its head again; one whose key went on
     -- without it (outbox.key_on_failure = continue, outbox_skip()) takes
     -- a new turn, behind the key's events (key_seq cleared: the trigger
@@ -185,9 +185,6 @@ BEGIN
        SET status = 'pending',
            retry_count = 0,
            available_at = pg_catalog.clock_timestamp(),
-           processing_started_at = NULL,
-           claimed_by = NULL,
-           send_id = NULL,
            key_seq = CASE WHEN e.key_state IS NULL THEN NULL ELSE e.key_seq END
      WHERE e.id = outbox_retry.id
        AND e.status = 'failed';
@@ -216,10 +213,7 @@ BEGIN
     UPDATE outbox.events AS e
        SET status = 'pending',
            retry_count = 0,
-           available_at = pg_catalog.clock_timestamp(),
-           processing_started_at = NULL,
-           claimed_by = NULL,
-           send_id = NULL
+           available_at = pg_catalog.clock_timestamp()
      WHERE e.status = 'failed'
        AND (e.ordering_key IS NULL OR e.key_state IS NOT NULL)
        AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than);
@@ -248,50 +242,101 @@ END
 $$;
 
 -- One row per status, zero counts included, at a cost that does not grow
--- with history: pending, processing and failed are counted exactly, each
--- through its partial index (they stay small in a healthy outbox, and they
--- are what matters); dispatched and processed, which grow with
--- outbox.retention, are counted exactly through their partial indexes up
--- to 1000 rows, and beyond that estimated from the index's statistics (as
--- of the last vacuum or analyze of outbox.events), and say so. Events
--- waiting for their key's turn are not pending here (they are in no index
--- of pending events; outbox.blocked_keys and the metrics count them).
+-- with history. Pending events (in line beyond where the claims have read,
+-- and out of line until they fall due), processing ones (the batches not
+-- marked) and failed ones are counted exactly, each through a small index.
+-- Dispatched and processed, which grow with outbox.retention, are counted
+-- exactly while at most 1000 batches are marked and at most 1000 events
+-- have an outcome, and beyond that estimated from the statistics of the
+-- last vacuum or analyze (outbox.log's rows less the others), and say so.
+-- Events waiting for their key's turn are not pending here (outbox.blocked_keys
+-- and the metrics count them).
 CREATE VIEW outbox.status AS
-WITH exact AS (
-    SELECT 'pending'::outbox.event_status AS status, pg_catalog.count(*) AS count,
-           pg_catalog.min(e.created_at) AS oldest_created_at,
-           coalesce(pg_catalog.now() - pg_catalog.min(e.available_at)
-                        FILTER (WHERE e.available_at <= pg_catalog.now()),
-                    interval '0') AS lag
-      FROM outbox.log AS e WHERE e.status = 'pending' AND e.key_state IS DISTINCT FROM 'waiting'
+WITH waiting AS (
+    -- In line, not read yet: the transactions the cursor's prev saw in
+    -- progress, and those from its xmax on, but what the window being read
+    -- has read.
+    SELECT e.created_at, e.available_at
+      FROM outbox.log AS e
+     WHERE e.status = 'pending'
+       AND e.key_state IS DISTINCT FROM 'waiting'
+       AND e.pending_xid = ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(c.prev) FROM outbox.cursor AS c))
+       AND NOT coalesce((SELECT pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
+                                AND (e.pending_xid, e.id)
+                                    <= (coalesce(c.after_xid, '0'::xid8),
+                                        coalesce(c.after_id, '00000000-0000-0000-0000-000000000000'::uuid))
+                           FROM outbox.cursor AS c), false)
     UNION ALL
-    SELECT 'processing', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
-      FROM outbox.log AS e WHERE e.status = 'processing'
+    SELECT e.created_at, e.available_at
+      FROM outbox.log AS e
+     WHERE e.status = 'pending'
+       AND e.key_state IS DISTINCT FROM 'waiting'
+       AND e.pending_xid >= (SELECT pg_catalog.pg_snapshot_xmax(c.prev) FROM outbox.cursor AS c)
+       AND NOT coalesce((SELECT pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
+                                AND (e.pending_xid, e.id)
+                                    <= (coalesce(c.after_xid, '0'::xid8),
+                                        coalesce(c.after_id, '00000000-0000-0000-0000-000000000000'::uuid))
+                           FROM outbox.cursor AS c), false)
+    UNION ALL
+    -- Out of line until due.
+    SELECT e.created_at, e.available_at
+      FROM outbox.log AS e
+     WHERE e.pending_xid IS NULL
+       AND e.status = 'pending'
+       AND e.key_state IS DISTINCT FROM 'waiting'
+), exact AS (
+    SELECT 'pending'::outbox.event_status AS status, pg_catalog.count(*) AS count,
+           pg_catalog.min(w.created_at) AS oldest_created_at,
+           coalesce(pg_catalog.now() - pg_catalog.min(w.available_at)
+                        FILTER (WHERE w.available_at <= pg_catalog.now()),
+                    interval '0') AS lag
+      FROM waiting AS w
+    UNION ALL
+    SELECT 'processing', coalesce(pg_catalog.sum(b.events), 0), NULL, NULL
+      FROM outbox.batches AS b WHERE b.marked_at IS NULL AND b.abandoned_at IS NULL
     UNION ALL
     SELECT 'failed', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
       FROM outbox.log AS e WHERE e.status = 'failed'
 ), finished AS (
-    SELECT 'dispatched'::outbox.event_status AS status, 'outbox.events_dispatched_idx' AS index_name,
-           (SELECT pg_catalog.count(*)
-              FROM (SELECT FROM outbox.log AS e WHERE e.status = 'dispatched' LIMIT 1001) AS f) AS counted
-    UNION ALL
-    SELECT 'processed', 'outbox.events_processed_idx',
-           (SELECT pg_catalog.count(*)
-              FROM (SELECT FROM outbox.log AS e WHERE e.status = 'processed' LIMIT 1001) AS f)
+    SELECT (SELECT pg_catalog.count(*)
+              FROM (SELECT FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL LIMIT 1001) AS f) AS batches,
+           (SELECT pg_catalog.count(*) FROM (SELECT FROM outbox.outcomes LIMIT 1001) AS f)
+           + (SELECT pg_catalog.count(*)
+                FROM (SELECT FROM outbox.log AS e WHERE e.status = 'processed' LIMIT 1001) AS f) AS processed
+), sent AS (
+    -- Exact while small: the members of the marked batches without an
+    -- outcome.
+    SELECT pg_catalog.count(*) AS dispatched
+      FROM outbox.batches AS b
+     CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
+     WHERE b.marked_at IS NOT NULL
+       AND (SELECT f.batches FROM finished AS f) <= 1000
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
+), estimate AS (
+    SELECT GREATEST((SELECT c.reltuples::bigint FROM pg_catalog.pg_class AS c
+                      WHERE c.oid = 'outbox.log'::pg_catalog.regclass)
+                    - (SELECT pg_catalog.sum(x.count) FROM exact AS x), 0) AS finished,
+           GREATEST((SELECT c.reltuples::bigint FROM pg_catalog.pg_class AS c
+                      WHERE c.oid = 'outbox.outcomes_pkey'::pg_catalog.regclass), 0) AS processed
 )
 SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
        false AS estimated
   FROM exact
 UNION ALL
-SELECT f.status,
-       CASE WHEN f.counted <= 1000 THEN f.counted ELSE GREATEST(c.reltuples::bigint, f.counted) END,
-       NULL, NULL, NULL, f.counted > 1000
-  FROM finished AS f
-  JOIN pg_catalog.pg_class AS c ON c.oid = pg_catalog.to_regclass(f.index_name)
+SELECT 'dispatched',
+       CASE WHEN f.batches <= 1000 THEN (SELECT s.dispatched FROM sent AS s)
+            ELSE GREATEST(e.finished - GREATEST(e.processed, f.processed), 0) END,
+       NULL, NULL, NULL, f.batches > 1000
+  FROM finished AS f, estimate AS e
+UNION ALL
+SELECT 'processed',
+       CASE WHEN f.processed <= 1000 THEN f.processed ELSE GREATEST(e.processed, f.processed) END,
+       NULL, NULL, NULL, f.processed > 1000
+  FROM finished AS f, estimate AS e
  ORDER BY status;
 
 COMMENT ON VIEW outbox.status IS
-    'Events per status; lag is how long the oldest due pending event has waited. Pending leaves out events waiting for their key (outbox.blocked_keys). Dispatched and processed are counted up to 1000, then estimated from statistics (estimated = true).';
+    'Events per status; lag is how long the oldest due pending event has waited. Pending leaves out events waiting for their key (outbox.blocked_keys). Dispatched and processed are counted while at most 1000 batches are marked and 1000 events have an outcome, then estimated from statistics (estimated = true).';
 
 CREATE VIEW outbox.workers AS
 SELECT * FROM @extschema@.outbox_dispatchers();
@@ -319,13 +364,18 @@ COMMENT ON VIEW outbox.dead_letters IS
 -- by now (outbox.report_timeout, while reports are on) and has not: the
 -- message was lost after the push (Redis restarted without persistence, a
 -- queue purged), no worker consumes the queue, or the worker does not
--- import the companion. Served by events_dispatched_idx.
+-- import the companion. The members without an outcome of the batches
+-- marked before then that still await some (settle_reported.sql). Served
+-- by batches_unsettled_idx.
 CREATE VIEW outbox.unreported AS
-SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, e.dispatched_at,
-       pg_catalog.now() - e.dispatched_at AS waiting, e.deliveries AS sends, e.event_id, e.subscription_id
-  FROM outbox.log AS e
- WHERE e.status = 'dispatched'
-   AND e.dispatched_at < pg_catalog.now() - @extschema@.outbox_report_timeout();
+SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, b.marked_at AS dispatched_at,
+       pg_catalog.now() - b.marked_at AS waiting, e.deliveries + 1 AS sends, e.event_id, e.subscription_id
+  FROM outbox.batches AS b
+ CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
+  JOIN outbox.log AS e ON e.id = m.id
+ WHERE b.settled_at IS NULL
+   AND b.marked_at < pg_catalog.now() - @extschema@.outbox_report_timeout()
+   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id);
 
 COMMENT ON VIEW outbox.unreported IS
     'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';
@@ -350,7 +400,9 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_pending_again(),
     @extschema@.outbox_take_turn(),
     @extschema@.outbox_key_taken(text, bigint),
-    @extschema@.outbox_turn_fits(text, bigint, bigint, text)
+    @extschema@.outbox_turn_fits(text, bigint, bigint, text),
+    outbox.xid_before(xid8),
+    outbox.batch_members(pg_catalog.pg_snapshot, pg_catalog.pg_snapshot, xid8, uuid, xid8, uuid)
     FROM PUBLIC;
 
 -- Monitoring: members of pg_monitor read the views that carry no payloads.

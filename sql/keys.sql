@@ -40,6 +40,10 @@ BEGIN
     NEW.key_seq := pg_catalog.nextval('outbox.key_seq'::pg_catalog.regclass);
     NEW.key_state := CASE WHEN @extschema@.outbox_key_taken(NEW.ordering_key, coalesce(NEW.subscription_id, 0))
                           THEN 'waiting' ELSE 'head' END;
+    -- Out of line while it waits: its turn coming puts it in line.
+    IF NEW.key_state OPERATOR(pg_catalog.=) 'waiting' THEN
+        NEW.pending_xid := NULL;
+    END IF;
     RETURN NEW;
 END
 $$;
@@ -48,8 +52,9 @@ $$;
 -- processed at once, and its deliveries take turns of their own. Every
 -- pending event inserted with a key takes a turn, or keeps the one it
 -- brings (above); one updated so that it is pending with a key and no turn
--- (key_seq or key_state unset: a retry of an event whose key went on
--- without it, a hand edit) takes one.
+-- (key_seq unset, or key_state unset as it became pending: a retry of an
+-- event whose key went on without it, a hand edit) takes one. Not a head
+-- letting its key go (key_state unset, its status as it was).
 CREATE TRIGGER events_take_turn
     BEFORE INSERT ON outbox.log
     FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending')
@@ -57,20 +62,21 @@ CREATE TRIGGER events_take_turn
 CREATE TRIGGER events_take_turn_again
     BEFORE UPDATE OF status, ordering_key, key_seq, key_state ON outbox.log
     FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending'
-                       AND (NEW.key_seq IS NULL OR NEW.key_state IS NULL))
+                       AND (NEW.key_seq IS NULL
+                            OR (NEW.key_state IS NULL
+                                AND (OLD.status <> 'pending' OR OLD.ordering_key IS DISTINCT FROM NEW.ordering_key))))
     EXECUTE FUNCTION @extschema@.outbox_take_turn();
 
 -- Keys whose head is not about to be sent: in flight, waiting for its
--- backoff or its delay, or dead-lettered (since: when it became due, was
--- claimed, was sent, or failed); then keys with events waiting and no
--- head (head NULL, since: when the first fell due), which the dispatchers
--- pass on within seconds. Served by events_key_state_idx.
+-- backoff or its delay, or dead-lettered (since: when its batch claimed it
+-- or was marked, else when it became due); then keys with events waiting
+-- and no head (head NULL, since: when the first fell due), which the
+-- dispatchers pass on within seconds. Served by events_key_state_idx.
 CREATE VIEW outbox.blocked_keys AS
 SELECT h.ordering_key, h.subscription_id, h.id AS head, h.status,
        CASE h.status
-           WHEN 'processing' THEN h.processing_started_at
-           WHEN 'dispatched' THEN h.dispatched_at
-           WHEN 'failed' THEN coalesce(h.processed_at, h.available_at)
+           WHEN 'processing' THEN (SELECT b.claimed_at FROM outbox.batches AS b WHERE b.id = h.batch)
+           WHEN 'dispatched' THEN (SELECT b.marked_at FROM outbox.batches AS b WHERE b.id = h.batch)
            ELSE h.available_at
        END AS since,
        h.last_error,
@@ -79,9 +85,12 @@ SELECT h.ordering_key, h.subscription_id, h.id AS head, h.status,
          WHERE w.key_state = 'waiting'
            AND w.ordering_key = h.ordering_key
            AND coalesce(w.subscription_id, 0) = coalesce(h.subscription_id, 0)) AS waiting
-  FROM outbox.log AS h
- WHERE h.key_state = 'head'
-   AND NOT (h.status = 'pending' AND h.available_at <= pg_catalog.now())
+  FROM (SELECT e.id, e.ordering_key, e.subscription_id, e.available_at, e.last_error,
+               outbox.event_status(e.status, e.pending_xid, e.id, e.key_state) AS status,
+               outbox.batch_of(e.pending_xid, e.id) AS batch
+          FROM outbox.log AS e
+         WHERE e.key_state = 'head') AS h
+ WHERE NOT (h.status = 'pending' AND h.available_at <= pg_catalog.now())
 UNION ALL
 SELECT w.ordering_key, w.subscription_id, NULL, NULL, pg_catalog.min(w.available_at), NULL, pg_catalog.count(*)
   FROM outbox.log AS w

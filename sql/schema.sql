@@ -41,15 +41,14 @@ CREATE TABLE outbox.log (
                           CONSTRAINT events_headers_object CHECK (jsonb_typeof(headers) = 'object'),
     priority              smallint NOT NULL DEFAULT 0
                           CONSTRAINT events_priority_range CHECK (priority BETWEEN 0 AND 9),
+    -- What was written of the event, not what it is now: 'pending' (in
+    -- line, or sent: its batch says, see outbox.events), 'failed' (a dead
+    -- letter), 'processed' (the record of a routed event).
     status                outbox.event_status NOT NULL DEFAULT 'pending',
     retry_count           integer NOT NULL DEFAULT 0,
     created_at            timestamptz NOT NULL DEFAULT clock_timestamp(),
     available_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
-    processing_started_at timestamptz,
-    dispatched_at         timestamptz,
-    processed_at          timestamptz,
     last_error            text,
-    claimed_by            integer,  -- index of the dispatcher that claimed it
     -- Columns are in the order in which they came (updates add theirs at
     -- the end): an updated database has the same table as a fresh one.
     args                  jsonb  -- positional arguments; the payload (an object) is then the keyword ones
@@ -61,11 +60,11 @@ CREATE TABLE outbox.log (
     event_id              uuid,     -- on a delivery: the event it delivers
     subscription_id       bigint,   -- on a delivery or a batch: its subscription
     routed_to             integer,  -- on an event without a task: subscriptions it went to (0: none)
-    deliveries            integer NOT NULL DEFAULT 0,  -- times pushed to Redis
-    send_id               uuid,     -- the last send's id (new at every claim), which its report must name
-    -- The transaction that made the row pending (inserted it, or set it
-    -- pending again): where the claim is in line (core/src/frontier.rs).
-    pending_xid           xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    deliveries            integer NOT NULL DEFAULT 0,  -- sends before the one its batch says
+    -- The transaction that put the row in line (inserted it, or set it
+    -- pending again): where the claim reads it (outbox.cursor). NULL: out
+    -- of line until available_at.
+    pending_xid           xid8 DEFAULT pg_current_xact_id(),
     -- Per-key order (README, "Per-key order"): events of one ordering_key
     -- (per subscription, for deliveries) are sent one at a time, in the
     -- order their transactions committed, which key_seq records. The head
@@ -95,67 +94,241 @@ WITH (
 COMMENT ON TABLE outbox.log IS
     'Outbox events as they were written; read and write them through the view outbox.events.';
 
--- pg_dump keeps the events (undelivered ones above all): the table belongs
--- to the extension, whose member tables are otherwise dumped empty.
-SELECT pg_catalog.pg_extension_config_dump('outbox.log', '');
+-- pg_dump keeps the events not delivered yet (pending, processing) and
+-- the dead letters: the table belongs to the extension, whose member
+-- tables are otherwise dumped empty. Not what was delivered: the batches
+-- that say so name this cluster's transactions, and are not dumped.
+-- (Added once outbox.event_status() exists, below.)
 
--- The name applications, ORMs and DBAs use. A view of one table, so
--- PostgreSQL updates it by itself: an INSERT (RETURNING included), UPDATE
--- or DELETE through it is one on outbox.log, with the table's defaults,
--- constraints and triggers (its statement triggers too). It acts as its
--- caller (security_invoker): a role needs the privilege on both, and the
--- table's row-level security applies to it as to a statement on the table.
-CREATE VIEW outbox.events WITH (security_invoker = true) AS
-SELECT l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority, l.status, l.retry_count,
-       l.created_at, l.available_at, l.processing_started_at, l.dispatched_at, l.processed_at, l.last_error,
-       l.claimed_by, l.args, l.expires_at, l.event_id, l.subscription_id, l.routed_to, l.deliveries, l.send_id,
-       l.pending_xid, l.ordering_key, l.key_seq, l.key_state
-  FROM outbox.log AS l;
-
-COMMENT ON VIEW outbox.events IS
-    'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
-
--- The claim. Each dispatcher scans pending events in the order their
--- transactions made them pending, from where it got to (a dead entry left
--- behind by a claim is never walked again, however long vacuum is held off);
--- and, by when they fall due, the events it passed before they were due,
--- those it could not lock, and the earliest one still to come.
--- An event waiting for its key's turn is in neither: however many wait
--- behind blocked keys, the claim never reads them.
+-- The claim (sql/worker/claim.sql) reads the events in line by the
+-- transaction that put them there and their id, window after window
+-- (outbox.cursor); an event waiting for its key's turn is not in it:
+-- however many wait behind blocked keys, the claim never reads them.
 CREATE INDEX events_pending_xid_idx ON outbox.log (pending_xid, id)
     WHERE status = 'pending' AND key_state IS DISTINCT FROM 'waiting';
-CREATE INDEX events_pending_idx ON outbox.log (available_at, id)
-    WHERE status = 'pending' AND key_state IS DISTINCT FROM 'waiting';
--- An update that makes an event pending again (a retry, a release, a sweep,
--- a DBA's UPDATE, its key's turn come) or moves when it falls due puts it
--- in line again, as if enqueued by that update's transaction; so does an
--- insert that names another transaction (a restored dump, a copy). An
--- insert with the default does not call it.
+-- Events out of line until they fall due (pending_xid NULL: delayed, or
+-- backing off after a failed push), by when; the came-due sweep puts them
+-- in line (sql/worker/came_due.sql).
+CREATE INDEX events_due_idx ON outbox.log (available_at, id)
+    WHERE pending_xid IS NULL AND status = 'pending' AND key_state IS DISTINCT FROM 'waiting';
+-- An insert or an update that makes an event pending (a retry, a release,
+-- a sweep, a DBA's UPDATE, its key's turn come) or moves when it falls due
+-- puts it in line as if that statement's transaction had enqueued it, or
+-- out of line until it falls due; so does an insert that names another
+-- transaction (a restored dump, a copy). An insert with the defaults, due
+-- now, does not call it: the WHEN is evaluated without a function call.
 CREATE FUNCTION @extschema@.outbox_pending_again() RETURNS trigger
 LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
-    NEW.pending_xid := pg_catalog.pg_current_xact_id();
+    IF NEW.available_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() THEN
+        NEW.pending_xid := NULL;
+    ELSE
+        NEW.pending_xid := pg_catalog.pg_current_xact_id();
+    END IF;
     RETURN NEW;
 END
 $$;
 CREATE TRIGGER events_pending_again
-    BEFORE INSERT OR UPDATE OF status, available_at, pending_xid, key_state ON outbox.log
-    FOR EACH ROW WHEN (NEW.status = 'pending' AND NEW.pending_xid <> pg_catalog.pg_current_xact_id())
+    BEFORE INSERT OR UPDATE OF status, available_at, pending_xid ON outbox.log
+    FOR EACH ROW WHEN (NEW.status = 'pending'
+                       AND (NEW.pending_xid IS DISTINCT FROM pg_catalog.pg_current_xact_id()
+                            OR NEW.available_at > pg_catalog.clock_timestamp()))
     EXECUTE FUNCTION @extschema@.outbox_pending_again();
 -- Also where triggers are off for replication (a logical replication
 -- subscriber applying the rows of another server's history).
 ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again;
 
--- Stuck claims, and the claims a restarted dispatcher releases.
-CREATE INDEX events_processing_idx ON outbox.log (processing_started_at, claimed_by)
-    WHERE status = 'processing';
--- Unacknowledged dispatched events.
-CREATE INDEX events_dispatched_idx ON outbox.log (dispatched_at) WHERE status = 'dispatched';
 -- Dead letters.
 CREATE INDEX events_failed_idx ON outbox.log (created_at) WHERE status = 'failed';
--- The lifecycle sweeper's deletes.
-CREATE INDEX events_processed_idx ON outbox.log (processed_at) WHERE status = 'processed';
+-- Records of routed events, and events acknowledged while out of a batch:
+-- retention.
+CREATE INDEX events_recorded_idx ON outbox.log (created_at) WHERE status = 'processed';
+
+-- Where the claims have read up to, one row: every transaction `prev` sees
+-- has been read; the window being read is what `target` sees and `prev`
+-- does not, in (pending_xid, id) order, read up to (after_xid, after_id)
+-- (NULL: from its start; no target: the next claim starts a window with
+-- its own snapshot). A claim locks the row (one claim at a time; the
+-- pushes run side by side), reads a page of the window and moves the
+-- position; one that reads less than a page has finished the window, and
+-- makes `target` the next `prev` (sql/worker/claim.sql).
+-- Not dumped: its transaction ids are this cluster's (a restore creates
+-- the extension, which makes a new one).
+CREATE TABLE outbox.cursor (
+    prev      pg_catalog.pg_snapshot NOT NULL,
+    target    pg_catalog.pg_snapshot,
+    after_xid xid8,
+    after_id  uuid,
+    only_row  boolean PRIMARY KEY DEFAULT true CHECK (only_row)
+)
+-- Updated by every claim: room on its page for the new versions (HOT).
+WITH (fillfactor = 10);
+INSERT INTO outbox.cursor (prev) VALUES (pg_catalog.pg_current_snapshot());
+
+COMMENT ON TABLE outbox.cursor IS
+    'Where the dispatchers have read outbox.log up to; one row, updated by every claim.';
+
+-- One row per claim: the page of a window it read, and what became of it.
+-- Its events are those of the window between its two positions still in
+-- line there (outbox_batch_members()). An event is written only when
+-- something exceptional happens to it (a failed push, a dead letter, a
+-- release, a re-send); otherwise its batch is its state (README, "How it
+-- works"). Messages carry `send`, which a report must name.
+CREATE TABLE outbox.batches (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    send         uuid NOT NULL,
+    dispatcher   integer NOT NULL,
+    claimed_at   timestamptz NOT NULL,
+    prev         pg_catalog.pg_snapshot NOT NULL,
+    target       pg_catalog.pg_snapshot NOT NULL,
+    from_xid     xid8,  -- after this position (NULL: from the window's start)
+    from_id      uuid,
+    to_xid       xid8 NOT NULL,  -- up to this one, included
+    to_id        uuid NOT NULL,
+    events       integer NOT NULL,
+    marked_at    timestamptz,  -- pushed: its events are in the broker
+    abandoned_at timestamptz,  -- not marked within outbox.processing_timeout: its events went back in line
+    settled_at   timestamptz   -- nothing is awaited of its events any more (acknowledgements off, or swept)
+)
+WITH (fillfactor = 50);
+
+COMMENT ON TABLE outbox.batches IS
+    'The claims of the dispatchers, one row each: which events they read, and whether they were pushed.';
+
+-- The batch of an event: those whose last position is at or after it.
+CREATE INDEX batches_to_idx ON outbox.batches (to_xid, to_id);
+-- Claims not marked yet: the stuck sweeper, a restarted dispatcher.
+CREATE INDEX batches_unmarked_idx ON outbox.batches (claimed_at, dispatcher)
+    WHERE marked_at IS NULL AND abandoned_at IS NULL;
+-- Batches whose events may still be acknowledged: the unacknowledged
+-- sweeper; then retention.
+CREATE INDEX batches_unsettled_idx ON outbox.batches (marked_at)
+    WHERE settled_at IS NULL AND marked_at IS NOT NULL;
+CREATE INDEX batches_settled_idx ON outbox.batches (settled_at) WHERE settled_at IS NOT NULL;
+CREATE INDEX batches_abandoned_idx ON outbox.batches (abandoned_at) WHERE abandoned_at IS NOT NULL;
+
+-- Events a Celery worker reported processed, or a consumer acknowledged
+-- (outbox_ack()): one row each, appended by the round of reports or the
+-- call that records it. Failures are written to the event itself.
+CREATE TABLE outbox.outcomes (
+    event uuid PRIMARY KEY,
+    batch bigint NOT NULL,
+    at    timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+
+COMMENT ON TABLE outbox.outcomes IS
+    'Events reported processed by a Celery worker or acknowledged with outbox_ack(), by their batch.';
+
+-- The transaction id before `xid` (xid8 has no arithmetic): after the
+-- last event of that transaction comes the first of `xid`.
+CREATE FUNCTION outbox.xid_before(xid xid8) RETURNS xid8
+LANGUAGE sql IMMUTABLE STRICT
+RETURN ((xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.-) 1)::pg_catalog.text)::xid8;
+
+-- The events of a batch (its window, between its positions, still in
+-- line there), in their order: the transactions the window's `prev` saw in
+-- progress and its `target` ended, then those from `prev`'s xmax on; each
+-- range of events_pending_xid_idx read from its start. Inlined into the
+-- statements that call it (no SET clause), so every name is qualified.
+CREATE FUNCTION outbox.batch_members(
+    prev pg_catalog.pg_snapshot, target pg_catalog.pg_snapshot,
+    from_xid pg_catalog.xid8, from_id pg_catalog.uuid, to_xid pg_catalog.xid8, to_id pg_catalog.uuid
+) RETURNS TABLE (id pg_catalog.uuid, pending_xid pg_catalog.xid8)
+LANGUAGE sql STABLE
+AS $$
+SELECT m.id, m.pending_xid
+  FROM ((SELECT e.id, e.pending_xid
+           FROM outbox.log AS e
+          WHERE e.status OPERATOR(pg_catalog.=) 'pending'
+            AND e.key_state IS DISTINCT FROM 'waiting'
+            AND e.pending_xid OPERATOR(pg_catalog.=) ANY (ARRAY(
+                    SELECT x FROM pg_catalog.pg_snapshot_xip(prev) AS x
+                     WHERE pg_catalog.pg_visible_in_snapshot(x, target)))
+            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.>)
+                (coalesce(from_xid, '0'::pg_catalog.xid8), coalesce(from_id, '00000000-0000-0000-0000-000000000000'::pg_catalog.uuid))
+            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.<=) (to_xid, to_id))
+        UNION ALL
+        (SELECT e.id, e.pending_xid
+           FROM outbox.log AS e
+          WHERE e.status OPERATOR(pg_catalog.=) 'pending'
+            AND e.key_state IS DISTINCT FROM 'waiting'
+            -- After the batch's first position and `prev`'s xmax, in one
+            -- bound the index starts from.
+            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.>)
+                (CASE WHEN from_xid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(prev) THEN from_xid
+                      ELSE outbox.xid_before(pg_catalog.pg_snapshot_xmax(prev)) END,
+                 CASE WHEN from_xid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(prev) THEN from_id
+                      ELSE 'ffffffff-ffff-ffff-ffff-ffffffffffff'::pg_catalog.uuid END)
+            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.<=) (to_xid, to_id)
+            AND pg_catalog.pg_visible_in_snapshot(e.pending_xid, target))) AS m
+$$;
+
+-- The batch that read an event in line at ($1, $2): the page of the window
+-- that holds its position. NULL: none yet (or out of line).
+CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid) RETURNS bigint
+LANGUAGE sql STABLE STRICT SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT b.id
+  FROM outbox.batches AS b
+ WHERE (b.to_xid, b.to_id) OPERATOR(pg_catalog.>=) ($1, $2)
+   AND pg_catalog.pg_visible_in_snapshot($1, b.target)
+   AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
+   AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
+   AND b.abandoned_at IS NULL
+ ORDER BY b.to_xid, b.to_id
+ LIMIT 1
+$$;
+
+-- What an event is now, from what was written of it ($1, the row's status)
+-- and its batch: a stored status other than pending is what it is; an
+-- event out of line, waiting for its key, or in no batch is pending; in a
+-- batch not marked, processing; reported processed or acknowledged,
+-- processed; else dispatched.
+CREATE FUNCTION outbox.event_status(status outbox.event_status, pending_xid xid8, id uuid, key_state text)
+RETURNS outbox.event_status
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT CASE
+         WHEN $1 OPERATOR(pg_catalog.<>) 'pending' OR $2 IS NULL OR $4 IS NOT DISTINCT FROM 'waiting' THEN $1
+         ELSE coalesce((SELECT CASE WHEN EXISTS (SELECT FROM outbox.outcomes AS o
+                                                  WHERE o.event OPERATOR(pg_catalog.=) $3)
+                                    THEN 'processed'
+                                    WHEN b.marked_at IS NULL THEN 'processing'
+                                    ELSE 'dispatched' END::outbox.event_status
+                          FROM outbox.batches AS b
+                         WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_of($2, $3)),
+                       'pending')
+       END
+$$;
+
+-- The name applications, ORMs and DBAs use. A view of one table, so
+-- PostgreSQL updates it by itself: an INSERT (RETURNING included), UPDATE
+-- or DELETE through it is one on outbox.log, with the table's defaults,
+-- constraints and triggers (its statement triggers too), except `status`,
+-- `batch` and `deliveries`, which say what became of the event and are
+-- read only. It acts as its caller (security_invoker): a role needs the
+-- privilege on both, and the table's row-level security applies to it as
+-- to a statement on the table.
+CREATE VIEW outbox.events WITH (security_invoker = true) AS
+SELECT l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority,
+       outbox.event_status(l.status, l.pending_xid, l.id, l.key_state) AS status,
+       l.retry_count, l.created_at, l.available_at, l.last_error, l.args, l.expires_at, l.event_id,
+       l.subscription_id, l.routed_to,
+       l.deliveries OPERATOR(pg_catalog.+) (outbox.batch_of(l.pending_xid, l.id) IS NOT NULL)::integer AS deliveries,
+       l.pending_xid, l.ordering_key, l.key_seq, l.key_state,
+       outbox.batch_of(l.pending_xid, l.id) AS batch
+  FROM outbox.log AS l;
+
+COMMENT ON VIEW outbox.events IS
+    'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.log',
+    'WHERE outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+    'ANY (ARRAY[''pending'', ''processing'', ''failed'']::outbox.event_status[])');
+
 
 -- Per-key order. The events of a key in key_seq order (those that took a
 -- turn: an event routed to subscriptions, a record, took none): its newest

@@ -74,7 +74,6 @@ BEGIN
     SELECT pg_catalog.count(*) INTO routed FROM matched;
 
     NEW.status := 'processed';
-    NEW.processed_at := pg_catalog.clock_timestamp();
     NEW.routed_to := routed;
     RETURN NEW;
 END
@@ -250,18 +249,24 @@ COMMENT ON VIEW outbox.subscriptions IS
 -- Every delivery of every routed event: filter on event_id for one event's.
 -- status is the delivery's, or its batch's, or 'waiting' for a batch.
 CREATE VIEW outbox.deliveries AS
-SELECT e.event_id, e.subscription_id, e.task, e.id AS delivery_id, false AS batched,
-       e.status::text AS status, e.retry_count, e.deliveries AS sends, e.last_error,
-       e.dispatched_at, e.processed_at
-  FROM outbox.log AS e
- WHERE e.event_id IS NOT NULL
+SELECT d.event_id, d.subscription_id, d.task, d.id AS delivery_id, false AS batched,
+       outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text AS status, d.retry_count,
+       d.deliveries + (sent.id IS NOT NULL)::integer AS sends, d.last_error,
+       sent.marked_at AS dispatched_at, o.at AS processed_at
+  FROM outbox.log AS d
+  LEFT JOIN outbox.batches AS sent ON sent.id = outbox.batch_of(d.pending_xid, d.id)
+  LEFT JOIN outbox.outcomes AS o ON o.event = d.id
+ WHERE d.event_id IS NOT NULL
 UNION ALL
 SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
-       coalesce(b.status::text, 'waiting'), b.retry_count, b.deliveries, b.last_error,
-       b.dispatched_at, b.processed_at
+       coalesce(outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text, 'waiting'), d.retry_count,
+       d.deliveries + (sent.id IS NOT NULL)::integer, d.last_error,
+       sent.marked_at, o.at
   FROM outbox.batch_members AS m
   JOIN outbox.all_subscriptions AS s ON s.id = m.subscription_id
-  LEFT JOIN outbox.log AS b ON b.id = m.batch_id;
+  LEFT JOIN outbox.log AS d ON d.id = m.batch_id
+  LEFT JOIN outbox.batches AS sent ON sent.id = outbox.batch_of(d.pending_xid, d.id)
+  LEFT JOIN outbox.outcomes AS o ON o.event = d.id;
 
 COMMENT ON VIEW outbox.deliveries IS
     'Per routed event and subscription: the delivery (or batch) that carries it, and its status.';

@@ -364,6 +364,14 @@ pub struct Settings {
     pub keys: KeyPolicy,
 }
 
+impl Settings {
+    /// Whether reports or acknowledgements are awaited of what is sent
+    /// (else a batch is settled once marked).
+    pub fn awaited(&self) -> bool {
+        !self.keys.dispatched
+    }
+}
+
 /// When the head of a key (README, "Per-key order") is finished, besides
 /// once processed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

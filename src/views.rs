@@ -256,16 +256,19 @@ fn key_gauges() -> KeyGauges {
     .unwrap_or_else(|e| error!("outbox metrics: cannot read the keys: {e}"))
 }
 
-/// How long past `outbox.retention` the oldest finished event is: processed
-/// ones, and dispatched ones while acknowledgements are off (what the
-/// lifecycle sweeper deletes). Two reads of an index's first entry.
+/// How long past `outbox.retention` the oldest finished batch or record is:
+/// batches settled, and those marked while acknowledgements are off, and
+/// the records of routed events (what the lifecycle sweeper deletes).
+/// Three reads of an index's first entry.
 fn purge_lag() -> f64 {
     let retention = config::RETENTION_S.get().max(0);
-    let dispatched_too = config::ACK_TIMEOUT_S.get() == 0;
+    let acks_off = config::ACK_TIMEOUT_S.get() == 0;
     let query = format!(
         "SELECT pg_catalog.date_part('epoch', pg_catalog.now() - LEAST(
-                (SELECT pg_catalog.min(processed_at) FROM outbox.log WHERE status = 'processed'),
-                (SELECT pg_catalog.min(dispatched_at) FROM outbox.log WHERE status = 'dispatched' AND {dispatched_too})))"
+                (SELECT pg_catalog.min(settled_at) FROM outbox.batches WHERE settled_at IS NOT NULL),
+                (SELECT pg_catalog.min(marked_at) FROM outbox.batches
+                  WHERE settled_at IS NULL AND marked_at IS NOT NULL AND {acks_off}),
+                (SELECT pg_catalog.min(created_at) FROM outbox.log WHERE status = 'processed')))"
     );
     let age = Spi::get_one::<f64>(&query)
         .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest finished event: {e}"))

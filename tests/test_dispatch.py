@@ -157,7 +157,8 @@ def test_delayed_event_waits_for_available_at(outbox, redis_server):
     # Pushed no earlier than it was due: the mark, which follows the push
     # (and may not have happened yet), is no earlier either.
     wait_until(lambda: outbox.count("dispatched") == 1, message="the mark")
-    assert outbox.value("SELECT dispatched_at >= available_at FROM outbox.events")
+    assert outbox.value("SELECT b.marked_at >= e.available_at FROM outbox.events AS e "
+                        "JOIN outbox.batches AS b ON b.id = e.batch")
 
 
 def test_priority_selects_the_kombu_list(outbox, redis_server):
@@ -226,7 +227,6 @@ def test_worker_queries_are_served_by_indexes(outbox):
     outbox.sql("SELECT outbox_enqueue('e', '{}', queue => 'q_plan') FROM generate_series(1, 2000)")
     outbox.sql("ANALYZE outbox.log")
     worker = ROOT / "sql" / "worker"
-    by_id = ("events_pkey", "events_processing_idx")  # either serves a claimed batch
     # Per statement: its parameter types, sample arguments, and the indexes
     # its plan must use (each tuple: one of these).
     queries = {
@@ -235,28 +235,28 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "accumulating.sql": ("", "", []),
         worker / "home.sql": ("(oid)", "(1)", []),
         worker / "fail_batch.sql": ("(bigint, text, bigint)", "(1, 'x', 1048576)", [("batch_members_waiting_idx",)]),
-        worker / "claim.sql": (
-            "(int, int, text[], text[], text[], uuid[], text[], text, uuid, text[], uuid[], timestamptz, uuid, "
-            "timestamptz, timestamptz, timestamptz)",
-            f"(100, 0, '{{behind,fresh,sweep}}', '{{8,NULL,NULL}}', '{{7,100,0}}', ARRAY['{LAST}', '{LAST}', "
-            f"'{LAST}']::uuid[], '{{9,100000,50}}', '100', '{LAST}', '{{8}}', ARRAY[NULL]::uuid[], now(), '{LAST}', "
-            "now(), now() + interval '1 minute', NULL)",
-            [("events_pending_xid_idx",), ("events_pending_idx",)]),
-        worker / "next_due.sql": ("(bigint[])", "('{}')", [("events_pending_idx",), ("batch_members_waiting_idx",)]),
-        worker / "release.sql": ("(uuid[], int, timestamptz)", "(NULL, 0, NULL)", [("events_processing_idx",)]),
-        worker / "mark_dispatched.sql": ("(uuid[], int, timestamptz)", "(ARRAY[gen_random_uuid()], 0, now())",
-                                         [by_id]),
-        worker / "mark_failed.sql": ("(uuid[], text[], text[], float8[], int, timestamptz)",
-                                     "(ARRAY[gen_random_uuid()], '{failed}', '{x}', '{0}', 0, now())", [by_id]),
-        worker / "sweep_stuck.sql": ("(float8, int)", "(1000, 100)", [("events_processing_idx",)]),
+        worker / "lock_cursor.sql": ("", "", []),
+        worker / "claim.sql": ("(int, int)", "(100, 0)", [("events_pending_xid_idx",)]),
+        worker / "came_due.sql": ("(int)", "(100)", [("events_due_idx",)]),
+        worker / "next_due.sql": ("(bigint[])", "('{}')", [("events_due_idx",), ("batch_members_waiting_idx",)]),
+        worker / "mark_dispatched.sql": ("(bigint, int, bool)", "(1, 0, true)",
+                                         [("batches_pkey", "batches_unmarked_idx")]),
+        worker / "mark_failed.sql": ("(uuid[], text[], text[], text[], float8[])",
+                                     "(ARRAY[gen_random_uuid()], '{1}', '{failed}', '{x}', '{0}')", [("log_pkey",)]),
+        worker / "release.sql": ("(uuid[], text[])", "(ARRAY[gen_random_uuid()], '{1}')", [("log_pkey",)]),
+        worker / "abandon.sql": ("(int, float8, int)", "(NULL, 1000, 10)",
+                                 [("batches_unmarked_idx",), ("events_pending_xid_idx",), ("log_pkey",)]),
         worker / "sweep_future.sql": ("(int)", "(100)", [("events_pending_xid_idx",)]),
-        worker / "sweep_unacked.sql": ("(float8, int, int)", "(1000, 100, 5)", [("events_dispatched_idx",)]),
-        worker / "purge.sql": ("(float8, int, bool, timestamptz, timestamptz)", "(1000, 100, true, now(), now())",
-                               [("events_processed_idx",), ("events_dispatched_idx",), ("batch_members_batch_idx",)]),
+        worker / "sweep_unacked.sql": ("(float8, int, int)", "(1000, 10, 5)",
+                                       [("batches_unsettled_idx",), ("events_pending_xid_idx",)]),
+        worker / "settle_reported.sql": ("(bigint[])", "('{1}')", [("batches_pkey", "batches_unsettled_idx")]),
+        worker / "purge.sql": ("(float8, int, bool)", "(1000, 10, true)",
+                               [("batches_settled_idx",), ("batches_unsettled_idx",), ("batches_abandoned_idx",),
+                                ("events_recorded_idx",), ("batch_members_batch_idx",)]),
         worker / "apply_reports.sql": ("(uuid[], uuid[], text[], text[])",
                                        "(ARRAY[gen_random_uuid()], ARRAY[gen_random_uuid()], '{processed}', '{NULL}')",
-                                       [("events_pkey",)]),
-        ROOT / "sql" / "ack.sql": ("(uuid)", "(gen_random_uuid())", [("events_pkey",)]),
+                                       [("log_pkey",)]),
+        ROOT / "sql" / "ack.sql": ("(uuid)", "(gen_random_uuid())", [("log_pkey",)]),
     }
     # The dispatcher's plans are cached: the generic plan too.
     for mode in ("auto", "force_generic_plan"):
@@ -269,17 +269,25 @@ def test_worker_queries_are_served_by_indexes(outbox):
                 conn.execute("DEALLOCATE q")
                 for choices in indexes:
                     assert any(index in plan for index in choices), f"{path.name}, {mode}:\n{plan}"
-                # outbox.all_subscriptions holds a handful of rows: read whole.
-                assert not re.search(r"Seq Scan on (events|batch_members)", plan), f"{path.name}, {mode}:\n{plan}"
-    # The claim's scans by due time never walk the (pending_xid, id) index,
-    # whose entries below the frontier are mostly dead ones.
+                # outbox.all_subscriptions and outbox.cursor hold a handful
+                # of rows: read whole.
+                assert not re.search(r"Seq Scan on (log|batches|outcomes|batch_members)", plan), \
+                    f"{path.name}, {mode}:\n{plan}"
+    # The claim reads the window's two ranges, each from where it starts.
     with outbox.connect() as conn:
         types, args, _ = queries[worker / "claim.sql"]
         conn.execute(f"PREPARE q{types} AS {(worker / 'claim.sql').read_text()}")
         for mode in ("auto", "force_generic_plan"):
             conn.execute(f"SET plan_cache_mode = {mode}")
             plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN EXECUTE q{args}"))
-            assert plan.count("events_pending_xid_idx") == 1, plan
+            assert plan.count("events_pending_xid_idx") == 2, plan
+    # An event's batch: by the batches' last positions.
+    with outbox.connect() as conn:
+        conn.execute("SET enable_seqscan = off")
+        body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_of'::regproc")
+        plan = "\n".join(r[0] for r in conn.execute(
+            f"EXPLAIN {body.replace('$1', chr(39) + '100' + chr(39) + '::xid8').replace('$2', 'gen_random_uuid()')}"))
+        assert "batches_to_idx" in plan, plan
 
 
 def test_two_dispatchers_deliver_10000_events_exactly_once(redis_server):

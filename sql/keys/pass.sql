@@ -8,7 +8,7 @@
 -- (sweep_keys.sql): their first waiting event becomes the head, unless a
 -- head took the key meanwhile. A new head is pending as it was, due from
 -- now if it was due before, and in line as if this transaction had
--- enqueued it (the trigger events_pending_again). Returns how many heads
+-- enqueued it. Returns how many heads
 -- let their key go, and how many events became heads.
 -- Served by events_key_idx and events_key_state_idx.
 WITH passed AS (
@@ -16,9 +16,10 @@ WITH passed AS (
        SET key_state = NULL
      WHERE e.id OPERATOR(pg_catalog.=) ANY ($1::uuid[])
        AND e.key_state OPERATOR(pg_catalog.=) 'head'
-       AND (e.status OPERATOR(pg_catalog.=) 'processed'
+       AND (outbox.event_status(e.status, e.pending_xid, e.id, e.key_state) OPERATOR(pg_catalog.=) 'processed'
             OR (e.status OPERATOR(pg_catalog.=) 'failed' AND $4)
-            OR (e.status OPERATOR(pg_catalog.=) 'dispatched' AND $5))
+            OR (outbox.event_status(e.status, e.pending_xid, e.id, e.key_state) OPERATOR(pg_catalog.=) 'dispatched'
+                AND $5))
     RETURNING e.ordering_key, coalesce(e.subscription_id, 0) AS subscription, e.key_seq
 ), next AS (
     SELECT n.id
@@ -50,7 +51,11 @@ WITH passed AS (
 ), promoted AS (
     UPDATE outbox.log AS e
        SET key_state = 'head',
-           available_at = GREATEST(e.available_at, pg_catalog.now())
+           available_at = GREATEST(e.available_at, pg_catalog.now()),
+           -- In line as if this transaction had enqueued it, or out of
+           -- line until due (a delayed event).
+           pending_xid = CASE WHEN e.available_at OPERATOR(pg_catalog.>) pg_catalog.now() THEN NULL
+                              ELSE pg_catalog.pg_current_xact_id() END
       FROM next
      WHERE e.id OPERATOR(pg_catalog.=) next.id
        AND e.key_state OPERATOR(pg_catalog.=) 'waiting'

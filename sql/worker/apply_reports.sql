@@ -1,25 +1,37 @@
 -- Outcomes reported by Celery workers (outbox_dispatch.celery): event $1[i],
 -- sent as send $2[i], ended $3[i] ('processed' or 'failed'), with error
--- $4[i]. Taken only for the send the event is at (send_id, new at every
--- claim): a report proves which send it answers, so one for an event never
--- sent (its send_id is NULL), a late one of an earlier send, or a guess
--- changes nothing. Taken while the event waits for one: dispatched, and
--- also processing (a report may overtake the dispatcher's own record of
--- the push) or pending (a push the dispatcher counted as failed that
--- reached a worker all the same). Returns the outcome of each event that
--- took one, and its key when it is its key's head (src/keys.rs: finished
--- now, unless it failed and outbox.key_on_failure blocks); the rest were
--- stale. Served by the primary key.
-UPDATE outbox.log AS e
-   SET status = r.outcome::outbox.event_status,
-       processed_at = pg_catalog.now(),
-       last_error = r.error,
-       deliveries = GREATEST(e.deliveries, 1),  -- a worker ran it: it was sent
-       processing_started_at = NULL,
-       claimed_by = NULL
-  FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[]) AS r(id, send, outcome, error)
- WHERE e.id = r.id
-   AND e.send_id = r.send
-   AND e.status IN ('pending', 'processing', 'dispatched')
-RETURNING r.outcome, CASE WHEN e.key_state = 'head' THEN e.id END, e.ordering_key,
-          coalesce(e.subscription_id, 0)
+-- $4[i]. Taken only for the send the event is at: the batch that holds it
+-- must be the one with that send (new at every claim). A report proves
+-- which send it answers, so one for an event never sent, a late one of an
+-- earlier send, or a guess changes nothing. Taken while the batch is
+-- marked or not (a report may overtake the dispatcher's own record of the
+-- push). Processed: an outcome row (the event is not written); failed:
+-- the event is dead-lettered. Returns the outcome of each event that took
+-- one, its key when it is its key's head (src/keys.rs: finished now,
+-- unless it failed and outbox.key_on_failure blocks), and its batch
+-- (settle_reported.sql); the rest were stale.
+-- Served by the primary keys and batches_to_idx.
+WITH hit AS (
+    SELECT r.id, r.outcome, r.error, b.id AS batch, e.key_state, e.ordering_key, coalesce(e.subscription_id, 0) AS subscription
+      FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[]) AS r(id, send, outcome, error)
+      JOIN outbox.log AS e ON e.id = r.id AND e.status = 'pending'
+      JOIN outbox.batches AS b ON b.id = outbox.batch_of(e.pending_xid, e.id) AND b.send = r.send
+), processed AS (
+    INSERT INTO outbox.outcomes (event)
+    SELECT hit.id FROM hit WHERE hit.outcome = 'processed'
+    ON CONFLICT (event) DO NOTHING
+    RETURNING event
+), failed AS (
+    UPDATE outbox.log AS e
+       SET status = 'failed',
+           last_error = hit.error
+      FROM hit
+     WHERE hit.outcome = 'failed'
+       AND e.id = hit.id
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = hit.id)
+    RETURNING e.id
+)
+SELECT hit.outcome, CASE WHEN hit.key_state = 'head' THEN hit.id END, hit.ordering_key, hit.subscription,
+       hit.batch
+  FROM hit
+ WHERE hit.id IN (SELECT processed.event FROM processed UNION ALL SELECT failed.id FROM failed)

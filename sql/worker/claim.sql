@@ -1,121 +1,103 @@
--- Claim up to $1 due events for dispatcher $2. FOR NO KEY UPDATE SKIP
--- LOCKED lets any number of dispatchers claim side by side without waiting
--- or claiming twice (and without waiting on a foreign key's KEY SHARE). The
--- claim's time (processing_started_at) and $2 are its token: only the
--- holder of both may record an outcome. Each claim is a new send, with a
--- new send_id: the message carries it, and a worker's report is taken only
--- when it names it. An event waiting for its key's turn (README, "Per-key
--- order") is in neither index and never claimed: a key's head is.
+-- Claim up to $1 events in line for dispatcher $2: the next page of the
+-- window outbox.cursor is reading, as one batch (README, "How it works").
+-- Run right after lock_cursor.sql, in the same transaction: claims run one
+-- at a time, each with a snapshot taken once the one before committed, and
+-- nothing is read twice or skipped. Nothing is written to the events: the
+-- batch's row records which they are (the window, its two positions), and
+-- the cursor moves past them.
 --
--- Where to look comes from the dispatcher's frontier (core/src/frontier.rs),
--- which says why these scans, in this order, miss nothing and walk nothing
--- twice, however many dead entries a held-back vacuum leaves:
---   came_due   rows passed (up to key $8, $9, but not the unread rows of
---              the behind transactions $10 after ids $11) that fell due
---              after ($12, $13), up to $15; events_pending_idx;
---   segmented  in (pending_xid, id) order, the ranges $3..$7 (kind, the
---              transaction a behind range waits for, after, before): each
---              behind transaction once ended and the fresh range; or a
---              step of a sweep: the passed rows again (those due by $14,
---              not of a behind transaction's unread rows);
---              events_pending_xid_idx;
--- the second with what the first left of $1. (IS TRUE keeps the planner
--- from scanning came_due by events_pending_xid_idx, which would walk every
--- entry below the frontier, dead ones included: the statistics know
--- nothing of those.) Returns the snapshot and the time the scans used,
--- how many rows they locked, and each row's segment (NULL: came due) and
--- keys: one row with NULL columns when nothing was claimed. A sweep's
--- step ($14: the start of the came-due range) runs after the claim of its
--- transaction committed, and records that claim's time $16 as its own:
--- the two make one batch with one token.
--- Names are qualified: nothing here resolves through a search_path (which
--- the dispatcher also pins).
-WITH snapshot AS MATERIALIZED (
-    SELECT c.s, pg_catalog.pg_snapshot_xmax(c.s)::pg_catalog.text AS xmax,
-           ARRAY(SELECT x::pg_catalog.text FROM pg_catalog.pg_snapshot_xip(c.s) AS x) AS xip
-      FROM (SELECT pg_catalog.pg_current_snapshot() AS s) AS c
-), unread AS MATERIALIZED (
-    SELECT b.xid, b.after
-      FROM ROWS FROM (pg_catalog.unnest($10::pg_catalog.xid8[]), pg_catalog.unnest($11::uuid[])) AS b(xid, after)
-), came_due AS MATERIALIZED (
-    SELECT e.id
-      FROM outbox.log AS e
-     WHERE e.status = 'pending'
-       AND e.key_state IS DISTINCT FROM 'waiting'
-       AND (e.available_at, e.id) > ($12, $13)
-       AND e.available_at <= LEAST($15, pg_catalog.now())
-       AND ((e.pending_xid, e.id) <= ($8::pg_catalog.xid8, $9)) IS TRUE
-       AND NOT EXISTS (SELECT FROM unread AS b
-                        WHERE e.pending_xid = b.xid AND (b.after IS NULL OR e.id > b.after))
-     ORDER BY e.available_at, e.id
+-- The window is what the cursor's `target` snapshot sees and its `prev`
+-- does not (no `target`: the window starts now, with this statement's
+-- snapshot), read in (pending_xid, id) order after the cursor's position,
+-- in two ranges of events_pending_xid_idx: the transactions `prev` saw in
+-- progress that `target` sees ended (behind), then those from `prev`'s
+-- xmax up to `target`'s (fresh). Each range stops at $1 rows, however many
+-- events lie before it: no claim walks what an earlier one read.
+--
+-- A page shorter than $1 ends its window: its `target` becomes the next
+-- `prev`, and the next claim starts a window of its own. Returns the events
+-- with the batch (none: one row of NULLs). Names are qualified: nothing
+-- here resolves through a search_path.
+WITH cursor AS MATERIALIZED (
+    SELECT w.prev, w.target, w.after_xid, w.after_id,
+           -- Positions as index bounds: after (after_xid, after_id), or
+           -- before everything; and where the fresh range starts, which is
+           -- after the last row of the transaction before `prev`'s xmax.
+           coalesce(w.after_xid, '0'::xid8) AS read_xid,
+           coalesce(w.after_id, '00000000-0000-0000-0000-000000000000'::uuid) AS read_id,
+           CASE WHEN w.after_xid >= pg_catalog.pg_snapshot_xmax(w.prev) THEN w.after_xid
+                ELSE outbox.xid_before(pg_catalog.pg_snapshot_xmax(w.prev)) END AS fresh_xid,
+           CASE WHEN w.after_xid >= pg_catalog.pg_snapshot_xmax(w.prev) THEN w.after_id
+                ELSE 'ffffffff-ffff-ffff-ffff-ffffffffffff'::uuid END AS fresh_id,
+           ARRAY(SELECT x FROM pg_catalog.pg_snapshot_xip(w.prev) AS x
+                  WHERE pg_catalog.pg_visible_in_snapshot(x, w.target)) AS behind
+      FROM (SELECT c.prev, coalesce(c.target, pg_catalog.pg_current_snapshot()) AS target, c.after_xid, c.after_id
+              FROM outbox.cursor AS c) AS w
+), page AS MATERIALIZED (
+    SELECT p.*
+      FROM ((SELECT e.*
+               FROM outbox.log AS e, cursor AS c
+              WHERE e.status = 'pending'
+                AND e.key_state IS DISTINCT FROM 'waiting'
+                AND e.pending_xid = ANY (c.behind)
+                AND (e.pending_xid, e.id) > (c.read_xid, c.read_id)
+              ORDER BY e.pending_xid, e.id
+              LIMIT $1)
+            UNION ALL
+            (SELECT e.*
+               FROM outbox.log AS e, cursor AS c
+              WHERE e.status = 'pending'
+                AND e.key_state IS DISTINCT FROM 'waiting'
+                AND (e.pending_xid, e.id) > (c.fresh_xid, c.fresh_id)
+                AND e.pending_xid < pg_catalog.pg_snapshot_xmax(c.target)
+                AND pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
+              ORDER BY e.pending_xid, e.id
+              LIMIT $1)) AS p
+     ORDER BY p.pending_xid, p.id
      LIMIT $1
-       FOR NO KEY UPDATE SKIP LOCKED
-), segment AS (
-    SELECT g.n, g.kind, g.after_xid, g.after_id, g.before_xid
-      FROM ROWS FROM (pg_catalog.unnest($3::pg_catalog.text[]), pg_catalog.unnest($4::pg_catalog.xid8[]),
-                      pg_catalog.unnest($5::pg_catalog.xid8[]), pg_catalog.unnest($6::uuid[]),
-                      pg_catalog.unnest($7::pg_catalog.xid8[]))
-           WITH ORDINALITY AS g(kind, ended, after_xid, after_id, before_xid, n)
-     WHERE g.ended IS NULL
-        OR pg_catalog.pg_visible_in_snapshot(g.ended, (SELECT snapshot.s FROM snapshot))
-), segmented AS MATERIALIZED (
-    SELECT g.n - 1 AS segment, e.id
-      FROM segment AS g
-     CROSS JOIN LATERAL (
-           SELECT e.id
-             FROM outbox.log AS e
-            WHERE e.status = 'pending'
-              AND e.key_state IS DISTINCT FROM 'waiting'
-              AND (e.pending_xid, e.id) > (g.after_xid, g.after_id)
-              AND e.pending_xid < g.before_xid
-              AND e.available_at <= pg_catalog.now()
-              AND (g.kind <> 'sweep'
-                   OR (((e.pending_xid, e.id) <= ($8::pg_catalog.xid8, $9)) IS TRUE
-                       AND e.available_at <= $14
-                       AND NOT EXISTS (SELECT FROM unread AS b
-                                        WHERE e.pending_xid = b.xid AND (b.after IS NULL OR e.id > b.after))))
-            ORDER BY e.pending_xid, e.id
-            LIMIT $1
-              FOR NO KEY UPDATE SKIP LOCKED) AS e
-     LIMIT $1 - (SELECT pg_catalog.count(*) FROM came_due)
-), due AS (
-    SELECT NULL::pg_catalog.int8 AS segment, came_due.id FROM came_due
-    UNION ALL
-    SELECT segmented.segment, segmented.id FROM segmented
-), claimed AS (
-    UPDATE outbox.log AS e
-       SET status = 'processing',
-           processing_started_at = coalesce($16, pg_catalog.now()),
-           claimed_by = $2,
-           send_id = pg_catalog.gen_random_uuid()
-      FROM due
-     WHERE e.id = due.id
-    RETURNING e.id,
-              e.event_type,
-              e.payload::pg_catalog.text,
-              e.queue,
-              coalesce(e.task, e.event_type) AS task,
-              e.headers::pg_catalog.text,
-              e.priority,
-              e.retry_count,
-              e.created_at::pg_catalog.text,
-              pg_catalog.date_part('epoch', e.created_at) AS created_epoch,
-              e.args::pg_catalog.text,
-              pg_catalog.to_char(pg_catalog.timezone('UTC', e.expires_at), 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')
-                  AS expires,
-              pg_catalog.date_part('epoch', e.expires_at) AS expires_epoch,
-              e.send_id,
-              due.segment,
-              e.pending_xid::pg_catalog.text AS pending_xid,
-              e.available_at
+), last AS (
+    SELECT p.pending_xid, p.id, (SELECT pg_catalog.count(*) FROM page) AS events
+      FROM page AS p
+     ORDER BY p.pending_xid DESC, p.id DESC
+     LIMIT 1
+), batch AS (
+    INSERT INTO outbox.batches (send, dispatcher, claimed_at, prev, target, from_xid, from_id, to_xid, to_id, events)
+    SELECT pg_catalog.gen_random_uuid(), $2, pg_catalog.now(), c.prev, c.target, c.after_xid, c.after_id,
+           last.pending_xid, last.id, last.events
+      FROM cursor AS c, last
+    RETURNING id, send, claimed_at
+), moved AS (
+    UPDATE outbox.cursor AS c
+       SET prev = CASE WHEN ended.ended THEN w.target ELSE c.prev END,
+           target = CASE WHEN ended.ended THEN NULL ELSE w.target END,
+           after_xid = CASE WHEN ended.ended THEN NULL ELSE (SELECT last.pending_xid FROM last) END,
+           after_id = CASE WHEN ended.ended THEN NULL ELSE (SELECT last.id FROM last) END
+      FROM cursor AS w,
+           (SELECT coalesce((SELECT last.events FROM last), 0) < $1 AS ended) AS ended
+    RETURNING ended.ended
 )
-SELECT c.id, c.event_type, c.payload, c.queue, c.task, c.headers, c.priority, c.retry_count, c.created_at,
-       c.created_epoch, c.args, c.expires, c.expires_epoch, c.send_id, c.segment, c.pending_xid,
-       c.available_at,
-       pg_catalog.now() AS now,
-       coalesce($16, pg_catalog.now()) AS claimed_at,
-       (SELECT pg_catalog.count(*) FROM due) AS due,
-       snapshot.xmax,
-       snapshot.xip
-  FROM snapshot
-  LEFT JOIN claimed AS c ON true
+SELECT p.id,
+       p.event_type,
+       p.payload::pg_catalog.text,
+       p.queue,
+       coalesce(p.task, p.event_type) AS task,
+       p.headers::pg_catalog.text,
+       p.priority,
+       p.retry_count,
+       p.created_at::pg_catalog.text,
+       pg_catalog.date_part('epoch', p.created_at) AS created_epoch,
+       p.args::pg_catalog.text,
+       pg_catalog.to_char(pg_catalog.timezone('UTC', p.expires_at), 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"') AS expires,
+       pg_catalog.date_part('epoch', p.expires_at) AS expires_epoch,
+       p.pending_xid::pg_catalog.text,
+       p.key_state = 'head' AS head,
+       p.ordering_key,
+       coalesce(p.subscription_id, 0) AS subscription,
+       batch.id AS batch,
+       batch.send,
+       batch.claimed_at,
+       (SELECT moved.ended FROM moved) AS ended
+  FROM (SELECT 1) AS one
+  LEFT JOIN page AS p ON true
+  LEFT JOIN batch ON true
+ ORDER BY p.pending_xid, p.id

@@ -1,17 +1,15 @@
--- Events $1 are in Redis; recorded only where claim ($2, $3) still holds
--- them (a sweeper may have given a slow claim to someone else). Returns
--- the heads of keys among them (src/keys.rs), which are finished now if
--- nothing is to report or acknowledge them.
-WITH marked AS (
-    UPDATE outbox.log
-       SET status = 'dispatched',
-           dispatched_at = pg_catalog.now(),
-           deliveries = deliveries + 1,
-           last_error = NULL
-     WHERE id = ANY($1)
-       AND status = 'processing'
-       AND claimed_by = $2
-       AND processing_started_at = $3
-    RETURNING id, key_state, ordering_key, coalesce(subscription_id, 0) AS subscription
-)
-SELECT id, ordering_key, subscription FROM marked WHERE key_state = 'head'
+-- Batch $1, claimed by dispatcher $2, was pushed: its events are in the
+-- broker, but those this transaction puts back in line or dead-letters
+-- (which leave the batch). Recorded only while the claim is still $2's (a
+-- sweeper gives a claim that took too long back, abandoned_at): returns
+-- whether it was, and locks the batch's row until the transaction ends,
+-- so no sweeper takes it meanwhile. Settled at once when nothing is
+-- awaited of its events ($3: reports and acknowledgements are off).
+UPDATE outbox.batches
+   SET marked_at = pg_catalog.now(),
+       settled_at = CASE WHEN $3 THEN pg_catalog.now() END
+ WHERE id = $1
+   AND dispatcher = $2
+   AND marked_at IS NULL
+   AND abandoned_at IS NULL
+RETURNING id

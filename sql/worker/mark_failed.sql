@@ -1,23 +1,22 @@
--- Events $1 failed for a reason of their own ($3). Each goes back to pending
--- after its backoff ($4 milliseconds), or to failed (the dead letter) when it
--- has no retries left; $2 says which. Only where claim ($5, $6) still holds
--- them. Returns the heads of keys among the dead-lettered ones
--- (src/keys.rs), which hold their key unless outbox.key_on_failure says
--- to go on. (Multi-argument unnest is syntax and cannot be qualified; the
--- pinned search_path resolves it in pg_catalog.)
+-- Events $1 of a batch this transaction holds (mark_dispatched.sql), read
+-- at positions ($1, $2), failed for a reason of their own ($4). Each goes
+-- out of line until its backoff ($5 milliseconds) has passed, or to the
+-- dead letter when it has no retries left; $3 says which. Only those still
+-- in line where the claim read them. Returns the heads of keys among the
+-- dead-lettered ones (src/keys.rs), which hold their key unless
+-- outbox.key_on_failure says to go on. (Multi-argument unnest is syntax and
+-- cannot be qualified; the pinned search_path resolves it in pg_catalog.)
 WITH marked AS (
     UPDATE outbox.log AS e
        SET status = f.status::outbox.event_status,
            retry_count = e.retry_count + 1,
            last_error = f.error,
-           available_at = pg_catalog.now() + f.delay_ms * interval '1 millisecond',
-           processing_started_at = NULL,
-           claimed_by = NULL
-      FROM unnest($1::uuid[], $2::text[], $3::text[], $4::float8[]) AS f(id, status, error, delay_ms)
+           available_at = pg_catalog.clock_timestamp() + f.delay_ms * interval '1 millisecond'
+      FROM unnest($1::uuid[], $2::xid8[], $3::text[], $4::text[], $5::float8[])
+           AS f(id, pending_xid, status, error, delay_ms)
      WHERE e.id = f.id
-       AND e.status = 'processing'
-       AND e.claimed_by = $5
-       AND e.processing_started_at = $6
+       AND e.pending_xid = f.pending_xid
+       AND e.status = 'pending'
     RETURNING e.id, e.status, e.key_state, e.ordering_key, coalesce(e.subscription_id, 0) AS subscription
 )
 SELECT id, ordering_key, subscription FROM marked WHERE key_state = 'head' AND status = 'failed'

@@ -1,12 +1,9 @@
--- Give claimed events back without spending a retry: the broker failed, not
--- the events. $1: the events of claim ($2, $3). With $1 and $3 NULL, every
--- event dispatcher $2 holds (run when a dispatcher starts: what it held
--- before it died is nobody's now). Served by events_processing_idx.
-UPDATE outbox.log
-   SET status = 'pending',
-       processing_started_at = NULL,
-       claimed_by = NULL
- WHERE status = 'processing'
-   AND claimed_by = $2
-   AND ($1::uuid[] IS NULL OR id = ANY($1))
-   AND ($3::timestamptz IS NULL OR processing_started_at = $3)
+-- Events $1 of a batch this transaction holds, read at positions $2, were
+-- not delivered for the broker's reasons: back in line at once, as if this
+-- transaction had enqueued them, no retry spent.
+UPDATE outbox.log AS e
+   SET pending_xid = pg_catalog.pg_current_xact_id()
+  FROM unnest($1::uuid[], $2::xid8[]) AS r(id, pending_xid)
+ WHERE e.id = r.id
+   AND e.pending_xid = r.pending_xid
+   AND e.status = 'pending'

@@ -11,7 +11,9 @@
 (SELECT h.id, h.ordering_key, coalesce(h.subscription_id, 0)
    FROM outbox.log AS h
   WHERE h.key_state = 'head'
-    AND (h.status = 'processed' OR (h.status = 'failed' AND $1) OR (h.status = 'dispatched' AND $2))
+    AND (outbox.event_status(h.status, h.pending_xid, h.id, h.key_state) = 'processed'
+         OR (h.status = 'failed' AND $1)
+         OR (outbox.event_status(h.status, h.pending_xid, h.id, h.key_state) = 'dispatched' AND $2))
   LIMIT $3)
 UNION ALL
 (SELECT NULL, w.ordering_key, w.subscription

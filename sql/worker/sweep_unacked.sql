@@ -1,34 +1,47 @@
--- Dispatched more than $1 milliseconds ago and never acknowledged with
--- outbox_ack(): up to $2 of them are sent again under the same task id, or,
--- once re-sent $3 (outbox.max_redeliveries) times already, failed with a
--- last_error that says so. An event whose key went on without it
--- (outbox_skip(), or passed on as sent while acknowledgements were off) is
--- failed too, saying so: the events of its key sent since must not be
--- overtaken by it (outbox_retry() sends it again behind them). Returns, per
--- event, whether it was failed, and its key when it is its key's head
--- (src/keys.rs).
--- Served by events_dispatched_idx.
-WITH unacked AS (
-    SELECT id, deliveries > $3 AS exhausted, ordering_key IS NOT NULL AND key_state IS NULL AS passed
-      FROM outbox.log
-     WHERE status = 'dispatched'
-       AND dispatched_at < pg_catalog.now() - $1 * interval '1 millisecond'
-     LIMIT $2
-       FOR UPDATE SKIP LOCKED
+-- Batches marked more than $1 milliseconds ago whose events may still be
+-- acknowledged (outbox_ack()): up to $2 of them are settled, and each of
+-- their events without an outcome is sent again under the same task id
+-- (back in line, counted as sent), or, once sent $3
+-- (outbox.max_redeliveries) times already, failed with a last_error that
+-- says so. An event whose key went on without it (outbox_skip(), or
+-- passed on as sent while acknowledgements were off) is failed too,
+-- saying so: the events of its key sent since must not be overtaken by it
+-- (outbox_retry() sends it again behind them). Returns, per event, whether
+-- it was failed, and its key when it is its key's head (src/keys.rs).
+-- Served by batches_unsettled_idx; SKIP LOCKED: never wait on a batch
+-- being marked or acknowledged.
+WITH settled AS (
+    UPDATE outbox.batches AS b
+       SET settled_at = pg_catalog.now()
+      FROM (SELECT id
+              FROM outbox.batches
+             WHERE settled_at IS NULL
+               AND marked_at < pg_catalog.now() - $1 * interval '1 millisecond'
+             ORDER BY marked_at
+             LIMIT $2
+               FOR UPDATE SKIP LOCKED) AS due
+     WHERE b.id = due.id
+    RETURNING b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
+), unacked AS (
+    SELECT m.id, m.pending_xid
+      FROM settled AS b
+     CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
+     WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
 )
 UPDATE outbox.log AS e
-   SET status = (CASE WHEN unacked.exhausted OR unacked.passed THEN 'failed' ELSE 'pending' END)::outbox.event_status,
-       last_error = CASE WHEN unacked.passed
+   SET status = (CASE WHEN e.deliveries + 1 > $3 OR (e.ordering_key IS NOT NULL AND e.key_state IS NULL)
+                      THEN 'failed' ELSE 'pending' END)::outbox.event_status,
+       last_error = CASE WHEN e.ordering_key IS NOT NULL AND e.key_state IS NULL
                          THEN 'not acknowledged, and not sent again: its key went on without it '
                               '(outbox_skip(), or passed on as sent while outbox.ack_timeout was 0)'
-                         WHEN unacked.exhausted
+                         WHEN e.deliveries + 1 > $3
                          THEN pg_catalog.format('not acknowledged after %s sends (outbox.max_redeliveries = %s)',
-                                                e.deliveries, $3)
+                                                e.deliveries + 1, $3)
                          ELSE e.last_error END,
-       available_at = pg_catalog.now(),
-       processing_started_at = NULL,
-       claimed_by = NULL
+       deliveries = e.deliveries + 1,
+       pending_xid = pg_catalog.pg_current_xact_id()
   FROM unacked
  WHERE e.id = unacked.id
-RETURNING unacked.exhausted OR unacked.passed, CASE WHEN e.key_state = 'head' THEN e.id END, e.ordering_key,
+   AND e.pending_xid = unacked.pending_xid
+RETURNING e.status = 'failed', CASE WHEN e.key_state = 'head' THEN e.id END, e.ordering_key,
           coalesce(e.subscription_id, 0)

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use pgrx::prelude::*;
 
 use super::signals;
-use super::store::{PurgeCursor, Store, StoreError, SWEEP_BATCH};
+use super::store::{Store, StoreError, SWEEP_BATCH};
 use crate::config::Settings;
 use crate::counters::{self, Counter};
 use crate::slots;
@@ -36,8 +36,6 @@ pub struct Schedule {
     sweep_failures: u32,
     lifecycle_failures: u32,
     key_sweep_failures: u32,
-    /// Where the purge round under way has got to.
-    purge_cursor: PurgeCursor,
 }
 
 impl Schedule {
@@ -50,7 +48,6 @@ impl Schedule {
             sweep_failures: 0,
             lifecycle_failures: 0,
             key_sweep_failures: 0,
-            purge_cursor: PurgeCursor::default(),
         }
     }
 
@@ -114,15 +111,9 @@ impl Schedule {
         }
         if now >= self.next_lifecycle {
             let acks_off = settings.ack_timeout.is_zero();
-            let cursor = &mut self.purge_cursor;
-            let events = sweep_some(|| store.purge(settings.retention, acks_off, cursor));
-            if let Ok((purged, more)) = events {
+            let events = purge_some(store, settings.retention, acks_off);
+            if let Ok((purged, _)) = events {
                 counters::add(Counter::Purged, purged);
-                if !more {
-                    // The next round starts from the beginning: rows
-                    // committed late with earlier times are found then.
-                    self.purge_cursor = PurgeCursor::default();
-                }
             }
             // Each purge on its own: one that fails holds up the other's
             // round no more than the backoff.
@@ -199,6 +190,21 @@ fn next(now: Instant, more: bool, interval: Duration) -> Instant {
 /// Repeats a bounded sweep until it finds less than a full batch, for at
 /// most [`BATCHES`] transactions; returns the rows swept and whether more
 /// may be left.
+/// Up to [`BATCHES`] transactions of the lifecycle purge, while each
+/// finds something to delete; returns how many events went, and whether
+/// more may be left.
+fn purge_some(store: &mut Store, retention: Duration, acks_off: bool) -> Result<(u64, bool), StoreError> {
+    let mut total = 0;
+    for _ in 0..BATCHES {
+        let n = store.purge(retention, acks_off)?;
+        total += n;
+        if n == 0 || signals::interrupt_pending() {
+            return Ok((total, false));
+        }
+    }
+    Ok((total, true))
+}
+
 fn sweep_some(mut sweep: impl FnMut() -> Result<u64, StoreError>) -> Result<(u64, bool), StoreError> {
     let mut total = 0;
     for _ in 0..BATCHES {

@@ -133,7 +133,7 @@ impl Dispatcher {
             index,
             slot,
             broker: Broker::new(index, &settings.broker),
-            store: Store::new(index, settings.statement_timeout, settings.sweep_interval, settings.keys),
+            store: Store::new(index, settings.statement_timeout, settings.awaited(), settings.keys),
             settings,
             origin: setup::origin(),
             unsettled: Outcome::default(),
@@ -239,7 +239,8 @@ impl Dispatcher {
         if settings.broker != self.settings.broker {
             self.broker.replace(&settings.broker, &self.slot);
         }
-        self.store.set_timings(settings.statement_timeout, settings.sweep_interval);
+        self.store.set_statement_timeout(settings.statement_timeout);
+        self.store.set_awaited(settings.awaited());
         self.store.set_key_policy(settings.keys);
         self.settings = settings;
         self.housekeeping.reschedule(&self.settings);
@@ -485,16 +486,16 @@ impl Dispatcher {
             };
             self.store_recovered();
             nap = nap.min(account(&settled));
-            let (events, claimed_at, next_due) = match claim {
+            let (events, batch, next_due) = match claim {
                 Claim::NoExtension => return self.leave_for_extension(),
-                Claim::Claimed { flushed, events, claimed_at, next_due } => {
+                Claim::Claimed { flushed, events, batch, next_due } => {
                     counters::add(Counter::AccumulatedBatches, flushed.batches);
                     counters::add(Counter::AccumulatedEvents, flushed.events);
                     counters::add(Counter::DeadLetters, flushed.dead_lettered);
                     if let Some(error) = flushed.errors.first() {
                         self.show_store_error(&StoreError::Failed(error.clone()));
                     }
-                    (events, claimed_at, next_due)
+                    (events, batch, next_due)
                 }
             };
             if events.is_empty() {
@@ -515,7 +516,7 @@ impl Dispatcher {
             // hand a live claim to another dispatcher.
             let pause_until = claiming + self.settings.pause_limit;
             let Pushed { outcome, failure } =
-                push::push(sink, waiter, &self.slot, &events, claimed_at, pause_until, &envelope, &policy);
+                push::push(sink, waiter, &self.slot, &events, batch, pause_until, &envelope, &policy);
             self.slot.add_dispatched(outcome.dispatched.len() as u64);
             if !outcome.dispatched.is_empty() {
                 self.broker.answered(&self.slot, &self.settings);

@@ -10,7 +10,8 @@ use outbox_core::celery::{self, TaskMessage};
 use outbox_core::link::{Interest, Interrupted, Wait};
 use outbox_core::sink::{Condition, Delivery, KeyBatch, Sink, SinkError};
 
-use super::store::{ClaimTime, ClaimedEvent, Failure, Outcome};
+use super::store::{Batch, ClaimedEvent, Failure, Outcome};
+use crate::keys::Head;
 use crate::counters::{self, Counter, PushFailure};
 use crate::slots;
 
@@ -29,7 +30,7 @@ impl RetryPolicy {
         } else {
             backoff::retry_delay(self.backoff, failures as u32, backoff::random_unit())
         };
-        Failure { id: event.id, dead, error, delay }
+        Failure { id: event.id, position: event.position.clone(), dead, error, delay }
     }
 }
 
@@ -74,7 +75,7 @@ impl Wait for ShowingPauses<'_> {
     }
 }
 
-/// Encodes and pushes `events`, claimed at `claimed_at`; an expired event
+/// Encodes and pushes `events`, claimed as `batch`; an expired event
 /// is not sent but failed. When the broker fails part way, what its
 /// earlier round trips confirmed stays dispatched, and the rest goes back
 /// to pending, no retry spent. A broker that pauses publishing (an alarm)
@@ -86,12 +87,12 @@ pub fn push(
     waiter: &mut dyn Wait,
     slot: &slots::Own,
     events: &[ClaimedEvent],
-    claimed_at: Option<ClaimTime>,
+    batch: Option<Batch>,
     pause_until: Instant,
     envelope: &Envelope<'_>,
     policy: &RetryPolicy,
 ) -> Pushed {
-    let mut outcome = Outcome { claimed_at, ..Outcome::default() };
+    let mut outcome = Outcome { batch, ..Outcome::default() };
     let mut batches: Vec<KeyBatch> = Vec::new();
     let mut members: Vec<Vec<usize>> = Vec::new();
     let mut by_key: HashMap<String, usize> = HashMap::new();
@@ -155,6 +156,9 @@ pub fn push(
         match delivery {
             Delivery::Delivered => {
                 outcome.dispatched.push(event.id);
+                if let Some(key) = &event.head {
+                    outcome.heads.push(Head { id: pgrx::Uuid::from_bytes(event.id.into_bytes()), key: key.clone() });
+                }
                 latencies.push((now - event.created_epoch).max(0.0));
             }
             Delivery::Rejected(error) => {
@@ -167,16 +171,16 @@ pub fn push(
             Delivery::Refused(Condition::Nacked, _) => {
                 counters::push_failed(PushFailure::Refused, 1);
                 counters::refused(Condition::Nacked);
-                outcome.released.push(event.id);
+                outcome.released.push((event.id, event.position.clone()));
             }
             Delivery::Refused(condition, error) => {
                 counters::push_failed(PushFailure::Refused, 1);
-                outcome.released.push(event.id);
+                outcome.released.push((event.id, event.position.clone()));
                 failure.get_or_insert_with(|| sink.refusal(condition, error));
             }
             Delivery::Unsent => {
                 unsent += 1;
-                outcome.released.push(event.id);
+                outcome.released.push((event.id, event.position.clone()));
             }
         }
     }

@@ -18,13 +18,12 @@ use outbox_core::report::Report;
 
 use crate::config::KeyPolicy;
 use crate::counters::{self, Counter};
-use crate::keys::{self, Head};
+use crate::keys::{self, Head, Key};
 
 mod batches;
 mod claim;
 
 pub use batches::{Backoff, Flushed};
-use outbox_core::frontier::Frontier;
 
 unsafe extern "C-unwind" {
     /// utils/timeout.h, which pgrx does not bind.
@@ -54,13 +53,25 @@ pub struct ClaimedEvent {
     pub args: Option<String>,
     /// When it expires, in ISO 8601 and in seconds since the Unix epoch.
     pub expires: Option<(String, f64)>,
-    /// This send's id, which the message carries and its report names.
+    /// This send's id (its batch's), which the message carries and its
+    /// report names.
     pub send: uuid::Uuid,
+    /// Where the claim read it: what proves it is still in the batch.
+    pub position: Position,
+    /// Its key, when it is its key's head.
+    pub head: Option<Key>,
 }
 
-/// When a claim was made: with the dispatcher's index, the token that
-/// proves a row is still this claim's.
-pub type ClaimTime = TimestampWithTimeZone;
+/// An event's place in line: the transaction that put it there
+/// (`pending_xid`, as PostgreSQL writes an `xid8`).
+pub type Position = String;
+
+/// One claim's batch (`outbox.batches`): with the dispatcher's index, the
+/// token that proves its events are still this claim's.
+#[derive(Debug, Clone, Copy)]
+pub struct Batch {
+    pub id: i64,
+}
 
 /// Whose events this database holds (`sql/worker/home.sql`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,8 +93,8 @@ pub enum Claim {
         /// Batches of accumulated subscriptions made just before the claim.
         flushed: Flushed,
         events: Vec<ClaimedEvent>,
-        /// The claim's token; `None` when nothing was claimed.
-        claimed_at: Option<ClaimTime>,
+        /// The claim's batch; `None` when nothing was claimed.
+        batch: Option<Batch>,
         /// Set when the claim found nothing: how long until the earliest
         /// delayed event falls due, if any waits.
         next_due: Option<Duration>,
@@ -93,14 +104,16 @@ pub enum Claim {
 /// What one push did to the events of one claim, to be recorded.
 #[derive(Default)]
 pub struct Outcome {
-    pub claimed_at: Option<ClaimTime>,
-    /// In Redis.
+    pub batch: Option<Batch>,
+    /// In the broker.
     pub dispatched: Vec<uuid::Uuid>,
+    /// The heads of keys among them.
+    pub heads: Vec<Head>,
     /// Back to pending after a backoff, or to the dead letter.
     pub failures: Vec<Failure>,
-    /// Not delivered for the broker's reasons: back to pending at once, no
+    /// Not delivered for the broker's reasons: back in line at once, no
     /// retry spent.
-    pub released: Vec<uuid::Uuid>,
+    pub released: Vec<(uuid::Uuid, Position)>,
 }
 
 impl Outcome {
@@ -112,6 +125,7 @@ impl Outcome {
 /// An event that failed for a reason of its own.
 pub struct Failure {
     pub id: uuid::Uuid,
+    pub position: Position,
     /// Dead-lettered (`failed`) rather than retried.
     pub dead: bool,
     pub error: String,
@@ -163,7 +177,10 @@ struct Plans {
     mark_dispatched: Statement,
     mark_failed: Statement,
     release: Statement,
-    sweep_stuck: Statement,
+    abandon: Statement,
+    lock_cursor: Statement,
+    came_due: Statement,
+    settle_reported: Statement,
     sweep_future: Statement,
     sweep_unacked: Statement,
     purge: Statement,
@@ -190,25 +207,14 @@ pub struct Store {
     flush_backoff: Backoff,
     /// The longest one transaction may run.
     statement_timeout: Duration,
-    /// Where this dispatcher's claims have got to.
-    frontier: Frontier,
-    /// How often a claim sweeps everything pending, and when next.
-    sweep_interval: Duration,
-    next_sweep: Instant,
-    last_sweep_step: Instant,
+    /// Reports or acknowledgements are awaited of what is sent.
+    awaited: bool,
     /// When a finished head lets its key go.
     key_policy: KeyPolicy,
     /// Finished heads whose key a producer held locked when this
     /// dispatcher would have passed it on: passed at its next transaction.
     deferred: Vec<Head>,
 }
-
-/// Under load, a sweep under way takes a step at least this often.
-const SWEEP_STEP_UNDER_LOAD: Duration = Duration::from_secs(5);
-
-/// The longest a sweep's step may run (its own transaction): one that runs
-/// out narrows the sweep's window, and delivery goes on meanwhile.
-const SWEEP_STEP_DEADLINE: Duration = Duration::from_secs(2);
 
 const UUID_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID);
 const TEXT_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID);
@@ -219,9 +225,7 @@ const INT8_ARRAY: PgOid = PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID);
 const TEXT: PgOid = PgOid::BuiltIn(PgBuiltInOids::TEXTOID);
 const FLOAT8: PgOid = PgOid::BuiltIn(PgBuiltInOids::FLOAT8OID);
 const BOOL: PgOid = PgOid::BuiltIn(PgBuiltInOids::BOOLOID);
-const UUID: PgOid = PgOid::BuiltIn(PgBuiltInOids::UUIDOID);
 const OID: PgOid = PgOid::BuiltIn(PgBuiltInOids::OIDOID);
-const TIMESTAMPTZ: PgOid = PgOid::BuiltIn(PgBuiltInOids::TIMESTAMPTZOID);
 
 /// What a transaction with the plans came to.
 enum Ran<R> {
@@ -236,16 +240,12 @@ const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 const INSTALLED_VERSION: &str =
     "SELECT extversion FROM pg_catalog.pg_extension WHERE extname OPERATOR(pg_catalog.=) 'outbox_dispatch'";
 
-/// Where a round of purging has got to: the latest time deleted, per
-/// status. Empty at the start of each round.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct PurgeCursor {
-    processed: Option<TimestampWithTimeZone>,
-    dispatched: Option<TimestampWithTimeZone>,
-}
-
 /// Rows a sweeper touches per transaction.
 pub const SWEEP_BATCH: usize = 1000;
+
+/// Batches a sweeper or the lifecycle purge takes per transaction (with
+/// their events: up to `outbox.batch_size` each).
+pub const PURGE_BATCHES: usize = 10;
 
 impl Plans {
     fn prepare(client: &SpiClient<'_>) -> Result<Plans, SpiError> {
@@ -260,50 +260,24 @@ impl Plans {
             )?,
             accumulating: prepare(include_str!("../../../sql/worker/accumulating.sql"), &[])?,
             fail_batch: prepare(include_str!("../../../sql/worker/fail_batch.sql"), &[INT8, TEXT, INT8])?,
-            claim: prepare(
-                include_str!("../../../sql/worker/claim.sql"),
-                &[
-                    INT4,
-                    INT4,
-                    TEXT_ARRAY,
-                    TEXT_ARRAY,
-                    TEXT_ARRAY,
-                    UUID_ARRAY,
-                    TEXT_ARRAY,
-                    TEXT,
-                    UUID,
-                    TEXT_ARRAY,
-                    UUID_ARRAY,
-                    TIMESTAMPTZ,
-                    UUID,
-                    TIMESTAMPTZ,
-                    TIMESTAMPTZ,
-                    TIMESTAMPTZ,
-                ],
-            )?,
+            lock_cursor: prepare(include_str!("../../../sql/worker/lock_cursor.sql"), &[])?,
+            claim: prepare(include_str!("../../../sql/worker/claim.sql"), &[INT4, INT4])?,
+            came_due: prepare(include_str!("../../../sql/worker/came_due.sql"), &[INT4])?,
             next_due: prepare(include_str!("../../../sql/worker/next_due.sql"), &[INT8_ARRAY])?,
-            mark_dispatched: prepare(
-                include_str!("../../../sql/worker/mark_dispatched.sql"),
-                &[UUID_ARRAY, INT4, TIMESTAMPTZ],
-            )?,
+            mark_dispatched: prepare(include_str!("../../../sql/worker/mark_dispatched.sql"), &[INT8, INT4, BOOL])?,
             mark_failed: prepare(
                 include_str!("../../../sql/worker/mark_failed.sql"),
-                &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY, FLOAT8_ARRAY, INT4, TIMESTAMPTZ],
+                &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY, TEXT_ARRAY, FLOAT8_ARRAY],
             )?,
-            release: prepare(
-                include_str!("../../../sql/worker/release.sql"),
-                &[UUID_ARRAY, INT4, TIMESTAMPTZ],
-            )?,
-            sweep_stuck: prepare(include_str!("../../../sql/worker/sweep_stuck.sql"), &[FLOAT8, INT4])?,
+            release: prepare(include_str!("../../../sql/worker/release.sql"), &[UUID_ARRAY, TEXT_ARRAY])?,
+            abandon: prepare(include_str!("../../../sql/worker/abandon.sql"), &[INT4, FLOAT8, INT4])?,
+            settle_reported: prepare(include_str!("../../../sql/worker/settle_reported.sql"), &[INT8_ARRAY])?,
             sweep_future: prepare(include_str!("../../../sql/worker/sweep_future.sql"), &[INT4])?,
             sweep_unacked: prepare(
                 include_str!("../../../sql/worker/sweep_unacked.sql"),
                 &[FLOAT8, INT4, INT4],
             )?,
-            purge: prepare(
-                include_str!("../../../sql/worker/purge.sql"),
-                &[FLOAT8, INT4, BOOL, TIMESTAMPTZ, TIMESTAMPTZ],
-            )?,
+            purge: prepare(include_str!("../../../sql/worker/purge.sql"), &[FLOAT8, INT4, BOOL])?,
             apply_reports: prepare(
                 include_str!("../../../sql/worker/apply_reports.sql"),
                 &[UUID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY],
@@ -538,21 +512,13 @@ fn sqlstate_class(code: PgSqlErrorCode) -> [u8; 2] {
 }
 
 impl Store {
-    pub fn new(
-        dispatcher: usize,
-        statement_timeout: Duration,
-        sweep_interval: Duration,
-        key_policy: KeyPolicy,
-    ) -> Store {
+    pub fn new(dispatcher: usize, statement_timeout: Duration, awaited: bool, key_policy: KeyPolicy) -> Store {
         Store {
             dispatcher: dispatcher as i32,
             plans: None,
             flush_backoff: Backoff::default(),
             statement_timeout,
-            frontier: Frontier::new(),
-            sweep_interval,
-            next_sweep: Instant::now() + sweep_interval,
-            last_sweep_step: Instant::now(),
+            awaited,
             key_policy,
             deferred: Vec::new(),
         }
@@ -562,15 +528,19 @@ impl Store {
         self.key_policy = policy;
     }
 
+    /// Whether reports or acknowledgements are awaited of what is sent
+    /// from now on (a batch where neither is is settled when marked).
+    pub fn set_awaited(&mut self, awaited: bool) {
+        self.awaited = awaited;
+    }
+
     /// When a subscription whose batch failed may be tried again.
     pub fn flush_retry_due(&self) -> Option<std::time::Instant> {
         self.flush_backoff.next_due()
     }
 
-    pub fn set_timings(&mut self, statement_timeout: Duration, sweep_interval: Duration) {
+    pub fn set_statement_timeout(&mut self, statement_timeout: Duration) {
         self.statement_timeout = statement_timeout;
-        self.next_sweep = self.next_sweep.min(Instant::now() + sweep_interval);
-        self.sweep_interval = sweep_interval;
     }
 
     /// Runs `body` in a transaction with the plans ready; `None` when the
@@ -655,21 +625,30 @@ impl Store {
         })
     }
 
-    /// Returns to pending whatever this dispatcher held when it last died.
+    /// Puts back in line whatever this dispatcher held when it last died
+    /// (its batches not marked).
     pub fn release_own(&mut self) -> Result<u64, StoreError> {
-        let released = self.with_plans(|client, plans, dispatcher| {
-            let none: Option<Vec<pgrx::Uuid>> = None;
-            let no_claim: Option<ClaimTime> = None;
-            update(client, &plans.release, &[none.into(), dispatcher.into(), no_claim.into()])
+        self.abandon(Some(self.dispatcher), Duration::ZERO)
+    }
+
+    /// Puts back in line the events of up to [`PURGE_BATCHES`] batches not
+    /// marked, of `dispatcher` or, with `None`, claimed longer than
+    /// `timeout` ago (their dispatcher died or hung); returns how many.
+    fn abandon(&mut self, dispatcher: Option<i32>, timeout: Duration) -> Result<u64, StoreError> {
+        let released = self.with_plans(|client, plans, _| {
+            let args: [DatumWithOid; 3] =
+                [dispatcher.into(), (timeout.as_secs_f64() * 1000.0).into(), (PURGE_BATCHES as i32).into()];
+            update(client, &plans.abandon, &args)
         })?;
         Ok(released.unwrap_or(0))
     }
 
     /// Records `settled` (the previous push's outcome; may be empty), makes
     /// the batches of accumulated subscriptions that are due (members cut
-    /// at `batch_budget` bytes each), and claims up to `limit` due events,
-    /// in one transaction: a dispatcher under load spends one transaction
-    /// per batch, not two.
+    /// at `batch_budget` bytes each), puts in line the events whose time
+    /// has come, and claims up to `limit` events, in one transaction: a
+    /// dispatcher under load spends one transaction per batch, not two.
+    /// Nothing is written to outbox.log after the claim (claim.sql).
     pub fn settle_and_claim(
         &mut self,
         settled: &Outcome,
@@ -677,13 +656,9 @@ impl Store {
         batch_budget: i64,
     ) -> Result<Claim, StoreError> {
         let mut backoff = std::mem::take(&mut self.flush_backoff);
-        if Instant::now() >= self.next_sweep {
-            self.frontier.start_sweep();
-            self.next_sweep = Instant::now() + self.sweep_interval;
-        }
-        let bounds = self.frontier.bounds();
+        let awaited = self.awaited;
         let claimed = self.with_turns(|client, plans, dispatcher, turns| {
-            mark(client, plans, dispatcher, settled, turns)?;
+            mark(client, plans, dispatcher, settled, awaited, turns)?;
             // Before the claim, which may take the new heads.
             turns.pass(client, plans)?;
             let flushed = batches::flush(client, plans, batch_budget, &mut backoff)?;
@@ -694,7 +669,8 @@ impl Store {
                 // from a new one.
                 durable_commit(client)?;
             }
-            let taken = claim::claim(client, plans, dispatcher, limit, &bounds, None)?;
+            update(client, &plans.came_due, &[(SWEEP_BATCH as i32).into()])?;
+            let taken = claim::claim(client, plans, dispatcher, limit)?;
             let next_due = if taken.events.is_empty() {
                 report_running(&plans.next_due.text);
                 let skipped: [DatumWithOid; 1] = [backoff.current().into()];
@@ -707,71 +683,27 @@ impl Store {
             Ok((flushed, taken, next_due))
         });
         self.flush_backoff = backoff;
-        let (flushed, mut taken, next_due) = match claimed {
-            Ok(Some(claimed)) => claimed,
-            Ok(None) => {
-                self.frontier = Frontier::new();
-                return Ok(Claim::NoExtension);
-            }
-            Err(e) => {
-                self.frontier.failed(&bounds);
-                return Err(e);
-            }
+        let (flushed, taken, next_due) = match claimed? {
+            Some(claimed) => claimed,
+            None => return Ok(Claim::NoExtension),
         };
-        taken.advance(&mut self.frontier, &bounds, limit);
-        let room = limit - taken.events.len();
-        if room > 0 && (taken.events.is_empty() || self.last_sweep_step.elapsed() >= SWEEP_STEP_UNDER_LOAD) {
-            if let Some(step) = self.sweep_step(room, taken.claimed_at) {
-                taken.claimed_at = taken.claimed_at.or(step.claimed_at);
-                taken.events.extend(step.events);
-            }
-        }
-        let next_due = match next_due {
-            _ if !taken.events.is_empty() => None,
-            // More to read than one claim may: the next one is due at once.
-            _ if self.frontier.catching_up() => Some(Duration::ZERO),
-            next_due => next_due,
-        };
-        Ok(Claim::Claimed { flushed, events: taken.events, claimed_at: taken.claimed_at, next_due })
-    }
-
-    /// One step of the sweep under way, if any: up to `room` events, in a
-    /// transaction of its own with a short deadline, joining the batch
-    /// claimed at `claimed_at`. A step that fails narrows the sweep's
-    /// window; it holds up nothing else.
-    fn sweep_step(&mut self, room: usize, claimed_at: Option<ClaimTime>) -> Option<claim::Taken> {
-        let bounds = self.frontier.sweep_bounds()?;
-        self.last_sweep_step = Instant::now();
-        let step = self.with_plans_within(SWEEP_STEP_DEADLINE, |client, plans, dispatcher| {
-            claim::claim(client, plans, dispatcher, room, &bounds, claimed_at)
-        });
-        match step {
-            Ok(Some(step)) => {
-                step.advance(&mut self.frontier, &bounds, room);
-                Some(step)
-            }
-            Ok(None) => None,
-            Err(e) => {
-                log!("outbox dispatcher {}: a step of the sweep failed, narrowing it: {e}", self.dispatcher);
-                self.frontier.failed(&bounds);
-                None
-            }
-        }
+        Ok(Claim::Claimed { flushed, events: taken.events, batch: taken.batch, next_due })
     }
 
     /// Records `settled` on its own, when no claim is to follow.
     pub fn settle(&mut self, settled: &Outcome) -> Result<(), StoreError> {
+        let awaited = self.awaited;
         self.with_turns(|client, plans, dispatcher, turns| {
-            mark(client, plans, dispatcher, settled, turns)?;
+            mark(client, plans, dispatcher, settled, awaited, turns)?;
             turns.pass(client, plans)
         })?;
         Ok(())
     }
 
-    /// Returns to pending up to [`SWEEP_BATCH`] events claimed longer than
-    /// `timeout` ago.
+    /// Puts back in line the events of up to [`PURGE_BATCHES`] batches
+    /// claimed longer than `timeout` ago and not marked.
     pub fn sweep_stuck(&mut self, timeout: Duration) -> Result<u64, StoreError> {
-        self.sweep(|p| &p.sweep_stuck, timeout)
+        self.abandon(None, timeout)
     }
 
     /// Puts in line up to [`SWEEP_BATCH`] pending events whose transaction
@@ -796,7 +728,7 @@ impl Store {
         let swept = self.with_turns(|client, plans, _, turns| {
             let args: [DatumWithOid; 3] = [
                 (timeout.as_secs_f64() * 1000.0).into(),
-                (SWEEP_BATCH as i32).into(),
+                (PURGE_BATCHES as i32).into(),
                 max_redeliveries.into(),
             ];
             report_running(&plans.sweep_unacked.text);
@@ -864,7 +796,9 @@ impl Store {
             ];
             report_running(&plans.apply_reports.text);
             let (mut processed, mut failed) = (0, 0);
+            let mut touched = Vec::new();
             for row in client.update(&plans.apply_reports.plan, None, &args)? {
+                touched.extend(row.get::<i64>(5)?);
                 let head = keys::head_of(&row, 2)?;
                 match row.get::<String>(1)?.as_deref() {
                     Some("processed") => {
@@ -877,39 +811,26 @@ impl Store {
                     }
                 }
             }
+            touched.sort_unstable();
+            touched.dedup();
+            update(client, &plans.settle_reported, &[touched.into()])?;
             turns.pass(client, plans)?;
             Ok((processed, failed))
         })?;
         Ok(applied.unwrap_or((0, 0)))
     }
 
-    /// Deletes up to [`SWEEP_BATCH`] finished events older than `retention`,
-    /// from where `cursor` says the round's last batch ended, and moves it;
-    /// with `acks_off`, dispatched ones count as finished.
-    pub fn purge(
-        &mut self,
-        retention: Duration,
-        acks_off: bool,
-        cursor: &mut PurgeCursor,
-    ) -> Result<u64, StoreError> {
+    /// Deletes up to [`PURGE_BATCHES`] batches finished longer than
+    /// `retention` ago with their events (with `acks_off`, those marked
+    /// that long ago), and records of routed events as old; returns how
+    /// many events.
+    pub fn purge(&mut self, retention: Duration, acks_off: bool) -> Result<u64, StoreError> {
         let purged = self.with_plans(|client, plans, _| {
-            let args: [DatumWithOid; 5] = [
-                (retention.as_secs_f64() * 1000.0).into(),
-                (SWEEP_BATCH as i32).into(),
-                acks_off.into(),
-                cursor.processed.into(),
-                cursor.dispatched.into(),
-            ];
+            let args: [DatumWithOid; 3] =
+                [(retention.as_secs_f64() * 1000.0).into(), (PURGE_BATCHES as i32).into(), acks_off.into()];
             report_running(&plans.purge.text);
-            let mut deleted = 0;
-            for row in client.update(&plans.purge.plan, None, &args)? {
-                deleted += 1;
-                let processed = row.get::<bool>(1)?.unwrap_or(false);
-                let at = row.get::<TimestampWithTimeZone>(2)?;
-                let bound = if processed { &mut cursor.processed } else { &mut cursor.dispatched };
-                *bound = (*bound).max(at);
-            }
-            Ok(deleted)
+            let deleted: Option<i64> = client.update(&plans.purge.plan, None, &args)?.first().get_one()?;
+            Ok(deleted.unwrap_or(0) as u64)
         })?;
         Ok(purged.unwrap_or(0))
     }
@@ -937,37 +858,39 @@ fn durable_commit(client: &mut SpiClient<'_>) -> Result<(), SpiError> {
     Ok(())
 }
 
-/// Records one push's outcome for the rows its claim still holds:
-/// `dispatched` are in Redis, `failures` go back to pending or to the dead
-/// letter, `released` go back to pending as they were.
+/// Records one push's outcome while its batch is still this claim's: the
+/// batch is marked (settled at once unless reports or acknowledgements
+/// are `awaited`), `failures` go out of line until their backoff or to
+/// the dead letter, `released` back in line as they were. A batch a
+/// sweeper took meanwhile records nothing: its events are back in line.
 fn mark(
     client: &mut SpiClient<'_>,
     plans: &Plans,
     dispatcher: i32,
     outcome: &Outcome,
+    awaited: bool,
     turns: &mut Turns,
 ) -> Result<(), SpiError> {
-    let Some(claimed_at) = outcome.claimed_at.filter(|_| !outcome.is_empty()) else {
+    let Some(batch) = outcome.batch.filter(|_| !outcome.is_empty()) else {
         return Ok(());
     };
-    if !outcome.dispatched.is_empty() {
-        let ids = to_pg(outcome.dispatched.iter().copied());
-        report_running(&plans.mark_dispatched.text);
-        let args = [ids.into(), dispatcher.into(), claimed_at.into()];
-        for row in client.update(&plans.mark_dispatched.plan, None, &args)? {
-            turns.dispatched(keys::head_of(&row, 1)?);
-        }
+    report_running(&plans.mark_dispatched.text);
+    let args: [DatumWithOid; 3] = [batch.id.into(), dispatcher.into(), (!awaited).into()];
+    if client.update(&plans.mark_dispatched.plan, None, &args)?.is_empty() {
+        return Ok(());
+    }
+    for head in &outcome.heads {
+        turns.dispatched(Some(head.clone()));
     }
     let failures = &outcome.failures;
     if !failures.is_empty() {
         let status = |f: &Failure| if f.dead { "failed" } else { "pending" }.to_string();
-        let args: [DatumWithOid; 6] = [
+        let args: [DatumWithOid; 5] = [
             to_pg(failures.iter().map(|f| f.id)).into(),
+            failures.iter().map(|f| f.position.clone()).collect::<Vec<_>>().into(),
             failures.iter().map(status).collect::<Vec<_>>().into(),
             failures.iter().map(|f| f.error.clone()).collect::<Vec<_>>().into(),
             failures.iter().map(|f| f.delay.as_secs_f64() * 1000.0).collect::<Vec<_>>().into(),
-            dispatcher.into(),
-            claimed_at.into(),
         ];
         report_running(&plans.mark_failed.text);
         for row in client.update(&plans.mark_failed.plan, None, &args)? {
@@ -975,8 +898,11 @@ fn mark(
         }
     }
     if !outcome.released.is_empty() {
-        let ids = to_pg(outcome.released.iter().copied());
-        update(client, &plans.release, &[Some(ids).into(), dispatcher.into(), Some(claimed_at).into()])?;
+        let args: [DatumWithOid; 2] = [
+            to_pg(outcome.released.iter().map(|(id, _)| *id)).into(),
+            outcome.released.iter().map(|(_, position)| position.clone()).collect::<Vec<_>>().into(),
+        ];
+        update(client, &plans.release, &args)?;
     }
     Ok(())
 }

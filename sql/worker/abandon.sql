@@ -1,0 +1,30 @@
+-- Claims nobody will mark: up to $3 batches not marked, claimed by
+-- dispatcher $1 (a dispatcher that restarted: what it held before it died
+-- is nobody's now) or, with $1 NULL, claimed longer than $2 milliseconds
+-- ago (a dispatcher that died or hung). Their events go back in line, as
+-- if this transaction had enqueued them, counted as sent once (the push
+-- may have reached the broker); the batch is abandoned, and a late mark
+-- finds it so. SKIP LOCKED: never wait on a claim being marked. Served by
+-- batches_unmarked_idx. Returns how many events went back.
+WITH abandoned AS (
+    UPDATE outbox.batches AS b
+       SET abandoned_at = pg_catalog.now()
+      FROM (SELECT id
+              FROM outbox.batches
+             WHERE marked_at IS NULL
+               AND abandoned_at IS NULL
+               AND ($1::integer IS NULL OR dispatcher = $1)
+               AND ($1::integer IS NOT NULL OR claimed_at < pg_catalog.now() - $2 * interval '1 millisecond')
+             ORDER BY claimed_at
+             LIMIT $3
+               FOR UPDATE SKIP LOCKED) AS stuck
+     WHERE b.id = stuck.id
+    RETURNING b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
+)
+UPDATE outbox.log AS e
+   SET pending_xid = pg_catalog.pg_current_xact_id(),
+       deliveries = e.deliveries + 1
+  FROM abandoned AS b
+ CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
+ WHERE e.id = m.id
+   AND e.pending_xid = m.pending_xid
