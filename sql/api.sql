@@ -181,7 +181,7 @@ BEGIN
     -- without it (outbox.key_on_failure = continue, outbox_skip()) takes
     -- a new turn, behind the key's events (key_seq cleared: the trigger
     -- events_take_turn_again).
-    UPDATE outbox.events AS e
+    UPDATE outbox.log AS e
        SET status = 'pending',
            retry_count = 0,
            available_at = pg_catalog.clock_timestamp(),
@@ -210,7 +210,7 @@ BEGIN
         RAISE EXCEPTION 'outbox_retry_failed: older_than must not be negative (got %)', older_than
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    UPDATE outbox.events AS e
+    UPDATE outbox.log AS e
        SET status = 'pending',
            retry_count = 0,
            available_at = pg_catalog.clock_timestamp()
@@ -224,7 +224,7 @@ BEGIN
     -- the order they were enqueued.
     FOR again IN
         SELECT e.id
-          FROM outbox.events AS e
+          FROM outbox.log AS e
          WHERE e.status = 'failed'
            AND e.ordering_key IS NOT NULL AND e.key_state IS NULL
            AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than)
@@ -292,7 +292,7 @@ WITH waiting AS (
                     interval '0') AS lag
       FROM waiting AS w
     UNION ALL
-    SELECT 'processing', coalesce(pg_catalog.sum(b.events), 0), NULL, NULL
+    SELECT 'processing', coalesce(pg_catalog.sum(b.events), 0)::bigint, NULL, NULL
       FROM outbox.batches AS b WHERE b.marked_at IS NULL AND b.abandoned_at IS NULL
     UNION ALL
     SELECT 'failed', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
@@ -315,7 +315,7 @@ WITH waiting AS (
 ), estimate AS (
     SELECT GREATEST((SELECT c.reltuples::bigint FROM pg_catalog.pg_class AS c
                       WHERE c.oid = 'outbox.log'::pg_catalog.regclass)
-                    - (SELECT pg_catalog.sum(x.count) FROM exact AS x), 0) AS finished,
+                    - (SELECT pg_catalog.sum(x.count) FROM exact AS x)::bigint, 0) AS finished,
            GREATEST((SELECT c.reltuples::bigint FROM pg_catalog.pg_class AS c
                       WHERE c.oid = 'outbox.outcomes_pkey'::pg_catalog.regclass), 0) AS processed
 )
@@ -400,9 +400,7 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_pending_again(),
     @extschema@.outbox_take_turn(),
     @extschema@.outbox_key_taken(text, bigint),
-    @extschema@.outbox_turn_fits(text, bigint, bigint, text),
-    outbox.xid_before(xid8),
-    outbox.batch_members(pg_catalog.pg_snapshot, pg_catalog.pg_snapshot, xid8, uuid, xid8, uuid)
+    @extschema@.outbox_turn_fits(text, bigint, bigint, text)
     FROM PUBLIC;
 
 -- Monitoring: members of pg_monitor read the views that carry no payloads.

@@ -213,12 +213,11 @@ CREATE INDEX batches_abandoned_idx ON outbox.batches (abandoned_at) WHERE abando
 -- call that records it. Failures are written to the event itself.
 CREATE TABLE outbox.outcomes (
     event uuid PRIMARY KEY,
-    batch bigint NOT NULL,
     at    timestamptz NOT NULL DEFAULT pg_catalog.now()
 );
 
 COMMENT ON TABLE outbox.outcomes IS
-    'Events reported processed by a Celery worker or acknowledged with outbox_ack(), by their batch.';
+    'Events reported processed by a Celery worker or acknowledged with outbox_ack().';
 
 -- The transaction id before `xid` (xid8 has no arithmetic): after the
 -- last event of that transaction comes the first of `xid`.

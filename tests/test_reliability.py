@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from harness import Cluster, Redis, queued_ids, wait_until
+from harness import ROOT, Cluster, Redis, queued_ids, wait_until
 
 
 def load(pg, n, queue, per_statement=1000):
@@ -74,14 +74,31 @@ def test_a_storm_of_commits_is_delivered_in_far_fewer_batches(outbox, redis_serv
     assert batches <= total / 4, f"{total} events took {batches} batches"
 
 
+def claim_as(pg, dispatcher, limit):
+    """Claims up to `limit` events as dispatcher `dispatcher` would
+    (sql/worker/lock_cursor.sql, then claim.sql), in a transaction of this
+    session; returns the batch."""
+    worker = ROOT / "sql" / "worker"
+    with pg.connect(autocommit=False) as conn:
+        conn.execute((worker / "lock_cursor.sql").read_text())
+        conn.execute(f"PREPARE claim(int, int) AS {(worker / 'claim.sql').read_text()}")
+        batch = conn.execute(f"EXECUTE claim({int(limit)}, {int(dispatcher)})").fetchone()[17]
+        conn.commit()
+    return batch
+
+
 def test_stuck_claims_return_to_pending_and_are_delivered(outbox, redis_server):
-    outbox.configure(processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms", max_payload_bytes="10kB")
+    outbox.configure(processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms", max_payload_bytes="10kB",
+                     enabled="off")
+    wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
     rescued_before = outbox.metric("outbox_stuck_rescued_total")
-    # Claims of a dispatcher that no longer exists (index 7), a minute old.
     ids = [str(r[0]) for r in outbox.sql(
-        "INSERT INTO outbox.events (event_type, queue, status, processing_started_at, claimed_by) "
-        "SELECT 'stuck', 'q_stuck', 'processing', now() - interval '1 minute', 7 "
-        "FROM generate_series(1, 5) RETURNING id")]
+        "SELECT outbox_enqueue('stuck', '{}', queue => 'q_stuck') FROM generate_series(1, 5)")]
+    # The claim of a dispatcher that no longer exists (index 7), a minute old.
+    batch = claim_as(outbox, 7, 100)
+    outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '1 minute' WHERE id = %s", (batch,))
+    assert outbox.count("processing") == 5
+    outbox.configure(enabled="on")
     client = redis_server.client()
     wait_until(lambda: sorted(queued_ids(client, "q_stuck")) == sorted(ids), message="the stuck events")
     assert outbox.metric("outbox_stuck_rescued_total") - rescued_before == 5
@@ -204,7 +221,7 @@ def test_rejected_pushes_retry_then_dead_letter_while_others_flow(outbox, redis_
 
 def test_retry_one_failed_event(outbox, redis_server):
     event_id = outbox.value(
-        "INSERT INTO outbox.events (event_type, queue, status, retry_count, last_error) "
+        "INSERT INTO outbox.log (event_type, queue, status, retry_count, last_error) "
         "VALUES ('failed', 'q_retry_one', 'failed', 3, 'boom') RETURNING id")
     assert outbox.value("SELECT outbox_retry(%s)", (event_id,)) is True
     wait_until(lambda: queued_ids(redis_server.client(), "q_retry_one") == [str(event_id)],
@@ -214,7 +231,9 @@ def test_retry_one_failed_event(outbox, redis_server):
 
 def test_unacked_events_are_resent_and_retention_deletes_only_finished_ones(outbox, redis_server):
     client = redis_server.client()
-    outbox.configure(ack_timeout="2s", sweep_interval="1s")
+    # Acknowledgements are awaited of what is sent once the dispatchers
+    # have the setting.
+    outbox.configure_and_wait(ack_timeout="2s", sweep_interval="1s")
     acked, unacked = [str(r[0]) for r in outbox.sql(
         "SELECT outbox_enqueue('ack', '{}', queue => 'q_ack') FROM generate_series(1, 2)")]
     wait_until(lambda: outbox.count("dispatched") == 2, message="both dispatched")
@@ -228,7 +247,7 @@ def test_unacked_events_are_resent_and_retention_deletes_only_finished_ones(outb
     # Events that must survive any retention: a delayed pending one, a
     # dead letter, and (acknowledgements on) a dispatched one.
     keep = {str(r[0]) for r in outbox.sql(
-        "INSERT INTO outbox.events (event_type, queue, status, available_at, created_at) VALUES "
+        "INSERT INTO outbox.log (event_type, queue, status, available_at, created_at) VALUES "
         "('later', 'q_keep', 'pending', now() + interval '1 day', now() - interval '30 days'), "
         "('dead', 'q_keep', 'failed', now(), now() - interval '30 days') RETURNING id")}
     outbox.configure(ack_timeout="1h")

@@ -1,60 +1,631 @@
--- outbox_dispatch 0.9.0 → 0.10.0. Frozen once released: later changes go in
--- a script of their own.
+-- outbox_dispatch 0.9.0 → 0.10.0: one write per event (README, "How it
+-- works"). Frozen once released: later changes go in a script of their own.
 \echo Use "ALTER EXTENSION outbox_dispatch UPDATE" to load this file. \quit
 
 -- Every name in this script resolves in pg_catalog or is qualified: nothing
 -- binds an object the database owner may have put in the extension's schema.
 SET LOCAL search_path = pg_catalog, pg_temp;
 
--- The events' table is outbox.log; outbox.events is a view of it, which
+-- The events' table is outbox.log; outbox.events becomes a view of it, which
 -- applications use as before. Everything bound to the table (its indexes,
--- triggers, constraints, the views over it, pg_dump's configuration) stays
--- bound through the rename.
+-- triggers, constraints, pg_dump's configuration) stays bound through the
+-- rename. The views that read the columns which go are made again below.
 ALTER TABLE outbox.events RENAME TO log;
 ALTER TABLE outbox.log RENAME CONSTRAINT events_pkey TO log_pkey;
+DROP VIEW outbox.status, outbox.unreported, outbox.blocked_keys, outbox.deliveries;
 
 COMMENT ON TABLE outbox.log IS
     'Outbox events as they were written; read and write them through the view outbox.events.';
 
+-- Where the claims have read up to, one row: every transaction `prev` sees
+-- has been read; the window being read is what `target` sees and `prev`
+-- does not, in (pending_xid, id) order, read up to (after_xid, after_id)
+-- (NULL: from its start; no target: the next claim starts a window with
+-- its own snapshot). A claim locks the row (one claim at a time; the
+-- pushes run side by side), reads a page of the window and moves the
+-- position; one that reads less than a page has finished the window, and
+-- makes `target` the next `prev` (sql/worker/claim.sql).
+-- Not dumped: its transaction ids are this cluster's (a restore creates
+-- the extension, which makes a new one).
+CREATE TABLE outbox.cursor (
+    prev      pg_catalog.pg_snapshot NOT NULL,
+    target    pg_catalog.pg_snapshot,
+    after_xid xid8,
+    after_id  uuid,
+    only_row  boolean PRIMARY KEY DEFAULT true CHECK (only_row)
+)
+-- Updated by every claim: room on its page for the new versions (HOT).
+WITH (fillfactor = 10);
+
+COMMENT ON TABLE outbox.cursor IS
+    'Where the dispatchers have read outbox.log up to; one row, updated by every claim.';
+
+-- One row per claim: the page of a window it read, and what became of it.
+-- Its events are those of the window between its two positions still in
+-- line there (outbox_batch_members()). An event is written only when
+-- something exceptional happens to it (a failed push, a dead letter, a
+-- release, a re-send); otherwise its batch is its state (README, "How it
+-- works"). Messages carry `send`, which a report must name.
+CREATE TABLE outbox.batches (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    send         uuid NOT NULL,
+    dispatcher   integer NOT NULL,
+    claimed_at   timestamptz NOT NULL,
+    prev         pg_catalog.pg_snapshot NOT NULL,
+    target       pg_catalog.pg_snapshot NOT NULL,
+    from_xid     xid8,  -- after this position (NULL: from the window's start)
+    from_id      uuid,
+    to_xid       xid8 NOT NULL,  -- up to this one, included
+    to_id        uuid NOT NULL,
+    events       integer NOT NULL,
+    marked_at    timestamptz,  -- pushed: its events are in the broker
+    abandoned_at timestamptz,  -- not marked within outbox.processing_timeout: its events went back in line
+    settled_at   timestamptz   -- nothing is awaited of its events any more (acknowledgements off, or swept)
+)
+WITH (fillfactor = 50);
+
+COMMENT ON TABLE outbox.batches IS
+    'The claims of the dispatchers, one row each: which events they read, and whether they were pushed.';
+
+-- The batch of an event: those whose last position is at or after it.
+CREATE INDEX batches_to_idx ON outbox.batches (to_xid, to_id);
+-- Claims not marked yet: the stuck sweeper, a restarted dispatcher.
+CREATE INDEX batches_unmarked_idx ON outbox.batches (claimed_at, dispatcher)
+    WHERE marked_at IS NULL AND abandoned_at IS NULL;
+-- Batches whose events may still be acknowledged: the unacknowledged
+-- sweeper; then retention.
+CREATE INDEX batches_unsettled_idx ON outbox.batches (marked_at)
+    WHERE settled_at IS NULL AND marked_at IS NOT NULL;
+CREATE INDEX batches_settled_idx ON outbox.batches (settled_at) WHERE settled_at IS NOT NULL;
+CREATE INDEX batches_abandoned_idx ON outbox.batches (abandoned_at) WHERE abandoned_at IS NOT NULL;
+
+-- Events a Celery worker reported processed, or a consumer acknowledged
+-- (outbox_ack()): one row each, appended by the round of reports or the
+-- call that records it. Failures are written to the event itself.
+CREATE TABLE outbox.outcomes (
+    event uuid PRIMARY KEY,
+    at    timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+
+COMMENT ON TABLE outbox.outcomes IS
+    'Events reported processed by a Celery worker or acknowledged with outbox_ack().';
+
+-- The transaction id before `xid` (xid8 has no arithmetic): after the
+-- last event of that transaction comes the first of `xid`.
+CREATE FUNCTION outbox.xid_before(xid xid8) RETURNS xid8
+LANGUAGE sql IMMUTABLE STRICT
+RETURN ((xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.-) 1)::pg_catalog.text)::xid8;
+
+-- The events of a batch (its window, between its positions, still in
+-- line there), in their order: the transactions the window's `prev` saw in
+-- progress and its `target` ended, then those from `prev`'s xmax on; each
+-- range of events_pending_xid_idx read from its start. Inlined into the
+-- statements that call it (no SET clause), so every name is qualified.
+CREATE FUNCTION outbox.batch_members(
+    prev pg_catalog.pg_snapshot, target pg_catalog.pg_snapshot,
+    from_xid pg_catalog.xid8, from_id pg_catalog.uuid, to_xid pg_catalog.xid8, to_id pg_catalog.uuid
+) RETURNS TABLE (id pg_catalog.uuid, pending_xid pg_catalog.xid8)
+LANGUAGE sql STABLE
+AS $$
+SELECT m.id, m.pending_xid
+  FROM ((SELECT e.id, e.pending_xid
+           FROM outbox.log AS e
+          WHERE e.status OPERATOR(pg_catalog.=) 'pending'
+            AND e.key_state IS DISTINCT FROM 'waiting'
+            AND e.pending_xid OPERATOR(pg_catalog.=) ANY (ARRAY(
+                    SELECT x FROM pg_catalog.pg_snapshot_xip(prev) AS x
+                     WHERE pg_catalog.pg_visible_in_snapshot(x, target)))
+            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.>)
+                (coalesce(from_xid, '0'::pg_catalog.xid8), coalesce(from_id, '00000000-0000-0000-0000-000000000000'::pg_catalog.uuid))
+            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.<=) (to_xid, to_id))
+        UNION ALL
+        (SELECT e.id, e.pending_xid
+           FROM outbox.log AS e
+          WHERE e.status OPERATOR(pg_catalog.=) 'pending'
+            AND e.key_state IS DISTINCT FROM 'waiting'
+            -- After the batch's first position and `prev`'s xmax, in one
+            -- bound the index starts from.
+            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.>)
+                (CASE WHEN from_xid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(prev) THEN from_xid
+                      ELSE outbox.xid_before(pg_catalog.pg_snapshot_xmax(prev)) END,
+                 CASE WHEN from_xid OPERATOR(pg_catalog.>=) pg_catalog.pg_snapshot_xmax(prev) THEN from_id
+                      ELSE 'ffffffff-ffff-ffff-ffff-ffffffffffff'::pg_catalog.uuid END)
+            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.<=) (to_xid, to_id)
+            AND pg_catalog.pg_visible_in_snapshot(e.pending_xid, target))) AS m
+$$;
+
+-- The batch that read an event in line at ($1, $2): the page of the window
+-- that holds its position. NULL: none yet (or out of line).
+CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid) RETURNS bigint
+LANGUAGE sql STABLE STRICT SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT b.id
+  FROM outbox.batches AS b
+ WHERE (b.to_xid, b.to_id) OPERATOR(pg_catalog.>=) ($1, $2)
+   AND pg_catalog.pg_visible_in_snapshot($1, b.target)
+   AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
+   AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
+   AND b.abandoned_at IS NULL
+ ORDER BY b.to_xid, b.to_id
+ LIMIT 1
+$$;
+
+-- What an event is now, from what was written of it ($1, the row's status)
+-- and its batch: a stored status other than pending is what it is; an
+-- event out of line, waiting for its key, or in no batch is pending; in a
+-- batch not marked, processing; reported processed or acknowledged,
+-- processed; else dispatched.
+CREATE FUNCTION outbox.event_status(status outbox.event_status, pending_xid xid8, id uuid, key_state text)
+RETURNS outbox.event_status
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT CASE
+         WHEN $1 OPERATOR(pg_catalog.<>) 'pending' OR $2 IS NULL OR $4 IS NOT DISTINCT FROM 'waiting' THEN $1
+         ELSE coalesce((SELECT CASE WHEN EXISTS (SELECT FROM outbox.outcomes AS o
+                                                  WHERE o.event OPERATOR(pg_catalog.=) $3)
+                                    THEN 'processed'
+                                    WHEN b.marked_at IS NULL THEN 'processing'
+                                    ELSE 'dispatched' END::outbox.event_status
+                          FROM outbox.batches AS b
+                         WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_of($2, $3)),
+                       'pending')
+       END
+$$;
+
+-- The rows, as the batches will tell them. Triggers that take keys' turns
+-- must not fire (a converted row keeps its turn): the session acts as a
+-- replica; events_pending_again fires all the same (ENABLE ALWAYS), and
+-- its WHEN is false for each of these updates.
+SET LOCAL session_replication_role = replica;
+-- Out of line is a NULL pending_xid.
+ALTER TABLE outbox.log ALTER COLUMN pending_xid DROP NOT NULL;
+
+-- Events reported processed or acknowledged keep that as outcomes.
+INSERT INTO outbox.outcomes (event, at)
+SELECT e.id, coalesce(e.processed_at, pg_catalog.now())
+  FROM outbox.log AS e
+ WHERE e.status OPERATOR(pg_catalog.=) 'processed'
+   AND coalesce(e.routed_to, 0) OPERATOR(pg_catalog.=) 0;
+
+-- Events sent (dispatched or processed, not the records of routed events)
+-- make one batch, marked, read in line by this transaction.
+UPDATE outbox.log AS e
+   SET status = 'pending',
+       pending_xid = pg_catalog.pg_current_xact_id(),
+       deliveries = GREATEST(e.deliveries OPERATOR(pg_catalog.-) 1, 0)
+ WHERE e.status OPERATOR(pg_catalog.=) 'dispatched'
+    OR (e.status OPERATOR(pg_catalog.=) 'processed' AND coalesce(e.routed_to, 0) OPERATOR(pg_catalog.=) 0);
+
+INSERT INTO outbox.batches (send, dispatcher, claimed_at, prev, target, from_xid, from_id, to_xid, to_id, events,
+                            marked_at)
+SELECT pg_catalog.gen_random_uuid(), 0, m.at, w.prev, w.target, NULL, NULL, w.xid, m.last_id, m.events, m.at
+  FROM (SELECT (SELECT e.id FROM outbox.log AS e
+                  WHERE e.pending_xid OPERATOR(pg_catalog.=) pg_catalog.pg_current_xact_id()
+                  ORDER BY e.id DESC LIMIT 1) AS last_id,
+               pg_catalog.count(*) AS events,
+               coalesce(pg_catalog.max(coalesce(e.dispatched_at, e.processed_at)), pg_catalog.now()) AS at
+          FROM outbox.log AS e
+         WHERE e.pending_xid OPERATOR(pg_catalog.=) pg_catalog.pg_current_xact_id()) AS m,
+       -- A window of this transaction alone.
+       (SELECT x.xid,
+               (x.xid::pg_catalog.text OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) x.xid::pg_catalog.text
+                OPERATOR(pg_catalog.||) ':')::pg_catalog.pg_snapshot AS prev,
+               (x.xid::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+                OPERATOR(pg_catalog.||) (x.xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.+) 1)::pg_catalog.text
+                OPERATOR(pg_catalog.||) ':')::pg_catalog.pg_snapshot AS target
+          FROM (SELECT pg_catalog.pg_current_xact_id() AS xid) AS x) AS w
+ WHERE m.events OPERATOR(pg_catalog.>) 0;
+
+-- Claimed events go back in line (they may have been sent: counted so),
+-- and every event in line, or waiting for its key, goes out of line: the
+-- dispatchers put each back in line as it falls due (its key's turn
+-- first), with a transaction id the new claims read.
+UPDATE outbox.log AS e
+   SET status = 'pending',
+       pending_xid = NULL,
+       deliveries = e.deliveries OPERATOR(pg_catalog.+) 1
+ WHERE e.status OPERATOR(pg_catalog.=) 'processing';
+UPDATE outbox.log AS e
+   SET pending_xid = NULL
+ WHERE e.status OPERATOR(pg_catalog.=) 'pending'
+   AND e.pending_xid OPERATOR(pg_catalog.<>) pg_catalog.pg_current_xact_id();
+
+SET LOCAL session_replication_role = origin;
+
+-- The claims start after what this transaction did: a `prev` that sees it
+-- and everything that ended before, and none of the transactions in
+-- progress now (those that wait for this one to insert events included).
+INSERT INTO outbox.cursor (prev)
+SELECT (pg_catalog.pg_snapshot_xmin(s.s)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
+        OPERATOR(pg_catalog.||) (x.xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.+) 1)::pg_catalog.text
+        OPERATOR(pg_catalog.||) ':'
+        OPERATOR(pg_catalog.||) coalesce((SELECT pg_catalog.string_agg(p.xid::pg_catalog.text, ',' ORDER BY p.xid)
+                                            FROM (SELECT i::pg_catalog.text::pg_catalog.numeric AS xid
+                                                    FROM pg_catalog.pg_snapshot_xip(s.s) AS i
+                                                  UNION
+                                                  SELECT pg_catalog.generate_series(
+                                                             pg_catalog.pg_snapshot_xmax(s.s)::pg_catalog.text::pg_catalog.numeric,
+                                                             x.xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.-) 1)) AS p
+                                           WHERE p.xid OPERATOR(pg_catalog.<>) x.xid::pg_catalog.text::pg_catalog.numeric),
+                                         ''))::pg_catalog.pg_snapshot
+  FROM (SELECT pg_catalog.pg_current_snapshot() AS s) AS s,
+       (SELECT pg_catalog.pg_current_xact_id() AS xid) AS x;
+
+-- What was written per row goes: a batch says it now.
+ALTER TABLE outbox.log
+    DROP COLUMN processing_started_at,
+    DROP COLUMN dispatched_at,
+    DROP COLUMN processed_at,
+    DROP COLUMN claimed_by,
+    DROP COLUMN send_id;
+-- The claims read no index by due time any more; the came-due sweep reads
+-- events_due_idx.
+DROP INDEX outbox.events_pending_idx;
+
+-- Events out of line until they fall due (pending_xid NULL: delayed, or
+-- backing off after a failed push), by when; the came-due sweep puts them
+-- in line (sql/worker/came_due.sql).
+CREATE INDEX events_due_idx ON outbox.log (available_at, id)
+    WHERE pending_xid IS NULL AND status = 'pending' AND key_state IS DISTINCT FROM 'waiting';
+
+-- Records of routed events, and events acknowledged while out of a batch:
+-- retention.
+CREATE INDEX events_recorded_idx ON outbox.log (created_at) WHERE status = 'processed';
+
+-- An insert or an update that makes an event pending (a retry, a release,
+-- a sweep, a DBA's UPDATE, its key's turn come) or moves when it falls due
+-- puts it in line as if that statement's transaction had enqueued it, or
+-- out of line until it falls due; so does an insert that names another
+-- transaction (a restored dump, a copy). An insert with the defaults, due
+-- now, does not call it: the WHEN is evaluated without a function call.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_pending_again() RETURNS trigger
+LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    IF NEW.available_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() THEN
+        NEW.pending_xid := NULL;
+    ELSE
+        NEW.pending_xid := pg_catalog.pg_current_xact_id();
+    END IF;
+    RETURN NEW;
+END
+$$;
+DROP TRIGGER events_pending_again ON outbox.log;
+CREATE TRIGGER events_pending_again
+    BEFORE INSERT OR UPDATE OF status, available_at, pending_xid ON outbox.log
+    FOR EACH ROW WHEN (NEW.status = 'pending'
+                       AND (NEW.pending_xid IS DISTINCT FROM pg_catalog.pg_current_xact_id()
+                            OR NEW.available_at > pg_catalog.clock_timestamp()))
+    EXECUTE FUNCTION @extschema@.outbox_pending_again();
+-- Also where triggers are off for replication (a logical replication
+-- subscriber applying the rows of another server's history).
+ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again;
+
+-- An event with a key takes its turn as it is inserted, by
+-- outbox_enqueue() or an ORM's INSERT, or as outbox_retry() sends it again
+-- after its key went on without it. It takes its key's lock, an advisory
+-- lock held to its commit: producers of one key commit one after the other,
+-- so key_seq, taken under the lock, is their commit order. It becomes the
+-- head when no event of the key is unfinished, or waits behind them.
+-- A row inserted with a turn of its own (key_seq and key_state set, as a
+-- restore's rows are) keeps it when it fits the key (outbox_turn_fits():
+-- in whatever order a restore's rows come); one that does not (a copy of
+-- another row, into its key or another) takes a new one. A key never has
+-- two heads, nor two rows of one key_seq (events_key_head_idx and
+-- events_key_idx say so too).
+-- (The lock is the one the dispatchers try, src/keys.rs and
+-- sql/keys/lock.sql, before they pass a key on.) SECURITY DEFINER: writers
+-- need no rights on the sequence, nor to read outbox.events; every name
+-- is qualified, as in outbox_route().
+CREATE OR REPLACE FUNCTION @extschema@.outbox_take_turn() RETURNS trigger
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+AS $$
+BEGIN
+    PERFORM pg_catalog.pg_advisory_xact_lock(
+        pg_catalog.hashtextextended(NEW.ordering_key, coalesce(NEW.subscription_id, 0)));
+    IF NEW.key_seq IS NOT NULL AND NEW.key_state IS NOT NULL
+       AND @extschema@.outbox_turn_fits(NEW.ordering_key, coalesce(NEW.subscription_id, 0),
+                                        NEW.key_seq, NEW.key_state) THEN
+        RETURN NEW;
+    END IF;
+    NEW.key_seq := pg_catalog.nextval('outbox.key_seq'::pg_catalog.regclass);
+    NEW.key_state := CASE WHEN @extschema@.outbox_key_taken(NEW.ordering_key, coalesce(NEW.subscription_id, 0))
+                          THEN 'waiting' ELSE 'head' END;
+    -- Out of line while it waits: its turn coming puts it in line.
+    IF NEW.key_state OPERATOR(pg_catalog.=) 'waiting' THEN
+        NEW.pending_xid := NULL;
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+DROP TRIGGER events_take_turn_again ON outbox.log;
+CREATE TRIGGER events_take_turn_again
+    BEFORE UPDATE OF status, ordering_key, key_seq, key_state ON outbox.log
+    FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending'
+                       AND (NEW.key_seq IS NULL
+                            OR (NEW.key_state IS NULL
+                                AND (OLD.status <> 'pending' OR OLD.ordering_key IS DISTINCT FROM NEW.ordering_key))))
+    EXECUTE FUNCTION @extschema@.outbox_take_turn();
+
+-- Keys whose head is not about to be sent: in flight, waiting for its
+-- backoff or its delay, or dead-lettered (since: when its batch claimed it
+-- or was marked, else when it became due); then keys with events waiting
+-- and no head (head NULL, since: when the first fell due), which the
+-- dispatchers pass on within seconds. Served by events_key_state_idx.
+CREATE VIEW outbox.blocked_keys AS
+SELECT h.ordering_key, h.subscription_id, h.id AS head, h.status,
+       CASE h.status
+           WHEN 'processing' THEN (SELECT b.claimed_at FROM outbox.batches AS b WHERE b.id = h.batch)
+           WHEN 'dispatched' THEN (SELECT b.marked_at FROM outbox.batches AS b WHERE b.id = h.batch)
+           ELSE h.available_at
+       END AS since,
+       h.last_error,
+       (SELECT pg_catalog.count(*)
+          FROM outbox.log AS w
+         WHERE w.key_state = 'waiting'
+           AND w.ordering_key = h.ordering_key
+           AND coalesce(w.subscription_id, 0) = coalesce(h.subscription_id, 0)) AS waiting
+  FROM (SELECT e.id, e.ordering_key, e.subscription_id, e.available_at, e.last_error,
+               outbox.event_status(e.status, e.pending_xid, e.id, e.key_state) AS status,
+               outbox.batch_of(e.pending_xid, e.id) AS batch
+          FROM outbox.log AS e
+         WHERE e.key_state = 'head') AS h
+ WHERE NOT (h.status = 'pending' AND h.available_at <= pg_catalog.now())
+UNION ALL
+SELECT w.ordering_key, w.subscription_id, NULL, NULL, pg_catalog.min(w.available_at), NULL, pg_catalog.count(*)
+  FROM outbox.log AS w
+ WHERE w.key_state = 'waiting'
+   AND NOT EXISTS (SELECT FROM outbox.log AS h
+                    WHERE h.key_state = 'head'
+                      AND h.ordering_key = w.ordering_key
+                      AND coalesce(h.subscription_id, 0) = coalesce(w.subscription_id, 0))
+ GROUP BY w.ordering_key, w.subscription_id;
+
+COMMENT ON VIEW outbox.blocked_keys IS
+    'Keys whose head (the one event of the key that may be sent) is in flight, not yet due, or dead-lettered, with the events waiting behind it; then keys with events waiting and no head (head NULL). A failed head holds its key until outbox_retry() or outbox_skip() (outbox.key_on_failure = block).';
+
 -- The name applications, ORMs and DBAs use. A view of one table, so
 -- PostgreSQL updates it by itself: an INSERT (RETURNING included), UPDATE
 -- or DELETE through it is one on outbox.log, with the table's defaults,
--- constraints and triggers (its statement triggers too). It acts as its
--- caller (security_invoker): a role needs the privilege on both, and the
--- table's row-level security applies to it as to a statement on the table.
+-- constraints and triggers (its statement triggers too), except `status`,
+-- `batch` and `deliveries`, which say what became of the event and are
+-- read only. It acts as its caller (security_invoker): a role needs the
+-- privilege on both, and the table's row-level security applies to it as
+-- to a statement on the table.
 CREATE VIEW outbox.events WITH (security_invoker = true) AS
-SELECT l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority, l.status, l.retry_count,
-       l.created_at, l.available_at, l.processing_started_at, l.dispatched_at, l.processed_at, l.last_error,
-       l.claimed_by, l.args, l.expires_at, l.event_id, l.subscription_id, l.routed_to, l.deliveries, l.send_id,
-       l.pending_xid, l.ordering_key, l.key_seq, l.key_state
+SELECT l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority,
+       outbox.event_status(l.status, l.pending_xid, l.id, l.key_state) AS status,
+       l.retry_count, l.created_at, l.available_at, l.last_error, l.args, l.expires_at, l.event_id,
+       l.subscription_id, l.routed_to,
+       l.deliveries OPERATOR(pg_catalog.+) (outbox.batch_of(l.pending_xid, l.id) IS NOT NULL)::integer AS deliveries,
+       l.pending_xid, l.ordering_key, l.key_seq, l.key_state,
+       outbox.batch_of(l.pending_xid, l.id) AS batch
   FROM outbox.log AS l;
 
 COMMENT ON VIEW outbox.events IS
     'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
 
--- What roles were granted on the table, they are granted on the view.
-DO $$
-DECLARE
-    grant_ record;
+SELECT pg_catalog.pg_extension_config_dump('outbox.log',
+    'WHERE outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+    'ANY (ARRAY[''pending'', ''processing'', ''failed'']::outbox.event_status[])');
+
+-- One row per status, zero counts included, at a cost that does not grow
+-- with history. Pending events (in line beyond where the claims have read,
+-- and out of line until they fall due), processing ones (the batches not
+-- marked) and failed ones are counted exactly, each through a small index.
+-- Dispatched and processed, which grow with outbox.retention, are counted
+-- exactly while at most 1000 batches are marked and at most 1000 events
+-- have an outcome, and beyond that estimated from the statistics of the
+-- last vacuum or analyze (outbox.log's rows less the others), and say so.
+-- Events waiting for their key's turn are not pending here (outbox.blocked_keys
+-- and the metrics count them).
+CREATE VIEW outbox.status AS
+WITH waiting AS (
+    -- In line, not read yet: the transactions the cursor's prev saw in
+    -- progress, and those from its xmax on, but what the window being read
+    -- has read.
+    SELECT e.created_at, e.available_at
+      FROM outbox.log AS e
+     WHERE e.status = 'pending'
+       AND e.key_state IS DISTINCT FROM 'waiting'
+       AND e.pending_xid = ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(c.prev) FROM outbox.cursor AS c))
+       AND NOT coalesce((SELECT pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
+                                AND (e.pending_xid, e.id)
+                                    <= (coalesce(c.after_xid, '0'::xid8),
+                                        coalesce(c.after_id, '00000000-0000-0000-0000-000000000000'::uuid))
+                           FROM outbox.cursor AS c), false)
+    UNION ALL
+    SELECT e.created_at, e.available_at
+      FROM outbox.log AS e
+     WHERE e.status = 'pending'
+       AND e.key_state IS DISTINCT FROM 'waiting'
+       AND e.pending_xid >= (SELECT pg_catalog.pg_snapshot_xmax(c.prev) FROM outbox.cursor AS c)
+       AND NOT coalesce((SELECT pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
+                                AND (e.pending_xid, e.id)
+                                    <= (coalesce(c.after_xid, '0'::xid8),
+                                        coalesce(c.after_id, '00000000-0000-0000-0000-000000000000'::uuid))
+                           FROM outbox.cursor AS c), false)
+    UNION ALL
+    -- Out of line until due.
+    SELECT e.created_at, e.available_at
+      FROM outbox.log AS e
+     WHERE e.pending_xid IS NULL
+       AND e.status = 'pending'
+       AND e.key_state IS DISTINCT FROM 'waiting'
+), exact AS (
+    SELECT 'pending'::outbox.event_status AS status, pg_catalog.count(*) AS count,
+           pg_catalog.min(w.created_at) AS oldest_created_at,
+           coalesce(pg_catalog.now() - pg_catalog.min(w.available_at)
+                        FILTER (WHERE w.available_at <= pg_catalog.now()),
+                    interval '0') AS lag
+      FROM waiting AS w
+    UNION ALL
+    SELECT 'processing', coalesce(pg_catalog.sum(b.events), 0)::bigint, NULL, NULL
+      FROM outbox.batches AS b WHERE b.marked_at IS NULL AND b.abandoned_at IS NULL
+    UNION ALL
+    SELECT 'failed', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
+      FROM outbox.log AS e WHERE e.status = 'failed'
+), finished AS (
+    SELECT (SELECT pg_catalog.count(*)
+              FROM (SELECT FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL LIMIT 1001) AS f) AS batches,
+           (SELECT pg_catalog.count(*) FROM (SELECT FROM outbox.outcomes LIMIT 1001) AS f)
+           + (SELECT pg_catalog.count(*)
+                FROM (SELECT FROM outbox.log AS e WHERE e.status = 'processed' LIMIT 1001) AS f) AS processed
+), sent AS (
+    -- Exact while small: the members of the marked batches without an
+    -- outcome.
+    SELECT pg_catalog.count(*) AS dispatched
+      FROM outbox.batches AS b
+     CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
+     WHERE b.marked_at IS NOT NULL
+       AND (SELECT f.batches FROM finished AS f) <= 1000
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
+), estimate AS (
+    SELECT GREATEST((SELECT c.reltuples::bigint FROM pg_catalog.pg_class AS c
+                      WHERE c.oid = 'outbox.log'::pg_catalog.regclass)
+                    - (SELECT pg_catalog.sum(x.count) FROM exact AS x)::bigint, 0) AS finished,
+           GREATEST((SELECT c.reltuples::bigint FROM pg_catalog.pg_class AS c
+                      WHERE c.oid = 'outbox.outcomes_pkey'::pg_catalog.regclass), 0) AS processed
+)
+SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
+       false AS estimated
+  FROM exact
+UNION ALL
+SELECT 'dispatched',
+       CASE WHEN f.batches <= 1000 THEN (SELECT s.dispatched FROM sent AS s)
+            ELSE GREATEST(e.finished - GREATEST(e.processed, f.processed), 0) END,
+       NULL, NULL, NULL, f.batches > 1000
+  FROM finished AS f, estimate AS e
+UNION ALL
+SELECT 'processed',
+       CASE WHEN f.processed <= 1000 THEN f.processed ELSE GREATEST(e.processed, f.processed) END,
+       NULL, NULL, NULL, f.processed > 1000
+  FROM finished AS f, estimate AS e
+ ORDER BY status;
+
+COMMENT ON VIEW outbox.status IS
+    'Events per status; lag is how long the oldest due pending event has waited. Pending leaves out events waiting for their key (outbox.blocked_keys). Dispatched and processed are counted while at most 1000 batches are marked and 1000 events have an outcome, then estimated from statistics (estimated = true).';
+
+-- Sent events a worker running outbox_dispatch.celery should have reported
+-- by now (outbox.report_timeout, while reports are on) and has not: the
+-- message was lost after the push (Redis restarted without persistence, a
+-- queue purged), no worker consumes the queue, or the worker does not
+-- import the companion. The members without an outcome of the batches
+-- marked before then that still await some (settle_reported.sql). Served
+-- by batches_unsettled_idx.
+CREATE VIEW outbox.unreported AS
+SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, b.marked_at AS dispatched_at,
+       pg_catalog.now() - b.marked_at AS waiting, e.deliveries + 1 AS sends, e.event_id, e.subscription_id
+  FROM outbox.batches AS b
+ CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
+  JOIN outbox.log AS e ON e.id = m.id
+ WHERE b.settled_at IS NULL
+   AND b.marked_at < pg_catalog.now() - @extschema@.outbox_report_timeout()
+   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id);
+
+COMMENT ON VIEW outbox.unreported IS
+    'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';
+
+-- Every delivery of every routed event: filter on event_id for one event's.
+-- status is the delivery's, or its batch's, or 'waiting' for a batch.
+CREATE VIEW outbox.deliveries AS
+SELECT d.event_id, d.subscription_id, d.task, d.id AS delivery_id, false AS batched,
+       outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text AS status, d.retry_count,
+       d.deliveries + (sent.id IS NOT NULL)::integer AS sends, d.last_error,
+       sent.marked_at AS dispatched_at, o.at AS processed_at
+  FROM outbox.log AS d
+  LEFT JOIN outbox.batches AS sent ON sent.id = outbox.batch_of(d.pending_xid, d.id)
+  LEFT JOIN outbox.outcomes AS o ON o.event = d.id
+ WHERE d.event_id IS NOT NULL
+UNION ALL
+SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
+       coalesce(outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text, 'waiting'), d.retry_count,
+       d.deliveries + (sent.id IS NOT NULL)::integer, d.last_error,
+       sent.marked_at, o.at
+  FROM outbox.batch_members AS m
+  JOIN outbox.all_subscriptions AS s ON s.id = m.subscription_id
+  LEFT JOIN outbox.log AS d ON d.id = m.batch_id
+  LEFT JOIN outbox.batches AS sent ON sent.id = outbox.batch_of(d.pending_xid, d.id)
+  LEFT JOIN outbox.outcomes AS o ON o.event = d.id;
+
+COMMENT ON VIEW outbox.deliveries IS
+    'Per routed event and subscription: the delivery (or batch) that carries it, and its status.';
+
+GRANT SELECT ON outbox.status, outbox.unreported, outbox.deliveries TO pg_monitor;
+
+-- Dead letters go back in line; deliveries are written to the table.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_retry(id uuid) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
 BEGIN
-    -- regrole's text is the role's name, quoted where it must be.
-    FOR grant_ IN
-        SELECT a.grantee, a.privilege_type, a.is_grantable
-          FROM pg_catalog.pg_class AS c
-         CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) AS a
-         WHERE c.oid OPERATOR(pg_catalog.=) 'outbox.log'::pg_catalog.regclass
-           AND a.grantee OPERATOR(pg_catalog.<>) c.relowner
-           AND a.privilege_type OPERATOR(pg_catalog.=) ANY (ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE'])
-    LOOP
-        EXECUTE pg_catalog.format('GRANT %s ON outbox.events TO %s%s', grant_.privilege_type,
-                                  CASE WHEN grant_.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
-                                       ELSE grant_.grantee::pg_catalog.regrole::pg_catalog.text END,
-                                  CASE WHEN grant_.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
-    END LOOP;
+    -- Back in line: a report of the failed send, replayed, names a batch
+    -- that no longer holds it and finishes nothing. An event with a key
+    -- that still holds it is its head again; one whose key went on
+    -- without it (outbox.key_on_failure = continue, outbox_skip()) takes
+    -- a new turn, behind the key's events (key_seq cleared: the trigger
+    -- events_take_turn_again).
+    UPDATE outbox.log AS e
+       SET status = 'pending',
+           retry_count = 0,
+           available_at = pg_catalog.clock_timestamp(),
+           key_seq = CASE WHEN e.key_state IS NULL THEN NULL ELSE e.key_seq END
+     WHERE e.id = outbox_retry.id
+       AND e.status = 'failed';
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM @extschema@.outbox_wake();
+    RETURN true;
 END
 $$;
 
--- Deliveries are written to the table.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_retry_failed(older_than interval DEFAULT NULL) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    retried bigint;
+    again uuid;
+BEGIN
+    IF older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox_retry_failed: older_than must not be negative (got %)', older_than
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    UPDATE outbox.log AS e
+       SET status = 'pending',
+           retry_count = 0,
+           available_at = pg_catalog.clock_timestamp()
+     WHERE e.status = 'failed'
+       AND (e.ordering_key IS NULL OR e.key_state IS NOT NULL)
+       AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than);
+    GET DIAGNOSTICS retried = ROW_COUNT;
+    -- Those whose key went on without them take new turns one by one, in
+    -- the order of their keys and, within a key, of their first turns: the
+    -- keys' locks are taken in sorted order, and a key gets them back in
+    -- the order they were enqueued.
+    FOR again IN
+        SELECT e.id
+          FROM outbox.log AS e
+         WHERE e.status = 'failed'
+           AND e.ordering_key IS NOT NULL AND e.key_state IS NULL
+           AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than)
+         ORDER BY e.ordering_key, coalesce(e.subscription_id, 0), e.key_seq
+    LOOP
+        IF @extschema@.outbox_retry(again) THEN
+            retried := retried + 1;
+        END IF;
+    END LOOP;
+    IF retried > 0 THEN
+        PERFORM @extschema@.outbox_wake();
+    END IF;
+    RETURN retried;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION @extschema@.outbox_route() RETURNS trigger
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 AS $$
@@ -102,8 +673,29 @@ BEGIN
     SELECT pg_catalog.count(*) INTO routed FROM matched;
 
     NEW.status := 'processed';
-    NEW.processed_at := pg_catalog.clock_timestamp();
     NEW.routed_to := routed;
     RETURN NEW;
+END
+$$;
+
+-- What roles were granted on the table, they are granted on the view.
+DO $$
+DECLARE
+    grant_ record;
+BEGIN
+    -- regrole's text is the role's name, quoted where it must be.
+    FOR grant_ IN
+        SELECT a.grantee, a.privilege_type, a.is_grantable
+          FROM pg_catalog.pg_class AS c
+         CROSS JOIN LATERAL pg_catalog.aclexplode(c.relacl) AS a
+         WHERE c.oid OPERATOR(pg_catalog.=) 'outbox.log'::pg_catalog.regclass
+           AND a.grantee OPERATOR(pg_catalog.<>) c.relowner
+           AND a.privilege_type OPERATOR(pg_catalog.=) ANY (ARRAY['SELECT', 'INSERT', 'UPDATE', 'DELETE'])
+    LOOP
+        EXECUTE pg_catalog.format('GRANT %s ON outbox.events TO %s%s', grant_.privilege_type,
+                                  CASE WHEN grant_.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                                       ELSE grant_.grantee::pg_catalog.regrole::pg_catalog.text END,
+                                  CASE WHEN grant_.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
 END
 $$;
