@@ -40,7 +40,7 @@ def log(*args):
 
 def enqueue(pg, n, queue, task="bench.noop"):
     pg.configure(enabled="off")
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     with pg.connect() as conn:
         conn.execute("SELECT outbox_enqueue('bench', '{\"n\": 1}', queue => %s, task => %s) "
                      "FROM generate_series(1, %s)", (queue, task, n))

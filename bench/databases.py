@@ -47,7 +47,7 @@ def drain(pg, redis, names):
     redis.client().flushall()
     for name in names:
         with pg.connect(dbname=name) as conn:
-            conn.execute("TRUNCATE outbox.log")
+            conn.execute("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
             conn.execute(f"SELECT outbox_enqueue('bench', %s::jsonb, queue => 'bench_{name}') "
                          f"FROM generate_series(1, %s)", (PAYLOAD, EVENTS))
             conn.execute("VACUUM ANALYZE outbox.log")

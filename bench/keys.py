@@ -49,7 +49,7 @@ def full_loop(pg, redis, keyed):
     full loop): LOOP_EVENTS events, keyed round-robin over KEYS keys or
     not at all."""
     pg.configure(enabled="off")
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     redis.client().flushall()
     worker = CeleryWorker(redis.url, queues=("bench_keys",), app="loop_app", pool="prefork", concurrency=2,
                           extra_args=("--prefetch-multiplier=100", "--loglevel=WARNING"))
@@ -76,7 +76,7 @@ def enqueue_rate(pg, keyed):
     """Events per second that one session enqueues, 1,000 per transaction,
     keyed over 1,000 keys or not (the dispatchers paused)."""
     pg.configure(enabled="off")
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     key = "'k' || g" if keyed else "NULL"
     started = time.monotonic()
     with pg.connect() as conn:
@@ -89,7 +89,7 @@ def enqueue_rate(pg, keyed):
 def block_keys(pg, n):
     """`n` keys whose head is dead-lettered (outbox.key_on_failure =
     block), each with WAITING events behind it."""
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     if n == 0:
         return
     with pg.connect() as conn:

@@ -77,7 +77,7 @@ def wal_per_event(pg, redis):
     wait_until(lambda: pg.count("dispatched") == WAL_EVENTS, timeout=120, message="every row marked")
     dispatch = (lsn(pg) - start) / WAL_EVENTS
     pg.sql("DROP TABLE plain")
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     redis.client().flushall()
     return {"plain_insert": plain, "enqueue": enqueue, "dispatch": dispatch}
 
@@ -131,7 +131,7 @@ def steady(pg, redis):
 def backlog(pg, redis):
     """Events per second draining BACKLOG events committed while paused."""
     pg.configure(enabled="off")
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     redis.client().flushall()
     with pg.connect() as conn:
         for start in range(0, BACKLOG, 10_000):

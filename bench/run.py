@@ -71,7 +71,7 @@ def drain(pg, redis, workers, batch):
     """Events per second from enabling the dispatchers to the last push, and
     the dispatchers' memory along the way."""
     pg.configure(enabled="off", batch_size=batch)
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     redis.client().flushall()
     load(pg, EVENTS)
     pids = pg.dispatcher_pids()
@@ -98,7 +98,7 @@ def full_loop(pg, redis):
     the report list's length, sampled, shows whether recording the reports
     keeps up with the worker."""
     pg.configure(enabled="off", batch_size=1000)
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     redis.client().flushall()
     worker = CeleryWorker(redis.url, queues=("bench_loop",), app="loop_app", pool="prefork", concurrency=2,
                           extra_args=("--prefetch-multiplier=100", "--loglevel=WARNING"))
@@ -136,7 +136,7 @@ def sql_ceiling(pg, batch):
     """Claim and mark the same rows in the same batches, with no Redis: the
     dispatcher's own statements in a server-side loop, a commit per batch."""
     pg.configure(enabled="off")
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     load(pg, EVENTS)
     claim = (ROOT / "sql/worker/claim.sql").read_text().replace("$1", str(batch)).replace("$2", "0")
     mark = (ROOT / "sql/worker/mark_dispatched.sql").read_text() \
@@ -206,7 +206,7 @@ def consume(redis_port, total, out):
 
 def latency(pg, redis):
     pg.configure(enabled="on", batch_size=100)
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     pg.sql("CHECKPOINT")
     redis.client().flushall()
     pg.wait_idle()
@@ -292,11 +292,11 @@ def enqueue_cost(pg):
                 subscribe_fanout(pg)
             else:
                 pg.sql("TRUNCATE outbox.all_subscriptions")
-            pg.sql("TRUNCATE outbox.log, bench_plain")
+            pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes, bench_plain")
             pg.sql("CHECKPOINT")
             runs[name].append(pgbench(pg, script, options.get(name, "")))
     pg.sql("DROP TABLE bench_plain")
-    pg.sql("TRUNCATE outbox.log, outbox.all_subscriptions")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes, outbox.all_subscriptions")
     return {name: sorted(tps)[len(tps) // 2] for name, tps in runs.items()}
 
 
@@ -307,7 +307,7 @@ def fanout_drain(pg, redis):
     events = EVENTS // 3
     pg.configure(enabled="off", batch_size=1000)
     subscribe_fanout(pg)
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     redis.client().flushall()
     with pg.connect() as conn:
         for start in range(0, events, 10_000):
@@ -322,7 +322,7 @@ def fanout_drain(pg, redis):
                message="every delivery pushed")
     elapsed = time.monotonic() - started
     assert redis.client().llen("bench") == 3 * events
-    pg.sql("TRUNCATE outbox.log, outbox.all_subscriptions")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes, outbox.all_subscriptions")
     return {"events": events, "deliveries": 3 * events, "deliveries_rate": 3 * events / elapsed,
             "events_rate": events / elapsed}
 

@@ -114,7 +114,7 @@ def outbox_path(pg, redis, name, enqueue, before_delivery=None, during_delivery=
     """One path's phases: WAL per event of each, and the dead tuples it
     left in outbox.events."""
     pg.configure(enabled="off", retention="1h", lifecycle_interval="1h", report_key="", batch_size=1000)
-    pg.sql("TRUNCATE outbox.log")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     redis.client().flushall()
     pg.sql("SELECT pg_stat_reset()")
     result = {"enqueue": wal_of(pg, enqueue) / EVENTS}

@@ -300,7 +300,9 @@ WITH waiting AS (
 ), finished AS (
     SELECT (SELECT pg_catalog.count(*)
               FROM (SELECT FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL LIMIT 1001) AS f) AS batches,
-           (SELECT pg_catalog.count(*) FROM (SELECT FROM outbox.outcomes LIMIT 1001) AS f)
+           (SELECT pg_catalog.count(*)
+              FROM (SELECT FROM outbox.outcomes AS o
+                     WHERE EXISTS (SELECT FROM outbox.log AS e WHERE e.id = o.event) LIMIT 1001) AS f)
            + (SELECT pg_catalog.count(*)
                 FROM (SELECT FROM outbox.log AS e WHERE e.status = 'processed' LIMIT 1001) AS f) AS processed
 ), sent AS (

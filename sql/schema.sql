@@ -281,21 +281,19 @@ SELECT b.id
 $$;
 
 -- What an event is now, from what was written of it ($1, the row's status)
--- and its batch: a stored status other than pending is what it is; an
--- event out of line, waiting for its key, or in no batch is pending; in a
--- batch not marked, processing; reported processed or acknowledged,
--- processed; else dispatched.
+-- and its batch: a stored status other than pending is what it is, and an
+-- event waiting for its key is pending; one reported processed or
+-- acknowledged is processed; else, out of line or in no batch, pending;
+-- in a batch not marked, processing; in one marked, dispatched.
 CREATE FUNCTION outbox.event_status(status outbox.event_status, pending_xid xid8, id uuid, key_state text)
 RETURNS outbox.event_status
 LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 SELECT CASE
-         WHEN $1 OPERATOR(pg_catalog.<>) 'pending' OR $2 IS NULL OR $4 IS NOT DISTINCT FROM 'waiting' THEN $1
-         ELSE coalesce((SELECT CASE WHEN EXISTS (SELECT FROM outbox.outcomes AS o
-                                                  WHERE o.event OPERATOR(pg_catalog.=) $3)
-                                    THEN 'processed'
-                                    WHEN b.marked_at IS NULL THEN 'processing'
+         WHEN $1 OPERATOR(pg_catalog.<>) 'pending' OR $4 IS NOT DISTINCT FROM 'waiting' THEN $1
+         WHEN EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event OPERATOR(pg_catalog.=) $3) THEN 'processed'
+         ELSE coalesce((SELECT CASE WHEN b.marked_at IS NULL THEN 'processing'
                                     ELSE 'dispatched' END::outbox.event_status
                           FROM outbox.batches AS b
                          WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_of($2, $3)),

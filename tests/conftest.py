@@ -33,7 +33,7 @@ def outbox(cluster, redis_server):
     """The shared cluster with an empty outbox and an empty Redis."""
     cluster.sql("ALTER SYSTEM RESET ALL")
     cluster.configure(enabled="on")
-    cluster.sql("TRUNCATE outbox.log")
+    cluster.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     redis_server.client().flushdb()
     yield cluster
 

@@ -436,6 +436,18 @@ class Cluster:
                 conn.execute(f"ALTER SYSTEM SET outbox.{k} = {self._quote(v)}")
             conn.execute("SELECT pg_reload_conf()")
 
+    def claim_as(self, dispatcher, limit):
+        """Claims up to `limit` events as dispatcher `dispatcher` would
+        (sql/worker/lock_cursor.sql, then claim.sql), and commits; returns
+        the batch's id and send, (None, None) when nothing was claimed."""
+        worker = ROOT / "sql" / "worker"
+        with self.connect(autocommit=False) as conn:
+            conn.execute((worker / "lock_cursor.sql").read_text())
+            conn.execute(f"PREPARE claim(int, int) AS {(worker / 'claim.sql').read_text()}")
+            row = conn.execute(f"EXECUTE claim({int(limit)}, {int(dispatcher)})").fetchone()
+            conn.commit()
+        return row[17], row[18]
+
     def configure_and_wait(self, **settings):
         """configure(), then waits until every dispatcher says it reloaded
         its settings: what they do next is done with them."""

@@ -48,7 +48,7 @@ def ob(amqp_cluster, rabbit, redis_server):
     """The AMQP cluster with an empty outbox and a RabbitMQ without queues."""
     amqp_cluster.sql("ALTER SYSTEM RESET ALL")
     amqp_cluster.configure(enabled="on")
-    amqp_cluster.sql("TRUNCATE outbox.log")
+    amqp_cluster.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     rabbit.reset()
     redis_server.client().flushdb()
     yield amqp_cluster

@@ -54,7 +54,7 @@ def loop(cluster, redis_server, workers):
     workers' own keys (kombu's bindings) must stay."""
     cluster.sql("ALTER SYSTEM RESET ALL")
     cluster.configure(enabled="on")
-    cluster.sql("TRUNCATE outbox.log")
+    cluster.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     yield cluster
 
 
@@ -218,7 +218,7 @@ def test_a_forged_report_finishes_no_event_and_a_replayed_one_no_later_send(loop
     wait_until(lambda: len(queued_ids(client, "q_replayed")) == 1, message="the first send")
     first = decode(client.lindex("q_replayed", 0))[0]["headers"]["outbox_send"]
     # Sent again (as the unacknowledged sweeper does), with a new send id.
-    loop.sql("UPDATE outbox.events SET status = 'pending' WHERE id = %s", (sent,))
+    loop.sql("UPDATE outbox.log SET status = 'pending' WHERE id = %s", (sent,))
     loop.sql("SELECT outbox_wake()")
     wait_until(lambda: len(queued_ids(client, "q_replayed")) == 2, message="the second send")
     second = decode(client.lindex("q_replayed", 0))[0]["headers"]["outbox_send"]
@@ -245,9 +245,12 @@ def test_a_forged_report_finishes_no_event_and_a_replayed_one_no_later_send(loop
 def test_a_report_may_overtake_the_dispatchers_record(loop, redis_server):
     """A worker can finish before the dispatcher has marked the event
     dispatched: the report wins, the late mark changes nothing."""
-    event, send = loop.sql("""
-        INSERT INTO outbox.events (event_type, status, processing_started_at, claimed_by, send_id)
-        VALUES ('overtaken', 'processing', now(), 7, gen_random_uuid()) RETURNING id, send_id""")[0]
+    loop.configure(enabled="off")
+    wait_until(lambda: loop.value("SELECT bool_and(state = 'paused') FROM outbox.workers"), message="the pause")
+    event = loop.value("SELECT outbox_enqueue('overtaken', '{}', queue => 'q_overtaken')")
+    # Claimed by a dispatcher that has not marked it (index 7).
+    _, send = loop.claim_as(7, 100)
+    loop.configure(enabled="on")
     redis_server.client().rpush(loop.report_list(), report.processed(str(event), str(send)))
     wait_status(loop, event, "processed")
     assert loop.value("SELECT deliveries FROM outbox.events WHERE id = %s", (event,)) == 1

@@ -184,7 +184,7 @@ def stored_results(redis_server, ids):
 def effects(inbox, redis_server):
     inbox.sql("DROP TABLE IF EXISTS effects")
     inbox.sql("CREATE TABLE effects (event uuid NOT NULL, n integer NOT NULL)")
-    inbox.sql("TRUNCATE outbox.log")
+    inbox.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     redis_server.client().delete(QUEUE)
     yield inbox
     inbox.sql("DROP TABLE effects")

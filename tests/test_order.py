@@ -37,7 +37,7 @@ def keyed(cluster, redis_server):
     notes left by an earlier test (the workers' own keys stay)."""
     cluster.sql("ALTER SYSTEM RESET ALL")
     cluster.configure(enabled="on")
-    cluster.sql("TRUNCATE outbox.log")
+    cluster.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     client = redis_server.client()
     for pattern in ("order:*", "heal:*", QUEUE, "poisoned"):
         for key in client.keys(pattern):
@@ -224,7 +224,7 @@ def test_a_copied_head_makes_no_second_head(keyed):
 def paused(cluster):
     cluster.sql("ALTER SYSTEM RESET ALL")
     cluster.configure(enabled="off")
-    cluster.sql("TRUNCATE outbox.log")
+    cluster.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     yield cluster
     cluster.sql("ALTER SYSTEM RESET ALL")
     cluster.configure(enabled="on")

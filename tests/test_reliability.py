@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from harness import ROOT, Cluster, Redis, queued_ids, wait_until
+from harness import Cluster, Redis, queued_ids, wait_until
 
 
 def load(pg, n, queue, per_statement=1000):
@@ -74,19 +74,6 @@ def test_a_storm_of_commits_is_delivered_in_far_fewer_batches(outbox, redis_serv
     assert batches <= total / 4, f"{total} events took {batches} batches"
 
 
-def claim_as(pg, dispatcher, limit):
-    """Claims up to `limit` events as dispatcher `dispatcher` would
-    (sql/worker/lock_cursor.sql, then claim.sql), in a transaction of this
-    session; returns the batch."""
-    worker = ROOT / "sql" / "worker"
-    with pg.connect(autocommit=False) as conn:
-        conn.execute((worker / "lock_cursor.sql").read_text())
-        conn.execute(f"PREPARE claim(int, int) AS {(worker / 'claim.sql').read_text()}")
-        batch = conn.execute(f"EXECUTE claim({int(limit)}, {int(dispatcher)})").fetchone()[17]
-        conn.commit()
-    return batch
-
-
 def test_stuck_claims_return_to_pending_and_are_delivered(outbox, redis_server):
     outbox.configure(processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms", max_payload_bytes="10kB",
                      enabled="off")
@@ -95,7 +82,7 @@ def test_stuck_claims_return_to_pending_and_are_delivered(outbox, redis_server):
     ids = [str(r[0]) for r in outbox.sql(
         "SELECT outbox_enqueue('stuck', '{}', queue => 'q_stuck') FROM generate_series(1, 5)")]
     # The claim of a dispatcher that no longer exists (index 7), a minute old.
-    batch = claim_as(outbox, 7, 100)
+    batch, _ = outbox.claim_as(7, 100)
     outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '1 minute' WHERE id = %s", (batch,))
     assert outbox.count("processing") == 5
     outbox.configure(enabled="on")

@@ -31,7 +31,7 @@ def subscriber(redis_server):
 def clear(pg):
     """Empties the tables. A dispatcher's flush locks them in another order;
     in a deadlock the dispatcher (deadlock_timeout 100ms) gives way."""
-    pg.sql("TRUNCATE outbox.log, outbox.batch_members, outbox.all_subscriptions")
+    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes, outbox.batch_members, outbox.all_subscriptions")
 
 
 @pytest.fixture
