@@ -185,6 +185,8 @@ BEGIN
        SET status = 'pending',
            retry_count = 0,
            available_at = pg_catalog.clock_timestamp(),
+           -- The batch that sent it no longer holds it: its send counted.
+           deliveries = e.deliveries + (outbox.batch_of(e.pending_xid, e.id) IS NOT NULL)::integer,
            key_seq = CASE WHEN e.key_state IS NULL THEN NULL ELSE e.key_seq END
      WHERE e.id = outbox_retry.id
        AND e.status = 'failed';
@@ -213,7 +215,8 @@ BEGIN
     UPDATE outbox.log AS e
        SET status = 'pending',
            retry_count = 0,
-           available_at = pg_catalog.clock_timestamp()
+           available_at = pg_catalog.clock_timestamp(),
+           deliveries = e.deliveries + (outbox.batch_of(e.pending_xid, e.id) IS NOT NULL)::integer
      WHERE e.status = 'failed'
        AND (e.ordering_key IS NULL OR e.key_state IS NOT NULL)
        AND (older_than IS NULL OR e.created_at <= pg_catalog.now() - older_than);
@@ -354,7 +357,9 @@ COMMENT ON VIEW outbox.metrics IS
 
 CREATE VIEW outbox.dead_letters AS
 SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
-       retry_count, last_error, created_at, deliveries, args, event_id, subscription_id,
+       retry_count, last_error, created_at,
+       deliveries + (outbox.batch_of(pending_xid, id) IS NOT NULL)::integer AS deliveries,
+       args, event_id, subscription_id,
        ordering_key, key_state IS NOT DISTINCT FROM 'head' AS holds_key
   FROM outbox.log
  WHERE status = 'failed';

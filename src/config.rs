@@ -365,8 +365,7 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// Whether reports or acknowledgements are awaited of what is sent
-    /// (else a batch is settled once marked).
+    /// Whether reports or acknowledgements are awaited of what is sent.
     pub fn awaited(&self) -> bool {
         !self.keys.dispatched
     }

@@ -448,15 +448,6 @@ class Cluster:
             conn.commit()
         return row[17], row[18]
 
-    def configure_and_wait(self, **settings):
-        """configure(), then waits until every dispatcher says it reloaded
-        its settings: what they do next is done with them."""
-        before = self.log_text().count("reloaded its settings")
-        workers = self.value("SELECT count(*) FROM outbox.workers WHERE pid IS NOT NULL")
-        self.configure(**settings)
-        wait_until(lambda: self.log_text().count("reloaded its settings") >= before + workers,
-                   message="the dispatchers to reload their settings")
-
     def log_text(self):
         return self.log.read_text(errors="replace")
 

@@ -358,7 +358,7 @@ def test_keys_are_checked(keyed):
         with pytest.raises(psycopg.errors.CheckViolation, match="events_ordering_key_length"):
             conn.execute("INSERT INTO outbox.events (event_type, ordering_key) VALUES ('x', '')")
         with pytest.raises(psycopg.errors.CheckViolation, match="events_key_state"):
-            conn.execute("INSERT INTO outbox.events (event_type, status, ordering_key, key_state) "
+            conn.execute("INSERT INTO outbox.log (event_type, status, ordering_key, key_state) "
                          "VALUES ('x', 'processed', 'k', 'mine')")
         with pytest.raises(psycopg.errors.CheckViolation, match="events_key_state"):
             conn.execute("INSERT INTO outbox.events (event_type, key_state) VALUES ('x', 'waiting')")
@@ -610,7 +610,7 @@ def test_keys_left_without_a_head_are_passed_on(keyed, redis_server):
         third = enqueue_ordered(conn, "finished", 1, queue=QUEUE + "_idle")
         fourth = enqueue_ordered(conn, "finished", 2, queue=QUEUE + "_idle")
         conn.execute("DELETE FROM outbox.events WHERE id = %s", (first,))
-        conn.execute("UPDATE outbox.events SET status = 'processed' WHERE id = %s", (third,))
+        conn.execute("UPDATE outbox.log SET status = 'processed' WHERE id = %s", (third,))
     keyed.configure(enabled="on")
     wait_until(lambda: set(queued_ids(client, QUEUE + "_idle")) == {str(second), str(fourth)}, timeout=60,
                message="the key sweep passed both keys on")

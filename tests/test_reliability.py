@@ -218,9 +218,7 @@ def test_retry_one_failed_event(outbox, redis_server):
 
 def test_unacked_events_are_resent_and_retention_deletes_only_finished_ones(outbox, redis_server):
     client = redis_server.client()
-    # Acknowledgements are awaited of what is sent once the dispatchers
-    # have the setting.
-    outbox.configure_and_wait(ack_timeout="2s", sweep_interval="1s")
+    outbox.configure(ack_timeout="2s", sweep_interval="1s")
     acked, unacked = [str(r[0]) for r in outbox.sql(
         "SELECT outbox_enqueue('ack', '{}', queue => 'q_ack') FROM generate_series(1, 2)")]
     wait_until(lambda: outbox.count("dispatched") == 2, message="both dispatched")

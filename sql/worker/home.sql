@@ -38,9 +38,10 @@ WITH adopted AS (
        AND NOT EXISTS (SELECT FROM outbox.log
                         WHERE pending_xid IS NULL AND status = 'pending' AND key_state IS DISTINCT FROM 'waiting')
        AND NOT EXISTS (SELECT FROM outbox.log WHERE key_state = 'waiting')
-       -- No batch in flight, none awaiting acknowledgements or reports.
+       -- No batch in flight, none awaiting acknowledgements or reports
+       -- ($2: either is on).
        AND NOT EXISTS (SELECT FROM outbox.batches WHERE marked_at IS NULL AND abandoned_at IS NULL)
-       AND NOT EXISTS (SELECT FROM outbox.batches WHERE settled_at IS NULL AND marked_at IS NOT NULL)
+       AND NOT ($2 AND EXISTS (SELECT FROM outbox.batches WHERE settled_at IS NULL AND marked_at IS NOT NULL))
        AND NOT EXISTS (SELECT FROM outbox.batch_members WHERE batch_id IS NULL)
     RETURNING database
 )

@@ -3,11 +3,9 @@
 -- (which leave the batch). Recorded only while the claim is still $2's (a
 -- sweeper gives a claim that took too long back, abandoned_at): returns
 -- whether it was, and locks the batch's row until the transaction ends,
--- so no sweeper takes it meanwhile. Settled at once when nothing is
--- awaited of its events ($3: reports and acknowledgements are off).
+-- so no sweeper takes it meanwhile.
 UPDATE outbox.batches
-   SET marked_at = pg_catalog.now(),
-       settled_at = CASE WHEN $3 THEN pg_catalog.now() END
+   SET marked_at = pg_catalog.now()
  WHERE id = $1
    AND dispatcher = $2
    AND marked_at IS NULL

@@ -11,7 +11,10 @@ WITH marked AS (
        SET status = f.status::outbox.event_status,
            retry_count = e.retry_count + 1,
            last_error = f.error,
-           available_at = pg_catalog.clock_timestamp() + f.delay_ms * interval '1 millisecond'
+           available_at = pg_catalog.clock_timestamp() + f.delay_ms * interval '1 millisecond',
+       -- Out of the batch, which did not send it: back in line when due,
+       -- or never (a dead letter).
+       pending_xid = NULL
       FROM unnest($1::uuid[], $2::xid8[], $3::text[], $4::text[], $5::float8[])
            AS f(id, pending_xid, status, error, delay_ms)
      WHERE e.id = f.id

@@ -39,7 +39,9 @@ UPDATE outbox.log AS e
                                                 e.deliveries + 1, $3)
                          ELSE e.last_error END,
        deliveries = e.deliveries + 1,
-       pending_xid = pg_catalog.pg_current_xact_id()
+       -- Out of its batch: in line again, or (failed) nowhere.
+       pending_xid = CASE WHEN e.deliveries + 1 > $3 OR (e.ordering_key IS NOT NULL AND e.key_state IS NULL)
+                          THEN NULL ELSE pg_catalog.pg_current_xact_id() END
   FROM unacked
  WHERE e.id = unacked.id
    AND e.pending_xid = unacked.pending_xid

@@ -207,7 +207,8 @@ pub struct Store {
     flush_backoff: Backoff,
     /// The longest one transaction may run.
     statement_timeout: Duration,
-    /// Reports or acknowledgements are awaited of what is sent.
+    /// Reports or acknowledgements are awaited of what was sent: a copy
+    /// of a database is adopted only once none are.
     awaited: bool,
     /// When a finished head lets its key go.
     key_policy: KeyPolicy,
@@ -264,7 +265,7 @@ impl Plans {
             claim: prepare(include_str!("../../../sql/worker/claim.sql"), &[INT4, INT4])?,
             came_due: prepare(include_str!("../../../sql/worker/came_due.sql"), &[INT4])?,
             next_due: prepare(include_str!("../../../sql/worker/next_due.sql"), &[INT8_ARRAY])?,
-            mark_dispatched: prepare(include_str!("../../../sql/worker/mark_dispatched.sql"), &[INT8, INT4, BOOL])?,
+            mark_dispatched: prepare(include_str!("../../../sql/worker/mark_dispatched.sql"), &[INT8, INT4])?,
             mark_failed: prepare(
                 include_str!("../../../sql/worker/mark_failed.sql"),
                 &[UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY, TEXT_ARRAY, FLOAT8_ARRAY],
@@ -282,7 +283,7 @@ impl Plans {
                 include_str!("../../../sql/worker/apply_reports.sql"),
                 &[UUID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY],
             )?,
-            home: prepare(include_str!("../../../sql/worker/home.sql"), &[OID])?,
+            home: prepare(include_str!("../../../sql/worker/home.sql"), &[OID, BOOL])?,
             lock_keys: prepare(keys::LOCK, &[TEXT_ARRAY, INT8_ARRAY, BOOL])?,
             pass_keys: prepare(keys::PASS, &[UUID_ARRAY, TEXT_ARRAY, INT8_ARRAY, BOOL, BOOL])?,
             sweep_keys: prepare(include_str!("../../../sql/worker/sweep_keys.sql"), &[BOOL, BOOL, INT4])?,
@@ -528,8 +529,7 @@ impl Store {
         self.key_policy = policy;
     }
 
-    /// Whether reports or acknowledgements are awaited of what is sent
-    /// from now on (a batch where neither is is settled when marked).
+    /// Whether reports or acknowledgements are awaited of what is sent.
     pub fn set_awaited(&mut self, awaited: bool) {
         self.awaited = awaited;
     }
@@ -614,8 +614,9 @@ impl Store {
     /// Whether this database holds its own events or a copy's; `None`
     /// without the extension.
     pub fn home(&mut self, database: pg_sys::Oid) -> Result<Option<Home>, StoreError> {
+        let awaited = self.awaited;
         self.with_plans(|client, plans, _| {
-            let row = client.update(&plans.home.plan, None, &[database.into()])?.first();
+            let row = client.update(&plans.home.plan, None, &[database.into(), awaited.into()])?.first();
             let recorded = row.get::<pg_sys::Oid>(1)?.unwrap_or(database).to_u32();
             Ok(match (recorded == database.to_u32(), row.get::<bool>(2)?.unwrap_or(false)) {
                 (true, _) => Home::Own,
@@ -656,9 +657,8 @@ impl Store {
         batch_budget: i64,
     ) -> Result<Claim, StoreError> {
         let mut backoff = std::mem::take(&mut self.flush_backoff);
-        let awaited = self.awaited;
         let claimed = self.with_turns(|client, plans, dispatcher, turns| {
-            mark(client, plans, dispatcher, settled, awaited, turns)?;
+            mark(client, plans, dispatcher, settled, turns)?;
             // Before the claim, which may take the new heads.
             turns.pass(client, plans)?;
             let flushed = batches::flush(client, plans, batch_budget, &mut backoff)?;
@@ -692,9 +692,8 @@ impl Store {
 
     /// Records `settled` on its own, when no claim is to follow.
     pub fn settle(&mut self, settled: &Outcome) -> Result<(), StoreError> {
-        let awaited = self.awaited;
         self.with_turns(|client, plans, dispatcher, turns| {
-            mark(client, plans, dispatcher, settled, awaited, turns)?;
+            mark(client, plans, dispatcher, settled, turns)?;
             turns.pass(client, plans)
         })?;
         Ok(())
@@ -859,8 +858,7 @@ fn durable_commit(client: &mut SpiClient<'_>) -> Result<(), SpiError> {
 }
 
 /// Records one push's outcome while its batch is still this claim's: the
-/// batch is marked (settled at once unless reports or acknowledgements
-/// are `awaited`), `failures` go out of line until their backoff or to
+/// batch is marked, `failures` go out of line until their backoff or to
 /// the dead letter, `released` back in line as they were. A batch a
 /// sweeper took meanwhile records nothing: its events are back in line.
 fn mark(
@@ -868,14 +866,13 @@ fn mark(
     plans: &Plans,
     dispatcher: i32,
     outcome: &Outcome,
-    awaited: bool,
     turns: &mut Turns,
 ) -> Result<(), SpiError> {
     let Some(batch) = outcome.batch.filter(|_| !outcome.is_empty()) else {
         return Ok(());
     };
     report_running(&plans.mark_dispatched.text);
-    let args: [DatumWithOid; 3] = [batch.id.into(), dispatcher.into(), (!awaited).into()];
+    let args: [DatumWithOid; 2] = [batch.id.into(), dispatcher.into()];
     if client.update(&plans.mark_dispatched.plan, None, &args)?.is_empty() {
         return Ok(());
     }
