@@ -238,15 +238,18 @@ LANGUAGE sql STABLE
 AS $$
 SELECT m.id, m.pending_xid
   FROM ((SELECT e.id, e.pending_xid
-           FROM outbox.log AS e
-          WHERE e.status OPERATOR(pg_catalog.=) 'pending'
-            AND e.key_state IS DISTINCT FROM 'waiting'
-            AND e.pending_xid OPERATOR(pg_catalog.=) ANY (ARRAY(
-                    SELECT x FROM pg_catalog.pg_snapshot_xip(prev) AS x
-                     WHERE pg_catalog.pg_visible_in_snapshot(x, target)))
-            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.>)
-                (coalesce(from_xid, '0'::pg_catalog.xid8), coalesce(from_id, '00000000-0000-0000-0000-000000000000'::pg_catalog.uuid))
-            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.<=) (to_xid, to_id))
+           FROM pg_catalog.pg_snapshot_xip(prev) AS b(xid)
+          CROSS JOIN LATERAL (
+                SELECT e.id, e.pending_xid
+                  FROM outbox.log AS e
+                 WHERE e.status OPERATOR(pg_catalog.=) 'pending'
+                   AND e.key_state IS DISTINCT FROM 'waiting'
+                   AND e.pending_xid OPERATOR(pg_catalog.=) b.xid
+                   AND (e.pending_xid, e.id) OPERATOR(pg_catalog.>)
+                       (coalesce(from_xid, '0'::pg_catalog.xid8),
+                        coalesce(from_id, '00000000-0000-0000-0000-000000000000'::pg_catalog.uuid))
+                   AND (e.pending_xid, e.id) OPERATOR(pg_catalog.<=) (to_xid, to_id)) AS e
+          WHERE pg_catalog.pg_visible_in_snapshot(b.xid, target))
         UNION ALL
         (SELECT e.id, e.pending_xid
            FROM outbox.log AS e

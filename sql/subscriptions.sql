@@ -259,7 +259,8 @@ SELECT d.event_id, d.subscription_id, d.task, d.id AS delivery_id, false AS batc
  WHERE d.event_id IS NOT NULL
 UNION ALL
 SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
-       coalesce(outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text, 'waiting'), d.retry_count,
+       CASE WHEN d.id IS NULL THEN 'waiting'
+            ELSE outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text END, d.retry_count,
        d.deliveries + (sent.id IS NOT NULL)::integer, d.last_error,
        sent.marked_at, o.at
   FROM outbox.batch_members AS m

@@ -76,7 +76,7 @@ def test_a_claim_of_an_event_that_may_run_again_outlives_the_retention(inbox):
     inbox.configure(enabled="off")
     with inbox.connect() as conn:
         failed = conn.execute("SELECT outbox_enqueue('x', '{}')").fetchone()[0]
-        conn.execute("UPDATE outbox.events SET status = 'failed' WHERE id = %s", (failed,))
+        conn.execute("UPDATE outbox.log SET status = 'failed' WHERE id = %s", (failed,))
         claim(conn, failed)
         claim(conn, uuid.uuid4())
     inbox.sql("UPDATE outbox.inbox SET claimed_at = now() - interval '2 hours'")

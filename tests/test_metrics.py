@@ -159,13 +159,15 @@ def buffers(conn, query):
 
 
 def sent(pg, event_type, count, processed=False):
-    """Sends `count` events of `event_type` and waits until they are; with
+    """Sends `count` events of `event_type` and waits until they are (all
+    but the ten delayed ones sent); with
     `processed`, records them reported processed and their batches
     settled a day ago (as retention sees them)."""
     pg.sql("SELECT outbox_enqueue(%s, '{}', queue => 'q_flat_sent') FROM generate_series(1, %s)",
            (event_type, count))
-    wait_until(lambda: pg.value("SELECT count(*) FROM outbox.events WHERE event_type = %s AND status = 'dispatched'",
-                                (event_type,)) == count, timeout=120, message=f"{count} events sent")
+    wait_until(lambda: pg.sql("SELECT status::text, count FROM outbox.status "
+                              "WHERE status IN ('pending', 'processing')") == [("pending", 10), ("processing", 0)],
+               timeout=120, message=f"{count} events sent")
     if processed:
         pg.sql("INSERT INTO outbox.outcomes (event, at) "
                "SELECT id, now() - interval '1 day' FROM outbox.log WHERE event_type = %s", (event_type,))

@@ -242,8 +242,9 @@ def test_an_accumulated_subscription_delivers_after_batch_wait(subs, redis_serve
     assert [item["id"] for item in batch] == [str(e) for e in events]
     # Not sent before the oldest had waited batch_wait.
     assert subs.value("""
-        SELECT b.dispatched_at - min(m.available_at) >= interval '1 second'
-          FROM outbox.batch_members m JOIN outbox.events b ON b.id = m.batch_id GROUP BY b.dispatched_at""")
+        SELECT sent.marked_at - min(m.available_at) >= interval '1 second'
+          FROM outbox.batch_members m JOIN outbox.events b ON b.id = m.batch_id
+          JOIN outbox.batches sent ON sent.id = b.batch GROUP BY sent.marked_at""")
 
 
 def test_the_dispatchers_sleep_ends_at_the_next_batch_wait(subs):
@@ -395,8 +396,8 @@ def batch_trigger(pg, name, sub, action):
             END IF;
             RETURN NEW;
         END $$;
-        CREATE TRIGGER {name} BEFORE INSERT ON outbox.events FOR EACH ROW EXECUTE FUNCTION public.{name}()""")
-    return f"DROP TRIGGER {name} ON outbox.events; DROP FUNCTION public.{name}()"
+        CREATE TRIGGER {name} BEFORE INSERT ON outbox.log FOR EACH ROW EXECUTE FUNCTION public.{name}()""")
+    return f"DROP TRIGGER {name} ON outbox.log; DROP FUNCTION public.{name}()"
 
 
 def test_a_batch_that_cannot_be_made_fails_its_members_and_nothing_else(subs, redis_server):

@@ -109,15 +109,18 @@ LANGUAGE sql STABLE
 AS $$
 SELECT m.id, m.pending_xid
   FROM ((SELECT e.id, e.pending_xid
-           FROM outbox.log AS e
-          WHERE e.status OPERATOR(pg_catalog.=) 'pending'
-            AND e.key_state IS DISTINCT FROM 'waiting'
-            AND e.pending_xid OPERATOR(pg_catalog.=) ANY (ARRAY(
-                    SELECT x FROM pg_catalog.pg_snapshot_xip(prev) AS x
-                     WHERE pg_catalog.pg_visible_in_snapshot(x, target)))
-            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.>)
-                (coalesce(from_xid, '0'::pg_catalog.xid8), coalesce(from_id, '00000000-0000-0000-0000-000000000000'::pg_catalog.uuid))
-            AND (e.pending_xid, e.id) OPERATOR(pg_catalog.<=) (to_xid, to_id))
+           FROM pg_catalog.pg_snapshot_xip(prev) AS b(xid)
+          CROSS JOIN LATERAL (
+                SELECT e.id, e.pending_xid
+                  FROM outbox.log AS e
+                 WHERE e.status OPERATOR(pg_catalog.=) 'pending'
+                   AND e.key_state IS DISTINCT FROM 'waiting'
+                   AND e.pending_xid OPERATOR(pg_catalog.=) b.xid
+                   AND (e.pending_xid, e.id) OPERATOR(pg_catalog.>)
+                       (coalesce(from_xid, '0'::pg_catalog.xid8),
+                        coalesce(from_id, '00000000-0000-0000-0000-000000000000'::pg_catalog.uuid))
+                   AND (e.pending_xid, e.id) OPERATOR(pg_catalog.<=) (to_xid, to_id)) AS e
+          WHERE pg_catalog.pg_visible_in_snapshot(b.xid, target))
         UNION ALL
         (SELECT e.id, e.pending_xid
            FROM outbox.log AS e
@@ -542,7 +545,8 @@ SELECT d.event_id, d.subscription_id, d.task, d.id AS delivery_id, false AS batc
  WHERE d.event_id IS NOT NULL
 UNION ALL
 SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
-       coalesce(outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text, 'waiting'), d.retry_count,
+       CASE WHEN d.id IS NULL THEN 'waiting'
+            ELSE outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text END, d.retry_count,
        d.deliveries + (sent.id IS NOT NULL)::integer, d.last_error,
        sent.marked_at, o.at
   FROM outbox.batch_members AS m

@@ -9,7 +9,7 @@
 -- The window is what the cursor's `target` snapshot sees and its `prev`
 -- does not (no `target`: the window starts now, with this statement's
 -- snapshot), read in (pending_xid, id) order after the cursor's position,
--- in two ranges of events_pending_xid_idx: the transactions `prev` saw in
+-- in ranges of events_pending_xid_idx: each transaction `prev` saw in
 -- progress that `target` sees ended (behind), then those from `prev`'s
 -- xmax up to `target`'s (fresh). Each range stops at $1 rows, however many
 -- events lie before it: no claim walks what an earlier one read.
@@ -36,23 +36,32 @@ WITH cursor AS MATERIALIZED (
 ), page AS MATERIALIZED (
     SELECT p.*
       FROM ((SELECT e.*
-               FROM outbox.log AS e, cursor AS c
-              WHERE e.status = 'pending'
-                AND e.key_state IS DISTINCT FROM 'waiting'
-                AND e.pending_xid = ANY (c.behind)
-                AND (e.pending_xid, e.id) > (c.read_xid, c.read_id)
+               FROM cursor AS c
+              CROSS JOIN LATERAL pg_catalog.unnest(c.behind) AS b(xid)
+              CROSS JOIN LATERAL (
+                    SELECT e.*
+                      FROM outbox.log AS e
+                     WHERE e.status = 'pending'
+                       AND e.key_state IS DISTINCT FROM 'waiting'
+                       AND e.pending_xid = b.xid
+                       AND (e.pending_xid, e.id) > (c.read_xid, c.read_id)
+                     ORDER BY e.pending_xid, e.id
+                     LIMIT $1) AS e
               ORDER BY e.pending_xid, e.id
               LIMIT $1)
             UNION ALL
             (SELECT e.*
-               FROM outbox.log AS e, cursor AS c
-              WHERE e.status = 'pending'
-                AND e.key_state IS DISTINCT FROM 'waiting'
-                AND (e.pending_xid, e.id) > (c.fresh_xid, c.fresh_id)
-                AND e.pending_xid < pg_catalog.pg_snapshot_xmax(c.target)
-                AND pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
-              ORDER BY e.pending_xid, e.id
-              LIMIT $1)) AS p
+               FROM cursor AS c
+              CROSS JOIN LATERAL (
+                    SELECT e.*
+                      FROM outbox.log AS e
+                     WHERE e.status = 'pending'
+                       AND e.key_state IS DISTINCT FROM 'waiting'
+                       AND (e.pending_xid, e.id) > (c.fresh_xid, c.fresh_id)
+                       AND e.pending_xid < pg_catalog.pg_snapshot_xmax(c.target)
+                       AND pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
+                     ORDER BY e.pending_xid, e.id
+                     LIMIT $1) AS e)) AS p
      ORDER BY p.pending_xid, p.id
      LIMIT $1
 ), last AS (

@@ -10,7 +10,7 @@ use pgrx::prelude::*;
 /// Settings every dispatcher runs with, overriding `ALTER DATABASE … SET` and
 /// `ALTER ROLE … SET`: the database owner chooses those, and the dispatcher
 /// runs as the bootstrap superuser.
-const PINNED: [(&CStr, &CStr); 13] = [
+const PINNED: [(&CStr, &CStr); 14] = [
     // Names resolve in pg_catalog only: a function or operator planted in a
     // schema the owner controls is never called with our rights.
     (c"search_path", c"pg_catalog, pg_temp"),
@@ -31,11 +31,18 @@ const PINNED: [(&CStr, &CStr); 13] = [
     // SPI: the store arms the deadline of each transaction itself
     // (outbox.statement_timeout). None is cut short by the owner's limit.
     (c"statement_timeout", c"0"),
+    // The claim reads a page of events in index order (claim.sql): a
+    // bitmap scan, which the planner picks while the statistics are old
+    // (after a bulk load, before autovacuum's analyze), would read the
+    // whole rest of the window and sort it, at every claim. Every
+    // statement of the dispatchers reads an index range or a row.
+    (c"enable_bitmapscan", c"off"),
     (c"idle_in_transaction_session_timeout", c"0"),
     // An error the dispatcher handles (a lock not granted, a batch that
     // cannot be made) must stay an error, not end the process.
     (c"exit_on_error", c"off"),
-    // SKIP LOCKED claims need read committed, and the dispatcher writes.
+    // Each statement of a claim sees what committed before it (claim.sql),
+    // and the dispatcher writes.
     (c"default_transaction_isolation", c"read committed"),
     (c"default_transaction_read_only", c"off"),
     // Times travel as text in the messages' headers (outbox_created_at):
