@@ -8,7 +8,6 @@ pub mod broker_url;
 pub mod celery;
 pub mod databases;
 pub mod exposition;
-pub mod frontier;
 pub mod launch;
 pub mod link;
 pub mod named;
