@@ -94,11 +94,11 @@ WITH (
 COMMENT ON TABLE outbox.log IS
     'Outbox events as they were written; read and write them through the view outbox.events.';
 
--- pg_dump keeps the events not delivered yet (pending, processing) and
--- the dead letters: the table belongs to the extension, whose member
--- tables are otherwise dumped empty. Not what was delivered: the batches
--- that say so name this cluster's transactions, and are not dumped.
--- (Added once outbox.event_status() exists, below.)
+-- pg_dump keeps the events not delivered yet (pending, processing), the
+-- dead letters and the records of routed events: the table belongs to the
+-- extension, whose member tables are otherwise dumped empty. Not what was
+-- delivered: the batches that say so name this cluster's transactions,
+-- and are not dumped. (Added once outbox.event_status() exists, below.)
 
 -- The claim (sql/worker/claim.sql) reads the events in line by the
 -- transaction that put them there and their id, window after window
@@ -326,8 +326,9 @@ COMMENT ON VIEW outbox.events IS
     'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
 
 SELECT pg_catalog.pg_extension_config_dump('outbox.log',
-    'WHERE outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
-    'ANY (ARRAY[''pending'', ''processing'', ''failed'']::outbox.event_status[])');
+    'WHERE status OPERATOR(pg_catalog.<>) ''pending'' '
+    'OR outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+    'ANY (ARRAY[''pending'', ''processing'']::outbox.event_status[])');
 
 
 -- Per-key order. The events of a key in key_seq order (those that took a

@@ -196,8 +196,8 @@ def test_status_is_exact_while_counting_is_cheap_and_costs_the_same_beyond(outbo
         ("failed", 0, False)]
     with outbox.connect() as conn:
         small = {q: buffers(conn, q) for q in QUERIES}
-    sent(outbox, "p", 200000, processed=True)
-    sent(outbox, "d", 50000)
+    sent(outbox, "p_many", 200000, processed=True)
+    sent(outbox, "d_many", 50000)
     outbox.sql("VACUUM ANALYZE outbox.log, outbox.batches, outbox.outcomes")
     table_pages = outbox.value("SELECT pg_relation_size('outbox.log') / current_setting('block_size')::int")
     with outbox.connect() as conn:

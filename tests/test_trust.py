@@ -231,7 +231,7 @@ def test_a_lock_held_during_shutdown_does_not_delay_it(redis_server):
 def test_a_slow_statement_ends_at_outbox_statement_timeout_and_delivery_resumes(redis_server):
     """PostgreSQL arms statement_timeout only for top-level statements, never
     under SPI: the dispatchers arm their own deadline. A trigger makes every
-    claim sleep for a minute."""
+    claim (its batch's row) sleep for a minute."""
     pg = Cluster(redis_server.url, statement_timeout="1s")
     try:
         pg.sql("CREATE EXTENSION outbox_dispatch")
@@ -239,22 +239,22 @@ def test_a_slow_statement_ends_at_outbox_statement_timeout_and_delivery_resumes(
         [pid] = pg.dispatcher_pids()
         pg.sql("""CREATE FUNCTION public.slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$
                   BEGIN PERFORM pg_catalog.pg_sleep(60); RETURN NEW; END $$;
-                  CREATE TRIGGER slow_claim BEFORE UPDATE ON outbox.events FOR EACH ROW
-                  WHEN (NEW.status = 'processing') EXECUTE FUNCTION public.slow_claim()""")
+                  CREATE TRIGGER slow_claim BEFORE INSERT ON outbox.batches FOR EACH ROW
+                  EXECUTE FUNCTION public.slow_claim()""")
         ids = enqueue(pg, 3, "q_slow")
         wait_until(lambda: "statement timeout" in (pg.value("SELECT last_error FROM outbox.workers") or ""),
                    timeout=30, message="the deadline in last_error")
         assert pg.value("SELECT state FROM outbox.workers") == "blocked"
         assert pg.count("pending") == 3
-        pg.sql("DROP TRIGGER slow_claim ON outbox.events")
+        pg.sql("DROP TRIGGER slow_claim ON outbox.batches")
         wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_slow")) == sorted(ids), timeout=30,
                    message="delivery once the statement is quick again")
         wait_until(lambda: pg.value("SELECT last_error FROM outbox.workers") is None, message="the error cleared")
         assert pg.dispatcher_pids() == [pid], "the dispatcher was restarted"
         assert "canceling statement due to statement timeout" in pg.log_text()
         # A slow statement at shutdown: the fast stop does not wait for it.
-        pg.sql("CREATE TRIGGER slow_claim BEFORE UPDATE ON outbox.events FOR EACH ROW "
-               "WHEN (NEW.status = 'processing') EXECUTE FUNCTION public.slow_claim()")
+        pg.sql("CREATE TRIGGER slow_claim BEFORE INSERT ON outbox.batches FOR EACH ROW "
+               "EXECUTE FUNCTION public.slow_claim()")
         pg.configure(statement_timeout="1h")
         enqueue(pg, 1, "q_slow")
         wait_until(lambda: pg.value("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'") == 1,
@@ -351,15 +351,20 @@ def test_dispatchers_report_statistics_and_activity(outbox, redis_server):
     outbox.wait_idle()
     [pid] = outbox.dispatcher_pids()
 
-    def updates():
+    def claims():
         outbox.sql("SELECT pg_stat_clear_snapshot()")
-        return outbox.value("SELECT n_tup_upd FROM pg_stat_user_tables WHERE relid = 'outbox.log'::regclass")
+        return outbox.sql("SELECT n_tup_ins, n_tup_upd FROM pg_stat_user_tables "
+                          "WHERE relid = 'outbox.batches'::regclass")[0]
 
-    before = updates()
+    inserted, updated = claims()
+    batches = outbox.value("SELECT count(*) FROM outbox.batches")
     enqueue(outbox, 1000, "q_stats")
     wait_until(lambda: outbox.count("dispatched") == 1000, message="the events dispatched")
+    made = outbox.value("SELECT count(*) FROM outbox.batches") - batches
     # Flushed while the dispatcher keeps running: it is the same process.
-    wait_until(lambda: updates() - before >= 2000, timeout=30, message="claims and marks in pg_stat_user_tables")
+    # A claim inserts its batch's row, its mark updates it.
+    wait_until(lambda: claims() >= (inserted + made, updated + made), timeout=30,
+               message="claims and marks in pg_stat_user_tables")
     assert outbox.dispatcher_pids() == [pid]
     query = outbox.value("SELECT query FROM pg_stat_activity WHERE pid = %s", (pid,))
     assert "outbox" in query, query
@@ -380,13 +385,17 @@ def test_a_stale_holder_cannot_record_an_outcome_for_a_claim_it_lost(outbox, red
     client.execute_command("CLIENT", "PAUSE", 4000, "WRITE")
     ids = enqueue(outbox, 5, "q_stale")
     wait_until(lambda: outbox.count("processing") == 5, message="the claim, its push held up")
-    # A sweeper gave the claim to another dispatcher meanwhile.
-    outbox.sql("UPDATE outbox.events SET claimed_by = 9, processing_started_at = now() WHERE status = 'processing'")
+    # A sweeper took the claim meanwhile: its events went back in line,
+    # where another claim (dispatcher 9's, never marked) took them.
+    outbox.sql("UPDATE outbox.batches SET abandoned_at = now() WHERE marked_at IS NULL")
+    outbox.sql("UPDATE outbox.log SET pending_xid = pg_current_xact_id() WHERE queue = 'q_stale'")
+    batch, _ = outbox.claim_as(9, 100)
     wait_until(lambda: sorted(queued_ids(client, "q_stale")) == sorted(ids), timeout=30,
                message="the held-up push to finish")
     outbox.sql("SELECT outbox_wake()")
     outbox.wait_idle()
-    assert outbox.sql("SELECT DISTINCT status::text, claimed_by FROM outbox.events") == [("processing", 9)]
+    assert outbox.sql("SELECT DISTINCT status::text, batch FROM outbox.events") == [("processing", batch)]
+    assert outbox.value("SELECT count(*) FROM outbox.batches WHERE marked_at IS NOT NULL AND abandoned_at IS NOT NULL") == 0
 
 
 def test_big_payloads_travel_in_several_round_trips_without_a_reconnect(outbox, redis_server):
