@@ -106,13 +106,13 @@ def pgq(pg):
 
 
 def dead_tuples(pg):
-    """Dead tuples in outbox.events, counted (pgstattuple)."""
-    return pg.value("SELECT dead_tuple_count FROM pgstattuple('outbox.events')")
+    """Dead tuples in outbox.log, counted (pgstattuple)."""
+    return pg.value("SELECT dead_tuple_count FROM pgstattuple('outbox.log')")
 
 
 def outbox_path(pg, redis, name, enqueue, before_delivery=None, during_delivery=None, reports=False):
     """One path's phases: WAL per event of each, and the dead tuples it
-    left in outbox.events."""
+    left in outbox.log."""
     pg.configure(enabled="off", retention="1h", lifecycle_interval="1h", report_key="", batch_size=1000)
     pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     redis.client().flushall()

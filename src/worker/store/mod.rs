@@ -658,6 +658,7 @@ impl Store {
     ) -> Result<Claim, StoreError> {
         let mut backoff = std::mem::take(&mut self.flush_backoff);
         let claimed = self.with_turns(|client, plans, dispatcher, turns| {
+            let promoted = turns.promoted;
             mark(client, plans, dispatcher, settled, turns)?;
             // Before the claim, which may take the new heads.
             turns.pass(client, plans)?;
@@ -669,9 +670,16 @@ impl Store {
                 // from a new one.
                 durable_commit(client)?;
             }
-            update(client, &plans.came_due, &[(SWEEP_BATCH as i32).into()])?;
+            let came_due = update(client, &plans.came_due, &[(SWEEP_BATCH as i32).into()])?;
+            // Events this transaction put in line: its own snapshot may not
+            // see them as ended, and the claim leaves them to the next one,
+            // due at once.
+            let lined =
+                came_due > 0 || turns.promoted > promoted || flushed.batches > 0 || !settled.released.is_empty();
             let taken = claim::claim(client, plans, dispatcher, limit)?;
-            let next_due = if taken.events.is_empty() {
+            let next_due = if taken.events.is_empty() && lined {
+                Some(Duration::ZERO)
+            } else if taken.events.is_empty() {
                 report_running(&plans.next_due.text);
                 let skipped: [DatumWithOid; 1] = [backoff.current().into()];
                 let seconds: Option<f64> =
