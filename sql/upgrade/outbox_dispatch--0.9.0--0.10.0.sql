@@ -410,8 +410,9 @@ COMMENT ON VIEW outbox.events IS
     'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
 
 SELECT pg_catalog.pg_extension_config_dump('outbox.log',
-    'WHERE outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
-    'ANY (ARRAY[''pending'', ''processing'', ''failed'']::outbox.event_status[])');
+    'WHERE status OPERATOR(pg_catalog.<>) ''pending'' '
+    'OR outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+    'ANY (ARRAY[''pending'', ''processing'']::outbox.event_status[])');
 
 -- One row per status, zero counts included, at a cost that does not grow
 -- with history. Pending events (in line beyond where the claims have read,
