@@ -103,6 +103,8 @@ struct Confirms {
     ids: HashMap<String, usize>,
     /// Why a message was returned, by index.
     returned: HashMap<usize, String>,
+    /// Whether the broker nacked any message.
+    nacked: bool,
 }
 
 /// What a channel closed while publishing names as its cause.
@@ -265,6 +267,14 @@ impl Session {
             self.send_listening(&bytes, waiter, deadline)?;
             let why = match self.await_confirms(&mut confirms, &mut trip.messages, refusals, waiter, deadline)
             {
+                // A channel that nacked is opened afresh: RabbitMQ 3.x
+                // may nack every publish to a quorum queue, for good, on
+                // a channel that saw the queue's leader die.
+                Ok(()) if confirms.nacked => {
+                    return self
+                        .reopen_publishing(waiter, deadline)
+                        .map_err(|f| f.into_sink("opening the channel again after a basic.nack"))
+                }
                 Ok(()) => return Ok(()),
                 Err(Fault::Channel(PUBLISH, why)) => why,
                 Err(fault) => return Err(fault.into_sink("publishing")),
@@ -391,6 +401,7 @@ impl Session {
                     }
                 }
                 AMQPClass::Basic(basic::AMQPMethod::Nack(nack)) => {
+                    confirms.nacked = true;
                     for index in
                         settle(&mut confirms.pending, nack.delivery_tag, nack.multiple, self.next_seq)?
                     {

@@ -212,6 +212,20 @@ impl Session {
         .map(drop)
     }
 
+    /// Closes the publishing channel and opens it again.
+    pub(super) fn reopen_publishing(
+        &mut self,
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<(), Fault> {
+        let close =
+            channel::Close { reply_code: 200, reply_text: "reopening".into(), class_id: 0, method_id: 0 };
+        self.call(PUBLISH, AMQPClass::Channel(channel::AMQPMethod::Close(close)), waiter, deadline, |m| {
+            matches!(m, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)))
+        })?;
+        self.open_publishing(waiter, deadline)
+    }
+
     pub(super) fn open_channel(
         &mut self,
         id: u16,
