@@ -145,6 +145,25 @@ CREATE INDEX events_failed_idx ON outbox.log (created_at) WHERE status = 'failed
 -- retention.
 CREATE INDEX events_recorded_idx ON outbox.log (created_at) WHERE status = 'processed';
 
+-- The snapshot the claims start from, taken by the transaction that
+-- creates (or updates) the extension: its own, but with that transaction
+-- in progress. A transaction's own snapshot counts it as ended once a
+-- later one has ended; whatever it goes on to enqueue (a migration that
+-- creates the extension and enqueues in one transaction, a restore in
+-- one) would be behind the first claim, never read.
+CREATE FUNCTION outbox.starting_snapshot() RETURNS pg_catalog.pg_snapshot
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT CASE WHEN NOT pg_visible_in_snapshot(x.xid, s.s) THEN s.s
+            ELSE (least(pg_snapshot_xmin(s.s), x.xid)::text || ':' || pg_snapshot_xmax(s.s)::text || ':'
+                  || (SELECT string_agg(i.xid::text, ',' ORDER BY i.xid)
+                        FROM (SELECT pg_snapshot_xip(s.s) AS xid UNION ALL SELECT x.xid) AS i))::pg_snapshot
+       END
+  FROM (SELECT pg_current_snapshot() AS s) AS s,
+       (SELECT pg_current_xact_id() AS xid) AS x
+$$;
+
 -- Where the claims have read up to, one row: every transaction `prev` sees
 -- has been read; the window being read is what `target` sees and `prev`
 -- does not, in (pending_xid, id) order, read up to (after_xid, after_id)
@@ -164,7 +183,7 @@ CREATE TABLE outbox.cursor (
 )
 -- Updated by every claim: room on its page for the new versions (HOT).
 WITH (fillfactor = 10);
-INSERT INTO outbox.cursor (prev) VALUES (pg_catalog.pg_current_snapshot());
+INSERT INTO outbox.cursor (prev) VALUES (outbox.starting_snapshot());
 
 COMMENT ON TABLE outbox.cursor IS
     'Where the dispatchers have read outbox.log up to; one row, updated by every claim.';
@@ -228,13 +247,16 @@ RETURN ((xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.-) 1)::pg_
 -- The events of a batch (its window, between its positions, still in
 -- line there), in their order: the transactions the window's `prev` saw in
 -- progress and its `target` ended, then those from `prev`'s xmax on; each
--- range of events_pending_xid_idx read from its start. Inlined into the
--- statements that call it (no SET clause), so every name is qualified.
+-- range of events_pending_xid_idx read from its start. SECURITY DEFINER:
+-- the views that call it (outbox.status, outbox.unreported) are read by
+-- roles that may not read outbox.log; it returns ids and transaction ids,
+-- never what an event says.
 CREATE FUNCTION outbox.batch_members(
     prev pg_catalog.pg_snapshot, target pg_catalog.pg_snapshot,
     from_xid pg_catalog.xid8, from_id pg_catalog.uuid, to_xid pg_catalog.xid8, to_id pg_catalog.uuid
 ) RETURNS TABLE (id pg_catalog.uuid, pending_xid pg_catalog.xid8)
-LANGUAGE sql STABLE
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $$
 SELECT m.id, m.pending_xid
   FROM ((SELECT e.id, e.pending_xid

@@ -244,11 +244,9 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "mark_failed.sql": ("(uuid[], text[], text[], text[], float8[])",
                                      "(ARRAY[gen_random_uuid()], '{1}', '{failed}', '{x}', '{0}')", [("log_pkey",)]),
         worker / "release.sql": ("(uuid[], text[])", "(ARRAY[gen_random_uuid()], '{1}')", [("log_pkey",)]),
-        worker / "abandon.sql": ("(int, float8, int)", "(NULL, 1000, 10)",
-                                 [("batches_unmarked_idx",), ("events_pending_xid_idx",), ("log_pkey",)]),
-        worker / "sweep_future.sql": ("(int)", "(100)", [("events_pending_xid_idx",)]),
-        worker / "sweep_unacked.sql": ("(float8, int, int)", "(1000, 10, 5)",
-                                       [("batches_unsettled_idx",), ("events_pending_xid_idx",)]),
+        worker / "abandon.sql": ("(int, float8, int)", "(NULL, 1000, 10)", [("batches_unmarked_idx",), ("log_pkey",)]),
+        worker / "sweep_strays.sql": ("(int)", "(100)", [("events_pending_xid_idx",)]),
+        worker / "sweep_unacked.sql": ("(float8, int, int)", "(1000, 10, 5)", [("batches_unsettled_idx",)]),
         worker / "settle_reported.sql": ("(bigint[])", "('{1}')", [("batches_pkey", "batches_unsettled_idx")]),
         worker / "purge.sql": ("(float8, int, bool)", "(1000, 10, true)",
                                [("batches_settled_idx",), ("batches_unsettled_idx",), ("batches_abandoned_idx",),
@@ -281,13 +279,22 @@ def test_worker_queries_are_served_by_indexes(outbox):
             conn.execute(f"SET plan_cache_mode = {mode}")
             plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN EXECUTE q{args}"))
             assert plan.count("events_pending_xid_idx") == 2, plan
-    # An event's batch: by the batches' last positions.
+    # An event's batch: by the batches' last positions. A batch's events
+    # (abandoned, swept, purged, reported): the window's two ranges, each
+    # from where it starts.
     with outbox.connect() as conn:
         conn.execute("SET enable_seqscan = off")
         body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_of'::regproc")
         plan = "\n".join(r[0] for r in conn.execute(
             f"EXPLAIN {body.replace('$1', chr(39) + '100' + chr(39) + '::xid8').replace('$2', 'gen_random_uuid()')}"))
         assert "batches_to_idx" in plan, plan
+        body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_members'::regproc")
+        for name, value in {"prev": "pg_current_snapshot()", "target": "pg_current_snapshot()",
+                            "from_xid": "NULL::xid8", "from_id": "NULL::uuid", "to_xid": "'100'::xid8",
+                            "to_id": f"'{LAST}'::uuid"}.items():
+            body = re.sub(rf"\b{name}\b", value, body)
+        plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN {body}"))
+        assert plan.count("events_pending_xid_idx") == 2, plan
 
 
 def test_two_dispatchers_deliver_10000_events_exactly_once(redis_server):

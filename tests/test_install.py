@@ -268,7 +268,8 @@ def exercise(pg, dbname, redis_server):
         conn.execute("SELECT outbox_retry(%s)", (ids[1],))
         for sub in subs:
             assert conn.execute("SELECT outbox_unsubscribe(%s)", (sub,)).fetchone()[0] is True
-        for view in ["status", "workers", "metrics", "dead_letters", "subscriptions", "deliveries"]:
+        for view in ["status", "workers", "metrics", "dead_letters", "subscriptions", "deliveries", "unreported",
+                     "events"]:
             conn.execute(f"TABLE outbox.{view}").fetchall()
 
 

@@ -91,6 +91,32 @@ def test_stuck_claims_return_to_pending_and_are_delivered(outbox, redis_server):
     assert outbox.metric("outbox_stuck_rescued_total") - rescued_before == 5
 
 
+def test_an_abandoned_claim_sends_again_neither_what_was_acknowledged_nor_a_count(outbox, redis_server):
+    """A dispatcher dies after its push, before its mark; meanwhile a
+    consumer acknowledges one event of the claim. The stuck sweep gives
+    back the rest, not the acknowledged one (sent again, it would go out
+    after its key's next), and counts no send: whether the push reached the
+    broker is unknown, and a crash loop must not spend
+    outbox.max_redeliveries."""
+    outbox.configure(processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms", max_payload_bytes="10kB",
+                     enabled="off")
+    wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
+    ids = [str(r[0]) for r in outbox.sql(
+        "SELECT outbox_enqueue('stuck', '{}', queue => 'q_abandoned') FROM generate_series(1, 3)")]
+    batch, _ = outbox.claim_as(7, 100)
+    acked = ids[0]
+    assert outbox.value("SELECT outbox_ack(%s)", (acked,)) is True
+    outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '1 minute' WHERE id = %s", (batch,))
+    outbox.configure(enabled="on")
+    client = redis_server.client()
+    wait_until(lambda: sorted(queued_ids(client, "q_abandoned")) == sorted(ids[1:]), message="the others sent")
+    time.sleep(2)
+    assert sorted(queued_ids(client, "q_abandoned")) == sorted(ids[1:])
+    rows = dict(outbox.sql("SELECT id::text, status::text FROM outbox.events WHERE queue = 'q_abandoned'"))
+    assert rows == {acked: "processed", ids[1]: "dispatched", ids[2]: "dispatched"}, rows
+    assert outbox.value("SELECT max(deliveries) FROM outbox.events WHERE queue = 'q_abandoned'") == 1
+
+
 def test_three_dispatchers_deliver_50000_events_exactly_once(redis_server):
     pg = Cluster(redis_server.url, workers=3, batch_size=500, enabled="off")
     try:

@@ -199,6 +199,75 @@ def test_events_restored_from_a_busier_cluster_are_put_in_line(outbox, redis_ser
     outbox.configure(sweep_interval="30s")
 
 
+def test_events_restored_with_a_transaction_id_before_every_window_are_put_in_line(outbox, redis_server):
+    """The same restore from a cluster whose transaction ids are lower than
+    this one's: the rows' pending_xid is one every window has passed, so no
+    claim would ever read them; the sweep puts them in line."""
+    client = redis_server.client()
+    outbox.configure(sweep_interval="1s")
+    with outbox.connect() as conn:
+        conn.execute("ALTER TABLE outbox.log DISABLE TRIGGER ALL")
+        try:
+            past = conn.execute("INSERT INTO outbox.events (event_type, queue, pending_xid) "
+                                "VALUES ('restored', 'q_past', '3') RETURNING id::text").fetchone()[0]
+        finally:
+            conn.execute("ALTER TABLE outbox.log ENABLE TRIGGER ALL")
+            conn.execute("ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again")
+    wait_until(lambda: past in queued_ids(client, "q_past"), timeout=60, message="the restored event")
+    outbox.configure(sweep_interval="30s")
+
+
+def busy(pg, work):
+    """Runs `work(conn)` in a transaction that has its transaction id while
+    a later one stays in progress and a still later one ends (a busy
+    cluster); commits it."""
+    with pg.connect(autocommit=False) as conn, pg.connect(autocommit=False) as open_, pg.connect() as ended:
+        conn.execute("SELECT pg_current_xact_id()")
+        open_.execute("SELECT pg_current_xact_id()")
+        ended.execute("SELECT pg_current_xact_id()")
+        result = work(conn)
+        conn.commit()
+        open_.rollback()
+    return result
+
+
+def test_events_enqueued_in_the_transaction_that_creates_the_extension_are_sent(redis_server):
+    """A migration that creates the extension and enqueues in one
+    transaction, or a restore in one (pg_restore --single-transaction),
+    while other transactions end: its events are read once it commits."""
+    pg = Cluster(redis_server.url, report_key="")
+    try:
+        event = busy(pg, lambda conn: (conn.execute("CREATE EXTENSION outbox_dispatch"),
+                                       enqueue(conn, "q_created"))[1])
+        wait_until(lambda: event in queued_ids(redis_server.client(), "q_created"), timeout=60,
+                   message="the event enqueued with the extension")
+    finally:
+        pg.close()
+
+
+def test_an_update_on_a_busy_cluster_keeps_what_its_transaction_enqueues(redis_server):
+    """ALTER EXTENSION ... UPDATE from 0.9.0 while a later transaction is in
+    progress and a still later one has ended (it used to fail: its first
+    snapshot was malformed), in a migration that enqueues in the same
+    transaction: the events pending before and the one enqueued after the
+    update are all sent; one sent before is not sent again."""
+    pg = Cluster(redis_server.url, report_key="", enabled="off")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch VERSION '0.9.0'")
+        sent, before = (pg.value("INSERT INTO outbox.events (event_type, queue) VALUES ('e', 'q_updated') "
+                                 "RETURNING id::text") for _ in range(2))
+        pg.sql("UPDATE outbox.events SET status = 'dispatched', dispatched_at = now() WHERE id = %s", (sent,))
+        after = busy(pg, lambda conn: (conn.execute("ALTER EXTENSION outbox_dispatch UPDATE"),
+                                       enqueue(conn, "q_updated"))[1])
+        pg.configure(enabled="on")
+        client = redis_server.client()
+        wait_until(lambda: sorted(queued_ids(client, "q_updated")) == sorted([before, after]), timeout=60,
+                   message="the events pending and enqueued with the update")
+        assert pg.value("SELECT status::text FROM outbox.events WHERE id = %s", (sent,)) == "dispatched"
+    finally:
+        pg.close()
+
+
 def test_events_due_at_infinity_stop_nothing(outbox, redis_server):
     client = redis_server.client()
     never, always = (outbox.value("INSERT INTO outbox.events (event_type, queue, available_at) "

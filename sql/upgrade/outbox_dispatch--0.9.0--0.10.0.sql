@@ -17,6 +17,25 @@ DROP VIEW outbox.status, outbox.unreported, outbox.blocked_keys, outbox.deliveri
 COMMENT ON TABLE outbox.log IS
     'Outbox events as they were written; read and write them through the view outbox.events.';
 
+-- The snapshot the claims start from, taken by the transaction that
+-- creates (or updates) the extension: its own, but with that transaction
+-- in progress. A transaction's own snapshot counts it as ended once a
+-- later one has ended; whatever it goes on to enqueue (a migration that
+-- creates the extension and enqueues in one transaction, a restore in
+-- one) would be behind the first claim, never read.
+CREATE FUNCTION outbox.starting_snapshot() RETURNS pg_catalog.pg_snapshot
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT CASE WHEN NOT pg_visible_in_snapshot(x.xid, s.s) THEN s.s
+            ELSE (least(pg_snapshot_xmin(s.s), x.xid)::text || ':' || pg_snapshot_xmax(s.s)::text || ':'
+                  || (SELECT string_agg(i.xid::text, ',' ORDER BY i.xid)
+                        FROM (SELECT pg_snapshot_xip(s.s) AS xid UNION ALL SELECT x.xid) AS i))::pg_snapshot
+       END
+  FROM (SELECT pg_current_snapshot() AS s) AS s,
+       (SELECT pg_current_xact_id() AS xid) AS x
+$$;
+
 -- Where the claims have read up to, one row: every transaction `prev` sees
 -- has been read; the window being read is what `target` sees and `prev`
 -- does not, in (pending_xid, id) order, read up to (after_xid, after_id)
@@ -99,13 +118,16 @@ RETURN ((xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.-) 1)::pg_
 -- The events of a batch (its window, between its positions, still in
 -- line there), in their order: the transactions the window's `prev` saw in
 -- progress and its `target` ended, then those from `prev`'s xmax on; each
--- range of events_pending_xid_idx read from its start. Inlined into the
--- statements that call it (no SET clause), so every name is qualified.
+-- range of events_pending_xid_idx read from its start. SECURITY DEFINER:
+-- the views that call it (outbox.status, outbox.unreported) are read by
+-- roles that may not read outbox.log; it returns ids and transaction ids,
+-- never what an event says.
 CREATE FUNCTION outbox.batch_members(
     prev pg_catalog.pg_snapshot, target pg_catalog.pg_snapshot,
     from_xid pg_catalog.xid8, from_id pg_catalog.uuid, to_xid pg_catalog.xid8, to_id pg_catalog.uuid
 ) RETURNS TABLE (id pg_catalog.uuid, pending_xid pg_catalog.xid8)
-LANGUAGE sql STABLE
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $$
 SELECT m.id, m.pending_xid
   FROM ((SELECT e.id, e.pending_xid
@@ -175,11 +197,11 @@ SELECT CASE
        END
 $$;
 
--- The rows, as the batches will tell them. Triggers that take keys' turns
--- must not fire (a converted row keeps its turn): the session acts as a
--- replica; events_pending_again fires all the same (ENABLE ALWAYS), and
--- its WHEN is false for each of these updates.
+-- The rows, as the batches will tell them. No trigger fires on them: a
+-- converted row keeps its key's turn, and says itself where it stands
+-- (events_pending_again is made again below, ENABLE ALWAYS).
 SET LOCAL session_replication_role = replica;
+ALTER TABLE outbox.log DISABLE TRIGGER events_pending_again;
 -- Out of line is a NULL pending_xid.
 ALTER TABLE outbox.log ALTER COLUMN pending_xid DROP NOT NULL;
 
@@ -190,69 +212,45 @@ SELECT e.id, coalesce(e.processed_at, pg_catalog.now())
  WHERE e.status OPERATOR(pg_catalog.=) 'processed'
    AND coalesce(e.routed_to, 0) OPERATOR(pg_catalog.=) 0;
 
--- Events sent (dispatched or processed, not the records of routed events)
--- make one batch, marked, read in line by this transaction.
+-- Claimed events go back (they may have been sent: their keys' next wait
+-- for them all the same), and every event pending goes out of line: the
+-- dispatchers put each back in line as it falls due (its key's turn
+-- first), with a transaction id the claims read.
 UPDATE outbox.log AS e
    SET status = 'pending',
-       pending_xid = pg_catalog.pg_current_xact_id(),
+       pending_xid = NULL
+ WHERE e.status OPERATOR(pg_catalog.=) 'processing'
+    OR e.status OPERATOR(pg_catalog.=) 'pending';
+
+-- Events sent (dispatched or processed, not the records of routed events)
+-- make one batch, marked: transaction id 2 (frozen: before every window)
+-- marks them, and the batch's window is that id alone. Its dispatcher is
+-- -1: their messages carry the sends 0.9.0 drew per event, and a report
+-- for one names the event alone (sql/worker/apply_reports.sql).
+UPDATE outbox.log AS e
+   SET status = 'pending',
+       pending_xid = '2',
        deliveries = GREATEST(e.deliveries OPERATOR(pg_catalog.-) 1, 0)
  WHERE e.status OPERATOR(pg_catalog.=) 'dispatched'
     OR (e.status OPERATOR(pg_catalog.=) 'processed' AND coalesce(e.routed_to, 0) OPERATOR(pg_catalog.=) 0);
 
 INSERT INTO outbox.batches (send, dispatcher, claimed_at, prev, target, from_xid, from_id, to_xid, to_id, events,
                             marked_at)
-SELECT pg_catalog.gen_random_uuid(), 0, m.at, w.prev, w.target, NULL, NULL, w.xid, m.last_id, m.events, m.at
+SELECT pg_catalog.gen_random_uuid(), -1, m.at, '2:2:', '2:3:', NULL, NULL, '2', m.last_id, m.events, m.at
   FROM (SELECT (SELECT e.id FROM outbox.log AS e
-                  WHERE e.pending_xid OPERATOR(pg_catalog.=) pg_catalog.pg_current_xact_id()
+                  WHERE e.pending_xid OPERATOR(pg_catalog.=) '2'
                   ORDER BY e.id DESC LIMIT 1) AS last_id,
                pg_catalog.count(*) AS events,
                coalesce(pg_catalog.max(coalesce(e.dispatched_at, e.processed_at)), pg_catalog.now()) AS at
           FROM outbox.log AS e
-         WHERE e.pending_xid OPERATOR(pg_catalog.=) pg_catalog.pg_current_xact_id()) AS m,
-       -- A window of this transaction alone.
-       (SELECT x.xid,
-               (x.xid::pg_catalog.text OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) x.xid::pg_catalog.text
-                OPERATOR(pg_catalog.||) ':')::pg_catalog.pg_snapshot AS prev,
-               (x.xid::pg_catalog.text OPERATOR(pg_catalog.||) ':'
-                OPERATOR(pg_catalog.||) (x.xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.+) 1)::pg_catalog.text
-                OPERATOR(pg_catalog.||) ':')::pg_catalog.pg_snapshot AS target
-          FROM (SELECT pg_catalog.pg_current_xact_id() AS xid) AS x) AS w
+         WHERE e.pending_xid OPERATOR(pg_catalog.=) '2') AS m
  WHERE m.events OPERATOR(pg_catalog.>) 0;
-
--- Claimed events go back in line (they may have been sent: counted so),
--- and every event in line, or waiting for its key, goes out of line: the
--- dispatchers put each back in line as it falls due (its key's turn
--- first), with a transaction id the new claims read.
-UPDATE outbox.log AS e
-   SET status = 'pending',
-       pending_xid = NULL,
-       deliveries = e.deliveries OPERATOR(pg_catalog.+) 1
- WHERE e.status OPERATOR(pg_catalog.=) 'processing';
-UPDATE outbox.log AS e
-   SET pending_xid = NULL
- WHERE e.status OPERATOR(pg_catalog.=) 'pending'
-   AND e.pending_xid OPERATOR(pg_catalog.<>) pg_catalog.pg_current_xact_id();
 
 SET LOCAL session_replication_role = origin;
 
--- The claims start after what this transaction did: a `prev` that sees it
--- and everything that ended before, and none of the transactions in
--- progress now (those that wait for this one to insert events included).
-INSERT INTO outbox.cursor (prev)
-SELECT (pg_catalog.pg_snapshot_xmin(s.s)::pg_catalog.text OPERATOR(pg_catalog.||) ':'
-        OPERATOR(pg_catalog.||) (x.xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.+) 1)::pg_catalog.text
-        OPERATOR(pg_catalog.||) ':'
-        OPERATOR(pg_catalog.||) coalesce((SELECT pg_catalog.string_agg(p.xid::pg_catalog.text, ',' ORDER BY p.xid)
-                                            FROM (SELECT i::pg_catalog.text::pg_catalog.numeric AS xid
-                                                    FROM pg_catalog.pg_snapshot_xip(s.s) AS i
-                                                  UNION
-                                                  SELECT pg_catalog.generate_series(
-                                                             pg_catalog.pg_snapshot_xmax(s.s)::pg_catalog.text::pg_catalog.numeric,
-                                                             x.xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.-) 1)) AS p
-                                           WHERE p.xid OPERATOR(pg_catalog.<>) x.xid::pg_catalog.text::pg_catalog.numeric),
-                                         ''))::pg_catalog.pg_snapshot
-  FROM (SELECT pg_catalog.pg_current_snapshot() AS s) AS s,
-       (SELECT pg_catalog.pg_current_xact_id() AS xid) AS x;
+-- The claims start here: whatever this transaction goes on to enqueue is
+-- read once it commits.
+INSERT INTO outbox.cursor (prev) VALUES (outbox.starting_snapshot());
 
 -- What was written per row goes: a batch says it now.
 ALTER TABLE outbox.log

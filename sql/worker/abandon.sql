@@ -2,8 +2,12 @@
 -- dispatcher $1 (a dispatcher that restarted: what it held before it died
 -- is nobody's now) or, with $1 NULL, claimed longer than $2 milliseconds
 -- ago (a dispatcher that died or hung). Their events go back in line, as
--- if this transaction had enqueued them, counted as sent once (the push
--- may have reached the broker); the batch is abandoned, and a late mark
+-- if this transaction had enqueued them, but for those with an outcome (a
+-- worker reported, or a consumer acknowledged, what the push delivered):
+-- sent again, such an event would go out after its key's next. No send is
+-- counted: whether the push reached the broker is unknown, and a
+-- dispatcher that crashes before pushing must not spend what
+-- outbox.max_redeliveries allows. The batch is abandoned, and a late mark
 -- finds it so. SKIP LOCKED: never wait on a claim being marked. Served by
 -- batches_unmarked_idx. Returns how many events went back.
 WITH abandoned AS (
@@ -22,9 +26,9 @@ WITH abandoned AS (
     RETURNING b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
 )
 UPDATE outbox.log AS e
-   SET pending_xid = pg_catalog.pg_current_xact_id(),
-       deliveries = e.deliveries + 1
+   SET pending_xid = pg_catalog.pg_current_xact_id()
   FROM abandoned AS b
  CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
  WHERE e.id = m.id
    AND e.pending_xid = m.pending_xid
+   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = e.id)

@@ -15,7 +15,11 @@ WITH hit AS (
     SELECT r.id, r.outcome, r.error, b.id AS batch, e.key_state, e.ordering_key, coalesce(e.subscription_id, 0) AS subscription
       FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[]) AS r(id, send, outcome, error)
       JOIN outbox.log AS e ON e.id = r.id AND e.status = 'pending'
-      JOIN outbox.batches AS b ON b.id = outbox.batch_of(e.pending_xid, e.id) AND b.send = r.send
+      -- Dispatcher -1: the batch of the events 0.9.0 had sent, made by the
+      -- update to 0.10.0; their messages carry the sends 0.9.0 drew per
+      -- event, which it did not keep: a report names the event alone.
+      JOIN outbox.batches AS b ON b.id = outbox.batch_of(e.pending_xid, e.id)
+                              AND (b.send = r.send OR b.dispatcher = -1)
 ), processed AS (
     INSERT INTO outbox.outcomes (event)
     SELECT hit.id FROM hit WHERE hit.outcome = 'processed'

@@ -20,6 +20,8 @@ WITH marked AS (
      WHERE e.id = f.id
        AND e.pending_xid = f.pending_xid
        AND e.status = 'pending'
+       -- Delivered before, and acknowledged since: done.
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = e.id)
     RETURNING e.id, e.status, e.key_state, e.ordering_key, coalesce(e.subscription_id, 0) AS subscription
 )
 SELECT id, ordering_key, subscription FROM marked WHERE key_state = 'head' AND status = 'failed'

@@ -35,9 +35,15 @@ WITH settled AS (
              LIMIT $2
                FOR UPDATE SKIP LOCKED) AS due
      WHERE b.id = due.id
+    RETURNING b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
 ), members AS (
     SELECT m.id
       FROM expired AS b
+     CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
+    UNION ALL
+    -- Left in an abandoned batch: events with an outcome (abandon.sql).
+    SELECT m.id
+      FROM gone AS b
      CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
     UNION ALL
     (SELECT e.id

@@ -141,11 +141,11 @@ fn sweep(dispatcher: usize, store: &mut Store, settings: &Settings) -> Result<bo
     if rescued > 0 {
         log!("outbox dispatcher {dispatcher}: {rescued} events stuck in processing returned to pending");
     }
-    let (restored, more_future) = sweep_some(|| store.sweep_future())?;
+    let (restored, more_strays) = sweep_some(|| store.sweep_strays())?;
     if restored > 0 {
         log!(
-            "outbox dispatcher {dispatcher}: {restored} pending events with a transaction id in this \
-             cluster's future (a restore's) were put in line"
+            "outbox dispatcher {dispatcher}: {restored} pending events with a transaction id no claim \
+             reads (a restore's, in this cluster's future or before every window) were put in line"
         );
     }
     let mut failed = 0;
@@ -167,7 +167,7 @@ fn sweep(dispatcher: usize, store: &mut Store, settings: &Settings) -> Result<bo
              {failed} failed (their last_error says why)"
         );
     }
-    Ok(more_stuck || more_future || more_unacked)
+    Ok(more_stuck || more_strays || more_unacked)
 }
 
 /// The wait before a failed part runs again: [`RETRY`], doubling with each

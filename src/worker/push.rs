@@ -11,8 +11,8 @@ use outbox_core::link::{Interest, Interrupted, Wait};
 use outbox_core::sink::{Condition, Delivery, KeyBatch, Sink, SinkError};
 
 use super::store::{Batch, ClaimedEvent, Failure, Outcome};
-use crate::keys::Head;
 use crate::counters::{self, Counter, PushFailure};
+use crate::keys::Head;
 use crate::slots;
 
 /// How the dispatcher treats one event's failure.
@@ -157,7 +157,9 @@ pub fn push(
             Delivery::Delivered => {
                 outcome.dispatched.push(event.id);
                 if let Some(key) = &event.head {
-                    outcome.heads.push(Head { id: pgrx::Uuid::from_bytes(event.id.into_bytes()), key: key.clone() });
+                    outcome
+                        .heads
+                        .push(Head { id: pgrx::Uuid::from_bytes(event.id.into_bytes()), key: key.clone() });
                 }
                 latencies.push((now - event.created_epoch).max(0.0));
             }

@@ -24,7 +24,12 @@ fn missing() -> SpiError {
 
 /// Claims up to `limit` events for `dispatcher`: waits for the claim
 /// before to commit, then reads with a snapshot taken after it.
-pub fn claim(client: &mut SpiClient<'_>, plans: &Plans, dispatcher: i32, limit: usize) -> Result<Taken, SpiError> {
+pub fn claim(
+    client: &mut SpiClient<'_>,
+    plans: &Plans,
+    dispatcher: i32,
+    limit: usize,
+) -> Result<Taken, SpiError> {
     report_running(&plans.lock_cursor.text);
     client.update(&plans.lock_cursor.plan, None, &[])?;
     let args: [DatumWithOid; 2] = [(limit as i32).into(), dispatcher.into()];

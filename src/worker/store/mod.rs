@@ -181,7 +181,7 @@ struct Plans {
     lock_cursor: Statement,
     came_due: Statement,
     settle_reported: Statement,
-    sweep_future: Statement,
+    sweep_strays: Statement,
     sweep_unacked: Statement,
     purge: Statement,
     apply_reports: Statement,
@@ -273,7 +273,7 @@ impl Plans {
             release: prepare(include_str!("../../../sql/worker/release.sql"), &[UUID_ARRAY, TEXT_ARRAY])?,
             abandon: prepare(include_str!("../../../sql/worker/abandon.sql"), &[INT4, FLOAT8, INT4])?,
             settle_reported: prepare(include_str!("../../../sql/worker/settle_reported.sql"), &[INT8_ARRAY])?,
-            sweep_future: prepare(include_str!("../../../sql/worker/sweep_future.sql"), &[INT4])?,
+            sweep_strays: prepare(include_str!("../../../sql/worker/sweep_strays.sql"), &[INT4])?,
             sweep_unacked: prepare(
                 include_str!("../../../sql/worker/sweep_unacked.sql"),
                 &[FLOAT8, INT4, INT4],
@@ -513,7 +513,12 @@ fn sqlstate_class(code: PgSqlErrorCode) -> [u8; 2] {
 }
 
 impl Store {
-    pub fn new(dispatcher: usize, statement_timeout: Duration, awaited: bool, key_policy: KeyPolicy) -> Store {
+    pub fn new(
+        dispatcher: usize,
+        statement_timeout: Duration,
+        awaited: bool,
+        key_policy: KeyPolicy,
+    ) -> Store {
         Store {
             dispatcher: dispatcher as i32,
             plans: None,
@@ -674,8 +679,10 @@ impl Store {
             // Events this transaction put in line: its own snapshot may not
             // see them as ended, and the claim leaves them to the next one,
             // due at once.
-            let lined =
-                came_due > 0 || turns.promoted > promoted || flushed.batches > 0 || !settled.released.is_empty();
+            let lined = came_due > 0
+                || turns.promoted > promoted
+                || flushed.batches > 0
+                || !settled.released.is_empty();
             let taken = claim::claim(client, plans, dispatcher, limit)?;
             let next_due = if taken.events.is_empty() && lined {
                 Some(Duration::ZERO)
@@ -714,11 +721,12 @@ impl Store {
     }
 
     /// Puts in line up to [`SWEEP_BATCH`] pending events whose transaction
-    /// id lies in this cluster's future (a restore's, with its triggers
-    /// off), where no claim would reach them for a long time.
-    pub fn sweep_future(&mut self) -> Result<u64, StoreError> {
+    /// id lies in this cluster's future, and as many before every window
+    /// (a restore's, with its triggers off), where no claim would reach
+    /// them soon or ever.
+    pub fn sweep_strays(&mut self) -> Result<u64, StoreError> {
         let swept = self.with_plans(|client, plans, _| {
-            update(client, &plans.sweep_future, &[(SWEEP_BATCH as i32).into()])
+            update(client, &plans.sweep_strays, &[(SWEEP_BATCH as i32).into()])
         })?;
         Ok(swept.unwrap_or(0))
     }
