@@ -242,6 +242,42 @@ def test_retry_one_failed_event(outbox, redis_server):
     assert outbox.value("SELECT retry_count FROM outbox.events") == 0
 
 
+def test_an_acknowledgement_the_unacked_sweeper_races_is_never_undone(outbox, redis_server):
+    """The sweeper settles two batches; while it is held on the first, a
+    consumer acknowledges the event of the second. The sweeper's decision
+    on that event is taken after it holds the batch: it sees the
+    acknowledgement, and neither sends the event again nor fails it."""
+    client = redis_server.client()
+    outbox.configure(ack_timeout="1h", sweep_interval="1s")
+    (first,) = [str(r[0]) for r in outbox.sql("SELECT outbox_enqueue('ack', '{}', queue => 'q_race')")]
+    wait_until(lambda: first in queued_ids(client, "q_race"), message="the first batch")
+    (second,) = [str(r[0]) for r in outbox.sql("SELECT outbox_enqueue('ack', '{}', queue => 'q_race')")]
+    wait_until(lambda: second in queued_ids(client, "q_race"), message="the second batch")
+    wait_until(lambda: outbox.value("SELECT count(*) FROM outbox.batches WHERE marked_at IS NOT NULL "
+                                    "AND settled_at IS NULL") == 2, message="both marked")
+    held = outbox.value("SELECT id FROM outbox.batches WHERE settled_at IS NULL ORDER BY marked_at LIMIT 1")
+    outbox.sql("CREATE FUNCTION public.hold_settling() RETURNS trigger LANGUAGE plpgsql "
+               "AS $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$")
+    outbox.sql(f"CREATE TRIGGER hold_settling BEFORE UPDATE ON outbox.batches FOR EACH ROW "
+               f"WHEN (OLD.id = {int(held)} AND NEW.settled_at IS NOT NULL) EXECUTE FUNCTION public.hold_settling()")
+    try:
+        time.sleep(1.5)  # both batches due at the sweeper's first round
+        outbox.configure(ack_timeout="1s")
+        wait_until(lambda: outbox.value("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' "
+                                        "AND backend_type LIKE 'outbox dispatcher%'") == 1,
+                   message="the sweeper held on the first batch")
+        assert outbox.value("SELECT outbox_ack(%s)", (second,)) is True
+        wait_until(lambda: outbox.value("SELECT count(*) FROM outbox.batches WHERE settled_at IS NULL") == 0
+                   or queued_ids(client, "q_race").count(first) >= 2, message="the sweep")
+        outbox.configure(ack_timeout="1h")
+        time.sleep(2)
+        assert queued_ids(client, "q_race").count(second) == 1
+        assert outbox.value("SELECT status::text FROM outbox.events WHERE id = %s", (second,)) == "processed"
+    finally:
+        outbox.sql("DROP TRIGGER hold_settling ON outbox.batches")
+        outbox.sql("DROP FUNCTION public.hold_settling()")
+
+
 def test_unacked_events_are_resent_and_retention_deletes_only_finished_ones(outbox, redis_server):
     client = redis_server.client()
     outbox.configure(ack_timeout="2s", sweep_interval="1s")

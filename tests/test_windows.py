@@ -268,6 +268,28 @@ def test_an_update_on_a_busy_cluster_keeps_what_its_transaction_enqueues(redis_s
         pg.close()
 
 
+def test_the_events_0_9_0_sent_become_batches_retention_takes_a_few_at_a_time(redis_server):
+    """The update puts what 0.9.0 had sent in batches of 10,000, which read
+    as dispatched, hold no claim, and which retention deletes in
+    statements of a few batches (one batch of everything would take
+    longer than outbox.statement_timeout, and stop retention for good)."""
+    pg = Cluster(redis_server.url, report_key="", enabled="off")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch VERSION '0.9.0'")
+        pg.sql("INSERT INTO outbox.events (event_type, queue, status, dispatched_at) "
+               "SELECT 'e', 'q_sent', 'dispatched', now() - interval '1 day' FROM generate_series(1, 25000)")
+        pg.sql("ALTER EXTENSION outbox_dispatch UPDATE")
+        assert pg.sql("SELECT dispatcher, events, marked_at IS NOT NULL FROM outbox.batches ORDER BY id") == \
+            [(-1, 10000, True), (-1, 10000, True), (-1, 5000, True)]
+        assert dict(pg.sql("SELECT status::text, count FROM outbox.status WHERE count > 0")) == {"dispatched": 25000}
+        pg.configure(retention="1s", lifecycle_interval="1s", statement_timeout="5s", enabled="on")
+        wait_until(lambda: pg.value("SELECT count(*) FROM outbox.log") == 0, timeout=120, message="retention")
+        assert pg.value("SELECT count(*) FROM outbox.batches") == 0
+        assert redis_server.client().llen("q_sent") == 0
+    finally:
+        pg.close()
+
+
 def test_events_due_at_infinity_stop_nothing(outbox, redis_server):
     client = redis_server.client()
     never, always = (outbox.value("INSERT INTO outbox.events (event_type, queue, available_at) "

@@ -223,10 +223,12 @@ UPDATE outbox.log AS e
     OR e.status OPERATOR(pg_catalog.=) 'pending';
 
 -- Events sent (dispatched or processed, not the records of routed events)
--- make one batch, marked: transaction id 2 (frozen: before every window)
--- marks them, and the batch's window is that id alone. Its dispatcher is
--- -1: their messages carry the sends 0.9.0 drew per event, and a report
--- for one names the event alone (sql/worker/apply_reports.sql).
+-- make marked batches of 10,000 (retention and the unacknowledged sweeper
+-- take a few batches per statement): transaction id 2 (frozen: before
+-- every window) marks them, and the batches' window is that id alone.
+-- Their dispatcher is -1: their messages carry the sends 0.9.0 drew per
+-- event, and a report for one names the event alone
+-- (sql/worker/apply_reports.sql).
 UPDATE outbox.log AS e
    SET status = 'pending',
        pending_xid = '2',
@@ -236,15 +238,20 @@ UPDATE outbox.log AS e
 
 INSERT INTO outbox.batches (send, dispatcher, claimed_at, prev, target, from_xid, from_id, to_xid, to_id, events,
                             marked_at)
-SELECT pg_catalog.gen_random_uuid(), -1, m.at, '2:2:', '2:3:', NULL, NULL, '2', m.last_id, m.events, m.at
-  FROM (SELECT (SELECT e.id FROM outbox.log AS e
-                  WHERE e.pending_xid OPERATOR(pg_catalog.=) '2'
-                  ORDER BY e.id DESC LIMIT 1) AS last_id,
-               pg_catalog.count(*) AS events,
-               coalesce(pg_catalog.max(coalesce(e.dispatched_at, e.processed_at)), pg_catalog.now()) AS at
-          FROM outbox.log AS e
-         WHERE e.pending_xid OPERATOR(pg_catalog.=) '2') AS m
- WHERE m.events OPERATOR(pg_catalog.>) 0;
+SELECT pg_catalog.gen_random_uuid(), -1, g.at, '2:2:', '2:3:',
+       CASE WHEN g.from_id IS NOT NULL THEN '2'::pg_catalog.xid8 END, g.from_id, '2', g.to_id, g.events, g.at
+  FROM (SELECT pg_catalog.lag(l.id) OVER (ORDER BY l.n) AS from_id, l.id AS to_id, l.events, l.at
+          FROM (SELECT r.n, r.id, pg_catalog.count(*) OVER w AS events,
+                       coalesce(pg_catalog.max(r.at) OVER w, pg_catalog.now()) AS at,
+                       r.rn OPERATOR(pg_catalog.=) pg_catalog.max(r.rn) OVER w AS last
+                  FROM (SELECT e.id, coalesce(e.dispatched_at, e.processed_at) AS at,
+                               pg_catalog.row_number() OVER (ORDER BY e.id) AS rn,
+                               (pg_catalog.row_number() OVER (ORDER BY e.id) OPERATOR(pg_catalog.-) 1)
+                               OPERATOR(pg_catalog./) 10000 AS n
+                          FROM outbox.log AS e
+                         WHERE e.pending_xid OPERATOR(pg_catalog.=) '2') AS r
+                WINDOW w AS (PARTITION BY r.n)) AS l
+         WHERE l.last) AS g;
 
 SET LOCAL session_replication_role = origin;
 

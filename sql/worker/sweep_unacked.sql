@@ -1,46 +1,36 @@
--- Batches marked more than $1 milliseconds ago whose events may still be
--- acknowledged (outbox_ack()): up to $2 of them are settled, and each of
--- their events without an outcome is sent again under the same task id
--- (back in line, counted as sent), or, once sent $3
+-- The events of batches $1, which this transaction settled
+-- (settle_unacked.sql), without an outcome: each is sent again under the
+-- same task id (back in line, counted as sent), or, once sent $2
 -- (outbox.max_redeliveries) times already, failed with a last_error that
 -- says so. An event whose key went on without it (outbox_skip(), or
 -- passed on as sent while acknowledgements were off) is failed too,
 -- saying so: the events of its key sent since must not be overtaken by it
--- (outbox_retry() sends it again behind them). Returns, per event, whether
--- it was failed, and its key when it is its key's head (src/keys.rs).
--- Served by batches_unsettled_idx; SKIP LOCKED: never wait on a batch
--- being marked or acknowledged.
-WITH settled AS (
-    UPDATE outbox.batches AS b
-       SET settled_at = pg_catalog.now()
-      FROM (SELECT id
-              FROM outbox.batches
-             WHERE settled_at IS NULL
-               AND marked_at < pg_catalog.now() - $1 * interval '1 millisecond'
-             ORDER BY marked_at
-             LIMIT $2
-               FOR UPDATE SKIP LOCKED) AS due
-     WHERE b.id = due.id
-    RETURNING b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
-), unacked AS (
+-- (outbox_retry() sends it again behind them). A statement of its own,
+-- after the batches are locked: its snapshot sees every acknowledgement
+-- that took its batch's row before (ack.sql), and the later ones wait for
+-- this transaction, then find the batch settled. Returns, per event,
+-- whether it was failed, and its key when it is its key's head
+-- (src/keys.rs). Served by the primary keys and events_pending_xid_idx.
+WITH unacked AS (
     SELECT m.id, m.pending_xid
-      FROM settled AS b
+      FROM outbox.batches AS b
      CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
-     WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
+     WHERE b.id = ANY ($1)
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
 )
 UPDATE outbox.log AS e
-   SET status = (CASE WHEN e.deliveries + 1 > $3 OR (e.ordering_key IS NOT NULL AND e.key_state IS NULL)
+   SET status = (CASE WHEN e.deliveries + 1 > $2 OR (e.ordering_key IS NOT NULL AND e.key_state IS NULL)
                       THEN 'failed' ELSE 'pending' END)::outbox.event_status,
        last_error = CASE WHEN e.ordering_key IS NOT NULL AND e.key_state IS NULL
                          THEN 'not acknowledged, and not sent again: its key went on without it '
                               '(outbox_skip(), or passed on as sent while outbox.ack_timeout was 0)'
-                         WHEN e.deliveries + 1 > $3
+                         WHEN e.deliveries + 1 > $2
                          THEN pg_catalog.format('not acknowledged after %s sends (outbox.max_redeliveries = %s)',
-                                                e.deliveries + 1, $3)
+                                                e.deliveries + 1, $2)
                          ELSE e.last_error END,
        deliveries = e.deliveries + 1,
        -- Out of its batch: in line again, or (failed) nowhere.
-       pending_xid = CASE WHEN e.deliveries + 1 > $3 OR (e.ordering_key IS NOT NULL AND e.key_state IS NULL)
+       pending_xid = CASE WHEN e.deliveries + 1 > $2 OR (e.ordering_key IS NOT NULL AND e.key_state IS NULL)
                           THEN NULL ELSE pg_catalog.pg_current_xact_id() END
   FROM unacked
  WHERE e.id = unacked.id

@@ -182,6 +182,7 @@ struct Plans {
     came_due: Statement,
     settle_reported: Statement,
     sweep_strays: Statement,
+    settle_unacked: Statement,
     sweep_unacked: Statement,
     purge: Statement,
     apply_reports: Statement,
@@ -274,9 +275,10 @@ impl Plans {
             abandon: prepare(include_str!("../../../sql/worker/abandon.sql"), &[INT4, FLOAT8, INT4])?,
             settle_reported: prepare(include_str!("../../../sql/worker/settle_reported.sql"), &[INT8_ARRAY])?,
             sweep_strays: prepare(include_str!("../../../sql/worker/sweep_strays.sql"), &[INT4])?,
+            settle_unacked: prepare(include_str!("../../../sql/worker/settle_unacked.sql"), &[FLOAT8, INT4])?,
             sweep_unacked: prepare(
                 include_str!("../../../sql/worker/sweep_unacked.sql"),
-                &[FLOAT8, INT4, INT4],
+                &[INT8_ARRAY, INT4],
             )?,
             purge: prepare(include_str!("../../../sql/worker/purge.sql"), &[FLOAT8, INT4, BOOL])?,
             apply_reports: prepare(
@@ -741,13 +743,21 @@ impl Store {
         max_redeliveries: i32,
     ) -> Result<(u64, u64), StoreError> {
         let swept = self.with_turns(|client, plans, _, turns| {
-            let args: [DatumWithOid; 3] = [
-                (timeout.as_secs_f64() * 1000.0).into(),
-                (PURGE_BATCHES as i32).into(),
-                max_redeliveries.into(),
-            ];
-            report_running(&plans.sweep_unacked.text);
+            let args: [DatumWithOid; 2] =
+                [(timeout.as_secs_f64() * 1000.0).into(), (PURGE_BATCHES as i32).into()];
+            report_running(&plans.settle_unacked.text);
+            let mut batches = Vec::new();
+            for row in client.update(&plans.settle_unacked.plan, None, &args)? {
+                batches.extend(row.get::<i64>(1)?);
+            }
             let (mut resent, mut failed) = (0, 0);
+            if batches.is_empty() {
+                return Ok((resent, failed));
+            }
+            // A statement of its own: a snapshot taken once the batches are
+            // locked (sql/worker/sweep_unacked.sql).
+            let args: [DatumWithOid; 2] = [batches.into(), max_redeliveries.into()];
+            report_running(&plans.sweep_unacked.text);
             for row in client.update(&plans.sweep_unacked.plan, None, &args)? {
                 if row.get::<bool>(1)?.unwrap_or(false) {
                     failed += 1;
