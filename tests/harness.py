@@ -439,14 +439,15 @@ class Cluster:
     def claim_as(self, dispatcher, limit):
         """Claims up to `limit` events as dispatcher `dispatcher` would
         (sql/worker/lock_cursor.sql, then claim.sql), and commits; returns
-        the batch's id and send, (None, None) when nothing was claimed."""
+        the batch's id and each event's send (what its message names), by
+        event id; (None, {}) when nothing was claimed."""
         worker = ROOT / "sql" / "worker"
         with self.connect(autocommit=False) as conn:
             conn.execute((worker / "lock_cursor.sql").read_text())
             conn.execute(f"PREPARE claim(int, int) AS {(worker / 'claim.sql').read_text()}")
-            row = conn.execute(f"EXECUTE claim({int(limit)}, {int(dispatcher)})").fetchone()
+            rows = conn.execute(f"EXECUTE claim({int(limit)}, {int(dispatcher)})").fetchall()
             conn.commit()
-        return row[17], row[18]
+        return rows[0][17], {str(r[0]): str(r[18]) for r in rows if r[0] is not None}
 
     def log_text(self):
         return self.log.read_text(errors="replace")

@@ -249,11 +249,30 @@ def test_a_report_may_overtake_the_dispatchers_record(loop, redis_server):
     wait_until(lambda: loop.value("SELECT bool_and(state = 'paused') FROM outbox.workers"), message="the pause")
     event = loop.value("SELECT outbox_enqueue('overtaken', '{}', queue => 'q_overtaken')")
     # Claimed by a dispatcher that has not marked it (index 7).
-    _, send = loop.claim_as(7, 100)
+    _, sends = loop.claim_as(7, 100)
     loop.configure(enabled="on")
-    redis_server.client().rpush(loop.report_list(), report.processed(str(event), str(send)))
+    redis_server.client().rpush(loop.report_list(), report.processed(str(event), sends[str(event)]))
     wait_status(loop, event, "processed")
     assert loop.value("SELECT deliveries FROM outbox.events WHERE id = %s", (event,)) == 1
+
+
+def test_a_message_names_a_send_good_for_its_own_event_alone(loop, redis_server):
+    """Two events claimed in one batch: a worker that saw the message of one
+    cannot report the other with what that message names (it would
+    dead-letter it, or, processed, stop its re-send)."""
+    loop.configure(enabled="off")
+    wait_until(lambda: loop.value("SELECT bool_and(state = 'paused') FROM outbox.workers"), message="the pause")
+    seen, other = (str(loop.value("SELECT outbox_enqueue('forged', '{}', queue => 'q_forged')")) for _ in range(2))
+    stale = loop.metric("outbox_reports_ignored_total", reason="stale")
+    _, sends = loop.claim_as(7, 100)
+    assert set(sends) == {seen, other} and sends[seen] != sends[other]
+    loop.configure(enabled="on")
+    redis_server.client().rpush(loop.report_list(), report.failed(other, sends[seen], "forged"))
+    wait_until(lambda: loop.metric("outbox_reports_ignored_total", reason="stale") == stale + 1,
+               message="the forged report ignored")
+    assert loop.value("SELECT status::text FROM outbox.events WHERE id = %s", (other,)) == "processing"
+    redis_server.client().rpush(loop.report_list(), report.processed(other, sends[other]))
+    wait_status(loop, other, "processed")
 
 
 def test_stale_and_malformed_reports_are_counted_and_dropped(loop, redis_server):

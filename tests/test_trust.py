@@ -345,6 +345,32 @@ def test_pg_dump_and_restore_keep_undelivered_events_and_subscriptions(redis_ser
         pg.close()
 
 
+def test_a_dump_keeps_what_awaits_an_acknowledgement_only_where_acknowledgements_are_on(redis_server):
+    """Delivered, not acknowledged (outbox.ack_timeout > 0): the event may be
+    lost in the broker, and a restore must still send it. With
+    acknowledgements off, what was delivered is done, and not dumped (a
+    restore would send it again)."""
+    pg = Cluster(redis_server.url, ack_timeout="1h", report_key="")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        acked, unacked = enqueue(pg, 2, "q_dump_acks")
+        wait_until(lambda: pg.count("dispatched") == 2, message="both dispatched")
+        assert pg.value("SELECT outbox_ack(%s)", (acked,)) is True
+        for ack_timeout, kept in (("1h", [unacked]), ("0", [])):
+            pg.configure(ack_timeout=ack_timeout)
+            dump = pg.dir / "acks.dump"
+            as_postgres(PG_BIN / "pg_dump", "-h", pg.dir, "-p", pg.port, "-U", "postgres", "-Fc", "-f", dump,
+                        "postgres")
+            pg.sql("DROP DATABASE IF EXISTS restored")
+            pg.sql("CREATE DATABASE restored")
+            as_postgres(PG_BIN / "pg_restore", "-h", pg.dir, "-p", pg.port, "-U", "postgres", "-d", "restored", dump)
+            with pg.connect(dbname="restored") as conn:
+                assert [str(r[0]) for r in conn.execute(
+                    "SELECT id FROM outbox.events WHERE queue = 'q_dump_acks'").fetchall()] == kept, ack_timeout
+    finally:
+        pg.close()
+
+
 # -- statistics and activity ---------------------------------------------------------
 
 def test_dispatchers_report_statistics_and_activity(outbox, redis_server):

@@ -159,6 +159,17 @@ SELECT m.id, m.pending_xid
             AND pg_catalog.pg_visible_in_snapshot(e.pending_xid, target))) AS m
 $$;
 
+-- What the message of event `event` carries in a batch whose send is
+-- `send` (its outbox_send header), and what a report of it must name: a
+-- digest of the two, so that a worker that saw one message of a batch
+-- learns nothing of its other events' (it could report them otherwise).
+CREATE FUNCTION outbox.send_of(send uuid, event uuid) RETURNS uuid
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+RETURN pg_catalog.encode(
+    pg_catalog.substr(pg_catalog.sha256(pg_catalog.convert_to(
+        send::pg_catalog.text OPERATOR(pg_catalog.||) event::pg_catalog.text, 'UTF8')), 1, 16),
+    'hex')::pg_catalog.uuid;
+
 -- The batch that read an event in line at ($1, $2): the page of the window
 -- that holds its position. NULL: none yet (or out of line).
 CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid) RETURNS bigint
@@ -417,7 +428,10 @@ COMMENT ON VIEW outbox.events IS
 SELECT pg_catalog.pg_extension_config_dump('outbox.log',
     'WHERE status OPERATOR(pg_catalog.<>) ''pending'' '
     'OR outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
-    'ANY (ARRAY[''pending'', ''processing'']::outbox.event_status[])');
+    'ANY (ARRAY[''pending'', ''processing'']::outbox.event_status[]) '
+    'OR (coalesce(pg_catalog.current_setting(''outbox.ack_timeout'', true), '''') OPERATOR(pg_catalog.<>) ''0'' '
+    'AND outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+    '''dispatched''::outbox.event_status)');
 
 -- One row per status, zero counts included, at a cost that does not grow
 -- with history. Pending events (in line beyond where the claims have read,

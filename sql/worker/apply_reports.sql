@@ -1,7 +1,8 @@
 -- Outcomes reported by Celery workers (outbox_dispatch.celery): event $1[i],
 -- sent as send $2[i], ended $3[i] ('processed' or 'failed'), with error
 -- $4[i]. Taken only for the send the event is at: the batch that holds it
--- must be the one with that send (new at every claim). A report proves
+-- must be the one with that send (new at every claim; per event,
+-- outbox.send_of()). A report proves
 -- which send it answers, so one for an event never sent, a late one of an
 -- earlier send, or a guess changes nothing. Taken while the batch is
 -- marked or not (a report may overtake the dispatcher's own record of the
@@ -19,7 +20,7 @@ WITH hit AS (
       -- update to 0.10.0; their messages carry the sends 0.9.0 drew per
       -- event, which it did not keep: a report names the event alone.
       JOIN outbox.batches AS b ON b.id = outbox.batch_of(e.pending_xid, e.id)
-                              AND (b.send = r.send OR b.dispatcher = -1)
+                              AND (outbox.send_of(b.send, e.id) = r.send OR b.dispatcher = -1)
 ), processed AS (
     INSERT INTO outbox.outcomes (event)
     SELECT hit.id FROM hit WHERE hit.outcome = 'processed'

@@ -103,7 +103,7 @@ SELECT p.id,
        p.ordering_key,
        coalesce(p.subscription_id, 0) AS subscription,
        batch.id AS batch,
-       batch.send,
+       outbox.send_of(batch.send, p.id) AS send,
        batch.claimed_at,
        (SELECT moved.ended FROM moved) AS ended
   FROM (SELECT 1) AS one
