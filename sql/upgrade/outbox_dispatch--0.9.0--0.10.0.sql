@@ -121,12 +121,13 @@ RETURN ((xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.-) 1)::pg_
 -- range of events_pending_xid_idx read from its start. SECURITY DEFINER:
 -- the views that call it (outbox.status, outbox.unreported) are read by
 -- roles that may not read outbox.log; it returns ids and transaction ids,
--- never what an event says.
+-- never what an event says. Not inlined, so the planner takes ROWS as its
+-- size: a batch's (outbox.batch_size, 100 by default), not a thousand.
 CREATE FUNCTION outbox.batch_members(
     prev pg_catalog.pg_snapshot, target pg_catalog.pg_snapshot,
     from_xid pg_catalog.xid8, from_id pg_catalog.uuid, to_xid pg_catalog.xid8, to_id pg_catalog.uuid
 ) RETURNS TABLE (id pg_catalog.uuid, pending_xid pg_catalog.xid8)
-LANGUAGE sql STABLE SECURITY DEFINER
+LANGUAGE sql STABLE SECURITY DEFINER ROWS 100
 SET search_path = pg_catalog, pg_temp
 AS $$
 SELECT m.id, m.pending_xid
