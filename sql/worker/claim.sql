@@ -16,8 +16,9 @@
 --
 -- A page shorter than $1 ends its window: its `target` becomes the next
 -- `prev`, and the next claim starts a window of its own. Returns the events
--- with the batch (none: one row of NULLs). Names are qualified: nothing
--- here resolves through a search_path.
+-- with the batch (none: one row of NULLs). Functions and relations are
+-- qualified; operators and types resolve in pg_catalog through the
+-- search_path every dispatcher pins (src/worker/setup.rs).
 WITH cursor AS MATERIALIZED (
     SELECT w.prev, w.target, w.after_xid, w.after_id,
            -- Positions as index bounds: after (after_xid, after_id), or
