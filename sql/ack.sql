@@ -15,7 +15,12 @@ WITH e AS (
        AND l.status = 'pending'
        AND l.key_state IS DISTINCT FROM 'waiting'
 ), held AS (
-    SELECT b.id FROM outbox.batches AS b, e WHERE b.id = e.batch AND b.settled_at IS NULL FOR SHARE OF b
+    -- Not once the batch is settled or abandoned (its events went back in
+    -- line, or were failed; rechecked once a sweeper's lock is let go).
+    SELECT b.id
+      FROM outbox.batches AS b, e
+     WHERE b.id = e.batch AND b.settled_at IS NULL AND b.abandoned_at IS NULL
+       FOR SHARE OF b
 ), recorded AS (
     INSERT INTO outbox.outcomes (event)
     SELECT e.id FROM e WHERE e.batch IN (SELECT held.id FROM held)

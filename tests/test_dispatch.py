@@ -290,10 +290,11 @@ def test_worker_queries_are_served_by_indexes(outbox):
             f"EXPLAIN {body.replace('$1', chr(39) + '100' + chr(39) + '::xid8').replace('$2', 'gen_random_uuid()')}"))
         assert "batches_to_idx" in plan, plan
         body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_members'::regproc")
+        body = body.replace("batch_members.", "")
         for name, value in {"prev": "pg_current_snapshot()", "target": "pg_current_snapshot()",
                             "from_xid": "NULL::xid8", "from_id": "NULL::uuid", "to_xid": "'100'::xid8",
                             "to_id": f"'{LAST}'::uuid"}.items():
-            body = re.sub(rf"\b{name}\b", value, body)
+            body = re.sub(rf"(?<![.\w]){name}\b", value, body)
         plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN {body}"))
         assert plan.count("events_pending_xid_idx") == 2, plan
 

@@ -121,7 +121,8 @@ RETURN ((xid::pg_catalog.text::pg_catalog.numeric OPERATOR(pg_catalog.-) 1)::pg_
 -- range of events_pending_xid_idx read from its start. SECURITY DEFINER:
 -- the views that call it (outbox.status, outbox.unreported) are read by
 -- roles that may not read outbox.log; it returns ids and transaction ids,
--- never what an event says. Not inlined, so the planner takes ROWS as its
+-- never what an event says, and only for a window and positions a batch
+-- has (which only those who may read outbox.batches know). Not inlined, so the planner takes ROWS as its
 -- size: a batch's (outbox.batch_size, 100 by default), not a thousand.
 CREATE FUNCTION outbox.batch_members(
     prev pg_catalog.pg_snapshot, target pg_catalog.pg_snapshot,
@@ -158,6 +159,15 @@ SELECT m.id, m.pending_xid
                       ELSE 'ffffffff-ffff-ffff-ffff-ffffffffffff'::pg_catalog.uuid END)
             AND (e.pending_xid, e.id) OPERATOR(pg_catalog.<=) (to_xid, to_id)
             AND pg_catalog.pg_visible_in_snapshot(e.pending_xid, target))) AS m
+ -- A batch's, or nothing: run as its owner, it must not list the events of
+ -- any window a caller makes up.
+ WHERE EXISTS (SELECT FROM outbox.batches AS b
+                WHERE b.to_xid = batch_members.to_xid
+                  AND b.to_id = batch_members.to_id
+                  AND b.prev::text = batch_members.prev::text
+                  AND b.target::text = batch_members.target::text
+                  AND b.from_xid IS NOT DISTINCT FROM batch_members.from_xid
+                  AND b.from_id IS NOT DISTINCT FROM batch_members.from_id)
 $$;
 
 -- What the message of event `event` carries in a batch whose send is

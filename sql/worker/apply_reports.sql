@@ -16,11 +16,13 @@ WITH hit AS (
     SELECT r.id, r.outcome, r.error, b.id AS batch, e.key_state, e.ordering_key, coalesce(e.subscription_id, 0) AS subscription
       FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[]) AS r(id, send, outcome, error)
       JOIN outbox.log AS e ON e.id = r.id AND e.status = 'pending'
-      -- Dispatcher -1: the batch of the events 0.9.0 had sent, made by the
-      -- update to 0.10.0; their messages carry the sends 0.9.0 drew per
-      -- event, which it did not keep: a report names the event alone.
+      -- Dispatcher -1: the batches of the events 0.9.0 had sent, made by
+      -- the update to 0.10.0; their messages carry the sends 0.9.0 drew per
+      -- event, which it did not keep: a report of one processed names the
+      -- event alone (a failure, which dead-letters, is not taken so).
       JOIN outbox.batches AS b ON b.id = outbox.batch_of(e.pending_xid, e.id)
-                              AND (outbox.send_of(b.send, e.id) = r.send OR b.dispatcher = -1)
+                              AND (outbox.send_of(b.send, e.id) = r.send
+                                   OR (b.dispatcher = -1 AND r.outcome = 'processed'))
 ), processed AS (
     INSERT INTO outbox.outcomes (event)
     SELECT hit.id FROM hit WHERE hit.outcome = 'processed'

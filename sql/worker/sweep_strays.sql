@@ -6,7 +6,7 @@
 -- the oldest batch's `prev` or, with no batch, the cursor's) is never read:
 -- every batch that read an id saw it in progress or not yet begun, and
 -- retention deletes a batch's events with it. Id 2 is the 0.10.0 update's
--- batch of events already sent. An event with an outcome is done. Up to
+-- batches of events already sent, while they last. An event with an outcome is done. Up to
 -- $1 of each are put in line now, as if this transaction had made them
 -- pending. Served by events_pending_xid_idx, read from its two ends.
 WITH floor AS (
@@ -30,7 +30,10 @@ WITH floor AS (
       FROM outbox.log AS e, floor
      WHERE e.status = 'pending'
        AND e.key_state IS DISTINCT FROM 'waiting'
-       AND e.pending_xid > '2'
+       -- Id 2 with no batch of the update left (they come first by id): a
+       -- data-only restore's copy of an event the update had sent.
+       AND (e.pending_xid > '2'
+            OR (SELECT b.dispatcher FROM outbox.batches AS b ORDER BY b.id LIMIT 1) IS DISTINCT FROM -1)
        AND e.pending_xid < floor.xid
        AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = e.id)
      ORDER BY e.pending_xid
