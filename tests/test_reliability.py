@@ -117,6 +117,42 @@ def test_an_abandoned_claim_sends_again_neither_what_was_acknowledged_nor_a_coun
     assert outbox.value("SELECT max(deliveries) FROM outbox.events WHERE queue = 'q_abandoned'") == 1
 
 
+def test_an_acknowledgement_the_stuck_sweeper_races_is_never_undone(outbox, redis_server):
+    """Two claims of a dispatcher that died are swept; while the sweeper is
+    held on the first, a consumer acknowledges the event of the second (its
+    push got through). The sweeper decides what goes back in line after it
+    holds the batches: it sees the acknowledgement, and the event is not
+    sent again."""
+    outbox.configure(processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms", max_payload_bytes="10kB",
+                     enabled="off")
+    wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
+    (other,) = [str(r[0]) for r in outbox.sql("SELECT outbox_enqueue('stuck', '{}', queue => 'q_raced')")]
+    first, _ = outbox.claim_as(7, 100)
+    (acked,) = [str(r[0]) for r in outbox.sql("SELECT outbox_enqueue('stuck', '{}', queue => 'q_raced')")]
+    second, _ = outbox.claim_as(7, 100)
+    outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '2 minutes' WHERE id = %s", (first,))
+    outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '1 minute' WHERE id = %s", (second,))
+    outbox.sql("CREATE FUNCTION public.hold_abandoning() RETURNS trigger LANGUAGE plpgsql "
+               "AS $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$")
+    outbox.sql(f"CREATE TRIGGER hold_abandoning BEFORE UPDATE ON outbox.batches FOR EACH ROW "
+               f"WHEN (OLD.id = {int(first)} AND NEW.abandoned_at IS NOT NULL) "
+               f"EXECUTE FUNCTION public.hold_abandoning()")
+    try:
+        outbox.configure(enabled="on")
+        wait_until(lambda: outbox.value("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' "
+                                        "AND backend_type LIKE 'outbox dispatcher%'") == 1,
+                   message="the sweeper held on the first claim")
+        assert outbox.value("SELECT outbox_ack(%s)", (acked,)) is True
+        client = redis_server.client()
+        wait_until(lambda: other in queued_ids(client, "q_raced"), message="the other event sent")
+        time.sleep(2)
+        assert queued_ids(client, "q_raced") == [other]
+        assert outbox.value("SELECT status::text FROM outbox.events WHERE id = %s", (acked,)) == "processed"
+    finally:
+        outbox.sql("DROP TRIGGER hold_abandoning ON outbox.batches")
+        outbox.sql("DROP FUNCTION public.hold_abandoning()")
+
+
 def test_three_dispatchers_deliver_50000_events_exactly_once(redis_server):
     pg = Cluster(redis_server.url, workers=3, batch_size=500, enabled="off")
     try:

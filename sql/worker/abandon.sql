@@ -9,26 +9,18 @@
 -- dispatcher that crashes before pushing must not spend what
 -- outbox.max_redeliveries allows. The batch is abandoned, and a late mark
 -- finds it so. SKIP LOCKED: never wait on a claim being marked. Served by
--- batches_unmarked_idx. Returns how many events went back.
-WITH abandoned AS (
-    UPDATE outbox.batches AS b
-       SET abandoned_at = pg_catalog.now()
-      FROM (SELECT id
-              FROM outbox.batches
-             WHERE marked_at IS NULL
-               AND abandoned_at IS NULL
-               AND ($1::integer IS NULL OR dispatcher = $1)
-               AND ($1::integer IS NOT NULL OR claimed_at < pg_catalog.now() - $2 * interval '1 millisecond')
-             ORDER BY claimed_at
-             LIMIT $3
-               FOR UPDATE SKIP LOCKED) AS stuck
-     WHERE b.id = stuck.id
-    RETURNING b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
-)
-UPDATE outbox.log AS e
-   SET pending_xid = pg_catalog.pg_current_xact_id()
-  FROM abandoned AS b
- CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
- WHERE e.id = m.id
-   AND e.pending_xid = m.pending_xid
-   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = e.id)
+-- batches_unmarked_idx. Returns the batches, whose events
+-- reline_abandoned.sql puts back, in a statement of its own.
+UPDATE outbox.batches AS b
+   SET abandoned_at = pg_catalog.now()
+  FROM (SELECT id
+          FROM outbox.batches
+         WHERE marked_at IS NULL
+           AND abandoned_at IS NULL
+           AND ($1::integer IS NULL OR dispatcher = $1)
+           AND ($1::integer IS NOT NULL OR claimed_at < pg_catalog.now() - $2 * interval '1 millisecond')
+         ORDER BY claimed_at
+         LIMIT $3
+           FOR UPDATE SKIP LOCKED) AS stuck
+ WHERE b.id = stuck.id
+RETURNING b.id

@@ -178,6 +178,7 @@ struct Plans {
     mark_failed: Statement,
     release: Statement,
     abandon: Statement,
+    reline_abandoned: Statement,
     lock_cursor: Statement,
     came_due: Statement,
     settle_reported: Statement,
@@ -273,6 +274,10 @@ impl Plans {
             )?,
             release: prepare(include_str!("../../../sql/worker/release.sql"), &[UUID_ARRAY, TEXT_ARRAY])?,
             abandon: prepare(include_str!("../../../sql/worker/abandon.sql"), &[INT4, FLOAT8, INT4])?,
+            reline_abandoned: prepare(
+                include_str!("../../../sql/worker/reline_abandoned.sql"),
+                &[INT8_ARRAY],
+            )?,
             settle_reported: prepare(include_str!("../../../sql/worker/settle_reported.sql"), &[INT8_ARRAY])?,
             sweep_strays: prepare(include_str!("../../../sql/worker/sweep_strays.sql"), &[INT4])?,
             settle_unacked: prepare(include_str!("../../../sql/worker/settle_unacked.sql"), &[FLOAT8, INT4])?,
@@ -646,7 +651,17 @@ impl Store {
         let released = self.with_plans(|client, plans, _| {
             let args: [DatumWithOid; 3] =
                 [dispatcher.into(), (timeout.as_secs_f64() * 1000.0).into(), (PURGE_BATCHES as i32).into()];
-            update(client, &plans.abandon, &args)
+            report_running(&plans.abandon.text);
+            let mut batches = Vec::new();
+            for row in client.update(&plans.abandon.plan, None, &args)? {
+                batches.extend(row.get::<i64>(1)?);
+            }
+            if batches.is_empty() {
+                return Ok(0);
+            }
+            // A statement of its own: a snapshot taken once the batches are
+            // locked (sql/worker/reline_abandoned.sql).
+            update(client, &plans.reline_abandoned, &[batches.into()])
         })?;
         Ok(released.unwrap_or(0))
     }
