@@ -12,6 +12,22 @@ SET LOCAL search_path = pg_catalog, pg_temp;
 -- rename. The views that read the columns which go are made again below.
 ALTER TABLE outbox.events RENAME TO log;
 ALTER TABLE outbox.log RENAME CONSTRAINT events_pkey TO log_pkey;
+-- PostgreSQL 18 names NOT NULL constraints after the table, as a fresh
+-- install names them.
+DO $$
+DECLARE
+    c record;
+BEGIN
+    FOR c IN SELECT conname FROM pg_catalog.pg_constraint
+              WHERE conrelid OPERATOR(pg_catalog.=) 'outbox.log'::pg_catalog.regclass
+                AND contype OPERATOR(pg_catalog.=) 'n'
+                AND conname OPERATOR(pg_catalog.~) '^events_.*_not_null$'
+    LOOP
+        EXECUTE pg_catalog.format('ALTER TABLE outbox.log RENAME CONSTRAINT %I TO %I', c.conname,
+                                  pg_catalog.regexp_replace(c.conname, '^events_', 'log_'));
+    END LOOP;
+END
+$$;
 DROP VIEW outbox.status, outbox.unreported, outbox.blocked_keys, outbox.deliveries;
 
 COMMENT ON TABLE outbox.log IS
