@@ -592,6 +592,12 @@ mod tests {
                                 AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
                             )]
                         }
+                        AMQPFrame::Method(c, AMQPClass::Channel(channel::AMQPMethod::Close(_))) => {
+                            vec![AMQPFrame::Method(
+                                c,
+                                AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+                            )]
+                        }
                         AMQPFrame::Method(c, AMQPClass::Confirm(confirm::AMQPMethod::Select(_))) => {
                             published = 0;
                             vec![AMQPFrame::Method(
@@ -709,83 +715,26 @@ mod tests {
         KeyBatch { key: "q".into(), messages: vec![sample_envelope("q", 0, "{}")] }
     }
 
-    /// A broker whose queues and exchanges all exist, that nacks every
-    /// message published on the channel it opened first (in the
-    /// handshake), and confirms those published once the client closed
-    /// and opened it again.
-    fn nacking_until_reopened() -> u16 {
-        broker_then(move |stream| {
-            let (mut inbox, mut buf, mut published, mut reopened) = (Vec::new(), [0u8; 65536], 0, false);
-            while let Ok(n @ 1..) = stream.read(&mut buf) {
-                inbox.extend_from_slice(&buf[..n]);
-                while let Ok((rest, frame)) = parse_frame(&inbox[..]) {
-                    let used = inbox.len() - rest.len();
-                    let answer = match frame {
-                        AMQPFrame::Method(c, AMQPClass::Queue(queue::AMQPMethod::Declare(d))) => {
-                            let ok = queue::DeclareOk { queue: d.queue, message_count: 0, consumer_count: 0 };
-                            AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok)).framed(c)
-                        }
-                        AMQPFrame::Method(c, AMQPClass::Exchange(exchange::AMQPMethod::Declare(_))) => {
-                            AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {}))
-                                .framed(c)
-                        }
-                        AMQPFrame::Method(c, AMQPClass::Channel(channel::AMQPMethod::Close(_))) => {
-                            reopened = true;
-                            AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})).framed(c)
-                        }
-                        AMQPFrame::Method(c, AMQPClass::Channel(channel::AMQPMethod::Open(_)))
-                            if reopened =>
-                        {
-                            AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})).framed(c)
-                        }
-                        AMQPFrame::Method(c, AMQPClass::Confirm(confirm::AMQPMethod::Select(_)))
-                            if reopened =>
-                        {
-                            published = 0;
-                            AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})).framed(c)
-                        }
-                        AMQPFrame::Body(c, _) => {
-                            published += 1;
-                            let confirm = match reopened {
-                                true => basic::AMQPMethod::Ack(basic::Ack {
-                                    delivery_tag: published,
-                                    multiple: false,
-                                }),
-                                false => basic::AMQPMethod::Nack(basic::Nack {
-                                    delivery_tag: published,
-                                    multiple: false,
-                                    requeue: false,
-                                }),
-                            };
-                            AMQPClass::Basic(confirm).framed(c)
-                        }
-                        _ => Vec::new(),
-                    };
-                    inbox.drain(..used);
-                    if stream.write_all(&encode(&answer)).is_err() {
-                        return;
-                    }
-                }
-            }
-        })
-    }
-
-    trait Framed {
-        fn framed(self, channel: u16) -> Vec<AMQPFrame>;
-    }
-
-    impl Framed for AMQPClass {
-        fn framed(self, channel: u16) -> Vec<AMQPFrame> {
-            vec![AMQPFrame::Method(channel, self)]
-        }
-    }
-
     #[test]
     fn a_channel_that_nacked_is_opened_afresh() {
         // RabbitMQ 3.10 nacks every publish to a quorum queue, for good, on
         // a channel that saw the queue's leader die: once nacked, the
         // channel is closed and opened again, on the same connection.
-        let mut sink = sink(&format!("amqp://127.0.0.1:{}//", nacking_until_reopened()));
+        // The first channel nacks every message; a channel opened since
+        // confirms them (its sequence starts again at 1).
+        let nacked = std::sync::atomic::AtomicBool::new(false);
+        let port = scripted_broker(script(move |_, seq, _, whole| {
+            use std::sync::atomic::Ordering::SeqCst;
+            if !whole {
+                return Vec::new();
+            }
+            if seq == 1 && nacked.swap(true, SeqCst) {
+                return vec![ack(seq)];
+            }
+            let nack = basic::Nack { delivery_tag: seq, multiple: false, requeue: false };
+            vec![AMQPFrame::Method(PUBLISH, AMQPClass::Basic(basic::AMQPMethod::Nack(nack)))]
+        }));
+        let mut sink = sink(&format!("amqp://127.0.0.1:{port}//"));
         sink.connect(&mut Poll).unwrap();
         let first = sink.push(&[one_message()], &mut Poll, in_a_while());
         assert!(first.failure.is_none(), "{:?}", first.failure);
