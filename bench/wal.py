@@ -69,37 +69,41 @@ def floor(pg):
         pg.sql("DROP TABLE plain_events")
 
 
-def pgq(pg):
-    """PgQ 3 on the same server: WAL per event of insert_event with a tick
-    every CHUNK/10 events, and of the bare consume (next_batch,
-    get_batch_events, finish_batch) by one consumer."""
-    per_tick = CHUNK // 10
+def pgq(pg, events=EVENTS, per_tick=CHUNK // 10):
+    """PgQ 3 on the same server: WAL per event of insert_event for `events`
+    events with a tick every `per_tick` (so batches of that size), and of
+    the bare consume (next_batch, get_batch_events, finish_batch) by one
+    consumer, with its rate. `make bench` (bench/run.py) compares the
+    drain with the rate."""
     pg.sql("CREATE EXTENSION IF NOT EXISTS pgq")
     pg.sql("SELECT pgq.create_queue('bench')")
     pg.sql("SELECT pgq.register_consumer('bench', 'bench')")
 
     def insert():
         with pg.connect() as conn:
-            for start in range(0, EVENTS, per_tick):
+            for start in range(0, events, per_tick):
                 conn.execute("SELECT pgq.insert_event('bench', 'bench', %s) FROM generate_series(1, %s)",
-                             (PAYLOAD, min(per_tick, EVENTS - start)))
+                             (PAYLOAD, min(per_tick, events - start)))
                 conn.execute("SELECT pgq.force_tick('bench')")
                 conn.execute("SELECT pgq.ticker('bench')")
+
+    elapsed = []
 
     def consume():
         seen = 0
         with pg.connect() as conn:
-            while seen < EVENTS:
+            started = time.monotonic()
+            while seen < events:
                 batch = conn.execute("SELECT pgq.next_batch('bench', 'bench')").fetchone()[0]
                 assert batch is not None, f"PgQ gave no batch after {seen} events"
                 seen += conn.execute("SELECT count(*) FROM pgq.get_batch_events(%s)", (batch,)).fetchone()[0]
                 conn.execute("SELECT pgq.finish_batch(%s)", (batch,))
+            elapsed.append(time.monotonic() - started)
 
     try:
-        inserted = wal_of(pg, insert) / EVENTS
-        started = time.monotonic()
-        consumed = wal_of(pg, consume) / EVENTS
-        return {"insert": inserted, "consume": consumed, "consume_rate": EVENTS / (time.monotonic() - started)}
+        inserted = wal_of(pg, insert) / events
+        consumed = wal_of(pg, consume) / events
+        return {"insert": inserted, "consume": consumed, "consume_rate": events / elapsed[0]}
     finally:
         pg.sql("SELECT pgq.unregister_consumer('bench', 'bench')")
         pg.sql("SELECT pgq.drop_queue('bench')")
