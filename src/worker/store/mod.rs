@@ -305,6 +305,21 @@ fn update(client: &mut SpiClient<'_>, statement: &Statement, args: &[DatumWithOi
     Ok(client.update(&statement.plan, None, args)?.len() as u64)
 }
 
+/// Runs `statement`, which returns the ids of the batches it took (locked
+/// until the transaction ends), for a statement of their own.
+fn batches(
+    client: &mut SpiClient<'_>,
+    statement: &Statement,
+    args: &[DatumWithOid],
+) -> Result<Vec<i64>, SpiError> {
+    report_running(&statement.text);
+    let mut ids = Vec::new();
+    for row in client.update(&statement.plan, None, args)? {
+        ids.extend(row.get::<i64>(1)?);
+    }
+    Ok(ids)
+}
+
 /// `pg_stat_activity` shows the dispatcher running `what`.
 pub fn report_running(what: &std::ffi::CStr) {
     // SAFETY: PostgreSQL copies the text.
@@ -651,11 +666,7 @@ impl Store {
         let released = self.with_plans(|client, plans, _| {
             let args: [DatumWithOid; 3] =
                 [dispatcher.into(), (timeout.as_secs_f64() * 1000.0).into(), (PURGE_BATCHES as i32).into()];
-            report_running(&plans.abandon.text);
-            let mut batches = Vec::new();
-            for row in client.update(&plans.abandon.plan, None, &args)? {
-                batches.extend(row.get::<i64>(1)?);
-            }
+            let batches = batches(client, &plans.abandon, &args)?;
             if batches.is_empty() {
                 return Ok(0);
             }
@@ -760,11 +771,7 @@ impl Store {
         let swept = self.with_turns(|client, plans, _, turns| {
             let args: [DatumWithOid; 2] =
                 [(timeout.as_secs_f64() * 1000.0).into(), (PURGE_BATCHES as i32).into()];
-            report_running(&plans.settle_unacked.text);
-            let mut batches = Vec::new();
-            for row in client.update(&plans.settle_unacked.plan, None, &args)? {
-                batches.extend(row.get::<i64>(1)?);
-            }
+            let batches = batches(client, &plans.settle_unacked, &args)?;
             let (mut resent, mut failed) = (0, 0);
             if batches.is_empty() {
                 return Ok((resent, failed));
