@@ -166,29 +166,55 @@ SELECT CASE WHEN NOT pg_visible_in_snapshot(x.xid, s.s) THEN s.s
        (SELECT pg_current_xact_id() AS xid) AS x
 $$;
 
--- Where the claims have read up to, one row: every transaction `prev` sees
--- has been read; the window being read is what `target` sees and `prev`
--- does not, in (pending_xid, id) order, read up to (after_xid, after_id)
--- (NULL: from its start; no target: the next claim starts a window with
--- its own snapshot). A claim locks the row (one claim at a time; the
--- pushes run side by side), reads a page of the window and moves the
--- position; one that reads less than a page has finished the window, and
--- makes `target` the next `prev` (sql/worker/claim.sql).
+-- Where the claims have read up to: every transaction `prev` sees has been
+-- read; the window being read is what `target` sees and `prev` does not,
+-- in (pending_xid, id) order, read up to (after_xid, after_id) (NULL: from
+-- its start; no target: the next claim starts a window with its own
+-- snapshot). A claim takes its turn (outbox.claim_turn; the pushes run
+-- side by side), reads a page of the window and moves the position; one
+-- that reads less than a page has finished the window, and makes `target`
+-- the next `prev` (sql/worker/claim.sql).
+--
+-- Each move is a new row and the row it replaces is deleted, and the
+-- position is the newest row (outbox.cursor): read from the right end of
+-- the primary key, it costs the same however many old rows a pinned xmin
+-- keeps, where one row updated by every claim would be a chain of versions
+-- each read had to walk. A claim that reads nothing at the end of a window
+-- writes nothing: the next one reads the same window, grown.
 -- Not dumped: its transaction ids are this cluster's (a restore creates
 -- the extension, which makes a new one).
-CREATE TABLE outbox.cursor (
+CREATE TABLE outbox.positions (
+    position  bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     prev      pg_catalog.pg_snapshot NOT NULL,
     target    pg_catalog.pg_snapshot,
     after_xid xid8,
-    after_id  uuid,
-    only_row  boolean PRIMARY KEY DEFAULT true CHECK (only_row)
-)
--- Updated by every claim: room on its page for the new versions (HOT).
-WITH (fillfactor = 10);
-INSERT INTO outbox.cursor (prev) VALUES (outbox.starting_snapshot());
+    after_id  uuid
+);
 
-COMMENT ON TABLE outbox.cursor IS
-    'Where the dispatchers have read outbox.log up to; one row, updated by every claim.';
+COMMENT ON TABLE outbox.positions IS
+    'Where the dispatchers have read outbox.log up to: the newest row (outbox.cursor); each claim adds one and deletes the one before.';
+
+INSERT INTO outbox.positions (prev) VALUES (outbox.starting_snapshot());
+
+CREATE VIEW outbox.cursor AS
+SELECT p.position, p.prev, p.target, p.after_xid, p.after_id
+  FROM outbox.positions AS p
+ ORDER BY p.position DESC
+ LIMIT 1;
+
+COMMENT ON VIEW outbox.cursor IS
+    'Where the dispatchers have read outbox.log up to (the newest of outbox.positions).';
+
+-- The claims' turn: a claim locks the one row (FOR UPDATE, which writes no
+-- new version of it) and holds it until it commits; one claim at a time
+-- per database, each with a snapshot taken once the one before committed.
+CREATE TABLE outbox.claim_turn (
+    only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row)
+);
+INSERT INTO outbox.claim_turn DEFAULT VALUES;
+
+COMMENT ON TABLE outbox.claim_turn IS
+    'One row the claims lock in turn (sql/worker/lock_cursor.sql).';
 
 -- One row per claim: the page of a window it read, and what became of it.
 -- Its events are those of the window between its two positions still in

@@ -307,7 +307,10 @@ def test_a_body_that_raises_rolls_its_claim_back_and_the_retry_makes_the_effect_
 def test_a_server_crash_mid_drain_sends_duplicates_and_the_effects_happen_once(redis_server):
     """The crash test of tests/test_reliability.py, with tasks that write:
     the marks lost in the crash send events again (counted in the queue),
-    and each event's effect is made once."""
+    and each event's effect is made once. The crash comes while a pushed
+    batch waits to be marked, for certain: a session holds outbox.batches
+    against writers and lets through what waits for it until a claim has
+    gone through."""
     # Its own report list: the shared cluster's dispatchers read theirs on
     # the same Redis (clusters sharing a Redis need distinct keys).
     pg = Cluster(redis_server.url, enabled="off", batch_size=200, report_key="inbox_crash.reports")
@@ -320,9 +323,28 @@ def test_a_server_crash_mid_drain_sends_duplicates_and_the_effects_happen_once(r
         with pg.connect() as conn:
             conn.execute("SELECT outbox_enqueue('effect', jsonb_build_object('n', n, 'hold', 0), queue => %s, "
                          "task => 'loop.effect') FROM generate_series(1, 3000) AS n", (QUEUE,))
+
+        def waiting(statement="%"):
+            return pg.value("SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid) "
+                            "WHERE l.relation = 'outbox.batches'::regclass AND NOT l.granted "
+                            "AND a.query LIKE %s", (statement,))
+
+        gate = pg.connect(autocommit=False)
+        gate.execute("LOCK TABLE outbox.batches IN SHARE MODE")
         pg.configure(enabled="on")
-        wait_until(lambda: client.llen(QUEUE) >= 600, message="the drain to be under way")
+        # What waits for the batches (a sweeper, a claim) is granted as the
+        # lock goes, before the gate asks for it again: once a claim has
+        # gone through and pushed, its mark waits.
+        while True:
+            wait_until(lambda: waiting() > 0 or client.llen(QUEUE) > 0, message="a statement waiting")
+            if client.llen(QUEUE) > 0:
+                break
+            gate.commit()
+            gate.execute("LOCK TABLE outbox.batches IN SHARE MODE")
+        wait_until(lambda: waiting("-- Batch $1, claimed by%") > 0, message="a pushed batch's mark waiting")
         pg.stop("immediate")
+        with contextlib.suppress(psycopg.Error):
+            gate.close()
         pg.start()
         wait_until(lambda: pg.count("dispatched") == 3000, timeout=180, message="every event after recovery")
         sent = client.llen(QUEUE)

@@ -14,7 +14,7 @@ from harness import Cluster, queued_ids, wait_until
 # A line of the claim statement without a constant or a comment:
 # pg_stat_statements replaces constants with $n when it sees a statement
 # prepared, and since PostgreSQL 18 keeps no leading comment.
-CLAIM = "%(SELECT moved.ended FROM moved) AS ended%"
+CLAIM = "%(SELECT ended.ended FROM ended) AS ended%"
 
 
 def enqueue(conn, queue, event_type="e"):

@@ -20,7 +20,7 @@
 -- qualified; operators and types resolve in pg_catalog through the
 -- search_path every dispatcher pins (src/worker/setup.rs).
 WITH cursor AS MATERIALIZED (
-    SELECT w.prev, w.target, w.after_xid, w.after_id,
+    SELECT w.position, w.prev, w.target, w.starts, w.after_xid, w.after_id,
            -- Positions as index bounds: after (after_xid, after_id), or
            -- before everything; and where the fresh range starts, which is
            -- after the last row of the transaction before `prev`'s xmax.
@@ -32,7 +32,8 @@ WITH cursor AS MATERIALIZED (
                 ELSE 'ffffffff-ffff-ffff-ffff-ffffffffffff'::uuid END AS fresh_id,
            ARRAY(SELECT x FROM pg_catalog.pg_snapshot_xip(w.prev) AS x
                   WHERE pg_catalog.pg_visible_in_snapshot(x, w.target)) AS behind
-      FROM (SELECT c.prev, coalesce(c.target, pg_catalog.pg_current_snapshot()) AS target, c.after_xid, c.after_id
+      FROM (SELECT c.position, c.prev, coalesce(c.target, pg_catalog.pg_current_snapshot()) AS target,
+                   c.target IS NULL AS starts, c.after_xid, c.after_id
               FROM outbox.cursor AS c) AS w
 ), page AS MATERIALIZED (
     SELECT p.*
@@ -76,15 +77,24 @@ WITH cursor AS MATERIALIZED (
            last.pending_xid, last.id, last.events
       FROM cursor AS c, last
     RETURNING id, send, claimed_at
+), ended AS (
+    SELECT coalesce((SELECT last.events FROM last), 0) < $1 AS ended
 ), moved AS (
-    UPDATE outbox.cursor AS c
-       SET prev = CASE WHEN ended.ended THEN w.target ELSE c.prev END,
-           target = CASE WHEN ended.ended THEN NULL ELSE w.target END,
-           after_xid = CASE WHEN ended.ended THEN NULL ELSE (SELECT last.pending_xid FROM last) END,
-           after_id = CASE WHEN ended.ended THEN NULL ELSE (SELECT last.id FROM last) END
-      FROM cursor AS w,
-           (SELECT coalesce((SELECT last.events FROM last), 0) < $1 AS ended) AS ended
-    RETURNING ended.ended
+    -- The new position. A claim that started a window and read nothing
+    -- leaves the position as it was: the next one starts it again.
+    INSERT INTO outbox.positions (prev, target, after_xid, after_id)
+    SELECT CASE WHEN ended.ended THEN w.target ELSE w.prev END,
+           CASE WHEN ended.ended THEN NULL ELSE w.target END,
+           CASE WHEN ended.ended THEN NULL ELSE (SELECT last.pending_xid FROM last) END,
+           CASE WHEN ended.ended THEN NULL ELSE (SELECT last.id FROM last) END
+      FROM cursor AS w, ended
+     WHERE NOT (w.starts AND ended.ended AND NOT EXISTS (SELECT FROM last))
+    RETURNING position
+), replaced AS (
+    DELETE FROM outbox.positions AS p
+     USING cursor AS w
+     WHERE p.position = w.position
+       AND EXISTS (SELECT FROM moved)
 )
 SELECT p.id,
        p.event_type,
@@ -106,7 +116,7 @@ SELECT p.id,
        batch.id AS batch,
        outbox.send_of(batch.send, p.id) AS send,
        batch.claimed_at,
-       (SELECT moved.ended FROM moved) AS ended
+       (SELECT ended.ended FROM ended) AS ended
   FROM (SELECT 1) AS one
   LEFT JOIN page AS p ON true
   LEFT JOIN batch ON true

@@ -1,4 +1,5 @@
 -- The claim's lock (claim.sql runs next, in the same transaction, with a
 -- snapshot of its own taken once this is granted): one claim at a time.
--- Waits for the claim before to commit, as long as it runs.
-SELECT FROM outbox.cursor FOR UPDATE
+-- Waits for the claim before to commit, as long as it runs. A row lock
+-- writes no new version of the row: nothing piles up under a pinned xmin.
+SELECT FROM outbox.claim_turn FOR UPDATE

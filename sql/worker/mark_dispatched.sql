@@ -3,11 +3,12 @@
 -- (which leave the batch). Recorded only while the claim is still $2's (a
 -- sweeper gives a claim that took too long back, abandoned_at): returns
 -- whether it was, and locks the batch's row until the transaction ends,
--- so no sweeper takes it meanwhile.
+-- so no sweeper takes it meanwhile. Found by its primary key: the test
+-- is one that batches_unmarked_idx cannot serve, whose entries a pinned
+-- xmin keeps for every batch marked since.
 UPDATE outbox.batches
    SET marked_at = pg_catalog.now()
  WHERE id = $1
    AND dispatcher = $2
-   AND marked_at IS NULL
-   AND abandoned_at IS NULL
+   AND pg_catalog.num_nulls(marked_at, abandoned_at) = 2
 RETURNING id
