@@ -438,16 +438,29 @@ class Cluster:
 
     def claim_as(self, dispatcher, limit):
         """Claims up to `limit` events as dispatcher `dispatcher` would
-        (sql/worker/lock_cursor.sql, then claim.sql), and commits; returns
+        (sql/worker/lock_cursor.sql, restore_turn.sql and lock_cursor.sql
+        again if it locked nothing, then claim.sql), and commits; returns
         the batch's id and each event's send (what its message names), by
         event id; (None, {}) when nothing was claimed."""
         worker = ROOT / "sql" / "worker"
         with self.connect(autocommit=False) as conn:
-            conn.execute((worker / "lock_cursor.sql").read_text())
+            self.take_turn(conn)
             conn.execute(f"PREPARE claim(int, int) AS {(worker / 'claim.sql').read_text()}")
             rows = conn.execute(f"EXECUTE claim({int(limit)}, {int(dispatcher)})").fetchall()
             conn.commit()
         return rows[0][17], {str(r[0]): str(r[18]) for r in rows if r[0] is not None}
+
+    @staticmethod
+    def take_turn(conn):
+        """Takes the claims' turn in `conn`'s transaction, as a dispatcher
+        does (src/worker/store/claim.rs); returns whether the row had to be
+        put back."""
+        worker = ROOT / "sql" / "worker"
+        if conn.execute((worker / "lock_cursor.sql").read_text()).fetchall():
+            return False
+        conn.execute((worker / "restore_turn.sql").read_text())
+        assert conn.execute((worker / "lock_cursor.sql").read_text()).fetchall() == [()]
+        return True
 
     def log_text(self):
         return self.log.read_text(errors="replace")
@@ -498,6 +511,18 @@ class CeleryWorker:
              "--without-gossip", "--without-mingle", "--without-heartbeat", "-Q", ",".join(queues),
              "--loglevel=INFO", *extra_args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @staticmethod
+    def take_turn(conn):
+        """Takes the claims' turn in `conn`'s transaction, as a dispatcher
+        does (src/worker/store/claim.rs); returns whether the row had to be
+        put back."""
+        worker = ROOT / "sql" / "worker"
+        if conn.execute((worker / "lock_cursor.sql").read_text()).fetchall():
+            return False
+        conn.execute((worker / "restore_turn.sql").read_text())
+        assert conn.execute((worker / "lock_cursor.sql").read_text()).fetchall() == [()]
+        return True
 
     def log_text(self):
         return Path(self.log.name).read_text(errors="replace")

@@ -236,6 +236,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "home.sql": ("(oid, bool)", "(1, true)", []),
         worker / "fail_batch.sql": ("(bigint, text, bigint)", "(1, 'x', 1048576)", [("batch_members_waiting_idx",)]),
         worker / "lock_cursor.sql": ("", "", []),
+        worker / "restore_turn.sql": ("", "", []),
         worker / "claim.sql": ("(int, int)", "(100, 0)", [("events_pending_xid_idx",)]),
         worker / "came_due.sql": ("(int)", "(100)", [("events_due_idx",)]),
         worker / "next_due.sql": ("(bigint[])", "('{}')", [("events_due_idx",), ("batch_members_waiting_idx",)]),

@@ -6,6 +6,8 @@ prepared one), not one another session holds locked, not one a DBA sends
 again by hand or a restore brings back with another history's
 transaction id."""
 
+from pathlib import Path
+
 import psycopg
 import pytest
 
@@ -92,6 +94,78 @@ def test_claims_keep_within_a_short_deadline_after_a_restart_and_a_pause_under_a
         wait_until(lambda: last in queued_ids(client, "q_after"), message="an event after it")
         pin.rollback()
         pin.close()
+    finally:
+        pg.close()
+
+
+def claim_buffers(pg, limit=100):
+    """Shared buffers one claim touches (EXPLAIN ANALYZE, rolled back)."""
+    worker = Path(__file__).resolve().parent.parent / "sql" / "worker"
+    with pg.connect(autocommit=False) as conn:
+        pg.take_turn(conn)
+        conn.execute(f"PREPARE claim(int, int) AS {(worker / 'claim.sql').read_text()}")
+        plan = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({limit}, 0)").fetchone()[0]
+        conn.rollback()
+    top = plan[0]["Plan"]
+    return top["Shared Hit Blocks"] + top["Shared Read Blocks"]
+
+
+def test_a_transaction_left_open_is_not_walked_by_every_claim(redis_server):
+    """A transaction that has enqueued 20,000 events and stays open is read
+    once it ends, not walked by every claim meanwhile (a claim that reads
+    nothing moves the window past it), and holds up nothing committed
+    after it."""
+    pg = Cluster(redis_server.url, enabled="off")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.claim_as(0, 100)
+        with pg.connect(autocommit=False) as open_:
+            open_.execute("SELECT outbox_enqueue('open', '{}', queue => 'q_open') FROM generate_series(1, 20000)")
+            empty = pg.claim_as(0, 100)
+            assert empty == (None, {})
+            # Walking the open transaction's entries: about 400 buffers.
+            assert claim_buffers(pg) < 50
+            with pg.connect() as conn:
+                later = enqueue(conn, "q_open")
+            _, sent = pg.claim_as(0, 100)
+            assert list(sent) == [later]
+            open_.commit()
+        claimed = {}
+        while True:
+            _, sent = pg.claim_as(0, 5000)
+            if not sent:
+                break
+            claimed.update(sent)
+        assert len(claimed) == 20000 and later not in claimed
+    finally:
+        pg.close()
+
+
+def test_claims_put_back_their_turn_deleted_by_hand_and_still_take_turns(redis_server):
+    """The row the claims lock in turn, deleted by hand: the next claim puts
+    it back, and a claim beside it waits for it, as it would for the row
+    (it does not claim the same page); the dispatchers go on."""
+    pg = Cluster(redis_server.url, enabled="off")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.sql("DELETE FROM outbox.claim_turn")
+        with pg.connect(autocommit=False) as first, pg.connect(autocommit=False) as beside:
+            assert pg.take_turn(first)
+            beside.execute("SET lock_timeout = '500ms'")
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                pg.take_turn(beside)
+            first.commit()
+            beside.rollback()
+            assert not pg.take_turn(beside)
+        assert pg.value("SELECT count(*) FROM outbox.claim_turn") == 1
+        pg.sql("DELETE FROM outbox.claim_turn")
+        with pg.connect() as conn:
+            events = {enqueue(conn, "q_turn") for _ in range(20)}
+        pg.configure(enabled="on")
+        client = redis_server.client()
+        wait_until(lambda: len(queued_ids(client, "q_turn")) >= 20, message="the events sent")
+        assert sorted(queued_ids(client, "q_turn")) == sorted(events)
+        assert pg.value("SELECT count(*) FROM outbox.claim_turn") == 1
     finally:
         pg.close()
 

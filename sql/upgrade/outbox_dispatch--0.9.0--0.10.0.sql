@@ -65,8 +65,7 @@ $$;
 -- position is the newest row (outbox.cursor): read from the right end of
 -- the primary key, it costs the same however many old rows a pinned xmin
 -- keeps, where one row updated by every claim would be a chain of versions
--- each read had to walk. A claim that reads nothing at the end of a window
--- writes nothing: the next one reads the same window, grown.
+-- each read had to walk.
 -- Not dumped: its transaction ids are this cluster's (a restore creates
 -- the extension, which makes a new one).
 CREATE TABLE outbox.positions (
@@ -92,6 +91,7 @@ COMMENT ON VIEW outbox.cursor IS
 -- The claims' turn: a claim locks the one row (FOR UPDATE, which writes no
 -- new version of it) and holds it until it commits; one claim at a time
 -- per database, each with a snapshot taken once the one before committed.
+-- A claim that finds the row gone puts it back (sql/worker/restore_turn.sql).
 CREATE TABLE outbox.claim_turn (
     only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row)
 );

@@ -20,7 +20,7 @@
 -- qualified; operators and types resolve in pg_catalog through the
 -- search_path every dispatcher pins (src/worker/setup.rs).
 WITH cursor AS MATERIALIZED (
-    SELECT w.position, w.prev, w.target, w.starts, w.after_xid, w.after_id,
+    SELECT w.position, w.prev, w.target, w.after_xid, w.after_id,
            -- Positions as index bounds: after (after_xid, after_id), or
            -- before everything; and where the fresh range starts, which is
            -- after the last row of the transaction before `prev`'s xmax.
@@ -33,7 +33,7 @@ WITH cursor AS MATERIALIZED (
            ARRAY(SELECT x FROM pg_catalog.pg_snapshot_xip(w.prev) AS x
                   WHERE pg_catalog.pg_visible_in_snapshot(x, w.target)) AS behind
       FROM (SELECT c.position, c.prev, coalesce(c.target, pg_catalog.pg_current_snapshot()) AS target,
-                   c.target IS NULL AS starts, c.after_xid, c.after_id
+                   c.after_xid, c.after_id
               FROM outbox.cursor AS c) AS w
 ), page AS MATERIALIZED (
     SELECT p.*
@@ -80,21 +80,19 @@ WITH cursor AS MATERIALIZED (
 ), ended AS (
     SELECT coalesce((SELECT last.events FROM last), 0) < $1 AS ended
 ), moved AS (
-    -- The new position. A claim that started a window and read nothing
-    -- leaves the position as it was: the next one starts it again.
+    -- The new position, which replaces the one read (a claim that read
+    -- nothing moves `prev` too: the transactions still running at its
+    -- snapshot are then read once they end, not walked by every claim).
     INSERT INTO outbox.positions (prev, target, after_xid, after_id)
     SELECT CASE WHEN ended.ended THEN w.target ELSE w.prev END,
            CASE WHEN ended.ended THEN NULL ELSE w.target END,
            CASE WHEN ended.ended THEN NULL ELSE (SELECT last.pending_xid FROM last) END,
            CASE WHEN ended.ended THEN NULL ELSE (SELECT last.id FROM last) END
       FROM cursor AS w, ended
-     WHERE NOT (w.starts AND ended.ended AND NOT EXISTS (SELECT FROM last))
-    RETURNING position
 ), replaced AS (
     DELETE FROM outbox.positions AS p
      USING cursor AS w
      WHERE p.position = w.position
-       AND EXISTS (SELECT FROM moved)
 )
 SELECT p.id,
        p.event_type,

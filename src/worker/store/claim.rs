@@ -31,7 +31,12 @@ pub fn claim(
     limit: usize,
 ) -> Result<Taken, SpiError> {
     report_running(&plans.lock_cursor.text);
-    client.update(&plans.lock_cursor.plan, None, &[])?;
+    if client.update(&plans.lock_cursor.plan, None, &[])?.is_empty() {
+        report_running(&plans.restore_turn.text);
+        client.update(&plans.restore_turn.plan, None, &[])?;
+        report_running(&plans.lock_cursor.text);
+        client.update(&plans.lock_cursor.plan, None, &[])?;
+    }
     let args: [DatumWithOid; 2] = [(limit as i32).into(), dispatcher.into()];
     report_running(&plans.claim.text);
     let table = client.update(&plans.claim.plan, None, &args)?;
