@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import PAYLOAD, RATE, RESULTS, SERVER_CONF, consume, log, machine, produce  # noqa: E402
 
-from harness import Cluster, Redis, wait_until  # noqa: E402
+from harness import CLAIM_STATEMENT, Cluster, Redis, wait_until  # noqa: E402
 
 SECONDS = int(os.environ.get("BENCH_PINNED_SECONDS", 600))
 BACKLOG = int(os.environ.get("BENCH_PINNED_BACKLOG", 100_000))
@@ -40,7 +40,6 @@ WINDOW = 30
 PRODUCERS = 4
 CONF = {**SERVER_CONF, "shared_preload_libraries": "'outbox_dispatch,pg_stat_statements'",
         "pg_stat_statements.track": "all"}
-CLAIM = "%segmented AS MATERIALIZED%"
 ENQUEUE_ONE = "SELECT outbox_enqueue('bench', %s::jsonb, queue => 'bench_wal')"
 
 
@@ -122,7 +121,7 @@ def steady(pg, redis):
                      "p50": pick(0.5), "p99": pick(0.99), "max": lat[-1] if lat else None,
                      "dead_tuples": dead[i] if i < len(dead) else None})
     calls, blocks = pg.sql("SELECT sum(calls), sum(shared_blks_hit + shared_blks_read) FROM pg_stat_statements "
-                           "WHERE query LIKE %s", (CLAIM,))[0]
+                           "WHERE query LIKE %s", (CLAIM_STATEMENT,))[0]
     return {"windows": rows, "events": len(committed), "missing": len(committed) - len(arrived.keys() & committed.keys()),
             "achieved_rate": len(committed) / SECONDS, "blocks_per_claim": float(blocks) / float(calls),
             "dead_tuples_end": dead_tuples(pg)}

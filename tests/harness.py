@@ -25,6 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
 
+# The claim statement (sql/worker/claim.sql) in pg_stat_statements, by a
+# line of it without a constant or a comment: pg_stat_statements replaces
+# constants with $n when it sees a statement prepared, and since
+# PostgreSQL 18 keeps no leading comment.
+CLAIM_STATEMENT = "%(SELECT ended.ended FROM ended) AS ended%"
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,17 +6,10 @@ prepared one), not one another session holds locked, not one a DBA sends
 again by hand or a restore brings back with another history's
 transaction id."""
 
-from pathlib import Path
-
 import psycopg
 import pytest
 
-from harness import Cluster, queued_ids, wait_until
-
-# A line of the claim statement without a constant or a comment:
-# pg_stat_statements replaces constants with $n when it sees a statement
-# prepared, and since PostgreSQL 18 keeps no leading comment.
-CLAIM = "%(SELECT ended.ended FROM ended) AS ended%"
+from harness import CLAIM_STATEMENT, ROOT, Cluster, queued_ids, wait_until
 
 
 def enqueue(conn, queue, event_type="e"):
@@ -46,7 +39,7 @@ def test_a_claim_costs_the_same_after_200000_events_under_a_pin(redis_server):
                     event = enqueue(conn, "q_cost")
                     wait_until(lambda: event in queued_ids(client, "q_cost"), message="the event in Redis")
             calls, blocks = pg.sql("SELECT sum(calls), sum(shared_blks_hit + shared_blks_read) "
-                                   "FROM pg_stat_statements WHERE query LIKE %s", (CLAIM,))[0]
+                                   "FROM pg_stat_statements WHERE query LIKE %s", (CLAIM_STATEMENT,))[0]
             assert calls >= events
             return blocks / calls
 
@@ -100,10 +93,9 @@ def test_claims_keep_within_a_short_deadline_after_a_restart_and_a_pause_under_a
 
 def claim_buffers(pg, limit=100):
     """Shared buffers one claim touches (EXPLAIN ANALYZE, rolled back)."""
-    worker = Path(__file__).resolve().parent.parent / "sql" / "worker"
     with pg.connect(autocommit=False) as conn:
         pg.take_turn(conn)
-        conn.execute(f"PREPARE claim(int, int) AS {(worker / 'claim.sql').read_text()}")
+        conn.execute(f"PREPARE claim(int, int) AS {(ROOT / 'sql' / 'worker' / 'claim.sql').read_text()}")
         plan = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({limit}, 0)").fetchone()[0]
         conn.rollback()
     top = plan[0]["Plan"]
