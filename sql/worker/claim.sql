@@ -90,9 +90,10 @@ WITH cursor AS MATERIALIZED (
            CASE WHEN ended.ended THEN NULL ELSE (SELECT last.id FROM last) END
       FROM cursor AS w, ended
 ), replaced AS (
+    -- By its key, a constant to the plan: as a join the planner may walk
+    -- the whole index, every position a pinned xmin keeps.
     DELETE FROM outbox.positions AS p
-     USING cursor AS w
-     WHERE p.position = w.position
+     WHERE p.position = (SELECT w.position FROM cursor AS w)
 )
 SELECT p.id,
        p.event_type,
