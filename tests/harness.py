@@ -519,18 +519,6 @@ class CeleryWorker:
              "--loglevel=INFO", *extra_args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    @staticmethod
-    def take_turn(conn):
-        """Takes the claims' turn in `conn`'s transaction, as a dispatcher
-        does (src/worker/store/claim.rs); returns whether the row had to be
-        put back."""
-        worker = ROOT / "sql" / "worker"
-        if conn.execute((worker / "lock_cursor.sql").read_text()).fetchall():
-            return False
-        conn.execute((worker / "restore_turn.sql").read_text())
-        assert conn.execute((worker / "lock_cursor.sql").read_text()).fetchall() == [()]
-        return True
-
     def log_text(self):
         return Path(self.log.name).read_text(errors="replace")
 
