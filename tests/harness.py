@@ -449,13 +449,18 @@ class Cluster:
         again if it locked nothing, then claim.sql), and commits; returns
         the batch's id and each event's send (what its message names), by
         event id; (None, {}) when nothing was claimed."""
-        worker = ROOT / "sql" / "worker"
         with self.connect(autocommit=False) as conn:
             self.take_turn(conn)
-            conn.execute(f"PREPARE claim(int, int) AS {(worker / 'claim.sql').read_text()}")
+            self.prepare_claim(conn)
             rows = conn.execute(f"EXECUTE claim({int(limit)}, {int(dispatcher)})").fetchall()
             conn.commit()
         return rows[0][17], {str(r[0]): str(r[18]) for r in rows if r[0] is not None}
+
+    @staticmethod
+    def prepare_claim(conn):
+        """Prepares sql/worker/claim.sql in `conn` as `claim(limit,
+        dispatcher)`."""
+        conn.execute(f"PREPARE claim(int, int) AS {(ROOT / 'sql' / 'worker' / 'claim.sql').read_text()}")
 
     @staticmethod
     def take_turn(conn):

@@ -9,7 +9,7 @@ transaction id."""
 import psycopg
 import pytest
 
-from harness import CLAIM_STATEMENT, ROOT, Cluster, queued_ids, wait_until
+from harness import CLAIM_STATEMENT, Cluster, queued_ids, wait_until
 
 
 def enqueue(conn, queue, event_type="e"):
@@ -53,7 +53,7 @@ def test_a_claim_costs_the_same_after_200000_events_under_a_pin(redis_server):
         # 3,000 claims more, which find nothing: each leaves a position
         # the pin keeps. Then fresh statistics, which the plans follow.
         with pg.connect(autocommit=False) as conn:
-            conn.execute(f"PREPARE claim(int, int) AS {(ROOT / 'sql' / 'worker' / 'claim.sql').read_text()}")
+            pg.prepare_claim(conn)
             for _ in range(3000):
                 pg.take_turn(conn)
                 conn.execute("EXECUTE claim(1000, 99)")
@@ -104,7 +104,7 @@ def claim_buffers(pg, limit=100):
     """Shared buffers one claim touches (EXPLAIN ANALYZE, rolled back)."""
     with pg.connect(autocommit=False) as conn:
         pg.take_turn(conn)
-        conn.execute(f"PREPARE claim(int, int) AS {(ROOT / 'sql' / 'worker' / 'claim.sql').read_text()}")
+        pg.prepare_claim(conn)
         plan = conn.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({limit}, 0)").fetchone()[0]
         conn.rollback()
     top = plan[0]["Plan"]
