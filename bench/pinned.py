@@ -48,7 +48,8 @@ def lsn(pg):
 
 
 def dead_tuples(pg):
-    return pg.value("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'outbox.log'::regclass")
+    return pg.value("SELECT sum(n_dead_tup)::bigint FROM pg_stat_user_tables "
+                    "WHERE relid IN (SELECT relid FROM pg_partition_tree('outbox.log') WHERE isleaf)")
 
 
 def wal_per_event(pg, redis):

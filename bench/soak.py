@@ -39,9 +39,10 @@ WINDOW = 10  # seconds per latency percentile
 RESULTS = ROOT / "bench" / "results"
 
 SAMPLE_SQL = """
-SELECT pg_relation_size('outbox.log'), pg_indexes_size('outbox.events'),
-       n_live_tup, n_dead_tup, autovacuum_count
-  FROM pg_stat_user_tables WHERE relid = 'outbox.log'::regclass"""
+SELECT sum(pg_relation_size(s.relid))::bigint, sum(pg_indexes_size(s.relid))::bigint,
+       sum(s.n_live_tup)::bigint, sum(s.n_dead_tup)::bigint, sum(s.autovacuum_count)::bigint
+  FROM pg_stat_user_tables AS s
+ WHERE s.relid IN (SELECT p.relid FROM pg_partition_tree('outbox.log') AS p WHERE p.isleaf)"""
 
 
 def log(*args):

@@ -110,8 +110,9 @@ def pgq(pg, events=EVENTS, per_tick=CHUNK // 10):
 
 
 def dead_tuples(pg):
-    """Dead tuples in outbox.log, counted (pgstattuple)."""
-    return pg.value("SELECT dead_tuple_count FROM pgstattuple('outbox.log')")
+    """Dead tuples in outbox.log's partitions, counted (pgstattuple)."""
+    return pg.value("SELECT sum((pgstattuple(relid)).dead_tuple_count)::bigint "
+                    "FROM pg_partition_tree('outbox.log') WHERE isleaf")
 
 
 def outbox_path(pg, redis, name, enqueue, before_delivery=None, during_delivery=None, reports=False):

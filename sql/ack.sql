@@ -8,7 +8,7 @@
 -- Returns the event, and its key when it held it (it then passes it on:
 -- src/keys.rs). Served by the primary keys.
 WITH e AS (
-    SELECT l.id, l.key_state, l.ordering_key, coalesce(l.subscription_id, 0) AS subscription,
+    SELECT l.id, l.generation, l.key_state, l.ordering_key, coalesce(l.subscription_id, 0) AS subscription,
            outbox.batch_of(l.pending_xid, l.id) AS batch
       FROM outbox.log AS l
      WHERE l.id = $1
@@ -22,9 +22,9 @@ WITH e AS (
      WHERE b.id = e.batch AND b.settled_at IS NULL AND b.abandoned_at IS NULL
        FOR SHARE OF b
 ), recorded AS (
-    INSERT INTO outbox.outcomes (event)
-    SELECT e.id FROM e WHERE e.batch IN (SELECT held.id FROM held)
-    ON CONFLICT (event) DO NOTHING
+    INSERT INTO outbox.outcomes (event, generation)
+    SELECT e.id, e.generation FROM e WHERE e.batch IN (SELECT held.id FROM held)
+    ON CONFLICT (event, generation) DO NOTHING
     RETURNING event
 ), stored AS (
     UPDATE outbox.log AS l

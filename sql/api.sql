@@ -259,11 +259,14 @@ WITH waiting AS (
     -- In line, not read yet: the transactions the cursor's prev saw in
     -- progress, and those from its xmax on, but what the window being read
     -- has read.
+    -- (One index range per transaction: with the log's partitions, a
+    -- condition on the array of them was planned as a read of each whole.)
     SELECT e.created_at, e.available_at
-      FROM outbox.log AS e
+      FROM outbox.cursor AS w
+     CROSS JOIN LATERAL pg_catalog.pg_snapshot_xip(w.prev) AS b(xid)
+      JOIN outbox.log AS e ON e.pending_xid = b.xid
      WHERE e.status = 'pending'
        AND e.key_state IS DISTINCT FROM 'waiting'
-       AND e.pending_xid = ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(c.prev) FROM outbox.cursor AS c))
        AND NOT coalesce((SELECT pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
                                 AND (e.pending_xid, e.id)
                                     <= (coalesce(c.after_xid, '0'::xid8),
@@ -318,11 +321,15 @@ WITH waiting AS (
        AND (SELECT f.batches FROM finished AS f) <= 1000
        AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
 ), estimate AS (
-    SELECT GREATEST((SELECT c.reltuples::bigint FROM pg_catalog.pg_class AS c
-                      WHERE c.oid = 'outbox.log'::pg_catalog.regclass)
+    SELECT GREATEST((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
+                       FROM pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS p
+                       JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
+                      WHERE p.isleaf)
                     - (SELECT pg_catalog.sum(x.count) FROM exact AS x)::bigint, 0) AS finished,
-           GREATEST((SELECT c.reltuples::bigint FROM pg_catalog.pg_class AS c
-                      WHERE c.oid = 'outbox.outcomes_pkey'::pg_catalog.regclass), 0) AS processed
+           (SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
+              FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
+              JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
+             WHERE p.isleaf) AS processed
 )
 SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
        false AS estimated

@@ -28,8 +28,19 @@ COMMENT ON SCHEMA outbox IS 'Transactional outbox: events delivered to Redis as 
 CREATE TYPE outbox.event_status AS ENUM
     ('pending', 'processing', 'dispatched', 'processed', 'failed');
 
+-- The generation rows are inserted in: which partition of outbox.log (and
+-- of outbox.outcomes) takes them. The column's default reads it from this
+-- sequence, which nothing advances (a setval moves it; a read writes
+-- nothing, where nextval would write WAL). Readable by everyone, since
+-- every insert reads it. Nothing moves it yet: the rotation that truncates
+-- the oldest partition is the next step (docs/design.md, "One write per
+-- event").
+CREATE SEQUENCE outbox.generation AS smallint MINVALUE 0 MAXVALUE 2;
+SELECT pg_catalog.setval('outbox.generation', 0, true);
+GRANT SELECT ON SEQUENCE outbox.generation TO PUBLIC;
+
 CREATE TABLE outbox.log (
-    id                    uuid PRIMARY KEY,  -- default: outbox_uuid_v7(), set in api.sql
+    id                    uuid NOT NULL,  -- default: outbox_uuid_v7(), set in api.sql; unique per partition
     event_type            text NOT NULL
                           CONSTRAINT events_event_type_length CHECK (octet_length(event_type) BETWEEN 1 AND 255),
     payload               jsonb NOT NULL DEFAULT '{}',
@@ -77,26 +88,39 @@ CREATE TABLE outbox.log (
     key_state             text
                           CONSTRAINT events_key_state
                               CHECK (key_state IS NULL OR (key_state IN ('head', 'waiting') AND ordering_key IS NOT NULL)),
+    generation            smallint NOT NULL
+                          DEFAULT pg_catalog.pg_sequence_last_value('outbox.generation'::pg_catalog.regclass)::smallint,
     CONSTRAINT events_args_with_kwargs CHECK (args IS NULL OR jsonb_typeof(payload) = 'object')
 )
--- A queue table churns: every row is inserted, updated two or three times
--- and deleted. Vacuum and analyze it after a small fraction of changes
--- rather than the default 20%, so dead rows never pile up in front of the
--- claim's index scan.
-WITH (
-    autovacuum_vacuum_scale_factor = 0.01,
-    autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_insert_scale_factor = 0.05,
-    autovacuum_analyze_scale_factor = 0.02,
-    autovacuum_vacuum_cost_delay = 1
-);
+PARTITION BY LIST (generation);
+
+-- One partition per generation, each with its own primary key (one on the
+-- partitioned table would have to hold `generation`). Rows are inserted,
+-- and only exceptional ones updated; vacuum and analyze each after a small
+-- fraction of changes rather than the default 20%, so the statistics follow
+-- a partition that fills from empty. (The indexes of each are named after
+-- it, below.)
+DO $$
+BEGIN
+    FOR generation IN 0..2 LOOP
+        EXECUTE pg_catalog.format(
+            'CREATE TABLE outbox.log_%1$s PARTITION OF outbox.log'
+            ' (CONSTRAINT log_%1$s_pkey PRIMARY KEY (id)) FOR VALUES IN (%1$s)'
+            ' WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,'
+            ' autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.02,'
+            ' autovacuum_vacuum_cost_delay = 1)', generation);
+    END LOOP;
+END
+$$;
 
 COMMENT ON TABLE outbox.log IS
     'Outbox events as they were written; read and write them through the view outbox.events.';
 
 -- pg_dump keeps the events not delivered yet (pending, processing), the
--- dead letters and the records of routed events: the table belongs to the
--- extension, whose member tables are otherwise dumped empty. Not what was
+-- dead letters and the records of routed events, of each partition (a
+-- restore puts them back in the partition they came from): the partitions
+-- belong to the extension, whose member tables are otherwise dumped empty.
+-- Not what was
 -- delivered: the batches that say so name this cluster's transactions,
 -- and are not dumped; but, where acknowledgements are on
 -- (outbox.ack_timeout > 0 for pg_dump's session), the events delivered and
@@ -257,11 +281,26 @@ CREATE INDEX batches_abandoned_idx ON outbox.batches (abandoned_at) WHERE abando
 
 -- Events a Celery worker reported processed, or a consumer acknowledged
 -- (outbox_ack()): one row each, appended by the round of reports or the
--- call that records it. Failures are written to the event itself.
+-- call that records it. Failures are written to the event itself. Each
+-- in the generation of its event: the outcomes of a partition of the log
+-- are a partition of their own, which goes with it.
 CREATE TABLE outbox.outcomes (
-    event uuid PRIMARY KEY,
-    at    timestamptz NOT NULL DEFAULT pg_catalog.now()
-);
+    event      uuid NOT NULL,
+    at         timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    generation smallint NOT NULL
+               DEFAULT pg_catalog.pg_sequence_last_value('outbox.generation'::pg_catalog.regclass)::smallint,
+    CONSTRAINT outcomes_pkey PRIMARY KEY (event, generation)
+)
+PARTITION BY LIST (generation);
+
+DO $$
+BEGIN
+    FOR generation IN 0..2 LOOP
+        EXECUTE pg_catalog.format('CREATE TABLE outbox.outcomes_%1$s PARTITION OF outbox.outcomes'
+                                  ' FOR VALUES IN (%1$s)', generation);
+    END LOOP;
+END
+$$;
 
 COMMENT ON TABLE outbox.outcomes IS
     'Events reported processed by a Celery worker or acknowledged with outbox_ack().';
@@ -397,13 +436,22 @@ SELECT l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority,
 COMMENT ON VIEW outbox.events IS
     'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
 
-SELECT pg_catalog.pg_extension_config_dump('outbox.log',
-    'WHERE status OPERATOR(pg_catalog.<>) ''pending'' '
-    'OR outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
-    'ANY (ARRAY[''pending'', ''processing'']::outbox.event_status[]) '
-    'OR (coalesce(pg_catalog.current_setting(''outbox.ack_timeout'', true), '''') OPERATOR(pg_catalog.<>) ''0'' '
-    'AND outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
-    '''dispatched''::outbox.event_status)');
+-- (One call per statement: each rewrites the extension's catalog row.)
+DO $$
+DECLARE
+    partition_ pg_catalog.regclass;
+BEGIN
+    FOR partition_ IN SELECT p.relid FROM pg_catalog.pg_partition_tree('outbox.log') AS p WHERE p.isleaf LOOP
+        PERFORM pg_catalog.pg_extension_config_dump(partition_,
+            'WHERE status OPERATOR(pg_catalog.<>) ''pending'' '
+            'OR outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+            'ANY (ARRAY[''pending'', ''processing'']::outbox.event_status[]) '
+            'OR (coalesce(pg_catalog.current_setting(''outbox.ack_timeout'', true), '''') OPERATOR(pg_catalog.<>) ''0'' '
+            'AND outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+            '''dispatched''::outbox.event_status)');
+    END LOOP;
+END
+$$;
 
 
 -- Per-key order. The events of a key in key_seq order (those that took a
@@ -411,8 +459,11 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.log',
 -- says whether the key is taken (outbox_key_taken()), and the one after a
 -- head is the next to take it; both are the first entry a scan reads,
 -- however many finished events of the key are left behind.
--- Unique: two rows of a key never share a turn.
-CREATE UNIQUE INDEX events_key_idx ON outbox.log (ordering_key, (coalesce(subscription_id, 0)), key_seq)
+-- Unique: two rows of a key never share a turn. (A unique index of a
+-- partitioned table holds its partition key: `generation` comes last, so
+-- the order is the key's; a row moved to a newer generation is deleted
+-- from its old one in the same transaction.)
+CREATE UNIQUE INDEX events_key_idx ON outbox.log (ordering_key, (coalesce(subscription_id, 0)), key_seq, generation)
     WHERE key_seq IS NOT NULL;
 -- Heads and waiting events, by key: outbox.blocked_keys, the metrics, and
 -- the dispatchers' sweep for keys left without a head.
@@ -422,7 +473,7 @@ CREATE INDEX events_key_state_idx ON outbox.log (key_state, ordering_key, (coale
 -- beside the first. (An insert that copies a head takes a turn of its own,
 -- outbox_take_turn() in sql/keys.sql; an UPDATE that would make a second
 -- head fails here.)
-CREATE UNIQUE INDEX events_key_head_idx ON outbox.log (ordering_key, (coalesce(subscription_id, 0)))
+CREATE UNIQUE INDEX events_key_head_idx ON outbox.log (ordering_key, (coalesce(subscription_id, 0)), generation)
     WHERE key_state = 'head';
 -- key_seq: the order in which the transactions that enqueued for one key
 -- committed (each takes it under the key's lock, held to its commit).
@@ -430,6 +481,31 @@ CREATE SEQUENCE outbox.key_seq;
 
 -- The deliveries of one event.
 CREATE INDEX events_event_id_idx ON outbox.log (event_id) WHERE event_id IS NOT NULL;
+
+-- Each partition's indexes are named as the partitioned index they belong
+-- to, the partition's name for `events`: log_0_pending_xid_idx is
+-- events_pending_xid_idx in log_0.
+DO $$
+DECLARE
+    index_ record;
+BEGIN
+    FOR index_ IN
+        SELECT i.inhrelid::pg_catalog.regclass AS partition_index,
+               pg_catalog.replace(p.relname, 'events_', t.relname OPERATOR(pg_catalog.||) '_') AS name
+          FROM pg_catalog.pg_inherits AS i
+          JOIN pg_catalog.pg_class AS p ON p.oid OPERATOR(pg_catalog.=) i.inhparent
+          JOIN pg_catalog.pg_index AS x ON x.indexrelid OPERATOR(pg_catalog.=) i.inhrelid
+          JOIN pg_catalog.pg_class AS t ON t.oid OPERATOR(pg_catalog.=) x.indrelid
+         WHERE p.relkind OPERATOR(pg_catalog.=) 'I'
+           AND t.relnamespace OPERATOR(pg_catalog.=) 'outbox'::pg_catalog.regnamespace
+           AND t.relname OPERATOR(pg_catalog.~) '^log_[0-9]+$'
+           AND (SELECT c.relname FROM pg_catalog.pg_class AS c WHERE c.oid OPERATOR(pg_catalog.=) i.inhrelid)
+               OPERATOR(pg_catalog.<>) pg_catalog.replace(p.relname, 'events_', t.relname OPERATOR(pg_catalog.||) '_')
+    LOOP
+        EXECUTE pg_catalog.format('ALTER INDEX %s RENAME TO %I', index_.partition_index, index_.name);
+    END LOOP;
+END
+$$;
 
 -- Subscriptions: which tasks an event without a task goes to. Rows are
 -- never deleted (outbox_unsubscribe() stamps unsubscribed_at): deliveries

@@ -295,10 +295,12 @@ fn oldest_transaction() -> f64 {
         .max(0.0)
 }
 
-/// `n_dead_tup` of `outbox.log`: what vacuum found it could not remove
-/// yet, and what was deleted or updated since.
+/// `n_dead_tup` of `outbox.log`'s partitions: what vacuum found it could
+/// not remove yet, and what was deleted or updated since.
 fn dead_tuples() -> f64 {
-    const QUERY: &str = "SELECT pg_catalog.pg_stat_get_dead_tuples('outbox.log'::pg_catalog.regclass)";
+    const QUERY: &str = "SELECT pg_catalog.sum(pg_catalog.pg_stat_get_dead_tuples(p.relid))::bigint
+                           FROM pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS p
+                          WHERE p.isleaf";
     Spi::get_one::<i64>(QUERY)
         .unwrap_or_else(|e| error!("outbox metrics: cannot read the dead tuples of outbox.log: {e}"))
         .unwrap_or(0) as f64

@@ -30,6 +30,9 @@ VENV_BIN = Path(sys.executable).parent
 # constants with $n when it sees a statement prepared, and since
 # PostgreSQL 18 keeps no leading comment.
 CLAIM_STATEMENT = "%(SELECT ended.ended FROM ended) AS ended%"
+# The planner's switches every dispatcher sets (src/worker/setup.rs), for
+# a test that plans or runs the dispatchers' statements itself.
+DISPATCHER_PLANNER = "SET enable_bitmapscan = off; SET enable_sort = off; SET jit = off"
 
 
 def free_port():
@@ -459,7 +462,8 @@ class Cluster:
     @staticmethod
     def prepare_claim(conn):
         """Prepares sql/worker/claim.sql in `conn` as `claim(limit,
-        dispatcher)`."""
+        dispatcher)`, planned as a dispatcher plans it."""
+        conn.execute(DISPATCHER_PLANNER)
         conn.execute(f"PREPARE claim(int, int) AS {(ROOT / 'sql' / 'worker' / 'claim.sql').read_text()}")
 
     @staticmethod

@@ -9,7 +9,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from harness import Cluster, decode, queued_ids, wait_until
+from harness import DISPATCHER_PLANNER, Cluster, decode, queued_ids, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -220,6 +220,9 @@ def test_status_view_lists_every_status(outbox):
 
 
 LAST = "ffffffff-ffff-ffff-ffff-ffffffffffff"
+# outbox.log's partitions, one per generation: every read of the log reads
+# each.
+PARTITIONS = ("log_0", "log_1", "log_2")
 
 
 def test_worker_queries_are_served_by_indexes(outbox):
@@ -237,32 +240,33 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "fail_batch.sql": ("(bigint, text, bigint)", "(1, 'x', 1048576)", [("batch_members_waiting_idx",)]),
         worker / "lock_cursor.sql": ("", "", []),
         worker / "restore_turn.sql": ("", "", []),
-        worker / "claim.sql": ("(int, int)", "(100, 0)", [("events_pending_xid_idx",)]),
-        worker / "came_due.sql": ("(int)", "(100)", [("events_due_idx",)]),
-        worker / "next_due.sql": ("(bigint[])", "('{}')", [("events_due_idx",), ("batch_members_waiting_idx",)]),
+        worker / "claim.sql": ("(int, int)", "(100, 0)", [("_pending_xid_idx",)]),
+        worker / "came_due.sql": ("(int)", "(100)", [("_due_idx",)]),
+        worker / "next_due.sql": ("(bigint[])", "('{}')", [("_due_idx",), ("batch_members_waiting_idx",)]),
         worker / "mark_dispatched.sql": ("(bigint, int)", "(1, 0)",
                                          [("batches_pkey",)]),
         worker / "mark_failed.sql": ("(uuid[], text[], text[], text[], float8[])",
-                                     "(ARRAY[gen_random_uuid()], '{1}', '{failed}', '{x}', '{0}')", [("log_pkey",)]),
-        worker / "release.sql": ("(uuid[], text[])", "(ARRAY[gen_random_uuid()], '{1}')", [("log_pkey",)]),
+                                     "(ARRAY[gen_random_uuid()], '{1}', '{failed}', '{x}', '{0}')", [("log_0_pkey",)]),
+        worker / "release.sql": ("(uuid[], text[])", "(ARRAY[gen_random_uuid()], '{1}')", [("log_0_pkey",)]),
         worker / "abandon.sql": ("(int, float8, int)", "(NULL, 1000, 10)", [("batches_unmarked_idx",)]),
-        worker / "reline_abandoned.sql": ("(bigint[])", "('{1}')", [("batches_pkey",), ("log_pkey",)]),
-        worker / "sweep_strays.sql": ("(int)", "(100)", [("events_pending_xid_idx",)]),
+        worker / "reline_abandoned.sql": ("(bigint[])", "('{1}')", [("batches_pkey",), ("log_0_pkey",)]),
+        worker / "sweep_strays.sql": ("(int)", "(100)", [("_pending_xid_idx",)]),
         worker / "settle_unacked.sql": ("(float8, int)", "(1000, 10)", [("batches_unsettled_idx",)]),
         worker / "sweep_unacked.sql": ("(bigint[], int)", "('{1}', 5)", [("batches_pkey",)]),
         worker / "settle_reported.sql": ("(bigint[])", "('{1}')", [("batches_pkey", "batches_unsettled_idx")]),
         worker / "purge.sql": ("(float8, int, bool)", "(1000, 10, true)",
                                [("batches_settled_idx",), ("batches_unsettled_idx",), ("batches_abandoned_idx",),
-                                ("events_recorded_idx",), ("batch_members_batch_idx",)]),
+                                ("_recorded_idx",), ("batch_members_batch_idx",)]),
         worker / "apply_reports.sql": ("(uuid[], uuid[], text[], text[])",
                                        "(ARRAY[gen_random_uuid()], ARRAY[gen_random_uuid()], '{processed}', '{NULL}')",
-                                       [("log_pkey",)]),
-        ROOT / "sql" / "ack.sql": ("(uuid)", "(gen_random_uuid())", [("log_pkey",)]),
+                                       [("log_0_pkey",)]),
+        ROOT / "sql" / "ack.sql": ("(uuid)", "(gen_random_uuid())", [("log_0_pkey",)]),
     }
     # The dispatcher's plans are cached: the generic plan too.
     for mode in ("auto", "force_generic_plan"):
         with outbox.connect() as conn:
             conn.execute("SET enable_seqscan = off")
+            conn.execute(DISPATCHER_PLANNER)
             conn.execute(f"SET plan_cache_mode = {mode}")
             for path, (types, args, indexes) in queries.items():
                 conn.execute(f"PREPARE q{types} AS {path.read_text()}")
@@ -274,14 +278,17 @@ def test_worker_queries_are_served_by_indexes(outbox):
                 # of rows: read whole.
                 assert not re.search(r"Seq Scan on (log|batches|outcomes|batch_members|positions)", plan), \
                     f"{path.name}, {mode}:\n{plan}"
-    # The claim reads the window's two ranges, each from where it starts.
+    # The claim reads the window's two ranges in each partition, each from
+    # where it starts, merged in order: never a whole range sorted.
     with outbox.connect() as conn:
+        conn.execute(DISPATCHER_PLANNER)
         types, args, _ = queries[worker / "claim.sql"]
         conn.execute(f"PREPARE q{types} AS {(worker / 'claim.sql').read_text()}")
         for mode in ("auto", "force_generic_plan"):
             conn.execute(f"SET plan_cache_mode = {mode}")
             plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN EXECUTE q{args}"))
-            assert plan.count("events_pending_xid_idx") == 2, plan
+            assert all(plan.count(f"{p}_pending_xid_idx ") == 2 for p in PARTITIONS), plan
+            assert not re.search(r"(?<!Merge )Append", plan), plan
     # An event's batch: by the batches' last positions. A batch's events
     # (abandoned, swept, purged, reported): the window's two ranges, each
     # from where it starts.
@@ -298,7 +305,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
                             "to_id": f"'{LAST}'::uuid"}.items():
             body = re.sub(rf"(?<![.\w]){name}\b", value, body)
         plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN {body}"))
-        assert plan.count("events_pending_xid_idx") == 2, plan
+        assert all(plan.count(f"{p}_pending_xid_idx ") == 2 for p in PARTITIONS), plan
 
 
 def test_two_dispatchers_deliver_10000_events_exactly_once(redis_server):

@@ -380,3 +380,72 @@ def test_a_database_updated_step_by_step_equals_a_fresh_install(redis_server):
         assert updated == fresh, "\n".join(difflib.unified_diff(fresh, updated, "fresh", "updated", lineterm=""))
     finally:
         pg.close()
+
+
+def test_the_update_carries_grants_row_security_and_publications_to_the_partitioned_log(redis_server):
+    """0.10.0 makes outbox.log anew, partitioned by generation: what a DBA
+    granted on 0.9.0's table (columns too), its row-level security and
+    policies, and the publications that named it hold on the new one; an
+    index or a trigger the DBA added is named in a warning, not lost
+    silently; and every row is still there."""
+    pg = Cluster(redis_server.url)
+    try:
+        pg.configure(enabled="off")
+        pg.sql("CREATE DATABASE carried")
+        pg.sql("CREATE EXTENSION outbox_dispatch VERSION '0.9.0'", dbname="carried")
+        pg.sql("""
+            CREATE ROLE carried_reader;
+            GRANT USAGE ON SCHEMA outbox TO carried_reader;
+            GRANT SELECT (id, event_type, queue) ON outbox.events TO carried_reader;
+            GRANT INSERT ON outbox.events TO carried_reader WITH GRANT OPTION;
+            ALTER TABLE outbox.events ENABLE ROW LEVEL SECURITY;
+            ALTER TABLE outbox.events FORCE ROW LEVEL SECURITY;
+            CREATE POLICY carried_mine ON outbox.events FOR SELECT TO carried_reader USING (queue = 'q_mine');
+            CREATE POLICY carried_insert ON outbox.events AS RESTRICTIVE FOR INSERT TO carried_reader
+                WITH CHECK (queue LIKE 'q_%');
+            CREATE PUBLICATION carried_pub FOR TABLE outbox.events (id, event_type, queue) WHERE (queue <> 'q_secret')
+                WITH (publish = 'insert');
+            CREATE PUBLICATION carried_root FOR TABLE outbox.events WITH (publish_via_partition_root = true);
+            CREATE INDEX carried_queue_idx ON outbox.events (queue);
+            CREATE FUNCTION public.carried_audit() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NEW; END';
+            CREATE TRIGGER carried_audit BEFORE INSERT ON outbox.events FOR EACH ROW
+                EXECUTE FUNCTION public.carried_audit();
+            SELECT outbox_enqueue('e', '{}', queue => q) FROM unnest('{q_mine,q_mine,q_other,q_secret}'::text[]) AS q;
+            UPDATE outbox.events SET status = 'failed', last_error = 'x' WHERE queue = 'q_other';
+            """, dbname="carried")
+        warnings = []
+        with pg.connect(dbname="carried") as conn:
+            conn.add_notice_handler(lambda notice: warnings.append(notice.message_primary))
+            conn.execute(f"ALTER EXTENSION outbox_dispatch UPDATE TO '{CURRENT}'")
+
+        assert pg.value("SELECT relkind::text FROM pg_class WHERE oid = 'outbox.log'::regclass",
+                        dbname="carried") == "p"
+        assert pg.sql("SELECT queue, status::text FROM outbox.events ORDER BY queue", dbname="carried") == [
+            ("q_mine", "pending"), ("q_mine", "pending"), ("q_other", "failed"), ("q_secret", "pending")]
+        privileges = pg.sql("""
+            SELECT has_column_privilege('carried_reader', 'outbox.log', 'queue', 'SELECT'),
+                   has_column_privilege('carried_reader', 'outbox.log', 'payload', 'SELECT'),
+                   has_table_privilege('carried_reader', 'outbox.log', 'INSERT WITH GRANT OPTION'),
+                   has_table_privilege('carried_reader', 'outbox.log', 'UPDATE'),
+                   relrowsecurity, relforcerowsecurity
+              FROM pg_class WHERE oid = 'outbox.log'::regclass""", dbname="carried")
+        assert privileges == [(True, False, True, False, True, True)]
+        assert pg.sql("SELECT policyname::text, permissive, roles::text, cmd, qual, with_check FROM pg_policies "
+                      "WHERE tablename = 'log' ORDER BY 1", dbname="carried") == [
+            ("carried_insert", "RESTRICTIVE", "{carried_reader}", "INSERT", None, "(queue ~~ 'q_%'::text)"),
+            ("carried_mine", "PERMISSIVE", "{carried_reader}", "SELECT", "(queue = 'q_mine'::text)", None)]
+        with pg.connect(dbname="carried") as conn:
+            conn.execute("SET ROLE carried_reader")
+            assert conn.execute("SELECT queue FROM outbox.log ORDER BY 1").fetchall() == [("q_mine",), ("q_mine",)]
+        # Without publish_via_partition_root, the partitions: they alone may
+        # carry the row filter and the column list.
+        assert pg.sql("SELECT tablename::text, attnames::text, rowfilter FROM pg_publication_tables "
+                      "WHERE pubname = 'carried_pub' ORDER BY 1", dbname="carried") == [
+            (f"log_{g}", "{id,event_type,queue}", "(queue <> 'q_secret'::text)") for g in range(3)]
+        assert pg.sql("SELECT tablename::text FROM pg_publication_tables WHERE pubname = 'carried_root'",
+                      dbname="carried") == [("log",)]
+        carried = [w for w in warnings if "is not carried to outbox.log" in w]
+        assert len(carried) == 2 and any("index outbox.carried_queue_idx" in w for w in carried) \
+            and any("trigger carried_audit" in w for w in carried), warnings
+    finally:
+        pg.close()

@@ -408,7 +408,7 @@ def test_upgrade_from_the_previous_version_keeps_events_flowing(redis_server):
         # The table became outbox.log, under the view outbox.events: the
         # role may insert through the view as it did into the table.
         assert pg.sql("SELECT relname::text, relkind::text FROM pg_class WHERE relnamespace = 'outbox'::regnamespace "
-                      "AND relname IN ('events', 'log') ORDER BY 1") == [("events", "v"), ("log", "r")]
+                      "AND relname IN ('events', 'log') ORDER BY 1") == [("events", "v"), ("log", "p")]
         with pg.connect(user="upgrade_app") as conn:
             conn.execute("INSERT INTO outbox.events (event_type, queue) VALUES ('orm', 'q_upgrade_orm')")
         pg.sql("REVOKE INSERT ON outbox.events, outbox.log FROM upgrade_app; "

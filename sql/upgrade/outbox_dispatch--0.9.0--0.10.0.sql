@@ -11,27 +11,7 @@ SET LOCAL search_path = pg_catalog, pg_temp;
 -- triggers, constraints, pg_dump's configuration) stays bound through the
 -- rename. The views that read the columns which go are made again below.
 ALTER TABLE outbox.events RENAME TO log;
-ALTER TABLE outbox.log RENAME CONSTRAINT events_pkey TO log_pkey;
--- PostgreSQL 18 names NOT NULL constraints after the table, as a fresh
--- install names them.
-DO $$
-DECLARE
-    c record;
-BEGIN
-    FOR c IN SELECT conname FROM pg_catalog.pg_constraint
-              WHERE conrelid OPERATOR(pg_catalog.=) 'outbox.log'::pg_catalog.regclass
-                AND contype OPERATOR(pg_catalog.=) 'n'
-                AND conname OPERATOR(pg_catalog.~) '^events_.*_not_null$'
-    LOOP
-        EXECUTE pg_catalog.format('ALTER TABLE outbox.log RENAME CONSTRAINT %I TO %I', c.conname,
-                                  pg_catalog.regexp_replace(c.conname, '^events_', 'log_'));
-    END LOOP;
-END
-$$;
 DROP VIEW outbox.status, outbox.unreported, outbox.blocked_keys, outbox.deliveries;
-
-COMMENT ON TABLE outbox.log IS
-    'Outbox events as they were written; read and write them through the view outbox.events.';
 
 -- The snapshot the claims start from, taken by the transaction that
 -- creates (or updates) the extension: its own, but with that transaction
@@ -139,13 +119,39 @@ CREATE INDEX batches_unsettled_idx ON outbox.batches (marked_at)
 CREATE INDEX batches_settled_idx ON outbox.batches (settled_at) WHERE settled_at IS NOT NULL;
 CREATE INDEX batches_abandoned_idx ON outbox.batches (abandoned_at) WHERE abandoned_at IS NOT NULL;
 
+-- The generation rows are inserted in: which partition of outbox.log (and
+-- of outbox.outcomes) takes them. The column's default reads it from this
+-- sequence, which nothing advances (a setval moves it; a read writes
+-- nothing, where nextval would write WAL). Readable by everyone, since
+-- every insert reads it. Nothing moves it yet: the rotation that truncates
+-- the oldest partition is the next step (docs/design.md, "One write per
+-- event").
+CREATE SEQUENCE outbox.generation AS smallint MINVALUE 0 MAXVALUE 2;
+SELECT pg_catalog.setval('outbox.generation', 0, true);
+GRANT SELECT ON SEQUENCE outbox.generation TO PUBLIC;
+
 -- Events a Celery worker reported processed, or a consumer acknowledged
 -- (outbox_ack()): one row each, appended by the round of reports or the
--- call that records it. Failures are written to the event itself.
+-- call that records it. Failures are written to the event itself. Each
+-- in the generation of its event: the outcomes of a partition of the log
+-- are a partition of their own, which goes with it.
 CREATE TABLE outbox.outcomes (
-    event uuid PRIMARY KEY,
-    at    timestamptz NOT NULL DEFAULT pg_catalog.now()
-);
+    event      uuid NOT NULL,
+    at         timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    generation smallint NOT NULL
+               DEFAULT pg_catalog.pg_sequence_last_value('outbox.generation'::pg_catalog.regclass)::smallint,
+    CONSTRAINT outcomes_pkey PRIMARY KEY (event, generation)
+)
+PARTITION BY LIST (generation);
+
+DO $$
+BEGIN
+    FOR generation IN 0..2 LOOP
+        EXECUTE pg_catalog.format('CREATE TABLE outbox.outcomes_%1$s PARTITION OF outbox.outcomes'
+                                  ' FOR VALUES IN (%1$s)', generation);
+    END LOOP;
+END
+$$;
 
 COMMENT ON TABLE outbox.outcomes IS
     'Events reported processed by a Celery worker or acknowledged with outbox_ack().';
@@ -322,26 +328,305 @@ SET LOCAL session_replication_role = origin;
 -- read once it commits.
 INSERT INTO outbox.positions (prev) VALUES (outbox.starting_snapshot());
 
--- What was written per row goes: a batch says it now.
-ALTER TABLE outbox.log
-    DROP COLUMN processing_started_at,
-    DROP COLUMN dispatched_at,
-    DROP COLUMN processed_at,
-    DROP COLUMN claimed_by,
-    DROP COLUMN send_id;
--- The claims read no index by due time any more; the came-due sweep reads
--- events_due_idx.
-DROP INDEX outbox.events_pending_idx;
+-- outbox.log becomes a table partitioned by generation, as a fresh
+-- install makes it, and the rows converted above are copied to its first
+-- partition (written once more, as the updates above wrote most of them).
+-- What was written per row (processing_started_at, dispatched_at,
+-- processed_at, claimed_by, send_id) is not copied: a batch says it now.
+-- What roles were granted on the table, its row-level security and
+-- its publications are carried to the new one; indexes and triggers
+-- someone else added to it are not, and a warning names each.
+ALTER TABLE outbox.log RENAME TO log_0_9_0;
 
+CREATE TABLE outbox.log (
+    id                    uuid NOT NULL,  -- default: outbox_uuid_v7(), set in api.sql; unique per partition
+    event_type            text NOT NULL
+                          CONSTRAINT events_event_type_length CHECK (octet_length(event_type) BETWEEN 1 AND 255),
+    payload               jsonb NOT NULL DEFAULT '{}',
+    queue                 text NOT NULL DEFAULT coalesce(current_setting('outbox.default_queue', true), 'celery')
+                          CONSTRAINT events_queue_length CHECK (octet_length(queue) BETWEEN 1 AND 255),
+    task                  text  -- NULL: the task is named like the event_type
+                          CONSTRAINT events_task_length CHECK (octet_length(task) BETWEEN 1 AND 255),
+    headers               jsonb
+                          CONSTRAINT events_headers_object CHECK (jsonb_typeof(headers) = 'object'),
+    priority              smallint NOT NULL DEFAULT 0
+                          CONSTRAINT events_priority_range CHECK (priority BETWEEN 0 AND 9),
+    -- What was written of the event, not what it is now: 'pending' (in
+    -- line, or sent: its batch says, see outbox.events), 'failed' (a dead
+    -- letter), 'processed' (the record of a routed event).
+    status                outbox.event_status NOT NULL DEFAULT 'pending',
+    retry_count           integer NOT NULL DEFAULT 0,
+    created_at            timestamptz NOT NULL DEFAULT clock_timestamp(),
+    available_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+    last_error            text,
+    -- Columns are in the order in which they came (updates add theirs at
+    -- the end): an updated database has the same table as a fresh one.
+    args                  jsonb  -- positional arguments; the payload (an object) is then the keyword ones
+                          CONSTRAINT events_args_array CHECK (jsonb_typeof(args) = 'array'),
+    expires_at            timestamptz,  -- not sent after this (Celery's expires)
+    -- Subscriptions (sql/subscriptions.sql). A routed event is the record of
+    -- an event without a task that matched subscriptions: it is processed at
+    -- once, and its deliveries, one row each, carry the work.
+    event_id              uuid,     -- on a delivery: the event it delivers
+    subscription_id       bigint,   -- on a delivery or a batch: its subscription
+    routed_to             integer,  -- on an event without a task: subscriptions it went to (0: none)
+    deliveries            integer NOT NULL DEFAULT 0,  -- sends before the one its batch says
+    -- The transaction that put the row in line (inserted it, or set it
+    -- pending again): where the claim reads it (outbox.cursor). NULL: out
+    -- of line until available_at.
+    pending_xid           xid8 DEFAULT pg_current_xact_id(),
+    -- Per-key order (README, "Per-key order"): events of one ordering_key
+    -- (per subscription, for deliveries) are sent one at a time, in the
+    -- order their transactions committed, which key_seq records. The head
+    -- (key_state 'head') holds its key until it is finished; the events
+    -- behind it wait (key_state 'waiting') and are claimed by nobody.
+    -- key_state is NULL for events without a key and once a head let go.
+    ordering_key          text
+                          CONSTRAINT events_ordering_key_length CHECK (octet_length(ordering_key) BETWEEN 1 AND 255),
+    key_seq               bigint,
+    key_state             text
+                          CONSTRAINT events_key_state
+                              CHECK (key_state IS NULL OR (key_state IN ('head', 'waiting') AND ordering_key IS NOT NULL)),
+    generation            smallint NOT NULL
+                          DEFAULT pg_catalog.pg_sequence_last_value('outbox.generation'::pg_catalog.regclass)::smallint,
+    CONSTRAINT events_args_with_kwargs CHECK (args IS NULL OR jsonb_typeof(payload) = 'object')
+)
+PARTITION BY LIST (generation);
+
+-- One partition per generation, each with its own primary key (one on the
+-- partitioned table would have to hold `generation`). Rows are inserted,
+-- and only exceptional ones updated; vacuum and analyze each after a small
+-- fraction of changes rather than the default 20%, so the statistics follow
+-- a partition that fills from empty. (The indexes of each are named after
+-- it, below.)
+DO $$
+BEGIN
+    FOR generation IN 0..2 LOOP
+        EXECUTE pg_catalog.format(
+            'CREATE TABLE outbox.log_%1$s PARTITION OF outbox.log'
+            ' (CONSTRAINT log_%1$s_pkey PRIMARY KEY (id)) FOR VALUES IN (%1$s)'
+            ' WITH (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000,'
+            ' autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.02,'
+            ' autovacuum_vacuum_cost_delay = 1)', generation);
+    END LOOP;
+END
+$$;
+
+COMMENT ON TABLE outbox.log IS
+    'Outbox events as they were written; read and write them through the view outbox.events.';
+
+INSERT INTO outbox.log (id, event_type, payload, queue, task, headers, priority, status, retry_count, created_at,
+                        available_at, last_error, args, expires_at, event_id, subscription_id, routed_to,
+                        deliveries, pending_xid, ordering_key, key_seq, key_state)
+SELECT id, event_type, payload, queue, task, headers, priority, status, retry_count, created_at,
+       available_at, last_error, args, expires_at, event_id, subscription_id, routed_to,
+       deliveries, pending_xid, ordering_key, key_seq, key_state
+  FROM outbox.log_0_9_0;
+
+ALTER TABLE outbox.log ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7();
+ALTER TABLE outbox.log ALTER COLUMN routed_to SET DEFAULT @extschema@.outbox_routed_to_default();
+
+-- What roles were granted on the table and its columns, its row-level
+-- security and policies (their expressions as the catalog keeps them, names
+-- qualified), and the publications that named it.
+DO $$
+DECLARE
+    old CONSTANT pg_catalog.oid := 'outbox.log_0_9_0'::pg_catalog.regclass;
+    item record;
+BEGIN
+    FOR item IN
+        SELECT a.privilege_type, a.is_grantable, c.attname,
+               CASE WHEN a.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                    ELSE a.grantee::pg_catalog.regrole::pg_catalog.text END AS grantee
+          FROM (SELECT r.relacl AS acl, NULL::pg_catalog.name AS attname, r.relowner
+                  FROM pg_catalog.pg_class AS r WHERE r.oid OPERATOR(pg_catalog.=) old
+                UNION ALL
+                SELECT t.attacl, t.attname, r.relowner
+                  FROM pg_catalog.pg_attribute AS t
+                  JOIN pg_catalog.pg_class AS r ON r.oid OPERATOR(pg_catalog.=) t.attrelid
+                 WHERE t.attrelid OPERATOR(pg_catalog.=) old AND t.attacl IS NOT NULL AND NOT t.attisdropped
+                   AND t.attnum OPERATOR(pg_catalog.>) 0) AS c
+         CROSS JOIN LATERAL pg_catalog.aclexplode(c.acl) AS a
+         WHERE a.grantee OPERATOR(pg_catalog.<>) c.relowner
+    LOOP
+        EXECUTE pg_catalog.format('GRANT %s%s ON outbox.log TO %s%s', item.privilege_type,
+                                  CASE WHEN item.attname IS NOT NULL
+                                       THEN pg_catalog.format(' (%I)', item.attname) ELSE '' END,
+                                  item.grantee,
+                                  CASE WHEN item.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+    IF (SELECT r.relrowsecurity FROM pg_catalog.pg_class AS r WHERE r.oid OPERATOR(pg_catalog.=) old) THEN
+        ALTER TABLE outbox.log ENABLE ROW LEVEL SECURITY;
+    END IF;
+    IF (SELECT r.relforcerowsecurity FROM pg_catalog.pg_class AS r WHERE r.oid OPERATOR(pg_catalog.=) old) THEN
+        ALTER TABLE outbox.log FORCE ROW LEVEL SECURITY;
+    END IF;
+    FOR item IN
+        SELECT p.polname, p.polpermissive, p.polcmd,
+               pg_catalog.pg_get_expr(p.polqual, old) AS qual,
+               pg_catalog.pg_get_expr(p.polwithcheck, old) AS with_check,
+               (SELECT pg_catalog.string_agg(CASE WHEN r.role OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+                                                  ELSE r.role::pg_catalog.regrole::pg_catalog.text END, ', ')
+                  FROM pg_catalog.unnest(p.polroles) AS r(role)) AS roles
+          FROM pg_catalog.pg_policy AS p
+         WHERE p.polrelid OPERATOR(pg_catalog.=) old
+    LOOP
+        EXECUTE pg_catalog.format('CREATE POLICY %I ON outbox.log AS %s FOR %s TO %s%s%s', item.polname,
+                                  CASE WHEN item.polpermissive THEN 'PERMISSIVE' ELSE 'RESTRICTIVE' END,
+                                  CASE item.polcmd WHEN 'r' THEN 'SELECT' WHEN 'a' THEN 'INSERT'
+                                                   WHEN 'w' THEN 'UPDATE' WHEN 'd' THEN 'DELETE' ELSE 'ALL' END,
+                                  item.roles,
+                                  CASE WHEN item.qual IS NOT NULL
+                                       THEN pg_catalog.format(' USING (%s)', item.qual) ELSE '' END,
+                                  CASE WHEN item.with_check IS NOT NULL
+                                       THEN pg_catalog.format(' WITH CHECK (%s)', item.with_check) ELSE '' END);
+    END LOOP;
+    -- A publication that names a partitioned table publishes its
+    -- partitions' changes under their own names unless
+    -- publish_via_partition_root: it names the partitions then (they alone
+    -- may carry a row filter and a column list), else the table.
+    FOR item IN
+        SELECT b.pubname, t.relid::pg_catalog.regclass AS member,
+               (SELECT pg_catalog.string_agg(pg_catalog.quote_ident(t.attname), ', ' ORDER BY k.n)
+                  FROM pg_catalog.unnest(r.prattrs) WITH ORDINALITY AS k(attnum, n)
+                  JOIN pg_catalog.pg_attribute AS t
+                    ON t.attrelid OPERATOR(pg_catalog.=) old AND t.attnum OPERATOR(pg_catalog.=) k.attnum) AS columns,
+               pg_catalog.pg_get_expr(r.prqual, old) AS row_filter
+          FROM pg_catalog.pg_publication_rel AS r
+          JOIN pg_catalog.pg_publication AS b ON b.oid OPERATOR(pg_catalog.=) r.prpubid
+          JOIN pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS t
+            ON t.isleaf OPERATOR(pg_catalog.<>) b.pubviaroot AND t.level OPERATOR(pg_catalog.<=) 1
+         WHERE r.prrelid OPERATOR(pg_catalog.=) old
+    LOOP
+        EXECUTE pg_catalog.format('ALTER PUBLICATION %I ADD TABLE %s%s%s', item.pubname, item.member,
+                                  CASE WHEN item.columns IS NOT NULL
+                                       THEN pg_catalog.format(' (%s)', item.columns) ELSE '' END,
+                                  CASE WHEN item.row_filter IS NOT NULL
+                                       THEN pg_catalog.format(' WHERE (%s)', item.row_filter) ELSE '' END);
+    END LOOP;
+    FOR item IN
+        SELECT 'index' AS kind, i.indexrelid::pg_catalog.regclass::pg_catalog.text AS name,
+               pg_catalog.pg_get_indexdef(i.indexrelid) AS definition
+          FROM pg_catalog.pg_index AS i
+         WHERE i.indrelid OPERATOR(pg_catalog.=) old
+           AND NOT EXISTS (SELECT FROM pg_catalog.pg_depend AS d
+                            WHERE d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass
+                              AND d.objid OPERATOR(pg_catalog.=) i.indexrelid
+                              AND d.deptype OPERATOR(pg_catalog.=) 'i')
+           AND pg_catalog.split_part(i.indexrelid::pg_catalog.regclass::pg_catalog.text, '.', 2)
+               OPERATOR(pg_catalog.<>) ALL (ARRAY['events_pending_xid_idx', 'events_failed_idx',
+                                                  'events_key_idx', 'events_key_state_idx', 'events_key_head_idx',
+                                                  'events_event_id_idx', 'events_pending_idx', 'events_processing_idx',
+                                                  'events_dispatched_idx', 'events_processed_idx'])
+        UNION ALL
+        SELECT 'trigger', t.tgname, pg_catalog.pg_get_triggerdef(t.oid)
+          FROM pg_catalog.pg_trigger AS t
+         WHERE t.tgrelid OPERATOR(pg_catalog.=) old
+           AND NOT t.tgisinternal
+           AND t.tgname OPERATOR(pg_catalog.<>) ALL (ARRAY['events_wake_dispatchers', 'events_take_turn',
+                                                           'events_take_turn_again', 'events_route',
+                                                           'events_pending_again'])
+    LOOP
+        RAISE WARNING 'the % % of outbox.events is not carried to outbox.log: %', item.kind, item.name,
+            item.definition
+            USING HINT = 'Make it again on outbox.log (a partitioned table: an index is made on each partition).';
+    END LOOP;
+END
+$$;
+
+-- Dead letters, of the new table (the view read the old one).
+CREATE OR REPLACE VIEW outbox.dead_letters AS
+SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
+       retry_count, last_error, created_at,
+       deliveries + (outbox.batch_of(pending_xid, id) IS NOT NULL)::integer AS deliveries,
+       args, event_id, subscription_id,
+       ordering_key, key_state IS NOT DISTINCT FROM 'head' AS holds_key
+  FROM outbox.log
+ WHERE status = 'failed';
+
+-- Out of the extension first: that also takes it out of what pg_dump
+-- keeps (a dropped member would stay there, a number naming nothing).
+ALTER EXTENSION outbox_dispatch DROP TABLE outbox.log_0_9_0;
+DROP TABLE outbox.log_0_9_0;
+
+-- The claim (sql/worker/claim.sql) reads the events in line by the
+-- transaction that put them there and their id, window after window
+-- (outbox.cursor); an event waiting for its key's turn is not in it:
+-- however many wait behind blocked keys, the claim never reads them.
+CREATE INDEX events_pending_xid_idx ON outbox.log (pending_xid, id)
+    WHERE status = 'pending' AND key_state IS DISTINCT FROM 'waiting';
 -- Events out of line until they fall due (pending_xid NULL: delayed, or
 -- backing off after a failed push), by when; the came-due sweep puts them
 -- in line (sql/worker/came_due.sql).
 CREATE INDEX events_due_idx ON outbox.log (available_at, id)
     WHERE pending_xid IS NULL AND status = 'pending' AND key_state IS DISTINCT FROM 'waiting';
-
+-- Dead letters.
+CREATE INDEX events_failed_idx ON outbox.log (created_at) WHERE status = 'failed';
 -- Records of routed events, and events acknowledged while out of a batch:
 -- retention.
 CREATE INDEX events_recorded_idx ON outbox.log (created_at) WHERE status = 'processed';
+
+-- Per-key order. The events of a key in key_seq order (those that took a
+-- turn: an event routed to subscriptions, a record, took none): its newest
+-- says whether the key is taken (outbox_key_taken()), and the one after a
+-- head is the next to take it; both are the first entry a scan reads,
+-- however many finished events of the key are left behind.
+-- Unique: two rows of a key never share a turn. (A unique index of a
+-- partitioned table holds its partition key: `generation` comes last, so
+-- the order is the key's; a row moved to a newer generation is deleted
+-- from its old one in the same transaction.)
+CREATE UNIQUE INDEX events_key_idx ON outbox.log (ordering_key, (coalesce(subscription_id, 0)), key_seq, generation)
+    WHERE key_seq IS NOT NULL;
+-- Heads and waiting events, by key: outbox.blocked_keys, the metrics, and
+-- the dispatchers' sweep for keys left without a head.
+CREATE INDEX events_key_state_idx ON outbox.log (key_state, ordering_key, (coalesce(subscription_id, 0)), key_seq)
+    WHERE key_state IS NOT NULL;
+-- One head per key, whatever writes the row: a second head would be sent
+-- beside the first. (An insert that copies a head takes a turn of its own,
+-- outbox_take_turn() in sql/keys.sql; an UPDATE that would make a second
+-- head fails here.)
+CREATE UNIQUE INDEX events_key_head_idx ON outbox.log (ordering_key, (coalesce(subscription_id, 0)), generation)
+    WHERE key_state = 'head';
+-- The deliveries of one event.
+CREATE INDEX events_event_id_idx ON outbox.log (event_id) WHERE event_id IS NOT NULL;
+
+-- Each partition's indexes are named as the partitioned index they belong
+-- to, the partition's name for `events`: log_0_pending_xid_idx is
+-- events_pending_xid_idx in log_0.
+DO $$
+DECLARE
+    index_ record;
+BEGIN
+    FOR index_ IN
+        SELECT i.inhrelid::pg_catalog.regclass AS partition_index,
+               pg_catalog.replace(p.relname, 'events_', t.relname OPERATOR(pg_catalog.||) '_') AS name
+          FROM pg_catalog.pg_inherits AS i
+          JOIN pg_catalog.pg_class AS p ON p.oid OPERATOR(pg_catalog.=) i.inhparent
+          JOIN pg_catalog.pg_index AS x ON x.indexrelid OPERATOR(pg_catalog.=) i.inhrelid
+          JOIN pg_catalog.pg_class AS t ON t.oid OPERATOR(pg_catalog.=) x.indrelid
+         WHERE p.relkind OPERATOR(pg_catalog.=) 'I'
+           AND t.relnamespace OPERATOR(pg_catalog.=) 'outbox'::pg_catalog.regnamespace
+           AND t.relname OPERATOR(pg_catalog.~) '^log_[0-9]+$'
+           AND (SELECT c.relname FROM pg_catalog.pg_class AS c WHERE c.oid OPERATOR(pg_catalog.=) i.inhrelid)
+               OPERATOR(pg_catalog.<>) pg_catalog.replace(p.relname, 'events_', t.relname OPERATOR(pg_catalog.||) '_')
+    LOOP
+        EXECUTE pg_catalog.format('ALTER INDEX %s RENAME TO %I', index_.partition_index, index_.name);
+    END LOOP;
+END
+$$;
+
+CREATE TRIGGER events_wake_dispatchers
+    BEFORE INSERT ON outbox.log
+    FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.outbox_events_inserted();
+CREATE TRIGGER events_take_turn
+    BEFORE INSERT ON outbox.log
+    FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending')
+    EXECUTE FUNCTION @extschema@.outbox_take_turn();
+CREATE TRIGGER events_route
+    BEFORE INSERT ON outbox.log
+    FOR EACH ROW WHEN (NEW.task IS NULL AND NEW.routed_to IS NULL)
+    EXECUTE FUNCTION @extschema@.outbox_route();
+
 
 -- An insert or an update that makes an event pending (a retry, a release,
 -- a sweep, a DBA's UPDATE, its key's turn come) or moves when it falls due
@@ -361,7 +646,6 @@ BEGIN
     RETURN NEW;
 END
 $$;
-DROP TRIGGER events_pending_again ON outbox.log;
 CREATE TRIGGER events_pending_again
     BEFORE INSERT OR UPDATE OF status, available_at, pending_xid ON outbox.log
     FOR EACH ROW WHEN (NEW.status = 'pending'
@@ -410,7 +694,6 @@ BEGIN
 END
 $$;
 
-DROP TRIGGER events_take_turn_again ON outbox.log;
 CREATE TRIGGER events_take_turn_again
     BEFORE UPDATE OF status, ordering_key, key_seq, key_state ON outbox.log
     FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending'
@@ -477,13 +760,22 @@ SELECT l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority,
 COMMENT ON VIEW outbox.events IS
     'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
 
-SELECT pg_catalog.pg_extension_config_dump('outbox.log',
-    'WHERE status OPERATOR(pg_catalog.<>) ''pending'' '
-    'OR outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
-    'ANY (ARRAY[''pending'', ''processing'']::outbox.event_status[]) '
-    'OR (coalesce(pg_catalog.current_setting(''outbox.ack_timeout'', true), '''') OPERATOR(pg_catalog.<>) ''0'' '
-    'AND outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
-    '''dispatched''::outbox.event_status)');
+-- (One call per statement: each rewrites the extension's catalog row.)
+DO $$
+DECLARE
+    partition_ pg_catalog.regclass;
+BEGIN
+    FOR partition_ IN SELECT p.relid FROM pg_catalog.pg_partition_tree('outbox.log') AS p WHERE p.isleaf LOOP
+        PERFORM pg_catalog.pg_extension_config_dump(partition_,
+            'WHERE status OPERATOR(pg_catalog.<>) ''pending'' '
+            'OR outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+            'ANY (ARRAY[''pending'', ''processing'']::outbox.event_status[]) '
+            'OR (coalesce(pg_catalog.current_setting(''outbox.ack_timeout'', true), '''') OPERATOR(pg_catalog.<>) ''0'' '
+            'AND outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+            '''dispatched''::outbox.event_status)');
+    END LOOP;
+END
+$$;
 
 -- One row per status, zero counts included, at a cost that does not grow
 -- with history. Pending events (in line beyond where the claims have read,
@@ -500,11 +792,14 @@ WITH waiting AS (
     -- In line, not read yet: the transactions the cursor's prev saw in
     -- progress, and those from its xmax on, but what the window being read
     -- has read.
+    -- (One index range per transaction: with the log's partitions, a
+    -- condition on the array of them was planned as a read of each whole.)
     SELECT e.created_at, e.available_at
-      FROM outbox.log AS e
+      FROM outbox.cursor AS w
+     CROSS JOIN LATERAL pg_catalog.pg_snapshot_xip(w.prev) AS b(xid)
+      JOIN outbox.log AS e ON e.pending_xid = b.xid
      WHERE e.status = 'pending'
        AND e.key_state IS DISTINCT FROM 'waiting'
-       AND e.pending_xid = ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(c.prev) FROM outbox.cursor AS c))
        AND NOT coalesce((SELECT pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
                                 AND (e.pending_xid, e.id)
                                     <= (coalesce(c.after_xid, '0'::xid8),
@@ -559,11 +854,15 @@ WITH waiting AS (
        AND (SELECT f.batches FROM finished AS f) <= 1000
        AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
 ), estimate AS (
-    SELECT GREATEST((SELECT c.reltuples::bigint FROM pg_catalog.pg_class AS c
-                      WHERE c.oid = 'outbox.log'::pg_catalog.regclass)
+    SELECT GREATEST((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
+                       FROM pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS p
+                       JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
+                      WHERE p.isleaf)
                     - (SELECT pg_catalog.sum(x.count) FROM exact AS x)::bigint, 0) AS finished,
-           GREATEST((SELECT c.reltuples::bigint FROM pg_catalog.pg_class AS c
-                      WHERE c.oid = 'outbox.outcomes_pkey'::pg_catalog.regclass), 0) AS processed
+           (SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
+              FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
+              JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
+             WHERE p.isleaf) AS processed
 )
 SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
        false AS estimated
@@ -630,14 +929,6 @@ SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
 COMMENT ON VIEW outbox.deliveries IS
     'Per routed event and subscription: the delivery (or batch) that carries it, and its status.';
 
-CREATE OR REPLACE VIEW outbox.dead_letters AS
-SELECT id, event_type, queue, coalesce(task, event_type) AS task, payload, headers,
-       retry_count, last_error, created_at,
-       deliveries + (outbox.batch_of(pending_xid, id) IS NOT NULL)::integer AS deliveries,
-       args, event_id, subscription_id,
-       ordering_key, key_state IS NOT DISTINCT FROM 'head' AS holds_key
-  FROM outbox.log
- WHERE status = 'failed';
 
 GRANT SELECT ON outbox.status, outbox.unreported, outbox.deliveries TO pg_monitor;
 

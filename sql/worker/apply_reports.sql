@@ -13,7 +13,8 @@
 -- (settle_reported.sql); the rest were stale.
 -- Served by the primary keys and batches_to_idx.
 WITH hit AS (
-    SELECT r.id, r.outcome, r.error, b.id AS batch, e.key_state, e.ordering_key, coalesce(e.subscription_id, 0) AS subscription
+    SELECT r.id, e.generation, r.outcome, r.error, b.id AS batch, e.key_state, e.ordering_key,
+           coalesce(e.subscription_id, 0) AS subscription
       FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[]) AS r(id, send, outcome, error)
       JOIN outbox.log AS e ON e.id = r.id AND e.status = 'pending'
       -- Dispatcher -1: the batches of the events 0.9.0 had sent, made by
@@ -31,9 +32,9 @@ WITH hit AS (
        AND b.abandoned_at IS NULL
        FOR SHARE OF b
 ), processed AS (
-    INSERT INTO outbox.outcomes (event)
-    SELECT hit.id FROM hit WHERE hit.outcome = 'processed'
-    ON CONFLICT (event) DO NOTHING
+    INSERT INTO outbox.outcomes (event, generation)
+    SELECT hit.id, hit.generation FROM hit WHERE hit.outcome = 'processed'
+    ON CONFLICT (event, generation) DO NOTHING
     RETURNING event
 ), failed AS (
     UPDATE outbox.log AS e

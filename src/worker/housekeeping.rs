@@ -187,9 +187,6 @@ fn next(now: Instant, more: bool, interval: Duration) -> Instant {
     }
 }
 
-/// Repeats a bounded sweep until it finds less than a full batch, for at
-/// most [`BATCHES`] transactions; returns the rows swept and whether more
-/// may be left.
 /// Up to [`BATCHES`] transactions of the lifecycle purge, while each
 /// finds something to delete; returns how many events went, and whether
 /// more may be left.
@@ -205,6 +202,9 @@ fn purge_some(store: &mut Store, retention: Duration, acks_off: bool) -> Result<
     Ok((total, true))
 }
 
+/// Repeats a bounded sweep until it finds less than a full batch, for at
+/// most [`BATCHES`] transactions; returns the rows swept and whether more
+/// may be left.
 fn sweep_some(mut sweep: impl FnMut() -> Result<u64, StoreError>) -> Result<(u64, bool), StoreError> {
     let mut total = 0;
     for _ in 0..BATCHES {
