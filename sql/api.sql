@@ -252,6 +252,8 @@ $$;
 -- exactly while at most 1000 batches are marked and at most 1000 events
 -- have an outcome, and beyond that estimated from the statistics of the
 -- last vacuum or analyze (outbox.log's rows less the others), and say so.
+-- (An outcome is truncated with its event's generation: outcomes are
+-- counted without looking their events up.)
 -- Events waiting for their key's turn are not pending here (outbox.blocked_keys
 -- and the metrics count them).
 CREATE VIEW outbox.status AS
@@ -307,8 +309,7 @@ WITH waiting AS (
     SELECT (SELECT pg_catalog.count(*)
               FROM (SELECT FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL LIMIT 1001) AS f) AS batches,
            (SELECT pg_catalog.count(*)
-              FROM (SELECT FROM outbox.outcomes AS o
-                     WHERE EXISTS (SELECT FROM outbox.log AS e WHERE e.id = o.event) LIMIT 1001) AS f)
+              FROM (SELECT FROM outbox.outcomes AS o LIMIT 1001) AS f)
            + (SELECT pg_catalog.count(*)
                 FROM (SELECT FROM outbox.log AS e WHERE e.status = 'processed' LIMIT 1001) AS f) AS processed
 ), sent AS (

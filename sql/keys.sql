@@ -57,7 +57,8 @@ $$;
 -- letting its key go (key_state unset, its status as it was).
 CREATE TRIGGER events_take_turn
     BEFORE INSERT ON outbox.log
-    FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending')
+    FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL AND NEW.status = 'pending'
+                       AND pg_catalog.current_setting('outbox.moving', true) IS DISTINCT FROM 'on')
     EXECUTE FUNCTION @extschema@.outbox_take_turn();
 CREATE TRIGGER events_take_turn_again
     BEFORE UPDATE OF status, ordering_key, key_seq, key_state ON outbox.log

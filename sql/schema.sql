@@ -32,9 +32,7 @@ CREATE TYPE outbox.event_status AS ENUM
 -- of outbox.outcomes) takes them. The column's default reads it from this
 -- sequence, which nothing advances (a setval moves it; a read writes
 -- nothing, where nextval would write WAL). Readable by everyone, since
--- every insert reads it. Nothing moves it yet: the rotation that truncates
--- the oldest partition is the next step (docs/design.md, "One write per
--- event").
+-- every insert reads it. The rotation moves it on (sql/rotation.sql).
 CREATE SEQUENCE outbox.generation AS smallint MINVALUE 0 MAXVALUE 2;
 SELECT pg_catalog.setval('outbox.generation', 0, true);
 GRANT SELECT ON SEQUENCE outbox.generation TO PUBLIC;
@@ -143,6 +141,9 @@ CREATE INDEX events_due_idx ON outbox.log (available_at, id)
 -- out of line until it falls due; so does an insert that names another
 -- transaction (a restored dump, a copy). An insert with the defaults, due
 -- now, does not call it: the WHEN is evaluated without a function call.
+-- Nor does an event the rotation moves to the current generation (it
+-- keeps its place: outbox.moving, sql/rotation.sql), nor, for the same
+-- reason, the triggers that take a key's turn and route an event.
 CREATE FUNCTION @extschema@.outbox_pending_again() RETURNS trigger
 LANGUAGE plpgsql VOLATILE
 AS $$
@@ -159,7 +160,8 @@ CREATE TRIGGER events_pending_again
     BEFORE INSERT OR UPDATE OF status, available_at, pending_xid ON outbox.log
     FOR EACH ROW WHEN (NEW.status = 'pending'
                        AND (NEW.pending_xid IS DISTINCT FROM pg_catalog.pg_current_xact_id()
-                            OR NEW.available_at > pg_catalog.clock_timestamp()))
+                            OR NEW.available_at > pg_catalog.clock_timestamp())
+                       AND pg_catalog.current_setting('outbox.moving', true) IS DISTINCT FROM 'on')
     EXECUTE FUNCTION @extschema@.outbox_pending_again();
 -- Also where triggers are off for replication (a logical replication
 -- subscriber applying the rows of another server's history).

@@ -84,7 +84,8 @@ $$;
 -- events have routed_to).
 CREATE TRIGGER events_route
     BEFORE INSERT ON outbox.log
-    FOR EACH ROW WHEN (NEW.task IS NULL AND NEW.routed_to IS NULL)
+    FOR EACH ROW WHEN (NEW.task IS NULL AND NEW.routed_to IS NULL
+                       AND pg_catalog.current_setting('outbox.moving', true) IS DISTINCT FROM 'on')
     EXECUTE FUNCTION @extschema@.outbox_route();
 
 -- No event is routed while no subscription is active: routed_to then

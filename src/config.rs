@@ -51,6 +51,8 @@ pub static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
 pub static LIFECYCLE_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
 pub static HEARTBEAT_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(30);
 pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(false);
+/// Read by the insert triggers' WHEN clauses alone (sql/rotation.sql).
+static MOVING: GucSetting<bool> = GucSetting::<bool>::new(false);
 pub static NOTIFY_CHANNEL: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_new"));
 pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
@@ -118,7 +120,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 39] = [
+const DECLARATIONS: [Declaration; 40] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -195,6 +197,8 @@ const DECLARATIONS: [Declaration; 39] = [
         c"RabbitMQ: queues declared as classic or quorum (Celery's task_default_queue_type)."),
     Declaration(c"outbox.amqp_max_priority", Sighup, NONE, Int(&AMQP_MAX_PRIORITY, 0, 255, NONE),
         c"RabbitMQ: x-max-priority of the queues declared (Celery's task_queue_max_priority); 0: none."),
+    Declaration(c"outbox.moving", Suset, NONE, Bool(&MOVING),
+        c"Set by the rotation, for its own transaction, while it moves events to the current generation: the insert triggers leave them as they are. Not for use."),
     Declaration(c"outbox.key_on_failure", Sighup, NONE, OnFailure(&KEY_ON_FAILURE),
         c"A dead-lettered event with an ordering_key: block its key until outbox_retry() or outbox_skip(), or continue."),
 ];

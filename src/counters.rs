@@ -42,7 +42,7 @@ named! {
         Expired = "outbox_expired" => "Events not sent because they expired first.",
         MasterChanges = "outbox_broker_master_changes"
             => "Reconnects that found the Redis master at another address than before (a failover).",
-        Purged = "outbox_purged" => "Finished events deleted after outbox.retention.",
+        Purged = "outbox_purged" => "Finished events truncated with their generation, outbox.retention after it ended.",
         Batches = "outbox_batches" => "Batches pushed to the broker.",
         InboxDuplicates = "outbox_inbox_duplicates"
             => "Messages outbox_inbox_claim() found claimed already: runs whose effects were skipped.",

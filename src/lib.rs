@@ -43,6 +43,7 @@ extension_sql_file!(
     requires = ["schema", "subscriptions", keys::outbox_key_taken, keys::outbox_turn_fits]
 );
 extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["schema"]);
+extension_sql_file!("../sql/rotation.sql", name = "rotation", requires = ["schema", api::outbox_uuid_v7]);
 extension_sql_file!("../sql/api.sql", name = "api", finalize);
 
 #[pg_guard]

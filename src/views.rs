@@ -148,7 +148,7 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
     families.push((
         gauge(
             "outbox_purge_lag_seconds",
-            "How far past outbox.retention the oldest finished event is (0: the purge keeps up).",
+            "How long past its truncation the oldest generation of outbox.log is (0: the rotation keeps up).",
         ),
         vec![Sample::new("outbox_purge_lag_seconds", purge_lag())],
     ));
@@ -256,24 +256,21 @@ fn key_gauges() -> KeyGauges {
     .unwrap_or_else(|e| error!("outbox metrics: cannot read the keys: {e}"))
 }
 
-/// How long past `outbox.retention` the oldest finished batch or record is:
-/// batches settled, and those marked while acknowledgements are off, and
-/// the records of routed events (what the lifecycle sweeper deletes).
-/// Three reads of an index's first entry.
+/// How long past its due time the oldest generation is still there: due
+/// once it ended `outbox.retention` ago (sql/rotation.sql). 0 while the
+/// rotation keeps up; growing while a transaction holds it (`waiting`) or
+/// its steps fail.
 fn purge_lag() -> f64 {
     let retention = config::RETENTION_S.get().max(0);
-    let acks_off = config::ACK_TIMEOUT_S.get() == 0;
     let query = format!(
-        "SELECT pg_catalog.date_part('epoch', pg_catalog.now() - LEAST(
-                (SELECT pg_catalog.min(settled_at) FROM outbox.batches WHERE settled_at IS NOT NULL),
-                (SELECT pg_catalog.min(marked_at) FROM outbox.batches
-                  WHERE settled_at IS NULL AND marked_at IS NOT NULL AND {acks_off}),
-                (SELECT pg_catalog.min(created_at) FROM outbox.log WHERE status = 'processed')))"
+        "SELECT pg_catalog.date_part('epoch', pg_catalog.now() - pg_catalog.min(g.ended_at)
+                                              - interval '{retention} seconds')
+           FROM outbox.generations AS g"
     );
     let age = Spi::get_one::<f64>(&query)
-        .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest finished event: {e}"))
+        .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest generation: {e}"))
         .unwrap_or(0.0);
-    (age - f64::from(retention)).max(0.0)
+    age.max(0.0)
 }
 
 /// How long the oldest transaction that holds back vacuum in this database

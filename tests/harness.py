@@ -488,6 +488,12 @@ class Cluster:
                             "WHERE datname = %s", (dbname,))[0]
         return f"{key}:{oid}"
 
+    def age_generations(self):
+        """Moves back a day every time the rotation waits for
+        (sql/rotation.sql): whatever waits for its time is due."""
+        self.sql("UPDATE outbox.generations SET started_at = started_at - interval '1 day', "
+                 "ended_at = ended_at - interval '1 day', moved_at = moved_at - interval '1 day'")
+
     def metric(self, name, **labels):
         """The value of one sample of outbox.metrics."""
         return self.value("SELECT value FROM outbox.metrics WHERE name = %s AND labels = %s::jsonb",

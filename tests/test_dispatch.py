@@ -254,9 +254,8 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "settle_unacked.sql": ("(float8, int)", "(1000, 10)", [("batches_unsettled_idx",)]),
         worker / "sweep_unacked.sql": ("(bigint[], int)", "('{1}', 5)", [("batches_pkey",)]),
         worker / "settle_reported.sql": ("(bigint[])", "('{1}')", [("batches_pkey", "batches_unsettled_idx")]),
-        worker / "purge.sql": ("(float8, int, bool)", "(1000, 10, true)",
-                               [("batches_settled_idx",), ("batches_unsettled_idx",), ("batches_abandoned_idx",),
-                                ("_recorded_idx",), ("batch_members_batch_idx",)]),
+        worker / "rotate.sql": ("(float8, int, bool)", "(1000, 10, true)", []),
+        worker / "forget_batches.sql": ("(int)", "(10)", []),
         worker / "apply_reports.sql": ("(uuid[], uuid[], text[], text[])",
                                        "(ARRAY[gen_random_uuid()], ARRAY[gen_random_uuid()], '{processed}', '{NULL}')",
                                        [("log_0_pkey",)]),
@@ -306,6 +305,20 @@ def test_worker_queries_are_served_by_indexes(outbox):
             body = re.sub(rf"(?<![.\w]){name}\b", value, body)
         plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN {body}"))
         assert all(plan.count(f"{p}_pending_xid_idx ") == 2 for p in PARTITIONS), plan
+        # The rotation's look for what a generation still needs, and for the
+        # batches left without events: index ranges, one partition.
+        for function, args, indexes in (
+                ("outbox.unfinished", {"$1": "1::smallint", "$2": "true"},
+                 ("log_1_failed_idx", "log_1_key_state_idx", "log_1_due_idx", "log_1_pending_xid_idx",
+                  "batches_unmarked_idx", "batches_unsettled_idx")),
+                ("outbox.forget_batches", {"$1": "10"}, ("batches_pkey",))):
+            body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = %s::regproc", (function,))
+            for name, value in args.items():
+                body = body.replace(name, value)
+            plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN {body}"))
+            assert all(index in plan for index in indexes), plan
+            assert not re.search(r"Seq Scan on (log|batches|outcomes)", plan), plan
+            assert not re.search(r"on log_[02]", plan), plan
 
 
 def test_two_dispatchers_deliver_10000_events_exactly_once(redis_server):

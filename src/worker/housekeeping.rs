@@ -1,7 +1,8 @@
 //! Housekeeping: the sweepers of stuck claims, of events pending from
 //! this cluster's future (a restore's) and of unacknowledged events, the
-//! sweep for keys left without a head, and the lifecycle purge (of events,
-//! then of the inbox). One dispatcher at a time does it (a turn in shared memory), for
+//! sweep for keys left without a head, and the lifecycle: the rotation
+//! (sql/rotation.sql), the batches it leaves without events, and the purge
+//! of the inbox. One dispatcher at a time does it (a turn in shared memory), for
 //! at most [`BATCHES`] transactions a step: what is left falls due again at
 //! once, after the next drain, so a large purge never stalls delivery.
 
@@ -110,15 +111,14 @@ impl Schedule {
             }
         }
         if now >= self.next_lifecycle {
-            let acks_off = settings.ack_timeout.is_zero();
-            let events = purge_some(store, settings.retention, acks_off);
-            if let Ok((purged, _)) = events {
-                counters::add(Counter::Purged, purged);
-            }
-            // Each purge on its own: one that fails holds up the other's
-            // round no more than the backoff.
+            let acks = !settings.ack_timeout.is_zero();
+            let rotated = rotate_some(dispatcher, store, settings.retention, acks).and_then(|more| {
+                sweep_some(|| store.forget_batches()).map(|(_, more_batches)| more || more_batches)
+            });
+            // Each on its own: one that fails holds up the other's round
+            // no more than the backoff.
             let claims = sweep_some(|| store.purge_inbox(settings.inbox_retention));
-            match events.and_then(|(_, more)| claims.map(|(_, more_claims)| more || more_claims)) {
+            match rotated.and_then(|more| claims.map(|(_, more_claims)| more || more_claims)) {
                 Ok(more) => {
                     self.lifecycle_failures = 0;
                     self.next_lifecycle = next(now, more, settings.lifecycle_interval);
@@ -187,19 +187,35 @@ fn next(now: Instant, more: bool, interval: Duration) -> Instant {
     }
 }
 
-/// Up to [`BATCHES`] transactions of the lifecycle purge, while each
-/// finds something to delete; returns how many events went, and whether
-/// more may be left.
-fn purge_some(store: &mut Store, retention: Duration, acks_off: bool) -> Result<(u64, bool), StoreError> {
-    let mut total = 0;
+/// Up to [`BATCHES`] steps of the rotation (sql/rotation.sql), while
+/// each does something; returns whether more may be due.
+fn rotate_some(
+    dispatcher: usize,
+    store: &mut Store,
+    retention: Duration,
+    acks: bool,
+) -> Result<bool, StoreError> {
     for _ in 0..BATCHES {
-        let n = store.purge(retention, acks_off)?;
-        total += n;
-        if n == 0 || signals::interrupt_pending() {
-            return Ok((total, false));
+        let Some((step, events)) = store.rotate(retention, acks)? else {
+            return Ok(false);
+        };
+        match step.as_str() {
+            "truncated" => {
+                counters::add(Counter::Purged, events);
+                log!("outbox dispatcher {dispatcher}: the oldest generation was truncated (about {events} events)");
+            }
+            "moved" if events > 0 => {
+                log!("outbox dispatcher {dispatcher}: {events} events still needed moved to the current generation");
+            }
+            // Nothing it can do until a transaction ends.
+            "waiting" => return Ok(false),
+            _ => {}
+        }
+        if signals::interrupt_pending() {
+            return Ok(true);
         }
     }
-    Ok((total, true))
+    Ok(true)
 }
 
 /// Repeats a bounded sweep until it finds less than a full batch, for at

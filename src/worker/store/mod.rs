@@ -186,7 +186,8 @@ struct Plans {
     sweep_strays: Statement,
     settle_unacked: Statement,
     sweep_unacked: Statement,
-    purge: Statement,
+    rotate: Statement,
+    forget_batches: Statement,
     apply_reports: Statement,
     home: Statement,
     lock_keys: Statement,
@@ -247,9 +248,9 @@ const INSTALLED_VERSION: &str =
 /// Rows a sweeper touches per transaction.
 pub const SWEEP_BATCH: usize = 1000;
 
-/// Batches a sweeper or the lifecycle purge takes per transaction (with
-/// their events: up to `outbox.batch_size` each).
-pub const PURGE_BATCHES: usize = 10;
+/// Batches a sweeper takes per transaction (with their events: up to
+/// `outbox.batch_size` each).
+pub const BATCHES_PER_SWEEP: usize = 10;
 
 impl Plans {
     fn prepare(client: &SpiClient<'_>) -> Result<Plans, SpiError> {
@@ -287,7 +288,8 @@ impl Plans {
                 include_str!("../../../sql/worker/sweep_unacked.sql"),
                 &[INT8_ARRAY, INT4],
             )?,
-            purge: prepare(include_str!("../../../sql/worker/purge.sql"), &[FLOAT8, INT4, BOOL])?,
+            rotate: prepare(include_str!("../../../sql/worker/rotate.sql"), &[FLOAT8, INT4, BOOL])?,
+            forget_batches: prepare(include_str!("../../../sql/worker/forget_batches.sql"), &[INT4])?,
             apply_reports: prepare(
                 include_str!("../../../sql/worker/apply_reports.sql"),
                 &[UUID_ARRAY, UUID_ARRAY, TEXT_ARRAY, TEXT_ARRAY],
@@ -661,13 +663,16 @@ impl Store {
         self.abandon(Some(self.dispatcher), Duration::ZERO)
     }
 
-    /// Puts back in line the events of up to [`PURGE_BATCHES`] batches not
+    /// Puts back in line the events of up to [`BATCHES_PER_SWEEP`] batches not
     /// marked, of `dispatcher` or, with `None`, claimed longer than
     /// `timeout` ago (their dispatcher died or hung); returns how many.
     fn abandon(&mut self, dispatcher: Option<i32>, timeout: Duration) -> Result<u64, StoreError> {
         let released = self.with_plans(|client, plans, _| {
-            let args: [DatumWithOid; 3] =
-                [dispatcher.into(), (timeout.as_secs_f64() * 1000.0).into(), (PURGE_BATCHES as i32).into()];
+            let args: [DatumWithOid; 3] = [
+                dispatcher.into(),
+                (timeout.as_secs_f64() * 1000.0).into(),
+                (BATCHES_PER_SWEEP as i32).into(),
+            ];
             let batches = batches(client, &plans.abandon, &args)?;
             if batches.is_empty() {
                 return Ok(0);
@@ -744,7 +749,7 @@ impl Store {
         Ok(())
     }
 
-    /// Puts back in line the events of up to [`PURGE_BATCHES`] batches
+    /// Puts back in line the events of up to [`BATCHES_PER_SWEEP`] batches
     /// claimed longer than `timeout` ago and not marked.
     pub fn sweep_stuck(&mut self, timeout: Duration) -> Result<u64, StoreError> {
         self.abandon(None, timeout)
@@ -772,7 +777,7 @@ impl Store {
     ) -> Result<(u64, u64), StoreError> {
         let swept = self.with_turns(|client, plans, _, turns| {
             let args: [DatumWithOid; 2] =
-                [(timeout.as_secs_f64() * 1000.0).into(), (PURGE_BATCHES as i32).into()];
+                [(timeout.as_secs_f64() * 1000.0).into(), (BATCHES_PER_SWEEP as i32).into()];
             let batches = batches(client, &plans.settle_unacked, &args)?;
             let (mut resent, mut failed) = (0, 0);
             if batches.is_empty() {
@@ -869,19 +874,32 @@ impl Store {
         Ok(applied.unwrap_or((0, 0)))
     }
 
-    /// Deletes up to [`PURGE_BATCHES`] batches finished longer than
-    /// `retention` ago with their events (with `acks_off`, those marked
-    /// that long ago), and records of routed events as old; returns how
-    /// many events.
-    pub fn purge(&mut self, retention: Duration, acks_off: bool) -> Result<u64, StoreError> {
-        let purged = self.with_plans(|client, plans, _| {
+    /// One step of the rotation (sql/rotation.sql) with generations of
+    /// `retention`: what it did, and how many events it moved or
+    /// truncated; `None` when nothing was due.
+    pub fn rotate(&mut self, retention: Duration, acks: bool) -> Result<Option<(String, u64)>, StoreError> {
+        let step = self.with_plans(|client, plans, _| {
             let args: [DatumWithOid; 3] =
-                [(retention.as_secs_f64() * 1000.0).into(), (PURGE_BATCHES as i32).into(), acks_off.into()];
-            report_running(&plans.purge.text);
-            let deleted: Option<i64> = client.update(&plans.purge.plan, None, &args)?.first().get_one()?;
+                [(retention.as_secs_f64() * 1000.0).into(), (SWEEP_BATCH as i32).into(), acks.into()];
+            report_running(&plans.rotate.text);
+            let row = client.update(&plans.rotate.plan, None, &args)?.first();
+            let step: Option<String> = row.get(1)?;
+            let events: Option<i64> = row.get(2)?;
+            Ok(step.map(|step| (step, events.unwrap_or(0) as u64)))
+        })?;
+        Ok(step.flatten())
+    }
+
+    /// Deletes up to [`SWEEP_BATCH`] batches whose events are all gone.
+    pub fn forget_batches(&mut self) -> Result<u64, StoreError> {
+        let forgotten = self.with_plans(|client, plans, _| {
+            let args: [DatumWithOid; 1] = [(SWEEP_BATCH as i32).into()];
+            report_running(&plans.forget_batches.text);
+            let deleted: Option<i64> =
+                client.update(&plans.forget_batches.plan, None, &args)?.first().get_one()?;
             Ok(deleted.unwrap_or(0) as u64)
         })?;
-        Ok(purged.unwrap_or(0))
+        Ok(forgotten.unwrap_or(0))
     }
 
     /// Deletes up to [`SWEEP_BATCH`] inbox rows claimed longer than

@@ -1,0 +1,276 @@
+-- outbox_dispatch: the rotation (README, "Retention"). Space comes back by
+-- TRUNCATE of the oldest partition of outbox.log and outbox.outcomes,
+-- never by a DELETE of what was delivered: a delivered event is written
+-- once, and leaves nothing for vacuum.
+--
+-- Three generations take turns: rows are inserted in the current one (the
+-- column's default, from the sequence outbox.generation); after
+-- outbox.retention / 2 the next one, empty, becomes current; the one after
+-- that, the oldest, once it ended outbox.retention ago, gives up what is
+-- still needed of it (moved to the current generation, a write per row)
+-- and is truncated. A finished event is kept at least outbox.retention
+-- after its generation ended.
+
+-- Every name below resolves in pg_catalog or is qualified: nothing binds an
+-- object the database owner may have put in the extension's schema.
+SET LOCAL search_path = pg_catalog, pg_temp;
+
+-- When each generation became the current one (NULL: never, since it was
+-- truncated), stopped being it, last had events moved out of it, and
+-- whether it gave up all it still needed to keep (drained); first_batch:
+-- batches from this id on were claimed once it had begun
+-- (outbox.forget_batches()). Not dumped: a restore creates the extension,
+-- which starts again at generation 0.
+CREATE TABLE outbox.generations (
+    generation  smallint PRIMARY KEY CHECK (generation BETWEEN 0 AND 2),
+    started_at  timestamptz,
+    ended_at    timestamptz,
+    moved_at    timestamptz,
+    drained     boolean NOT NULL DEFAULT false,
+    first_batch bigint
+);
+INSERT INTO outbox.generations (generation, started_at, first_batch)
+VALUES (0, pg_catalog.now(), 1), (1, NULL, NULL), (2, NULL, NULL);
+
+COMMENT ON TABLE outbox.generations IS
+    'The generations of outbox.log: when each became current, ended, last had events moved out, and whether it is drained.';
+
+-- The events of generation $1 still needed, which a truncation of it must
+-- not take: dead letters; events holding or waiting for their key's turn;
+-- events out of line (delayed, backing off); events in line the claims
+-- have not read (the transactions the cursor's `prev` does not see); and
+-- events in a batch not marked, or (acknowledgements on, $2) marked and
+-- not settled, without an outcome. Everything else is finished: sent
+-- (reported or not), processed, or the record of a routed event. Each set
+-- through an index: the dead letters', the keys', the due one, the
+-- claim's from `prev`'s xmin on, the batches' in flight.
+CREATE FUNCTION outbox.unfinished(generation smallint, acks boolean)
+RETURNS TABLE (id uuid)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT e.id FROM outbox.log AS e WHERE e.generation = $1 AND e.status = 'failed'
+UNION
+SELECT e.id FROM outbox.log AS e WHERE e.generation = $1 AND e.key_state IS NOT NULL
+UNION
+SELECT e.id
+  FROM outbox.log AS e
+ WHERE e.generation = $1
+   AND e.pending_xid IS NULL AND e.status = 'pending' AND e.key_state IS DISTINCT FROM 'waiting'
+UNION
+SELECT e.id
+  FROM outbox.cursor AS c
+  JOIN outbox.log AS e ON e.pending_xid >= pg_snapshot_xmin(c.prev)
+ WHERE e.generation = $1
+   AND e.status = 'pending' AND e.key_state IS DISTINCT FROM 'waiting'
+   AND NOT pg_visible_in_snapshot(e.pending_xid, c.prev)
+UNION
+SELECT m.id
+  FROM (SELECT b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
+          FROM outbox.batches AS b
+         WHERE b.marked_at IS NULL AND b.abandoned_at IS NULL
+        UNION ALL
+        SELECT b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
+          FROM outbox.batches AS b
+         WHERE $2 AND b.settled_at IS NULL AND b.marked_at IS NOT NULL) AS b
+ CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
+ CROSS JOIN LATERAL (SELECT FROM outbox.log AS e WHERE e.generation = $1 AND e.id = m.id LIMIT 1) AS e
+ WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
+$$;
+
+-- Moves up to $3 (NULL: all) of the events of generation $1 still needed
+-- to generation $2, with their outcomes; returns how many. A moved event
+-- keeps everything but its generation, and passes none of the insert
+-- triggers (outbox.moving, set for the move alone): it stays in line or out
+-- of it, in its batch, with its key's turn. One whose id was taken in
+-- generation $2 meanwhile (an insert that named a generation of its own)
+-- is moved with a new id, which its last_error says: the rotation never
+-- stops on it.
+CREATE FUNCTION outbox.move_unfinished(source smallint, target smallint, moves integer, acks boolean) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    moved bigint;
+BEGIN
+    PERFORM set_config('outbox.moving', 'on', true);
+    WITH needed AS (
+        SELECT u.id FROM outbox.unfinished(source, acks) AS u LIMIT moves
+    ), carried AS (
+        UPDATE outbox.log AS e
+           SET generation = target,
+               id = CASE WHEN taken.id IS NULL THEN e.id ELSE @extschema@.outbox_uuid_v7() END,
+               last_error = CASE WHEN taken.id IS NULL THEN e.last_error
+                                 ELSE format('moved to generation %s with a new id: %s was taken there', target, e.id)
+                            END
+          FROM needed AS n
+          LEFT JOIN outbox.log AS taken ON taken.generation = target AND taken.id = n.id
+         WHERE e.generation = source
+           AND e.id = n.id
+        RETURNING n.id AS was, e.id
+    ), outcomes AS (
+        UPDATE outbox.outcomes AS o
+           SET generation = target, event = c.id
+          FROM carried AS c
+         WHERE o.generation = source
+           AND o.event = c.was
+    )
+    SELECT count(*) INTO moved FROM carried;
+    PERFORM set_config('outbox.moving', 'off', true);
+    RETURN moved;
+END
+$$;
+
+-- One step of the rotation, in the caller's transaction (each step its own
+-- transaction, so that no lock is held for long): what it did, and how
+-- many events it truncated. The steps, in the order they come:
+--   started    the current generation had no start (after an install, or
+--              an advance that did not commit): it starts now;
+--   advanced   the current generation is outbox.retention / 2 old and the
+--              next one is empty: the next one is current;
+--   waiting    the oldest generation is due, but a transaction that began
+--              before it ended (one that may still write it) or before the
+--              last moves (one that may still read it as it was) is open:
+--              the truncation would take rows from under it;
+--   moved      up to $2 events still needed were moved from the oldest
+--              generation to the current one (fewer: it is drained);
+--   truncated  the oldest generation, drained, is truncated, unless
+--              something in it became needed since (then: moved again);
+--   NULL       nothing is due.
+CREATE FUNCTION outbox.rotate(retention interval, moves integer, acks boolean,
+                              OUT step text, OUT events bigint)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    current_ CONSTANT smallint := pg_sequence_last_value('outbox.generation'::regclass)::smallint;
+    oldest CONSTANT smallint := (current_ + 1) % 3;
+    next_batch CONSTANT bigint := (SELECT coalesce(max(b.id), 0) + 1 FROM outbox.batches AS b);
+    now_ outbox.generations;
+    old outbox.generations;
+    moved bigint;
+BEGIN
+    events := 0;
+    -- One rotation at a time, whoever runs it.
+    SELECT * INTO now_ FROM outbox.generations AS g WHERE g.generation = current_ FOR UPDATE;
+    SELECT * INTO old FROM outbox.generations AS g WHERE g.generation = oldest FOR UPDATE;
+    IF now_.started_at IS NULL THEN
+        UPDATE outbox.generations AS g SET started_at = now(), first_batch = next_batch
+         WHERE g.generation = current_;
+        -- The one it replaced, if that advance did not say so.
+        UPDATE outbox.generations AS g SET ended_at = now()
+         WHERE g.generation <> current_ AND g.started_at IS NOT NULL AND g.ended_at IS NULL;
+        step := 'started';
+        RETURN;
+    END IF;
+
+    -- Clean: never current since it was truncated, nothing moved out of it
+    -- (which leaves dead rows a truncation takes), and nothing in it (a
+    -- restore's rows, an insert that named it).
+    IF old.started_at IS NULL AND old.moved_at IS NULL AND NOT old.drained
+       AND NOT EXISTS (SELECT FROM outbox.log AS e WHERE e.generation = oldest)
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.generation = oldest) THEN
+        IF now_.started_at > now() - retention / 2 THEN
+            RETURN;
+        END IF;
+        -- Not transactional: should this transaction not commit, the next
+        -- step finds the new generation without a start, and starts it.
+        PERFORM setval('outbox.generation'::regclass, oldest, true);
+        UPDATE outbox.generations AS g
+           SET started_at = now(), ended_at = NULL, moved_at = NULL, drained = false, first_batch = next_batch
+         WHERE g.generation = oldest;
+        -- After the switch: whatever began before it may still insert
+        -- into the generation it read.
+        UPDATE outbox.generations AS g SET ended_at = clock_timestamp() WHERE g.generation = current_;
+        step := 'advanced';
+        RETURN;
+    END IF;
+
+    IF old.ended_at > now() - retention THEN
+        RETURN;
+    END IF;
+    -- Client sessions and other workers of this database (not autovacuum,
+    -- which a TRUNCATE sends away), and prepared transactions, begun before
+    -- it ended or before events last moved out of it.
+    IF EXISTS (SELECT FROM pg_stat_activity AS a
+                WHERE a.datname = current_database()
+                  AND a.pid <> pg_backend_pid()
+                  AND a.backend_type <> 'autovacuum worker'
+                  AND a.xact_start < GREATEST(old.ended_at, old.moved_at))
+       OR EXISTS (SELECT FROM pg_prepared_xacts AS p
+                   WHERE p.database = current_database()
+                     AND p.prepared < GREATEST(old.ended_at, old.moved_at)) THEN
+        step := 'waiting';
+        RETURN;
+    END IF;
+
+    IF NOT old.drained THEN
+        events := outbox.move_unfinished(oldest, current_, moves, acks);
+        IF events < moves THEN
+            -- The members of the oldest generation's batch deliveries go
+            -- with them (they are finished: nothing above needed them).
+            DELETE FROM outbox.batch_members AS m
+             WHERE m.batch_id IS NOT NULL
+               AND EXISTS (SELECT FROM outbox.log AS d WHERE d.generation = oldest AND d.id = m.batch_id);
+        END IF;
+        UPDATE outbox.generations AS g
+           SET moved_at = CASE WHEN events > 0 THEN clock_timestamp() ELSE g.moved_at END,
+               drained = events < moves
+         WHERE g.generation = oldest;
+        step := 'moved';
+        RETURN;
+    END IF;
+
+    -- Drained: nothing writes it or reads it as it was. Truncated unless
+    -- something in it became needed since (an UPDATE made an event pending
+    -- again): that is moved, and the truncation waits for whoever may
+    -- have seen it where it was. Its events are counted first, before the
+    -- lock (finished: none of them changes).
+    SELECT count(*) INTO events FROM outbox.log AS e WHERE e.generation = oldest;
+    EXECUTE format('LOCK TABLE outbox.%I, outbox.%I IN ACCESS EXCLUSIVE MODE',
+                   'log_' || oldest, 'outcomes_' || oldest);
+    moved := outbox.move_unfinished(oldest, current_, NULL, acks);
+    IF moved > 0 THEN
+        UPDATE outbox.generations AS g SET moved_at = clock_timestamp() WHERE g.generation = oldest;
+        step := 'moved';
+        events := moved;
+        RETURN;
+    END IF;
+    EXECUTE format('TRUNCATE outbox.%I, outbox.%I', 'log_' || oldest, 'outcomes_' || oldest);
+    UPDATE outbox.generations AS g
+       SET started_at = NULL, ended_at = NULL, moved_at = NULL, drained = false, first_batch = NULL
+     WHERE g.generation = oldest;
+    step := 'truncated';
+END
+$$;
+
+-- Batches whose events are all gone (truncated with their generation),
+-- up to $1: claimed before the oldest generation left began (an id below
+-- its first_batch), marked or abandoned, and none of their events left in
+-- any generation (an event moved forward keeps its batch). Returns how
+-- many were deleted. A range of the primary key.
+CREATE FUNCTION outbox.forget_batches(batches integer) RETURNS bigint
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+WITH gone AS (
+    DELETE FROM outbox.batches AS b
+     WHERE b.id IN (SELECT c.id
+                      FROM outbox.batches AS c
+                     WHERE c.id < (SELECT min(g.first_batch) FROM outbox.generations AS g)
+                       AND (c.marked_at IS NOT NULL OR c.abandoned_at IS NOT NULL)
+                       AND NOT EXISTS (SELECT FROM outbox.batch_members(c.prev, c.target, c.from_xid, c.from_id,
+                                                                         c.to_xid, c.to_id))
+                     ORDER BY c.id
+                     LIMIT $1)
+    RETURNING b.id
+)
+SELECT count(*) FROM gone
+$$;
+
+REVOKE ALL ON FUNCTION outbox.unfinished(smallint, boolean),
+    outbox.move_unfinished(smallint, smallint, integer, boolean), outbox.rotate(interval, integer, boolean),
+    outbox.forget_batches(integer) FROM PUBLIC;
+
+-- The extension's schema again, for the functions pgrx declares next.
+SET LOCAL search_path = @extschema@;

@@ -1,0 +1,202 @@
+"""The rotation (sql/rotation.sql): space comes back by TRUNCATE of the
+oldest generation, and nothing still needed goes with it. Most steps are
+driven here by calling outbox.rotate() (the dispatchers' lifecycle runs
+once a day in these tests), with the generations' times moved back a day
+where a test needs them due; the last test lets the dispatchers rotate
+under load."""
+
+import psycopg
+import pytest
+
+from harness import queued_ids, wait_until
+
+RETENTION = "2 seconds"
+
+
+def enqueue(conn, queue):
+    return str(conn.execute("SELECT outbox_enqueue('e', '{}', queue => %s)", (queue,)).fetchone()[0])
+
+
+@pytest.fixture
+def rotating(outbox):
+    outbox.configure(lifecycle_interval="1d")
+    yield outbox
+
+
+def rotate(pg, retention=RETENTION, acks=False):
+    return pg.sql("SELECT step, events FROM outbox.rotate(%s, 1000, %s)", (retention, acks))[0]
+
+
+def rotate_until(pg, wanted, retention=RETENTION, aged=False):
+    """Steps of the rotation (each after Cluster.age_generations(), if
+    `aged`) until one of `wanted`; the steps taken."""
+    steps = []
+
+    def done():
+        if aged:
+            pg.age_generations()
+        steps.append(rotate(pg, retention)[0])
+        return steps[-1] in wanted
+
+    try:
+        wait_until(done, message=f"a step in {wanted}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; steps: {steps}; {pg.sql('TABLE outbox.generations')}") from None
+    return steps
+
+
+def current(pg):
+    return pg.value("SELECT pg_sequence_last_value('outbox.generation')")
+
+
+def rotate_to_oldest(pg):
+    """Two advances (and what falls due before them): the generation
+    current now becomes the oldest."""
+    for _ in range(2):
+        rotate_until(pg, ("advanced",), aged=True)
+    pg.age_generations()
+
+
+def kept(pg, ids):
+    return {str(r[0]): r[1:] for r in pg.sql(
+        "SELECT id, status::text, key_state, key_seq, pending_xid IS NULL, last_error FROM outbox.events "
+        "WHERE id = ANY(%s::uuid[])", (list(ids),))}
+
+
+def test_a_non_superuser_cannot_make_the_insert_triggers_pass_its_rows(rotating):
+    """outbox.moving, which the rotation sets while it moves events, is for
+    superusers only: a writer that set it would insert rows that take no
+    key turn and are not put in line."""
+    rotating.sql("DROP ROLE IF EXISTS rot_writer; CREATE ROLE rot_writer LOGIN")
+    try:
+        with rotating.connect(user="rot_writer") as conn:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege, match="outbox.moving"):
+                conn.execute("SET outbox.moving = on")
+    finally:
+        rotating.sql("DROP ROLE rot_writer")
+
+
+def test_the_oldest_generation_is_truncated_and_what_is_still_needed_moves_on(rotating, redis_server):
+    client = redis_server.client()
+    first = current(rotating)
+    with rotating.connect() as conn:
+        sent = [enqueue(conn, "q_rot_sent") for _ in range(200)]
+    wait_until(lambda: len(queued_ids(client, "q_rot_sent")) == 200, message="200 events sent")
+    # Still needed: a dead letter, an event delayed a day, and a key whose
+    # head is delayed a day with two events waiting behind it.
+    [dead] = [str(r[0]) for r in rotating.sql(
+        "INSERT INTO outbox.log (event_type, queue, status, last_error) "
+        "VALUES ('dead', 'q_rot_keep', 'failed', 'gave up') RETURNING id")]
+    delayed = str(rotating.value("SELECT outbox_enqueue('later', '{}', queue => 'q_rot_keep', delay => '1 day')"))
+    head = str(rotating.value("SELECT outbox_enqueue('k', '{}', queue => 'q_rot_key', delay => '1 day', "
+                              "ordering_key => 'rot')"))
+    behind = [str(rotating.value("SELECT outbox_enqueue('k', '{}', queue => 'q_rot_key', ordering_key => 'rot')"))
+              for _ in range(2)]
+    needed = [dead, delayed, head, *behind]
+    before = kept(rotating, needed)
+    assert [before[i][1] for i in [head, *behind]] == ["head", "waiting", "waiting"]
+
+    rotate_to_oldest(rotating)
+    assert rotate(rotating) == ("moved", 5)
+    assert rotate(rotating)[0] == "truncated"
+    assert rotating.value(f"SELECT count(*) FROM outbox.log_{first}") == 0
+    assert rotating.value("SELECT started_at IS NULL FROM outbox.generations WHERE generation = %s", (first,))
+    # What was needed is where it was in every respect but its generation.
+    assert kept(rotating, needed) == before
+    assert rotating.value("SELECT count(DISTINCT generation) FROM outbox.log WHERE id = ANY(%s::uuid[])",
+                          (needed,)) == 1
+    assert rotating.value("SELECT count(*) FROM outbox.events WHERE id = ANY(%s::uuid[])", (sent,)) == 0
+    # Their batches are forgotten, now that none of their events is left.
+    assert rotating.value("SELECT outbox.forget_batches(1000)") > 0
+    assert rotating.value("SELECT count(*) FROM outbox.batches") == 0
+    # Each sent once; the key's events go when the head falls due, in order.
+    assert sorted(queued_ids(client, "q_rot_sent")) == sorted(sent)
+    # (Each holds its key until it is acknowledged.)
+    rotating.sql("UPDATE outbox.events SET available_at = now() WHERE id = %s", (head,))
+    for n, event in enumerate([head, *behind], 1):
+        wait_until(lambda: len(queued_ids(client, "q_rot_key")) == n, message=f"the key's event {n} sent")
+        assert rotating.value("SELECT outbox_ack(%s)", (event,)) is True
+    assert queued_ids(client, "q_rot_key") == [head, *behind]
+
+
+def test_a_transaction_open_since_before_its_generation_ended_holds_the_truncation(rotating, redis_server):
+    """A transaction that read the generation before it ended may still
+    insert into it, and its rows are not visible to the rotation until it
+    commits: the truncation waits for it, and its event is sent."""
+    client = redis_server.client()
+    # Every generation empty and truncated since, but the current one.
+    rotate_until(rotating, ("advanced",), aged=True)
+    rotate_until(rotating, ("truncated",), aged=True)
+    late = rotating.connect(autocommit=False)
+    try:
+        late_id = str(late.execute("SELECT outbox_enqueue('late', '{}', queue => 'q_rot_late')").fetchone()[0])
+        for _ in range(2):
+            rotate_until(rotating, ("advanced",), retention="1 second")
+        steps = rotate_until(rotating, ("waiting", "moved", "truncated"), retention="1 second")
+        assert steps[-1] == "waiting", steps
+        late.commit()
+    finally:
+        late.close()
+    wait_until(lambda: late_id in queued_ids(client, "q_rot_late"), message="the late event sent")
+    assert "truncated" in rotate_until(rotating, ("truncated",), retention="1 second")
+    assert late_id not in {str(r[0]) for r in rotating.sql("SELECT id FROM outbox.events")}
+
+
+def test_an_event_needed_again_after_the_drain_is_moved_not_truncated(rotating, redis_server):
+    client = redis_server.client()
+    with rotating.connect() as conn:
+        event = enqueue(conn, "q_rot_again")
+    wait_until(lambda: event in queued_ids(client, "q_rot_again"), message="the event sent")
+    rotate_to_oldest(rotating)
+    assert rotate(rotating) == ("moved", 0)
+    # A DBA sends it again tomorrow, after the drain and before the truncation.
+    rotating.sql("UPDATE outbox.events SET available_at = now() + interval '1 day' WHERE id = %s", (event,))
+    assert rotate(rotating) == ("moved", 1)
+    rotating.age_generations()
+    assert rotate(rotating)[0] == "truncated"
+    assert kept(rotating, [event])[event][0] == "pending"
+
+
+def test_an_event_put_in_another_generation_under_a_taken_id_moves_on_with_a_new_id(rotating, redis_server):
+    """An insert that names a generation can reuse an id that generation's
+    primary key does not see: when the rotation moves it where that id is
+    taken, it gets a new one (its last_error says so), and the rotation
+    goes on."""
+    client = redis_server.client()
+    with rotating.connect() as conn:
+        taken = enqueue(conn, "q_rot_taken")
+    wait_until(lambda: taken in queued_ids(client, "q_rot_taken"), message="the event sent")
+    rotating.sql("UPDATE outbox.log SET status = 'failed', last_error = 'real' WHERE id = %s", (taken,))
+    now = current(rotating)
+    rotating.sql("INSERT INTO outbox.log (id, generation, event_type, queue, status, last_error) "
+                 "VALUES (%s, %s, 'forged', 'q_rot_taken', 'failed', 'forged')", (taken, (now + 1) % 3))
+    rotating.age_generations()
+    assert rotate(rotating) == ("moved", 1)
+    assert rotate(rotating)[0] == "truncated"
+    assert rotate(rotating)[0] == "advanced"
+    letters = {r[0]: (str(r[1]), r[2]) for r in rotating.sql(
+        "SELECT event_type, id, last_error FROM outbox.dead_letters WHERE queue = 'q_rot_taken'")}
+    assert letters["e"] == (taken, "real")
+    assert letters["forged"][0] != taken
+    assert letters["forged"][1] == f"moved to generation {now} with a new id: {taken} was taken there"
+
+
+def test_under_load_the_dispatchers_rotate_and_every_event_is_sent(outbox, redis_server):
+    """The dispatchers' own lifecycle, with generations of half a second:
+    claims and pushes go on beside the moves and truncations, and every
+    committed event reaches Redis."""
+    client = redis_server.client()
+    outbox.configure(retention="1s", lifecycle_interval="1s")
+    truncated = outbox.metric("outbox_purged_total")
+    ids = []
+    with outbox.connect() as conn:
+        for _ in range(40):
+            ids += [str(r[0]) for r in conn.execute(
+                "SELECT outbox_enqueue('load', '{}', queue => 'q_rot_load') FROM generate_series(1, 50)")]
+            conn.execute("SELECT pg_sleep(0.1)")
+    wait_until(lambda: len(set(queued_ids(client, "q_rot_load"))) == len(ids), timeout=60,
+               message="every event sent")
+    assert set(queued_ids(client, "q_rot_load")) == set(ids)
+    wait_until(lambda: outbox.value("SELECT count(*) FROM outbox.events WHERE queue = 'q_rot_load'") == 0,
+               timeout=60, message="every generation that held them truncated")
+    assert outbox.metric("outbox_purged_total") > truncated
