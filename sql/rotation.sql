@@ -78,7 +78,7 @@ SELECT m.id
  WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
 $$;
 
--- Moves up to $3 (NULL: all) of the events of generation $1 still needed
+-- Moves up to $3 of the events of generation $1 still needed
 -- to generation $2, with their outcomes; returns how many. A moved event
 -- keeps everything but its generation, and passes none of the insert
 -- triggers (outbox.moving, set for the move alone): it stays in line or out
@@ -229,9 +229,12 @@ BEGIN
     SELECT count(*) INTO events FROM outbox.log AS e WHERE e.generation = oldest;
     EXECUTE format('LOCK TABLE outbox.%I, outbox.%I IN ACCESS EXCLUSIVE MODE',
                    'log_' || oldest, 'outcomes_' || oldest);
-    moved := outbox.move_unfinished(oldest, current_, NULL, acks);
+    moved := outbox.move_unfinished(oldest, current_, moves, acks);
     IF moved > 0 THEN
-        UPDATE outbox.generations AS g SET moved_at = clock_timestamp() WHERE g.generation = oldest;
+        -- Many (a DBA's UPDATE of old events): drained again, without the
+        -- lock.
+        UPDATE outbox.generations AS g SET moved_at = clock_timestamp(), drained = moved < moves
+         WHERE g.generation = oldest;
         step := 'moved';
         events := moved;
         RETURN;

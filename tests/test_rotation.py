@@ -181,19 +181,24 @@ def test_an_event_put_in_another_generation_under_a_taken_id_moves_on_with_a_new
     assert letters["forged"][1] == f"moved to generation {now} with a new id: {taken} was taken there"
 
 
-def test_under_load_the_dispatchers_rotate_and_every_event_is_sent(outbox, redis_server):
+def test_under_load_and_a_crash_the_dispatchers_rotate_and_every_event_is_sent(outbox, redis_server):
     """The dispatchers' own lifecycle, with generations of half a second:
-    claims and pushes go on beside the moves and truncations, and every
-    committed event reaches Redis."""
+    claims and pushes go on beside the moves and truncations, the server
+    crashes half way (an immediate stop, at whatever step the rotation
+    was), and every committed event reaches Redis."""
     client = redis_server.client()
     outbox.configure(retention="1s", lifecycle_interval="1s")
-    truncated = outbox.metric("outbox_purged_total")
     ids = []
-    with outbox.connect() as conn:
-        for _ in range(40):
-            ids += [str(r[0]) for r in conn.execute(
-                "SELECT outbox_enqueue('load', '{}', queue => 'q_rot_load') FROM generate_series(1, 50)")]
-            conn.execute("SELECT pg_sleep(0.1)")
+    for half in range(2):
+        with outbox.connect() as conn:
+            for _ in range(20):
+                ids += [str(r[0]) for r in conn.execute(
+                    "SELECT outbox_enqueue('load', '{}', queue => 'q_rot_load') FROM generate_series(1, 50)")]
+                conn.execute("SELECT pg_sleep(0.1)")
+        if half == 0:
+            outbox.stop("immediate")
+            outbox.start()
+    truncated = outbox.metric("outbox_purged_total")
     wait_until(lambda: len(set(queued_ids(client, "q_rot_load"))) == len(ids), timeout=60,
                message="every event sent")
     assert set(queued_ids(client, "q_rot_load")) == set(ids)

@@ -112,16 +112,20 @@ impl Schedule {
         }
         if now >= self.next_lifecycle {
             let acks = !settings.ack_timeout.is_zero();
-            let rotated = rotate_some(dispatcher, store, settings.retention, acks).and_then(|more| {
-                sweep_some(|| store.forget_batches()).map(|(_, more_batches)| more || more_batches)
+            let rotated = rotate_some(dispatcher, store, settings.retention, acks).and_then(|again| {
+                sweep_some(|| store.forget_batches()).map(|(_, more)| if more { Again::Now } else { again })
             });
             // Each on its own: one that fails holds up the other's round
             // no more than the backoff.
             let claims = sweep_some(|| store.purge_inbox(settings.inbox_retention));
-            match rotated.and_then(|more| claims.map(|(_, more_claims)| more || more_claims)) {
-                Ok(more) => {
+            match rotated.and_then(|again| claims.map(|(_, more)| if more { Again::Now } else { again })) {
+                Ok(again) => {
                     self.lifecycle_failures = 0;
-                    self.next_lifecycle = next(now, more, settings.lifecycle_interval);
+                    self.next_lifecycle = match again {
+                        Again::Now => now,
+                        Again::Soon => now + RETRY.min(settings.lifecycle_interval),
+                        Again::Later => now + settings.lifecycle_interval,
+                    };
                 }
                 Err(e) => {
                     self.next_lifecycle =
@@ -187,35 +191,45 @@ fn next(now: Instant, more: bool, interval: Duration) -> Instant {
     }
 }
 
+/// When the lifecycle is due again.
+enum Again {
+    /// More may be due at once.
+    Now,
+    /// The rotation waits for a transaction to end: most are short (a
+    /// dispatcher's own, begun before the last moves).
+    Soon,
+    /// Nothing is due before the next interval.
+    Later,
+}
+
 /// Up to [`BATCHES`] steps of the rotation (sql/rotation.sql), while
-/// each does something; returns whether more may be due.
+/// each does something.
 fn rotate_some(
     dispatcher: usize,
     store: &mut Store,
     retention: Duration,
     acks: bool,
-) -> Result<bool, StoreError> {
+) -> Result<Again, StoreError> {
     for _ in 0..BATCHES {
         let Some((step, events)) = store.rotate(retention, acks)? else {
-            return Ok(false);
+            return Ok(Again::Later);
         };
         match step.as_str() {
             "truncated" => {
                 counters::add(Counter::Purged, events);
-                log!("outbox dispatcher {dispatcher}: the oldest generation was truncated (about {events} events)");
+                log!("outbox dispatcher {dispatcher}: the oldest generation was truncated ({events} events)");
             }
             "moved" if events > 0 => {
                 log!("outbox dispatcher {dispatcher}: {events} events still needed moved to the current generation");
             }
-            // Nothing it can do until a transaction ends.
-            "waiting" => return Ok(false),
+            "waiting" => return Ok(Again::Soon),
             _ => {}
         }
         if signals::interrupt_pending() {
-            return Ok(true);
+            return Ok(Again::Now);
         }
     }
-    Ok(true)
+    Ok(Again::Now)
 }
 
 /// Repeats a bounded sweep until it finds less than a full batch, for at
