@@ -32,6 +32,7 @@ WITH e AS (
       FROM e
      WHERE e.batch IS NULL
        AND l.id = e.id
+       AND l.generation = e.generation
     RETURNING l.id
 )
 SELECT CASE WHEN e.key_state = 'head' THEN e.id END, e.ordering_key, e.subscription

@@ -42,29 +42,33 @@ COMMENT ON TABLE outbox.generations IS
 -- events in a batch not marked, or (acknowledgements on, $2) marked and
 -- not settled, without an outcome. Everything else is finished: sent
 -- (reported or not), processed, or the record of a routed event. Each set
--- through an index: the dead letters', the keys', the due one, the
--- claim's from `prev`'s xmin on, the batches' in flight.
+-- through an index (the dead letters', the keys', the due one, the
+-- claim's from `prev`'s xmin on, the batches' in flight), and no event in
+-- two of them: read under a LIMIT, they stop at it.
 CREATE FUNCTION outbox.unfinished(generation smallint, acks boolean)
 RETURNS TABLE (id uuid)
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
 SELECT e.id FROM outbox.log AS e WHERE e.generation = $1 AND e.status = 'failed'
-UNION
-SELECT e.id FROM outbox.log AS e WHERE e.generation = $1 AND e.key_state IS NOT NULL
-UNION
+UNION ALL
+SELECT e.id FROM outbox.log AS e WHERE e.generation = $1 AND e.key_state IS NOT NULL AND e.status <> 'failed'
+UNION ALL
+-- (key_state IS DISTINCT FROM 'waiting' as well: the predicate of the
+-- indexes, which the planner does not prove from IS NULL.)
 SELECT e.id
   FROM outbox.log AS e
  WHERE e.generation = $1
-   AND e.pending_xid IS NULL AND e.status = 'pending' AND e.key_state IS DISTINCT FROM 'waiting'
-UNION
+   AND e.pending_xid IS NULL AND e.status = 'pending'
+   AND e.key_state IS DISTINCT FROM 'waiting' AND e.key_state IS NULL
+UNION ALL
 SELECT e.id
   FROM outbox.cursor AS c
   JOIN outbox.log AS e ON e.pending_xid >= pg_snapshot_xmin(c.prev)
  WHERE e.generation = $1
-   AND e.status = 'pending' AND e.key_state IS DISTINCT FROM 'waiting'
+   AND e.status = 'pending' AND e.key_state IS DISTINCT FROM 'waiting' AND e.key_state IS NULL
    AND NOT pg_visible_in_snapshot(e.pending_xid, c.prev)
-UNION
+UNION ALL
 SELECT m.id
   FROM (SELECT b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
           FROM outbox.batches AS b
@@ -74,18 +78,26 @@ SELECT m.id
           FROM outbox.batches AS b
          WHERE $2 AND b.settled_at IS NULL AND b.marked_at IS NOT NULL) AS b
  CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
- CROSS JOIN LATERAL (SELECT FROM outbox.log AS e WHERE e.generation = $1 AND e.id = m.id LIMIT 1) AS e
+ CROSS JOIN LATERAL (SELECT FROM outbox.log AS e, outbox.cursor AS c
+                      WHERE e.generation = $1 AND e.id = m.id
+                        AND e.status = 'pending' AND e.key_state IS NULL
+                        -- Not the set above: read by a claim.
+                        AND (e.pending_xid < pg_snapshot_xmin(c.prev) OR pg_visible_in_snapshot(e.pending_xid, c.prev))
+                      LIMIT 1) AS e
  WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
 $$;
 
--- Moves up to $3 of the events of generation $1 still needed
--- to generation $2, with their outcomes; returns how many. A moved event
--- keeps everything but its generation, and passes none of the insert
--- triggers (outbox.moving, set for the move alone): it stays in line or out
--- of it, in its batch, with its key's turn. One whose id was taken in
--- generation $2 meanwhile (an insert that named a generation of its own)
--- is moved with a new id, which its last_error says: the rotation never
--- stops on it.
+-- Moves up to $3 of the events of generation $1 still needed to generation
+-- $2, with their outcomes; returns how many. A moved event keeps
+-- everything but its generation, and passes none of the insert triggers
+-- (outbox.moving, set for the move alone): it stays in line or out of it,
+-- in its batch, with its key's turn. What generation $2 already holds is
+-- never refused there, so that the rotation never stops on it (an insert
+-- that named a generation of its own, a copy of a row): an event whose id
+-- is taken there is moved with a new id, and one whose key's turn is taken
+-- (its key_seq, or the key's head) without it, as an event without a key
+-- would be (one pending takes a new turn, after the key's others); its
+-- last_error says which.
 CREATE FUNCTION outbox.move_unfinished(source smallint, target smallint, moves integer, acks boolean) RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -95,16 +107,31 @@ DECLARE
 BEGIN
     PERFORM set_config('outbox.moving', 'on', true);
     WITH needed AS (
-        SELECT u.id FROM outbox.unfinished(source, acks) AS u LIMIT moves
+        SELECT u.id,
+               EXISTS (SELECT FROM outbox.log AS t WHERE t.generation = target AND t.id = u.id) AS id_taken,
+               EXISTS (SELECT
+                         FROM outbox.log AS e
+                         JOIN outbox.log AS t
+                           ON t.generation = target
+                          AND t.ordering_key = e.ordering_key
+                          AND coalesce(t.subscription_id, 0) = coalesce(e.subscription_id, 0)
+                          AND (t.key_seq = e.key_seq OR (t.key_state = 'head' AND e.key_state = 'head'))
+                        WHERE e.generation = source AND e.id = u.id) AS turn_taken
+          FROM (SELECT u.id FROM outbox.unfinished(source, acks) AS u LIMIT moves) AS u
     ), carried AS (
         UPDATE outbox.log AS e
            SET generation = target,
-               id = CASE WHEN taken.id IS NULL THEN e.id ELSE @extschema@.outbox_uuid_v7() END,
-               last_error = CASE WHEN taken.id IS NULL THEN e.last_error
-                                 ELSE format('moved to generation %s with a new id: %s was taken there', target, e.id)
+               id = CASE WHEN n.id_taken THEN @extschema@.outbox_uuid_v7() ELSE e.id END,
+               key_seq = CASE WHEN n.turn_taken THEN NULL ELSE e.key_seq END,
+               key_state = CASE WHEN n.turn_taken THEN NULL ELSE e.key_state END,
+               last_error = CASE WHEN n.id_taken
+                                 THEN format('moved to generation %s with a new id: %s was taken there', target, e.id)
+                                 WHEN n.turn_taken
+                                 THEN format('moved to generation %s without its turn of key %s: %s was taken there',
+                                             target, e.ordering_key, e.key_seq)
+                                 ELSE e.last_error
                             END
           FROM needed AS n
-          LEFT JOIN outbox.log AS taken ON taken.generation = target AND taken.id = n.id
          WHERE e.generation = source
            AND e.id = n.id
         RETURNING n.id AS was, e.id
@@ -126,12 +153,16 @@ $$;
 -- many events it truncated. The steps, in the order they come:
 --   started    the current generation had no start (after an install, or
 --              an advance that did not commit): it starts now;
+--   ended      the oldest generation, never current, holds rows (a
+--              restore's, an insert that named it): it counts as ended
+--              now, and is kept outbox.retention as the others;
 --   advanced   the current generation is outbox.retention / 2 old and the
 --              next one is empty: the next one is current;
 --   waiting    the oldest generation is due, but a transaction that began
---              before it ended (one that may still write it) or before the
---              last moves (one that may still read it as it was) is open:
---              the truncation would take rows from under it;
+--              before it ended (one that may still write it) or, once it
+--              is drained, before the last moves (one that may still read
+--              it as it was) is open: the moves or the truncation would
+--              take rows from under it;
 --   moved      up to $2 events still needed were moved from the oldest
 --              generation to the current one (fewer: it is drained);
 --   truncated  the oldest generation, drained, is truncated, unless
@@ -143,17 +174,21 @@ LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    current_ CONSTANT smallint := pg_sequence_last_value('outbox.generation'::regclass)::smallint;
-    oldest CONSTANT smallint := (current_ + 1) % 3;
     next_batch CONSTANT bigint := (SELECT coalesce(max(b.id), 0) + 1 FROM outbox.batches AS b);
+    current_ smallint;
+    oldest smallint;
     now_ outbox.generations;
     old outbox.generations;
     moved bigint;
 BEGIN
     events := 0;
-    -- One rotation at a time, whoever runs it.
-    SELECT * INTO now_ FROM outbox.generations AS g WHERE g.generation = current_ FOR UPDATE;
-    SELECT * INTO old FROM outbox.generations AS g WHERE g.generation = oldest FOR UPDATE;
+    -- One rotation at a time, whoever runs it; the generation read once
+    -- the one before has committed.
+    PERFORM FROM outbox.generations AS g ORDER BY g.generation FOR UPDATE;
+    current_ := pg_sequence_last_value('outbox.generation'::regclass)::smallint;
+    oldest := (current_ + 1) % 3;
+    SELECT * INTO now_ FROM outbox.generations AS g WHERE g.generation = current_;
+    SELECT * INTO old FROM outbox.generations AS g WHERE g.generation = oldest;
     IF now_.started_at IS NULL THEN
         UPDATE outbox.generations AS g SET started_at = now(), first_batch = next_batch
          WHERE g.generation = current_;
@@ -186,20 +221,31 @@ BEGIN
         RETURN;
     END IF;
 
+    -- Rows in a generation that was never current (a restore's, an insert
+    -- that named it): it counts as ended now, and is kept as long.
+    IF old.ended_at IS NULL THEN
+        UPDATE outbox.generations AS g SET ended_at = now() WHERE g.generation = oldest;
+        step := 'ended';
+        RETURN;
+    END IF;
     IF old.ended_at > now() - retention THEN
         RETURN;
     END IF;
     -- Client sessions and other workers of this database (not autovacuum,
     -- which a TRUNCATE sends away), and prepared transactions, begun before
-    -- it ended or before events last moved out of it.
+    -- it ended (they may still insert into it: their rows are not visible
+    -- here until they commit) or, for the truncation, before events last
+    -- moved out of it (they may still read it as it was).
     IF EXISTS (SELECT FROM pg_stat_activity AS a
                 WHERE a.datname = current_database()
                   AND a.pid <> pg_backend_pid()
                   AND a.backend_type <> 'autovacuum worker'
-                  AND a.xact_start < GREATEST(old.ended_at, old.moved_at))
+                  AND a.xact_start < CASE WHEN old.drained THEN GREATEST(old.ended_at, old.moved_at)
+                                          ELSE old.ended_at END)
        OR EXISTS (SELECT FROM pg_prepared_xacts AS p
                    WHERE p.database = current_database()
-                     AND p.prepared < GREATEST(old.ended_at, old.moved_at)) THEN
+                     AND p.prepared < CASE WHEN old.drained THEN GREATEST(old.ended_at, old.moved_at)
+                                           ELSE old.ended_at END) THEN
         step := 'waiting';
         RETURN;
     END IF;
@@ -224,9 +270,7 @@ BEGIN
     -- Drained: nothing writes it or reads it as it was. Truncated unless
     -- something in it became needed since (an UPDATE made an event pending
     -- again): that is moved, and the truncation waits for whoever may
-    -- have seen it where it was. Its events are counted first, before the
-    -- lock (finished: none of them changes).
-    SELECT count(*) INTO events FROM outbox.log AS e WHERE e.generation = oldest;
+    -- have seen it where it was.
     EXECUTE format('LOCK TABLE outbox.%I, outbox.%I IN ACCESS EXCLUSIVE MODE',
                    'log_' || oldest, 'outcomes_' || oldest);
     moved := outbox.move_unfinished(oldest, current_, moves, acks);
@@ -239,6 +283,9 @@ BEGIN
         events := moved;
         RETURN;
     END IF;
+    -- Its events as the statistics count them, kept by every insert and
+    -- delete (a count would read the partition whole).
+    events := pg_stat_get_live_tuples(('outbox.log_' || oldest)::regclass);
     EXECUTE format('TRUNCATE outbox.%I, outbox.%I', 'log_' || oldest, 'outcomes_' || oldest);
     UPDATE outbox.generations AS g
        SET started_at = NULL, ended_at = NULL, moved_at = NULL, drained = false, first_batch = NULL

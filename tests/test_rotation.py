@@ -57,6 +57,12 @@ def rotate_to_oldest(pg):
     pg.age_generations()
 
 
+def clean_oldest(pg):
+    """Steps (the generations aged) until the oldest generation has just
+    been truncated: it is empty, and was never current since."""
+    rotate_until(pg, ("truncated",), aged=True)
+
+
 def kept(pg, ids):
     return {str(r[0]): r[1:] for r in pg.sql(
         "SELECT id, status::text, key_state, key_seq, pending_xid IS NULL, last_error FROM outbox.events "
@@ -98,7 +104,7 @@ def test_the_oldest_generation_is_truncated_and_what_is_still_needed_moves_on(ro
 
     rotate_to_oldest(rotating)
     assert rotate(rotating) == ("moved", 5)
-    assert rotate(rotating)[0] == "truncated"
+    rotate_until(rotating, ("truncated",), aged=True)
     assert rotating.value(f"SELECT count(*) FROM outbox.log_{first}") == 0
     assert rotating.value("SELECT started_at IS NULL FROM outbox.generations WHERE generation = %s", (first,))
     # What was needed is where it was in every respect but its generation.
@@ -126,7 +132,7 @@ def test_a_transaction_open_since_before_its_generation_ended_holds_the_truncati
     client = redis_server.client()
     # Every generation empty and truncated since, but the current one.
     rotate_until(rotating, ("advanced",), aged=True)
-    rotate_until(rotating, ("truncated",), aged=True)
+    clean_oldest(rotating)
     late = rotating.connect(autocommit=False)
     try:
         late_id = str(late.execute("SELECT outbox_enqueue('late', '{}', queue => 'q_rot_late')").fetchone()[0])
@@ -152,8 +158,7 @@ def test_an_event_needed_again_after_the_drain_is_moved_not_truncated(rotating, 
     # A DBA sends it again tomorrow, after the drain and before the truncation.
     rotating.sql("UPDATE outbox.events SET available_at = now() + interval '1 day' WHERE id = %s", (event,))
     assert rotate(rotating) == ("moved", 1)
-    rotating.age_generations()
-    assert rotate(rotating)[0] == "truncated"
+    rotate_until(rotating, ("truncated",), aged=True)
     assert kept(rotating, [event])[event][0] == "pending"
 
 
@@ -163,6 +168,7 @@ def test_an_event_put_in_another_generation_under_a_taken_id_moves_on_with_a_new
     taken, it gets a new one (its last_error says so), and the rotation
     goes on."""
     client = redis_server.client()
+    clean_oldest(rotating)
     with rotating.connect() as conn:
         taken = enqueue(conn, "q_rot_taken")
     wait_until(lambda: taken in queued_ids(client, "q_rot_taken"), message="the event sent")
@@ -170,10 +176,12 @@ def test_an_event_put_in_another_generation_under_a_taken_id_moves_on_with_a_new
     now = current(rotating)
     rotating.sql("INSERT INTO outbox.log (id, generation, event_type, queue, status, last_error) "
                  "VALUES (%s, %s, 'forged', 'q_rot_taken', 'failed', 'forged')", (taken, (now + 1) % 3))
+    # Never current: it counts as ended now, and is kept as long.
+    assert rotate(rotating)[0] == "ended"
+    assert rotate(rotating) == (None, 0)
     rotating.age_generations()
     assert rotate(rotating) == ("moved", 1)
-    assert rotate(rotating)[0] == "truncated"
-    assert rotate(rotating)[0] == "advanced"
+    assert rotate_until(rotating, ("advanced",), aged=True)[-2:] == ["truncated", "advanced"]
     letters = {r[0]: (str(r[1]), r[2]) for r in rotating.sql(
         "SELECT event_type, id, last_error FROM outbox.dead_letters WHERE queue = 'q_rot_taken'")}
     assert letters["e"] == (taken, "real")
@@ -205,3 +213,49 @@ def test_under_load_and_a_crash_the_dispatchers_rotate_and_every_event_is_sent(o
     wait_until(lambda: outbox.value("SELECT count(*) FROM outbox.events WHERE queue = 'q_rot_load'") == 0,
                timeout=60, message="every generation that held them truncated")
     assert outbox.metric("outbox_purged_total") > truncated
+
+
+def test_an_event_put_in_another_generation_with_a_taken_turn_moves_on_without_it(rotating):
+    """The keys' unique indexes hold per generation: a dead letter copied
+    into another generation with its key's turn (key_seq) clashes with the
+    original when the rotation moves it. It moves on without the turn (its
+    last_error says so), and the rotation goes on."""
+    rotating.configure(enabled="off")
+    clean_oldest(rotating)
+    now = current(rotating)
+    original = str(rotating.value(
+        "INSERT INTO outbox.log (event_type, queue, status, last_error, ordering_key, key_seq) "
+        "VALUES ('e', 'q_rot_turn', 'failed', 'real', 'rot_turn', 7) RETURNING id"))
+    copy = str(rotating.value(
+        "INSERT INTO outbox.log (event_type, queue, status, last_error, ordering_key, key_seq, generation) "
+        "VALUES ('e', 'q_rot_turn', 'failed', 'copied', 'rot_turn', 7, %s) RETURNING id", ((now + 1) % 3,)))
+    assert rotate(rotating)[0] == "ended"
+    rotating.age_generations()
+    assert rotate(rotating) == ("moved", 1)
+    rotate_until(rotating, ("advanced",), aged=True)
+    assert kept(rotating, [original, copy]) == {
+        original: ("failed", None, 7, False, "real"),
+        copy: ("failed", None, None, False, f"moved to generation {now} without its turn of key rot_turn: "
+                                            "7 was taken there")}
+
+
+def test_rows_restored_into_a_generation_never_current_are_kept_and_sent(rotating, redis_server):
+    """A dump restores each row into the partition it came from: one that
+    was never current here counts as ended when the rotation first finds
+    it, and is kept outbox.retention like the others; its pending events
+    are sent, its records kept."""
+    client = redis_server.client()
+    rotating.configure(enabled="off")
+    clean_oldest(rotating)
+    spare = (current(rotating) + 1) % 3
+    with rotating.connect() as conn:
+        with conn.cursor().copy(f"COPY outbox.log_{spare} (event_type, queue, generation) FROM STDIN") as copy:
+            for _ in range(20):
+                copy.write_row(("restored", "q_rot_restored", spare))
+    restored = {str(r[0]) for r in rotating.sql(f"SELECT id FROM outbox.log_{spare}")}
+    assert len(restored) == 20
+    assert rotate(rotating)[0] == "ended"
+    for _ in range(5):
+        assert rotate(rotating) == (None, 0)
+    rotating.configure(enabled="on")
+    wait_until(lambda: set(queued_ids(client, "q_rot_restored")) == restored, message="the restored events sent")

@@ -43,6 +43,7 @@ WITH hit AS (
       FROM hit
      WHERE hit.outcome = 'failed'
        AND e.id = hit.id
+       AND e.generation = hit.generation
        AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = hit.id)
     RETURNING e.id
 )
