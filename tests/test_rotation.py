@@ -21,6 +21,7 @@ def enqueue(conn, queue):
 def rotating(outbox):
     outbox.configure(lifecycle_interval="1d")
     yield outbox
+    outbox.restore_generation_times()
 
 
 def rotate(pg, retention=RETENTION, acks=False):
