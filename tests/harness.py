@@ -492,14 +492,13 @@ class Cluster:
         """Moves back a day every time the rotation waits for
         (sql/rotation.sql): whatever waits for its time is due."""
         self.sql("UPDATE outbox.generations SET started_at = started_at - interval '1 day', "
-                 "ended_at = ended_at - interval '1 day', moved_at = moved_at - interval '1 day'")
+                 "ended_at = ended_at - interval '1 day'")
 
     def restore_generation_times(self):
         """The generations' times back to now, after age_generations():
         the next tests' dispatchers find nothing due that was moved back."""
         self.sql("UPDATE outbox.generations SET started_at = CASE WHEN started_at IS NOT NULL THEN now() END, "
-                 "ended_at = CASE WHEN ended_at IS NOT NULL THEN now() END, "
-                 "moved_at = CASE WHEN moved_at IS NOT NULL THEN now() END")
+                 "ended_at = CASE WHEN ended_at IS NOT NULL THEN now() END")
 
     def metric(self, name, **labels):
         """The value of one sample of outbox.metrics."""

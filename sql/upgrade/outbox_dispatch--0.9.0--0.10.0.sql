@@ -1086,8 +1086,9 @@ $$;
 
 -- The rotation (sql/rotation.sql).
 -- When each generation became the current one (NULL: never, since it was
--- truncated), stopped being it, last had events moved out of it, and
--- whether it gave up all it still needed to keep (drained); first_batch:
+-- truncated), stopped being it, the transaction that last moved events out
+-- of it, and whether it gave up all it still needed to keep (drained);
+-- first_batch:
 -- batches from this id on were claimed once it had begun
 -- (outbox.forget_batches()). Not dumped: a restore creates the extension,
 -- which starts again at generation 0.
@@ -1095,7 +1096,7 @@ CREATE TABLE outbox.generations (
     generation  smallint PRIMARY KEY CHECK (generation BETWEEN 0 AND 2),
     started_at  timestamptz,
     ended_at    timestamptz,
-    moved_at    timestamptz,
+    moved_xid   xid8,
     drained     boolean NOT NULL DEFAULT false,
     first_batch bigint
 );
@@ -1103,7 +1104,7 @@ INSERT INTO outbox.generations (generation, started_at, first_batch)
 VALUES (0, pg_catalog.now(), 1), (1, NULL, NULL), (2, NULL, NULL);
 
 COMMENT ON TABLE outbox.generations IS
-    'The generations of outbox.log: when each became current, ended, last had events moved out, and whether it is drained.';
+    'The generations of outbox.log: when each became current and ended, which transaction last moved events out, and whether it is drained.';
 
 -- The events of generation $1 still needed, which a truncation of it must
 -- not take: dead letters; events holding or waiting for their key's turn;
@@ -1272,7 +1273,7 @@ BEGIN
     -- Clean: never current since it was truncated, nothing moved out of it
     -- (which leaves dead rows a truncation takes), and nothing in it (a
     -- restore's rows, an insert that named it).
-    IF old.started_at IS NULL AND old.moved_at IS NULL AND NOT old.drained
+    IF old.started_at IS NULL AND old.moved_xid IS NULL AND NOT old.drained
        AND NOT EXISTS (SELECT FROM outbox.log AS e WHERE e.generation = oldest)
        AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.generation = oldest) THEN
         IF now_.started_at > now() - retention / 2 THEN
@@ -1282,7 +1283,7 @@ BEGIN
         -- step finds the new generation without a start, and starts it.
         PERFORM setval('outbox.generation'::regclass, oldest, true);
         UPDATE outbox.generations AS g
-           SET started_at = now(), ended_at = NULL, moved_at = NULL, drained = false, first_batch = next_batch
+           SET started_at = now(), ended_at = NULL, moved_xid = NULL, drained = false, first_batch = next_batch
          WHERE g.generation = oldest;
         -- After the switch: whatever began before it may still insert
         -- into the generation it read.
@@ -1303,19 +1304,20 @@ BEGIN
     END IF;
     -- Client sessions and other workers of this database (not autovacuum,
     -- which a TRUNCATE sends away), and prepared transactions, begun before
-    -- it ended (they may still insert into it: their rows are not visible
-    -- here until they commit) or, for the truncation, before events last
-    -- moved out of it (they may still read it as it was).
+    -- it ended: they may still insert into it, and their rows are not
+    -- visible here until they commit. For the truncation, also any snapshot
+    -- that may not see the last moves as committed (its xmin at or before
+    -- their transaction): it would find the moved events neither where they
+    -- were nor where they went.
     IF EXISTS (SELECT FROM pg_stat_activity AS a
                 WHERE a.datname = current_database()
                   AND a.pid <> pg_backend_pid()
                   AND a.backend_type <> 'autovacuum worker'
-                  AND a.xact_start < CASE WHEN old.drained THEN GREATEST(old.ended_at, old.moved_at)
-                                          ELSE old.ended_at END)
+                  AND (a.xact_start < old.ended_at
+                       OR (old.drained AND age(a.backend_xmin) >= age(xid(old.moved_xid)))))
        OR EXISTS (SELECT FROM pg_prepared_xacts AS p
                    WHERE p.database = current_database()
-                     AND p.prepared < CASE WHEN old.drained THEN GREATEST(old.ended_at, old.moved_at)
-                                           ELSE old.ended_at END) THEN
+                     AND p.prepared < old.ended_at) THEN
         step := 'waiting';
         RETURN;
     END IF;
@@ -1330,7 +1332,7 @@ BEGIN
                AND EXISTS (SELECT FROM outbox.log AS d WHERE d.generation = oldest AND d.id = m.batch_id);
         END IF;
         UPDATE outbox.generations AS g
-           SET moved_at = CASE WHEN events > 0 THEN clock_timestamp() ELSE g.moved_at END,
+           SET moved_xid = CASE WHEN events > 0 THEN pg_current_xact_id() ELSE g.moved_xid END,
                drained = events < moves
          WHERE g.generation = oldest;
         step := 'moved';
@@ -1347,7 +1349,7 @@ BEGIN
     IF moved > 0 THEN
         -- Many (a DBA's UPDATE of old events): drained again, without the
         -- lock.
-        UPDATE outbox.generations AS g SET moved_at = clock_timestamp(), drained = moved < moves
+        UPDATE outbox.generations AS g SET moved_xid = pg_current_xact_id(), drained = moved < moves
          WHERE g.generation = oldest;
         step := 'moved';
         events := moved;
@@ -1358,7 +1360,7 @@ BEGIN
     events := pg_stat_get_live_tuples(('outbox.log_' || oldest)::regclass);
     EXECUTE format('TRUNCATE outbox.%I, outbox.%I', 'log_' || oldest, 'outcomes_' || oldest);
     UPDATE outbox.generations AS g
-       SET started_at = NULL, ended_at = NULL, moved_at = NULL, drained = false, first_batch = NULL
+       SET started_at = NULL, ended_at = NULL, moved_xid = NULL, drained = false, first_batch = NULL
      WHERE g.generation = oldest;
     step := 'truncated';
 END
