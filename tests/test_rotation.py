@@ -260,3 +260,30 @@ def test_rows_restored_into_a_generation_never_current_are_kept_and_sent(rotatin
         assert rotate(rotating) == (None, 0)
     rotating.configure(enabled="on")
     wait_until(lambda: set(queued_ids(client, "q_rot_restored")) == restored, message="the restored events sent")
+
+
+def test_a_snapshot_taken_before_the_moves_committed_holds_the_truncation(rotating):
+    """A repeatable-read reader whose snapshot was taken while the moves
+    were not yet committed sees a moved event only where it was: the
+    truncation waits for that snapshot, whenever its transaction began."""
+    rotating.configure(enabled="off")
+    clean_oldest(rotating)
+    event = str(rotating.value("SELECT outbox_enqueue('later', '{}', queue => 'q_rot_snap', delay => '1 day')"))
+    rotate_to_oldest(rotating)
+    mover = rotating.connect(autocommit=False)
+    reader = rotating.connect(autocommit=False)
+    try:
+        assert mover.execute("SELECT step, events FROM outbox.rotate('2 seconds', 1000, false)").fetchone() \
+            == ("moved", 1)
+        reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT 1")
+        mover.commit()
+        rotating.age_generations()
+        assert rotate(rotating)[0] == "waiting"
+        assert reader.execute("SELECT count(*) FROM outbox.events WHERE id = %s", (event,)).fetchone()[0] == 1
+        reader.commit()
+    finally:
+        mover.close()
+        reader.close()
+    rotate_until(rotating, ("truncated",), aged=True)
+    assert kept(rotating, [event])[event][0] == "pending"
