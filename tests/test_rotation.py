@@ -28,7 +28,7 @@ def rotate(pg, retention=RETENTION, acks=False):
     return pg.sql("SELECT step, events FROM outbox.rotate(%s, 1000, %s)", (retention, acks))[0]
 
 
-def rotate_until(pg, wanted, retention=RETENTION, aged=False):
+def rotate_until(pg, wanted, retention=RETENTION, aged=False, acks=False):
     """Steps of the rotation (each after Cluster.age_generations(), if
     `aged`) until one of `wanted`; the steps taken."""
     steps = []
@@ -36,7 +36,7 @@ def rotate_until(pg, wanted, retention=RETENTION, aged=False):
     def done():
         if aged:
             pg.age_generations()
-        steps.append(rotate(pg, retention)[0])
+        steps.append(rotate(pg, retention, acks)[0])
         return steps[-1] in wanted
 
     try:
@@ -287,3 +287,33 @@ def test_a_snapshot_taken_before_the_moves_committed_holds_the_truncation(rotati
         reader.close()
     rotate_until(rotating, ("truncated",), aged=True)
     assert kept(rotating, [event])[event][0] == "pending"
+
+
+def test_an_acknowledgement_that_did_not_see_its_event_move_is_kept(rotating, redis_server):
+    """Acknowledgements on: an event awaiting its acknowledgement moves on.
+    An outbox_ack() whose snapshot predates the move writes the outcome in
+    the generation the event was in; it follows the event before that
+    generation is truncated, and the event stays processed."""
+    client = redis_server.client()
+    rotating.configure(ack_timeout="1h")
+    clean_oldest(rotating)
+    with rotating.connect() as conn:
+        event = enqueue(conn, "q_rot_ack")
+    wait_until(lambda: event in queued_ids(client, "q_rot_ack"), message="the event sent")
+    wait_until(lambda: rotating.value("SELECT status::text FROM outbox.events WHERE id = %s", (event,)) == "dispatched",
+               message="the event dispatched")
+    rotating.configure(enabled="off")
+    rotate_to_oldest(rotating)
+    acker = rotating.connect(autocommit=False)
+    try:
+        acker.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        acker.execute("SELECT 1")
+        assert rotate(rotating, acks=True) == ("moved", 1)
+        assert acker.execute("SELECT outbox_ack(%s)", (event,)).fetchone()[0] is True
+        acker.commit()
+    finally:
+        acker.close()
+    rotate_until(rotating, ("truncated",), aged=True, acks=True)
+    assert rotating.value("SELECT count(*) FROM outbox.outcomes WHERE event = %s", (event,)) == 1
+    assert kept(rotating, [event])[event][0] == "processed"
+    assert rotating.value("SELECT count(*) FROM outbox.moved") == 0

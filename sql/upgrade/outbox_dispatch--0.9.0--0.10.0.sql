@@ -1103,6 +1103,21 @@ CREATE TABLE outbox.generations (
 INSERT INTO outbox.generations (generation, started_at, first_batch)
 VALUES (0, pg_catalog.now(), 1), (1, NULL, NULL), (2, NULL, NULL);
 
+-- The events moved out of a generation not yet truncated, where they went:
+-- an outcome written for one by a statement whose snapshot did not see it
+-- move (an acknowledgement, a report) went to the generation it was in,
+-- and follows it before the truncation. Emptied with the truncation.
+CREATE TABLE outbox.moved (
+    event      uuid NOT NULL,
+    generation smallint NOT NULL,  -- where it was
+    moved_to   smallint NOT NULL,
+    id         uuid NOT NULL,      -- its id there (a new one if its own was taken)
+    PRIMARY KEY (generation, event)
+);
+
+COMMENT ON TABLE outbox.moved IS
+    'Events the rotation moved out of a generation not yet truncated, and where they went.';
+
 COMMENT ON TABLE outbox.generations IS
     'The generations of outbox.log: when each became current and ended, which transaction last moved events out, and whether it is drained.';
 
@@ -1212,6 +1227,10 @@ BEGIN
           FROM carried AS c
          WHERE o.generation = source
            AND o.event = c.was
+    ), recorded AS (
+        INSERT INTO outbox.moved (event, generation, moved_to, id)
+        SELECT c.was, source, target, c.id FROM carried AS c
+        ON CONFLICT (generation, event) DO UPDATE SET moved_to = excluded.moved_to, id = excluded.id
     )
     SELECT count(*) INTO moved FROM carried;
     PERFORM set_config('outbox.moving', 'off', true);
@@ -1231,9 +1250,9 @@ $$;
 --              next one is empty: the next one is current;
 --   waiting    the oldest generation is due, but a transaction that began
 --              before it ended (one that may still write it) or, once it
---              is drained, before the last moves (one that may still read
---              it as it was) is open: the moves or the truncation would
---              take rows from under it;
+--              is drained, a snapshot that may not see the last moves (one
+--              that may still read it as it was) is open: the moves or the
+--              truncation would take rows from under it;
 --   moved      up to $2 events still needed were moved from the oldest
 --              generation to the current one (fewer: it is drained);
 --   truncated  the oldest generation, drained, is truncated, unless
@@ -1355,6 +1374,16 @@ BEGIN
         events := moved;
         RETURN;
     END IF;
+    -- Outcomes written where a moved event was, by a statement that did
+    -- not see it move (all of them have ended: the wait above), follow it.
+    UPDATE outbox.outcomes AS o
+       SET generation = m.moved_to, event = m.id
+      FROM outbox.moved AS m
+     WHERE m.generation = oldest
+       AND o.generation = oldest
+       AND o.event = m.event
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS t WHERE t.generation = m.moved_to AND t.event = m.id);
+    DELETE FROM outbox.moved AS m WHERE m.generation = oldest;
     -- Its events as the statistics count them, kept by every insert and
     -- delete (a count would read the partition whole).
     events := pg_stat_get_live_tuples(('outbox.log_' || oldest)::regclass);
