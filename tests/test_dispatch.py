@@ -278,15 +278,19 @@ def test_worker_queries_are_served_by_indexes(outbox):
                 assert not re.search(r"Seq Scan on (log|batches|outcomes|batch_members|positions)", plan), \
                     f"{path.name}, {mode}:\n{plan}"
     # The claim reads the window's two ranges in each partition, each from
-    # where it starts, merged in order: never a whole range sorted.
+    # where it starts, merged in order: never a whole range sorted. (An
+    # empty partition may be read by its primary key, in id order: as
+    # cheap.)
     with outbox.connect() as conn:
         conn.execute(DISPATCHER_PLANNER)
+        conn.execute("SET enable_seqscan = off")
         types, args, _ = queries[worker / "claim.sql"]
         conn.execute(f"PREPARE q{types} AS {(worker / 'claim.sql').read_text()}")
         for mode in ("auto", "force_generic_plan"):
             conn.execute(f"SET plan_cache_mode = {mode}")
             plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN EXECUTE q{args}"))
-            assert all(plan.count(f"{p}_pending_xid_idx ") == 2 for p in PARTITIONS), plan
+            assert all(len(re.findall(rf"Index (?:Only )?Scan using \w+ on {p} ", plan)) == 2 for p in PARTITIONS), plan
+            assert plan.count("log_0_pending_xid_idx ") == 2, plan
             assert not re.search(r"(?<!Merge )Append", plan), plan
     # An event's batch: by the batches' last positions. A batch's events
     # (abandoned, swept, purged, reported): the window's two ranges, each

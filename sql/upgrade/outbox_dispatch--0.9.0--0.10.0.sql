@@ -795,33 +795,53 @@ $$;
 -- and the metrics count them).
 CREATE VIEW outbox.status AS
 WITH waiting AS (
-    -- In line, not read yet: the transactions the cursor's prev saw in
-    -- progress, and those from its xmax on, but what the window being read
-    -- has read.
-    -- (One index range per transaction: with the log's partitions, a
-    -- condition on the array of them was planned as a read of each whole.)
+    -- In line, not read yet. A window reads the transactions its prev saw
+    -- in progress (behind), then those from prev's xmax on (fresh), each
+    -- in (pending_xid, id) order, up to the cursor's position; what its
+    -- target does not see, a later window reads. Each range starts where
+    -- the unread rows of its transaction start: a large transaction the
+    -- window has read is not walked again (500,000 buffers for a scrape
+    -- over one of 200,000 events whose window was not closed yet).
+    -- Behind: a transaction the target sees and the position passed is
+    -- read; the one at the position, from there on; any other, whole.
     SELECT e.created_at, e.available_at
-      FROM outbox.cursor AS w
-     CROSS JOIN LATERAL pg_catalog.pg_snapshot_xip(w.prev) AS b(xid)
-      JOIN outbox.log AS e ON e.pending_xid = b.xid
-     WHERE e.status = 'pending'
+      FROM outbox.cursor AS c
+     CROSS JOIN LATERAL pg_catalog.pg_snapshot_xip(c.prev) AS b(xid)
+     CROSS JOIN LATERAL (
+           SELECT coalesce(pg_catalog.pg_visible_in_snapshot(b.xid, c.target) AND b.xid = c.after_xid, false)
+                      AS at_position,
+                  coalesce(pg_catalog.pg_visible_in_snapshot(b.xid, c.target) AND b.xid < c.after_xid, false)
+                      AS passed) AS r
+      JOIN outbox.log AS e
+        ON e.pending_xid = b.xid
+       AND (e.pending_xid, e.id) > (b.xid, CASE WHEN r.at_position THEN c.after_id
+                                                ELSE '00000000-0000-0000-0000-000000000000'::uuid END)
+     WHERE NOT r.passed
+       AND e.status = 'pending'
        AND e.key_state IS DISTINCT FROM 'waiting'
-       AND NOT coalesce((SELECT pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
-                                AND (e.pending_xid, e.id)
-                                    <= (coalesce(c.after_xid, '0'::xid8),
-                                        coalesce(c.after_id, '00000000-0000-0000-0000-000000000000'::uuid))
-                           FROM outbox.cursor AS c), false)
     UNION ALL
+    -- Fresh, beyond the position (from prev's xmax while the window is
+    -- still reading behind, or has not begun).
     SELECT e.created_at, e.available_at
-      FROM outbox.log AS e
+      FROM outbox.cursor AS c
+      JOIN outbox.log AS e
+        ON (e.pending_xid, e.id)
+           > (CASE WHEN c.target IS NOT NULL AND c.after_xid >= pg_catalog.pg_snapshot_xmax(c.prev) THEN c.after_xid
+                   ELSE outbox.xid_before(pg_catalog.pg_snapshot_xmax(c.prev)) END,
+              CASE WHEN c.target IS NOT NULL AND c.after_xid >= pg_catalog.pg_snapshot_xmax(c.prev) THEN c.after_id
+                   ELSE 'ffffffff-ffff-ffff-ffff-ffffffffffff'::uuid END)
      WHERE e.status = 'pending'
        AND e.key_state IS DISTINCT FROM 'waiting'
-       AND e.pending_xid >= (SELECT pg_catalog.pg_snapshot_xmax(c.prev) FROM outbox.cursor AS c)
-       AND NOT coalesce((SELECT pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
-                                AND (e.pending_xid, e.id)
-                                    <= (coalesce(c.after_xid, '0'::xid8),
-                                        coalesce(c.after_id, '00000000-0000-0000-0000-000000000000'::uuid))
-                           FROM outbox.cursor AS c), false)
+    UNION ALL
+    -- Fresh, before the position, of transactions the target does not see.
+    SELECT e.created_at, e.available_at
+      FROM outbox.cursor AS c
+     CROSS JOIN LATERAL pg_catalog.pg_snapshot_xip(c.target) AS t(xid)
+      JOIN outbox.log AS e ON e.pending_xid = t.xid
+     WHERE t.xid >= pg_catalog.pg_snapshot_xmax(c.prev)
+       AND t.xid < c.after_xid
+       AND e.status = 'pending'
+       AND e.key_state IS DISTINCT FROM 'waiting'
     UNION ALL
     -- Out of line until due.
     SELECT e.created_at, e.available_at
