@@ -212,7 +212,7 @@ def test_a_copied_head_makes_no_second_head(keyed):
     states = key_states(keyed, "cloned")
     assert [r[2] for r in states] == ["head", "waiting", "waiting"], states
     assert states[0][0] == head and len({r[3] for r in states}) == 3, states
-    with pytest.raises(psycopg.errors.UniqueViolation, match="log_0_key_head_idx"):
+    with pytest.raises(psycopg.errors.UniqueViolation, match=r"log_\d_key_head_idx"):
         keyed.sql("UPDATE outbox.events SET key_state = 'head' WHERE id = %s", (last,))
 
 
