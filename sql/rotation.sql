@@ -199,7 +199,6 @@ DECLARE
     oldest smallint;
     now_ outbox.generations;
     old outbox.generations;
-    moved bigint;
 BEGIN
     events := 0;
     -- One rotation at a time, whoever runs it; the generation read once
@@ -294,14 +293,13 @@ BEGIN
     -- have seen it where it was.
     EXECUTE format('LOCK TABLE outbox.%I, outbox.%I IN ACCESS EXCLUSIVE MODE',
                    'log_' || oldest, 'outcomes_' || oldest);
-    moved := outbox.move_unfinished(oldest, current_, moves, acks);
-    IF moved > 0 THEN
+    events := outbox.move_unfinished(oldest, current_, moves, acks);
+    IF events > 0 THEN
         -- Many (a DBA's UPDATE of old events): drained again, without the
         -- lock.
-        UPDATE outbox.generations AS g SET moved_xid = pg_current_xact_id(), drained = moved < moves
+        UPDATE outbox.generations AS g SET moved_xid = pg_current_xact_id(), drained = events < moves
          WHERE g.generation = oldest;
         step := 'moved';
-        events := moved;
         RETURN;
     END IF;
     -- Outcomes written where a moved event was, by a statement that did
