@@ -123,8 +123,12 @@ def test_a_transaction_left_open_is_not_walked_by_every_claim(redis_server):
         pg.claim_as(0, 100)
         with pg.connect(autocommit=False) as open_:
             open_.execute("SELECT outbox_enqueue('open', '{}', queue => 'q_open') FROM generate_series(1, 20000)")
-            empty = pg.claim_as(0, 100)
-            assert empty == (None, {})
+            # A snapshot taken before any later transaction ended does not
+            # list the open one as running (its xid is at or past the
+            # snapshot's xmax), so the claim after such a snapshot still
+            # walks its entries once; the one after that must not.
+            for _ in range(2):
+                assert pg.claim_as(0, 100) == (None, {})
             # Walking the open transaction's entries: about 400 buffers.
             assert claim_buffers(pg) < 50
             with pg.connect() as conn:
