@@ -6,7 +6,7 @@
 -- the moment (FOR SHARE) so that the unacknowledged sweeper, which settles
 -- it first, either sees this outcome or has put the event back in line.
 -- Returns the event, and its key when it held it (it then passes it on:
--- src/keys.rs). Served by the primary keys.
+-- src/keys.rs). Served by the primary keys and outcomes_batch_idx.
 WITH e AS (
     SELECT l.id, l.generation, l.key_state, l.ordering_key, coalesce(l.subscription_id, 0) AS subscription,
            outbox.batch_of(l.pending_xid, l.id) AS batch
@@ -22,10 +22,12 @@ WITH e AS (
      WHERE b.id = e.batch AND b.settled_at IS NULL AND b.abandoned_at IS NULL
        FOR SHARE OF b
 ), recorded AS (
-    INSERT INTO outbox.outcomes (event, generation)
-    SELECT e.id, e.generation FROM e WHERE e.batch IN (SELECT held.id FROM held)
-    ON CONFLICT (event, generation) DO NOTHING
-    RETURNING event
+    INSERT INTO outbox.outcomes (batch, generation, events)
+    SELECT e.batch, e.generation, ARRAY[e.id]
+      FROM e
+     WHERE e.batch IN (SELECT held.id FROM held)
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = e.batch AND e.id = ANY (o.events))
+    RETURNING events[1] AS event
 ), stored AS (
     UPDATE outbox.log AS l
        SET status = 'processed'

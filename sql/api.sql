@@ -325,11 +325,24 @@ WITH waiting AS (
     UNION ALL
     SELECT 'failed', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
       FROM outbox.log AS e WHERE e.status = 'failed'
+), reported AS (
+    -- The outcome rows as stored, with how many events they hold up to
+    -- each (read as far as the first that takes them over 1000).
+    SELECT o.events,
+           pg_catalog.sum(pg_catalog.cardinality(o.events)) OVER (ROWS UNBOUNDED PRECEDING) AS events_so_far,
+           pg_catalog.row_number() OVER (ROWS UNBOUNDED PRECEDING) AS rows_so_far
+      FROM outbox.outcomes AS o
+), beyond AS (
+    SELECT r.events_so_far, r.rows_so_far FROM reported AS r WHERE r.events_so_far > 1000 LIMIT 1
 ), finished AS (
+    -- Processed: the events of the outcome rows, exactly while they are at
+    -- most 1000 (each once, though a row of a rotation's move may repeat
+    -- one until its generation is truncated), plus those stored processed.
     SELECT (SELECT pg_catalog.count(*)
               FROM (SELECT FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL LIMIT 1001) AS f) AS batches,
-           (SELECT pg_catalog.count(*)
-              FROM (SELECT FROM outbox.outcomes AS o LIMIT 1001) AS f)
+           coalesce((SELECT b.events_so_far FROM beyond AS b),
+                    (SELECT pg_catalog.count(DISTINCT x.id)
+                       FROM reported AS r CROSS JOIN LATERAL pg_catalog.unnest(r.events) AS x(id)))
            + (SELECT pg_catalog.count(*)
                 FROM (SELECT FROM outbox.log AS e WHERE e.status = 'processed' LIMIT 1001) AS f) AS processed
 ), sent AS (
@@ -340,17 +353,20 @@ WITH waiting AS (
      CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
      WHERE b.marked_at IS NOT NULL
        AND (SELECT f.batches FROM finished AS f) <= 1000
-       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events))
 ), estimate AS (
+    -- The outcome rows the statistics count, each holding as many events
+    -- as the first rows read above.
     SELECT GREATEST((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
                        FROM pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS p
                        JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
                       WHERE p.isleaf)
                     - (SELECT pg_catalog.sum(x.count) FROM exact AS x)::bigint, 0) AS finished,
-           (SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
-              FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
-              JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
-             WHERE p.isleaf) AS processed
+           ((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))
+               FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
+               JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
+              WHERE p.isleaf)
+            * coalesce((SELECT b.events_so_far::float8 / b.rows_so_far FROM beyond AS b), 1))::bigint AS processed
 )
 SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
        false AS estimated
@@ -410,7 +426,7 @@ SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, b.ma
   JOIN outbox.log AS e ON e.id = m.id
  WHERE b.settled_at IS NULL
    AND b.marked_at < pg_catalog.now() - @extschema@.outbox_report_timeout()
-   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id);
+   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events));
 
 COMMENT ON VIEW outbox.unreported IS
     'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';

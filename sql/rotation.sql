@@ -86,11 +86,11 @@ SELECT e.id
    AND NOT pg_visible_in_snapshot(e.pending_xid, c.prev)
 UNION ALL
 SELECT m.id
-  FROM (SELECT b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
+  FROM (SELECT b.id, b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
           FROM outbox.batches AS b
          WHERE b.marked_at IS NULL AND b.abandoned_at IS NULL
         UNION ALL
-        SELECT b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
+        SELECT b.id, b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
           FROM outbox.batches AS b
          WHERE $2 AND b.settled_at IS NULL AND b.marked_at IS NOT NULL) AS b
  CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
@@ -100,14 +100,14 @@ SELECT m.id
                         -- Not the set above: read by a claim.
                         AND (e.pending_xid < pg_snapshot_xmin(c.prev) OR pg_visible_in_snapshot(e.pending_xid, c.prev))
                       LIMIT 1) AS e
- WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
+ WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events))
 $$;
 
 -- Moves up to $3 of the events of generation $1 still needed to generation
--- $2, with their outcomes; returns how many. A moved event keeps
--- everything but its generation, and passes none of the insert triggers
--- (outbox.moving, set for the move alone): it stays in line or out of it,
--- in its batch, with its key's turn. What generation $2 already holds is
+-- $2 (their outcomes follow them at the truncation); returns how many. A
+-- moved event keeps everything but its generation, and passes none of the
+-- insert triggers (outbox.moving, set for the move alone): it stays in line
+-- or out of it, in its batch, with its key's turn. What generation $2 already holds is
 -- never refused there, so that the rotation never stops on it (an insert
 -- that named a generation of its own, a copy of a row): an event whose id
 -- is taken there is moved with a new id, and one whose key's turn is taken
@@ -151,12 +151,6 @@ BEGIN
          WHERE e.generation = source
            AND e.id = n.id
         RETURNING n.id AS was, e.id
-    ), outcomes AS (
-        UPDATE outbox.outcomes AS o
-           SET generation = target, event = c.id
-          FROM carried AS c
-         WHERE o.generation = source
-           AND o.event = c.was
     ), recorded AS (
         INSERT INTO outbox.moved (event, generation, moved_to, id)
         SELECT c.was, source, target, c.id FROM carried AS c
@@ -302,15 +296,22 @@ BEGIN
         step := 'moved';
         RETURN;
     END IF;
-    -- Outcomes written where a moved event was, by a statement that did
-    -- not see it move (all of them have ended: the wait above), follow it.
-    UPDATE outbox.outcomes AS o
-       SET generation = m.moved_to, event = m.id
-      FROM outbox.moved AS m
-     WHERE m.generation = oldest
-       AND o.generation = oldest
-       AND o.event = m.event
-       AND NOT EXISTS (SELECT FROM outbox.outcomes AS t WHERE t.generation = m.moved_to AND t.event = m.id);
+    -- The outcomes of the events moved out of it, recorded before the move
+    -- or by a statement that did not see it (all of them have ended: the
+    -- wait above), follow them: recorded again where they went, by the
+    -- batch that read them at their position (their id there).
+    PERFORM outbox.record_outcomes(array_agg(r.batch), array_agg(r.moved_to), array_agg(r.id), array_agg(r.at))
+       FROM (SELECT DISTINCT ON (m.moved_to, m.id) o.batch, m.moved_to, m.id, o.at
+               FROM outbox.moved AS m
+               JOIN outbox.log AS e ON e.generation = m.moved_to AND e.id = m.id
+               JOIN outbox.outcomes AS o
+                 ON o.generation = oldest
+                AND o.batch = outbox.batch_at(e.pending_xid, m.event)
+                AND m.event = ANY (o.events)
+              WHERE m.generation = oldest
+                AND NOT EXISTS (SELECT FROM outbox.outcomes AS t
+                                 WHERE t.generation = m.moved_to AND t.batch = o.batch AND m.id = ANY (t.events))
+              ORDER BY m.moved_to, m.id, o.at) AS r;
     DELETE FROM outbox.moved AS m WHERE m.generation = oldest;
     -- Its events as the statistics count them, kept by every insert and
     -- delete (a count would read the partition whole).

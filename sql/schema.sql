@@ -282,16 +282,23 @@ CREATE INDEX batches_settled_idx ON outbox.batches (settled_at) WHERE settled_at
 CREATE INDEX batches_abandoned_idx ON outbox.batches (abandoned_at) WHERE abandoned_at IS NOT NULL;
 
 -- Events a Celery worker reported processed, or a consumer acknowledged
--- (outbox_ack()): one row each, appended by the round of reports or the
--- call that records it. Failures are written to the event itself. Each
--- in the generation of its event: the outcomes of a partition of the log
--- are a partition of their own, which goes with it.
+-- (outbox_ack()), by batch: a round of reports appends, per batch and
+-- generation it touched, rows of at most 100 of its events, and an
+-- acknowledgement a row of one. An array costs 16 bytes of WAL an event
+-- where a row each cost about 190 with its index entry (bench/wal.py), and
+-- at 100 a row stays small enough to be stored inline. An event is looked
+-- up through the batch that holds its position (outbox.batch_at()): one
+-- with an outcome never leaves its batch. Failures are written to the
+-- event itself. Each in the generation of its events: the outcomes of a
+-- partition of the log are a partition of their own, which goes with it.
+-- Only appended and truncated (no update or delete: no replica identity
+-- needed where the table is published).
 CREATE TABLE outbox.outcomes (
-    event      uuid NOT NULL,
+    batch      bigint NOT NULL,
+    events     uuid[] NOT NULL,
     at         timestamptz NOT NULL DEFAULT pg_catalog.now(),
     generation smallint NOT NULL
-               DEFAULT pg_catalog.pg_sequence_last_value('outbox.generation'::pg_catalog.regclass)::smallint,
-    CONSTRAINT outcomes_pkey PRIMARY KEY (event, generation)
+               DEFAULT pg_catalog.pg_sequence_last_value('outbox.generation'::pg_catalog.regclass)::smallint
 )
 PARTITION BY LIST (generation);
 
@@ -304,8 +311,33 @@ BEGIN
 END
 $$;
 
+CREATE INDEX outcomes_batch_idx ON outbox.outcomes (batch);
+
 COMMENT ON TABLE outbox.outcomes IS
-    'Events reported processed by a Celery worker or acknowledged with outbox_ack().';
+    'Events reported processed by a Celery worker or acknowledged with outbox_ack(), by batch.';
+
+-- Records event $3[i] of batch $1[i], in generation $2[i], processed at
+-- $4[i] (NULL: now), in rows of at most 100 events per batch and
+-- generation. Returns the events. The caller has made sure none is
+-- recorded already.
+CREATE FUNCTION outbox.record_outcomes(batch bigint[], generation smallint[], event uuid[], at timestamptz[])
+RETURNS SETOF uuid
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+WITH recorded AS (
+    INSERT INTO outbox.outcomes (batch, generation, events, at)
+    SELECT r.batch, r.generation, array_agg(r.event), coalesce(min(r.at), now())
+      FROM (SELECT u.batch, u.generation, u.event, u.at,
+                   (row_number() OVER (PARTITION BY u.batch, u.generation) - 1) / 100 AS row_
+              FROM unnest($1, $2, $3, $4) AS u(batch, generation, event, at)) AS r
+     GROUP BY r.batch, r.generation, r.row_
+    RETURNING events
+)
+SELECT unnest(recorded.events) FROM recorded
+$$;
+
+REVOKE ALL ON FUNCTION outbox.record_outcomes(bigint[], smallint[], uuid[], timestamptz[]) FROM PUBLIC;
 
 -- The transaction id before `xid` (xid8 has no arithmetic): after the
 -- last event of that transaction comes the first of `xid`.
@@ -379,9 +411,10 @@ RETURN pg_catalog.encode(
         send::pg_catalog.text OPERATOR(pg_catalog.||) event::pg_catalog.text, 'UTF8')), 1, 16),
     'hex')::pg_catalog.uuid;
 
--- The batch that read an event in line at ($1, $2): the page of the window
--- that holds its position. NULL: none yet (or out of line).
-CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid) RETURNS bigint
+-- The batch that read an event in line at ($1, $2), whatever became of
+-- it since: the page of the window that holds its position. NULL: none yet
+-- (or out of line).
+CREATE FUNCTION outbox.batch_at(pending_xid xid8, id uuid) RETURNS bigint
 LANGUAGE sql STABLE STRICT SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -391,9 +424,20 @@ SELECT b.id
    AND pg_catalog.pg_visible_in_snapshot($1, b.target)
    AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
    AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
-   AND b.abandoned_at IS NULL
  ORDER BY b.to_xid, b.to_id
  LIMIT 1
+$$;
+
+-- The batch an event at ($1, $2) is in: batch_at()'s, unless it was
+-- abandoned (its events went back in line, but those with an outcome).
+CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid) RETURNS bigint
+LANGUAGE sql STABLE STRICT SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT b.id
+  FROM outbox.batches AS b
+ WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_at($1, $2)
+   AND b.abandoned_at IS NULL
 $$;
 
 -- What an event is now, from what was written of it ($1, the row's status)
@@ -408,11 +452,14 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 SELECT CASE
          WHEN $1 OPERATOR(pg_catalog.<>) 'pending' OR $4 IS NOT DISTINCT FROM 'waiting' THEN $1
-         WHEN EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event OPERATOR(pg_catalog.=) $3) THEN 'processed'
-         ELSE coalesce((SELECT CASE WHEN b.marked_at IS NULL THEN 'processing'
+         ELSE coalesce((SELECT CASE WHEN EXISTS (SELECT FROM outbox.outcomes AS o
+                                                 WHERE o.batch OPERATOR(pg_catalog.=) b.id
+                                                   AND $3 OPERATOR(pg_catalog.=) ANY (o.events)) THEN 'processed'
+                                    WHEN b.abandoned_at IS NOT NULL THEN 'pending'
+                                    WHEN b.marked_at IS NULL THEN 'processing'
                                     ELSE 'dispatched' END::outbox.event_status
                           FROM outbox.batches AS b
-                         WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_of($2, $3)),
+                         WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_at($2, $3)),
                        'pending')
        END
 $$;

@@ -299,7 +299,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
     # from where it starts.
     with outbox.connect() as conn:
         conn.execute("SET enable_seqscan = off")
-        body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_of'::regproc")
+        body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_at'::regproc")
         plan = "\n".join(r[0] for r in conn.execute(
             f"EXPLAIN {body.replace('$1', chr(39) + '100' + chr(39) + '::xid8').replace('$2', 'gen_random_uuid()')}"))
         assert "batches_to_idx" in plan, plan

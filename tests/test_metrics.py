@@ -183,8 +183,9 @@ def sent(pg, event_type, count, processed=False):
                               "WHERE status IN ('pending', 'processing')") == [("pending", 10), ("processing", 0)],
                timeout=120, message=f"{count} events sent")
     if processed:
-        pg.sql("INSERT INTO outbox.outcomes (event, at) "
-               "SELECT id, now() - interval '1 day' FROM outbox.log WHERE event_type = %s", (event_type,))
+        pg.sql("SELECT outbox.record_outcomes(array_agg(batch), array_agg(generation), array_agg(id), "
+               "array_agg(now() - interval '1 day')) "
+               "FROM outbox.events JOIN outbox.log USING (id) WHERE events.event_type = %s", (event_type,))
         pg.sql("UPDATE outbox.batches SET marked_at = now() - interval '1 day', settled_at = now() - interval '1 day' "
                "WHERE id IN (SELECT batch FROM outbox.events WHERE event_type = %s)", (event_type,))
 

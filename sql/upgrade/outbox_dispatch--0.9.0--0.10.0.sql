@@ -129,16 +129,23 @@ SELECT pg_catalog.setval('outbox.generation', 0, true);
 GRANT SELECT ON SEQUENCE outbox.generation TO PUBLIC;
 
 -- Events a Celery worker reported processed, or a consumer acknowledged
--- (outbox_ack()): one row each, appended by the round of reports or the
--- call that records it. Failures are written to the event itself. Each
--- in the generation of its event: the outcomes of a partition of the log
--- are a partition of their own, which goes with it.
+-- (outbox_ack()), by batch: a round of reports appends, per batch and
+-- generation it touched, rows of at most 100 of its events, and an
+-- acknowledgement a row of one. An array costs 16 bytes of WAL an event
+-- where a row each cost about 190 with its index entry (bench/wal.py), and
+-- at 100 a row stays small enough to be stored inline. An event is looked
+-- up through the batch that holds its position (outbox.batch_at()): one
+-- with an outcome never leaves its batch. Failures are written to the
+-- event itself. Each in the generation of its events: the outcomes of a
+-- partition of the log are a partition of their own, which goes with it.
+-- Only appended and truncated (no update or delete: no replica identity
+-- needed where the table is published).
 CREATE TABLE outbox.outcomes (
-    event      uuid NOT NULL,
+    batch      bigint NOT NULL,
+    events     uuid[] NOT NULL,
     at         timestamptz NOT NULL DEFAULT pg_catalog.now(),
     generation smallint NOT NULL
-               DEFAULT pg_catalog.pg_sequence_last_value('outbox.generation'::pg_catalog.regclass)::smallint,
-    CONSTRAINT outcomes_pkey PRIMARY KEY (event, generation)
+               DEFAULT pg_catalog.pg_sequence_last_value('outbox.generation'::pg_catalog.regclass)::smallint
 )
 PARTITION BY LIST (generation);
 
@@ -151,8 +158,33 @@ BEGIN
 END
 $$;
 
+CREATE INDEX outcomes_batch_idx ON outbox.outcomes (batch);
+
 COMMENT ON TABLE outbox.outcomes IS
-    'Events reported processed by a Celery worker or acknowledged with outbox_ack().';
+    'Events reported processed by a Celery worker or acknowledged with outbox_ack(), by batch.';
+
+-- Records event $3[i] of batch $1[i], in generation $2[i], processed at
+-- $4[i] (NULL: now), in rows of at most 100 events per batch and
+-- generation. Returns the events. The caller has made sure none is
+-- recorded already.
+CREATE FUNCTION outbox.record_outcomes(batch bigint[], generation smallint[], event uuid[], at timestamptz[])
+RETURNS SETOF uuid
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+WITH recorded AS (
+    INSERT INTO outbox.outcomes (batch, generation, events, at)
+    SELECT r.batch, r.generation, array_agg(r.event), coalesce(min(r.at), now())
+      FROM (SELECT u.batch, u.generation, u.event, u.at,
+                   (row_number() OVER (PARTITION BY u.batch, u.generation) - 1) / 100 AS row_
+              FROM unnest($1, $2, $3, $4) AS u(batch, generation, event, at)) AS r
+     GROUP BY r.batch, r.generation, r.row_
+    RETURNING events
+)
+SELECT unnest(recorded.events) FROM recorded
+$$;
+
+REVOKE ALL ON FUNCTION outbox.record_outcomes(bigint[], smallint[], uuid[], timestamptz[]) FROM PUBLIC;
 
 -- The transaction id before `xid` (xid8 has no arithmetic): after the
 -- last event of that transaction comes the first of `xid`.
@@ -226,9 +258,10 @@ RETURN pg_catalog.encode(
         send::pg_catalog.text OPERATOR(pg_catalog.||) event::pg_catalog.text, 'UTF8')), 1, 16),
     'hex')::pg_catalog.uuid;
 
--- The batch that read an event in line at ($1, $2): the page of the window
--- that holds its position. NULL: none yet (or out of line).
-CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid) RETURNS bigint
+-- The batch that read an event in line at ($1, $2), whatever became of
+-- it since: the page of the window that holds its position. NULL: none yet
+-- (or out of line).
+CREATE FUNCTION outbox.batch_at(pending_xid xid8, id uuid) RETURNS bigint
 LANGUAGE sql STABLE STRICT SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -238,9 +271,20 @@ SELECT b.id
    AND pg_catalog.pg_visible_in_snapshot($1, b.target)
    AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
    AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
-   AND b.abandoned_at IS NULL
  ORDER BY b.to_xid, b.to_id
  LIMIT 1
+$$;
+
+-- The batch an event at ($1, $2) is in: batch_at()'s, unless it was
+-- abandoned (its events went back in line, but those with an outcome).
+CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid) RETURNS bigint
+LANGUAGE sql STABLE STRICT SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT b.id
+  FROM outbox.batches AS b
+ WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_at($1, $2)
+   AND b.abandoned_at IS NULL
 $$;
 
 -- What an event is now, from what was written of it ($1, the row's status)
@@ -255,11 +299,14 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 SELECT CASE
          WHEN $1 OPERATOR(pg_catalog.<>) 'pending' OR $4 IS NOT DISTINCT FROM 'waiting' THEN $1
-         WHEN EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event OPERATOR(pg_catalog.=) $3) THEN 'processed'
-         ELSE coalesce((SELECT CASE WHEN b.marked_at IS NULL THEN 'processing'
+         ELSE coalesce((SELECT CASE WHEN EXISTS (SELECT FROM outbox.outcomes AS o
+                                                 WHERE o.batch OPERATOR(pg_catalog.=) b.id
+                                                   AND $3 OPERATOR(pg_catalog.=) ANY (o.events)) THEN 'processed'
+                                    WHEN b.abandoned_at IS NOT NULL THEN 'pending'
+                                    WHEN b.marked_at IS NULL THEN 'processing'
                                     ELSE 'dispatched' END::outbox.event_status
                           FROM outbox.batches AS b
-                         WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_of($2, $3)),
+                         WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_at($2, $3)),
                        'pending')
        END
 $$;
@@ -271,13 +318,6 @@ SET LOCAL session_replication_role = replica;
 ALTER TABLE outbox.log DISABLE TRIGGER events_pending_again;
 -- Out of line is a NULL pending_xid.
 ALTER TABLE outbox.log ALTER COLUMN pending_xid DROP NOT NULL;
-
--- Events reported processed or acknowledged keep that as outcomes.
-INSERT INTO outbox.outcomes (event, at)
-SELECT e.id, coalesce(e.processed_at, pg_catalog.now())
-  FROM outbox.log AS e
- WHERE e.status OPERATOR(pg_catalog.=) 'processed'
-   AND coalesce(e.routed_to, 0) OPERATOR(pg_catalog.=) 0;
 
 -- Claimed events go back (they may have been sent: their keys' next wait
 -- for them all the same), and every event pending goes out of line: the
@@ -296,10 +336,13 @@ UPDATE outbox.log AS e
 -- Their dispatcher is -1: their messages carry the sends 0.9.0 drew per
 -- event, and a report for one names the event alone
 -- (sql/worker/apply_reports.sql).
+-- processed_at says which were processed (outcomes, below).
 UPDATE outbox.log AS e
    SET status = 'pending',
        pending_xid = '2',
-       deliveries = GREATEST(e.deliveries OPERATOR(pg_catalog.-) 1, 0)
+       deliveries = GREATEST(e.deliveries OPERATOR(pg_catalog.-) 1, 0),
+       processed_at = CASE WHEN e.status OPERATOR(pg_catalog.=) 'processed'
+                           THEN coalesce(e.processed_at, pg_catalog.now()) END
  WHERE e.status OPERATOR(pg_catalog.=) 'dispatched'
     OR (e.status OPERATOR(pg_catalog.=) 'processed' AND coalesce(e.routed_to, 0) OPERATOR(pg_catalog.=) 0);
 
@@ -319,6 +362,15 @@ SELECT pg_catalog.gen_random_uuid(), -1, g.at, '2:2:', '2:3:',
                          WHERE e.pending_xid OPERATOR(pg_catalog.=) '2') AS r
                 WINDOW w AS (PARTITION BY r.n)) AS l
          WHERE l.last) AS g;
+
+-- Events reported processed or acknowledged keep that as outcomes, in the
+-- batches just made (the rows go to the first generation, below).
+SELECT outbox.record_outcomes(pg_catalog.array_agg(outbox.batch_at(e.pending_xid, e.id)),
+                              pg_catalog.array_agg(0::pg_catalog.int2), pg_catalog.array_agg(e.id),
+                              pg_catalog.array_agg(e.processed_at))
+  FROM outbox.log AS e
+ WHERE e.pending_xid OPERATOR(pg_catalog.=) '2'
+   AND e.processed_at IS NOT NULL;
 
 SET LOCAL session_replication_role = origin;
 
@@ -862,11 +914,24 @@ WITH waiting AS (
     UNION ALL
     SELECT 'failed', pg_catalog.count(*), pg_catalog.min(e.created_at), NULL
       FROM outbox.log AS e WHERE e.status = 'failed'
+), reported AS (
+    -- The outcome rows as stored, with how many events they hold up to
+    -- each (read as far as the first that takes them over 1000).
+    SELECT o.events,
+           pg_catalog.sum(pg_catalog.cardinality(o.events)) OVER (ROWS UNBOUNDED PRECEDING) AS events_so_far,
+           pg_catalog.row_number() OVER (ROWS UNBOUNDED PRECEDING) AS rows_so_far
+      FROM outbox.outcomes AS o
+), beyond AS (
+    SELECT r.events_so_far, r.rows_so_far FROM reported AS r WHERE r.events_so_far > 1000 LIMIT 1
 ), finished AS (
+    -- Processed: the events of the outcome rows, exactly while they are at
+    -- most 1000 (each once, though a row of a rotation's move may repeat
+    -- one until its generation is truncated), plus those stored processed.
     SELECT (SELECT pg_catalog.count(*)
               FROM (SELECT FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL LIMIT 1001) AS f) AS batches,
-           (SELECT pg_catalog.count(*)
-              FROM (SELECT FROM outbox.outcomes AS o LIMIT 1001) AS f)
+           coalesce((SELECT b.events_so_far FROM beyond AS b),
+                    (SELECT pg_catalog.count(DISTINCT x.id)
+                       FROM reported AS r CROSS JOIN LATERAL pg_catalog.unnest(r.events) AS x(id)))
            + (SELECT pg_catalog.count(*)
                 FROM (SELECT FROM outbox.log AS e WHERE e.status = 'processed' LIMIT 1001) AS f) AS processed
 ), sent AS (
@@ -877,17 +942,20 @@ WITH waiting AS (
      CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
      WHERE b.marked_at IS NOT NULL
        AND (SELECT f.batches FROM finished AS f) <= 1000
-       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events))
 ), estimate AS (
+    -- The outcome rows the statistics count, each holding as many events
+    -- as the first rows read above.
     SELECT GREATEST((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
                        FROM pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS p
                        JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
                       WHERE p.isleaf)
                     - (SELECT pg_catalog.sum(x.count) FROM exact AS x)::bigint, 0) AS finished,
-           (SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
-              FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
-              JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
-             WHERE p.isleaf) AS processed
+           ((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))
+               FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
+               JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
+              WHERE p.isleaf)
+            * coalesce((SELECT b.events_so_far::float8 / b.rows_so_far FROM beyond AS b), 1))::bigint AS processed
 )
 SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
        false AS estimated
@@ -923,7 +991,7 @@ SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, b.ma
   JOIN outbox.log AS e ON e.id = m.id
  WHERE b.settled_at IS NULL
    AND b.marked_at < pg_catalog.now() - @extschema@.outbox_report_timeout()
-   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id);
+   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events));
 
 COMMENT ON VIEW outbox.unreported IS
     'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';
@@ -934,22 +1002,22 @@ CREATE VIEW outbox.deliveries AS
 SELECT d.event_id, d.subscription_id, d.task, d.id AS delivery_id, false AS batched,
        outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text AS status, d.retry_count,
        d.deliveries + (sent.id IS NOT NULL)::integer AS sends, d.last_error,
-       sent.marked_at AS dispatched_at, o.at AS processed_at
+       sent.marked_at AS dispatched_at, (SELECT pg_catalog.min(o.at) FROM outbox.outcomes AS o
+         WHERE o.batch = outbox.batch_at(d.pending_xid, d.id) AND d.id = ANY (o.events)) AS processed_at
   FROM outbox.log AS d
   LEFT JOIN outbox.batches AS sent ON sent.id = outbox.batch_of(d.pending_xid, d.id)
-  LEFT JOIN outbox.outcomes AS o ON o.event = d.id
  WHERE d.event_id IS NOT NULL
 UNION ALL
 SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
        CASE WHEN d.id IS NULL THEN 'waiting'
             ELSE outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text END, d.retry_count,
        d.deliveries + (sent.id IS NOT NULL)::integer, d.last_error,
-       sent.marked_at, o.at
+       sent.marked_at, (SELECT pg_catalog.min(o.at) FROM outbox.outcomes AS o
+                         WHERE o.batch = outbox.batch_at(d.pending_xid, d.id) AND d.id = ANY (o.events))
   FROM outbox.batch_members AS m
   JOIN outbox.all_subscriptions AS s ON s.id = m.subscription_id
   LEFT JOIN outbox.log AS d ON d.id = m.batch_id
-  LEFT JOIN outbox.batches AS sent ON sent.id = outbox.batch_of(d.pending_xid, d.id)
-  LEFT JOIN outbox.outcomes AS o ON o.event = d.id;
+  LEFT JOIN outbox.batches AS sent ON sent.id = outbox.batch_of(d.pending_xid, d.id);
 
 COMMENT ON VIEW outbox.deliveries IS
     'Per routed event and subscription: the delivery (or batch) that carries it, and its status.';
@@ -1176,11 +1244,11 @@ SELECT e.id
    AND NOT pg_visible_in_snapshot(e.pending_xid, c.prev)
 UNION ALL
 SELECT m.id
-  FROM (SELECT b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
+  FROM (SELECT b.id, b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
           FROM outbox.batches AS b
          WHERE b.marked_at IS NULL AND b.abandoned_at IS NULL
         UNION ALL
-        SELECT b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
+        SELECT b.id, b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
           FROM outbox.batches AS b
          WHERE $2 AND b.settled_at IS NULL AND b.marked_at IS NOT NULL) AS b
  CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
@@ -1190,14 +1258,14 @@ SELECT m.id
                         -- Not the set above: read by a claim.
                         AND (e.pending_xid < pg_snapshot_xmin(c.prev) OR pg_visible_in_snapshot(e.pending_xid, c.prev))
                       LIMIT 1) AS e
- WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id)
+ WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events))
 $$;
 
 -- Moves up to $3 of the events of generation $1 still needed to generation
--- $2, with their outcomes; returns how many. A moved event keeps
--- everything but its generation, and passes none of the insert triggers
--- (outbox.moving, set for the move alone): it stays in line or out of it,
--- in its batch, with its key's turn. What generation $2 already holds is
+-- $2 (their outcomes follow them at the truncation); returns how many. A
+-- moved event keeps everything but its generation, and passes none of the
+-- insert triggers (outbox.moving, set for the move alone): it stays in line
+-- or out of it, in its batch, with its key's turn. What generation $2 already holds is
 -- never refused there, so that the rotation never stops on it (an insert
 -- that named a generation of its own, a copy of a row): an event whose id
 -- is taken there is moved with a new id, and one whose key's turn is taken
@@ -1241,12 +1309,6 @@ BEGIN
          WHERE e.generation = source
            AND e.id = n.id
         RETURNING n.id AS was, e.id
-    ), outcomes AS (
-        UPDATE outbox.outcomes AS o
-           SET generation = target, event = c.id
-          FROM carried AS c
-         WHERE o.generation = source
-           AND o.event = c.was
     ), recorded AS (
         INSERT INTO outbox.moved (event, generation, moved_to, id)
         SELECT c.was, source, target, c.id FROM carried AS c
@@ -1392,15 +1454,22 @@ BEGIN
         step := 'moved';
         RETURN;
     END IF;
-    -- Outcomes written where a moved event was, by a statement that did
-    -- not see it move (all of them have ended: the wait above), follow it.
-    UPDATE outbox.outcomes AS o
-       SET generation = m.moved_to, event = m.id
-      FROM outbox.moved AS m
-     WHERE m.generation = oldest
-       AND o.generation = oldest
-       AND o.event = m.event
-       AND NOT EXISTS (SELECT FROM outbox.outcomes AS t WHERE t.generation = m.moved_to AND t.event = m.id);
+    -- The outcomes of the events moved out of it, recorded before the move
+    -- or by a statement that did not see it (all of them have ended: the
+    -- wait above), follow them: recorded again where they went, by the
+    -- batch that read them at their position (their id there).
+    PERFORM outbox.record_outcomes(array_agg(r.batch), array_agg(r.moved_to), array_agg(r.id), array_agg(r.at))
+       FROM (SELECT DISTINCT ON (m.moved_to, m.id) o.batch, m.moved_to, m.id, o.at
+               FROM outbox.moved AS m
+               JOIN outbox.log AS e ON e.generation = m.moved_to AND e.id = m.id
+               JOIN outbox.outcomes AS o
+                 ON o.generation = oldest
+                AND o.batch = outbox.batch_at(e.pending_xid, m.event)
+                AND m.event = ANY (o.events)
+              WHERE m.generation = oldest
+                AND NOT EXISTS (SELECT FROM outbox.outcomes AS t
+                                 WHERE t.generation = m.moved_to AND t.batch = o.batch AND m.id = ANY (t.events))
+              ORDER BY m.moved_to, m.id, o.at) AS r;
     DELETE FROM outbox.moved AS m WHERE m.generation = oldest;
     -- Its events as the statistics count them, kept by every insert and
     -- delete (a count would read the partition whole).

@@ -6,12 +6,12 @@
 -- which send it answers, so one for an event never sent, a late one of an
 -- earlier send, or a guess changes nothing. Taken while the batch is
 -- marked or not (a report may overtake the dispatcher's own record of the
--- push). Processed: an outcome row (the event is not written); failed:
+-- push). Processed: in an outcome row (the event is not written); failed:
 -- the event is dead-lettered. Returns the outcome of each event that took
 -- one, its key when it is its key's head (src/keys.rs: finished now,
 -- unless it failed and outbox.key_on_failure blocks), and its batch
 -- (settle_reported.sql); the rest were stale.
--- Served by the primary keys and batches_to_idx.
+-- Served by the primary keys, batches_to_idx and outcomes_batch_idx.
 WITH hit AS (
     SELECT r.id, e.generation, r.outcome, r.error, b.id AS batch, e.key_state, e.ordering_key,
            coalesce(e.subscription_id, 0) AS subscription
@@ -32,10 +32,13 @@ WITH hit AS (
        AND b.abandoned_at IS NULL
        FOR SHARE OF b
 ), processed AS (
-    INSERT INTO outbox.outcomes (event, generation)
-    SELECT hit.id, hit.generation FROM hit WHERE hit.outcome = 'processed'
-    ON CONFLICT (event, generation) DO NOTHING
-    RETURNING event
+    SELECT outbox.record_outcomes(pg_catalog.array_agg(n.batch), pg_catalog.array_agg(n.generation),
+                                  pg_catalog.array_agg(n.id), NULL) AS id
+      FROM (SELECT DISTINCT hit.batch, hit.generation, hit.id
+              FROM hit
+             WHERE hit.outcome = 'processed'
+               AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = hit.batch AND hit.id = ANY (o.events))
+           ) AS n
 ), failed AS (
     UPDATE outbox.log AS e
        SET status = 'failed',
@@ -44,10 +47,10 @@ WITH hit AS (
      WHERE hit.outcome = 'failed'
        AND e.id = hit.id
        AND e.generation = hit.generation
-       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = hit.id)
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = hit.batch AND hit.id = ANY (o.events))
     RETURNING e.id
 )
 SELECT hit.outcome, CASE WHEN hit.key_state = 'head' THEN hit.id END, hit.ordering_key, hit.subscription,
        hit.batch
   FROM hit
- WHERE hit.id IN (SELECT processed.event FROM processed UNION ALL SELECT failed.id FROM failed)
+ WHERE hit.id IN (SELECT processed.id FROM processed UNION ALL SELECT failed.id FROM failed)

@@ -11,4 +11,4 @@ UPDATE outbox.log AS e
  WHERE b.id = ANY ($1)
    AND e.id = m.id
    AND e.pending_xid = m.pending_xid
-   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = e.id)
+   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND e.id = ANY (o.events))

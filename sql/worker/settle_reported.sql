@@ -9,4 +9,4 @@ UPDATE outbox.batches AS b
    AND b.settled_at IS NULL
    AND b.marked_at IS NOT NULL
    AND NOT EXISTS (SELECT FROM outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
-                    WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.event = m.id))
+                    WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events)))
