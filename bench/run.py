@@ -136,24 +136,31 @@ def full_loop(pg, redis):
 
 def sql_ceiling(pg, batch):
     """Claim and mark the same rows in the same batches, with no Redis: the
-    dispatcher's own statements in a server-side loop, a commit per batch."""
+    dispatcher's own statements (its turn, the claim, the mark) in a
+    server-side loop, a commit per batch."""
     pg.configure(enabled="off")
     pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     load(pg, EVENTS)
+    turn = (ROOT / "sql/worker/lock_cursor.sql").read_text()
     claim = (ROOT / "sql/worker/claim.sql").read_text().replace("$1", str(batch)).replace("$2", "0")
-    mark = (ROOT / "sql/worker/mark_dispatched.sql").read_text() \
-        .replace("$1", "claimed").replace("$2", "0").replace("$3", "claimed_at")
+    mark = (ROOT / "sql/worker/mark_dispatched.sql").read_text().replace("$1", "claimed.batch").replace("$2", "0")
     body = f"""
         DO $$
-        DECLARE claimed uuid[]; claimed_at timestamptz;
+        DECLARE claimed record; events bigint; marked bigint; total bigint := 0; empty int := 0;
         BEGIN
-            SET LOCAL synchronous_commit = off;
-            LOOP
-                WITH c AS ({claim}) SELECT array_agg(id), max(processing_started_at) INTO claimed, claimed_at FROM c;
-                EXIT WHEN claimed IS NULL;
-                {mark};
-                COMMIT;
+            WHILE total < {EVENTS} AND empty < 3 LOOP
                 SET LOCAL synchronous_commit = off;
+                PERFORM 1 FROM ({turn}) AS t;
+                EXECUTE $claim${claim}$claim$ INTO claimed;
+                events := coalesce((SELECT b.events FROM outbox.batches AS b WHERE b.id = claimed.batch), 0);
+                IF events > 0 THEN
+                    WITH m AS ({mark}) SELECT count(*) INTO marked FROM m;
+                    empty := 0;
+                ELSE
+                    empty := empty + 1;
+                END IF;
+                total := total + events;
+                COMMIT;
             END LOOP;
         END $$"""
     started = time.monotonic()

@@ -404,11 +404,13 @@ $$;
 -- `send` (its outbox_send header), and what a report of it must name: a
 -- digest of the two, so that a worker that saw one message of a batch
 -- learns nothing of its other events' (it could report them otherwise).
+-- Immutable throughout, so that the claim inlines it (a call per event
+-- through the SQL function manager cost a fifth of a drain).
 CREATE FUNCTION outbox.send_of(send uuid, event uuid) RETURNS uuid
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
 RETURN pg_catalog.encode(
-    pg_catalog.substr(pg_catalog.sha256(pg_catalog.convert_to(
-        send::pg_catalog.text OPERATOR(pg_catalog.||) event::pg_catalog.text, 'UTF8')), 1, 16),
+    pg_catalog.substr(pg_catalog.sha256(
+        pg_catalog.uuid_send(send) OPERATOR(pg_catalog.||) pg_catalog.uuid_send(event)), 1, 16),
     'hex')::pg_catalog.uuid;
 
 -- The batch that read an event in line at ($1, $2), whatever became of

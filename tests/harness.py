@@ -5,6 +5,7 @@ worker. Every service gets a fresh directory under /tmp and a free port, so
 leftovers of an earlier run never get in the way."""
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import psycopg
@@ -363,6 +365,14 @@ class RabbitMQ:
         shutil.rmtree(self.home if self.own_home else self.dir, ignore_errors=True)
 
 
+def send_of(batch_send, event):
+    """What the message of `event` names as its send in a batch whose send
+    is `batch_send` (outbox.send_of(), outbox_core::report::send_of): the
+    first 16 bytes of SHA-256 over the two ids' bytes."""
+    digest = hashlib.sha256(uuid.UUID(str(batch_send)).bytes + uuid.UUID(str(event)).bytes).digest()
+    return str(uuid.UUID(bytes=digest[:16]))
+
+
 def decode(raw):
     """A Celery message as the extension pushed it: (envelope, body)."""
     envelope = json.loads(raw)
@@ -457,7 +467,7 @@ class Cluster:
             self.prepare_claim(conn)
             rows = conn.execute(f"EXECUTE claim({int(limit)}, {int(dispatcher)})").fetchall()
             conn.commit()
-        return rows[0][17], {str(r[0]): str(r[18]) for r in rows if r[0] is not None}
+        return rows[0][17], {str(r[0]): send_of(r[18], r[0]) for r in rows if r[0] is not None}
 
     @staticmethod
     def prepare_claim(conn):

@@ -241,19 +241,24 @@ fn push_optional_json_str(out: &mut String, s: Option<&str>) {
 
 fn push_json_str(out: &mut String, s: &str) {
     out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
+    // Runs that need no escape are copied whole; what needs one is ASCII,
+    // so every cut is on a character boundary.
+    let mut rest = s;
+    while let Some(at) = rest.bytes().position(|b| b == b'"' || b == b'\\' || b < 0x20) {
+        out.push_str(&rest[..at]);
+        match rest.as_bytes()[at] {
+            b'"' => out.push_str("\\\""),
+            b'\\' => out.push_str("\\\\"),
+            b'\n' => out.push_str("\\n"),
+            b'\r' => out.push_str("\\r"),
+            b'\t' => out.push_str("\\t"),
+            b => {
+                let _ = write!(out, "\\u{:04x}", b);
             }
-            c => out.push(c),
         }
+        rest = &rest[at + 1..];
     }
+    out.push_str(rest);
     out.push('"');
 }
 
@@ -468,8 +473,10 @@ mod tests {
         let mut msg = message("{}", None);
         msg.task = "we\"ird\\task\n\u{1}";
         msg.queue = "q\"ueue";
+        msg.event_type = "é\"日本\t\u{1f}x\r\u{7f}ü";
         let (env, _) = encode_value(&msg);
         assert_eq!(env["headers"]["task"], "we\"ird\\task\n\u{1}");
+        assert_eq!(env["headers"]["outbox_event_type"], "é\"日本\t\u{1f}x\r\u{7f}ü");
         assert_eq!(env["properties"]["delivery_info"]["routing_key"], "q\"ueue");
     }
 

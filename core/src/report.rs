@@ -13,6 +13,22 @@
 use serde_json::Value;
 use uuid::Uuid;
 
+/// The send of event `event` in a batch whose send is `send`: what its
+/// message carries (the `outbox_send` header) and a report of it must
+/// name. A digest of the two (the first 16 bytes of SHA-256 over their
+/// bytes), so that a worker that saw one message of a batch learns nothing
+/// of its other events' sends; `outbox.send_of()` in SQL is the same, and
+/// checks the reports.
+pub fn send_of(send: Uuid, event: Uuid) -> Uuid {
+    let mut input = [0u8; 32];
+    input[..16].copy_from_slice(send.as_bytes());
+    input[16..].copy_from_slice(event.as_bytes());
+    let digest = ring::digest::digest(&ring::digest::SHA256, &input);
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest.as_ref()[..16]);
+    Uuid::from_bytes(bytes)
+}
+
 /// The longest `last_error` a report may set; longer text is cut (on a
 /// character boundary) with a marker.
 pub const MAX_ERROR_BYTES: usize = 8192;
@@ -115,6 +131,15 @@ mod tests {
 
     const ID: &str = "0190b5a8-3c4e-7d2a-9b1f-2e6a5c4d3b2a";
     const SEND: &str = "5b0e2f4e-9d8c-4b7a-8e6f-1a2b3c4d5e6f";
+
+    #[test]
+    fn a_send_is_the_digest_sql_checks() {
+        // SELECT outbox.send_of(SEND, ID), or Python's
+        // uuid.UUID(bytes=sha256(send.bytes + id.bytes).digest()[:16]).
+        let send = send_of(Uuid::parse_str(SEND).unwrap(), Uuid::parse_str(ID).unwrap());
+        assert_eq!(send.to_string(), "0871e2a3-de77-654b-9a64-9582b505e066");
+        assert_ne!(send, send_of(Uuid::parse_str(ID).unwrap(), Uuid::parse_str(SEND).unwrap()));
+    }
 
     #[test]
     fn processed_and_failed_reports_parse() {

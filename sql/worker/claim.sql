@@ -16,7 +16,9 @@
 --
 -- A page shorter than $1 ends its window: its `target` becomes the next
 -- `prev`, and the next claim starts a window of its own. Returns the events
--- with the batch (none: one row of NULLs). Functions and relations are
+-- with the batch (none: one row of NULLs), in no order: the dispatcher
+-- puts them in the page's (a sort here of rows this wide cost a tenth of a
+-- drain). Functions and relations are
 -- qualified; operators and types resolve in pg_catalog through the
 -- search_path every dispatcher pins (src/worker/setup.rs).
 WITH cursor AS MATERIALIZED (
@@ -113,10 +115,11 @@ SELECT p.id,
        p.ordering_key,
        coalesce(p.subscription_id, 0) AS subscription,
        batch.id AS batch,
-       outbox.send_of(batch.send, p.id) AS send,
+       -- Each message's send is derived from it by the dispatcher
+       -- (outbox_core::report::send_of, as outbox.send_of()).
+       batch.send,
        batch.claimed_at,
        (SELECT ended.ended FROM ended) AS ended
   FROM (SELECT 1) AS one
   LEFT JOIN page AS p ON true
   LEFT JOIN batch ON true
- ORDER BY p.pending_xid, p.id

@@ -97,6 +97,9 @@ pub fn push(
     let mut members: Vec<Vec<usize>> = Vec::new();
     let mut by_key: HashMap<String, usize> = HashMap::new();
     let now = unix_now();
+    // Fresh delivery tags for this push: one draw from the OS's random
+    // source, then one apart (a draw per message cost a system call each).
+    let tags = uuid::Uuid::new_v4().as_u128();
 
     for (i, event) in events.iter().enumerate() {
         if let Some((expires, _)) = event.expires.as_ref().filter(|(_, at)| *at <= now) {
@@ -125,7 +128,7 @@ pub fn push(
                 send: event.send,
             },
             envelope.origin,
-            uuid::Uuid::new_v4(),
+            uuid::Uuid::from_u128(tags.wrapping_add(i as u128)),
             &mut message,
         );
         if let Err(e) = encoded {

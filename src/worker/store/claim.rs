@@ -1,6 +1,7 @@
 //! The claim (sql/worker/lock_cursor.sql, then sql/worker/claim.sql): the
 //! next page of the window the cursor reads, as one batch.
 
+use outbox_core::report::send_of;
 use pgrx::datum::DatumWithOid;
 use pgrx::spi::{SpiClient, SpiError, SpiErrorCodes};
 
@@ -69,10 +70,12 @@ pub fn claim(
             created_epoch: row.get(10)?.unwrap_or(0.0),
             args: row.get(11)?,
             expires: row.get::<String>(12)?.zip(row.get::<f64>(13)?),
-            send: row.get::<pgrx::Uuid>(19)?.map_or(uuid::Uuid::nil(), uuid_of),
+            send: send_of(row.get::<pgrx::Uuid>(19)?.map_or(uuid::Uuid::nil(), uuid_of), uuid_of(id)),
             position,
             head,
         });
     }
+    // The page's order, (pending_xid, id): the order they are pushed in.
+    taken.events.sort_by_cached_key(|e| (e.position.parse::<u64>().unwrap_or(u64::MAX), e.id));
     Ok(taken)
 }
