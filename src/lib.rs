@@ -24,6 +24,14 @@ mod worker;
 
 ::pgrx::pg_module_magic!();
 
+/// The first column of the first row of `query`, run read-only.
+/// `Spi::get_one` runs its query as an update, which takes a transaction
+/// id: a scrape would write a commit record and spend an id, and a
+/// parallel worker cannot take one at all.
+pub(crate) fn read_one<T: FromDatum + IntoDatum>(query: &str) -> Result<Option<T>, pgrx::spi::SpiError> {
+    Spi::connect(|client| client.select(query, Some(1), &[])?.first().get_one())
+}
+
 extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 extension_sql_file!(
     "../sql/subscriptions.sql",

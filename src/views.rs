@@ -267,7 +267,7 @@ fn purge_lag() -> f64 {
                                               - interval '{retention} seconds')
            FROM outbox.generations AS g"
     );
-    let age = Spi::get_one::<f64>(&query)
+    let age = crate::read_one::<f64>(&query)
         .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest generation: {e}"))
         .unwrap_or(0.0);
     age.max(0.0)
@@ -286,7 +286,7 @@ fn oldest_transaction() -> f64 {
                 AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)),
             (SELECT pg_catalog.min(p.prepared) FROM pg_catalog.pg_prepared_xacts AS p
               WHERE p.database = pg_catalog.current_database())))";
-    Spi::get_one::<f64>(QUERY)
+    crate::read_one::<f64>(QUERY)
         .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest transaction: {e}"))
         .unwrap_or(0.0)
         .max(0.0)
@@ -298,7 +298,7 @@ fn dead_tuples() -> f64 {
     const QUERY: &str = "SELECT pg_catalog.sum(pg_catalog.pg_stat_get_dead_tuples(p.relid))::bigint
                            FROM pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS p
                           WHERE p.isleaf";
-    Spi::get_one::<i64>(QUERY)
+    crate::read_one::<i64>(QUERY)
         .unwrap_or_else(|e| error!("outbox metrics: cannot read the dead tuples of outbox.log: {e}"))
         .unwrap_or(0) as f64
 }
@@ -310,7 +310,7 @@ fn unreported() -> i64 {
         "SELECT pg_catalog.count(*) FROM (SELECT FROM outbox.unreported LIMIT {}) AS u",
         UNREPORTED_CAP + 1
     );
-    Spi::get_one::<i64>(&query)
+    crate::read_one::<i64>(&query)
         .unwrap_or_else(|e| error!("outbox metrics: cannot read outbox.unreported: {e}"))
         .unwrap_or(0)
 }

@@ -123,6 +123,25 @@ def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
     assert estimated == {"pending": 0, "processing": 0, "dispatched": 0, "processed": 0, "failed": 0}
 
 
+def test_a_scrape_writes_nothing_and_runs_in_a_parallel_query(outbox):
+    """A scrape is a read: it takes no transaction id (each would be a
+    commit record, and a step towards wraparound, per scrape), so the
+    functions declared PARALLEL SAFE run in a parallel worker too."""
+    with outbox.connect(autocommit=False) as conn:
+        for query in QUERIES:
+            conn.execute(query).fetchall()
+            assert conn.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None, query
+        conn.rollback()
+    setting = "force_parallel_mode" if outbox.value("SHOW server_version_num") < "160000" else "debug_parallel_query"
+    with outbox.connect() as conn:
+        conn.execute(f"SET {setting} = on")
+        for query in ("SELECT count(*) FROM outbox.metrics", "SELECT length(outbox_metrics_prometheus())",
+                      "SELECT count(*) FROM outbox.workers"):
+            plan = "\n".join(r[0] for r in conn.execute(f"EXPLAIN {query}"))
+            assert "Gather" in plan, plan
+            assert conn.execute(query).fetchone()[0] > 0, query
+
+
 def test_workers_view_describes_each_dispatcher(outbox):
     outbox.wait_idle()
     row = outbox.sql("SELECT worker, pid, state, connected, started_at <= now(), "

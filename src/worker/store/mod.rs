@@ -341,7 +341,7 @@ fn extension_exists() -> bool {
     let cached =
         unsafe { pg_sys::get_extension_oid(c"outbox_dispatch".as_ptr(), true) != pg_sys::InvalidOid };
     cached
-        || Spi::get_one::<bool>(
+        || crate::read_one::<bool>(
             "SELECT EXISTS (SELECT FROM pg_catalog.pg_extension \
               WHERE extname OPERATOR(pg_catalog.=) 'outbox_dispatch')",
         )
@@ -597,7 +597,7 @@ impl Store {
                 return Ok(Ran::NoExtension);
             }
             if plans.is_none() {
-                let installed = Spi::get_one::<String>(INSTALLED_VERSION)?.unwrap_or_default();
+                let installed = crate::read_one::<String>(INSTALLED_VERSION)?.unwrap_or_default();
                 if installed != LIBRARY_VERSION {
                     return Ok(Ran::Outdated(installed));
                 }
