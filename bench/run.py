@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from harness import PG_BIN, CeleryWorker, Cluster, Redis, wait_until  # noqa: E402
-from wal import pgq  # noqa: E402
+from wal import create_plain, pgq  # noqa: E402
 
 EVENTS = int(os.environ.get("BENCH_EVENTS", 200_000))
 BATCHES = [int(b) for b in os.environ.get("BENCH_BATCHES", "100,1000,5000").split(",")]
@@ -276,7 +276,7 @@ def enqueue_cost(pg):
     to Redis as it commits, on the same cores."""
     pg.configure(enabled="off")
     pg.sql("DROP TABLE IF EXISTS bench_plain")
-    pg.sql("CREATE TABLE bench_plain (LIKE outbox.events INCLUDING ALL)")
+    create_plain(pg, "bench_plain")
     payload = PAYLOAD.replace("'", "''")
 
     def enqueue(event_type, task=""):
@@ -451,8 +451,8 @@ def write_report(r):
         f"pgbench, {PGBENCH_CLIENTS} clients, one statement per transaction, dispatchers paused but for "
         f"the workload delivered as it commits; the median of {ROUNDS} "
         f"runs of {PGBENCH_SECONDS} s, the workloads taking turns. "
-        "The plain table is `outbox.events` copied with `LIKE ... INCLUDING ALL` (same columns, defaults, "
-        "indexes), without the triggers. \"Subscriptions active\": four exist, one for `bench.fan1`, "
+        "The plain table is the WAL floor's (bench/wal.py): the same event type, payload and queue, a uuid "
+        "primary key and a creation time, no trigger. \"Subscriptions active\": four exist, one for `bench.fan1`, "
         "three for `bench.fan3`, none for `bench`; an event routed to k subscriptions writes 1 + k rows "
         "(the event's record and a delivery each). With none active, the routing trigger is not called.", "",
         "| workload | TPS | vs plain INSERT |", "|---|---|---|",

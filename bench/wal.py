@@ -57,10 +57,18 @@ def in_chunks(pg, statement, *params):
             conn.execute(statement, (*params, min(CHUNK, EVENTS - start)))
 
 
+def create_plain(pg, name):
+    """The floor's table: an event's row (its type, payload and queue) with
+    a uuid primary key and its creation time, and nothing else. `make
+    bench` compares both the WAL (here) and the enqueue rate (bench/run.py)
+    with a plain INSERT into it."""
+    pg.sql(f"CREATE TABLE {name} (id uuid PRIMARY KEY DEFAULT outbox_uuid_v7(), event_type text NOT NULL, "
+           "payload jsonb NOT NULL, queue text NOT NULL, created_at timestamptz NOT NULL DEFAULT clock_timestamp())")
+
+
 def floor(pg):
     """WAL per row of a plain INSERT of the same row."""
-    pg.sql("CREATE TABLE plain_events (id uuid PRIMARY KEY DEFAULT outbox_uuid_v7(), event_type text NOT NULL, "
-           "payload jsonb NOT NULL, queue text NOT NULL, created_at timestamptz NOT NULL DEFAULT clock_timestamp())")
+    create_plain(pg, "plain_events")
     try:
         return wal_of(pg, lambda: in_chunks(
             pg, "INSERT INTO plain_events (event_type, payload, queue) "
