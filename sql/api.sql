@@ -329,11 +329,10 @@ WITH waiting AS (
     -- The outcome rows as stored, with how many events they hold up to
     -- each (read as far as the first that takes them over 1000).
     SELECT o.events,
-           pg_catalog.sum(pg_catalog.cardinality(o.events)) OVER (ROWS UNBOUNDED PRECEDING) AS events_so_far,
-           pg_catalog.row_number() OVER (ROWS UNBOUNDED PRECEDING) AS rows_so_far
+           pg_catalog.sum(pg_catalog.cardinality(o.events)) OVER (ROWS UNBOUNDED PRECEDING) AS events_so_far
       FROM outbox.outcomes AS o
 ), beyond AS (
-    SELECT r.events_so_far, r.rows_so_far FROM reported AS r WHERE r.events_so_far > 1000 LIMIT 1
+    SELECT r.events_so_far FROM reported AS r WHERE r.events_so_far > 1000 LIMIT 1
 ), finished AS (
     -- Processed: the events of the outcome rows, exactly while they are at
     -- most 1000 (each once, though a row of a rotation's move may repeat
@@ -353,20 +352,29 @@ WITH waiting AS (
      CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
      WHERE b.marked_at IS NOT NULL
        AND (SELECT f.batches FROM finished AS f) <= 1000
-       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events))
+       -- The outcomes of those batches read once, hashed.
+       AND NOT EXISTS (SELECT
+                         FROM (SELECT o.batch, r.id
+                                 FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                                WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL)) AS r
+                        WHERE r.batch = b.id AND r.id = m.id)
 ), estimate AS (
-    -- The outcome rows the statistics count, each holding as many events
-    -- as the first rows read above.
+    -- Processed: the outcome rows the statistics count, each holding as
+    -- many events as the average width of `events` the last analyze found
+    -- says (an array of n ids is about 22 + 16n bytes).
     SELECT GREATEST((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
                        FROM pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS p
                        JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
                       WHERE p.isleaf)
                     - (SELECT pg_catalog.sum(x.count) FROM exact AS x)::bigint, 0) AS finished,
-           ((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))
-               FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
-               JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
-              WHERE p.isleaf)
-            * coalesce((SELECT b.events_so_far::float8 / b.rows_so_far FROM beyond AS b), 1))::bigint AS processed
+           (SELECT pg_catalog.sum(GREATEST(c.reltuples, 0)
+                                  * GREATEST(coalesce(s.stawidth, 38) - 22, 16) / 16)::bigint
+              FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
+              JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
+              JOIN pg_catalog.pg_attribute AS a ON a.attrelid = p.relid AND a.attname = 'events'
+              LEFT JOIN pg_catalog.pg_statistic AS s
+                     ON s.starelid = p.relid AND s.staattnum = a.attnum AND NOT s.stainherit
+             WHERE p.isleaf) AS processed
 )
 SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
        false AS estimated
@@ -426,7 +434,15 @@ SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, b.ma
   JOIN outbox.log AS e ON e.id = m.id
  WHERE b.settled_at IS NULL
    AND b.marked_at < pg_catalog.now() - @extschema@.outbox_report_timeout()
-   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events));
+   -- The outcomes of those batches read once, hashed.
+   AND NOT EXISTS (SELECT
+                     FROM (SELECT o.batch, r.id
+                             FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                            WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b
+                                               WHERE b.settled_at IS NULL
+                                                 AND b.marked_at < pg_catalog.now()
+                                                                   - @extschema@.outbox_report_timeout())) AS r
+                    WHERE r.batch = b.id AND r.id = m.id);
 
 COMMENT ON VIEW outbox.unreported IS
     'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';

@@ -100,7 +100,15 @@ SELECT m.id
                         -- Not the set above: read by a claim.
                         AND (e.pending_xid < pg_snapshot_xmin(c.prev) OR pg_visible_in_snapshot(e.pending_xid, c.prev))
                       LIMIT 1) AS e
- WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events))
+ -- The outcomes of those batches read once, hashed (a lookup per member
+ -- would read every outcome row of its batch).
+ WHERE NOT EXISTS (SELECT
+                     FROM (SELECT o.batch, r.id
+                             FROM outbox.outcomes AS o CROSS JOIN LATERAL unnest(o.events) AS r(id)
+                            WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b
+                                               WHERE (b.marked_at IS NULL AND b.abandoned_at IS NULL)
+                                                  OR ($2 AND b.settled_at IS NULL AND b.marked_at IS NOT NULL))) AS r
+                    WHERE r.batch = b.id AND r.id = m.id)
 $$;
 
 -- Moves up to $3 of the events of generation $1 still needed to generation
@@ -298,20 +306,35 @@ BEGIN
     END IF;
     -- The outcomes of the events moved out of it, recorded before the move
     -- or by a statement that did not see it (all of them have ended: the
-    -- wait above), follow them: recorded again where they went, by the
-    -- batch that read them at their position (their id there).
+    -- wait above), follow them, found by the batch that read them at their
+    -- position. One that kept its id is recorded again where it went, in
+    -- the same batch. One given a new id is out of its batch (its position
+    -- changed): it is stored processed.
     PERFORM outbox.record_outcomes(array_agg(r.batch), array_agg(r.moved_to), array_agg(r.id), array_agg(r.at))
        FROM (SELECT DISTINCT ON (m.moved_to, m.id) o.batch, m.moved_to, m.id, o.at
                FROM outbox.moved AS m
                JOIN outbox.log AS e ON e.generation = m.moved_to AND e.id = m.id
                JOIN outbox.outcomes AS o
                  ON o.generation = oldest
-                AND o.batch = outbox.batch_at(e.pending_xid, m.event)
+                AND o.batch = outbox.batch_of(e.pending_xid, m.event, true)
                 AND m.event = ANY (o.events)
               WHERE m.generation = oldest
+                AND m.id = m.event
                 AND NOT EXISTS (SELECT FROM outbox.outcomes AS t
                                  WHERE t.generation = m.moved_to AND t.batch = o.batch AND m.id = ANY (t.events))
               ORDER BY m.moved_to, m.id, o.at) AS r;
+    UPDATE outbox.log AS e
+       SET status = 'processed'
+      FROM outbox.moved AS m
+     WHERE m.generation = oldest
+       AND m.id <> m.event
+       AND e.generation = m.moved_to
+       AND e.id = m.id
+       AND e.status = 'pending'
+       AND EXISTS (SELECT FROM outbox.outcomes AS o
+                    WHERE o.generation = oldest
+                      AND o.batch = outbox.batch_of(e.pending_xid, m.event, true)
+                      AND m.event = ANY (o.events));
     DELETE FROM outbox.moved AS m WHERE m.generation = oldest;
     -- Its events as the statistics count them, kept by every insert and
     -- delete (a count would read the partition whole).

@@ -287,7 +287,7 @@ CREATE INDEX batches_abandoned_idx ON outbox.batches (abandoned_at) WHERE abando
 -- acknowledgement a row of one. An array costs 16 bytes of WAL an event
 -- where a row each cost about 190 with its index entry (bench/wal.py), and
 -- at 100 a row stays small enough to be stored inline. An event is looked
--- up through the batch that holds its position (outbox.batch_at()): one
+-- up through the batch that holds its position (outbox.batch_of(..., true)): one
 -- with an outcome never leaves its batch. Failures are written to the
 -- event itself. Each in the generation of its events: the outcomes of a
 -- partition of the log are a partition of their own, which goes with it.
@@ -317,9 +317,9 @@ COMMENT ON TABLE outbox.outcomes IS
     'Events reported processed by a Celery worker or acknowledged with outbox_ack(), by batch.';
 
 -- Records event $3[i] of batch $1[i], in generation $2[i], processed at
--- $4[i] (NULL: now), in rows of at most 100 events per batch and
--- generation. Returns the events. The caller has made sure none is
--- recorded already.
+-- $4[i] (NULL: now), in rows of at most 100 events per batch, generation
+-- and time (each keeps its own). Returns the events. The caller has made
+-- sure none is recorded already.
 CREATE FUNCTION outbox.record_outcomes(batch bigint[], generation smallint[], event uuid[], at timestamptz[])
 RETURNS SETOF uuid
 LANGUAGE sql VOLATILE
@@ -327,11 +327,11 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 WITH recorded AS (
     INSERT INTO outbox.outcomes (batch, generation, events, at)
-    SELECT r.batch, r.generation, array_agg(r.event), coalesce(min(r.at), now())
-      FROM (SELECT u.batch, u.generation, u.event, u.at,
-                   (row_number() OVER (PARTITION BY u.batch, u.generation) - 1) / 100 AS row_
+    SELECT r.batch, r.generation, array_agg(r.event), r.at
+      FROM (SELECT u.batch, u.generation, u.event, coalesce(u.at, now()) AS at,
+                   (row_number() OVER (PARTITION BY u.batch, u.generation, coalesce(u.at, now())) - 1) / 100 AS row_
               FROM unnest($1, $2, $3, $4) AS u(batch, generation, event, at)) AS r
-     GROUP BY r.batch, r.generation, r.row_
+     GROUP BY r.batch, r.generation, r.at, r.row_
     RETURNING events
 )
 SELECT unnest(recorded.events) FROM recorded
@@ -413,10 +413,11 @@ RETURN pg_catalog.encode(
         pg_catalog.uuid_send(send) OPERATOR(pg_catalog.||) pg_catalog.uuid_send(event)), 1, 16),
     'hex')::pg_catalog.uuid;
 
--- The batch that read an event in line at ($1, $2), whatever became of
--- it since: the page of the window that holds its position. NULL: none yet
--- (or out of line).
-CREATE FUNCTION outbox.batch_at(pending_xid xid8, id uuid) RETURNS bigint
+-- The batch that read an event in line at ($1, $2): the page of the
+-- window that holds its position. NULL: none yet (or out of line). An
+-- abandoned batch (its events went back in line, but those with an
+-- outcome) only with $3: what became of the event at that position.
+CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid, abandoned boolean DEFAULT false) RETURNS bigint
 LANGUAGE sql STABLE STRICT SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -426,20 +427,9 @@ SELECT b.id
    AND pg_catalog.pg_visible_in_snapshot($1, b.target)
    AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
    AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
+   AND ($3 OR b.abandoned_at IS NULL)
  ORDER BY b.to_xid, b.to_id
  LIMIT 1
-$$;
-
--- The batch an event at ($1, $2) is in: batch_at()'s, unless it was
--- abandoned (its events went back in line, but those with an outcome).
-CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid) RETURNS bigint
-LANGUAGE sql STABLE STRICT SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-SELECT b.id
-  FROM outbox.batches AS b
- WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_at($1, $2)
-   AND b.abandoned_at IS NULL
 $$;
 
 -- What an event is now, from what was written of it ($1, the row's status)
@@ -461,7 +451,7 @@ SELECT CASE
                                     WHEN b.marked_at IS NULL THEN 'processing'
                                     ELSE 'dispatched' END::outbox.event_status
                           FROM outbox.batches AS b
-                         WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_at($2, $3)),
+                         WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_of($2, $3, true)),
                        'pending')
        END
 $$;

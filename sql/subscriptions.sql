@@ -254,7 +254,7 @@ SELECT d.event_id, d.subscription_id, d.task, d.id AS delivery_id, false AS batc
        outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text AS status, d.retry_count,
        d.deliveries + (sent.id IS NOT NULL)::integer AS sends, d.last_error,
        sent.marked_at AS dispatched_at, (SELECT pg_catalog.min(o.at) FROM outbox.outcomes AS o
-         WHERE o.batch = outbox.batch_at(d.pending_xid, d.id) AND d.id = ANY (o.events)) AS processed_at
+         WHERE o.batch = outbox.batch_of(d.pending_xid, d.id, true) AND d.id = ANY (o.events)) AS processed_at
   FROM outbox.log AS d
   LEFT JOIN outbox.batches AS sent ON sent.id = outbox.batch_of(d.pending_xid, d.id)
  WHERE d.event_id IS NOT NULL
@@ -264,7 +264,7 @@ SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
             ELSE outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text END, d.retry_count,
        d.deliveries + (sent.id IS NOT NULL)::integer, d.last_error,
        sent.marked_at, (SELECT pg_catalog.min(o.at) FROM outbox.outcomes AS o
-                         WHERE o.batch = outbox.batch_at(d.pending_xid, d.id) AND d.id = ANY (o.events))
+                         WHERE o.batch = outbox.batch_of(d.pending_xid, d.id, true) AND d.id = ANY (o.events))
   FROM outbox.batch_members AS m
   JOIN outbox.all_subscriptions AS s ON s.id = m.subscription_id
   LEFT JOIN outbox.log AS d ON d.id = m.batch_id

@@ -57,6 +57,7 @@ fn outbox_wake() {
 fn outbox_ack(id: pgrx::Uuid) -> bool {
     let acked = Spi::connect_mut(|client| {
         keys::lock_key_of(client, id)?;
+        client.update(include_str!("../sql/ack_lock.sql"), None, &[id.into()])?;
         let updated = client.update(include_str!("../sql/ack.sql"), None, &[id.into()])?;
         let Some(row) = updated.into_iter().next() else {
             return Ok(false);

@@ -299,9 +299,9 @@ def test_worker_queries_are_served_by_indexes(outbox):
     # from where it starts.
     with outbox.connect() as conn:
         conn.execute("SET enable_seqscan = off")
-        body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_at'::regproc")
+        body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_of'::regproc")
         plan = "\n".join(r[0] for r in conn.execute(
-            f"EXPLAIN {body.replace('$1', chr(39) + '100' + chr(39) + '::xid8').replace('$2', 'gen_random_uuid()')}"))
+            f"EXPLAIN {body.replace('$1', chr(39) + '100' + chr(39) + '::xid8').replace('$2', 'gen_random_uuid()').replace('$3', 'false')}"))
         assert "batches_to_idx" in plan, plan
         body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_members'::regproc")
         body = body.replace("batch_members.", "")
@@ -325,6 +325,51 @@ def test_worker_queries_are_served_by_indexes(outbox):
             assert all(index in plan for index in indexes), plan
             assert not re.search(r"Seq Scan on (log|batches|outcomes)", plan), plan
             assert not re.search(r"on log_[02]", plan), plan
+
+
+def test_a_batch_s_outcomes_are_read_once_not_once_per_event(outbox):
+    """A batch of 2000 events, each acknowledged alone (an outcome row
+    each): settling it, sending the unacknowledged ones again, putting an
+    abandoned batch's events back, the rotation's look and the views read
+    the batch's outcome rows once, not once per event (a lookup per event
+    would compare each with all 2000 rows)."""
+    outbox.configure(enabled="off")
+    outbox.sql("SELECT outbox_enqueue('e', '{}', queue => 'q_many') FROM generate_series(1, 2000)")
+    batch, _ = outbox.claim_as(0, 2000)
+    outbox.sql("UPDATE outbox.batches SET marked_at = now() - interval '1 day' WHERE id = %s", (batch,))
+    outbox.sql("INSERT INTO outbox.outcomes (batch, generation, events) "
+               "SELECT %s, l.generation, ARRAY[l.id] FROM outbox.log AS l", (batch,))
+    outbox.sql("ANALYZE outbox.outcomes")
+    worker = ROOT / "sql" / "worker"
+    statements = {
+        "settle_reported": f"EXECUTE q(ARRAY[{batch}]::bigint[])",
+        "sweep_unacked": f"EXECUTE q(ARRAY[{batch}]::bigint[], 5)",
+        "reline_abandoned": f"EXECUTE q(ARRAY[{batch}]::bigint[])",
+    }
+    types = {"settle_reported": "(bigint[])", "sweep_unacked": "(bigint[], int)", "reline_abandoned": "(bigint[])"}
+
+    def compared(plan):
+        """Rows the plan compared and threw away, in all its nodes: about
+        the batch's size when each set is read once, its square when each
+        event is looked up among all the rows."""
+        def walk(node):
+            return (node.get("Rows Removed by Join Filter", 0) + node.get("Rows Removed by Filter", 0)
+                    + sum(walk(child) for child in node.get("Plans", [])))
+        return walk(plan[0]["Plan"])
+
+    with outbox.connect(autocommit=False) as conn:
+        conn.execute(DISPATCHER_PLANNER)
+        for name, execute in statements.items():
+            conn.execute(f"PREPARE q{types[name]} AS {(worker / (name + '.sql')).read_text()}")
+            plan = conn.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {execute}").fetchone()[0]
+            conn.rollback()
+            conn.execute("DEALLOCATE q")
+            assert compared(plan) < 20000, (name, compared(plan))
+        for query in ("SELECT * FROM outbox.status", "SELECT * FROM outbox.unfinished(%s::smallint, true)"
+                      % outbox.value("SELECT pg_sequence_last_value('outbox.generation')")):
+            plan = conn.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {query}").fetchone()[0]
+            assert compared(plan) < 20000, (query, compared(plan))
+        conn.rollback()
 
 
 def test_two_dispatchers_deliver_10000_events_exactly_once(redis_server):

@@ -268,6 +268,20 @@ def test_status_is_exact_while_counting_is_cheap_and_costs_the_same_beyond(outbo
 QUERIES = ("TABLE outbox.status", "TABLE outbox.metrics", "SELECT outbox_metrics_prometheus()")
 
 
+def test_the_processed_estimate_counts_events_whatever_rows_hold_them(outbox):
+    """Beyond 1000, processed is estimated from the statistics. A round of
+    reports records up to 100 events a row, an acknowledgement one: the
+    estimate counts events, whatever the mix of rows."""
+    outbox.sql("INSERT INTO outbox.outcomes (batch, events) "
+               "SELECT g, ARRAY(SELECT gen_random_uuid() FROM generate_series(1, 100) WHERE g > 0) "
+               "FROM generate_series(1, 202) AS g")
+    outbox.sql("INSERT INTO outbox.outcomes (batch, events) "
+               "SELECT 1000 + g, ARRAY[gen_random_uuid()] FROM generate_series(1, 50000) AS g")
+    outbox.sql("VACUUM ANALYZE outbox.outcomes")
+    [(count, estimated)] = outbox.sql("SELECT count, estimated FROM outbox.status WHERE status = 'processed'")
+    assert estimated and 0.8 < count / 70200 < 1.25, count
+
+
 def test_a_long_transaction_and_the_dead_rows_it_keeps_show_in_the_metrics(outbox):
     assert outbox.metric("outbox_oldest_transaction_seconds") < 5
     with outbox.connect(autocommit=False) as pin:

@@ -284,6 +284,30 @@ def test_retry_one_failed_event(outbox, redis_server):
     assert outbox.value("SELECT retry_count FROM outbox.events") == 0
 
 
+def test_two_acknowledgements_of_one_event_at_once_take_it_once(outbox, redis_server):
+    """Two consumers acknowledge the same event at the same time: the
+    second waits for the first, then finds the event processed (false),
+    and the outcome is recorded once."""
+    client = redis_server.client()
+    outbox.configure(ack_timeout="1h")
+    (event,) = [str(r[0]) for r in outbox.sql("SELECT outbox_enqueue('ack', '{}', queue => 'q_ack_twice')")]
+    wait_until(lambda: outbox.value("SELECT status::text FROM outbox.events WHERE id = %s", (event,)) == "dispatched",
+               message="the event dispatched")
+    assert event in queued_ids(client, "q_ack_twice")
+    second = {}
+    with outbox.connect(autocommit=False) as first:
+        assert first.execute("SELECT outbox_ack(%s)", (event,)).fetchone()[0] is True
+        racing = threading.Thread(target=lambda: second.update(taken=outbox.value("SELECT outbox_ack(%s)", (event,))))
+        racing.start()
+        wait_until(lambda: outbox.value("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                        "AND query LIKE '%%outbox_ack%%'") == 1, message="the second waiting")
+        first.commit()
+        racing.join(timeout=30)
+    assert second == {"taken": False}
+    assert outbox.value("SELECT count(*) FROM outbox.outcomes WHERE %s = ANY (events)", (event,)) == 1
+    assert outbox.value("SELECT status::text FROM outbox.events WHERE id = %s", (event,)) == "processed"
+
+
 def test_an_acknowledgement_the_unacked_sweeper_races_is_never_undone(outbox, redis_server):
     """The sweeper settles two batches; while it is held on the first, a
     consumer acknowledges the event of the second. The sweeper's decision

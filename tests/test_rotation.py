@@ -5,6 +5,8 @@ once a day in these tests), with the generations' times moved back a day
 where a test needs them due; the last test lets the dispatchers rotate
 under load."""
 
+import time
+
 import psycopg
 import pytest
 
@@ -68,6 +70,37 @@ def kept(pg, ids):
     return {str(r[0]): r[1:] for r in pg.sql(
         "SELECT id, status::text, key_state, key_seq, pending_xid IS NULL, last_error FROM outbox.events "
         "WHERE id = ANY(%s::uuid[])", (list(ids),))}
+
+
+def awaiting_ack_in_the_oldest(rotating, client, queue):
+    """Acknowledgements on: an event sent and marked, awaiting its
+    acknowledgement, in the generation that has become the oldest (the
+    dispatchers paused)."""
+    rotating.configure(ack_timeout="1h")
+    clean_oldest(rotating)
+    with rotating.connect() as conn:
+        event = enqueue(conn, queue)
+    wait_until(lambda: event in queued_ids(client, queue), message="the event sent")
+    wait_until(lambda: rotating.value("SELECT status::text FROM outbox.events WHERE id = %s", (event,)) == "dispatched",
+               message="the event dispatched")
+    rotating.configure(enabled="off")
+    rotate_to_oldest(rotating)
+    return event
+
+
+def acknowledged_unseeing_the_move(rotating, event):
+    """Moves `event` on, and acknowledges it in a transaction whose snapshot
+    predates the move; then truncates its old generation."""
+    acker = rotating.connect(autocommit=False)
+    try:
+        acker.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        acker.execute("SELECT 1")
+        assert rotate(rotating, acks=True) == ("moved", 1)
+        assert acker.execute("SELECT outbox_ack(%s)", (event,)).fetchone()[0] is True
+        acker.commit()
+    finally:
+        acker.close()
+    rotate_until(rotating, ("truncated",), aged=True, acks=True)
 
 
 def test_a_non_superuser_cannot_make_the_insert_triggers_pass_its_rows(rotating):
@@ -190,6 +223,29 @@ def test_an_event_put_in_another_generation_under_a_taken_id_moves_on_with_a_new
     assert letters["forged"][1] == f"moved to generation {now} with a new id: {taken} was taken there"
 
 
+def test_an_acknowledged_event_moved_under_a_new_id_stays_processed(rotating, redis_server):
+    """Acknowledgements on: an event awaiting its acknowledgement is moved
+    where a forged row took its id, so it gets a new one (and leaves its
+    batch, whose positions no longer hold it); an outbox_ack() that did not
+    see the move is kept: under its new id the event is processed, neither
+    needed by the rotation nor sent again."""
+    client = redis_server.client()
+    event = awaiting_ack_in_the_oldest(rotating, client, "q_rot_ack_new")
+    target = current(rotating)
+    rotating.sql("INSERT INTO outbox.log (id, generation, event_type, queue, status, last_error) "
+                 "VALUES (%s, %s, 'forged', 'q_rot_forged', 'failed', 'forged')", (event, target))
+    acknowledged_unseeing_the_move(rotating, event)
+    [moved] = [str(r[0]) for r in rotating.sql("SELECT id FROM outbox.events WHERE queue = 'q_rot_ack_new'")]
+    assert moved != event
+    assert kept(rotating, [moved])[moved][0] == "processed"
+    assert not rotating.sql("SELECT FROM outbox.unfinished(%s::smallint, true) AS u WHERE u.id = %s",
+                            (target, moved))
+    rotating.configure(enabled="on", lifecycle_interval="1s")
+    time.sleep(3)
+    assert queued_ids(client, "q_rot_ack_new") == [event]
+    assert kept(rotating, [moved])[moved][0] == "processed"
+
+
 def test_under_load_and_a_crash_the_dispatchers_rotate_and_every_event_is_sent(outbox, redis_server):
     """The dispatchers' own lifecycle, with generations of half a second:
     claims and pushes go on beside the moves and truncations, the server
@@ -295,25 +351,8 @@ def test_an_acknowledgement_that_did_not_see_its_event_move_is_kept(rotating, re
     the generation the event was in; it follows the event before that
     generation is truncated, and the event stays processed."""
     client = redis_server.client()
-    rotating.configure(ack_timeout="1h")
-    clean_oldest(rotating)
-    with rotating.connect() as conn:
-        event = enqueue(conn, "q_rot_ack")
-    wait_until(lambda: event in queued_ids(client, "q_rot_ack"), message="the event sent")
-    wait_until(lambda: rotating.value("SELECT status::text FROM outbox.events WHERE id = %s", (event,)) == "dispatched",
-               message="the event dispatched")
-    rotating.configure(enabled="off")
-    rotate_to_oldest(rotating)
-    acker = rotating.connect(autocommit=False)
-    try:
-        acker.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        acker.execute("SELECT 1")
-        assert rotate(rotating, acks=True) == ("moved", 1)
-        assert acker.execute("SELECT outbox_ack(%s)", (event,)).fetchone()[0] is True
-        acker.commit()
-    finally:
-        acker.close()
-    rotate_until(rotating, ("truncated",), aged=True, acks=True)
+    event = awaiting_ack_in_the_oldest(rotating, client, "q_rot_ack")
+    acknowledged_unseeing_the_move(rotating, event)
     assert rotating.value("SELECT count(*) FROM outbox.outcomes WHERE %s = ANY (events)", (event,)) == 1
     assert kept(rotating, [event])[event][0] == "processed"
     assert rotating.value("SELECT count(*) FROM outbox.moved") == 0

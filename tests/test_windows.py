@@ -371,6 +371,24 @@ def test_the_events_0_9_0_sent_become_batches_retention_takes_a_few_at_a_time(re
         pg.close()
 
 
+def test_the_events_0_9_0_processed_keep_their_outcome_and_its_time(redis_server):
+    """The update records what 0.9.0 had processed as outcomes of the
+    batches it makes, each with the time it was processed."""
+    pg = Cluster(redis_server.url, report_key="", enabled="off")
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch VERSION '0.9.0'")
+        pg.sql("INSERT INTO outbox.events (event_type, queue, status, dispatched_at, processed_at) "
+               "SELECT 'e', 'q_done', 'processed', now() - interval '1 day', now() - g * interval '1 minute' "
+               "FROM generate_series(1, 300) AS g")
+        before = dict(pg.sql("SELECT id, processed_at FROM outbox.events"))
+        pg.sql("ALTER EXTENSION outbox_dispatch UPDATE")
+        assert dict(pg.sql("SELECT status::text, count FROM outbox.status WHERE count > 0")) == {"processed": 300}
+        after = dict(pg.sql("SELECT r.id, o.at FROM outbox.outcomes AS o, unnest(o.events) AS r(id)"))
+        assert after == before
+    finally:
+        pg.close()
+
+
 def test_events_due_at_infinity_stop_nothing(outbox, redis_server):
     client = redis_server.client()
     never, always = (outbox.value("INSERT INTO outbox.events (event_type, queue, available_at) "

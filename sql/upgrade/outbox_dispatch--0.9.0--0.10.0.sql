@@ -134,7 +134,7 @@ GRANT SELECT ON SEQUENCE outbox.generation TO PUBLIC;
 -- acknowledgement a row of one. An array costs 16 bytes of WAL an event
 -- where a row each cost about 190 with its index entry (bench/wal.py), and
 -- at 100 a row stays small enough to be stored inline. An event is looked
--- up through the batch that holds its position (outbox.batch_at()): one
+-- up through the batch that holds its position (outbox.batch_of(..., true)): one
 -- with an outcome never leaves its batch. Failures are written to the
 -- event itself. Each in the generation of its events: the outcomes of a
 -- partition of the log are a partition of their own, which goes with it.
@@ -164,9 +164,9 @@ COMMENT ON TABLE outbox.outcomes IS
     'Events reported processed by a Celery worker or acknowledged with outbox_ack(), by batch.';
 
 -- Records event $3[i] of batch $1[i], in generation $2[i], processed at
--- $4[i] (NULL: now), in rows of at most 100 events per batch and
--- generation. Returns the events. The caller has made sure none is
--- recorded already.
+-- $4[i] (NULL: now), in rows of at most 100 events per batch, generation
+-- and time (each keeps its own). Returns the events. The caller has made
+-- sure none is recorded already.
 CREATE FUNCTION outbox.record_outcomes(batch bigint[], generation smallint[], event uuid[], at timestamptz[])
 RETURNS SETOF uuid
 LANGUAGE sql VOLATILE
@@ -174,11 +174,11 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 WITH recorded AS (
     INSERT INTO outbox.outcomes (batch, generation, events, at)
-    SELECT r.batch, r.generation, array_agg(r.event), coalesce(min(r.at), now())
-      FROM (SELECT u.batch, u.generation, u.event, u.at,
-                   (row_number() OVER (PARTITION BY u.batch, u.generation) - 1) / 100 AS row_
+    SELECT r.batch, r.generation, array_agg(r.event), r.at
+      FROM (SELECT u.batch, u.generation, u.event, coalesce(u.at, now()) AS at,
+                   (row_number() OVER (PARTITION BY u.batch, u.generation, coalesce(u.at, now())) - 1) / 100 AS row_
               FROM unnest($1, $2, $3, $4) AS u(batch, generation, event, at)) AS r
-     GROUP BY r.batch, r.generation, r.row_
+     GROUP BY r.batch, r.generation, r.at, r.row_
     RETURNING events
 )
 SELECT unnest(recorded.events) FROM recorded
@@ -260,10 +260,11 @@ RETURN pg_catalog.encode(
         pg_catalog.uuid_send(send) OPERATOR(pg_catalog.||) pg_catalog.uuid_send(event)), 1, 16),
     'hex')::pg_catalog.uuid;
 
--- The batch that read an event in line at ($1, $2), whatever became of
--- it since: the page of the window that holds its position. NULL: none yet
--- (or out of line).
-CREATE FUNCTION outbox.batch_at(pending_xid xid8, id uuid) RETURNS bigint
+-- The batch that read an event in line at ($1, $2): the page of the
+-- window that holds its position. NULL: none yet (or out of line). An
+-- abandoned batch (its events went back in line, but those with an
+-- outcome) only with $3: what became of the event at that position.
+CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid, abandoned boolean DEFAULT false) RETURNS bigint
 LANGUAGE sql STABLE STRICT SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -273,20 +274,9 @@ SELECT b.id
    AND pg_catalog.pg_visible_in_snapshot($1, b.target)
    AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
    AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
+   AND ($3 OR b.abandoned_at IS NULL)
  ORDER BY b.to_xid, b.to_id
  LIMIT 1
-$$;
-
--- The batch an event at ($1, $2) is in: batch_at()'s, unless it was
--- abandoned (its events went back in line, but those with an outcome).
-CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid) RETURNS bigint
-LANGUAGE sql STABLE STRICT SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-SELECT b.id
-  FROM outbox.batches AS b
- WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_at($1, $2)
-   AND b.abandoned_at IS NULL
 $$;
 
 -- What an event is now, from what was written of it ($1, the row's status)
@@ -308,7 +298,7 @@ SELECT CASE
                                     WHEN b.marked_at IS NULL THEN 'processing'
                                     ELSE 'dispatched' END::outbox.event_status
                           FROM outbox.batches AS b
-                         WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_at($2, $3)),
+                         WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_of($2, $3, true)),
                        'pending')
        END
 $$;
@@ -366,13 +356,17 @@ SELECT pg_catalog.gen_random_uuid(), -1, g.at, '2:2:', '2:3:',
          WHERE l.last) AS g;
 
 -- Events reported processed or acknowledged keep that as outcomes, in the
--- batches just made (the rows go to the first generation, below).
-SELECT outbox.record_outcomes(pg_catalog.array_agg(outbox.batch_at(e.pending_xid, e.id)),
-                              pg_catalog.array_agg(0::pg_catalog.int2), pg_catalog.array_agg(e.id),
-                              pg_catalog.array_agg(e.processed_at))
-  FROM outbox.log AS e
- WHERE e.pending_xid OPERATOR(pg_catalog.=) '2'
-   AND e.processed_at IS NOT NULL;
+-- batches just made, each with its time (the rows go to the first
+-- generation, below). A batch at a time: the arrays of every event at once
+-- could outgrow what a value may hold.
+SELECT pg_catalog.count(*)
+  FROM (SELECT outbox.record_outcomes(pg_catalog.array_agg(g.batch), pg_catalog.array_agg(0::pg_catalog.int2),
+                                      pg_catalog.array_agg(g.id), pg_catalog.array_agg(g.processed_at))
+          FROM (SELECT outbox.batch_of(e.pending_xid, e.id, true) AS batch, e.id, e.processed_at
+                  FROM outbox.log AS e
+                 WHERE e.pending_xid OPERATOR(pg_catalog.=) '2'
+                   AND e.processed_at IS NOT NULL) AS g
+         GROUP BY g.batch) AS r;
 
 SET LOCAL session_replication_role = origin;
 
@@ -920,11 +914,10 @@ WITH waiting AS (
     -- The outcome rows as stored, with how many events they hold up to
     -- each (read as far as the first that takes them over 1000).
     SELECT o.events,
-           pg_catalog.sum(pg_catalog.cardinality(o.events)) OVER (ROWS UNBOUNDED PRECEDING) AS events_so_far,
-           pg_catalog.row_number() OVER (ROWS UNBOUNDED PRECEDING) AS rows_so_far
+           pg_catalog.sum(pg_catalog.cardinality(o.events)) OVER (ROWS UNBOUNDED PRECEDING) AS events_so_far
       FROM outbox.outcomes AS o
 ), beyond AS (
-    SELECT r.events_so_far, r.rows_so_far FROM reported AS r WHERE r.events_so_far > 1000 LIMIT 1
+    SELECT r.events_so_far FROM reported AS r WHERE r.events_so_far > 1000 LIMIT 1
 ), finished AS (
     -- Processed: the events of the outcome rows, exactly while they are at
     -- most 1000 (each once, though a row of a rotation's move may repeat
@@ -944,20 +937,29 @@ WITH waiting AS (
      CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
      WHERE b.marked_at IS NOT NULL
        AND (SELECT f.batches FROM finished AS f) <= 1000
-       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events))
+       -- The outcomes of those batches read once, hashed.
+       AND NOT EXISTS (SELECT
+                         FROM (SELECT o.batch, r.id
+                                 FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                                WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL)) AS r
+                        WHERE r.batch = b.id AND r.id = m.id)
 ), estimate AS (
-    -- The outcome rows the statistics count, each holding as many events
-    -- as the first rows read above.
+    -- Processed: the outcome rows the statistics count, each holding as
+    -- many events as the average width of `events` the last analyze found
+    -- says (an array of n ids is about 22 + 16n bytes).
     SELECT GREATEST((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
                        FROM pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS p
                        JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
                       WHERE p.isleaf)
                     - (SELECT pg_catalog.sum(x.count) FROM exact AS x)::bigint, 0) AS finished,
-           ((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))
-               FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
-               JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
-              WHERE p.isleaf)
-            * coalesce((SELECT b.events_so_far::float8 / b.rows_so_far FROM beyond AS b), 1))::bigint AS processed
+           (SELECT pg_catalog.sum(GREATEST(c.reltuples, 0)
+                                  * GREATEST(coalesce(s.stawidth, 38) - 22, 16) / 16)::bigint
+              FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
+              JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
+              JOIN pg_catalog.pg_attribute AS a ON a.attrelid = p.relid AND a.attname = 'events'
+              LEFT JOIN pg_catalog.pg_statistic AS s
+                     ON s.starelid = p.relid AND s.staattnum = a.attnum AND NOT s.stainherit
+             WHERE p.isleaf) AS processed
 )
 SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
        false AS estimated
@@ -993,7 +995,15 @@ SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, b.ma
   JOIN outbox.log AS e ON e.id = m.id
  WHERE b.settled_at IS NULL
    AND b.marked_at < pg_catalog.now() - @extschema@.outbox_report_timeout()
-   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events));
+   -- The outcomes of those batches read once, hashed.
+   AND NOT EXISTS (SELECT
+                     FROM (SELECT o.batch, r.id
+                             FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                            WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b
+                                               WHERE b.settled_at IS NULL
+                                                 AND b.marked_at < pg_catalog.now()
+                                                                   - @extschema@.outbox_report_timeout())) AS r
+                    WHERE r.batch = b.id AND r.id = m.id);
 
 COMMENT ON VIEW outbox.unreported IS
     'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';
@@ -1005,7 +1015,7 @@ SELECT d.event_id, d.subscription_id, d.task, d.id AS delivery_id, false AS batc
        outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text AS status, d.retry_count,
        d.deliveries + (sent.id IS NOT NULL)::integer AS sends, d.last_error,
        sent.marked_at AS dispatched_at, (SELECT pg_catalog.min(o.at) FROM outbox.outcomes AS o
-         WHERE o.batch = outbox.batch_at(d.pending_xid, d.id) AND d.id = ANY (o.events)) AS processed_at
+         WHERE o.batch = outbox.batch_of(d.pending_xid, d.id, true) AND d.id = ANY (o.events)) AS processed_at
   FROM outbox.log AS d
   LEFT JOIN outbox.batches AS sent ON sent.id = outbox.batch_of(d.pending_xid, d.id)
  WHERE d.event_id IS NOT NULL
@@ -1015,7 +1025,7 @@ SELECT m.event_id, m.subscription_id, s.task, m.batch_id, true,
             ELSE outbox.event_status(d.status, d.pending_xid, d.id, d.key_state)::text END, d.retry_count,
        d.deliveries + (sent.id IS NOT NULL)::integer, d.last_error,
        sent.marked_at, (SELECT pg_catalog.min(o.at) FROM outbox.outcomes AS o
-                         WHERE o.batch = outbox.batch_at(d.pending_xid, d.id) AND d.id = ANY (o.events))
+                         WHERE o.batch = outbox.batch_of(d.pending_xid, d.id, true) AND d.id = ANY (o.events))
   FROM outbox.batch_members AS m
   JOIN outbox.all_subscriptions AS s ON s.id = m.subscription_id
   LEFT JOIN outbox.log AS d ON d.id = m.batch_id
@@ -1260,7 +1270,15 @@ SELECT m.id
                         -- Not the set above: read by a claim.
                         AND (e.pending_xid < pg_snapshot_xmin(c.prev) OR pg_visible_in_snapshot(e.pending_xid, c.prev))
                       LIMIT 1) AS e
- WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events))
+ -- The outcomes of those batches read once, hashed (a lookup per member
+ -- would read every outcome row of its batch).
+ WHERE NOT EXISTS (SELECT
+                     FROM (SELECT o.batch, r.id
+                             FROM outbox.outcomes AS o CROSS JOIN LATERAL unnest(o.events) AS r(id)
+                            WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b
+                                               WHERE (b.marked_at IS NULL AND b.abandoned_at IS NULL)
+                                                  OR ($2 AND b.settled_at IS NULL AND b.marked_at IS NOT NULL))) AS r
+                    WHERE r.batch = b.id AND r.id = m.id)
 $$;
 
 -- Moves up to $3 of the events of generation $1 still needed to generation
@@ -1458,20 +1476,35 @@ BEGIN
     END IF;
     -- The outcomes of the events moved out of it, recorded before the move
     -- or by a statement that did not see it (all of them have ended: the
-    -- wait above), follow them: recorded again where they went, by the
-    -- batch that read them at their position (their id there).
+    -- wait above), follow them, found by the batch that read them at their
+    -- position. One that kept its id is recorded again where it went, in
+    -- the same batch. One given a new id is out of its batch (its position
+    -- changed): it is stored processed.
     PERFORM outbox.record_outcomes(array_agg(r.batch), array_agg(r.moved_to), array_agg(r.id), array_agg(r.at))
        FROM (SELECT DISTINCT ON (m.moved_to, m.id) o.batch, m.moved_to, m.id, o.at
                FROM outbox.moved AS m
                JOIN outbox.log AS e ON e.generation = m.moved_to AND e.id = m.id
                JOIN outbox.outcomes AS o
                  ON o.generation = oldest
-                AND o.batch = outbox.batch_at(e.pending_xid, m.event)
+                AND o.batch = outbox.batch_of(e.pending_xid, m.event, true)
                 AND m.event = ANY (o.events)
               WHERE m.generation = oldest
+                AND m.id = m.event
                 AND NOT EXISTS (SELECT FROM outbox.outcomes AS t
                                  WHERE t.generation = m.moved_to AND t.batch = o.batch AND m.id = ANY (t.events))
               ORDER BY m.moved_to, m.id, o.at) AS r;
+    UPDATE outbox.log AS e
+       SET status = 'processed'
+      FROM outbox.moved AS m
+     WHERE m.generation = oldest
+       AND m.id <> m.event
+       AND e.generation = m.moved_to
+       AND e.id = m.id
+       AND e.status = 'pending'
+       AND EXISTS (SELECT FROM outbox.outcomes AS o
+                    WHERE o.generation = oldest
+                      AND o.batch = outbox.batch_of(e.pending_xid, m.event, true)
+                      AND m.event = ANY (o.events));
     DELETE FROM outbox.moved AS m WHERE m.generation = oldest;
     -- Its events as the statistics count them, kept by every insert and
     -- delete (a count would read the partition whole).

@@ -21,7 +21,7 @@ WITH marked AS (
        AND e.pending_xid = f.pending_xid
        AND e.status = 'pending'
        -- Delivered before, and acknowledged since: done.
-       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = outbox.batch_at(e.pending_xid, e.id) AND e.id = ANY (o.events))
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = outbox.batch_of(e.pending_xid, e.id, true) AND e.id = ANY (o.events))
     RETURNING e.id, e.status, e.key_state, e.ordering_key, coalesce(e.subscription_id, 0) AS subscription
 )
 SELECT id, ordering_key, subscription FROM marked WHERE key_state = 'head' AND status = 'failed'

@@ -8,4 +8,4 @@ UPDATE outbox.log AS e
  WHERE e.id = r.id
    AND e.pending_xid = r.pending_xid
    AND e.status = 'pending'
-   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = outbox.batch_at(e.pending_xid, e.id) AND e.id = ANY (o.events))
+   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = outbox.batch_of(e.pending_xid, e.id, true) AND e.id = ANY (o.events))

@@ -11,4 +11,9 @@ UPDATE outbox.log AS e
  WHERE b.id = ANY ($1)
    AND e.id = m.id
    AND e.pending_xid = m.pending_xid
-   AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND e.id = ANY (o.events))
+   -- The outcomes of the batches read once, hashed (settle_reported.sql).
+   AND NOT EXISTS (SELECT
+                     FROM (SELECT o.batch, r.id
+                             FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                            WHERE o.batch = ANY ($1)) AS r
+                    WHERE r.batch = b.id AND r.id = e.id)

@@ -8,5 +8,11 @@ UPDATE outbox.batches AS b
  WHERE b.id = ANY ($1::bigint[])
    AND b.settled_at IS NULL
    AND b.marked_at IS NOT NULL
-   AND NOT EXISTS (SELECT FROM outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
-                    WHERE NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events)))
+   -- (Each set read once and compared by hashing: a lookup per member
+   -- would read every outcome row of the batch for each.)
+   AND NOT EXISTS (SELECT m.id
+                     FROM outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
+                   EXCEPT
+                   SELECT r.id
+                     FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                    WHERE o.batch = b.id)

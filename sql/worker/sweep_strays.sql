@@ -35,7 +35,7 @@ WITH floor AS (
        AND (e.pending_xid > '2'
             OR (SELECT b.dispatcher FROM outbox.batches AS b ORDER BY b.id LIMIT 1) IS DISTINCT FROM -1)
        AND e.pending_xid < floor.xid
-       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = outbox.batch_at(e.pending_xid, e.id) AND e.id = ANY (o.events))
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = outbox.batch_of(e.pending_xid, e.id, true) AND e.id = ANY (o.events))
      ORDER BY e.pending_xid
      LIMIT $1
        FOR UPDATE OF e SKIP LOCKED

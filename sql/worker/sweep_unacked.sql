@@ -16,7 +16,12 @@ WITH unacked AS (
       FROM outbox.batches AS b
      CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
      WHERE b.id = ANY ($1)
-       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND m.id = ANY (o.events))
+       -- The outcomes of the batches read once, hashed (settle_reported.sql).
+       AND NOT EXISTS (SELECT
+                         FROM (SELECT o.batch, r.id
+                                 FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                                WHERE o.batch = ANY ($1)) AS r
+                        WHERE r.batch = b.id AND r.id = m.id)
 )
 UPDATE outbox.log AS e
    SET status = (CASE WHEN e.deliveries + 1 > $2 OR (e.ordering_key IS NOT NULL AND e.key_state IS NULL)
