@@ -352,12 +352,12 @@ WITH waiting AS (
      CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
      WHERE b.marked_at IS NOT NULL
        AND (SELECT f.batches FROM finished AS f) <= 1000
-       -- The outcomes of those batches read once, hashed.
-       AND NOT EXISTS (SELECT
-                         FROM (SELECT o.batch, r.id
-                                 FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
-                                WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL)) AS r
-                        WHERE r.batch = b.id AND r.id = m.id)
+       -- The outcomes of those batches read once, into a hash
+       -- (sql/worker/settle_reported.sql).
+       AND (b.id, m.id) NOT IN (SELECT o.batch, r.id
+                                  FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                                 WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL)
+                                   AND r.id IS NOT NULL)
 ), estimate AS (
     -- Processed: the outcome rows the statistics count, each holding as
     -- many events as the average width of `events` the last analyze found
@@ -434,15 +434,15 @@ SELECT e.id, e.event_type, e.queue, coalesce(e.task, e.event_type) AS task, b.ma
   JOIN outbox.log AS e ON e.id = m.id
  WHERE b.settled_at IS NULL
    AND b.marked_at < pg_catalog.now() - @extschema@.outbox_report_timeout()
-   -- The outcomes of those batches read once, hashed.
-   AND NOT EXISTS (SELECT
-                     FROM (SELECT o.batch, r.id
-                             FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
-                            WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b
-                                               WHERE b.settled_at IS NULL
-                                                 AND b.marked_at < pg_catalog.now()
-                                                                   - @extschema@.outbox_report_timeout())) AS r
-                    WHERE r.batch = b.id AND r.id = m.id);
+   -- The outcomes of those batches read once, into a hash
+   -- (sql/worker/settle_reported.sql).
+   AND (b.id, m.id) NOT IN (SELECT o.batch, r.id
+                              FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                             WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b
+                                                WHERE b.settled_at IS NULL
+                                                  AND b.marked_at < pg_catalog.now()
+                                                                    - @extschema@.outbox_report_timeout())
+                               AND r.id IS NOT NULL);
 
 COMMENT ON VIEW outbox.unreported IS
     'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';

@@ -100,15 +100,15 @@ SELECT m.id
                         -- Not the set above: read by a claim.
                         AND (e.pending_xid < pg_snapshot_xmin(c.prev) OR pg_visible_in_snapshot(e.pending_xid, c.prev))
                       LIMIT 1) AS e
- -- The outcomes of those batches read once, hashed (a lookup per member
- -- would read every outcome row of its batch).
- WHERE NOT EXISTS (SELECT
-                     FROM (SELECT o.batch, r.id
-                             FROM outbox.outcomes AS o CROSS JOIN LATERAL unnest(o.events) AS r(id)
-                            WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b
-                                               WHERE (b.marked_at IS NULL AND b.abandoned_at IS NULL)
-                                                  OR ($2 AND b.settled_at IS NULL AND b.marked_at IS NOT NULL))) AS r
-                    WHERE r.batch = b.id AND r.id = m.id)
+ -- The outcomes of those batches read once, into a hash
+ -- (sql/worker/settle_reported.sql; a lookup per member would read every
+ -- outcome row of its batch).
+ WHERE (b.id, m.id) NOT IN (SELECT o.batch, r.id
+                              FROM outbox.outcomes AS o CROSS JOIN LATERAL unnest(o.events) AS r(id)
+                             WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b
+                                                WHERE (b.marked_at IS NULL AND b.abandoned_at IS NULL)
+                                                   OR ($2 AND b.settled_at IS NULL AND b.marked_at IS NOT NULL))
+                               AND r.id IS NOT NULL)
 $$;
 
 -- Moves up to $3 of the events of generation $1 still needed to generation

@@ -32,18 +32,19 @@ WITH hit AS (
        AND b.abandoned_at IS NULL
        FOR SHARE OF b
 ), recorded AS MATERIALIZED (
-    -- What the hit batches have recorded, read once, hashed below (a lookup
-    -- per report would read every outcome row of its batch).
+    -- What the hit batches have recorded, read once, into a hash below
+    -- (settle_reported.sql; a lookup per report would read every outcome
+    -- row of its batch).
     SELECT o.batch, r.id
       FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
-     WHERE o.batch IN (SELECT hit.batch FROM hit)
+     WHERE o.batch IN (SELECT hit.batch FROM hit) AND r.id IS NOT NULL
 ), processed AS (
     SELECT outbox.record_outcomes(pg_catalog.array_agg(n.batch), pg_catalog.array_agg(n.generation),
                                   pg_catalog.array_agg(n.id), NULL) AS id
       FROM (SELECT DISTINCT hit.batch, hit.generation, hit.id
               FROM hit
              WHERE hit.outcome = 'processed'
-               AND NOT EXISTS (SELECT FROM recorded AS r WHERE r.batch = hit.batch AND r.id = hit.id)) AS n
+               AND (hit.batch, hit.id) NOT IN (SELECT r.batch, r.id FROM recorded AS r)) AS n
 ), failed AS (
     UPDATE outbox.log AS e
        SET status = 'failed',
@@ -52,7 +53,7 @@ WITH hit AS (
      WHERE hit.outcome = 'failed'
        AND e.id = hit.id
        AND e.generation = hit.generation
-       AND NOT EXISTS (SELECT FROM recorded AS r WHERE r.batch = hit.batch AND r.id = hit.id)
+       AND (hit.batch, hit.id) NOT IN (SELECT r.batch, r.id FROM recorded AS r)
     RETURNING e.id
 )
 SELECT hit.outcome, CASE WHEN hit.key_state = 'head' THEN hit.id END, hit.ordering_key, hit.subscription,

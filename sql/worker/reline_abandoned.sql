@@ -11,9 +11,7 @@ UPDATE outbox.log AS e
  WHERE b.id = ANY ($1)
    AND e.id = m.id
    AND e.pending_xid = m.pending_xid
-   -- The outcomes of the batches read once, hashed (settle_reported.sql).
-   AND NOT EXISTS (SELECT
-                     FROM (SELECT o.batch, r.id
-                             FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
-                            WHERE o.batch = ANY ($1)) AS r
-                    WHERE r.batch = b.id AND r.id = e.id)
+   -- The batches' outcomes read once, into a hash (settle_reported.sql).
+   AND (b.id, e.id) NOT IN (SELECT o.batch, r.id
+                              FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                             WHERE o.batch = ANY ($1) AND r.id IS NOT NULL)

@@ -8,11 +8,13 @@ UPDATE outbox.batches AS b
  WHERE b.id = ANY ($1::bigint[])
    AND b.settled_at IS NULL
    AND b.marked_at IS NOT NULL
-   -- (Each set read once and compared by hashing: a lookup per member
-   -- would read every outcome row of the batch for each.)
-   AND NOT EXISTS (SELECT m.id
+   -- The batches' outcomes read once, into a hash (NOT IN of a subquery
+   -- that names no outer column: a hashed SubPlan, whatever the planner
+   -- thinks of the join; no NULL in it). A lookup per member would read
+   -- every outcome row of its batch for each.
+   AND NOT EXISTS (SELECT
                      FROM outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
-                   EXCEPT
-                   SELECT r.id
-                     FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
-                    WHERE o.batch = b.id)
+                    WHERE (b.id, m.id) NOT IN (SELECT o.batch, r.id
+                                                 FROM outbox.outcomes AS o
+                                                CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                                                WHERE o.batch = ANY ($1::bigint[]) AND r.id IS NOT NULL))

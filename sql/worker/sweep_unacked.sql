@@ -16,12 +16,10 @@ WITH unacked AS (
       FROM outbox.batches AS b
      CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
      WHERE b.id = ANY ($1)
-       -- The outcomes of the batches read once, hashed (settle_reported.sql).
-       AND NOT EXISTS (SELECT
-                         FROM (SELECT o.batch, r.id
-                                 FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
-                                WHERE o.batch = ANY ($1)) AS r
-                        WHERE r.batch = b.id AND r.id = m.id)
+       -- The batches' outcomes read once, into a hash (settle_reported.sql).
+       AND (b.id, m.id) NOT IN (SELECT o.batch, r.id
+                                  FROM outbox.outcomes AS o CROSS JOIN LATERAL pg_catalog.unnest(o.events) AS r(id)
+                                 WHERE o.batch = ANY ($1) AND r.id IS NOT NULL)
 )
 UPDATE outbox.log AS e
    SET status = (CASE WHEN e.deliveries + 1 > $2 OR (e.ordering_key IS NOT NULL AND e.key_state IS NULL)
