@@ -38,6 +38,7 @@ pub static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> = GucSetting::<Option<
 pub static DEFAULT_QUEUE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"celery"));
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 pub static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
+pub static LINGER_MS: GucSetting<i32> = GucSetting::<i32>::new(2);
 pub static MAX_RETRIES: GucSetting<i32> = GucSetting::<i32>::new(3);
 pub static RETRY_BACKOFF_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
 pub static RECONNECT_DELAY_MIN_MS: GucSetting<i32> = GucSetting::<i32>::new(3_000);
@@ -120,7 +121,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 40] = [
+const DECLARATIONS: [Declaration; 41] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -155,6 +156,8 @@ const DECLARATIONS: [Declaration; 40] = [
         c"Most bytes of messages pushed in one round trip; larger batches take several."),
     Declaration(c"outbox.poll_interval", Sighup, NONE, Int(&POLL_INTERVAL_MS, 10, 24 * HOUR_MS, MS),
         c"Safety poll: the longest a dispatcher sleeps without a wake."),
+    Declaration(c"outbox.linger", Sighup, NONE, Int(&LINGER_MS, 0, 1000, MS),
+        c"After a claim that took every event in line, the next waits this long from its start, so that the events of commits in a stream go in one claim and push; 0: a claim per wake."),
     Declaration(c"outbox.max_retries", Sighup, NONE, Int(&MAX_RETRIES, 1, 1000, NONE),
         c"Failed pushes of one event before it is dead-lettered."),
     Declaration(c"outbox.retry_backoff", Sighup, NONE, Int(&RETRY_BACKOFF_MS, 0, HOUR_MS, MS),
@@ -335,6 +338,9 @@ pub struct Settings {
     pub broker: BrokerConfig,
     pub batch_size: usize,
     pub poll_interval: Duration,
+    /// `outbox.linger`: the least time from a claim that left nothing in
+    /// line to the next.
+    pub linger: Duration,
     pub max_retries: i32,
     pub retry_backoff: Duration,
     pub reconnect_delay_min: Duration,
@@ -435,6 +441,7 @@ impl Settings {
             broker,
             batch_size,
             poll_interval: millis(&POLL_INTERVAL_MS),
+            linger: millis(&LINGER_MS),
             max_retries: MAX_RETRIES.get(),
             retry_backoff: millis(&RETRY_BACKOFF_MS),
             reconnect_delay_min: millis(&RECONNECT_DELAY_MIN_MS),

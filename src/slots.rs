@@ -218,19 +218,24 @@ pub fn of_argument(argument: pg_sys::Datum) -> (usize, usize) {
 
 /// Sets the latch of every running dispatcher of this backend's database,
 /// noting why. Commits leave paused dispatchers asleep (a reload wakes them
-/// when `outbox.enabled` turns on). Cannot fail: safe inside a commit
-/// callback.
+/// when `outbox.enabled` turns on). A dispatcher whose note of the same
+/// wake is still there has had its latch set and not yet looked: it is
+/// left alone (it reads the notes, not the latch, before it sleeps), so a
+/// stream of commits costs each one an atomic operation, not a signal to a
+/// lingering dispatcher. Cannot fail: safe inside a commit callback.
 pub fn wake_database(source: WakeSource) {
     let Some(group) = slots().and_then(my_group) else { return };
+    let bit = 1 << source as u8;
     for slot in &group.slots {
         let paused = slot.state.load(Ordering::Relaxed) == State::Paused as u8;
         if matches!(source, WakeSource::Commit) && paused {
             continue;
         }
         if let Some(latch) = latch(slot.procno.load(Ordering::Acquire)) {
-            slot.wake_sources.fetch_or(1 << source as u8, Ordering::AcqRel);
-            // SAFETY: the latch of a PGPROC, which lives as long as the server.
-            unsafe { pg_sys::SetLatch(latch) };
+            if slot.wake_sources.fetch_or(bit, Ordering::AcqRel) & bit == 0 {
+                // SAFETY: the latch of a PGPROC, which lives as long as the server.
+                unsafe { pg_sys::SetLatch(latch) };
+            }
         }
     }
 }

@@ -87,6 +87,42 @@ def test_commit_wakes_an_idle_dispatcher(outbox, redis_server):
                message="the event within 10 s of COMMIT")
 
 
+def test_a_stream_of_commits_is_claimed_together_after_its_first(outbox, redis_server):
+    """`outbox.linger`: the first commit after a quiet spell is claimed at
+    once; the ones that follow it within the linger wait for its end and go
+    in one claim, not one each."""
+    outbox.configure(linger="1s", poll_interval="60s")
+    client = redis_server.client()
+    outbox.wait_idle()
+    time.sleep(1.5)  # longer than the linger: any claim before is a quiet spell ago
+    with outbox.connect() as conn:
+        ids = [str(conn.execute("SELECT outbox_enqueue('streamed', '{}', queue => 'q_stream')").fetchone()[0])
+               for _ in range(20)]
+    wait_until(lambda: sorted(queued_ids(client, "q_stream")) == sorted(ids), timeout=30,
+               message="the 20 events")
+    batches = outbox.sql("SELECT events, claimed_at - (SELECT min(created_at) FROM outbox.events) "
+                         "FROM outbox.batches ORDER BY id")
+    assert len(batches) <= 3, f"a claim per commit or so: {batches}"
+    assert batches[0][1].total_seconds() < 0.9, f"the first commit waited for the linger: {batches}"
+
+
+def test_a_lingering_dispatcher_stops_at_sigterm_with_its_push_recorded(outbox, redis_server):
+    """A SIGTERM while a dispatcher lingers after a push ends it within
+    seconds; what it pushed is recorded or sent again, none is lost."""
+    outbox.configure(linger="1s")
+    client = redis_server.client()
+    outbox.wait_idle()
+    pid = outbox.dispatcher_pids()[0]
+    with outbox.connect() as conn:
+        ids = [str(conn.execute("SELECT outbox_enqueue('lingered', '{}', queue => 'q_linger')").fetchone()[0])
+               for _ in range(3)]
+    wait_until(lambda: len(queued_ids(client, "q_linger")) >= 1, message="the first push")
+    outbox.sql("SELECT pg_terminate_backend(%s)", (pid,))
+    wait_until(lambda: pid not in outbox.dispatcher_pids(), timeout=5, message="the dispatcher gone")
+    wait_until(lambda: set(queued_ids(client, "q_linger")) == set(ids), timeout=30,
+               message="every event, by the dispatcher started again")
+
+
 def test_no_wake_is_lost_across_pauses_reloads_and_brief_locks(redis_server):
     """Pause, enqueue, resume while the table is briefly locked (the
     dispatchers' first claims wait on the lock, whose wait resets their

@@ -63,6 +63,8 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     let mut dispatcher = Dispatcher::new(index, slot, name, Settings::current());
     dispatcher.log_start();
     loop {
+        // A SIGTERM that cut a step short exits here, between transactions.
+        signals::process_interrupts();
         signals::reload_if_requested();
         if signals::take_reloaded() {
             dispatcher.reconfigure(Settings::current());
@@ -125,6 +127,9 @@ struct Dispatcher {
     store_retry_at: Option<Instant>,
     housekeeping: housekeeping::Schedule,
     reports: reports::Collector,
+    /// When the last claim that took every event in line began: the next
+    /// lingers until `outbox.linger` after it.
+    drained_at: Option<Instant>,
 }
 
 impl Dispatcher {
@@ -147,6 +152,7 @@ impl Dispatcher {
             store_retry_at: None,
             housekeeping: housekeeping::Schedule::new(),
             reports: reports::Collector::new(),
+            drained_at: None,
         }
     }
 
@@ -471,6 +477,13 @@ impl Dispatcher {
         // Events given back with a backoff fall due before the poll.
         let mut nap = self.settings.poll_interval;
         loop {
+            // A stream of commits, each waking the dispatcher: their
+            // events wait a little to go in one claim and one push.
+            let lingered = self.drained_at.is_none_or(|at| wait::linger(at + self.settings.linger));
+            if !lingered {
+                self.settle();
+                return Duration::ZERO;
+            }
             let settled = std::mem::take(&mut self.unsettled);
             // No later than the claim's own instant (its transaction's
             // start): the pause deadline counts from here.
@@ -498,6 +511,7 @@ impl Dispatcher {
                     (events, batch, next_due)
                 }
             };
+            self.drained_at = (events.len() < self.settings.batch_size).then_some(claiming);
             if events.is_empty() {
                 self.slot.set_state(State::Idle);
                 let retry =

@@ -73,6 +73,13 @@ pub fn ignore_cancel() {
     unsafe { (&raw mut pg_sys::QueryCancelPending).write_volatile(0) };
 }
 
+/// Exits if a SIGTERM came (`die` only noted it), after dropping a cancel
+/// that came between transactions (see [`ignore_cancel`]).
+pub fn process_interrupts() {
+    ignore_cancel();
+    check_for_interrupts!();
+}
+
 /// A SIGTERM or a reload is waiting, or a reload was done (inside a broker
 /// wait) and the loop has not applied it yet: a long piece of work stops
 /// early.

@@ -24,9 +24,35 @@ pub fn for_wake(timeout: Duration) -> bool {
     events & pg_sys::WL_TIMEOUT as i32 != 0
 }
 
+/// Sleeps on the latch until `until`, whatever commits come meanwhile, so
+/// that theirs are claimed together; returns false, at once, when a
+/// SIGTERM or a reload is waiting: the caller records what it sent before
+/// it stops. Processes no interrupt (a SIGTERM must not exit with a push
+/// unrecorded).
+pub fn linger(until: Instant) -> bool {
+    loop {
+        if signals::interrupt_pending() {
+            return false;
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return true;
+        }
+        wait_latch(None, left);
+    }
+}
+
 /// One `WaitLatchOrSocket`; the latch is reset and interrupts are
 /// processed before returning.
 fn latch(socket: Option<(RawFd, Interest)>, timeout: Duration) -> i32 {
+    let events = wait_latch(socket, timeout);
+    signals::process_interrupts();
+    events
+}
+
+/// One `WaitLatchOrSocket`, the latch reset if it was set; exits if the
+/// postmaster died.
+fn wait_latch(socket: Option<(RawFd, Interest)>, timeout: Duration) -> i32 {
     // Rounded up: a wait of less than a millisecond is not a busy loop.
     let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as std::ffi::c_long;
     let mut wanted = pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH;
@@ -42,17 +68,14 @@ fn latch(socket: Option<(RawFd, Interest)>, timeout: Duration) -> i32 {
         None => pg_sys::PGINVALID_SOCKET,
     };
     // SAFETY: the process latch and an open socket of ours.
-    let events = unsafe {
+    unsafe {
         let events =
             pg_sys::WaitLatchOrSocket(pg_sys::MyLatch, wanted as i32, fd, ms, pg_sys::PG_WAIT_EXTENSION);
         if events & pg_sys::WL_LATCH_SET as i32 != 0 {
             pg_sys::ResetLatch(pg_sys::MyLatch);
         }
         events
-    };
-    signals::ignore_cancel();
-    check_for_interrupts!();
-    events
+    }
 }
 
 /// The [`Wait`] of broker operations.
@@ -74,8 +97,7 @@ impl Wait for Waiter {
     }
 
     fn check(&mut self) -> Result<(), Interrupted> {
-        signals::ignore_cancel();
-        check_for_interrupts!();
+        signals::process_interrupts();
         self.reload()
     }
 }
