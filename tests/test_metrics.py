@@ -142,6 +142,20 @@ def test_a_scrape_writes_nothing_and_runs_in_a_parallel_query(outbox):
             assert conn.execute(query).fetchone()[0] > 0, query
 
 
+def test_a_scrape_is_not_compiled_whatever_the_session_allows(outbox):
+    """outbox.status's estimated cost passes jit_above_cost once the cursor
+    is bloated, and compiling it cost 200-300 ms of a 10 ms scrape: the
+    scrape functions run with JIT off, whatever the caller set."""
+    for function in ("outbox_metrics", "outbox_metrics_prometheus"):
+        config = outbox.value("SELECT proconfig FROM pg_proc WHERE proname = %s", (function,))
+        assert "jit=off" in config, (function, config)
+    with outbox.connect() as conn:
+        conn.execute("SET jit = on")
+        conn.execute("SET jit_above_cost = 0")
+        assert conn.execute("SELECT length(outbox_metrics_prometheus())").fetchone()[0] > 0
+        assert conn.execute("SHOW jit").fetchone()[0] == "on", "the caller's setting is restored"
+
+
 def test_workers_view_describes_each_dispatcher(outbox):
     outbox.wait_idle()
     row = outbox.sql("SELECT worker, pid, state, connected, started_at <= now(), "

@@ -1544,3 +1544,7 @@ $$;
 REVOKE ALL ON FUNCTION outbox.unfinished(smallint, boolean),
     outbox.move_unfinished(smallint, smallint, integer, boolean), outbox.rotate(interval, integer, boolean),
     outbox.forget_batches(integer) FROM PUBLIC;
+
+-- Scrapes without JIT (sql/api.sql).
+ALTER FUNCTION @extschema@.outbox_metrics() SET jit = off;
+ALTER FUNCTION @extschema@.outbox_metrics_prometheus() SET jit = off;
