@@ -3,21 +3,28 @@
 //! sweep for keys left without a head, and the lifecycle: the rotation
 //! (sql/rotation.sql), the batches it leaves without events, and the purge
 //! of the inbox. One dispatcher at a time does it (a turn in shared memory), for
-//! at most [`BATCHES`] transactions a step: what is left falls due again at
-//! once, after the next drain, so a large purge never stalls delivery.
+//! at most [`BATCHES`] transactions of each kind and [`BUDGET`] a step: what
+//! is left falls due again at once, after the next drain, so a large purge
+//! never stalls delivery.
 
 use std::time::{Duration, Instant};
 
 use pgrx::prelude::*;
 
 use super::signals;
-use super::store::{Store, StoreError, SWEEP_BATCH};
+use super::store::{Store, StoreError, FORGET_BATCH, SWEEP_BATCH};
 use crate::config::Settings;
 use crate::counters::{self, Counter};
 use crate::slots;
 
 /// Sweeper transactions per step.
 const BATCHES: usize = 10;
+
+/// The time a step's housekeeping may take, beyond its first transaction of
+/// each kind: the dispatcher delivers nothing meanwhile, and a stream of
+/// commits waits (ten transactions of forgotten batches held it up to
+/// 600 ms).
+const BUDGET: Duration = Duration::from_millis(20);
 
 /// How soon housekeeping whose statement failed is tried again, doubling
 /// while it keeps failing (never later than its own interval); meanwhile the
@@ -82,9 +89,10 @@ impl Schedule {
         let Some(_turn) = slot.take_turn(slots::Turn::Housekeeping) else {
             return Ok(());
         };
+        let until = now + BUDGET;
         let mut first_error = None;
         if now >= self.next_sweep {
-            match sweep(dispatcher, store, settings) {
+            match sweep(dispatcher, store, settings, until) {
                 Ok(more) => {
                     self.sweep_failures = 0;
                     self.next_sweep = next(now, more, settings.sweep_interval);
@@ -112,12 +120,18 @@ impl Schedule {
         }
         if now >= self.next_lifecycle {
             let acks = !settings.ack_timeout.is_zero();
-            let rotated = rotate_some(dispatcher, store, settings.retention, acks).and_then(|again| {
-                sweep_some(|| store.forget_batches()).map(|(_, more)| if more { Again::Now } else { again })
+            let rotated = rotate_some(dispatcher, store, settings.retention, acks, until).and_then(|again| {
+                sweep_some(FORGET_BATCH, until, || store.forget_batches()).map(|(_, more)| {
+                    if more {
+                        Again::Now
+                    } else {
+                        again
+                    }
+                })
             });
             // Each on its own: one that fails holds up the other's round
             // no more than the backoff.
-            let claims = sweep_some(|| store.purge_inbox(settings.inbox_retention));
+            let claims = sweep_some(SWEEP_BATCH, until, || store.purge_inbox(settings.inbox_retention));
             match rotated.and_then(|again| claims.map(|(_, more)| if more { Again::Now } else { again })) {
                 Ok(again) => {
                     self.lifecycle_failures = 0;
@@ -139,13 +153,19 @@ impl Schedule {
 }
 
 /// The stuck and unacknowledged sweepers; returns whether work is left.
-fn sweep(dispatcher: usize, store: &mut Store, settings: &Settings) -> Result<bool, StoreError> {
-    let (rescued, more_stuck) = sweep_some(|| store.sweep_stuck(settings.processing_timeout))?;
+fn sweep(
+    dispatcher: usize,
+    store: &mut Store,
+    settings: &Settings,
+    until: Instant,
+) -> Result<bool, StoreError> {
+    let (rescued, more_stuck) =
+        sweep_some(SWEEP_BATCH, until, || store.sweep_stuck(settings.processing_timeout))?;
     counters::add(Counter::StuckRescued, rescued);
     if rescued > 0 {
         log!("outbox dispatcher {dispatcher}: {rescued} events stuck in processing returned to pending");
     }
-    let (restored, more_strays) = sweep_some(|| store.sweep_strays())?;
+    let (restored, more_strays) = sweep_some(SWEEP_BATCH, until, || store.sweep_strays())?;
     if restored > 0 {
         log!(
             "outbox dispatcher {dispatcher}: {restored} pending events with a transaction id no claim \
@@ -156,7 +176,7 @@ fn sweep(dispatcher: usize, store: &mut Store, settings: &Settings) -> Result<bo
     let (swept, more_unacked) = if settings.ack_timeout.is_zero() {
         (0, false)
     } else {
-        sweep_some(|| {
+        sweep_some(SWEEP_BATCH, until, || {
             let (resent, gave_up) = store.sweep_unacked(settings.ack_timeout, settings.max_redeliveries)?;
             failed += gave_up;
             Ok(resent + gave_up)
@@ -203,12 +223,13 @@ enum Again {
 }
 
 /// Up to [`BATCHES`] steps of the rotation (sql/rotation.sql), while
-/// each does something.
+/// each does something and the time lasts.
 fn rotate_some(
     dispatcher: usize,
     store: &mut Store,
     retention: Duration,
     acks: bool,
+    until: Instant,
 ) -> Result<Again, StoreError> {
     for _ in 0..BATCHES {
         let Some((step, events)) = store.rotate(retention, acks)? else {
@@ -225,23 +246,28 @@ fn rotate_some(
             "waiting" => return Ok(Again::Soon),
             _ => {}
         }
-        if signals::interrupt_pending() {
+        if signals::interrupt_pending() || Instant::now() >= until {
             return Ok(Again::Now);
         }
     }
     Ok(Again::Now)
 }
 
-/// Repeats a bounded sweep until it finds less than a full batch, for at
-/// most [`BATCHES`] transactions; returns the rows swept and whether more
-/// may be left.
-fn sweep_some(mut sweep: impl FnMut() -> Result<u64, StoreError>) -> Result<(u64, bool), StoreError> {
+/// Repeats a sweep of up to `batch` rows a transaction until it finds
+/// less than a full batch, for at most [`BATCHES`] transactions and, after
+/// the first, until `until`; returns the rows swept and whether more may be
+/// left.
+fn sweep_some(
+    batch: usize,
+    until: Instant,
+    mut sweep: impl FnMut() -> Result<u64, StoreError>,
+) -> Result<(u64, bool), StoreError> {
     let mut total = 0;
     for _ in 0..BATCHES {
         let n = sweep()?;
         total += n;
-        if n < SWEEP_BATCH as u64 || signals::interrupt_pending() {
-            return Ok((total, n == SWEEP_BATCH as u64));
+        if n < batch as u64 || signals::interrupt_pending() || Instant::now() >= until {
+            return Ok((total, n == batch as u64));
         }
     }
     Ok((total, true))

@@ -248,6 +248,10 @@ const INSTALLED_VERSION: &str =
 /// Rows a sweeper touches per transaction.
 pub const SWEEP_BATCH: usize = 1000;
 
+/// Batches forgotten per transaction: each is looked for in the log first
+/// (about 0.1 ms), so a thousand held the dispatcher 120 ms.
+pub const FORGET_BATCH: usize = 100;
+
 /// Batches a sweeper takes per transaction (with their events: up to
 /// `outbox.batch_size` each).
 pub const BATCHES_PER_SWEEP: usize = 10;
@@ -890,10 +894,10 @@ impl Store {
         Ok(step.flatten())
     }
 
-    /// Deletes up to [`SWEEP_BATCH`] batches whose events are all gone.
+    /// Deletes up to [`FORGET_BATCH`] batches whose events are all gone.
     pub fn forget_batches(&mut self) -> Result<u64, StoreError> {
         let forgotten = self.with_plans(|client, plans, _| {
-            let args: [DatumWithOid; 1] = [(SWEEP_BATCH as i32).into()];
+            let args: [DatumWithOid; 1] = [(FORGET_BATCH as i32).into()];
             report_running(&plans.forget_batches.text);
             let deleted: Option<i64> =
                 client.update(&plans.forget_batches.plan, None, &args)?.first().get_one()?;
