@@ -91,6 +91,38 @@ def test_stuck_claims_return_to_pending_and_are_delivered(outbox, redis_server):
     assert outbox.metric("outbox_stuck_rescued_total") - rescued_before == 5
 
 
+def test_a_stream_that_never_empties_the_line_does_not_hold_off_the_sweepers(outbox, redis_server):
+    """With a long linger, a commit every 0.4 s gives every claim events,
+    so the drain never ends on an empty one: the sweepers still run
+    between its pushes, and a stuck claim comes back while the stream
+    lasts."""
+    outbox.configure(linger="1s", processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms",
+                     max_payload_bytes="10kB", enabled="off")
+    wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
+    ids = [str(r[0]) for r in outbox.sql(
+        "SELECT outbox_enqueue('stuck', '{}', queue => 'q_stuck') FROM generate_series(1, 5)")]
+    outbox.claim_as(7, 100)  # a fresh claim of a dispatcher gone: stuck 2 s from now
+    streaming = threading.Event()
+    streaming.set()
+
+    def stream():
+        with outbox.connect() as conn:
+            while streaming.is_set():
+                conn.execute("SELECT outbox_enqueue('tick', '{}', queue => 'q_tick')")
+                time.sleep(0.4)
+
+    producer = threading.Thread(target=stream)
+    producer.start()
+    try:
+        outbox.configure(enabled="on")
+        client = redis_server.client()
+        wait_until(lambda: sorted(queued_ids(client, "q_stuck")) == sorted(ids), timeout=15,
+                   message="the stuck events, while the stream lasts")
+    finally:
+        streaming.clear()
+        producer.join()
+
+
 def test_an_abandoned_claim_sends_again_neither_what_was_acknowledged_nor_a_count(outbox, redis_server):
     """A dispatcher dies after its push, before its mark; meanwhile a
     consumer acknowledges one event of the claim. The stuck sweep gives

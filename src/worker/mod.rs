@@ -307,12 +307,7 @@ impl Dispatcher {
             return poll;
         }
         self.slot.resume();
-        // A failed sweep or purge is shown and tried again later; delivery
-        // goes on meanwhile.
-        if let Err(e) = self.housekeeping.run_if_due(self.index, &self.slot, &mut self.store, &self.settings)
-        {
-            self.show_store_error(&e);
-        }
+        self.housekeep();
         if !self.broker.connected() {
             match self.store.extension_exists() {
                 Err(e) => return self.store_failed(&e),
@@ -551,10 +546,26 @@ impl Dispatcher {
                     return wait;
                 }
             }
+            // A stream that never empties the line (the linger lets
+            // commits gather, so its claims are seldom empty) must not hold
+            // off the sweeps, the rotation and the purges.
+            if self.housekeeping.next_due() <= Instant::now() {
+                self.housekeep();
+            }
             if signals::interrupt_pending() {
                 self.settle();
                 return Duration::ZERO;
             }
+        }
+    }
+
+    /// Runs the housekeeping that fell due, when this dispatcher has its
+    /// turn. A failed sweep or purge is shown and tried again later;
+    /// delivery goes on meanwhile.
+    fn housekeep(&mut self) {
+        if let Err(e) = self.housekeeping.run_if_due(self.index, &self.slot, &mut self.store, &self.settings)
+        {
+            self.show_store_error(&e);
         }
     }
 

@@ -26,9 +26,10 @@ pub fn for_wake(timeout: Duration) -> bool {
 
 /// Sleeps on the latch until `until`, whatever commits come meanwhile, so
 /// that theirs are claimed together; returns false, at once, when a
-/// SIGTERM or a reload is waiting: the caller records what it sent before
-/// it stops. Processes no interrupt (a SIGTERM must not exit with a push
-/// unrecorded).
+/// SIGTERM or a reload is waiting. Processes no interrupt itself: after a
+/// reload the caller records what it sent and goes on; a SIGTERM ends the
+/// process at the record's first interrupt check, and what it pushed and
+/// did not record is sent again after the restart (at least once).
 pub fn linger(until: Instant) -> bool {
     loop {
         if signals::interrupt_pending() {
