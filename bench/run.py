@@ -237,7 +237,7 @@ def latency(pg, redis):
         times[kind].update(part)
     for p in procs + [consumer]:
         p.join()
-    wait_until(lambda: pg.value("SELECT bool_and(state = 'idle') FROM outbox.workers"), message="idle")
+    pg.wait_idle()
     wal = float(pg.value("SELECT pg_current_wal_lsn() - %s::pg_lsn", (wal_start,)))
     book = pg.value(BOOK_WRITES) - book_start
     committed, arrived = times["committed"], times["arrived"]
@@ -464,7 +464,7 @@ def write_report(r):
         f"The same run with each `outbox.linger` (the default is 2 ms): what a claim's wait for the commits "
         f"that follow costs in latency and saves in rows of bookkeeping (`outbox.batches`, "
         f"`outbox.positions`) and in WAL per event, everything the run wrote included (a checkpoint before "
-        f"it; a plain INSERT of the same row in one-row transactions writes about 340 B, see WAL per event).", "",
+        f"it; a plain INSERT of the same row: bench/results/wal.md and soak.md).", "",
         "| linger | p50 | p99 | max | bookkeeping rows written per event | WAL per event |",
         "|---|---|---|---|---|---|",
         *[f"| {ms} ms | {x['p50']:.2f} ms | {x['p99']:.2f} ms | {x['max']:.2f} ms | "

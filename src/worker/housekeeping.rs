@@ -121,18 +121,12 @@ impl Schedule {
         if now >= self.next_lifecycle {
             let acks = !settings.ack_timeout.is_zero();
             let rotated = rotate_some(dispatcher, store, settings.retention, acks, until).and_then(|again| {
-                sweep_some(FORGET_BATCH, until, || store.forget_batches()).map(|(_, more)| {
-                    if more {
-                        Again::Now
-                    } else {
-                        again
-                    }
-                })
+                sweep_some(FORGET_BATCH, until, || store.forget_batches()).map(|(_, more)| again.unless(more))
             });
             // Each on its own: one that fails holds up the other's round
             // no more than the backoff.
             let claims = sweep_some(SWEEP_BATCH, until, || store.purge_inbox(settings.inbox_retention));
-            match rotated.and_then(|again| claims.map(|(_, more)| if more { Again::Now } else { again })) {
+            match rotated.and_then(|again| claims.map(|(_, more)| again.unless(more))) {
                 Ok(again) => {
                     self.lifecycle_failures = 0;
                     self.next_lifecycle = match again {
@@ -220,6 +214,17 @@ enum Again {
     Soon,
     /// Nothing is due before the next interval.
     Later,
+}
+
+impl Again {
+    /// Now when `more` is left, else as it was.
+    fn unless(self, more: bool) -> Again {
+        if more {
+            Again::Now
+        } else {
+            self
+        }
+    }
 }
 
 /// Up to [`BATCHES`] steps of the rotation (sql/rotation.sql), while

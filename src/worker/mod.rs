@@ -549,9 +549,7 @@ impl Dispatcher {
             // A stream that never empties the line (the linger lets
             // commits gather, so its claims are seldom empty) must not hold
             // off the sweeps, the rotation and the purges.
-            if self.housekeeping.next_due() <= Instant::now() {
-                self.housekeep();
-            }
+            self.housekeep();
             if signals::interrupt_pending() {
                 self.settle();
                 return Duration::ZERO;
