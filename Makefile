@@ -17,7 +17,7 @@ PG_BIN     = $(shell $(PG_CONFIG) --bindir)
 PYTHON    := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all deps build install install-dev test unit integration demo stop bench soak package clean
+.PHONY: all deps build install install-dev sidecar test unit integration demo stop bench soak package clean
 
 all: build
 
@@ -40,12 +40,17 @@ install-dev: deps
 	cargo pgrx install --pg-config $(PG_CONFIG) $(FEATURES)
 	install -m 644 sql/releases/*.sql sql/upgrade/*.sql $(EXTENSION_DIR)/
 
+# The sidecar's command (managed PostgreSQL: docs/managed.md), which the
+# integration tests run.
+sidecar: deps
+	cargo build -p outbox-dispatch
+
 unit: deps
-	cargo test -p outbox_core
+	cargo test -p outbox_core -p outbox-dispatch
 	$(PYTHON) -m pytest -q python/tests
 	cd python && ../$(PYTHON) -m mypy src
 
-integration: install-dev
+integration: install-dev sidecar
 	PG_BIN=$(PG_BIN) $(PYTHON) -m pytest -v --durations=15 tests $(PYTEST_ARGS)
 
 test: unit integration

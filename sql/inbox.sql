@@ -36,7 +36,9 @@ CREATE INDEX inbox_claimed_at_idx ON outbox.inbox (claimed_at);
 
 -- A restored dump keeps what was claimed: a message sent again after the
 -- restore is not run twice.
+-- extension only: begin (what pg_dump keeps; sql/standalone/ goes without)
 SELECT pg_catalog.pg_extension_config_dump('outbox.inbox', '');
+-- extension only: end
 
 -- The extension's schema again, for the functions pgrx declares next.
 SET LOCAL search_path = @extschema@;

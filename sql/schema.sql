@@ -477,6 +477,7 @@ SELECT l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority,
 COMMENT ON VIEW outbox.events IS
     'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
 
+-- extension only: begin (what pg_dump keeps; sql/standalone/ goes without)
 -- (One call per statement: each rewrites the extension's catalog row.)
 DO $$
 DECLARE
@@ -493,6 +494,7 @@ BEGIN
     END LOOP;
 END
 $$;
+-- extension only: end
 
 
 -- Per-key order. The events of a key in key_seq order (those that took a
@@ -627,10 +629,12 @@ SELECT d.oid FROM pg_catalog.pg_database AS d WHERE d.datname OPERATOR(pg_catalo
 COMMENT ON TABLE outbox.installed_in IS
     'The OID of the database CREATE EXTENSION ran in: a copy of it is not dispatched until outbox_adopt().';
 
+-- extension only: begin (what pg_dump keeps; sql/standalone/ goes without)
 SELECT pg_catalog.pg_extension_config_dump('outbox.all_subscriptions', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.subscription_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.batch_members', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.key_seq', '');
+-- extension only: end
 
 -- The extension's schema again, for the functions pgrx declares next.
 SET LOCAL search_path = @extschema@;

@@ -145,205 +145,78 @@ fn families() -> Vec<(Family, Vec<Sample>)> {
         gauge("outbox_workers_blocked", "Dispatchers whose last statement failed (state blocked)."),
         vec![Sample::new("outbox_workers_blocked", blocked)],
     ));
-    families.push((
-        gauge(
-            "outbox_purge_lag_seconds",
-            "How long past its truncation the oldest generation of outbox.log is (0: the rotation keeps up).",
-        ),
-        vec![Sample::new("outbox_purge_lag_seconds", purge_lag())],
-    ));
-
-    families.push((
-        gauge(
-            "outbox_oldest_transaction_seconds",
-            "How long the oldest transaction open in this database (a session's or a prepared one) has been open: \
-             vacuum removes no row version that died after it began.",
-        ),
-        vec![Sample::new("outbox_oldest_transaction_seconds", oldest_transaction())],
-    ));
-    families.push((
-        gauge(
-            "outbox_events_dead_tuples",
-            "Dead row versions in outbox.log, as the statistics last counted them.",
-        ),
-        vec![Sample::new("outbox_events_dead_tuples", dead_tuples())],
-    ));
-
-    let (counts, estimated, lag) = status_samples();
-    families.push((
-        gauge(
-            "outbox_events",
-            "Events in outbox.events by status: counted, except dispatched and processed beyond 1000 (estimated).",
-        ),
-        counts,
-    ));
-    families.push((
-        gauge(
-            "outbox_events_estimated",
-            "1 where outbox_events of that status is an estimate from statistics, 0 where it is counted.",
-        ),
-        estimated,
-    ));
-    families.push((
-        gauge("outbox_lag_seconds", "How long the oldest due pending event has waited."),
-        vec![Sample::new("outbox_lag_seconds", lag)],
-    ));
-    let keys = key_gauges();
-    families.push((
-        gauge(
-            "outbox_events_waiting",
-            "Events waiting for their key's turn (per-key order): in no claim until then.",
-        ),
-        vec![Sample::new("outbox_events_waiting", keys.waiting)],
-    ));
-    families.push((
-        gauge("outbox_keys_waiting", "Keys with events waiting behind their head."),
-        vec![Sample::new("outbox_keys_waiting", keys.keys_waiting)],
-    ));
-    families.push((
-        gauge(
-            "outbox_keys_dead_lettered",
-            "Keys whose head is dead-lettered and holds them (outbox.key_on_failure = block): \
-             outbox_retry() or outbox_skip() releases them.",
-        ),
-        vec![Sample::new("outbox_keys_dead_lettered", keys.dead_lettered)],
-    ));
-    families.push((
-        gauge(
-            "outbox_key_head_seconds",
-            "How long the oldest head of a key has been due without finishing (since it became the head, \
-             or its last retry fell due).",
-        ),
-        vec![Sample::new("outbox_key_head_seconds", keys.oldest_head)],
-    ));
-    families.push((
-        gauge(
-            "outbox_events_unreported",
-            "Dispatched events no worker reported within outbox.report_timeout (counted up to 10001).",
-        ),
-        vec![Sample::new("outbox_events_unreported", unreported() as f64)],
-    ));
+    families.extend(database_gauges());
     families
 }
 
-/// The gauges of per-key order.
-struct KeyGauges {
-    waiting: f64,
-    keys_waiting: f64,
-    dead_lettered: f64,
-    oldest_head: f64,
-}
+/// The gauges read from the database (sql/metrics/gauges.sql), in this
+/// order, with their help.
+const DATABASE_GAUGES: [(&str, &str); 11] = [
+    (
+        "outbox_purge_lag_seconds",
+        "How long past its truncation the oldest generation of outbox.log is (0: the rotation keeps up).",
+    ),
+    (
+        "outbox_oldest_transaction_seconds",
+        "How long the oldest transaction open in this database (a session's or a prepared one) has been open: \
+         vacuum removes no row version that died after it began.",
+    ),
+    ("outbox_events_dead_tuples", "Dead row versions in outbox.log, as the statistics last counted them."),
+    (
+        "outbox_events",
+        "Events in outbox.events by status: counted, except dispatched and processed beyond 1000 (estimated).",
+    ),
+    (
+        "outbox_events_estimated",
+        "1 where outbox_events of that status is an estimate from statistics, 0 where it is counted.",
+    ),
+    ("outbox_lag_seconds", "How long the oldest due pending event has waited."),
+    (
+        "outbox_events_waiting",
+        "Events waiting for their key's turn (per-key order): in no claim until then.",
+    ),
+    ("outbox_keys_waiting", "Keys with events waiting behind their head."),
+    (
+        "outbox_keys_dead_lettered",
+        "Keys whose head is dead-lettered and holds them (outbox.key_on_failure = block): \
+         outbox_retry() or outbox_skip() releases them.",
+    ),
+    (
+        "outbox_key_head_seconds",
+        "How long the oldest head of a key has been due without finishing (since it became the head, \
+         or its last retry fell due).",
+    ),
+    (
+        "outbox_events_unreported",
+        "Dispatched events no worker reported within outbox.report_timeout (counted up to 10001).",
+    ),
+];
 
-/// Reads [`KeyGauges`] through `events_key_state_idx`: a count of the
-/// waiting events and of the heads, which a healthy outbox keeps small.
-fn key_gauges() -> KeyGauges {
-    const QUERY: &str = "SELECT
-            (SELECT pg_catalog.count(*) FROM outbox.log WHERE key_state = 'waiting')::float8,
-            (SELECT pg_catalog.count(*) FROM (SELECT DISTINCT ordering_key, coalesce(subscription_id, 0)
-                                                FROM outbox.log WHERE key_state = 'waiting') AS k)::float8,
-            (SELECT pg_catalog.count(*) FROM outbox.log WHERE key_state = 'head' AND status = 'failed')::float8,
-            coalesce((SELECT pg_catalog.date_part('epoch', pg_catalog.now() - pg_catalog.min(available_at))
-                        FROM outbox.log WHERE key_state = 'head' AND available_at <= pg_catalog.now()), 0)";
+/// The families of [`DATABASE_GAUGES`], their samples read in one
+/// statement (the one the server runs without the library too).
+fn database_gauges() -> Vec<(Family, Vec<Sample>)> {
+    let mut families: Vec<(Family, Vec<Sample>)> = DATABASE_GAUGES
+        .iter()
+        .map(|&(name, help)| (Family { name, help, kind: Kind::Gauge }, Vec::new()))
+        .collect();
     Spi::connect(|client| {
-        let row = client.select(QUERY, Some(1), &[])?.first();
-        Ok::<_, pgrx::spi::SpiError>(KeyGauges {
-            waiting: row.get::<f64>(1)?.unwrap_or(0.0),
-            keys_waiting: row.get::<f64>(2)?.unwrap_or(0.0),
-            dead_lettered: row.get::<f64>(3)?.unwrap_or(0.0),
-            oldest_head: row.get::<f64>(4)?.unwrap_or(0.0).max(0.0),
-        })
-    })
-    .unwrap_or_else(|e| error!("outbox metrics: cannot read the keys: {e}"))
-}
-
-/// How long past its due time the oldest generation is still there: due
-/// once it ended `outbox.retention` ago (sql/rotation.sql). 0 while the
-/// rotation keeps up; growing while a transaction holds it (`waiting`) or
-/// its steps fail.
-fn purge_lag() -> f64 {
-    let retention = config::RETENTION_S.get().max(0);
-    let query = format!(
-        "SELECT pg_catalog.date_part('epoch', pg_catalog.now() - pg_catalog.min(g.ended_at)
-                                              - interval '{retention} seconds')
-           FROM outbox.generations AS g"
-    );
-    let age = crate::read_one::<f64>(&query)
-        .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest generation: {e}"))
-        .unwrap_or(0.0);
-    age.max(0.0)
-}
-
-/// How long the oldest transaction that holds back vacuum in this database
-/// has been open: client sessions with a snapshot or a transaction id (not
-/// this one), and prepared transactions. Other roles' sessions are read as
-/// the function's owner (a superuser, or a member of pg_read_all_stats).
-fn oldest_transaction() -> f64 {
-    const QUERY: &str = "SELECT pg_catalog.date_part('epoch', pg_catalog.now() - LEAST(
-            (SELECT pg_catalog.min(a.xact_start) FROM pg_catalog.pg_stat_activity AS a
-              WHERE a.datname = pg_catalog.current_database()
-                AND a.backend_type = 'client backend'
-                AND a.pid <> pg_catalog.pg_backend_pid()
-                AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)),
-            (SELECT pg_catalog.min(p.prepared) FROM pg_catalog.pg_prepared_xacts AS p
-              WHERE p.database = pg_catalog.current_database())))";
-    crate::read_one::<f64>(QUERY)
-        .unwrap_or_else(|e| error!("outbox metrics: cannot read the oldest transaction: {e}"))
-        .unwrap_or(0.0)
-        .max(0.0)
-}
-
-/// `n_dead_tup` of `outbox.log`'s partitions: what vacuum found it could
-/// not remove yet, and what was deleted or updated since.
-fn dead_tuples() -> f64 {
-    const QUERY: &str = "SELECT pg_catalog.sum(pg_catalog.pg_stat_get_dead_tuples(p.relid))::bigint
-                           FROM pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS p
-                          WHERE p.isleaf";
-    crate::read_one::<i64>(QUERY)
-        .unwrap_or_else(|e| error!("outbox metrics: cannot read the dead tuples of outbox.log: {e}"))
-        .unwrap_or(0) as f64
-}
-
-/// The rows of `outbox.unreported`, counted up to [`UNREPORTED_CAP`] + 1:
-/// a scrape costs the same however many there are.
-fn unreported() -> i64 {
-    let query = format!(
-        "SELECT pg_catalog.count(*) FROM (SELECT FROM outbox.unreported LIMIT {}) AS u",
-        UNREPORTED_CAP + 1
-    );
-    crate::read_one::<i64>(&query)
-        .unwrap_or_else(|e| error!("outbox metrics: cannot read outbox.unreported: {e}"))
-        .unwrap_or(0)
-}
-
-/// The most unreported events counted one by one.
-const UNREPORTED_CAP: i64 = 10_000;
-
-/// From `outbox.status`: the count of each status, whether it is an
-/// estimate, and the lag. Costs the same whatever the number of finished
-/// events.
-fn status_samples() -> (Vec<Sample>, Vec<Sample>, f64) {
-    let query = "SELECT status::pg_catalog.text, count, pg_catalog.date_part('epoch', lag), estimated \
-                 FROM outbox.status";
-    let mut lag = 0.0;
-    let (mut counts, mut estimated) = (Vec::new(), Vec::new());
-    Spi::connect(|client| {
-        for row in client.select(query, None, &[])? {
-            let status: String = row.get(1)?.unwrap_or_default();
-            let count: i64 = row.get(2)?.unwrap_or(0);
-            if let Some(seconds) = row.get::<f64>(3)? {
-                lag = seconds;
-            }
-            let is_estimate = row.get::<bool>(4)?.unwrap_or(false);
-            counts.push(Sample::new("outbox_events", count as f64).label("status", status.clone()));
-            estimated.push(
-                Sample::new("outbox_events_estimated", f64::from(u8::from(is_estimate)))
-                    .label("status", status),
-            );
+        let retention = config::RETENTION_S.get().max(0);
+        for row in client.select(include_str!("../sql/metrics/gauges.sql"), None, &[retention.into()])? {
+            let name: String = row.get(1)?.unwrap_or_default();
+            let value: f64 = row.get(3)?.unwrap_or(0.0);
+            let Some((_, samples)) = families.iter_mut().find(|(f, _)| f.name == name) else {
+                error!("outbox metrics: sql/metrics/gauges.sql returned {name}, which has no help")
+            };
+            let sample = Sample::new(name, value);
+            samples.push(match row.get::<String>(2)? {
+                Some(status) => sample.label("status", status),
+                None => sample,
+            });
         }
         Ok::<_, pgrx::spi::SpiError>(())
     })
-    .unwrap_or_else(|e| error!("outbox metrics: cannot read outbox.status: {e}"));
-    (counts, estimated, lag)
+    .unwrap_or_else(|e| error!("outbox metrics: cannot read the gauges: {e}"));
+    families
 }
 
 /// One row per sample: the source of the view `outbox.metrics`. SECURITY

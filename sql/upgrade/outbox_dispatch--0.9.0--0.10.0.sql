@@ -829,6 +829,24 @@ BEGIN
 END
 $$;
 
+-- The events outbox.outcomes holds, estimated from the statistics: the
+-- rows each partition has, each holding as many events as the average
+-- width of `events` the last analyze found says (an array of n ids is
+-- about 22 + 16n bytes). Read through pg_stats as the owner (SECURITY
+-- DEFINER): pg_statistic itself is a superuser's, and the owner is none
+-- where the library cannot be loaded (docs/managed.md).
+CREATE FUNCTION outbox.outcome_events_estimate() RETURNS bigint
+LANGUAGE sql STABLE SECURITY DEFINER PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT sum(GREATEST(c.reltuples, 0) * GREATEST(coalesce(s.avg_width, 38) - 22, 16) / 16)::bigint
+  FROM pg_partition_tree('outbox.outcomes'::regclass) AS p
+  JOIN pg_class AS c ON c.oid = p.relid
+  LEFT JOIN pg_stats AS s
+         ON s.schemaname = 'outbox' AND s.tablename = c.relname AND s.attname = 'events' AND NOT s.inherited
+ WHERE p.isleaf
+$$;
+
 -- One row per status, zero counts included, at a cost that does not grow
 -- with history. Pending events (in line beyond where the claims have read,
 -- and out of line until they fall due), processing ones (the batches not
@@ -944,22 +962,14 @@ WITH waiting AS (
                                  WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b WHERE b.marked_at IS NOT NULL)
                                    AND r.id IS NOT NULL)
 ), estimate AS (
-    -- Processed: the outcome rows the statistics count, each holding as
-    -- many events as the average width of `events` the last analyze found
-    -- says (an array of n ids is about 22 + 16n bytes).
+    -- Finished: outbox.log's rows less those counted; processed: those
+    -- with an outcome (outbox.outcome_events_estimate()).
     SELECT GREATEST((SELECT pg_catalog.sum(GREATEST(c.reltuples, 0))::bigint
                        FROM pg_catalog.pg_partition_tree('outbox.log'::pg_catalog.regclass) AS p
                        JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
                       WHERE p.isleaf)
                     - (SELECT pg_catalog.sum(x.count) FROM exact AS x)::bigint, 0) AS finished,
-           (SELECT pg_catalog.sum(GREATEST(c.reltuples, 0)
-                                  * GREATEST(coalesce(s.stawidth, 38) - 22, 16) / 16)::bigint
-              FROM pg_catalog.pg_partition_tree('outbox.outcomes'::pg_catalog.regclass) AS p
-              JOIN pg_catalog.pg_class AS c ON c.oid = p.relid
-              JOIN pg_catalog.pg_attribute AS a ON a.attrelid = p.relid AND a.attname = 'events'
-              LEFT JOIN pg_catalog.pg_statistic AS s
-                     ON s.starelid = p.relid AND s.staattnum = a.attnum AND NOT s.stainherit
-             WHERE p.isleaf) AS processed
+           outbox.outcome_events_estimate() AS processed
 )
 SELECT status, count, oldest_created_at, pg_catalog.now() - oldest_created_at AS age, lag,
        false AS estimated

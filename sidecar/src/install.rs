@@ -1,0 +1,157 @@
+//! `outbox-dispatch install`: the schema and the SQL API, installed into a
+//! database by its owner as a migration would, in one transaction, after
+//! checks that name what is missing.
+
+use std::fmt;
+
+use postgres::{Client, Transaction};
+
+use crate::script::{self, ScriptError, VERSION};
+
+/// What an install did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Installed {
+    /// The schema and the API were created.
+    Now,
+    /// This release was installed already: nothing was done.
+    Already,
+}
+
+/// Why an install did nothing.
+#[derive(Debug)]
+pub enum InstallError {
+    /// The database refused a statement, or the connection broke.
+    Database(postgres::Error),
+    /// The database is not one to install into, or the role may not: the
+    /// reason, and what to do.
+    Refused(String),
+}
+
+impl fmt::Display for InstallError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            InstallError::Database(e) => match e.as_db_error() {
+                Some(db) => write!(f, "{}: {} ({})", db.severity(), db.message(), db.code().code()),
+                None => write!(f, "{e}"),
+            },
+            InstallError::Refused(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for InstallError {}
+
+impl From<postgres::Error> for InstallError {
+    fn from(e: postgres::Error) -> Self {
+        InstallError::Database(e)
+    }
+}
+
+impl From<ScriptError> for InstallError {
+    fn from(e: ScriptError) -> Self {
+        InstallError::Refused(e.to_string())
+    }
+}
+
+/// Two installs at once take turns on this advisory lock (a pair of int4,
+/// apart from the extension's bigint locks): the second finds the first's.
+const INSTALL_LOCK: (i32, i32) = (0x6f75_7462, 1);
+
+/// Installs this release into the database `client` is connected to, its
+/// functions into `schema`; a no-op where it is installed already.
+pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallError> {
+    let script = script::script(schema)?;
+    let mut tx = client.transaction()?;
+    tx.execute("SELECT pg_catalog.pg_advisory_xact_lock($1, $2)", &[&INSTALL_LOCK.0, &INSTALL_LOCK.1])?;
+    if let Some(installed) = installed_version(&mut tx)? {
+        if installed == VERSION {
+            return Ok(Installed::Already);
+        }
+        return Err(InstallError::Refused(format!(
+            "outbox_dispatch {installed} is installed in this database; this is {VERSION}, which cannot \
+             update it: run the outbox-dispatch of {installed}"
+        )));
+    }
+    check_privileges(&mut tx, schema)?;
+    tx.batch_execute(&script)?;
+    tx.commit()?;
+    Ok(Installed::Now)
+}
+
+/// The release installed without the library, if any; refuses a database
+/// with the extension, or with a schema `outbox` of something else.
+fn installed_version(tx: &mut Transaction<'_>) -> Result<Option<String>, InstallError> {
+    let row = tx.query_one(
+        "SELECT (SELECT x.extversion FROM pg_catalog.pg_extension AS x WHERE x.extname = 'outbox_dispatch'),
+                pg_catalog.to_regnamespace('outbox') IS NOT NULL,
+                pg_catalog.to_regclass('outbox.installed') IS NOT NULL,
+                pg_catalog.current_database()::pg_catalog.text",
+        &[],
+    )?;
+    let (extension, schema, table, database): (Option<String>, bool, bool, String) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    if let Some(version) = extension {
+        return Err(InstallError::Refused(format!(
+            "database \"{database}\" has the extension outbox_dispatch {version}: it is served by the \
+             library's own dispatchers, and needs no install (ALTER EXTENSION outbox_dispatch UPDATE \
+             updates it)"
+        )));
+    }
+    if !schema {
+        return Ok(None);
+    }
+    if !table {
+        return Err(InstallError::Refused(format!(
+            "database \"{database}\" has a schema \"outbox\" that outbox-dispatch did not install: \
+             rename or drop it first"
+        )));
+    }
+    Ok(Some(tx.query_one("SELECT version FROM outbox.installed", &[])?.get(0)))
+}
+
+/// The privileges the script needs, each named with the GRANT that gives
+/// it when it is missing; a warning for the one the rotation wants.
+fn check_privileges(tx: &mut Transaction<'_>, schema: &str) -> Result<(), InstallError> {
+    let row = tx.query_one(
+        "SELECT current_user::pg_catalog.text, pg_catalog.current_database()::pg_catalog.text,
+                pg_catalog.has_database_privilege(pg_catalog.current_database(), 'CREATE'),
+                pg_catalog.to_regnamespace($1) IS NOT NULL,
+                pg_catalog.to_regnamespace($1) IS NOT NULL
+                    AND pg_catalog.has_schema_privilege(pg_catalog.to_regnamespace($1), 'CREATE'),
+                pg_catalog.pg_has_role('pg_read_all_stats', 'USAGE')",
+        &[&script::quote_ident(schema)],
+    )?;
+    let (role, database): (String, String) = (row.get(0), row.get(1));
+    let (create_schema, schema_exists, create_in_schema, read_stats): (bool, bool, bool, bool) =
+        (row.get(2), row.get(3), row.get(4), row.get(5));
+    if !create_schema {
+        return Err(InstallError::Refused(format!(
+            "role \"{role}\" lacks CREATE on database \"{database}\", which creating schema outbox needs \
+             (GRANT CREATE ON DATABASE {db} TO {r})",
+            db = script::quote_ident(&database),
+            r = script::quote_ident(&role)
+        )));
+    }
+    if !schema_exists {
+        return Err(InstallError::Refused(format!(
+            "schema \"{schema}\" (--schema, for the functions) does not exist in database \"{database}\""
+        )));
+    }
+    if !create_in_schema {
+        return Err(InstallError::Refused(format!(
+            "role \"{role}\" lacks CREATE on schema \"{schema}\", which the functions go into \
+             (GRANT CREATE ON SCHEMA {s} TO {r}, or --schema another)",
+            s = script::quote_ident(schema),
+            r = script::quote_ident(&role)
+        )));
+    }
+    if !read_stats {
+        eprintln!(
+            "outbox-dispatch: warning: role \"{role}\" is not a member of pg_read_all_stats: the \
+             dispatchers' rotation cannot see other roles' open transactions, and will not truncate \
+             (GRANT pg_read_all_stats TO {})",
+            script::quote_ident(&role)
+        );
+    }
+    Ok(())
+}

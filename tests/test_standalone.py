@@ -1,0 +1,288 @@
+"""outbox_dispatch without the library (docs/managed.md): `outbox-dispatch
+install` puts the schema and the SQL API into a database of a server with no
+shared_preload_libraries, as the database's owner, who is not a superuser,
+as on a managed service. The hostile cases first: a role without the
+privileges, a password in the DSN, a second install, a database with the
+extension or a planted schema, a writer that sets the settings a placeholder
+leaves open to it."""
+
+import os
+import subprocess
+import uuid
+
+import psycopg
+import pytest
+
+from harness import ROOT, Cluster
+
+BIN = os.environ.get("OUTBOX_DISPATCH_BIN", str(ROOT / "target" / "debug" / "outbox-dispatch"))
+
+def run(*args, env=None):
+    return subprocess.run([BIN, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A server without the library, roles owner (of database app) and
+    writer, both LOGIN and neither superuser."""
+    pg = Cluster("redis://127.0.0.1:1/0", preload=False)
+    try:
+        pg.sql("CREATE ROLE owner LOGIN")
+        pg.sql("CREATE ROLE writer LOGIN")
+        pg.sql("CREATE ROLE monitor LOGIN IN ROLE pg_monitor")
+        yield pg
+    finally:
+        pg.close()
+
+
+def dsn(pg, user, dbname):
+    return f"host={pg.dir} port={pg.port} user={user} dbname={dbname}"
+
+
+def fresh_database(pg, name, owner="owner"):
+    pg.sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    pg.sql(f"CREATE DATABASE {name} OWNER {owner}")
+
+
+@pytest.fixture(scope="module")
+def app(server):
+    """Database app, installed by its owner, with writer granted as the
+    README says."""
+    fresh_database(server, "app")
+    result = run("install", "--dsn", dsn(server, "owner", "app"))
+    assert result.returncode == 0, result.stderr
+    with server.connect(dbname="app", user="owner") as conn:
+        conn.execute("GRANT USAGE ON SCHEMA outbox TO writer")
+        conn.execute("GRANT INSERT ON outbox.events, outbox.log TO writer")
+        conn.execute("GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, "
+                     "interval, jsonb, text), outbox_ack(uuid), outbox_skip(uuid), outbox_inbox_claim(uuid, text), "
+                     "outbox_subscribe(text, text, text, integer, integer, interval) TO writer")
+    return server
+
+
+def schemas(pg, dbname):
+    return {r[0] for r in pg.sql("SELECT nspname FROM pg_namespace", dbname=dbname)}
+
+
+def test_a_role_without_create_on_the_database_is_told_which_grant_it_needs(server):
+    fresh_database(server, "nocreate", owner="postgres")
+    result = run("install", "--dsn", dsn(server, "writer", "nocreate"))
+    assert result.returncode == 1
+    assert 'lacks CREATE on database "nocreate"' in result.stderr
+    assert "GRANT CREATE ON DATABASE" in result.stderr
+    assert "outbox" not in schemas(server, "nocreate")
+
+
+def test_a_role_without_create_on_the_functions_schema_is_told_which(server):
+    fresh_database(server, "noschema", owner="postgres")
+    server.sql("GRANT CREATE ON DATABASE noschema TO writer")
+    result = run("install", "--dsn", dsn(server, "writer", "noschema"))
+    assert result.returncode == 1
+    assert 'lacks CREATE on schema "public"' in result.stderr
+    assert "outbox" not in schemas(server, "noschema")
+    result = run("install", "--dsn", dsn(server, "writer", "noschema"), "--schema", "absent")
+    assert result.returncode == 1
+    assert 'schema "absent" (--schema, for the functions) does not exist' in result.stderr
+
+
+def test_a_password_in_the_dsn_is_never_printed(server):
+    secret = "s3cret-" + uuid.uuid4().hex
+    # Nothing listens on port 1: the connection fails, and says so without it.
+    result = run("install", env={"OUTBOX_DSN": f"postgresql://owner:{secret}@127.0.0.1:1/app?connect_timeout=5"})
+    assert result.returncode == 1
+    assert "install:" in result.stderr
+    assert secret not in result.stderr + result.stdout
+    result = run("install", "--dsn", f"host={server.dir} port={server.port} user=nobody password={secret} dbname=app")
+    assert result.returncode == 1
+    assert 'role "nobody" does not exist' in result.stderr
+    assert secret not in result.stderr + result.stdout
+
+
+def test_a_second_install_does_nothing(app):
+    before = app.value("SELECT xmin::text FROM outbox.installed", dbname="app")
+    result = run("install", "--dsn", dsn(app, "owner", "app"))
+    assert result.returncode == 0, result.stderr
+    assert "installed already: nothing to do" in result.stdout
+    assert app.value("SELECT xmin::text FROM outbox.installed", dbname="app") == before
+
+
+def test_a_database_with_the_extension_is_refused(server):
+    fresh_database(server, "withext", owner="postgres")
+    server.sql("CREATE EXTENSION outbox_dispatch", dbname="withext")
+    result = run("install", "--dsn", dsn(server, "postgres", "withext"))
+    assert result.returncode == 1
+    assert 'has the extension outbox_dispatch' in result.stderr
+    assert server.value("SELECT to_regclass('outbox.installed') IS NULL", dbname="withext")
+
+
+def test_a_schema_outbox_of_something_else_is_refused_and_left_alone(server):
+    fresh_database(server, "planted")
+    with server.connect(dbname="planted", user="owner") as conn:
+        conn.execute("CREATE SCHEMA outbox")
+        conn.execute("CREATE TABLE outbox.log (mine int)")
+    result = run("install", "--dsn", dsn(server, "owner", "planted"))
+    assert result.returncode == 1
+    assert 'has a schema "outbox" that outbox-dispatch did not install' in result.stderr
+    assert server.value("SELECT count(*) FROM pg_class WHERE relnamespace = 'outbox'::regnamespace",
+                        dbname="planted") == 1
+
+
+def test_a_failing_install_leaves_nothing(server):
+    """A function of the API planted in the schema beforehand: the install
+    fails on it and rolls back whole."""
+    fresh_database(server, "halfway")
+    with server.connect(dbname="halfway", user="owner") as conn:
+        conn.execute("CREATE FUNCTION public.outbox_ack(uuid) RETURNS boolean LANGUAGE sql AS 'SELECT true'")
+    result = run("install", "--dsn", dsn(server, "owner", "halfway"))
+    assert result.returncode == 1
+    assert "outbox_ack" in result.stderr
+    assert "outbox" not in schemas(server, "halfway")
+
+
+def test_two_installs_at_once_install_once(server):
+    fresh_database(server, "race")
+    procs = [subprocess.Popen([BIN, "install", "--dsn", dsn(server, "owner", "race")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sorted("nothing to do" in out for out, _ in outs) == [False, True]
+
+
+def test_a_writer_cannot_raise_its_own_payload_limit(app):
+    with app.connect(dbname="app", user="owner") as conn:
+        conn.execute("INSERT INTO outbox.settings VALUES ('outbox.max_payload_bytes', '1kB')")
+    try:
+        with app.connect(dbname="app", user="writer") as conn:
+            conn.execute("SET outbox.max_payload_bytes = '10MB'")
+            with pytest.raises(psycopg.errors.ProgramLimitExceeded, match="1024"):
+                conn.execute("SELECT outbox_enqueue('big', jsonb_build_object('x', repeat('x', 2000)))")
+            conn.execute("SELECT outbox_enqueue('small', '{}')")
+        with app.connect(dbname="app", user="writer") as conn:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("UPDATE outbox.settings SET value = '10MB'")
+    finally:
+        app.sql("DELETE FROM outbox.settings", dbname="app")
+
+
+def test_a_bad_setting_is_refused_naming_it(app):
+    with app.connect(dbname="app", user="owner") as conn:
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="outbox.max_payload_bytes is \"lots\""):
+            conn.execute("INSERT INTO outbox.settings VALUES ('outbox.max_payload_bytes', 'lots')")
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="outbox.report_timeout is \"-1\""):
+            conn.execute("INSERT INTO outbox.settings VALUES ('outbox.report_timeout', '-1')")
+        with pytest.raises(psycopg.errors.CheckViolation):
+            conn.execute("INSERT INTO outbox.settings VALUES ('work_mem', '1GB')")
+    assert app.value("SELECT count(*) FROM outbox.settings", dbname="app") == 0
+
+
+def test_a_writer_cannot_choose_its_place_in_line_with_outbox_moving(app):
+    with app.connect(dbname="app", user="writer") as conn:
+        conn.execute("SET outbox.moving = on")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="outbox.moving"):
+            conn.execute("INSERT INTO outbox.events (event_type, payload, pending_xid) "
+                         "VALUES ('forged', '{}', '1'::xid8)")
+    assert app.value("SELECT count(*) FROM outbox.log WHERE event_type = 'forged'", dbname="app") == 0
+
+
+def test_the_settings_come_from_the_table_then_alter_database_never_the_session(app):
+    app.sql("ALTER DATABASE app SET outbox.report_timeout = '90'")
+    try:
+        with app.connect(dbname="app", user="writer") as conn:
+            conn.execute("SET outbox.report_timeout = '5'")
+            assert conn.execute("SELECT outbox_report_timeout()").fetchone()[0].total_seconds() == 90
+        app.sql("INSERT INTO outbox.settings VALUES ('outbox.report_timeout', '2 min')", dbname="app")
+        assert app.value("SELECT outbox_report_timeout()", dbname="app").total_seconds() == 120
+        app.sql("INSERT INTO outbox.settings VALUES ('outbox.report_key', '')", dbname="app")
+        assert app.value("SELECT outbox_report_timeout()", dbname="app") is None
+    finally:
+        app.sql("ALTER DATABASE app RESET outbox.report_timeout")
+        app.sql("DELETE FROM outbox.settings", dbname="app")
+
+
+def test_a_keyed_event_at_repeatable_read_is_refused_naming_the_isolation(app):
+    with app.connect(dbname="app", user="writer", autocommit=False) as conn:
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        with pytest.raises(psycopg.errors.FeatureNotSupported, match="repeatable read"):
+            conn.execute("SELECT outbox_enqueue('k', '{}', ordering_key => 'rr')")
+
+
+def test_enqueue_and_per_key_turns_as_the_library_takes_them(app):
+    with app.connect(dbname="app", user="writer") as conn:
+        ids = [conn.execute("SELECT outbox_enqueue('k', '{}', ordering_key => 'order-1')").fetchone()[0]
+               for _ in range(3)]
+        plain = conn.execute("SELECT outbox_enqueue('p', '{}')").fetchone()[0]
+        # An ORM's INSERT takes the same path.
+        conn.execute("INSERT INTO outbox.events (event_type, payload) VALUES ('orm', '{}')")
+    rows = dict(app.sql("SELECT id, key_state FROM outbox.log WHERE ordering_key = 'order-1'", dbname="app"))
+    assert [rows[i] for i in ids] == ["head", "waiting", "waiting"]
+    for i in ids + [plain]:
+        assert uuid.UUID(str(i)).version == 7
+    assert ids == sorted(ids)
+    # Acknowledged while in line: processed, and the key passes to the next.
+    with app.connect(dbname="app", user="writer") as conn:
+        assert conn.execute("SELECT outbox_ack(%s)", (ids[0],)).fetchone()[0] is True
+        assert conn.execute("SELECT outbox_ack(%s)", (ids[0],)).fetchone()[0] is False
+        # Not its key's head yet: nothing to skip.
+        assert conn.execute("SELECT outbox_skip(%s)", (ids[2],)).fetchone()[0] is False
+    rows = dict(app.sql("SELECT id, key_state FROM outbox.log WHERE ordering_key = 'order-1'", dbname="app"))
+    assert [rows[i] for i in ids] == [None, "head", "waiting"]
+    assert app.value("SELECT status FROM outbox.events WHERE id = %s", (ids[0],), dbname="app") == "processed"
+
+
+def test_the_inbox_claims_once(app):
+    message = uuid.uuid4()
+    with app.connect(dbname="app", user="writer", autocommit=False) as conn:
+        assert conn.execute("SELECT outbox_inbox_claim(%s, 'c')", (message,)).fetchone()[0] is True
+        assert conn.execute("SELECT outbox_inbox_claim(%s, 'c')", (message,)).fetchone()[0] is False
+        conn.commit()
+    with app.connect(dbname="app", user="writer") as conn:
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="consumer is 256 bytes, the limit is 255"):
+            conn.execute("SELECT outbox_inbox_claim(%s, %s)", (message, "c" * 256))
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="id must not be null"):
+            conn.execute("SELECT outbox_inbox_claim(NULL, 'c')")
+
+
+def test_subscriptions_are_the_owners_to_make(app):
+    with app.connect(dbname="app", user="writer") as conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="only the outbox's owner"):
+            conn.execute("SELECT outbox_subscribe('order.*', 'tasks.audit')")
+    with app.connect(dbname="app", user="owner") as conn:
+        sid = conn.execute("SELECT outbox_subscribe('order.*', 'tasks.audit')").fetchone()[0]
+        event = conn.execute("SELECT outbox_enqueue('order.paid', '{}')").fetchone()[0]
+        deliveries = conn.execute("SELECT count(*) FROM outbox.log WHERE event_id = %s AND subscription_id = %s",
+                                  (event, sid)).fetchone()[0]
+        assert deliveries == 1
+        assert conn.execute("SELECT outbox_unsubscribe(%s)", (sid,)).fetchone()[0] is True
+        assert conn.execute("SELECT outbox_routed_to_default()").fetchone()[0] == 0
+
+
+def test_the_views_answer_the_owner_and_a_monitor(app):
+    for user in ("owner", "monitor"):
+        with app.connect(dbname="app", user=user) as conn:
+            status = dict(conn.execute("SELECT status::text, count FROM outbox.status").fetchall())
+            assert set(status) == {"pending", "processing", "dispatched", "processed", "failed"}
+            names = {r[0] for r in conn.execute("SELECT name FROM outbox.metrics").fetchall()}
+            assert {"outbox_events", "outbox_lag_seconds", "outbox_events_unreported"} <= names
+            text = conn.execute("SELECT outbox_metrics_prometheus()").fetchone()[0]
+            assert "# TYPE outbox_events gauge\n" in text
+            assert 'outbox_events{status="pending"} ' in text
+            assert conn.execute("SELECT count(*) FROM outbox.workers").fetchone()[0] == 0
+
+
+def test_the_printed_script_installs_the_same(server, app):
+    fresh_database(server, "migrated")
+    printed = run("sql", "--no-transaction")
+    assert printed.returncode == 0, printed.stderr
+    with server.connect(dbname="migrated", user="owner", autocommit=False) as conn:
+        conn.execute(printed.stdout)
+        conn.commit()
+    catalog = """SELECT n.nspname || '.' || c.relname || ':' || c.relkind::text FROM pg_class AS c
+                   JOIN pg_namespace AS n ON n.oid = c.relnamespace WHERE n.nspname = 'outbox'
+                 UNION ALL
+                 SELECT p.oid::regprocedure::text FROM pg_proc AS p
+                  WHERE p.pronamespace IN ('outbox'::regnamespace, 'public'::regnamespace)
+                 ORDER BY 1"""
+    assert server.sql(catalog, dbname="migrated") == server.sql(catalog, dbname="app")
+    result = run("install", "--dsn", dsn(server, "owner", "migrated"))
+    assert "nothing to do" in result.stdout
