@@ -69,8 +69,8 @@ stop:
 # full loop through a Celery worker; then dispatch under a pinned xmin
 # against the same without; several databases; per-key order; Redis and
 # RabbitMQ side by side; WAL per event of each path beside a plain INSERT
-# and PgQ (release build; about an hour; sizes: BENCH_* variables, see
-# bench/*.py).
+# and PgQ; enqueue without the library beside with it (release build;
+# about an hour; sizes: BENCH_* variables, see bench/*.py).
 bench: install
 	.venv/bin/pip install -q -r bench/requirements.txt
 	cargo build --release -p outbox_core --example push_ceiling
@@ -80,6 +80,8 @@ bench: install
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/keys.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/brokers.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/wal.py
+	cargo build --release -p outbox-dispatch
+	PG_BIN=$(PG_BIN) $(PYTHON) bench/standalone.py
 
 # Sustained load with retention purging: costs over time, written to
 # bench/results/soak.md (5 minutes by default; SOAK_* variables, see bench/soak.py).

@@ -7,13 +7,14 @@ extension or a planted schema, a writer that sets the settings a placeholder
 leaves open to it."""
 
 import os
+import shutil
 import subprocess
 import uuid
 
 import psycopg
 import pytest
 
-from harness import ROOT, Cluster
+from harness import ROOT, Cluster, make_tls_files
 
 BIN = os.environ.get("OUTBOX_DISPATCH_BIN", str(ROOT / "target" / "debug" / "outbox-dispatch"))
 
@@ -31,6 +32,7 @@ def server():
         pg.sql("CREATE ROLE owner LOGIN")
         pg.sql("CREATE ROLE writer LOGIN")
         pg.sql("CREATE ROLE monitor LOGIN IN ROLE pg_monitor")
+        pg.sql("CREATE ROLE other LOGIN")
         yield pg
     finally:
         pg.close()
@@ -149,6 +151,92 @@ def test_two_installs_at_once_install_once(server):
     assert sorted("nothing to do" in out for out, _ in outs) == [False, True]
 
 
+def test_a_default_of_repeatable_read_does_not_break_two_installs_at_once(server):
+    fresh_database(server, "race_rr")
+    server.sql("ALTER ROLE owner IN DATABASE race_rr SET default_transaction_isolation = 'repeatable read'")
+    try:
+        procs = [subprocess.Popen([BIN, "install", "--dsn", dsn(server, "owner", "race_rr")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+    finally:
+        server.sql("ALTER ROLE owner IN DATABASE race_rr RESET default_transaction_isolation")
+
+
+def test_a_schema_made_to_look_installed_by_another_role_is_refused(server):
+    fresh_database(server, "forged", owner="postgres")
+    server.sql("GRANT CREATE ON DATABASE forged TO other, owner", dbname="forged")
+    with server.connect(dbname="forged", user="other") as conn:
+        conn.execute("CREATE SCHEMA outbox")
+        conn.execute("CREATE TABLE outbox.installed AS SELECT %s::text AS version", (version(),))
+    result = run("install", "--dsn", dsn(server, "owner", "forged"))
+    assert result.returncode == 1
+    assert 'belongs to role other' in result.stderr
+
+
+def test_a_functions_schema_others_may_create_in_is_refused_naming_them(server):
+    fresh_database(server, "open_schema")
+    with server.connect(dbname="open_schema", user="postgres") as conn:
+        conn.execute("GRANT CREATE ON SCHEMA public TO other")
+    result = run("install", "--dsn", dsn(server, "owner", "open_schema"))
+    assert result.returncode == 1
+    assert 'schema "public" is open to others: other may create in it' in result.stderr
+    with server.connect(dbname="open_schema", user="postgres") as conn:
+        conn.execute("GRANT CREATE ON SCHEMA public TO PUBLIC")
+    result = run("install", "--dsn", dsn(server, "owner", "open_schema"))
+    assert "PUBLIC" in result.stderr
+    with server.connect(dbname="open_schema", user="postgres") as conn:
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+        conn.execute("SET ROLE other")
+        conn.execute("CREATE FUNCTION public.outbox_ack(text) RETURNS boolean LANGUAGE sql AS 'SELECT true'")
+        conn.execute("RESET ROLE")
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM other")
+    result = run("install", "--dsn", dsn(server, "owner", "open_schema"))
+    assert result.returncode == 1
+    assert "outbox_ack(text)" in result.stderr
+    assert "outbox" not in schemas(server, "open_schema")
+
+
+def test_an_argument_is_never_echoed(server):
+    secret = "S3CRET-" + uuid.uuid4().hex
+    for args in (["install", f"postgresql://owner:{secret}@127.0.0.1:1/app"],
+                 ["install", f"--dns=postgresql://owner:{secret}@127.0.0.1:1/app"],
+                 [f"postgresql://owner:{secret}@127.0.0.1:1/app"]):
+        result = run(*args)
+        assert result.returncode == 2
+        assert secret not in result.stderr + result.stdout
+
+
+def test_tls_is_verified_against_the_ca_file(server):
+    tls = make_tls_files()
+    key = tls / "pg.key"
+    shutil.copy(tls / "server.key", key)
+    shutil.chown(key, "postgres", "postgres")
+    key.chmod(0o600)
+    pg = Cluster("redis://127.0.0.1:1/0", preload=False, server_conf={
+        "listen_addresses": "'127.0.0.1'", "ssl": "on", "ssl_cert_file": f"'{tls / 'server.pem'}'",
+        "ssl_key_file": f"'{key}'"})
+    try:
+        pg.sql("CREATE ROLE owner LOGIN")
+        fresh_database(pg, "app")
+        url = f"postgresql://owner@127.0.0.1:{pg.port}/app?sslmode=require"
+        result = run("install", "--dsn", url, "--tls-ca-file", str(tls / "other-ca.pem"))
+        assert result.returncode == 1
+        assert "certificate" in result.stderr.lower()
+        result = run("install", "--dsn", url, env={"OUTBOX_TLS_CA_FILE": str(tls / "ca.pem")})
+        assert result.returncode == 0, result.stderr
+        assert pg.value("SELECT bool_and(ssl) FROM pg_stat_ssl JOIN pg_stat_activity USING (pid) "
+                        "WHERE usename = 'owner'", dbname="app") in (True, None)
+        assert pg.value("SELECT version FROM outbox.installed", dbname="app") == version()
+    finally:
+        pg.close()
+        shutil.rmtree(tls)
+
+
+def version():
+    return run("--version").stdout.split()[-1]
+
+
 def test_a_writer_cannot_raise_its_own_payload_limit(app):
     with app.connect(dbname="app", user="owner") as conn:
         conn.execute("INSERT INTO outbox.settings VALUES ('outbox.max_payload_bytes', '1kB')")
@@ -183,6 +271,53 @@ def test_a_writer_cannot_choose_its_place_in_line_with_outbox_moving(app):
             conn.execute("INSERT INTO outbox.events (event_type, payload, pending_xid) "
                          "VALUES ('forged', '{}', '1'::xid8)")
     assert app.value("SELECT count(*) FROM outbox.log WHERE event_type = 'forged'", dbname="app") == 0
+
+
+def test_a_writer_cannot_run_its_operators_as_the_owner(app):
+    """A delivery's insert runs the insert trigger as the owner (the
+    routing is SECURITY DEFINER) with the writer's search_path: an operator
+    the writer planted must not be what the trigger compares with."""
+    app.sql("CREATE SCHEMA IF NOT EXISTS w AUTHORIZATION writer", dbname="app")
+    with app.connect(dbname="app", user="owner") as conn:
+        sid = conn.execute("SELECT outbox_subscribe('escalate.*', 'tasks.audit')").fetchone()[0]
+    try:
+        with app.connect(dbname="app", user="writer") as conn:
+            conn.execute("""CREATE FUNCTION w.eq(a text, b text) RETURNS boolean LANGUAGE plpgsql AS $f$
+                BEGIN
+                    IF current_user::text OPERATOR(pg_catalog.<>) session_user::text THEN
+                        EXECUTE 'INSERT INTO outbox.settings VALUES (''outbox.max_payload_bytes'', ''2GB'')';
+                    END IF;
+                    RETURN a OPERATOR(pg_catalog.=) b;
+                END $f$""")
+            conn.execute("CREATE OPERATOR w.= (LEFTARG = text, RIGHTARG = text, FUNCTION = w.eq)")
+            conn.execute("CREATE OPERATOR w.<> (LEFTARG = text, RIGHTARG = text, FUNCTION = w.eq)")
+            conn.execute("GRANT USAGE ON SCHEMA w TO PUBLIC")
+            conn.execute("SET outbox.notify = on")
+            conn.execute("SET search_path = w, pg_catalog")
+            conn.execute("INSERT INTO outbox.events (event_type, payload) VALUES ('escalate.now', '{}')")
+        assert app.value("SELECT count(*) FROM outbox.settings", dbname="app") == 0
+        assert app.value("SELECT count(*) FROM outbox.log WHERE event_type = 'escalate.now' "
+                         "AND subscription_id IS NOT NULL", dbname="app") == 1
+    finally:
+        app.sql("DROP SCHEMA w CASCADE", dbname="app")
+        app.sql("DELETE FROM outbox.settings", dbname="app")
+        app.sql(f"SELECT outbox_unsubscribe({sid})", dbname="app")
+
+
+def test_the_settings_the_sql_side_reads_are_bounded_as_the_library_bounds_them(app):
+    with app.connect(dbname="app", user="owner") as conn:
+        with pytest.raises(psycopg.errors.InvalidParameterValue,
+                           match=r'outbox.retention is "100 years": it must be from 1 to 315360000 seconds'):
+            conn.execute("INSERT INTO outbox.settings VALUES ('outbox.retention', '100 years')")
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="outbox.report_timeout is \"10 years\""):
+            conn.execute("INSERT INTO outbox.settings VALUES ('outbox.report_timeout', '10 years')")
+    app.sql("ALTER DATABASE app SET outbox.max_payload_bytes = '3GB'")
+    try:
+        with app.connect(dbname="app", user="writer") as conn:
+            with pytest.raises(psycopg.errors.InvalidParameterValue, match='outbox.max_payload_bytes is "3GB"'):
+                conn.execute("SELECT outbox_enqueue('t', '{}')")
+    finally:
+        app.sql("ALTER DATABASE app RESET outbox.max_payload_bytes")
 
 
 def test_the_settings_come_from_the_table_then_alter_database_never_the_session(app):
@@ -275,7 +410,10 @@ def test_the_printed_script_installs_the_same(server, app):
     printed = run("sql", "--no-transaction")
     assert printed.returncode == 0, printed.stderr
     with server.connect(dbname="migrated", user="owner", autocommit=False) as conn:
+        conn.execute("SET LOCAL search_path = app_schema, public")
         conn.execute(printed.stdout)
+        # A migration goes on in the same transaction with its own path.
+        assert conn.execute("SHOW search_path").fetchone()[0] == "app_schema, public"
         conn.commit()
     catalog = """SELECT n.nspname || '.' || c.relname || ':' || c.relkind::text FROM pg_class AS c
                    JOIN pg_namespace AS n ON n.oid = c.relnamespace WHERE n.nspname = 'outbox'

@@ -14,3 +14,4 @@ pub mod named;
 pub mod report;
 pub mod resp;
 pub mod sink;
+pub mod tls;

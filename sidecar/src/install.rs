@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use postgres::{Client, Transaction};
+use postgres::{Client, IsolationLevel, Transaction};
 
 use crate::script::{self, ScriptError, VERSION};
 
@@ -61,7 +61,9 @@ const INSTALL_LOCK: (i32, i32) = (0x6f75_7462, 1);
 /// functions into `schema`; a no-op where it is installed already.
 pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallError> {
     let script = script::script(schema)?;
-    let mut tx = client.transaction()?;
+    // READ COMMITTED whatever the role's default: the checks after the lock
+    // see what an install that held it committed.
+    let mut tx = client.build_transaction().isolation_level(IsolationLevel::ReadCommitted).start()?;
     tx.execute("SELECT pg_catalog.pg_advisory_xact_lock($1, $2)", &[&INSTALL_LOCK.0, &INSTALL_LOCK.1])?;
     if let Some(installed) = installed_version(&mut tx)? {
         if installed == VERSION {
@@ -84,7 +86,8 @@ fn installed_version(tx: &mut Transaction<'_>) -> Result<Option<String>, Install
     let row = tx.query_one(
         "SELECT (SELECT x.extversion FROM pg_catalog.pg_extension AS x WHERE x.extname = 'outbox_dispatch'),
                 pg_catalog.to_regnamespace('outbox') IS NOT NULL,
-                pg_catalog.to_regclass('outbox.installed') IS NOT NULL,
+                EXISTS (SELECT FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+                         WHERE n.nspname = 'outbox' AND c.relname = 'installed'),
                 pg_catalog.current_database()::pg_catalog.text",
         &[],
     )?;
@@ -106,7 +109,24 @@ fn installed_version(tx: &mut Transaction<'_>) -> Result<Option<String>, Install
              rename or drop it first"
         )));
     }
-    Ok(Some(tx.query_one("SELECT version FROM outbox.installed", &[])?.get(0)))
+    // Installed by this role (or one whose privileges it has), not made to
+    // look installed by another.
+    let row = tx.query_one(
+        "SELECT n.nspowner::pg_catalog.regrole::pg_catalog.text,
+                pg_catalog.pg_has_role(n.nspowner, 'MEMBER') AND pg_catalog.pg_has_role(c.relowner, 'MEMBER')
+           FROM pg_catalog.pg_namespace AS n, pg_catalog.pg_class AS c
+          WHERE n.nspname = 'outbox' AND c.relnamespace = n.oid AND c.relname = 'installed'",
+        &[],
+    )?;
+    let (owner, ours): (String, bool) = (row.get(0), row.get(1));
+    if !ours {
+        return Err(InstallError::Refused(format!(
+            "schema \"outbox\" of database \"{database}\" belongs to role {owner}, whose privileges this \
+             role does not have: install as {owner}, or check who made it"
+        )));
+    }
+    let version: String = tx.query_one("SELECT version FROM outbox.installed", &[])?.get(0);
+    Ok(Some(version))
 }
 
 /// The privileges the script needs, each named with the GRANT that gives
@@ -143,6 +163,36 @@ fn check_privileges(tx: &mut Transaction<'_>, schema: &str) -> Result<(), Instal
              (GRANT CREATE ON SCHEMA {s} TO {r}, or --schema another)",
             s = script::quote_ident(schema),
             r = script::quote_ident(&role)
+        )));
+    }
+    // Whoever else may create in the schema may plant an overload of an
+    // outbox_* function there, which a caller's call would resolve to.
+    let others: Vec<String> = tx
+        .query(
+            "SELECT CASE WHEN r.oid IS NULL THEN 'PUBLIC' ELSE r.rolname::pg_catalog.text END
+               FROM (SELECT DISTINCT a.grantee
+                       FROM pg_catalog.pg_namespace AS n CROSS JOIN LATERAL pg_catalog.aclexplode(n.nspacl) AS a
+                      WHERE n.oid = pg_catalog.to_regnamespace($1) AND a.privilege_type = 'CREATE') AS g
+               LEFT JOIN pg_catalog.pg_roles AS r ON r.oid = g.grantee
+              WHERE g.grantee = 0 OR (NOT r.rolsuper AND NOT pg_catalog.pg_has_role(r.oid, 'MEMBER'))
+             UNION
+             SELECT p.oid::pg_catalog.regprocedure::pg_catalog.text
+               FROM pg_catalog.pg_proc AS p
+              WHERE p.pronamespace = pg_catalog.to_regnamespace($1)
+                AND p.proname LIKE 'outbox\\_%'
+                AND NOT pg_catalog.pg_has_role(p.proowner, 'MEMBER')
+             ORDER BY 1",
+            &[&script::quote_ident(schema)],
+        )?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if !others.is_empty() {
+        return Err(InstallError::Refused(format!(
+            "schema \"{schema}\" is open to others: {} may create in it or made functions there, which \
+             could stand in for outbox_* functions; revoke CREATE from them, or --schema one only this \
+             role creates in",
+            others.join(", ")
         )));
     }
     if !read_stats {

@@ -15,7 +15,8 @@ use std::fmt;
 
 /// The files in the order they run: the extension's (src/lib.rs), with the
 /// library's functions (sql/standalone/host.sql) after the tables.
-const PARTS: [(&str, &str); 8] = [
+const PARTS: [(&str, &str); 9] = [
+    ("standalone/head.sql", include_str!("../../sql/standalone/head.sql")),
     ("schema.sql", include_str!("../../sql/schema.sql")),
     ("standalone/host.sql", include_str!("../../sql/standalone/host.sql")),
     ("subscriptions.sql", include_str!("../../sql/subscriptions.sql")),

@@ -32,54 +32,88 @@ COMMENT ON TABLE outbox.settings IS
 -- The setting called name: its row in outbox.settings, else the database's
 -- ALTER DATABASE ... SET, else NULL. Never the session's own SET.
 -- SECURITY DEFINER: a writer's outbox_enqueue() reads the payload limit.
+-- PL/pgSQL, whose plans a session keeps, and no SET clause: it runs on
+-- every enqueue, so every name is qualified instead, operators included.
 CREATE FUNCTION outbox.setting(name text) RETURNS text
-LANGUAGE sql STABLE SECURITY DEFINER PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
+LANGUAGE plpgsql STABLE SECURITY DEFINER PARALLEL SAFE
 AS $$
-SELECT coalesce(
-    (SELECT s.value FROM outbox.settings AS s WHERE s.name = setting.name),
-    (SELECT substr(c, length(setting.name) + 2)
-       FROM pg_db_role_setting AS d CROSS JOIN LATERAL unnest(d.setconfig) AS c
-      WHERE d.setdatabase = (SELECT o.oid FROM pg_database AS o WHERE o.datname = current_database())
-        AND d.setrole = 0
-        AND starts_with(c, setting.name || '=')
-      LIMIT 1))
+DECLARE
+    value text;
+BEGIN
+    SELECT s.value INTO value FROM outbox.settings AS s WHERE s.name OPERATOR(pg_catalog.=) setting.name;
+    IF value IS NULL THEN
+        SELECT pg_catalog.substr(c, pg_catalog.length(setting.name) OPERATOR(pg_catalog.+) 2) INTO value
+          FROM pg_catalog.pg_db_role_setting AS d CROSS JOIN LATERAL pg_catalog.unnest(d.setconfig) AS c
+         WHERE d.setdatabase OPERATOR(pg_catalog.=) (SELECT o.oid FROM pg_catalog.pg_database AS o
+                                                       WHERE o.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
+           AND d.setrole OPERATOR(pg_catalog.=) 0
+           AND pg_catalog.starts_with(c, setting.name OPERATOR(pg_catalog.||) '=')
+         LIMIT 1;
+    END IF;
+    RETURN value;
+END
 $$;
 
--- The settings the SQL side reads are checked as they are written, with
--- an error that names the setting and its limits.
+-- The value of setting name given as value (NULL: its default), as the
+-- library bounds it: bytes for a size, seconds for a time; an error that
+-- names the setting and its limits when it is not. NULL for a setting the
+-- SQL side does not read. One place for the bounds (src/config.rs), used
+-- where a setting is written (the trigger below) and where it is read.
+CREATE FUNCTION outbox.setting_value(name text, value text) RETURNS bigint
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+AS $$
+DECLARE
+    unit text;
+    default_ bigint;
+    least_ bigint;
+    most bigint;
+    amount pg_catalog.numeric;
+BEGIN
+    -- name, unit, default, least, most: one line each (no CASE name WHEN,
+    -- which finds = through the caller's search_path).
+    IF name OPERATOR(pg_catalog.=) 'outbox.max_payload_bytes' THEN
+        unit := 'bytes'; default_ := 1048576; least_ := 1; most := 2147483647;
+    ELSIF name OPERATOR(pg_catalog.=) 'outbox.report_timeout' THEN
+        unit := 'seconds'; default_ := 3600; least_ := 0; most := 2592000;
+    ELSIF name OPERATOR(pg_catalog.=) 'outbox.retention' THEN
+        unit := 'seconds'; default_ := 604800; least_ := 1; most := 315360000;
+    ELSE
+        RETURN NULL;
+    END IF;
+    IF value IS NULL THEN
+        RETURN default_;
+    END IF;
+    -- No exception block here, which would start a subtransaction on every
+    -- enqueue: a value PostgreSQL cannot parse raises its own error, and
+    -- outbox.check_setting() names the setting in it as it is written.
+    IF unit OPERATOR(pg_catalog.=) 'bytes' THEN
+        amount := pg_catalog.pg_size_bytes(value);
+    ELSE
+        amount := pg_catalog.date_part('epoch', value::pg_catalog.interval);
+    END IF;
+    IF amount OPERATOR(pg_catalog.<) least_ OR amount OPERATOR(pg_catalog.>) most THEN
+        RAISE EXCEPTION '% is "%": it must be from % to % % (a number is %)', name, value, least_, most, unit, unit
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    RETURN amount::pg_catalog.int8;
+END
+$$;
+
+-- What the SQL side reads is checked as it is written.
 CREATE FUNCTION outbox.check_setting() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-    bytes bigint;
-    period interval;
 BEGIN
-    CASE NEW.name
-    WHEN 'outbox.max_payload_bytes' THEN
-        BEGIN
-            bytes := pg_size_bytes(NEW.value);
-        EXCEPTION WHEN invalid_parameter_value OR numeric_value_out_of_range THEN
-            bytes := NULL;
-        END;
-        IF bytes IS NULL OR bytes < 1 OR bytes > 2147483647 THEN
-            RAISE EXCEPTION 'outbox.max_payload_bytes is "%": it must be a size from 1 byte to 2147483647 bytes', NEW.value
-                USING ERRCODE = 'invalid_parameter_value';
+    BEGIN
+        PERFORM outbox.setting_value(NEW.name, NEW.value);
+    EXCEPTION WHEN invalid_parameter_value OR numeric_value_out_of_range OR invalid_datetime_format
+                   OR datetime_field_overflow OR interval_field_overflow THEN
+        IF starts_with(SQLERRM, NEW.name) THEN
+            RAISE;  -- out of bounds: the message names it already
         END IF;
-    WHEN 'outbox.report_timeout', 'outbox.retention' THEN
-        BEGIN
-            period := NEW.value::interval;
-        EXCEPTION WHEN invalid_datetime_format OR datetime_field_overflow OR interval_field_overflow THEN
-            period := NULL;
-        END;
-        IF period IS NULL OR period < interval '0' THEN
-            RAISE EXCEPTION '% is "%": it must be a duration of 0 or more (a number is seconds)', NEW.name, NEW.value
-                USING ERRCODE = 'invalid_parameter_value';
-        END IF;
-    ELSE
-        NULL;
-    END CASE;
+        RAISE EXCEPTION '% is "%": %', NEW.name, NEW.value, SQLERRM USING ERRCODE = 'invalid_parameter_value';
+    END;
     RETURN NEW;
 END
 $$;
@@ -95,28 +129,41 @@ SET search_path = pg_catalog, pg_temp
 AS $$ SELECT n.nspowner FROM pg_namespace AS n WHERE n.nspname = 'outbox' $$;
 
 -- A time-ordered UUID (version 7): the milliseconds since the epoch, then
--- random bits. Every name qualified, no SET clause: it is the id default
--- of every insert.
-CREATE FUNCTION @extschema@.outbox_uuid_v7() RETURNS uuid
-LANGUAGE sql VOLATILE PARALLEL SAFE
-AS $$
-SELECT pg_catalog.encode(
-           pg_catalog.set_bit(pg_catalog.set_bit(
-               pg_catalog.overlay(pg_catalog.uuid_send(pg_catalog.gen_random_uuid()),
-                                  pg_catalog.substr(pg_catalog.int8send(pg_catalog.floor(
-                                      pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())
-                                      OPERATOR(pg_catalog.*) 1000)::pg_catalog.int8), 3),
-                                  1, 6),
-               52, 1), 53, 1),
-           'hex')::pg_catalog.uuid
-$$;
-
+-- random bits; PostgreSQL 18's own uuidv7() where there is one. Every name
+-- qualified and no SET clause: it is the id default of every insert.
+-- PL/pgSQL elsewhere, whose expression a session plans once (an SQL
+-- function would be parsed again by every INSERT it is inlined into).
+DO $install$
+BEGIN
+    IF pg_catalog.current_setting('server_version_num')::pg_catalog.int4 OPERATOR(pg_catalog.>=) 180000 THEN
+        EXECUTE $create$
+            CREATE FUNCTION @extschema@.outbox_uuid_v7() RETURNS uuid
+            LANGUAGE sql VOLATILE PARALLEL SAFE
+            AS 'SELECT pg_catalog.uuidv7()'
+        $create$;
+    ELSE
+        EXECUTE $create$
+            CREATE FUNCTION @extschema@.outbox_uuid_v7() RETURNS uuid
+            LANGUAGE plpgsql VOLATILE PARALLEL SAFE
+            AS $body$
+            BEGIN
+                RETURN (pg_catalog.lpad(pg_catalog.to_hex(pg_catalog.floor(
+                            pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())
+                            OPERATOR(pg_catalog.*) 1000)::pg_catalog.int8), 12, '0')
+                        OPERATOR(pg_catalog.||) '7'
+                        OPERATOR(pg_catalog.||) pg_catalog.substr(pg_catalog.gen_random_uuid()::pg_catalog.text, 16)
+                       )::pg_catalog.uuid;
+            END
+            $body$
+        $create$;
+    END IF;
+END
+$install$;
 CREATE FUNCTION @extschema@.outbox_max_payload_bytes() RETURNS integer
 LANGUAGE sql STABLE PARALLEL SAFE
 AS $$
-SELECT coalesce(pg_catalog.pg_size_bytes(outbox.setting('outbox.max_payload_bytes'))::pg_catalog.int4, 1048576)
+SELECT outbox.setting_value('outbox.max_payload_bytes', outbox.setting('outbox.max_payload_bytes'))::pg_catalog.int4
 $$;
-
 -- outbox.report_timeout while reports are on (outbox.report_key not
 -- empty); NULL while they are off or it is 0.
 CREATE FUNCTION @extschema@.outbox_report_timeout() RETURNS interval
@@ -124,10 +171,10 @@ LANGUAGE sql STABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
 SELECT CASE WHEN coalesce(outbox.setting('outbox.report_key'), 'outbox_dispatch.reports') <> ''
-            THEN nullif(coalesce(outbox.setting('outbox.report_timeout'), '3600')::interval, interval '0')
+            THEN nullif(outbox.setting_value('outbox.report_timeout', outbox.setting('outbox.report_timeout'))
+                        * interval '1 second', interval '0')
        END
 $$;
-
 -- The sidecars LISTEN on this channel; the NOTIFY is sent at commit.
 CREATE FUNCTION @extschema@.outbox_wake() RETURNS void
 LANGUAGE sql VOLATILE PARALLEL UNSAFE
@@ -143,8 +190,11 @@ AS $$
 DECLARE
     channel text;
 BEGIN
-    IF pg_catalog.current_setting('outbox.notify', true) IS DISTINCT FROM 'on'
-       OR pg_catalog.current_setting('outbox.dispatching', true) IS NOT DISTINCT FROM 'on' THEN
+    -- No IS DISTINCT FROM: it finds = through the search_path, which is
+    -- the writer's even where this runs as the owner (a delivery inserted
+    -- by outbox_route()).
+    IF coalesce(pg_catalog.current_setting('outbox.notify', true), '') OPERATOR(pg_catalog.<>) 'on'
+       OR coalesce(pg_catalog.current_setting('outbox.dispatching', true), '') OPERATOR(pg_catalog.=) 'on' THEN
         RETURN NULL;
     END IF;
     channel := coalesce(pg_catalog.current_setting('outbox.notify_channel', true), 'outbox_new');
@@ -166,12 +216,17 @@ AS $$ BEGIN RETURN NULL; END $$;
 
 -- 0 (routed to none) while no subscription is active, else NULL (the
 -- routing trigger decides): an index probe per insert, as no cache holds
--- the answer.
+-- the answer. PL/pgSQL for its kept plan, every name qualified and no SET
+-- clause (the default of every insert).
 CREATE FUNCTION @extschema@.outbox_routed_to_default() RETURNS integer
-LANGUAGE sql VOLATILE SECURITY DEFINER PARALLEL UNSAFE
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER PARALLEL UNSAFE
 AS $$
-SELECT CASE WHEN EXISTS (SELECT FROM outbox.all_subscriptions AS s WHERE s.unsubscribed_at IS NULL) THEN NULL
-            ELSE 0 END
+BEGIN
+    IF EXISTS (SELECT FROM outbox.all_subscriptions AS s WHERE s.unsubscribed_at IS NULL) THEN
+        RETURN NULL;
+    END IF;
+    RETURN 0;
+END
 $$;
 
 -- Subscriptions are the outbox owner's to make and end here: the library
@@ -411,7 +466,7 @@ LANGUAGE plpgsql VOLATILE SECURITY DEFINER PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    retention integer := extract(epoch FROM coalesce(outbox.setting('outbox.retention'), '604800')::interval);
+    retention integer := outbox.setting_value('outbox.retention', outbox.setting('outbox.retention'));
 BEGIN
     RETURN QUERY EXECUTE
         'SELECT g.name, CASE WHEN g.status IS NULL THEN ''{}''::jsonb ELSE jsonb_build_object(''status'', g.status) END,

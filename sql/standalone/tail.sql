@@ -41,3 +41,6 @@ COMMENT ON TABLE outbox.installed IS
 REVOKE ALL ON FUNCTION outbox.check_setting(), outbox.refuse_moving(), outbox.lock_key_of(uuid),
     outbox.pass_key(uuid, text, bigint, boolean, boolean) FROM PUBLIC;
 GRANT SELECT ON outbox.settings, outbox.installed, outbox.sidecar_workers TO pg_monitor;
+
+-- The caller's search_path again (sql/standalone/head.sql).
+SELECT pg_catalog.set_config('search_path', pg_catalog.current_setting('outbox_dispatch.caller_search_path'), true);

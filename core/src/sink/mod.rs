@@ -12,7 +12,6 @@ mod plan;
 mod redis;
 mod secrets;
 mod sentinel;
-mod tls;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -288,4 +287,10 @@ impl Sink {
             Sink::Amqp(sink) => sink.push(batches, waiter, pause_until),
         }
     }
+}
+
+/// TLS for `rediss://` and `amqps://`: the authorities of
+/// `outbox.redis_tls_ca_file`, or the system's.
+fn tls_config(ca_file: Option<&std::path::Path>) -> Result<std::sync::Arc<rustls::ClientConfig>, SinkError> {
+    crate::tls::client_config("outbox.redis_tls_ca_file", ca_file).map_err(SinkError::InvalidConfig)
 }

@@ -24,8 +24,7 @@ use super::keys::Keys;
 use super::plan::{plan_round_trips, RoundTrip};
 use super::secrets::password_from_file;
 use super::sentinel::ask_sentinels;
-use super::tls::tls_config;
-use super::{BrokerConfig, Condition, Delivery, KeyBatch, Persistence, Pushed, SinkError};
+use super::{tls_config, BrokerConfig, Condition, Delivery, KeyBatch, Persistence, Pushed, SinkError};
 
 /// How the server persists data, from its CONFIG GET replies.
 fn persistence_from_config(save: &Reply, appendonly: &Reply) -> Persistence {

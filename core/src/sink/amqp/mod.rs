@@ -36,8 +36,7 @@ use crate::link::{Link, LinkError, Wait};
 use super::errors::scrub;
 use super::plan::plan_round_trips;
 use super::secrets::password_from_file;
-use super::tls::tls_config;
-use super::{BrokerConfig, Condition, Delivery, KeyBatch, Persistence, Pushed, SinkError};
+use super::{tls_config, BrokerConfig, Condition, Delivery, KeyBatch, Persistence, Pushed, SinkError};
 use confirm::Refusals;
 use connection::Session;
 
