@@ -5,9 +5,13 @@ use std::ffi::{c_char, CString};
 
 use pgrx::prelude::*;
 
+use outbox_core::store::keys as turns;
+use outbox_core::store::sql::{Arg, DbError, Stmt, Tx};
+
 use crate::config::KeyPolicy;
 use crate::counters::{self, AckSource};
 use crate::slots::WakeSource;
+use crate::worker::store::SpiTx;
 use crate::{config, keys, wake};
 
 extern "C-unwind" {
@@ -55,17 +59,19 @@ fn outbox_wake() {
 #[pg_extern(volatile, parallel_unsafe, security_definer)]
 #[search_path(pg_catalog, pg_temp)]
 fn outbox_ack(id: pgrx::Uuid) -> bool {
+    let id = uuid::Uuid::from_bytes(*id.as_bytes());
     let acked = Spi::connect_mut(|client| {
-        keys::lock_key_of(client, id)?;
-        client.update(include_str!("../sql/ack_lock.sql"), None, &[id.into()])?;
-        let updated = client.update(include_str!("../sql/ack.sql"), None, &[id.into()])?;
-        let Some(row) = updated.into_iter().next() else {
+        let tx = &mut SpiTx::unprepared(client);
+        turns::lock_key_of(tx, id)?;
+        tx.run(Stmt::AckLock, &[Arg::Uuid(id)])?;
+        let acked = tx.run(Stmt::Ack, &[Arg::Uuid(id)])?;
+        let Some(row) = acked.rows.first() else {
             return Ok(false);
         };
-        if let Some(head) = keys::head_of(&row, 1)? {
-            keys::pass_now(client, head, KeyPolicy { failed: false, dispatched: false })?;
+        if let Some(head) = turns::head_of(row, 0)? {
+            keys::pass_now(tx, head, KeyPolicy { failed: false, dispatched: false })?;
         }
-        Ok::<_, pgrx::spi::SpiError>(true)
+        Ok::<_, DbError>(true)
     })
     .unwrap_or_else(|e| error!("outbox_ack: {e}"));
     if acked {

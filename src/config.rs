@@ -381,16 +381,7 @@ impl Settings {
     }
 }
 
-/// When the head of a key (README, "Per-key order") is finished, besides
-/// once processed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KeyPolicy {
-    /// Once dispatched: no worker reports it and nobody acknowledges it
-    /// (`outbox.report_key` empty, `outbox.ack_timeout` 0).
-    pub dispatched: bool,
-    /// Once dead-lettered (`outbox.key_on_failure = continue`).
-    pub failed: bool,
-}
+pub use outbox_core::store::KeyPolicy;
 
 /// The report list of the current database: `outbox.report_key`, a colon
 /// and the database's OID. One list per database, because a dispatcher

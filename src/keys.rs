@@ -1,132 +1,26 @@
-//! Per-key order (README, "Per-key order"): the glue around the SQL in
-//! sql/keys/ and sql/keys.sql.
-//!
-//! An event with an `ordering_key` takes its turn as it is inserted
-//! (`outbox_take_turn()`): under its key's advisory lock, held to its
-//! commit, it gets the next `key_seq` and becomes the key's head, or waits
-//! behind the key's unfinished events. Only heads are claimed. When a head
-//! is finished, the statement that finished it passes the key on ([`pass`]):
-//! the next waiting event becomes the head.
+//! Per-key order (README, "Per-key order") in a session: `outbox_skip()`,
+//! the checks `outbox_take_turn()` (sql/keys.sql) makes under the latest
+//! snapshot, and passing a key on from `outbox_ack()`. Passing itself is
+//! `outbox_core::store::keys`, which the dispatchers run too.
 
 use pgrx::prelude::*;
-use pgrx::spi::{Query, SpiClient, SpiError};
+
+use outbox_core::store::keys::{self as turns, Head};
+use outbox_core::store::sql::{DbError, Tx};
 
 use crate::config::KeyPolicy;
 use crate::counters::{self, Counter};
 use crate::slots::WakeSource;
 use crate::wake;
-
-/// The key of an event: its `ordering_key`, and its subscription (0 for an
-/// event's own key: a delivery's key is its subscription's).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Key {
-    pub ordering_key: String,
-    pub subscription: i64,
-}
-
-/// A finished head, which lets its key go.
-#[derive(Debug, Clone)]
-pub struct Head {
-    pub id: pgrx::Uuid,
-    pub key: Key,
-}
-
-/// What [`pass`] did.
-#[derive(Debug, Default)]
-pub struct Passed {
-    /// Heads that let their key go.
-    pub passed: u64,
-    /// Events that became their key's head.
-    pub promoted: u64,
-    /// Heads left holding their key: its lock was taken (a producer of the
-    /// key had not committed yet). To pass again later.
-    pub deferred: Vec<Head>,
-}
-
-pub const LOCK: &str = include_str!("../sql/keys/lock.sql");
-pub const PASS: &str = include_str!("../sql/keys/pass.sql");
-
-/// Passes on the keys of `heads` that are `finished` (processed, or as the
-/// policy says), and starts the `stranded` keys (events waiting, no head),
-/// in the current transaction: first their locks (`lock`, [`LOCK`]; waiting
-/// for them with `wait`, else only the free ones), then, in a statement
-/// that sees what their producers committed meanwhile, the passing
-/// (`pass`, [`PASS`]). A statement each, run as prepared plans by the
-/// dispatchers, as text by the SQL functions.
-pub fn pass<L, P>(
-    client: &mut SpiClient<'_>,
-    (lock, pass): (L, P),
-    heads: Vec<Head>,
-    stranded: &[Key],
-    finished: KeyPolicy,
-    wait: bool,
-) -> Result<Passed, SpiError>
-where
-    for<'c> L: Query<'c>,
-    for<'c> P: Query<'c>,
-{
-    if heads.is_empty() && stranded.is_empty() {
-        return Ok(Passed::default());
-    }
-    let keys = heads.iter().map(|h| &h.key).chain(stranded);
-    let names: Vec<String> = keys.clone().map(|k| k.ordering_key.clone()).collect();
-    let subscriptions: Vec<i64> = keys.map(|k| k.subscription).collect();
-    let mut locked = std::collections::HashSet::new();
-    for row in client.update(lock, None, &[names.into(), subscriptions.into(), wait.into()])? {
-        let ordering_key = row.get::<String>(1)?.unwrap_or_default();
-        locked.insert(Key { ordering_key, subscription: row.get::<i64>(2)?.unwrap_or(0) });
-    }
-    let (ready, deferred): (Vec<Head>, Vec<Head>) = heads.into_iter().partition(|h| locked.contains(&h.key));
-    let stranded: Vec<&Key> = stranded.iter().filter(|k| locked.contains(*k)).collect();
-    let args = [
-        ready.iter().map(|h| h.id).collect::<Vec<_>>().into(),
-        stranded.iter().map(|k| k.ordering_key.clone()).collect::<Vec<_>>().into(),
-        stranded.iter().map(|k| k.subscription).collect::<Vec<_>>().into(),
-        finished.failed.into(),
-        finished.dispatched.into(),
-    ];
-    let counts = client.update(pass, Some(1), &args)?.first();
-    let count = |n| counts.get::<i64>(n).map(|c| c.unwrap_or(0) as u64);
-    Ok(Passed { passed: count(1)?, promoted: count(2)?, deferred })
-}
-
-/// A head read from a row: columns `id`, `ordering_key` and subscription
-/// (0 for none) at `first`, `first + 1`, `first + 2`; `None` for an event
-/// without a key.
-pub fn head_of(row: &pgrx::spi::SpiHeapTupleData<'_>, first: usize) -> Result<Option<Head>, SpiError> {
-    let (Some(id), Some(ordering_key)) = (row.get::<pgrx::Uuid>(first)?, row.get::<String>(first + 1)?)
-    else {
-        return Ok(None);
-    };
-    let subscription = row.get::<i64>(first + 2)?.unwrap_or(0);
-    Ok(Some(Head { id, key: Key { ordering_key, subscription } }))
-}
-
-/// The key event `id` holds, if it is its key's head; once its lock is
-/// taken, waiting for a producer of the key to commit: for `outbox_ack()`
-/// and `outbox_skip()`, before they change the event (they then hold no
-/// lock of its row while they wait, which a dispatcher would wait for).
-pub fn lock_key_of(client: &mut SpiClient<'_>, id: pgrx::Uuid) -> Result<Option<Key>, SpiError> {
-    let held = client.select(include_str!("../sql/keys/key_of.sql"), Some(1), &[id.into()])?;
-    let Some(row) = held.into_iter().next() else {
-        return Ok(None);
-    };
-    let key = Key {
-        ordering_key: row.get::<String>(1)?.unwrap_or_default(),
-        subscription: row.get::<i64>(2)?.unwrap_or(0),
-    };
-    let args = [vec![key.ordering_key.clone()].into(), vec![key.subscription].into(), true.into()];
-    client.update(LOCK, None, &args)?;
-    Ok(Some(key))
-}
+use crate::worker::store::SpiTx;
 
 /// Passes on the key of `head`, finished in the caller's transaction (by
 /// `outbox_ack()`, or `outbox_skip()` with `finished` saying a failed or
-/// dispatched head counts), its lock taken by [`lock_key_of`]; wakes the
-/// dispatchers at commit for the new head. Returns whether it let its key
-/// go.
-pub fn pass_now(client: &mut SpiClient<'_>, head: Head, finished: KeyPolicy) -> Result<bool, SpiError> {
-    let passed = pass(client, (LOCK, PASS), vec![head], &[], finished, true)?;
+/// dispatched head counts), its lock taken by
+/// [`turns::lock_key_of`]; wakes the dispatchers at commit for the new
+/// head. Returns whether it let its key go.
+pub fn pass_now(tx: &mut dyn Tx, head: Head, finished: KeyPolicy) -> Result<bool, DbError> {
+    let passed = turns::pass(tx, vec![head], &[], finished, true)?;
     counters::add(Counter::KeyTurns, passed.promoted);
     if passed.promoted > 0 {
         wake::at_commit(WakeSource::Commit);
@@ -259,11 +153,13 @@ unsafe fn plan_of(query: &'static AsOfNow) -> pg_sys::SPIPlanPtr {
 #[pg_extern(volatile, parallel_unsafe, security_definer)]
 #[search_path(pg_catalog, pg_temp)]
 fn outbox_skip(id: pgrx::Uuid) -> bool {
+    let id = uuid::Uuid::from_bytes(*id.as_bytes());
     Spi::connect_mut(|client| {
-        let Some(key) = lock_key_of(client, id)? else {
+        let tx = &mut SpiTx::unprepared(client);
+        let Some(key) = turns::lock_key_of(tx, id)? else {
             return Ok(false);
         };
-        pass_now(client, Head { id, key }, KeyPolicy { failed: true, dispatched: true })
+        pass_now(tx, Head { id, key }, KeyPolicy { failed: true, dispatched: true })
     })
-    .unwrap_or_else(|e| error!("outbox_skip: {e}"))
+    .unwrap_or_else(|e: DbError| error!("outbox_skip: {e}"))
 }

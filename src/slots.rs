@@ -65,14 +65,7 @@ named! {
     }
 }
 
-named! {
-    /// What ended a dispatcher's sleep.
-    pub enum WakeSource {
-        Commit = "commit",
-        Poll = "poll",
-        Manual = "manual",
-    }
-}
+pub use outbox_core::metrics::WakeSource;
 
 #[repr(C)]
 pub struct Slot {

@@ -118,7 +118,6 @@ SELECT p.id,
        -- Each message's send is derived from it by the dispatcher
        -- (outbox_core::report::send_of, as outbox.send_of()).
        batch.send,
-       batch.claimed_at,
        (SELECT ended.ended FROM ended) AS ended
   FROM (SELECT 1) AS one
   LEFT JOIN page AS p ON true

@@ -112,7 +112,7 @@ impl Broker {
                 let master = self.sink.as_ref().ok().and_then(Sink::master).map(str::to_string);
                 let paused = self.lost_at.take().map(|at| at.elapsed());
                 if let Some(paused) = paused {
-                    counters::broker_unavailable(paused);
+                    counters::here().broker_unavailable(paused);
                     log!(
                         "outbox dispatcher {} reconnected to {kind} at {url} ({node} {}) after {:.1}s",
                         self.index,
@@ -181,7 +181,7 @@ impl Broker {
         );
         self.reconnect_attempt = self.reconnect_attempt.saturating_add(1);
         self.next_connect = Some(Instant::now() + delay);
-        counters::reconnect(error);
+        counters::here().reconnect(error);
         slot.set_state(State::Reconnecting);
         slot.set_error(Some(&error.to_string()));
         log!(

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use pgrx::prelude::*;
 
 use super::signals;
-use super::store::{Store, StoreError, FORGET_BATCH, SWEEP_BATCH};
+use super::store::{SpiStore, StoreError, FORGET_BATCH, SWEEP_BATCH};
 use crate::config::Settings;
 use crate::counters::{self, Counter};
 use crate::slots;
@@ -79,7 +79,7 @@ impl Schedule {
         &mut self,
         dispatcher: usize,
         slot: &slots::Own,
-        store: &mut Store,
+        store: &mut SpiStore,
         settings: &Settings,
     ) -> Result<(), StoreError> {
         let now = Instant::now();
@@ -149,7 +149,7 @@ impl Schedule {
 /// The stuck and unacknowledged sweepers; returns whether work is left.
 fn sweep(
     dispatcher: usize,
-    store: &mut Store,
+    store: &mut SpiStore,
     settings: &Settings,
     until: Instant,
 ) -> Result<bool, StoreError> {
@@ -231,7 +231,7 @@ impl Again {
 /// each does something and the time lasts.
 fn rotate_some(
     dispatcher: usize,
-    store: &mut Store,
+    store: &mut SpiStore,
     retention: Duration,
     acks: bool,
     until: Instant,

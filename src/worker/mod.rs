@@ -11,7 +11,7 @@ mod push;
 mod reports;
 mod setup;
 pub(crate) mod signals;
-mod store;
+pub(crate) mod store;
 pub(crate) mod wait;
 
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ use crate::counters::{self, Counter};
 use crate::slots::{self, State, WakeSource};
 use broker::Broker;
 use push::{Pushed, RetryPolicy};
-use store::{Claim, Home, Outcome, Store, StoreError};
+use store::{Claim, Home, Outcome, SpiDb, SpiStore, StoreError};
 
 /// How soon a statement that failed (a lock not granted, say) is tried
 /// again: at first after a second, then backing off (with jitter) up to ten
@@ -70,6 +70,7 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
             dispatcher.reconfigure(Settings::current());
         }
         let nap = dispatcher.step().min(rest());
+        counters::add(Counter::KeyTurns, dispatcher.store.take_key_turns());
         // A commit's wake, a reload or a shutdown that came during the step
         // set the latch, but a wait inside PostgreSQL (a lock, a buffer pin)
         // may have reset it since: what they left in shared memory and in
@@ -104,7 +105,7 @@ struct Dispatcher {
     index: usize,
     slot: slots::Own,
     settings: Settings,
-    store: Store,
+    store: SpiStore,
     broker: Broker,
     origin: String,
     /// The last push's outcome, not yet recorded (a statement failed).
@@ -138,7 +139,13 @@ impl Dispatcher {
             index,
             slot,
             broker: Broker::new(index, &settings.broker),
-            store: Store::new(index, settings.statement_timeout, settings.awaited(), settings.keys),
+            store: SpiStore::new(
+                SpiDb::default(),
+                index,
+                settings.statement_timeout,
+                settings.awaited(),
+                settings.keys,
+            ),
             settings,
             origin: setup::origin(),
             unsettled: Outcome::default(),
@@ -163,11 +170,11 @@ impl Dispatcher {
         let sources = self.slot.take_wake_sources();
         for source in [WakeSource::Commit, WakeSource::Manual] {
             if sources & (1 << source as u8) != 0 {
-                counters::woke(source);
+                counters::here().woke(source);
             }
         }
         if sources == 0 && timed_out {
-            counters::woke(WakeSource::Poll);
+            counters::here().woke(WakeSource::Poll);
         }
     }
 
@@ -282,7 +289,7 @@ impl Dispatcher {
         let poll = self.settings.poll_interval;
         if !self.at_home {
             // SAFETY: a process global, set once connected.
-            match self.store.home(unsafe { pg_sys::MyDatabaseId }) {
+            match self.store.home(unsafe { pg_sys::MyDatabaseId }.to_u32()) {
                 Err(e) => return self.store_failed(&e),
                 Ok(None) => return self.leave_for_extension(),
                 Ok(Some(Home::Own)) => self.at_home = true,

@@ -12,8 +12,8 @@ use outbox_core::sink::{Condition, Delivery, KeyBatch, Sink, SinkError};
 
 use super::store::{Batch, ClaimedEvent, Failure, Outcome};
 use crate::counters::{self, Counter, PushFailure};
-use crate::keys::Head;
 use crate::slots;
+use outbox_core::store::Head;
 
 /// How the dispatcher treats one event's failure.
 pub struct RetryPolicy {
@@ -69,7 +69,7 @@ impl Wait for ShowingPauses<'_> {
 
     fn paused(&mut self, why: Option<&str>) {
         if why.is_some() {
-            counters::refused(Condition::Blocked);
+            counters::here().refused(Condition::Blocked);
         }
         self.slot.set_error(why);
     }
@@ -133,7 +133,7 @@ pub fn push(
         );
         if let Err(e) = encoded {
             outcome.failures.push(policy.failure(event, e.to_string(), false));
-            counters::push_failed(PushFailure::Unencodable, 1);
+            counters::here().push_failed(PushFailure::Unencodable, 1);
             continue;
         }
         let key = sink.destination(&event.queue, event.priority);
@@ -160,26 +160,24 @@ pub fn push(
             Delivery::Delivered => {
                 outcome.dispatched.push(event.id);
                 if let Some(key) = &event.head {
-                    outcome
-                        .heads
-                        .push(Head { id: pgrx::Uuid::from_bytes(event.id.into_bytes()), key: key.clone() });
+                    outcome.heads.push(Head { id: event.id, key: key.clone() });
                 }
                 latencies.push((now - event.created_epoch).max(0.0));
             }
             Delivery::Rejected(error) => {
-                counters::push_failed(PushFailure::RedisError, 1);
+                counters::here().push_failed(PushFailure::RedisError, 1);
                 outcome.failures.push(policy.failure(event, format!("{}: {error}", sink.kind()), true));
             }
             // Refused once (basic.nack): released, no retry spent; the
             // connection and the other queues go on. A second refusal is
             // the message's own fault (Rejected).
             Delivery::Refused(Condition::Nacked, _) => {
-                counters::push_failed(PushFailure::Refused, 1);
-                counters::refused(Condition::Nacked);
+                counters::here().push_failed(PushFailure::Refused, 1);
+                counters::here().refused(Condition::Nacked);
                 outcome.released.push((event.id, event.position.clone()));
             }
             Delivery::Refused(condition, error) => {
-                counters::push_failed(PushFailure::Refused, 1);
+                counters::here().push_failed(PushFailure::Refused, 1);
                 outcome.released.push((event.id, event.position.clone()));
                 failure.get_or_insert_with(|| sink.refusal(condition, error));
             }
@@ -190,10 +188,10 @@ pub fn push(
         }
     }
     if let Some(e) = failure.as_ref().filter(|e| unsent > 0 && **e != SinkError::Interrupted) {
-        counters::push_failed(PushFailure::of(e), unsent);
+        counters::here().push_failed(PushFailure::of(e), unsent);
     }
     if !latencies.is_empty() {
-        counters::observe_batch(&latencies);
+        counters::here().observe_batch(&latencies);
     }
     Pushed { outcome, failure }
 }

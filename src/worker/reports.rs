@@ -17,7 +17,7 @@ use outbox_core::report::Report;
 use outbox_core::sink::{Sink, SinkError};
 
 use super::signals;
-use super::store::{Store, StoreError};
+use super::store::{SpiStore, StoreError};
 use crate::counters::{self, AckSource, Counter, ReportIgnored};
 use crate::slots::{self, Turn};
 
@@ -64,7 +64,7 @@ impl Collector {
         dispatcher: usize,
         key: &str,
         slot: &slots::Own,
-        store: &mut Store,
+        store: &mut SpiStore,
         sink: &mut Sink,
         waiter: &mut dyn Wait,
     ) -> Result<(), CollectError> {
@@ -94,7 +94,8 @@ impl Collector {
                 let (processed, failed) = store.apply_reports(&reports).map_err(CollectError::Store)?;
                 counters::acked(AckSource::Celery, processed);
                 counters::add(Counter::TaskFailures, failed);
-                counters::reports_ignored(ReportIgnored::Stale, reports.len() as u64 - processed - failed);
+                counters::here()
+                    .reports_ignored(ReportIgnored::Stale, reports.len() as u64 - processed - failed);
             }
             if let Err(refused) = sink.forget_reports(key, raw.len(), waiter).map_err(CollectError::Broker)? {
                 self.refused(dispatcher, &place, &refused);
@@ -132,7 +133,7 @@ impl Collector {
             match Report::parse(bytes) {
                 Ok(report) => reports.push(report),
                 Err(e) => {
-                    counters::reports_ignored(ReportIgnored::Malformed, 1);
+                    counters::here().reports_ignored(ReportIgnored::Malformed, 1);
                     if !std::mem::replace(&mut self.malformed_logged, true) {
                         log!(
                             "outbox dispatcher {dispatcher}: ignoring a report in {place}: {e} \

@@ -139,6 +139,7 @@ fn undo_database_settings(index: usize, database: &str) {
                 .map(|row| Ok((row.get::<String>(1)?.unwrap_or_default(), row.get::<String>(2)?)))
                 .collect::<Result<Vec<(String, Option<String>)>, pgrx::spi::SpiError>>()
         })
+        .map_err(|e| outbox_core::store::sql::DbError::internal(e.to_string()))
     });
     let settings = match read {
         Ok(settings) => settings,

@@ -18,10 +18,8 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use pgrx::spi::{SpiClient, SpiError};
-
-use super::{report_running, subtransaction, time_left, within, Plans, SubtransactionError};
-use outbox_core::backoff;
+use super::sql::{get, subtransaction, Arg, DbError, Stmt, Tx};
+use crate::backoff;
 
 /// How long a subscription whose flush failed for a passing reason is left
 /// alone: at first, and at most.
@@ -68,38 +66,26 @@ impl Backoff {
 }
 
 /// Makes the due batches, members cut at `budget` bytes of JSON each.
-pub(super) fn flush(
-    client: &mut SpiClient<'_>,
-    plans: &Plans,
-    budget: i64,
-    backoff: &mut Backoff,
-) -> Result<Flushed, SpiError> {
+pub(super) fn flush(tx: &mut dyn Tx, budget: i64, backoff: &mut Backoff) -> Result<Flushed, DbError> {
     let skipped = backoff.current();
-    let quarter = time_left() / 4;
+    let quarter = tx.time_left() / 4;
     let mut flushed = Flushed::default();
-    let all = within(Instant::now() + quarter, || {
-        subtransaction(|| flush_some(client, plans, budget, &skipped, None))
-    });
-    match all {
+    let until = Instant::now() + quarter;
+    match subtransaction(tx, until, |tx| flush_some(tx, budget, &skipped, None)) {
         Ok(subscriptions) => flushed.count(subscriptions),
         Err(_) => {
             // Which subscription failed is not known: each alone, while
             // time is left; the others are tried again by the next claim.
-            report_running(&plans.accumulating.text);
-            let accumulated: Vec<i64> = client
-                .select(&plans.accumulating.plan, None, &[])?
-                .map(|row| row.get::<i64>(1))
-                .collect::<Result<Vec<_>, _>>()?
-                .into_iter()
-                .flatten()
-                .filter(|id| !skipped.contains(id))
-                .collect();
+            let mut accumulated = Vec::new();
+            for row in tx.run(Stmt::Accumulating, &[])?.rows {
+                accumulated.extend(get::<i64>(&row, 0)?.filter(|id| !skipped.contains(id)));
+            }
             let until = Instant::now() + quarter;
             for subscription in accumulated {
                 if Instant::now() >= until {
                     break;
                 }
-                within(until, || flushed.one(client, plans, budget, backoff, &skipped, subscription))?;
+                flushed.one(tx, until, budget, backoff, &skipped, subscription);
             }
         }
     }
@@ -113,34 +99,35 @@ impl Flushed {
         self.batches += subscriptions.into_iter().collect::<HashSet<_>>().len() as u64;
     }
 
-    /// Flushes `subscription` alone; when that fails, backs it off or
-    /// dead-letters its next batch's members.
+    /// Flushes `subscription` alone, by `until`; when that fails, backs it
+    /// off or dead-letters its next batch's members.
     fn one(
         &mut self,
-        client: &mut SpiClient<'_>,
-        plans: &Plans,
+        tx: &mut dyn Tx,
+        until: Instant,
         budget: i64,
         backoff: &mut Backoff,
         skipped: &[i64],
         subscription: i64,
-    ) -> Result<(), SpiError> {
-        let error = match subtransaction(|| flush_some(client, plans, budget, skipped, Some(subscription))) {
+    ) {
+        let error = match subtransaction(tx, until, |tx| flush_some(tx, budget, skipped, Some(subscription)))
+        {
             Ok(subscriptions) => {
                 self.count(subscriptions);
-                return Ok(());
+                return;
             }
-            Err(SubtransactionError::Passing(error)) => error,
-            Err(SubtransactionError::Lasting(error)) => {
+            Err(error) if error.passes() => error,
+            Err(error) => {
                 let reason = format!("its batch could not be made: {error}");
-                match subtransaction(|| fail_batch(client, plans, budget, subscription, &reason)) {
+                match subtransaction(tx, until, |tx| fail_batch(tx, budget, subscription, &reason)) {
                     Ok(failed) => {
                         self.dead_lettered += failed;
                         self.errors.push(format!(
                             "subscription {subscription}: {reason}; {failed} events dead-lettered"
                         ));
-                        return Ok(());
+                        return;
                     }
-                    Err(SubtransactionError::Passing(e) | SubtransactionError::Lasting(e)) => e,
+                    Err(e) => e,
                 }
             }
         };
@@ -148,33 +135,19 @@ impl Flushed {
         self.errors.push(format!(
             "subscription {subscription}: its batch could not be made: {error}; trying again later"
         ));
-        Ok(())
     }
 }
 
-fn flush_some(
-    client: &mut SpiClient<'_>,
-    plans: &Plans,
-    budget: i64,
-    skipped: &[i64],
-    only: Option<i64>,
-) -> Result<Vec<i64>, SpiError> {
-    report_running(&plans.flush_batches.text);
-    let args = [budget.into(), skipped.to_vec().into(), only.into()];
-    client
-        .update(&plans.flush_batches.plan, None, &args)?
-        .map(|row| row.get::<i64>(1).map(Option::unwrap_or_default))
+fn flush_some(tx: &mut dyn Tx, budget: i64, skipped: &[i64], only: Option<i64>) -> Result<Vec<i64>, DbError> {
+    let args = [Arg::Int8(Some(budget)), Arg::Int8Array(skipped.to_vec()), Arg::Int8(only)];
+    tx.run(Stmt::FlushBatches, &args)?
+        .rows
+        .iter()
+        .map(|row| get::<i64>(row, 0).map(Option::unwrap_or_default))
         .collect()
 }
 
-fn fail_batch(
-    client: &mut SpiClient<'_>,
-    plans: &Plans,
-    budget: i64,
-    subscription: i64,
-    reason: &str,
-) -> Result<u64, SpiError> {
-    report_running(&plans.fail_batch.text);
-    let args = [subscription.into(), reason.into(), budget.into()];
-    Ok(client.update(&plans.fail_batch.plan, None, &args)?.len() as u64)
+fn fail_batch(tx: &mut dyn Tx, budget: i64, subscription: i64, reason: &str) -> Result<u64, DbError> {
+    let args = [Arg::Int8(Some(subscription)), Arg::Text(reason.to_string()), Arg::Int8(Some(budget))];
+    Ok(tx.run(Stmt::FailBatch, &args)?.touched)
 }
