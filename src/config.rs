@@ -330,57 +330,7 @@ pub fn notify_channel() -> Option<CString> {
     NOTIFY.get().then(|| NOTIFY_CHANNEL.get()).flatten()
 }
 
-/// What a dispatcher needs of the settings, read at start and after each
-/// SIGHUP; plain data, so that nothing below the main loop touches a GUC.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Settings {
-    pub enabled: bool,
-    pub broker: BrokerConfig,
-    pub batch_size: usize,
-    pub poll_interval: Duration,
-    /// `outbox.linger`: the least time from a claim that left nothing in
-    /// line to the next.
-    pub linger: Duration,
-    pub max_retries: i32,
-    pub retry_backoff: Duration,
-    pub reconnect_delay_min: Duration,
-    pub reconnect_delay_max: Duration,
-    /// `outbox.processing_timeout`, raised to the longest a push may take.
-    pub processing_timeout: Duration,
-    /// The value set, when it was raised.
-    pub processing_timeout_set: Option<Duration>,
-    /// How long after its claim a push paused by the broker (an alarm:
-    /// `connection.blocked`) may wait for it, at most: the claim's
-    /// timeout less the longest push. Not a setting of the connection: a
-    /// reload that changes it abandons no push.
-    pub pause_limit: Duration,
-    /// Zero: acknowledgements are off.
-    pub ack_timeout: Duration,
-    pub max_redeliveries: i32,
-    /// The deadline of every statement a dispatcher runs.
-    pub statement_timeout: Duration,
-    pub sweep_interval: Duration,
-    pub retention: Duration,
-    pub inbox_retention: Duration,
-    pub lifecycle_interval: Duration,
-    pub heartbeat_interval: Duration,
-    /// The list workers report this database's outcomes to: see
-    /// [`report_list`]; `None`: reports are off.
-    pub report_key: Option<String>,
-    /// The most bytes of members' JSON one batch of an accumulated
-    /// subscription carries.
-    pub batch_budget: i64,
-    /// When a head lets its key go.
-    pub keys: KeyPolicy,
-}
-
-impl Settings {
-    /// Whether reports or acknowledgements are awaited of what is sent.
-    pub fn awaited(&self) -> bool {
-        !self.keys.dispatched
-    }
-}
-
+pub use outbox_core::engine::Settings;
 pub use outbox_core::store::KeyPolicy;
 
 /// The report list of the current database: `outbox.report_key`, a colon
@@ -392,8 +342,9 @@ fn report_list(key: &str) -> String {
     format!("{key}:{}", unsafe { pgrx::pg_sys::MyDatabaseId }.to_u32())
 }
 
-impl Settings {
-    pub fn current() -> Settings {
+/// The settings as they are now.
+pub fn current() -> Settings {
+    {
         let broker = BrokerConfig {
             url: broker_url(),
             timeout: millis(&REDIS_TIMEOUT_MS),

@@ -13,7 +13,7 @@ use pgrx::shmem::AssertPGRXSharedMemory;
 use pgrx::{pg_shmem_init, PgAtomic};
 
 use outbox_core::exposition::{Family, Sample};
-pub use outbox_core::metrics::{AckSource, Counter, Counters, PushFailure, ReportIgnored};
+pub use outbox_core::metrics::{AckSource, Counter, Counters};
 
 use crate::config::MAX_DATABASES;
 use crate::slots;

@@ -23,24 +23,7 @@ use crate::config::{MAX_DATABASES, MAX_WORKERS};
 /// Longest `last_error` kept, in bytes.
 const ERROR_BYTES: usize = 512;
 
-named! {
-    /// What a dispatcher is doing, as `outbox.workers.state` shows it.
-    pub enum State {
-        Stopped = "stopped",
-        Starting = "starting",
-        Idle = "idle",
-        Draining = "draining",
-        Reconnecting = "reconnecting",
-        Paused = "paused",
-        /// A statement failed (a lock not granted in time, say): retrying.
-        Blocked = "blocked",
-        /// Its database is a copy of another: nothing is sent until
-        /// `outbox_adopt()`.
-        Copy = "copy",
-        /// The launcher could not start it: `max_worker_processes` is used up.
-        NoWorkerSlot = "no worker slot",
-    }
-}
+pub use outbox_core::engine::{State, Turn};
 
 named! {
     /// What the dispatchers of a group found of the extension.
@@ -50,18 +33,6 @@ named! {
         Present = "present",
         /// Not created: the dispatchers exit; the launcher lets the group go.
         Absent = "absent",
-    }
-}
-
-named! {
-    /// Work one dispatcher at a time does.
-    pub enum Turn {
-        /// The sweepers and the lifecycle purge.
-        Housekeeping = "housekeeping",
-        /// Collecting the outcomes Celery workers report: the report list
-        /// is read and trimmed from its head, so two at once would trim
-        /// each other's reports.
-        Reports = "reports",
     }
 }
 

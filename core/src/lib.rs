@@ -7,6 +7,7 @@ pub mod backoff;
 pub mod broker_url;
 pub mod celery;
 pub mod databases;
+pub mod engine;
 pub mod exposition;
 pub mod launch;
 pub mod link;

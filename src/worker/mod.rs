@@ -5,35 +5,23 @@
 //! thing falls due. SIGTERM (`die`) ends the process wherever it waits: on
 //! the latch, on the Redis socket (see `wait.rs`) or on a lock.
 
-mod broker;
-mod housekeeping;
-mod push;
-mod reports;
 mod setup;
 pub(crate) mod signals;
 pub(crate) mod store;
 pub(crate) mod wait;
 
+use std::ffi::CStr;
 use std::time::{Duration, Instant};
 
 use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
 
-use outbox_core::backoff;
-use outbox_core::broker_url;
+use outbox_core::engine::{Dispatcher, Held, Host, State, Turn};
+use outbox_core::metrics::Counters;
+use outbox_core::sink::{BrokerConfig, Persistence};
 
-use crate::config::Settings;
-use crate::counters::{self, Counter};
-use crate::slots::{self, State, WakeSource};
-use broker::Broker;
-use push::{Pushed, RetryPolicy};
-use store::{Claim, Home, Outcome, SpiDb, SpiStore, StoreError};
-
-/// How soon a statement that failed (a lock not granted, say) is tried
-/// again: at first after a second, then backing off (with jitter) up to ten
-/// seconds while it keeps failing.
-const STORE_RETRY_MIN: Duration = Duration::from_secs(1);
-const STORE_RETRY_MAX: Duration = Duration::from_secs(10);
+use crate::{config, counters, slots};
+use store::SpiDb;
 
 /// A dispatcher, started by the launcher (`launcher.rs`) as dispatcher
 /// `index` of group `group` ([`slots::argument`]).
@@ -60,22 +48,29 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     let name = setup::pin_settings(index);
     setup::return_large_buffers();
 
-    let mut dispatcher = Dispatcher::new(index, slot, name, Settings::current());
+    let settings = config::current();
+    if config::broker_url_conflict() {
+        warning!(
+            "outbox dispatcher {index}: outbox.broker_url and outbox.redis_url (its former name) are both set, \
+             to different URLs: using outbox.broker_url; remove outbox.redis_url"
+        );
+    }
+    let mut dispatcher =
+        Dispatcher::new(index, Background { slot }, SpiDb::default(), name, setup::origin(), settings);
     dispatcher.log_start();
     loop {
         // A SIGTERM that cut a step short exits here, between transactions.
         signals::process_interrupts();
         signals::reload_if_requested();
         if signals::take_reloaded() {
-            dispatcher.reconfigure(Settings::current());
+            dispatcher.reconfigure(config::current());
         }
         let nap = dispatcher.step().min(rest());
-        counters::add(Counter::KeyTurns, dispatcher.store.take_key_turns());
         // A commit's wake, a reload or a shutdown that came during the step
         // set the latch, but a wait inside PostgreSQL (a lock, a buffer pin)
         // may have reset it since: what they left in shared memory and in
         // the signal flags decides whether to sleep, not the latch.
-        let timed_out = if dispatcher.slot.wake_pending() || signals::interrupt_pending() {
+        let timed_out = if dispatcher.host().slot.wake_pending() || signals::interrupt_pending() {
             false
         } else {
             wait::for_wake(nap)
@@ -101,336 +96,94 @@ fn rest() -> Duration {
     }
 }
 
-struct Dispatcher {
-    index: usize,
+/// A dispatcher as a background worker: its slot in shared memory, the
+/// latch, the server's log.
+struct Background {
     slot: slots::Own,
-    settings: Settings,
-    store: SpiStore,
-    broker: Broker,
-    origin: String,
-    /// The last push's outcome, not yet recorded (a statement failed).
-    unsettled: Outcome,
-    /// Claims left by an earlier life of this dispatcher were released.
-    released_own: bool,
-    /// The database this dispatcher serves (its name when it started).
-    database: String,
-    /// The extension was found.
-    extension_found: bool,
-    /// This database holds its own events, not a copy's.
-    at_home: bool,
-    /// [`slots::asked`] as the current step began.
-    asked: u64,
-    /// The last statement failed with this error (which `last_error` shows).
-    store_failing: Option<String>,
-    /// Consecutive failed statements.
-    store_attempt: u32,
-    /// No statement before this, after a failed one.
-    store_retry_at: Option<Instant>,
-    housekeeping: housekeeping::Schedule,
-    reports: reports::Collector,
-    /// When the last claim that took every event in line began: the next
-    /// lingers until `outbox.linger` after it.
-    drained_at: Option<Instant>,
 }
 
-impl Dispatcher {
-    fn new(index: usize, slot: slots::Own, database: String, settings: Settings) -> Dispatcher {
-        Dispatcher {
-            index,
-            slot,
-            broker: Broker::new(index, &settings.broker),
-            store: SpiStore::new(
-                SpiDb::default(),
-                index,
-                settings.statement_timeout,
-                settings.awaited(),
-                settings.keys,
-            ),
-            settings,
-            origin: setup::origin(),
-            unsettled: Outcome::default(),
-            released_own: false,
-            database,
-            extension_found: false,
-            at_home: false,
-            asked: 0,
-            store_failing: None,
-            store_attempt: 0,
-            store_retry_at: None,
-            housekeeping: housekeeping::Schedule::new(),
-            reports: reports::Collector::new(),
-            drained_at: None,
-        }
+impl Host for Background {
+    type Db = SpiDb;
+    type Waiter = wait::Waiter;
+
+    fn waiter(&self, config: &BrokerConfig) -> wait::Waiter {
+        wait::Waiter { config: config.clone() }
     }
 
-    /// Counts what ended the last sleep: commits, `outbox_wake()` calls
-    /// (each source once), or else the timer (the safety poll, or whatever
-    /// else fell due first).
-    fn count_wake(&self, timed_out: bool) {
-        let sources = self.slot.take_wake_sources();
-        for source in [WakeSource::Commit, WakeSource::Manual] {
-            if sources & (1 << source as u8) != 0 {
-                counters::here().woke(source);
-            }
-        }
-        if sources == 0 && timed_out {
-            counters::here().woke(WakeSource::Poll);
-        }
+    fn set_state(&self, state: State) {
+        self.slot.set_state(state);
     }
 
-    fn log_start(&self) {
-        let s = &self.settings;
-        if let Some(set) = s.processing_timeout_set {
-            warning!(
-                "outbox dispatcher {}: outbox.processing_timeout ({}s) is shorter than the longest push \
-                 (outbox.redis_timeout per round trip of outbox.batch_size events of outbox.max_payload_bytes, \
-                 outbox.max_batch_bytes per round trip); using {}s",
-                self.index,
-                set.as_secs(),
-                s.processing_timeout.as_secs()
-            );
-        }
-        if crate::config::broker_url_conflict() {
-            warning!(
-                "outbox dispatcher {}: outbox.broker_url and outbox.redis_url (its former name) are both set, \
-                 to different URLs: using outbox.broker_url; remove outbox.redis_url",
-                self.index
-            );
-        }
-        if s.broker.wait_replicas == 0 && s.broker.url.starts_with("sentinel://") {
-            warning!(
-                "outbox dispatcher {}: outbox.redis_url names sentinels and outbox.redis_wait_replicas is 0: \
-                 a failover can lose the events pushed just before it (set it to 1 or more)",
-                self.index
-            );
-        }
-        log!(
-            "outbox_dispatcher_starting worker={} database={} broker_url={} redis_password_file={:?} \
-             redis_tls_ca_file={:?} enabled={} batch_size={} max_batch_bytes={} \
-             poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
-             reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
-             ack_timeout={:?} max_redeliveries={} statement_timeout={:?} sweep_interval={:?} retention={:?} lifecycle_interval={:?} \
-             report_key={:?} redis_sentinel_master={:?} redis_wait_replicas={} redis_key_prefix={:?} \
-             priority_steps={:?} priority_separator={:?} amqp_queue_type={} amqp_max_priority={}",
-            self.index,
-            self.database,
-            broker_url::redact(&s.broker.url),
-            s.broker.password_file,
-            s.broker.tls_ca_file,
-            s.enabled,
-            s.batch_size,
-            s.broker.max_batch_bytes,
-            s.poll_interval,
-            s.max_retries,
-            s.retry_backoff,
-            s.broker.timeout,
-            s.reconnect_delay_min,
-            s.reconnect_delay_max,
-            s.heartbeat_interval,
-            s.processing_timeout,
-            s.ack_timeout,
-            s.max_redeliveries,
-            s.statement_timeout,
-            s.sweep_interval,
-            s.retention,
-            s.lifecycle_interval,
-            s.report_key.as_deref().unwrap_or(""),
-            s.broker.sentinel_master,
-            s.broker.wait_replicas,
-            s.broker.key_prefix,
-            s.broker.priority_steps,
-            s.broker.priority_separator,
-            s.broker.queues.kind.name(),
-            s.broker.queues.max_priority,
-        );
-    }
-
-    fn reconfigure(&mut self, settings: Settings) {
-        if settings == self.settings {
-            return;
-        }
-        if settings.broker != self.settings.broker {
-            self.broker.replace(&settings.broker, &self.slot);
-        }
-        self.store.set_statement_timeout(settings.statement_timeout);
-        self.store.set_awaited(settings.awaited());
-        self.store.set_key_policy(settings.keys);
-        self.settings = settings;
-        self.housekeeping.reschedule(&self.settings);
-        self.broker.reschedule(&self.settings);
-        log!("outbox dispatcher {} reloaded its settings", self.index);
-        self.log_start();
-    }
-
-    /// One step of work; returns how long to sleep unless woken.
-    fn step(&mut self) -> Duration {
-        // Before any lookup of the extension: a commit that asks after
-        // this makes an "absent" found below stale.
-        self.asked = slots::asked();
-        // Backing off after a failed statement or connect: a wake does not
-        // cut it short (a persistent failure would be retried at the rate
-        // of commits).
-        let now = Instant::now();
-        let connect_at = self.broker.reconnect_at();
-        if let Some(at) = [self.store_retry_at, connect_at].into_iter().flatten().filter(|at| *at > now).max()
-        {
-            return at - now;
-        }
-        // The first look, paused or not: the launcher starts the other
-        // dispatchers, or lets the database go, on what it finds. Paused,
-        // each wake looks again: a dropped extension lets the database go.
-        if !self.extension_found || !self.settings.enabled {
-            match self.store.extension_exists() {
-                Err(e) => return self.store_failed(&e),
-                Ok(false) => return self.leave_for_extension(),
-                Ok(true) => self.found_extension(),
-            }
-        }
-        let poll = self.settings.poll_interval;
-        if !self.at_home {
-            // SAFETY: a process global, set once connected.
-            match self.store.home(unsafe { pg_sys::MyDatabaseId }.to_u32()) {
-                Err(e) => return self.store_failed(&e),
-                Ok(None) => return self.leave_for_extension(),
-                Ok(Some(Home::Own)) => self.at_home = true,
-                Ok(Some(Home::Adopted(original))) => {
-                    log!(
-                        "outbox dispatcher {}: database \"{}\" is a copy of the database of OID {original} \
-                         with no event to send or confirm: serving it as its own",
-                        self.index,
-                        self.database
-                    );
-                    self.at_home = true;
-                }
-                Ok(Some(Home::CopyOf(original, schema))) => return self.wait_for_adoption(original, &schema),
-            }
-        }
-        if !self.settings.enabled {
-            // Paused, nothing is sent: a broker that expects heartbeats
-            // (RabbitMQ) would close the connection. Closed here instead,
-            // made again on resuming.
-            self.broker.disconnect(&self.slot);
-            self.slot.set_state(State::Paused);
-            return poll;
-        }
+    fn resume(&self) {
         self.slot.resume();
-        self.housekeep();
-        if !self.broker.connected() {
-            match self.store.extension_exists() {
-                Err(e) => return self.store_failed(&e),
-                Ok(false) => return self.leave_for_extension(),
-                Ok(true) => {}
-            }
-            if let Some(wait) = self.broker.connect(&self.slot, &self.settings) {
-                return wait;
-            }
-        }
-        if !self.released_own {
-            match self.store.release_own() {
-                Err(e) => return self.store_failed(&e),
-                Ok(0) => {}
-                Ok(released) => log!(
-                    "outbox dispatcher {} released {released} events it held before it restarted",
-                    self.index
-                ),
-            }
-            self.released_own = true;
-        }
-        if let Some(wait) = self.broker.heartbeat_if_due(&self.slot, &self.settings) {
-            return wait;
-        }
-        let nap = self.drain();
-        if let Some(wait) = self.collect_reports() {
-            return wait;
-        }
-        let now = Instant::now();
-        let reports_due = self.settings.report_key.as_ref().map(|_| self.reports.next_due());
-        [Some(self.housekeeping.next_due()), Some(self.broker.next_heartbeat()), reports_due]
-            .into_iter()
-            .flatten()
-            .map(|at| at.saturating_duration_since(now))
-            .fold(nap, Duration::min)
     }
 
-    /// Records what Celery workers reported, when reports are on; returns
-    /// the wait when the broker or a statement failed.
-    fn collect_reports(&mut self) -> Option<Duration> {
-        let key = self.settings.report_key.as_deref()?;
-        let (sink, waiter) = self.broker.session().filter(|(sink, _)| sink.is_connected())?;
-        let collected =
-            self.reports.collect_if_due(self.index, key, &self.slot, &mut self.store, sink, waiter);
-        match collected {
-            Ok(()) => None,
-            Err(reports::CollectError::Broker(e)) => Some(self.broker.failed(&e, &self.slot, &self.settings)),
-            Err(reports::CollectError::Store(e)) => Some(self.store_failed(&e)),
-        }
+    fn set_error(&self, error: Option<&str>) {
+        self.slot.set_error(error);
     }
 
-    /// A statement failed and was rolled back: show why (in the log once
-    /// while it repeats), try again soon, later the longer it keeps failing.
-    fn store_failed(&mut self, error: &StoreError) -> Duration {
-        self.slot.set_state(State::Blocked);
-        self.show_store_error(error);
-        let delay = backoff::reconnect_delay(
-            STORE_RETRY_MIN,
-            STORE_RETRY_MAX,
-            self.store_attempt,
-            backoff::random_unit(),
-        );
-        self.store_attempt = self.store_attempt.saturating_add(1);
-        self.store_retry_at = Some(Instant::now() + delay);
-        delay
+    fn set_connected(&self, connected: bool) {
+        self.slot.set_connected(connected);
     }
 
-    /// Shows a statement's error in `last_error`, and logs it unless it
-    /// repeats the last one.
-    fn show_store_error(&mut self, error: &StoreError) {
-        let message = error.to_string();
-        // Set every time: a broker success in between may have cleared it.
-        self.slot.set_error(Some(&message));
-        if self.store_failing.as_deref() != Some(message.as_str()) {
-            log!(
-                "outbox dispatcher {}: {message}; trying again in {}s to {}s",
-                self.index,
-                STORE_RETRY_MIN.as_secs(),
-                STORE_RETRY_MAX.as_secs()
-            );
-            self.store_failing = Some(message);
-        }
+    fn heartbeat(&self) {
+        self.slot.heartbeat();
     }
 
-    /// A statement succeeded after failing: the error no longer applies.
-    fn store_recovered(&mut self) {
-        self.store_attempt = 0;
-        self.store_retry_at = None;
-        if self.store_failing.take().is_some() {
-            self.slot.set_error(None);
-        }
+    fn set_persistence(&self, persistence: Persistence) {
+        self.slot.set_persistence(persistence);
     }
 
-    /// The extension is not created (or was dropped): the dispatcher says
-    /// so and exits, and the launcher lets the database go until a commit
-    /// there (`CREATE EXTENSION`'s) asks for dispatchers again. Unless a
-    /// look made after saying so finds it: a `CREATE EXTENSION` that
-    /// committed meanwhile, seeing the dispatchers still serving, asked
-    /// nobody. (It reads the group after its commit, this dispatcher the
-    /// catalog after its word: one of the two sees the other.) Then it
-    /// returns: the step is to begin again at once.
-    fn leave_for_extension(&mut self) -> Duration {
-        self.slot.found_extension(false, self.asked);
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        if let Ok(true) = self.store.extension_exists() {
-            self.found_extension();
-            return Duration::ZERO;
-        }
-        if self.index == 0 {
-            log!(
-                "outbox dispatcher {}: extension outbox_dispatch is not created in database \"{}\"; \
-                 not serving it until CREATE EXTENSION",
-                self.index,
-                self.database
-            );
-        }
+    fn add_dispatched(&self, events: u64) {
+        self.slot.add_dispatched(events);
+    }
+
+    fn take_wake_sources(&self) -> u8 {
+        self.slot.take_wake_sources()
+    }
+
+    fn take_turn(&self, turn: Turn) -> Option<Held> {
+        self.slot.take_turn(turn).map(|held| Box::new(held) as Held)
+    }
+
+    fn counters(&self) -> &Counters {
+        counters::here()
+    }
+
+    fn report_running(&self, what: &'static CStr) {
+        store::report_running(what);
+    }
+
+    fn log(&self, message: &str) {
+        log!("{message}");
+    }
+
+    fn warning(&self, message: &str) {
+        warning!("{message}");
+    }
+
+    fn interrupt_pending(&self) -> bool {
+        signals::interrupt_pending()
+    }
+
+    fn linger(&self, until: Instant) -> bool {
+        wait::linger(until)
+    }
+
+    fn found_outbox(&self, found: bool, asked: u64) {
+        self.slot.found_extension(found, asked);
+    }
+
+    fn asked(&self) -> u64 {
+        slots::asked()
+    }
+
+    fn database_oid(&self) -> u32 {
+        // SAFETY: a process global, set once connected.
+        unsafe { pg_sys::MyDatabaseId }.to_u32()
+    }
+
+    fn leave(&self) -> ! {
         // SAFETY: a normal exit; the slot is released by its exit callback.
         unsafe { pg_sys::proc_exit(0) };
         // Declared to return before PostgreSQL 18's headers mark it noreturn.
@@ -439,174 +192,4 @@ impl Dispatcher {
             unreachable!("proc_exit does not return")
         }
     }
-
-    /// This database is a copy of another, with that one's events: shows
-    /// why nothing is sent (and logs it once); returns the sleep.
-    /// `outbox_adopt()` wakes the dispatchers as it commits.
-    fn wait_for_adoption(&mut self, original: u32, schema: &str) -> Duration {
-        let copied = match original {
-            0 => "was taken for a copy when it was updated to 0.6.0".to_string(),
-            _ => format!("is a copy of the database of OID {original} (CREATE DATABASE ... TEMPLATE)"),
-        };
-        let message = format!(
-            "database \"{}\" {copied} and holds events sent from the original: \
-             nothing is sent from here until SELECT {schema}.outbox_adopt() in it",
-            self.database
-        );
-        if self.store_failing.as_deref() != Some(message.as_str()) {
-            if self.index == 0 {
-                warning!("outbox dispatcher {}: {message}", self.index);
-            }
-            self.slot.set_error(Some(&message));
-            self.store_failing = Some(message);
-        }
-        self.slot.set_state(State::Copy);
-        self.settings.poll_interval
-    }
-
-    /// The extension exists: the launcher may start the other dispatchers.
-    fn found_extension(&mut self) {
-        self.extension_found = true;
-        self.slot.found_extension(true, self.asked);
-    }
-
-    /// Claims, pushes and marks batches until the queue is empty; returns how
-    /// long to sleep. Each batch's outcome is recorded in the transaction
-    /// that claims the next one.
-    fn drain(&mut self) -> Duration {
-        let policy =
-            RetryPolicy { max_retries: self.settings.max_retries, backoff: self.settings.retry_backoff };
-        // Events given back with a backoff fall due before the poll.
-        let mut nap = self.settings.poll_interval;
-        loop {
-            // A stream of commits, each waking the dispatcher: their
-            // events wait a little to go in one claim and one push.
-            let lingered = self.drained_at.is_none_or(|at| wait::linger(at + self.settings.linger));
-            if !lingered {
-                self.settle();
-                return Duration::ZERO;
-            }
-            let settled = std::mem::take(&mut self.unsettled);
-            // No later than the claim's own instant (its transaction's
-            // start): the pause deadline counts from here.
-            let claiming = Instant::now();
-            let claim =
-                self.store.settle_and_claim(&settled, self.settings.batch_size, self.settings.batch_budget);
-            let claim = match claim {
-                Ok(claim) => claim,
-                Err(e) => {
-                    self.unsettled = settled;
-                    return self.store_failed(&e);
-                }
-            };
-            self.store_recovered();
-            nap = nap.min(account(&settled));
-            let (events, batch, next_due) = match claim {
-                Claim::NoExtension => return self.leave_for_extension(),
-                Claim::Claimed { flushed, events, batch, next_due } => {
-                    counters::add(Counter::AccumulatedBatches, flushed.batches);
-                    counters::add(Counter::AccumulatedEvents, flushed.events);
-                    counters::add(Counter::DeadLetters, flushed.dead_lettered);
-                    if let Some(error) = flushed.errors.first() {
-                        self.show_store_error(&StoreError::Failed(error.clone()));
-                    }
-                    (events, batch, next_due)
-                }
-            };
-            self.drained_at = (events.len() < self.settings.batch_size).then_some(claiming);
-            if events.is_empty() {
-                self.slot.set_state(State::Idle);
-                let retry =
-                    self.store.flush_retry_due().map(|at| at.saturating_duration_since(Instant::now()));
-                return [next_due, retry].into_iter().flatten().fold(nap, Duration::min);
-            }
-            self.slot.set_state(State::Draining);
-            store::report_running(c"outbox: pushing a batch to the broker");
-            let (sink, waiter) = self.broker.session().expect("connected before draining");
-            let envelope = push::Envelope {
-                origin: &self.origin,
-                report_to: self.settings.report_key.as_deref().unwrap_or(""),
-            };
-            // An alarm may pause the push until the claim's timeout less
-            // the longest push, never later: the stuck sweeper must not
-            // hand a live claim to another dispatcher.
-            let pause_until = claiming + self.settings.pause_limit;
-            let Pushed { outcome, failure } =
-                push::push(sink, waiter, &self.slot, &events, batch, pause_until, &envelope, &policy);
-            self.slot.add_dispatched(outcome.dispatched.len() as u64);
-            if !outcome.dispatched.is_empty() {
-                self.broker.answered(&self.slot, &self.settings);
-            }
-            self.unsettled = outcome;
-            if let Some(failure) = failure {
-                self.settle();
-                return self.broker.failed(&failure, &self.slot, &self.settings);
-            }
-            // Under sustained load the drain may not end for a while:
-            // reports are collected as it goes, the push recorded first (a
-            // slow collect must not stretch the claim).
-            if self.reports_due() {
-                if let Some(wait) = self.settle() {
-                    return wait;
-                }
-                if let Some(wait) = self.collect_reports() {
-                    return wait;
-                }
-            }
-            // A stream that never empties the line (the linger lets
-            // commits gather, so its claims are seldom empty) must not hold
-            // off the sweeps, the rotation and the purges.
-            self.housekeep();
-            if signals::interrupt_pending() {
-                self.settle();
-                return Duration::ZERO;
-            }
-        }
-    }
-
-    /// Runs the housekeeping that fell due, when this dispatcher has its
-    /// turn. A failed sweep or purge is shown and tried again later;
-    /// delivery goes on meanwhile.
-    fn housekeep(&mut self) {
-        if let Err(e) = self.housekeeping.run_if_due(self.index, &self.slot, &mut self.store, &self.settings)
-        {
-            self.show_store_error(&e);
-        }
-    }
-
-    /// Whether reports are on and due to be collected.
-    fn reports_due(&self) -> bool {
-        self.settings.report_key.is_some() && self.reports.next_due() <= Instant::now()
-    }
-
-    /// Records the last push's outcome now, when no claim is to follow;
-    /// kept for the next attempt if the statement fails (then returns the
-    /// wait before it).
-    fn settle(&mut self) -> Option<Duration> {
-        if self.unsettled.is_empty() {
-            return None;
-        }
-        let settled = std::mem::take(&mut self.unsettled);
-        match self.store.settle(&settled) {
-            Ok(()) => {
-                account(&settled);
-                None
-            }
-            Err(e) => {
-                self.unsettled = settled;
-                Some(self.store_failed(&e))
-            }
-        }
-    }
-}
-
-/// Counts the retries and dead letters of a recorded outcome; returns how
-/// soon the first retry falls due (`Duration::MAX` without retries).
-fn account(settled: &Outcome) -> Duration {
-    let retried = settled.failures.iter().filter(|f| !f.dead);
-    let soonest = retried.clone().map(|f| f.delay).min().unwrap_or(Duration::MAX);
-    let retries = retried.count() as u64;
-    counters::add(Counter::Retries, retries);
-    counters::add(Counter::DeadLetters, settled.failures.len() as u64 - retries);
-    soonest
 }

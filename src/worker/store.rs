@@ -14,10 +14,6 @@ use pgrx::{PgSqlErrorCode, PgTryBuilder};
 
 use outbox_core::store::sql::{Arg, Db, DbError, Rows, Stmt, Tx, Type, Value};
 
-pub use outbox_core::store::{
-    Batch, Claim, ClaimedEvent, Failure, Home, Outcome, Store, StoreError, FORGET_BATCH, SWEEP_BATCH,
-};
-
 unsafe extern "C-unwind" {
     /// utils/timeout.h, which pgrx does not bind.
     fn enable_timeout_after(id: u32, delay_ms: std::ffi::c_int);
@@ -419,6 +415,3 @@ fn subtransaction(body: impl FnOnce() -> Result<(), DbError>) -> Result<(), DbEr
     })
     .execute()
 }
-
-/// The dispatcher's store, on SPI.
-pub type SpiStore = Store<SpiDb>;

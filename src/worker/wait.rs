@@ -15,7 +15,6 @@ use outbox_core::link::{Interest, Interrupted, Wait, NAP};
 use outbox_core::sink::BrokerConfig;
 
 use super::signals;
-use crate::config::Settings;
 
 /// Sleeps on the latch for at most `timeout`; returns whether the time ran
 /// out (rather than a wake). Exits if the postmaster died or a SIGTERM came.
@@ -113,7 +112,7 @@ impl Waiter {
         if !signals::reload_if_requested() {
             return Ok(());
         }
-        if Settings::current().broker != self.config {
+        if crate::config::current().broker != self.config {
             return Err(Interrupted);
         }
         log!(

@@ -5,15 +5,13 @@ use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
-use outbox_core::backoff;
-use outbox_core::celery::{self, TaskMessage};
-use outbox_core::link::{Interest, Interrupted, Wait};
-use outbox_core::sink::{Condition, Delivery, KeyBatch, Sink, SinkError};
-
-use super::store::{Batch, ClaimedEvent, Failure, Outcome};
-use crate::counters::{self, Counter, PushFailure};
-use crate::slots;
-use outbox_core::store::Head;
+use super::Host;
+use crate::backoff;
+use crate::celery::{self, TaskMessage};
+use crate::link::{Interest, Interrupted, Wait};
+use crate::metrics::{Counter, Counters, PushFailure};
+use crate::sink::{Condition, Delivery, KeyBatch, Sink, SinkError};
+use crate::store::{Batch, ClaimedEvent, Failure, Head, Outcome};
 
 /// How the dispatcher treats one event's failure.
 pub struct RetryPolicy {
@@ -53,12 +51,12 @@ pub struct Envelope<'a> {
 /// The dispatcher's wait during a push: a pause of the broker (a RabbitMQ
 /// alarm) is shown in `outbox.workers.last_error` while it lasts, and
 /// counted as a refusal of its condition.
-struct ShowingPauses<'a> {
+struct ShowingPauses<'a, H> {
     waiter: &'a mut dyn Wait,
-    slot: &'a slots::Own,
+    host: &'a H,
 }
 
-impl Wait for ShowingPauses<'_> {
+impl<H: Host> Wait for ShowingPauses<'_, H> {
     fn wait(&mut self, socket: Option<(RawFd, Interest)>, deadline: Instant) -> Result<(), Interrupted> {
         self.waiter.wait(socket, deadline)
     }
@@ -69,9 +67,9 @@ impl Wait for ShowingPauses<'_> {
 
     fn paused(&mut self, why: Option<&str>) {
         if why.is_some() {
-            counters::here().refused(Condition::Blocked);
+            self.host.counters().refused(Condition::Blocked);
         }
-        self.slot.set_error(why);
+        self.host.set_error(why);
     }
 }
 
@@ -80,18 +78,19 @@ impl Wait for ShowingPauses<'_> {
 /// earlier round trips confirmed stays dispatched, and the rest goes back
 /// to pending, no retry spent. A broker that pauses publishing (an alarm)
 /// is waited for until `pause_until` at the latest, an instant the claim
-/// fixes (see [`crate::config::Settings::pause_limit`]).
+/// fixes (see [`super::Settings::pause_limit`]).
 #[allow(clippy::too_many_arguments)]
-pub fn push(
+pub fn push<H: Host>(
     sink: &mut Sink,
     waiter: &mut dyn Wait,
-    slot: &slots::Own,
+    host: &H,
     events: &[ClaimedEvent],
     batch: Option<Batch>,
     pause_until: Instant,
     envelope: &Envelope<'_>,
     policy: &RetryPolicy,
 ) -> Pushed {
+    let counters: &Counters = host.counters();
     let mut outcome = Outcome { batch, ..Outcome::default() };
     let mut batches: Vec<KeyBatch> = Vec::new();
     let mut members: Vec<Vec<usize>> = Vec::new();
@@ -108,7 +107,7 @@ pub fn push(
                 format!("expired at {expires} before it was sent"),
                 false,
             ));
-            counters::add(Counter::Expired, 1);
+            counters.add(Counter::Expired, 1);
             continue;
         }
         let mut message = String::with_capacity(event.payload.len() * 2 + 1024);
@@ -133,7 +132,7 @@ pub fn push(
         );
         if let Err(e) = encoded {
             outcome.failures.push(policy.failure(event, e.to_string(), false));
-            counters::here().push_failed(PushFailure::Unencodable, 1);
+            counters.push_failed(PushFailure::Unencodable, 1);
             continue;
         }
         let key = sink.destination(&event.queue, event.priority);
@@ -149,7 +148,7 @@ pub fn push(
     if batches.is_empty() {
         return Pushed { outcome, failure: None };
     }
-    let pushed = sink.push(&batches, &mut ShowingPauses { waiter, slot }, pause_until);
+    let pushed = sink.push(&batches, &mut ShowingPauses { waiter, host }, pause_until);
     let now = unix_now();
     let mut latencies = Vec::with_capacity(events.len());
     let mut failure = pushed.failure;
@@ -165,19 +164,19 @@ pub fn push(
                 latencies.push((now - event.created_epoch).max(0.0));
             }
             Delivery::Rejected(error) => {
-                counters::here().push_failed(PushFailure::RedisError, 1);
+                counters.push_failed(PushFailure::RedisError, 1);
                 outcome.failures.push(policy.failure(event, format!("{}: {error}", sink.kind()), true));
             }
             // Refused once (basic.nack): released, no retry spent; the
             // connection and the other queues go on. A second refusal is
             // the message's own fault (Rejected).
             Delivery::Refused(Condition::Nacked, _) => {
-                counters::here().push_failed(PushFailure::Refused, 1);
-                counters::here().refused(Condition::Nacked);
+                counters.push_failed(PushFailure::Refused, 1);
+                counters.refused(Condition::Nacked);
                 outcome.released.push((event.id, event.position.clone()));
             }
             Delivery::Refused(condition, error) => {
-                counters::here().push_failed(PushFailure::Refused, 1);
+                counters.push_failed(PushFailure::Refused, 1);
                 outcome.released.push((event.id, event.position.clone()));
                 failure.get_or_insert_with(|| sink.refusal(condition, error));
             }
@@ -188,10 +187,10 @@ pub fn push(
         }
     }
     if let Some(e) = failure.as_ref().filter(|e| unsent > 0 && **e != SinkError::Interrupted) {
-        counters::here().push_failed(PushFailure::of(e), unsent);
+        counters.push_failed(PushFailure::of(e), unsent);
     }
     if !latencies.is_empty() {
-        counters::here().observe_batch(&latencies);
+        counters.observe_batch(&latencies);
     }
     Pushed { outcome, failure }
 }

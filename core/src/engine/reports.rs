@@ -2,7 +2,7 @@
 //! read a batch from the head of the report list, record it in one
 //! statement, then trim it off the list.
 //!
-//! One dispatcher at a time collects (a turn in shared memory): two would
+//! One dispatcher at a time collects (a turn of the host's): two would
 //! trim each other's reports. Workers only append, so the trim removes
 //! exactly what was read. A crash between the commit and the trim reads the
 //! batch again, its reports then stale: a report is never lost, at worst
@@ -10,16 +10,13 @@
 
 use std::time::{Duration, Instant};
 
-use pgrx::prelude::*;
-
-use outbox_core::link::Wait;
-use outbox_core::report::Report;
-use outbox_core::sink::{Sink, SinkError};
-
-use super::signals;
-use super::store::{SpiStore, StoreError};
-use crate::counters::{self, AckSource, Counter, ReportIgnored};
-use crate::slots::{self, Turn};
+use super::{Host, Turn};
+use crate::link::Wait;
+use crate::metrics::{AckSource, Counter, ReportIgnored};
+use crate::report::Report;
+use crate::sink::{Sink, SinkError};
+use crate::store::sql::Db;
+use crate::store::{Store, StoreError};
 
 /// Reports read and recorded per transaction.
 pub const BATCH: usize = 1000;
@@ -63,8 +60,8 @@ impl Collector {
         &mut self,
         dispatcher: usize,
         key: &str,
-        slot: &slots::Own,
-        store: &mut SpiStore,
+        host: &impl Host,
+        store: &mut Store<impl Db>,
         sink: &mut Sink,
         waiter: &mut dyn Wait,
     ) -> Result<(), CollectError> {
@@ -73,7 +70,7 @@ impl Collector {
             return Ok(());
         }
         self.next_poll = now + POLL;
-        let Some(_turn) = slot.take_turn(Turn::Reports) else {
+        let Some(_turn) = host.take_turn(Turn::Reports) else {
             return Ok(());
         };
         let key = &sink.report_queue(key);
@@ -82,26 +79,26 @@ impl Collector {
             let raw = match sink.reports(key, BATCH, waiter).map_err(CollectError::Broker)? {
                 Ok(raw) => raw,
                 Err(refused) => {
-                    self.refused(dispatcher, &place, &refused);
+                    self.refused(host, dispatcher, &place, &refused);
                     return Ok(());
                 }
             };
             if raw.is_empty() {
                 return Ok(());
             }
-            let reports = self.parse(dispatcher, &place, &raw);
+            let reports = self.parse(host, dispatcher, &place, &raw);
             if !reports.is_empty() {
                 let (processed, failed) = store.apply_reports(&reports).map_err(CollectError::Store)?;
-                counters::acked(AckSource::Celery, processed);
-                counters::add(Counter::TaskFailures, failed);
-                counters::here()
-                    .reports_ignored(ReportIgnored::Stale, reports.len() as u64 - processed - failed);
+                let counters = host.counters();
+                counters.acked(AckSource::Celery, processed);
+                counters.add(Counter::TaskFailures, failed);
+                counters.reports_ignored(ReportIgnored::Stale, reports.len() as u64 - processed - failed);
             }
             if let Err(refused) = sink.forget_reports(key, raw.len(), waiter).map_err(CollectError::Broker)? {
-                self.refused(dispatcher, &place, &refused);
+                self.refused(host, dispatcher, &place, &refused);
                 return Ok(());
             }
-            if raw.len() < BATCH || signals::interrupt_pending() {
+            if raw.len() < BATCH || host.interrupt_pending() {
                 return Ok(());
             }
         }
@@ -113,32 +110,32 @@ impl Collector {
     /// ACL; RabbitMQ: the queue's arguments, a permission): logged
     /// when the reason changes, tried again after [`REFUSED_RETRY`]; the
     /// dispatcher goes on pushing meanwhile.
-    fn refused(&mut self, dispatcher: usize, place: &str, reason: &str) {
+    fn refused(&mut self, host: &impl Host, dispatcher: usize, place: &str, reason: &str) {
         self.next_poll = Instant::now() + REFUSED_RETRY;
         if self.refusal.as_deref() != Some(reason) {
-            log!(
+            host.log(&format!(
                 "outbox dispatcher {dispatcher}: the broker refused to read the reports of {place}: {reason}; \
                  trying again every {}s",
                 REFUSED_RETRY.as_secs()
-            );
+            ));
             self.refusal = Some(reason.to_string());
         }
     }
 
     /// The reports understood; the others are counted, and the first one
     /// logged.
-    fn parse(&mut self, dispatcher: usize, place: &str, raw: &[Vec<u8>]) -> Vec<Report> {
+    fn parse(&mut self, host: &impl Host, dispatcher: usize, place: &str, raw: &[Vec<u8>]) -> Vec<Report> {
         let mut reports = Vec::with_capacity(raw.len());
         for bytes in raw {
             match Report::parse(bytes) {
                 Ok(report) => reports.push(report),
                 Err(e) => {
-                    counters::here().reports_ignored(ReportIgnored::Malformed, 1);
+                    host.counters().reports_ignored(ReportIgnored::Malformed, 1);
                     if !std::mem::replace(&mut self.malformed_logged, true) {
-                        log!(
+                        host.log(&format!(
                             "outbox dispatcher {dispatcher}: ignoring a report in {place}: {e} \
                              (logged once; outbox_reports_ignored_total counts them)"
-                        );
+                        ));
                     }
                 }
             }

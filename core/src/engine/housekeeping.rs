@@ -2,20 +2,17 @@
 //! this cluster's future (a restore's) and of unacknowledged events, the
 //! sweep for keys left without a head, and the lifecycle: the rotation
 //! (sql/rotation.sql), the batches it leaves without events, and the purge
-//! of the inbox. One dispatcher at a time does it (a turn in shared memory), for
+//! of the inbox. One dispatcher at a time does it (a turn of the host's), for
 //! at most [`BATCHES`] transactions of each kind and [`BUDGET`] a step: what
 //! is left falls due again at once, after the next drain, so a large purge
 //! never stalls delivery.
 
 use std::time::{Duration, Instant};
 
-use pgrx::prelude::*;
-
-use super::signals;
-use super::store::{SpiStore, StoreError, FORGET_BATCH, SWEEP_BATCH};
-use crate::config::Settings;
-use crate::counters::{self, Counter};
-use crate::slots;
+use super::{Host, Settings, Turn};
+use crate::metrics::Counter;
+use crate::store::sql::Db;
+use crate::store::{Store, StoreError, FORGET_BATCH, SWEEP_BATCH};
 
 /// Sweeper transactions per step.
 const BATCHES: usize = 10;
@@ -78,21 +75,21 @@ impl Schedule {
     pub fn run_if_due(
         &mut self,
         dispatcher: usize,
-        slot: &slots::Own,
-        store: &mut SpiStore,
+        host: &impl Host,
+        store: &mut Store<impl Db>,
         settings: &Settings,
     ) -> Result<(), StoreError> {
         let now = Instant::now();
         if now < self.next_due() {
             return Ok(());
         }
-        let Some(_turn) = slot.take_turn(slots::Turn::Housekeeping) else {
+        let Some(_turn) = host.take_turn(Turn::Housekeeping) else {
             return Ok(());
         };
         let until = now + BUDGET;
         let mut first_error = None;
         if now >= self.next_sweep {
-            match sweep(dispatcher, store, settings, until) {
+            match sweep(dispatcher, host, store, settings, until) {
                 Ok(more) => {
                     self.sweep_failures = 0;
                     self.next_sweep = next(now, more, settings.sweep_interval);
@@ -107,7 +104,7 @@ impl Schedule {
             match store.sweep_keys() {
                 Ok(promoted) => {
                     if promoted > 0 {
-                        log!("outbox dispatcher {dispatcher}: {promoted} keys left without a head were passed on");
+                        host.log(&format!("outbox dispatcher {dispatcher}: {promoted} keys left without a head were passed on"));
                     }
                     self.key_sweep_failures = 0;
                     self.next_key_sweep = now + KEY_SWEEP;
@@ -120,12 +117,14 @@ impl Schedule {
         }
         if now >= self.next_lifecycle {
             let acks = !settings.ack_timeout.is_zero();
-            let rotated = rotate_some(dispatcher, store, settings.retention, acks, until).and_then(|again| {
-                sweep_some(FORGET_BATCH, until, || store.forget_batches()).map(|(_, more)| again.unless(more))
-            });
+            let rotated =
+                rotate_some(dispatcher, host, store, settings.retention, acks, until).and_then(|again| {
+                    sweep_some(host, FORGET_BATCH, until, || store.forget_batches())
+                        .map(|(_, more)| again.unless(more))
+                });
             // Each on its own: one that fails holds up the other's round
             // no more than the backoff.
-            let claims = sweep_some(SWEEP_BATCH, until, || store.purge_inbox(settings.inbox_retention));
+            let claims = sweep_some(host, SWEEP_BATCH, until, || store.purge_inbox(settings.inbox_retention));
             match rotated.and_then(|again| claims.map(|(_, more)| again.unless(more))) {
                 Ok(again) => {
                     self.lifecycle_failures = 0;
@@ -149,41 +148,44 @@ impl Schedule {
 /// The stuck and unacknowledged sweepers; returns whether work is left.
 fn sweep(
     dispatcher: usize,
-    store: &mut SpiStore,
+    host: &impl Host,
+    store: &mut Store<impl Db>,
     settings: &Settings,
     until: Instant,
 ) -> Result<bool, StoreError> {
     let (rescued, more_stuck) =
-        sweep_some(SWEEP_BATCH, until, || store.sweep_stuck(settings.processing_timeout))?;
-    counters::add(Counter::StuckRescued, rescued);
+        sweep_some(host, SWEEP_BATCH, until, || store.sweep_stuck(settings.processing_timeout))?;
+    host.counters().add(Counter::StuckRescued, rescued);
     if rescued > 0 {
-        log!("outbox dispatcher {dispatcher}: {rescued} events stuck in processing returned to pending");
+        host.log(&format!(
+            "outbox dispatcher {dispatcher}: {rescued} events stuck in processing returned to pending"
+        ));
     }
-    let (restored, more_strays) = sweep_some(SWEEP_BATCH, until, || store.sweep_strays())?;
+    let (restored, more_strays) = sweep_some(host, SWEEP_BATCH, until, || store.sweep_strays())?;
     if restored > 0 {
-        log!(
+        host.log(&format!(
             "outbox dispatcher {dispatcher}: {restored} pending events with a transaction id no claim \
              reads (a restore's, in this cluster's future or before every window) were put in line"
-        );
+        ));
     }
     let mut failed = 0;
     let (swept, more_unacked) = if settings.ack_timeout.is_zero() {
         (0, false)
     } else {
-        sweep_some(SWEEP_BATCH, until, || {
+        sweep_some(host, SWEEP_BATCH, until, || {
             let (resent, gave_up) = store.sweep_unacked(settings.ack_timeout, settings.max_redeliveries)?;
             failed += gave_up;
             Ok(resent + gave_up)
         })?
     };
     let resent = swept - failed;
-    counters::add(Counter::UnackedResent, resent);
-    counters::add(Counter::UnackedFailed, failed);
+    host.counters().add(Counter::UnackedResent, resent);
+    host.counters().add(Counter::UnackedFailed, failed);
     if resent > 0 || failed > 0 {
-        log!(
+        host.log(&format!(
             "outbox dispatcher {dispatcher}: {resent} unacknowledged events will be sent again, \
              {failed} failed (their last_error says why)"
-        );
+        ));
     }
     Ok(more_stuck || more_strays || more_unacked)
 }
@@ -231,7 +233,8 @@ impl Again {
 /// each does something and the time lasts.
 fn rotate_some(
     dispatcher: usize,
-    store: &mut SpiStore,
+    host: &impl Host,
+    store: &mut Store<impl Db>,
     retention: Duration,
     acks: bool,
     until: Instant,
@@ -242,16 +245,18 @@ fn rotate_some(
         };
         match step.as_str() {
             "truncated" => {
-                counters::add(Counter::Purged, events);
-                log!("outbox dispatcher {dispatcher}: the oldest generation was truncated ({events} events)");
+                host.counters().add(Counter::Purged, events);
+                host.log(&format!(
+                    "outbox dispatcher {dispatcher}: the oldest generation was truncated ({events} events)"
+                ));
             }
             "moved" if events > 0 => {
-                log!("outbox dispatcher {dispatcher}: {events} events still needed moved to the current generation");
+                host.log(&format!("outbox dispatcher {dispatcher}: {events} events still needed moved to the current generation"));
             }
             "waiting" => return Ok(Again::Soon),
             _ => {}
         }
-        if signals::interrupt_pending() || Instant::now() >= until {
+        if host.interrupt_pending() || Instant::now() >= until {
             return Ok(Again::Now);
         }
     }
@@ -263,6 +268,7 @@ fn rotate_some(
 /// the first, until `until`; returns the rows swept and whether more may be
 /// left.
 fn sweep_some(
+    host: &impl Host,
     batch: usize,
     until: Instant,
     mut sweep: impl FnMut() -> Result<u64, StoreError>,
@@ -271,7 +277,7 @@ fn sweep_some(
     for _ in 0..BATCHES {
         let n = sweep()?;
         total += n;
-        if n < batch as u64 || signals::interrupt_pending() || Instant::now() >= until {
+        if n < batch as u64 || host.interrupt_pending() || Instant::now() >= until {
             return Ok((total, n >= batch as u64));
         }
     }

@@ -4,22 +4,17 @@
 
 use std::time::{Duration, Instant};
 
-use pgrx::prelude::*;
+use super::{Host, Settings, State};
+use crate::backoff;
+use crate::link::Wait;
+use crate::metrics::Counter;
+use crate::sink::{BrokerConfig, Persistence, Sink, SinkError};
 
-use outbox_core::backoff;
-use outbox_core::sink::{BrokerConfig, Persistence, Sink, SinkError};
-
-use super::store;
-use super::wait::Waiter;
-use crate::config::Settings;
-use crate::counters::{self, Counter};
-use crate::slots::{self, State};
-
-pub struct Broker {
+pub struct Broker<W> {
     /// The dispatcher, as the log names it.
     index: usize,
     sink: Result<Sink, SinkError>,
-    waiter: Waiter,
+    waiter: W,
     /// Consecutive failed connection attempts.
     reconnect_attempt: u32,
     /// No connection attempt before this.
@@ -33,12 +28,12 @@ pub struct Broker {
     next_heartbeat: Instant,
 }
 
-impl Broker {
-    pub fn new(index: usize, config: &BrokerConfig) -> Broker {
+impl<W: Wait> Broker<W> {
+    pub fn new(index: usize, waiter: W, config: &BrokerConfig) -> Self {
         Broker {
             index,
             sink: Sink::new(config),
-            waiter: Waiter { config: config.clone() },
+            waiter,
             reconnect_attempt: 0,
             next_connect: None,
             lost_at: None,
@@ -50,20 +45,20 @@ impl Broker {
 
     /// The broker's settings changed: a new sink, not connected, to be
     /// connected at once.
-    pub fn replace(&mut self, config: &BrokerConfig, slot: &slots::Own) {
+    pub fn replace<H: Host<Waiter = W>>(&mut self, config: &BrokerConfig, host: &H) {
         self.sink = Sink::new(config);
-        self.waiter.config = config.clone();
-        slot.set_connected(false);
+        self.waiter = host.waiter(config);
+        host.set_connected(false);
         self.reconnect_attempt = 0;
         self.next_connect = None;
     }
 
     /// Closes the connection (while paused), without any backoff.
-    pub fn disconnect(&mut self, slot: &slots::Own) {
+    pub fn disconnect(&mut self, host: &impl Host) {
         if let Ok(sink) = &mut self.sink {
             sink.disconnect();
         }
-        slot.set_connected(false);
+        host.set_connected(false);
     }
 
     /// The settings were reloaded: the next heartbeat is due within the
@@ -89,17 +84,17 @@ impl Broker {
 
     /// The sink and the wait its operations run with; `None` when the
     /// settings give no sink (the error is the connect's).
-    pub fn session(&mut self) -> Option<(&mut Sink, &mut Waiter)> {
+    pub fn session(&mut self) -> Option<(&mut Sink, &mut W)> {
         self.sink.as_mut().ok().map(|sink| (sink, &mut self.waiter))
     }
 
     /// Connects when the backoff allows; returns the wait when it did not.
-    pub fn connect(&mut self, slot: &slots::Own, settings: &Settings) -> Option<Duration> {
+    pub fn connect(&mut self, host: &impl Host, settings: &Settings) -> Option<Duration> {
         let now = Instant::now();
         if let Some(at) = self.next_connect.filter(|at| *at > now) {
             return Some(at - now);
         }
-        store::report_running(c"outbox: connecting to the broker");
+        host.report_running(c"outbox: connecting to the broker");
         let result = match &mut self.sink {
             Ok(sink) => sink.connect(&mut self.waiter),
             Err(e) => Err(e.clone()),
@@ -112,63 +107,63 @@ impl Broker {
                 let master = self.sink.as_ref().ok().and_then(Sink::master).map(str::to_string);
                 let paused = self.lost_at.take().map(|at| at.elapsed());
                 if let Some(paused) = paused {
-                    counters::here().broker_unavailable(paused);
-                    log!(
+                    host.counters().broker_unavailable(paused);
+                    host.log(&format!(
                         "outbox dispatcher {} reconnected to {kind} at {url} ({node} {}) after {:.1}s",
                         self.index,
                         master.as_deref().unwrap_or("?"),
                         paused.as_secs_f64()
-                    );
+                    ));
                 }
                 if let (Some(before), Some(now)) = (&self.last_master, &master) {
                     if before != now {
-                        counters::add(Counter::MasterChanges, 1);
-                        log!(
+                        host.counters().add(Counter::MasterChanges, 1);
+                        host.log(&format!(
                             "outbox dispatcher {}: the {kind} {node} moved from {before} to {now}",
                             self.index
-                        );
+                        ));
                     }
                 }
                 self.last_master = master;
-                self.note_persistence(persistence, &url, slot);
+                self.note_persistence(persistence, &url, host);
                 self.reconnect_attempt = 0;
                 self.next_connect = None;
-                slot.set_connected(true);
-                self.answered(slot, settings);
-                slot.set_error(None);
+                host.set_connected(true);
+                self.answered(host, settings);
+                host.set_error(None);
                 None
             }
-            Err(e) => Some(self.failed(&e, slot, settings)),
+            Err(e) => Some(self.failed(&e, host, settings)),
         }
     }
 
     /// Shows how the broker keeps messages, and warns once when it keeps
     /// them only in memory: "nothing lost" then ends at a Redis restart.
-    fn note_persistence(&mut self, persistence: Persistence, url: &str, slot: &slots::Own) {
-        slot.set_persistence(persistence);
+    fn note_persistence(&mut self, persistence: Persistence, url: &str, host: &impl Host) {
+        host.set_persistence(persistence);
         if persistence == Persistence::None && !std::mem::replace(&mut self.persistence_warned, true) {
-            warning!(
+            host.warning(&format!(
                 "outbox dispatcher {}: Redis at {url} persists nothing (no RDB snapshots, no AOF): \
                  messages in its lists are lost if it restarts",
                 self.index
-            );
+            ));
         }
     }
 
     /// The broker just answered: that is as good as a heartbeat.
-    pub fn answered(&mut self, slot: &slots::Own, settings: &Settings) {
-        slot.heartbeat();
+    pub fn answered(&mut self, host: &impl Host, settings: &Settings) {
+        host.heartbeat();
         self.next_heartbeat = Instant::now() + settings.heartbeat_interval;
     }
 
     /// Records a broker failure; returns the delay before the next attempt.
     /// An interrupted operation (a reload changed the broker) is no failure:
     /// the connection is dropped and the loop goes on at once.
-    pub fn failed(&mut self, error: &SinkError, slot: &slots::Own, settings: &Settings) -> Duration {
+    pub fn failed(&mut self, error: &SinkError, host: &impl Host, settings: &Settings) -> Duration {
         if let Ok(sink) = &mut self.sink {
             sink.disconnect();
         }
-        slot.set_connected(false);
+        host.set_connected(false);
         if *error == SinkError::Interrupted {
             return Duration::ZERO;
         }
@@ -181,34 +176,34 @@ impl Broker {
         );
         self.reconnect_attempt = self.reconnect_attempt.saturating_add(1);
         self.next_connect = Some(Instant::now() + delay);
-        counters::here().reconnect(error);
-        slot.set_state(State::Reconnecting);
-        slot.set_error(Some(&error.to_string()));
-        log!(
+        host.counters().reconnect(error);
+        host.set_state(State::Reconnecting);
+        host.set_error(Some(&error.to_string()));
+        host.log(&format!(
             "outbox dispatcher {}: {error} (reason {}); reconnecting in {:.1}s",
             self.index,
             error.reason().name(),
             delay.as_secs_f64()
-        );
+        ));
         delay
     }
 
     /// PINGs the broker when a heartbeat is due; returns the reconnect wait
     /// when it failed.
-    pub fn heartbeat_if_due(&mut self, slot: &slots::Own, settings: &Settings) -> Option<Duration> {
+    pub fn heartbeat_if_due(&mut self, host: &impl Host, settings: &Settings) -> Option<Duration> {
         let now = Instant::now();
         if now < self.next_heartbeat {
             return None;
         }
         self.next_heartbeat = now + settings.heartbeat_interval;
-        store::report_running(c"outbox: PING to the broker");
+        host.report_running(c"outbox: PING to the broker");
         let sink = self.sink.as_mut().expect("connected before the heartbeat");
         match sink.ping(&mut self.waiter) {
             Ok(()) => {
-                self.answered(slot, settings);
+                self.answered(host, settings);
                 None
             }
-            Err(e) => Some(self.failed(&e, slot, settings)),
+            Err(e) => Some(self.failed(&e, host, settings)),
         }
     }
 }
