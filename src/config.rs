@@ -344,68 +344,66 @@ fn report_list(key: &str) -> String {
 
 /// The settings as they are now.
 pub fn current() -> Settings {
-    {
-        let broker = BrokerConfig {
-            url: broker_url(),
-            timeout: millis(&REDIS_TIMEOUT_MS),
-            tls_ca_file: path(&REDIS_TLS_CA_FILE),
-            password_file: path(&REDIS_PASSWORD_FILE),
-            max_batch_bytes: MAX_BATCH_BYTES_KB.get().max(1) as usize * 1024,
-            sentinel_master: text(&REDIS_SENTINEL_MASTER),
-            sentinel_password_file: path(&REDIS_SENTINEL_PASSWORD_FILE),
-            wait_replicas: REDIS_WAIT_REPLICAS.get().max(0) as u32,
-            key_prefix: text(&REDIS_KEY_PREFIX),
-            priority_steps: text(&PRIORITY_STEPS),
-            priority_separator: Some(text(&PRIORITY_SEPARATOR))
-                .filter(|s| !s.is_empty())
-                .unwrap_or_else(|| KOMBU_SEPARATOR.to_string()),
-            queues: QueueShape {
-                kind: match AMQP_QUEUE_TYPE.get() {
-                    AmqpQueueType::Classic => QueueKind::Classic,
-                    AmqpQueueType::Quorum => QueueKind::Quorum,
-                },
-                max_priority: AMQP_MAX_PRIORITY.get().clamp(0, 255) as u8,
+    let broker = BrokerConfig {
+        url: broker_url(),
+        timeout: millis(&REDIS_TIMEOUT_MS),
+        tls_ca_file: path(&REDIS_TLS_CA_FILE),
+        password_file: path(&REDIS_PASSWORD_FILE),
+        max_batch_bytes: MAX_BATCH_BYTES_KB.get().max(1) as usize * 1024,
+        sentinel_master: text(&REDIS_SENTINEL_MASTER),
+        sentinel_password_file: path(&REDIS_SENTINEL_PASSWORD_FILE),
+        wait_replicas: REDIS_WAIT_REPLICAS.get().max(0) as u32,
+        key_prefix: text(&REDIS_KEY_PREFIX),
+        priority_steps: text(&PRIORITY_STEPS),
+        priority_separator: Some(text(&PRIORITY_SEPARATOR))
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| KOMBU_SEPARATOR.to_string()),
+        queues: QueueShape {
+            kind: match AMQP_QUEUE_TYPE.get() {
+                AmqpQueueType::Classic => QueueKind::Classic,
+                AmqpQueueType::Quorum => QueueKind::Quorum,
             },
-            // The broker closes a connection it heard nothing on for two
-            // heartbeats; the dispatcher PINGs every heartbeat_interval.
-            heartbeat: seconds(&HEARTBEAT_INTERVAL_S) + Duration::from_secs(10),
-        };
-        let batch_size = BATCH_SIZE.get().max(1) as usize;
-        let batch_budget = batch_budget(broker.max_batch_bytes, MAX_PAYLOAD_BYTES.get().max(1) as usize);
-        let longest = longest_push(&broker, batch_size, MAX_PAYLOAD_BYTES.get().max(1) as usize);
-        let processing_timeout = seconds(&PROCESSING_TIMEOUT_S);
-        // A push paused by the broker (an alarm) may wait, from its claim,
-        // as long as the claim's timeout leaves beyond the longest push:
-        // the sweeper must not hand it to another dispatcher meanwhile.
-        let pause_limit = processing_timeout.saturating_sub(longest);
-        Settings {
-            enabled: ENABLED.get(),
-            broker,
-            batch_size,
-            poll_interval: millis(&POLL_INTERVAL_MS),
-            linger: millis(&LINGER_MS),
-            max_retries: MAX_RETRIES.get(),
-            retry_backoff: millis(&RETRY_BACKOFF_MS),
-            reconnect_delay_min: millis(&RECONNECT_DELAY_MIN_MS),
-            reconnect_delay_max: millis(&RECONNECT_DELAY_MAX_MS),
-            processing_timeout: processing_timeout.max(longest),
-            processing_timeout_set: (processing_timeout < longest).then_some(processing_timeout),
-            pause_limit,
-            ack_timeout: seconds(&ACK_TIMEOUT_S),
-            max_redeliveries: MAX_REDELIVERIES.get(),
-            statement_timeout: millis(&STATEMENT_TIMEOUT_MS),
-            sweep_interval: seconds(&SWEEP_INTERVAL_S),
-            retention: seconds(&RETENTION_S),
-            inbox_retention: seconds(&INBOX_RETENTION_S),
-            lifecycle_interval: seconds(&LIFECYCLE_INTERVAL_S),
-            heartbeat_interval: seconds(&HEARTBEAT_INTERVAL_S),
-            report_key: Some(text(&REPORT_KEY)).filter(|k| !k.is_empty()).map(|k| report_list(&k)),
-            batch_budget,
-            keys: KeyPolicy {
-                dispatched: REPORT_KEY.get().is_none_or(|k| k.is_empty()) && ACK_TIMEOUT_S.get() == 0,
-                failed: KEY_ON_FAILURE.get() == KeyOnFailure::Continue,
-            },
-        }
+            max_priority: AMQP_MAX_PRIORITY.get().clamp(0, 255) as u8,
+        },
+        // The broker closes a connection it heard nothing on for two
+        // heartbeats; the dispatcher PINGs every heartbeat_interval.
+        heartbeat: seconds(&HEARTBEAT_INTERVAL_S) + Duration::from_secs(10),
+    };
+    let batch_size = BATCH_SIZE.get().max(1) as usize;
+    let batch_budget = batch_budget(broker.max_batch_bytes, MAX_PAYLOAD_BYTES.get().max(1) as usize);
+    let longest = longest_push(&broker, batch_size, MAX_PAYLOAD_BYTES.get().max(1) as usize);
+    let processing_timeout = seconds(&PROCESSING_TIMEOUT_S);
+    // A push paused by the broker (an alarm) may wait, from its claim,
+    // as long as the claim's timeout leaves beyond the longest push:
+    // the sweeper must not hand it to another dispatcher meanwhile.
+    let pause_limit = processing_timeout.saturating_sub(longest);
+    Settings {
+        enabled: ENABLED.get(),
+        broker,
+        batch_size,
+        poll_interval: millis(&POLL_INTERVAL_MS),
+        linger: millis(&LINGER_MS),
+        max_retries: MAX_RETRIES.get(),
+        retry_backoff: millis(&RETRY_BACKOFF_MS),
+        reconnect_delay_min: millis(&RECONNECT_DELAY_MIN_MS),
+        reconnect_delay_max: millis(&RECONNECT_DELAY_MAX_MS),
+        processing_timeout: processing_timeout.max(longest),
+        processing_timeout_set: (processing_timeout < longest).then_some(processing_timeout),
+        pause_limit,
+        ack_timeout: seconds(&ACK_TIMEOUT_S),
+        max_redeliveries: MAX_REDELIVERIES.get(),
+        statement_timeout: millis(&STATEMENT_TIMEOUT_MS),
+        sweep_interval: seconds(&SWEEP_INTERVAL_S),
+        retention: seconds(&RETENTION_S),
+        inbox_retention: seconds(&INBOX_RETENTION_S),
+        lifecycle_interval: seconds(&LIFECYCLE_INTERVAL_S),
+        heartbeat_interval: seconds(&HEARTBEAT_INTERVAL_S),
+        report_key: Some(text(&REPORT_KEY)).filter(|k| !k.is_empty()).map(|k| report_list(&k)),
+        batch_budget,
+        keys: KeyPolicy {
+            dispatched: REPORT_KEY.get().is_none_or(|k| k.is_empty()) && ACK_TIMEOUT_S.get() == 0,
+            failed: KEY_ON_FAILURE.get() == KeyOnFailure::Continue,
+        },
     }
 }
 

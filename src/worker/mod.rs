@@ -49,12 +49,7 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     setup::return_large_buffers();
 
     let settings = config::current();
-    if config::broker_url_conflict() {
-        warning!(
-            "outbox dispatcher {index}: outbox.broker_url and outbox.redis_url (its former name) are both set, \
-             to different URLs: using outbox.broker_url; remove outbox.redis_url"
-        );
-    }
+    warn_of_two_urls(index);
     let mut dispatcher =
         Dispatcher::new(index, Background { slot }, SpiDb::default(), name, setup::origin(), settings);
     dispatcher.log_start();
@@ -64,6 +59,7 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
         signals::reload_if_requested();
         if signals::take_reloaded() {
             dispatcher.reconfigure(config::current());
+            warn_of_two_urls(index);
         }
         let nap = dispatcher.step().min(rest());
         // A commit's wake, a reload or a shutdown that came during the step
@@ -76,6 +72,17 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
             wait::for_wake(nap)
         };
         dispatcher.count_wake(timed_out);
+    }
+}
+
+/// Warns when `outbox.broker_url` and its former name `outbox.redis_url`
+/// are both set, to different URLs.
+fn warn_of_two_urls(index: usize) {
+    if config::broker_url_conflict() {
+        warning!(
+            "outbox dispatcher {index}: outbox.broker_url and outbox.redis_url (its former name) are both set, \
+             to different URLs: using outbox.broker_url; remove outbox.redis_url"
+        );
     }
 }
 

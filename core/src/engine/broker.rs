@@ -1,6 +1,6 @@
 //! The dispatcher's broker: the connection, made again with a backoff
 //! after a failure, proved by a PING when a heartbeat falls due, and shown
-//! in the slot (connected, last heartbeat, persistence, last error).
+//! by the host (connected, last heartbeat, persistence, last error).
 
 use std::time::{Duration, Instant};
 
