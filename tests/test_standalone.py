@@ -67,25 +67,30 @@ def schemas(pg, dbname):
     return {r[0] for r in pg.sql("SELECT nspname FROM pg_namespace", dbname=dbname)}
 
 
+def refused(pg, user, dbname, *args, installs_nothing=True):
+    """An install into `dbname` as `user` that fails; what it says. With
+    `installs_nothing`, the database has no schema outbox after it."""
+    result = run("install", "--dsn", dsn(pg, user, dbname), *args)
+    assert result.returncode == 1, result.stdout
+    if installs_nothing:
+        assert "outbox" not in schemas(pg, dbname)
+    return result.stderr
+
+
 def test_a_role_without_create_on_the_database_is_told_which_grant_it_needs(server):
     fresh_database(server, "nocreate", owner="postgres")
-    result = run("install", "--dsn", dsn(server, "writer", "nocreate"))
-    assert result.returncode == 1
-    assert 'lacks CREATE on database "nocreate"' in result.stderr
-    assert "GRANT CREATE ON DATABASE" in result.stderr
-    assert "outbox" not in schemas(server, "nocreate")
+    stderr = refused(server, "writer", "nocreate")
+    assert 'lacks CREATE on database "nocreate"' in stderr
+    assert "GRANT CREATE ON DATABASE" in stderr
 
 
 def test_a_role_without_create_on_the_functions_schema_is_told_which(server):
     fresh_database(server, "noschema", owner="postgres")
     server.sql("GRANT CREATE ON DATABASE noschema TO writer")
-    result = run("install", "--dsn", dsn(server, "writer", "noschema"))
-    assert result.returncode == 1
-    assert 'lacks CREATE on schema "public"' in result.stderr
-    assert "outbox" not in schemas(server, "noschema")
-    result = run("install", "--dsn", dsn(server, "writer", "noschema"), "--schema", "absent")
-    assert result.returncode == 1
-    assert 'schema "absent" (--schema, for the functions) does not exist' in result.stderr
+    stderr = refused(server, "writer", "noschema")
+    assert 'lacks CREATE on schema "public"' in stderr
+    stderr = refused(server, "writer", "noschema", "--schema", "absent")
+    assert 'schema "absent" (--schema, for the functions) does not exist' in stderr
 
 
 def test_a_password_in_the_dsn_is_never_printed(server):
@@ -112,9 +117,8 @@ def test_a_second_install_does_nothing(app):
 def test_a_database_with_the_extension_is_refused(server):
     fresh_database(server, "withext", owner="postgres")
     server.sql("CREATE EXTENSION outbox_dispatch", dbname="withext")
-    result = run("install", "--dsn", dsn(server, "postgres", "withext"))
-    assert result.returncode == 1
-    assert 'has the extension outbox_dispatch' in result.stderr
+    stderr = refused(server, "postgres", "withext", installs_nothing=False)
+    assert 'has the extension outbox_dispatch' in stderr
     assert server.value("SELECT to_regclass('outbox.installed') IS NULL", dbname="withext")
 
 
@@ -123,9 +127,8 @@ def test_a_schema_outbox_of_something_else_is_refused_and_left_alone(server):
     with server.connect(dbname="planted", user="owner") as conn:
         conn.execute("CREATE SCHEMA outbox")
         conn.execute("CREATE TABLE outbox.log (mine int)")
-    result = run("install", "--dsn", dsn(server, "owner", "planted"))
-    assert result.returncode == 1
-    assert 'has a schema "outbox" that outbox-dispatch did not install' in result.stderr
+    stderr = refused(server, "owner", "planted", installs_nothing=False)
+    assert 'has a schema "outbox" that outbox-dispatch did not install' in stderr
     assert server.value("SELECT count(*) FROM pg_class WHERE relnamespace = 'outbox'::regnamespace",
                         dbname="planted") == 1
 
@@ -136,10 +139,8 @@ def test_a_failing_install_leaves_nothing(server):
     fresh_database(server, "halfway")
     with server.connect(dbname="halfway", user="owner") as conn:
         conn.execute("CREATE FUNCTION public.outbox_ack(uuid) RETURNS boolean LANGUAGE sql AS 'SELECT true'")
-    result = run("install", "--dsn", dsn(server, "owner", "halfway"))
-    assert result.returncode == 1
-    assert "outbox_ack" in result.stderr
-    assert "outbox" not in schemas(server, "halfway")
+    stderr = refused(server, "owner", "halfway")
+    assert "outbox_ack" in stderr
 
 
 def test_two_installs_at_once_install_once(server):
@@ -169,32 +170,27 @@ def test_a_schema_made_to_look_installed_by_another_role_is_refused(server):
     with server.connect(dbname="forged", user="other") as conn:
         conn.execute("CREATE SCHEMA outbox")
         conn.execute("CREATE TABLE outbox.installed AS SELECT %s::text AS version", (version(),))
-    result = run("install", "--dsn", dsn(server, "owner", "forged"))
-    assert result.returncode == 1
-    assert 'belongs to role other' in result.stderr
+    stderr = refused(server, "owner", "forged", installs_nothing=False)
+    assert 'belongs to role other' in stderr
 
 
 def test_a_functions_schema_others_may_create_in_is_refused_naming_them(server):
     fresh_database(server, "open_schema")
     with server.connect(dbname="open_schema", user="postgres") as conn:
         conn.execute("GRANT CREATE ON SCHEMA public TO other")
-    result = run("install", "--dsn", dsn(server, "owner", "open_schema"))
-    assert result.returncode == 1
-    assert 'schema "public" is open to others: other may create in it' in result.stderr
+    stderr = refused(server, "owner", "open_schema")
+    assert 'schema "public" is open to others: other may create in it' in stderr
     with server.connect(dbname="open_schema", user="postgres") as conn:
         conn.execute("GRANT CREATE ON SCHEMA public TO PUBLIC")
-    result = run("install", "--dsn", dsn(server, "owner", "open_schema"))
-    assert "PUBLIC" in result.stderr
+    assert "PUBLIC" in refused(server, "owner", "open_schema")
     with server.connect(dbname="open_schema", user="postgres") as conn:
         conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
         conn.execute("SET ROLE other")
         conn.execute("CREATE FUNCTION public.outbox_ack(text) RETURNS boolean LANGUAGE sql AS 'SELECT true'")
         conn.execute("RESET ROLE")
         conn.execute("REVOKE CREATE ON SCHEMA public FROM other")
-    result = run("install", "--dsn", dsn(server, "owner", "open_schema"))
-    assert result.returncode == 1
-    assert "outbox_ack(text)" in result.stderr
-    assert "outbox" not in schemas(server, "open_schema")
+    stderr = refused(server, "owner", "open_schema")
+    assert "outbox_ack(text)" in stderr
 
 
 def test_an_argument_is_never_echoed(server):
