@@ -257,9 +257,30 @@ def test_a_bad_setting_is_refused_naming_it(app):
             conn.execute("INSERT INTO outbox.settings VALUES ('outbox.max_payload_bytes', 'lots')")
         with pytest.raises(psycopg.errors.InvalidParameterValue, match="outbox.report_timeout is \"-1\""):
             conn.execute("INSERT INTO outbox.settings VALUES ('outbox.report_timeout', '-1')")
-        with pytest.raises(psycopg.errors.CheckViolation):
-            conn.execute("INSERT INTO outbox.settings VALUES ('work_mem', '1GB')")
+        for name in ("work_mem", "outbox.max_payload_byte"):
+            with pytest.raises(psycopg.errors.UndefinedObject, match=f"{name} is not a setting of outbox_dispatch"):
+                conn.execute("INSERT INTO outbox.settings VALUES (%s, '1')", (name,))
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="sidecar's own configuration"):
+            conn.execute("INSERT INTO outbox.settings VALUES ('outbox.broker_url', 'redis://:pw@h/0')")
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="each session's own"):
+            conn.execute("INSERT INTO outbox.settings VALUES ('outbox.default_queue', 'q')")
     assert app.value("SELECT count(*) FROM outbox.settings", dbname="app") == 0
+
+
+def test_every_setting_of_the_library_has_its_place_without_it(app, cluster):
+    """The names outbox.settings takes are the library's: each of its
+    settings is the database's, the sidecar's, the launcher's, a session's
+    or the rotation's."""
+    names = [r[0] for r in cluster.sql("SELECT name FROM pg_settings WHERE name LIKE 'outbox.%' ORDER BY name")]
+    assert len(names) > 30
+    with app.connect(dbname="app", user="owner", autocommit=False) as conn:
+        places = {name: conn.execute("SELECT outbox.setting_place(%s)", (name,)).fetchone()[0] for name in names}
+        assert None not in places.values(), places
+        values = dict(cluster.sql("SELECT name, setting FROM pg_settings WHERE name LIKE 'outbox.%'"))
+        for name, place in places.items():
+            if place == "database":
+                conn.execute("INSERT INTO outbox.settings VALUES (%s, %s)", (name, values[name] or "x"))
+        conn.rollback()
 
 
 def test_a_writer_cannot_choose_its_place_in_line_with_outbox_moving(app):

@@ -99,12 +99,62 @@ BEGIN
 END
 $$;
 
--- What the SQL side reads is checked as it is written.
+-- Where setting name belongs without the library: 'database' (this
+-- table), 'sidecar' (its own configuration: a secret, or a path on its
+-- host), 'library' (the launcher's, with nothing to say here), 'session'
+-- (each session's own SET), 'internal' (the rotation's); NULL for a name
+-- the library does not have. Every outbox.* setting of src/config.rs is
+-- one of these (tests/test_standalone.py checks them against the
+-- library's).
+CREATE FUNCTION outbox.setting_place(name text) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT CASE
+    WHEN name = ANY (ARRAY['outbox.broker_url', 'outbox.redis_url', 'outbox.redis_password_file',
+                           'outbox.redis_sentinel_password_file', 'outbox.redis_tls_ca_file']) THEN 'sidecar'
+    WHEN name = ANY (ARRAY['outbox.workers', 'outbox.database']) THEN 'library'
+    WHEN name = ANY (ARRAY['outbox.default_queue', 'outbox.notify', 'outbox.notify_channel']) THEN 'session'
+    WHEN name = 'outbox.moving' THEN 'internal'
+    WHEN name = ANY (ARRAY['outbox.enabled', 'outbox.redis_sentinel_master', 'outbox.redis_wait_replicas',
+                           'outbox.redis_key_prefix', 'outbox.priority_steps', 'outbox.priority_separator',
+                           'outbox.batch_size', 'outbox.max_batch_bytes', 'outbox.poll_interval',
+                           'outbox.linger', 'outbox.max_retries', 'outbox.retry_backoff',
+                           'outbox.reconnect_delay_min', 'outbox.reconnect_delay_max', 'outbox.redis_timeout',
+                           'outbox.processing_timeout', 'outbox.ack_timeout', 'outbox.max_redeliveries',
+                           'outbox.statement_timeout', 'outbox.sweep_interval', 'outbox.retention',
+                           'outbox.lifecycle_interval', 'outbox.heartbeat_interval', 'outbox.report_key',
+                           'outbox.report_timeout', 'outbox.max_payload_bytes', 'outbox.inbox_retention',
+                           'outbox.amqp_queue_type', 'outbox.amqp_max_priority', 'outbox.key_on_failure'])
+        THEN 'database'
+END
+$$;
+
+-- What is written here is a setting that belongs here, and what the SQL
+-- side reads of it is checked as it is written.
 CREATE FUNCTION outbox.check_setting() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    place constant text := outbox.setting_place(NEW.name);
 BEGIN
+    IF place IS NULL THEN
+        RAISE EXCEPTION '% is not a setting of outbox_dispatch', NEW.name
+            USING ERRCODE = 'undefined_object';
+    ELSIF place = 'sidecar' THEN
+        RAISE EXCEPTION '% belongs to the sidecar''s own configuration (a secret, or a path on its host), not to the database',
+            NEW.name USING ERRCODE = 'invalid_parameter_value';
+    ELSIF place = 'library' THEN
+        RAISE EXCEPTION '% is the library''s (its launcher''s): without it, run as many outbox-dispatch as you need',
+            NEW.name USING ERRCODE = 'invalid_parameter_value';
+    ELSIF place = 'session' THEN
+        RAISE EXCEPTION '% is each session''s own: SET it, or ALTER ROLE ... SET it', NEW.name
+            USING ERRCODE = 'invalid_parameter_value';
+    ELSIF place = 'internal' THEN
+        RAISE EXCEPTION '% is the rotation''s own, not a setting to set', NEW.name
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     BEGIN
         PERFORM outbox.setting_value(NEW.name, NEW.value);
     EXCEPTION WHEN invalid_parameter_value OR numeric_value_out_of_range OR invalid_datetime_format
