@@ -54,8 +54,7 @@ impl Plans {
     }
 
     fn of(&self, stmt: Stmt) -> &Plan {
-        let index = Stmt::ALL.iter().position(|s| *s == stmt).expect("every statement is in Stmt::ALL");
-        &self.0[index]
+        &self.0[stmt.index()]
     }
 }
 
@@ -80,18 +79,18 @@ fn pg_uuid(id: uuid::Uuid) -> pgrx::Uuid {
 }
 
 fn datum(arg: &Arg) -> DatumWithOid<'static> {
-    match arg.clone() {
-        Arg::Bool(b) => b.into(),
-        Arg::Int4(i) => i.into(),
-        Arg::Int8(i) => i.into(),
-        Arg::Float8(f) => f.into(),
-        Arg::Text(t) => t.into(),
-        Arg::Oid(o) => pg_sys::Oid::from(o).into(),
-        Arg::Uuid(u) => pg_uuid(u).into(),
-        Arg::Int8Array(a) => a.into(),
-        Arg::Float8Array(a) => a.into(),
-        Arg::TextArray(a) => a.into(),
-        Arg::UuidArray(a) => a.into_iter().map(pg_uuid).collect::<Vec<_>>().into(),
+    match arg {
+        Arg::Bool(b) => (*b).into(),
+        Arg::Int4(i) => (*i).into(),
+        Arg::Int8(i) => (*i).into(),
+        Arg::Float8(f) => (*f).into(),
+        Arg::Text(t) => t.clone().into(),
+        Arg::Oid(o) => pg_sys::Oid::from(*o).into(),
+        Arg::Uuid(u) => pg_uuid(*u).into(),
+        Arg::Int8Array(a) => a.clone().into(),
+        Arg::Float8Array(a) => a.clone().into(),
+        Arg::TextArray(a) => a.clone().into(),
+        Arg::UuidArray(a) => a.iter().copied().map(pg_uuid).collect::<Vec<_>>().into(),
     }
 }
 

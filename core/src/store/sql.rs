@@ -21,6 +21,11 @@ macro_rules! statements {
             /// Every statement, in declaration order.
             pub const ALL: &'static [Stmt] = &[$(Stmt::$name,)*];
 
+            /// Its place in [`Stmt::ALL`].
+            pub fn index(self) -> usize {
+                self as usize
+            }
+
             /// Its SQL.
             pub fn sql(self) -> &'static str {
                 match self {
@@ -284,6 +289,13 @@ mod tests {
         for stmt in Stmt::ALL {
             let highest = (1..=9).rev().find(|n| stmt.sql().contains(&format!("${n}"))).unwrap_or(0);
             assert_eq!(stmt.params().len(), highest, "{stmt:?}");
+        }
+    }
+
+    #[test]
+    fn every_statement_is_at_its_index() {
+        for (i, stmt) in Stmt::ALL.iter().enumerate() {
+            assert_eq!(stmt.index(), i);
         }
     }
 
