@@ -8,11 +8,10 @@
 //! server down.
 
 use std::ffi::{CStr, CString};
-use std::path::PathBuf;
 use std::time::Duration;
 
 use outbox_core::databases::Served;
-use outbox_core::sink::{BrokerConfig, QueueKind, QueueShape, KOMBU_SEPARATOR};
+use outbox_core::guc;
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting, PostgresGucEnum};
 
 /// Upper bound of `outbox.workers`: the dispatcher slots in shared memory
@@ -22,54 +21,80 @@ pub const MAX_WORKERS: usize = 32;
 /// The most databases served at once: groups of slots in shared memory.
 pub const MAX_DATABASES: usize = 32;
 
-pub static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
-pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
-pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
-pub static BROKER_URL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+pub static DATABASE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.database")));
+pub static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.workers"));
+pub static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(guc::flag_default("outbox.enabled"));
+pub static BROKER_URL: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_url")));
 /// `outbox.redis_url`, the former name of `outbox.broker_url`.
 pub static REDIS_URL: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(DEFAULT_BROKER_URL));
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_url")));
 const DEFAULT_BROKER_URL: &CStr = c"redis://127.0.0.1:6379/0";
 pub static AMQP_QUEUE_TYPE: GucSetting<AmqpQueueType> =
     GucSetting::<AmqpQueueType>::new(AmqpQueueType::Classic);
-pub static AMQP_MAX_PRIORITY: GucSetting<i32> = GucSetting::<i32>::new(0);
-pub static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
-pub static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
-pub static DEFAULT_QUEUE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"celery"));
-pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
-pub static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
-pub static LINGER_MS: GucSetting<i32> = GucSetting::<i32>::new(2);
-pub static MAX_RETRIES: GucSetting<i32> = GucSetting::<i32>::new(3);
-pub static RETRY_BACKOFF_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
-pub static RECONNECT_DELAY_MIN_MS: GucSetting<i32> = GucSetting::<i32>::new(3_000);
-pub static RECONNECT_DELAY_MAX_MS: GucSetting<i32> = GucSetting::<i32>::new(10_000);
-pub static REDIS_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
-pub static PROCESSING_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(300);
-pub static ACK_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(0);
-pub static MAX_REDELIVERIES: GucSetting<i32> = GucSetting::<i32>::new(5);
-pub static SWEEP_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(300);
-pub static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86_400);
-pub static LIFECYCLE_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
-pub static HEARTBEAT_INTERVAL_S: GucSetting<i32> = GucSetting::<i32>::new(30);
-pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(false);
+pub static AMQP_MAX_PRIORITY: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.amqp_max_priority"));
+pub static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_password_file")));
+pub static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_tls_ca_file")));
+pub static DEFAULT_QUEUE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.default_queue")));
+pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.batch_size"));
+pub static POLL_INTERVAL_MS: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.poll_interval"));
+pub static LINGER_MS: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.linger"));
+pub static MAX_RETRIES: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.max_retries"));
+pub static RETRY_BACKOFF_MS: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.retry_backoff"));
+pub static RECONNECT_DELAY_MIN_MS: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.reconnect_delay_min"));
+pub static RECONNECT_DELAY_MAX_MS: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.reconnect_delay_max"));
+pub static REDIS_TIMEOUT_MS: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.redis_timeout"));
+pub static PROCESSING_TIMEOUT_S: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.processing_timeout"));
+pub static ACK_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.ack_timeout"));
+pub static MAX_REDELIVERIES: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.max_redeliveries"));
+pub static SWEEP_INTERVAL_S: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.sweep_interval"));
+pub static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.retention"));
+pub static LIFECYCLE_INTERVAL_S: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.lifecycle_interval"));
+pub static HEARTBEAT_INTERVAL_S: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.heartbeat_interval"));
+pub static NOTIFY: GucSetting<bool> = GucSetting::<bool>::new(guc::flag_default("outbox.notify"));
 /// Read by the insert triggers' WHEN clauses alone (sql/rotation.sql).
-static MOVING: GucSetting<bool> = GucSetting::<bool>::new(false);
+static MOVING: GucSetting<bool> = GucSetting::<bool>::new(guc::flag_default("outbox.moving"));
 pub static NOTIFY_CHANNEL: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(c"outbox_new"));
-pub static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
-pub static REDIS_SENTINEL_MASTER: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.notify_channel")));
+pub static MAX_PAYLOAD_BYTES: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.max_payload_bytes"));
+pub static REDIS_SENTINEL_MASTER: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_sentinel_master")));
 pub static REDIS_SENTINEL_PASSWORD_FILE: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(None);
-pub static REDIS_WAIT_REPLICAS: GucSetting<i32> = GucSetting::<i32>::new(0);
-pub static REDIS_KEY_PREFIX: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
-pub static PRIORITY_STEPS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"0,3,6,9"));
-pub static PRIORITY_SEPARATOR: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_sentinel_password_file")));
+pub static REDIS_WAIT_REPLICAS: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.redis_wait_replicas"));
+pub static REDIS_KEY_PREFIX: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_key_prefix")));
+pub static PRIORITY_STEPS: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.priority_steps")));
+pub static PRIORITY_SEPARATOR: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.priority_separator")));
 pub static REPORT_KEY: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(c"outbox_dispatch.reports"));
-pub static MAX_BATCH_BYTES_KB: GucSetting<i32> = GucSetting::<i32>::new(8 * 1024);
-pub static STATEMENT_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
-pub static REPORT_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
-pub static INBOX_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 86_400);
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.report_key")));
+pub static MAX_BATCH_BYTES_KB: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.max_batch_bytes"));
+pub static STATEMENT_TIMEOUT_MS: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.statement_timeout"));
+pub static REPORT_TIMEOUT_S: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.report_timeout"));
+pub static INBOX_RETENTION_S: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.inbox_retention"));
 pub static KEY_ON_FAILURE: GucSetting<KeyOnFailure> = GucSetting::<KeyOnFailure>::new(KeyOnFailure::Block);
 
 /// `outbox.key_on_failure`: what a dead-lettered head does to its key.
@@ -92,14 +117,11 @@ pub enum AmqpQueueType {
     Quorum,
 }
 
-const HOUR_MS: i32 = 3_600_000;
-const DAY_S: i32 = 86_400;
-
-/// The kind of a setting, its storage (whose default is the static's) and,
-/// for integers, the range PostgreSQL enforces and the unit.
+/// The kind of a setting and its storage (whose default is the static's,
+/// taken from `outbox_core::guc`, as are the ranges and units).
 enum Value {
     Bool(&'static GucSetting<bool>),
-    Int(&'static GucSetting<i32>, i32, i32, GucFlags),
+    Int(&'static GucSetting<i32>),
     Text(&'static GucSetting<Option<CString>>),
     /// `outbox.database`: text whose value is checked as it is set.
     Databases(&'static GucSetting<Option<CString>>),
@@ -114,15 +136,13 @@ use GucContext::{Postmaster, Sighup, Suset, Userset};
 use Value::{Bool, Databases, Int, OnFailure, QueueType, Text};
 
 const NONE: GucFlags = GucFlags::empty();
-const MS: GucFlags = GucFlags::UNIT_MS;
-const S: GucFlags = GucFlags::UNIT_S;
 const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
 const DECLARATIONS: [Declaration; 41] = [
-    Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS, 0, MAX_WORKERS as i32, NONE),
+    Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
         c"Databases served: one name, a comma-separated list, or * for every database that has the extension."),
@@ -140,7 +160,7 @@ const DECLARATIONS: [Declaration; 41] = [
         c"For sentinel:// URLs: the name of the master at the sentinels (kombu's master_name)."),
     Declaration(c"outbox.redis_sentinel_password_file", Sighup, SECRET, Text(&REDIS_SENTINEL_PASSWORD_FILE),
         c"File holding the sentinels' own password (first line), when they require one."),
-    Declaration(c"outbox.redis_wait_replicas", Sighup, NONE, Int(&REDIS_WAIT_REPLICAS, 0, 16, NONE),
+    Declaration(c"outbox.redis_wait_replicas", Sighup, NONE, Int(&REDIS_WAIT_REPLICAS),
         c"Replicas that must confirm each push (WAIT) before its events count as dispatched; 0: none."),
     Declaration(c"outbox.redis_key_prefix", Sighup, NONE, Text(&REDIS_KEY_PREFIX),
         c"Prefix of every Redis key (kombu's global_keyprefix)."),
@@ -150,55 +170,55 @@ const DECLARATIONS: [Declaration; 41] = [
         c"Between a queue's name and its priority step (kombu's sep); empty: kombu's \\x06\\x16."),
     Declaration(c"outbox.default_queue", Userset, NONE, Text(&DEFAULT_QUEUE),
         c"Queue of events enqueued without one."),
-    Declaration(c"outbox.batch_size", Sighup, NONE, Int(&BATCH_SIZE, 1, 100_000, NONE),
+    Declaration(c"outbox.batch_size", Sighup, NONE, Int(&BATCH_SIZE),
         c"Events claimed per batch."),
-    Declaration(c"outbox.max_batch_bytes", Sighup, NONE, Int(&MAX_BATCH_BYTES_KB, 64, 1024 * 1024, GucFlags::UNIT_KB),
+    Declaration(c"outbox.max_batch_bytes", Sighup, NONE, Int(&MAX_BATCH_BYTES_KB),
         c"Most bytes of messages pushed in one round trip; larger batches take several."),
-    Declaration(c"outbox.poll_interval", Sighup, NONE, Int(&POLL_INTERVAL_MS, 10, 24 * HOUR_MS, MS),
+    Declaration(c"outbox.poll_interval", Sighup, NONE, Int(&POLL_INTERVAL_MS),
         c"Safety poll: the longest a dispatcher sleeps without a wake."),
-    Declaration(c"outbox.linger", Sighup, NONE, Int(&LINGER_MS, 0, 1000, MS),
+    Declaration(c"outbox.linger", Sighup, NONE, Int(&LINGER_MS),
         c"After a claim that took every event in line, the next waits this long from its start, so that the events of commits in a stream go in one claim and push; 0: a claim per wake."),
-    Declaration(c"outbox.max_retries", Sighup, NONE, Int(&MAX_RETRIES, 1, 1000, NONE),
+    Declaration(c"outbox.max_retries", Sighup, NONE, Int(&MAX_RETRIES),
         c"Failed pushes of one event before it is dead-lettered."),
-    Declaration(c"outbox.retry_backoff", Sighup, NONE, Int(&RETRY_BACKOFF_MS, 0, HOUR_MS, MS),
+    Declaration(c"outbox.retry_backoff", Sighup, NONE, Int(&RETRY_BACKOFF_MS),
         c"Base of the exponential backoff between retries of one event."),
-    Declaration(c"outbox.reconnect_delay_min", Sighup, NONE, Int(&RECONNECT_DELAY_MIN_MS, 10, HOUR_MS, MS),
+    Declaration(c"outbox.reconnect_delay_min", Sighup, NONE, Int(&RECONNECT_DELAY_MIN_MS),
         c"Shortest wait before reconnecting to the broker."),
-    Declaration(c"outbox.reconnect_delay_max", Sighup, NONE, Int(&RECONNECT_DELAY_MAX_MS, 10, HOUR_MS, MS),
+    Declaration(c"outbox.reconnect_delay_max", Sighup, NONE, Int(&RECONNECT_DELAY_MAX_MS),
         c"Longest wait before reconnecting to the broker."),
-    Declaration(c"outbox.redis_timeout", Sighup, NONE, Int(&REDIS_TIMEOUT_MS, 100, 600_000, MS),
+    Declaration(c"outbox.redis_timeout", Sighup, NONE, Int(&REDIS_TIMEOUT_MS),
         c"Deadline of each broker operation: a connect, one round trip of a push, a PING."),
-    Declaration(c"outbox.processing_timeout", Sighup, NONE, Int(&PROCESSING_TIMEOUT_S, 1, DAY_S, S),
+    Declaration(c"outbox.processing_timeout", Sighup, NONE, Int(&PROCESSING_TIMEOUT_S),
         c"Claims older than this are stuck: the sweeper returns them to pending."),
-    Declaration(c"outbox.ack_timeout", Sighup, NONE, Int(&ACK_TIMEOUT_S, 0, 30 * DAY_S, S),
+    Declaration(c"outbox.ack_timeout", Sighup, NONE, Int(&ACK_TIMEOUT_S),
         c"Dispatched events not acknowledged within this are sent again; 0 (the default) turns acknowledgements off."),
-    Declaration(c"outbox.max_redeliveries", Sighup, NONE, Int(&MAX_REDELIVERIES, 0, 1000, NONE),
+    Declaration(c"outbox.max_redeliveries", Sighup, NONE, Int(&MAX_REDELIVERIES),
         c"Re-sends of an unacknowledged event before it is failed."),
-    Declaration(c"outbox.statement_timeout", Sighup, NONE, Int(&STATEMENT_TIMEOUT_MS, 100, HOUR_MS, MS),
+    Declaration(c"outbox.statement_timeout", Sighup, NONE, Int(&STATEMENT_TIMEOUT_MS),
         c"Longest a dispatcher's statement may run; it is then cancelled and tried again later."),
-    Declaration(c"outbox.sweep_interval", Sighup, NONE, Int(&SWEEP_INTERVAL_S, 1, DAY_S, S),
+    Declaration(c"outbox.sweep_interval", Sighup, NONE, Int(&SWEEP_INTERVAL_S),
         c"Period of the stuck and unacknowledged sweepers."),
-    Declaration(c"outbox.retention", Sighup, NONE, Int(&RETENTION_S, 1, 3650 * DAY_S, S),
+    Declaration(c"outbox.retention", Sighup, NONE, Int(&RETENTION_S),
         c"Finished events are kept at least this long after their generation ended: each is current for half of it, then truncated once it ended this long ago."),
-    Declaration(c"outbox.lifecycle_interval", Sighup, NONE, Int(&LIFECYCLE_INTERVAL_S, 1, DAY_S, S),
+    Declaration(c"outbox.lifecycle_interval", Sighup, NONE, Int(&LIFECYCLE_INTERVAL_S),
         c"Period of the rotation's steps (advance, moves, truncation) and of the inbox's purge."),
-    Declaration(c"outbox.heartbeat_interval", Sighup, NONE, Int(&HEARTBEAT_INTERVAL_S, 1, DAY_S, S),
+    Declaration(c"outbox.heartbeat_interval", Sighup, NONE, Int(&HEARTBEAT_INTERVAL_S),
         c"Period of the broker PING while idle."),
     Declaration(c"outbox.report_key", Sighup, NONE, Text(&REPORT_KEY),
         c"Redis list or AMQP queue Celery workers running outbox_dispatch.celery report outcomes to; empty: none asked for or read."),
-    Declaration(c"outbox.report_timeout", Sighup, NONE, Int(&REPORT_TIMEOUT_S, 0, 30 * DAY_S, S),
+    Declaration(c"outbox.report_timeout", Sighup, NONE, Int(&REPORT_TIMEOUT_S),
         c"A dispatched event not reported by a worker within this is listed in outbox.unreported; 0: never."),
     Declaration(c"outbox.notify", Userset, NONE, Bool(&NOTIFY),
         c"Inserts into outbox.events also NOTIFY outbox.notify_channel (serializes commits on one lock)."),
     Declaration(c"outbox.notify_channel", Userset, NONE, Text(&NOTIFY_CHANNEL),
         c"Channel of that NOTIFY."),
-    Declaration(c"outbox.max_payload_bytes", Suset, NONE, Int(&MAX_PAYLOAD_BYTES, 1, i32::MAX, GucFlags::UNIT_BYTE),
+    Declaration(c"outbox.max_payload_bytes", Suset, NONE, Int(&MAX_PAYLOAD_BYTES),
         c"Largest payload outbox_enqueue() accepts (its jsonb size); dispatchers do not check it again."),
-    Declaration(c"outbox.inbox_retention", Sighup, NONE, Int(&INBOX_RETENTION_S, 3600, 3650 * DAY_S, S),
+    Declaration(c"outbox.inbox_retention", Sighup, NONE, Int(&INBOX_RETENTION_S),
         c"Messages claimed with outbox_inbox_claim() are remembered this long: longer than any may come again."),
     Declaration(c"outbox.amqp_queue_type", Sighup, NONE, QueueType(&AMQP_QUEUE_TYPE),
         c"RabbitMQ: queues declared as classic or quorum (Celery's task_default_queue_type)."),
-    Declaration(c"outbox.amqp_max_priority", Sighup, NONE, Int(&AMQP_MAX_PRIORITY, 0, 255, NONE),
+    Declaration(c"outbox.amqp_max_priority", Sighup, NONE, Int(&AMQP_MAX_PRIORITY),
         c"RabbitMQ: x-max-priority of the queues declared (Celery's task_queue_max_priority); 0: none."),
     Declaration(c"outbox.moving", Suset, NONE, Bool(&MOVING),
         c"Set by the rotation, for its own transaction, while it moves events to the current generation: the insert triggers leave them as they are. Not for use."),
@@ -219,7 +239,8 @@ pub fn register(preloading: bool) {
         }
         match value {
             Bool(setting) => GucRegistry::define_bool_guc(name, description, c"", setting, context, flags),
-            Int(setting, min, max, unit) => {
+            Int(setting) => {
+                let (min, max, unit) = range(name);
                 GucRegistry::define_int_guc(name, description, c"", setting, min, max, context, flags | unit)
             }
             Text(setting) => GucRegistry::define_string_guc(name, description, c"", setting, context, flags),
@@ -251,6 +272,23 @@ pub fn register(preloading: bool) {
     }
 }
 
+/// The range and unit `outbox_core::guc` declares of the integer setting
+/// `name`.
+fn range(name: &CStr) -> (i32, i32, GucFlags) {
+    let declared = name.to_str().ok().and_then(guc::declared);
+    let Some(&guc::Declared { kind: guc::Kind::Int { min, max, unit, .. }, .. }) = declared else {
+        panic!("{name:?} is not an integer setting of outbox_core::guc");
+    };
+    let unit = match unit {
+        guc::Unit::None => NONE,
+        guc::Unit::Bytes => GucFlags::UNIT_BYTE,
+        guc::Unit::Kb => GucFlags::UNIT_KB,
+        guc::Unit::Ms => GucFlags::UNIT_MS,
+        guc::Unit::S => GucFlags::UNIT_S,
+    };
+    (min, max, unit)
+}
+
 /// Refuses a value of `outbox.database` that does not parse, saying why.
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn check_databases(
@@ -273,13 +311,6 @@ unsafe extern "C-unwind" fn check_databases(
     }
 }
 
-/// `outbox.broker_url`, or while it is empty `outbox.redis_url` (its
-/// former name). Both set, to different URLs: `outbox.broker_url` wins
-/// (logged as a warning by the dispatchers).
-fn broker_url() -> String {
-    Some(text(&BROKER_URL)).filter(|url| !url.is_empty()).unwrap_or_else(|| text(&REDIS_URL))
-}
-
 /// Both `outbox.broker_url` and `outbox.redis_url` are set, and differ.
 pub fn broker_url_conflict() -> bool {
     let (broker, redis) = (text(&BROKER_URL), text(&REDIS_URL));
@@ -294,15 +325,6 @@ pub fn url_settings() -> [(&'static str, String); 2] {
 
 fn text(setting: &GucSetting<Option<CString>>) -> String {
     setting.get().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
-}
-
-/// A file setting; empty means none.
-fn path(setting: &GucSetting<Option<CString>>) -> Option<PathBuf> {
-    Some(text(setting)).filter(|f| !f.is_empty()).map(PathBuf::from)
-}
-
-fn millis(setting: &GucSetting<i32>) -> Duration {
-    Duration::from_millis(setting.get().max(0) as u64)
 }
 
 fn seconds(setting: &GucSetting<i32>) -> Duration {
@@ -333,108 +355,20 @@ pub fn notify_channel() -> Option<CString> {
 pub use outbox_core::engine::Settings;
 pub use outbox_core::store::KeyPolicy;
 
-/// The report list of the current database: `outbox.report_key`, a colon
-/// and the database's OID. One list per database, because a dispatcher
-/// trims what it reads: one database's dispatchers would drop another's
-/// reports as stale. By OID, so that a rename loses none in flight.
-fn report_list(key: &str) -> String {
-    // SAFETY: a process global, set once connected.
-    format!("{key}:{}", unsafe { pgrx::pg_sys::MyDatabaseId }.to_u32())
-}
-
-/// The settings as they are now.
+/// The settings as they are now; values PostgreSQL took are valid.
 pub fn current() -> Settings {
-    let broker = BrokerConfig {
-        url: broker_url(),
-        timeout: millis(&REDIS_TIMEOUT_MS),
-        tls_ca_file: path(&REDIS_TLS_CA_FILE),
-        password_file: path(&REDIS_PASSWORD_FILE),
-        max_batch_bytes: MAX_BATCH_BYTES_KB.get().max(1) as usize * 1024,
-        sentinel_master: text(&REDIS_SENTINEL_MASTER),
-        sentinel_password_file: path(&REDIS_SENTINEL_PASSWORD_FILE),
-        wait_replicas: REDIS_WAIT_REPLICAS.get().max(0) as u32,
-        key_prefix: text(&REDIS_KEY_PREFIX),
-        priority_steps: text(&PRIORITY_STEPS),
-        priority_separator: Some(text(&PRIORITY_SEPARATOR))
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| KOMBU_SEPARATOR.to_string()),
-        queues: QueueShape {
-            kind: match AMQP_QUEUE_TYPE.get() {
-                AmqpQueueType::Classic => QueueKind::Classic,
-                AmqpQueueType::Quorum => QueueKind::Quorum,
-            },
-            max_priority: AMQP_MAX_PRIORITY.get().clamp(0, 255) as u8,
-        },
-        // The broker closes a connection it heard nothing on for two
-        // heartbeats; the dispatcher PINGs every heartbeat_interval.
-        heartbeat: seconds(&HEARTBEAT_INTERVAL_S) + Duration::from_secs(10),
-    };
-    let batch_size = BATCH_SIZE.get().max(1) as usize;
-    let batch_budget = batch_budget(broker.max_batch_bytes, MAX_PAYLOAD_BYTES.get().max(1) as usize);
-    let longest = longest_push(&broker, batch_size, MAX_PAYLOAD_BYTES.get().max(1) as usize);
-    let processing_timeout = seconds(&PROCESSING_TIMEOUT_S);
-    // A push paused by the broker (an alarm) may wait, from its claim,
-    // as long as the claim's timeout leaves beyond the longest push:
-    // the sweeper must not hand it to another dispatcher meanwhile.
-    let pause_limit = processing_timeout.saturating_sub(longest);
-    Settings {
-        enabled: ENABLED.get(),
-        broker,
-        batch_size,
-        poll_interval: millis(&POLL_INTERVAL_MS),
-        linger: millis(&LINGER_MS),
-        max_retries: MAX_RETRIES.get(),
-        retry_backoff: millis(&RETRY_BACKOFF_MS),
-        reconnect_delay_min: millis(&RECONNECT_DELAY_MIN_MS),
-        reconnect_delay_max: millis(&RECONNECT_DELAY_MAX_MS),
-        processing_timeout: processing_timeout.max(longest),
-        processing_timeout_set: (processing_timeout < longest).then_some(processing_timeout),
-        pause_limit,
-        ack_timeout: seconds(&ACK_TIMEOUT_S),
-        max_redeliveries: MAX_REDELIVERIES.get(),
-        statement_timeout: millis(&STATEMENT_TIMEOUT_MS),
-        sweep_interval: seconds(&SWEEP_INTERVAL_S),
-        retention: seconds(&RETENTION_S),
-        inbox_retention: seconds(&INBOX_RETENTION_S),
-        lifecycle_interval: seconds(&LIFECYCLE_INTERVAL_S),
-        heartbeat_interval: seconds(&HEARTBEAT_INTERVAL_S),
-        report_key: Some(text(&REPORT_KEY)).filter(|k| !k.is_empty()).map(|k| report_list(&k)),
-        batch_budget,
-        keys: KeyPolicy {
-            dispatched: REPORT_KEY.get().is_none_or(|k| k.is_empty()) && ACK_TIMEOUT_S.get() == 0,
-            failed: KEY_ON_FAILURE.get() == KeyOnFailure::Continue,
-        },
+    // SAFETY: a process global, set once connected.
+    let database = unsafe { pgrx::pg_sys::MyDatabaseId }.to_u32();
+    Settings::read(&value, database).0
+}
+
+/// The value of the setting `name` as text, in its unit.
+fn value(name: &str) -> Option<String> {
+    let name = CString::new(name).ok()?;
+    // SAFETY: a declared setting's name; the value is copied before any
+    // other GUC call.
+    unsafe {
+        let value = pgrx::pg_sys::GetConfigOption(name.as_ptr(), true, false);
+        (!value.is_null()).then(|| CStr::from_ptr(value).to_string_lossy().into_owned())
     }
-}
-
-/// The most bytes of members' JSON (the size the routing trigger records)
-/// one batch of an accumulated subscription carries: its message, that JSON
-/// in base64 (4/3 of it) in an envelope, is no larger than an event's may be
-/// (`outbox.max_payload_bytes`, so that `outbox.processing_timeout`'s floor
-/// still holds) and fits in one round trip of `outbox.max_batch_bytes`. A
-/// single larger member still goes, alone.
-fn batch_budget(max_batch_bytes: usize, max_payload_bytes: usize) -> i64 {
-    const ENVELOPE: usize = 4096;
-    let message = max_batch_bytes.min(message_bytes(max_payload_bytes));
-    (message.saturating_sub(ENVELOPE) / 4 * 3).max(1) as i64
-}
-
-/// The largest message an event of `max_payload_bytes` makes: the payload
-/// in base64 (4/3) plus the envelope.
-fn message_bytes(max_payload_bytes: usize) -> usize {
-    max_payload_bytes.saturating_mul(4) / 3 + 2048
-}
-
-/// The longest a claim may stay in processing while its dispatcher is
-/// alive: a connect (a timeout per RabbitMQ node the URL lists), and one
-/// timeout per round trip of a batch of the largest messages, with a
-/// margin of one more. A shorter
-/// `outbox.processing_timeout` would let the sweeper hand a live claim to
-/// another dispatcher and send its events twice.
-fn longest_push(broker: &BrokerConfig, batch_size: usize, max_payload_bytes: usize) -> Duration {
-    let message = message_bytes(max_payload_bytes);
-    let round_trips = batch_size.saturating_mul(message).div_ceil(broker.max_batch_bytes.max(1));
-    let connect = if broker.url.starts_with("amqp") { broker.url.split(';').count() } else { 1 };
-    let seconds = broker.timeout.as_secs_f64() * ((round_trips + connect) as f64 + 1.0);
-    Duration::from_secs(seconds.ceil() as u64)
 }

@@ -43,16 +43,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_until(condition, timeout=30.0, interval=0.05, message="condition"):
+def wait_until(condition, timeout=30.0, interval=0.05, message="condition", seen=None):
     """Polls `condition` until it returns a truthy value, which it returns.
-    Deadlines are generous: these machines are shared and slow at times."""
+    Deadlines are generous: these machines are shared and slow at times.
+    On a timeout, `seen()` (when given) says what there was instead."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+            found = f"; found {seen()}" if seen else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}{found}")
         time.sleep(interval)
 
 

@@ -32,7 +32,8 @@ def connected(pg, database):
 
 def serving(pg, database, workers=1):
     wait_until(lambda: [r[2] for r in dispatchers(pg, database)] == ["idle"] * workers, timeout=30,
-               message=f"{workers} idle dispatchers in {database}")
+               message=f"{workers} idle dispatchers in {database}",
+               seen=lambda: pg.sql("SELECT database, worker, state, last_error FROM outbox.workers"))
 
 
 def enqueue(pg, database, queue, n=1):

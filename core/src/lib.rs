@@ -9,6 +9,7 @@ pub mod celery;
 pub mod databases;
 pub mod engine;
 pub mod exposition;
+pub mod guc;
 pub mod launch;
 pub mod link;
 pub mod metrics;
