@@ -1,23 +1,64 @@
-//! The sidecar's connection to PostgreSQL: a libpq connection string or
+//! The sidecar's connections to PostgreSQL: a libpq connection string or
 //! URL, with TLS unless it says `sslmode=disable`.
 
 use std::error::Error;
 use std::path::Path;
+use std::time::Duration;
 
 use postgres::config::SslMode;
-use postgres::{Client, Config, NoTls};
+use postgres::{CancelToken, Client, Config, NoTls};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
-/// Connects to `dsn`. TLS certificates must chain to the authorities of
-/// `ca_file` (`--tls-ca-file`), or to the system's.
+/// How to connect to one database, again and again.
+#[derive(Clone)]
+pub struct Connector {
+    config: Config,
+    /// `None`: `sslmode=disable`.
+    tls: Option<MakeRustlsConnect>,
+}
+
+impl Connector {
+    /// Parses `dsn`. TLS certificates must chain to the authorities of
+    /// `ca_file` (`--tls-ca-file`), or to the system's.
+    pub fn new(dsn: &str, ca_file: Option<&Path>) -> Result<Connector, String> {
+        let config: Config = dsn.parse().map_err(|e| format!("the DSN: {}", chain(&e)))?;
+        let tls = match config.get_ssl_mode() {
+            SslMode::Disable => None,
+            _ => {
+                let tls = outbox_core::tls::client_config("--tls-ca-file", ca_file)?;
+                Some(MakeRustlsConnect::new((*tls).clone()))
+            }
+        };
+        Ok(Connector { config, tls })
+    }
+
+    /// A new connection, given up after `timeout` (unless the DSN's
+    /// `connect_timeout` is shorter).
+    pub fn connect(&self, timeout: Duration) -> Result<Client, String> {
+        let mut config = self.config.clone();
+        if config.get_connect_timeout().is_none_or(|t| *t > timeout) {
+            config.connect_timeout(timeout);
+        }
+        let connected = match &self.tls {
+            None => config.connect(NoTls),
+            Some(tls) => config.connect(tls.clone()),
+        };
+        connected.map_err(|e| chain(&e))
+    }
+
+    /// Asks the server to cancel what the connection of `token` runs.
+    pub fn cancel(&self, token: &CancelToken) {
+        // A cancel that fails leaves the statement to its own deadline.
+        let _ = match &self.tls {
+            None => token.cancel_query(NoTls),
+            Some(tls) => token.cancel_query(tls.clone()),
+        };
+    }
+}
+
+/// Connects to `dsn` once.
 pub fn connect(dsn: &str, ca_file: Option<&Path>) -> Result<Client, String> {
-    let config: Config = dsn.parse().map_err(|e| format!("the DSN: {}", chain(&e)))?;
-    let connected = if config.get_ssl_mode() == SslMode::Disable {
-        config.connect(NoTls)
-    } else {
-        let tls = outbox_core::tls::client_config("--tls-ca-file", ca_file)?;
-        config.connect(tokio_postgres_rustls::MakeRustlsConnect::new((*tls).clone()))
-    };
-    connected.map_err(|e| chain(&e))
+    Connector::new(dsn, ca_file)?.connect(Duration::from_secs(30))
 }
 
 /// An error and its causes, each once: "error connecting to server" says

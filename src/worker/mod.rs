@@ -50,8 +50,14 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
 
     let settings = config::current();
     warn_of_two_urls(index);
-    let mut dispatcher =
-        Dispatcher::new(index, Background { slot }, SpiDb::default(), name, setup::origin(), settings);
+    let mut dispatcher = Dispatcher::new(
+        index,
+        Background { slot },
+        SpiDb::default(),
+        name,
+        outbox_core::engine::origin(),
+        settings,
+    );
     dispatcher.log_start();
     loop {
         // A SIGTERM that cut a step short exits here, between transactions.

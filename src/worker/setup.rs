@@ -1,6 +1,5 @@
 //! What a dispatcher sets up once connected, before its loop: the settings
-//! it pins whatever the database and role settings say, the allocator, and
-//! the name it gives as the messages' origin.
+//! it pins whatever the database and role settings say, and the allocator.
 
 use std::ffi::{CStr, CString};
 
@@ -192,14 +191,4 @@ fn database_name() -> String {
             unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned()
         }
     })
-}
-
-/// `outbox_dispatch@<host>`: the messages' `origin` header.
-pub fn origin() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "localhost".to_string());
-    format!("outbox_dispatch@{host}")
 }

@@ -534,3 +534,17 @@ fn account(counters: &Counters, settled: &Outcome) -> Duration {
     counters.add(Counter::DeadLetters, settled.failures.len() as u64 - retries);
     soonest
 }
+
+/// The name of the machine, as the kernel has it.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// `outbox_dispatch@<host>`: the messages' `origin` header.
+pub fn origin() -> String {
+    format!("outbox_dispatch@{}", hostname())
+}

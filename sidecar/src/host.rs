@@ -1,0 +1,462 @@
+//! A dispatcher as a thread of `outbox-dispatch run`: what the engine
+//! needs of the process it runs in ([`outbox_core::engine::Host`]), kept
+//! in memory and shown in `outbox.sidecar_workers` (`outbox.workers`).
+//!
+//! The threads of one process share its counters and its control
+//! connection, which holds the turns (session advisory locks, taken by
+//! one thread of the process at a time) and writes the status rows, never
+//! inside a dispatcher's transaction. Each thread waits with poll(2) on
+//! the broker's socket and its [`Bell`], which the process rings for a
+//! wake, a reload or a shutdown.
+
+use std::cell::RefCell;
+use std::ffi::CStr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use postgres::Client;
+
+use outbox_core::engine::{Held, Host, State, Turn};
+use outbox_core::link::{Interest, Interrupted, Wait, NAP};
+use outbox_core::metrics::{Counters, WakeSource};
+use outbox_core::sink::{BrokerConfig, Persistence};
+
+use crate::connect::Connector;
+use crate::store::PgDb;
+
+/// The first key of every advisory lock of outbox_dispatch ("outb"); the
+/// install takes (KEY, 1).
+pub const LOCK_CLASS: i32 = 0x6f75_7462;
+/// The second key of dispatcher `n`'s lock: `DISPATCHER_LOCKS + n`.
+pub const DISPATCHER_LOCKS: i32 = 1000;
+/// The second key of a turn's lock: `TURN_LOCKS + turn`.
+const TURN_LOCKS: i32 = 2000;
+/// The status row is written at most this often, but for a change of state.
+const PUBLISH_EVERY: Duration = Duration::from_secs(1);
+
+/// What the threads of one process share.
+pub struct Process {
+    pub counters: Counters,
+    stopping: AtomicBool,
+    /// `host:pid` of this process, in the status rows.
+    pub name: String,
+    control: Control,
+    turns: [AtomicBool; Turn::COUNT],
+}
+
+impl Process {
+    pub fn new(connector: Connector, name: String) -> Process {
+        Process {
+            counters: Counters::default(),
+            stopping: AtomicBool::new(false),
+            name,
+            control: Control { connector, client: Mutex::new(None) },
+            turns: std::array::from_fn(|_| AtomicBool::new(false)),
+        }
+    }
+
+    /// A SIGTERM came: every thread stops.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// Runs `body` on the control connection; `None` when there is none
+    /// to be had or `body` failed (logged).
+    pub fn with_control<R>(&self, body: impl FnOnce(&mut Client) -> Result<R, String>) -> Option<R> {
+        self.control.with(body)
+    }
+}
+
+/// The control connection, made when first needed and again after it
+/// failed.
+struct Control {
+    connector: Connector,
+    client: Mutex<Option<Client>>,
+}
+
+impl Control {
+    /// Runs `body` on the connection; `None` when there is none to be had
+    /// or the statement failed (logged).
+    fn with<R>(&self, body: impl FnOnce(&mut Client) -> Result<R, String>) -> Option<R> {
+        let mut guard = self.client.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.as_ref().is_none_or(Client::is_closed) {
+            match self.connector.connect(Duration::from_secs(10)).and_then(|mut c| {
+                crate::run::pin_session(&mut c)?;
+                Ok(c)
+            }) {
+                Ok(client) => *guard = Some(client),
+                Err(e) => {
+                    crate::log::warning(&format!("the control connection failed: {e}"));
+                    *guard = None;
+                    return None;
+                }
+            }
+        }
+        let client = guard.as_mut()?;
+        match body(client) {
+            Ok(value) => Some(value),
+            Err(e) => {
+                crate::log::warning(&format!("the control connection: {e}"));
+                None
+            }
+        }
+    }
+}
+
+/// How the process reaches one thread: the flags it sets, and a pipe whose
+/// byte ends the thread's wait.
+pub struct Bell {
+    reload: AtomicBool,
+    wakes: AtomicU8,
+    read: OwnedFd,
+    write: OwnedFd,
+}
+
+impl Bell {
+    pub fn new() -> std::io::Result<Bell> {
+        let mut fds = [0; 2];
+        // SAFETY: two descriptors written into `fds` on success.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: the pipe's two ends, owned from here on.
+        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        Ok(Bell { reload: AtomicBool::new(false), wakes: AtomicU8::new(0), read, write })
+    }
+
+    /// Sleeps for `timeout`, or until the bell rings.
+    pub fn pause(&self, timeout: Duration) {
+        self.wait(None, timeout);
+    }
+
+    fn ring(&self) {
+        // SAFETY: one byte to our own non-blocking pipe; a full pipe rings
+        // already.
+        unsafe { libc::write(self.write.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+    }
+
+    /// Events may be waiting (`source`).
+    pub fn wake(&self, source: WakeSource) {
+        self.wakes.fetch_or(1 << source as u8, Ordering::SeqCst);
+        self.ring();
+    }
+
+    /// A SIGHUP: the settings are read again.
+    pub fn reload(&self) {
+        self.reload.store(true, Ordering::SeqCst);
+        self.ring();
+    }
+
+    /// Ends the wait for a shutdown (the flag is the process's).
+    pub fn stop(&self) {
+        self.ring();
+    }
+
+    pub fn take_reload(&self) -> bool {
+        self.reload.swap(false, Ordering::SeqCst)
+    }
+
+    fn reload_pending(&self) -> bool {
+        self.reload.load(Ordering::SeqCst)
+    }
+
+    /// Whether a wake came (and has not been slept on since).
+    pub fn woken(&self) -> bool {
+        self.wakes.load(Ordering::SeqCst) != 0
+    }
+
+    /// Waits for the socket, the bell, or the time to pass; empties the pipe.
+    fn wait(&self, socket: Option<(RawFd, Interest)>, timeout: Duration) {
+        let mut fds = vec![libc::pollfd { fd: self.read.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        if let Some((fd, interest)) = socket {
+            let events = match interest {
+                Interest::Readable => libc::POLLIN,
+                Interest::Writable => libc::POLLOUT,
+            };
+            fds.push(libc::pollfd { fd, events, revents: 0 });
+        }
+        // Rounded up: a wait of less than a millisecond is not a busy loop.
+        let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        // SAFETY: valid pollfds; EINTR just returns early.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if fds[0].revents != 0 {
+            let mut sink = [0u8; 64];
+            // SAFETY: reads our own non-blocking pipe into `sink`.
+            while unsafe { libc::read(self.read.as_raw_fd(), sink.as_mut_ptr().cast(), sink.len()) } > 0 {}
+        }
+    }
+}
+
+/// A dispatcher's row of `outbox.sidecar_workers`, as last set.
+#[derive(Clone, PartialEq)]
+struct Row {
+    state: State,
+    connected: bool,
+    last_error: Option<String>,
+    persistence: Option<Persistence>,
+    dispatched: u64,
+    heartbeat: bool,
+}
+
+/// One dispatcher thread: dispatcher `index` on the connection whose
+/// backend is `pid`.
+pub struct Sidecar {
+    process: Arc<Process>,
+    bell: Arc<Bell>,
+    index: i32,
+    pid: i32,
+    database_oid: u32,
+    row: RefCell<Row>,
+    /// What was last written, and when.
+    published: RefCell<Option<(Row, Instant)>>,
+}
+
+impl Sidecar {
+    pub fn new(process: Arc<Process>, bell: Arc<Bell>, index: i32, pid: i32, database_oid: u32) -> Sidecar {
+        let row = Row {
+            state: State::Starting,
+            connected: false,
+            last_error: None,
+            persistence: None,
+            dispatched: 0,
+            heartbeat: false,
+        };
+        Sidecar {
+            process,
+            bell,
+            index,
+            pid,
+            database_oid,
+            row: RefCell::new(row),
+            published: RefCell::new(None),
+        }
+    }
+
+    /// Sleeps until `timeout` passed, a wake, a reload or a shutdown;
+    /// returns whether the time ran out.
+    pub fn sleep(&self, timeout: Duration) -> bool {
+        if self.bell.woken() || self.interrupt_pending() {
+            return false;
+        }
+        let started = Instant::now();
+        self.bell.wait(None, timeout);
+        !self.bell.woken() && !self.interrupt_pending() && started.elapsed() >= timeout
+    }
+
+    /// Writes the row when it changed (its state at once, the rest at most
+    /// every [`PUBLISH_EVERY`]).
+    pub fn publish(&self) {
+        let row = self.row.borrow().clone();
+        let due = match &*self.published.borrow() {
+            None => true,
+            Some((last, _)) if last.state != row.state || last.last_error != row.last_error => true,
+            Some((last, at)) => *last != row && at.elapsed() >= PUBLISH_EVERY,
+        };
+        if !due {
+            return;
+        }
+        let persistence = row.persistence.map(|p| p.name());
+        let written = self.process.control.with(|c| {
+            c.execute(
+                "INSERT INTO outbox.sidecar_workers AS w \
+                        (worker, pid, host, state, connected, started_at, last_heartbeat, last_error, \
+                         events_dispatched, broker_persistence) \
+                 VALUES ($1, $2, $3, $4, $5, pg_catalog.now(), CASE WHEN $6 THEN pg_catalog.now() END, $7, $8, $9) \
+                 ON CONFLICT (worker) DO UPDATE \
+                    SET pid = excluded.pid, host = excluded.host, state = excluded.state, \
+                        connected = excluded.connected, \
+                        started_at = CASE WHEN w.pid OPERATOR(pg_catalog.=) excluded.pid \
+                                          THEN w.started_at ELSE excluded.started_at END, \
+                        last_heartbeat = coalesce(excluded.last_heartbeat, \
+                                                  CASE WHEN w.pid OPERATOR(pg_catalog.=) excluded.pid \
+                                                       THEN w.last_heartbeat END), \
+                        last_error = excluded.last_error, events_dispatched = excluded.events_dispatched, \
+                        broker_persistence = excluded.broker_persistence",
+                &[
+                    &self.index,
+                    &self.pid,
+                    &self.process.name,
+                    &row.state.name(),
+                    &row.connected,
+                    &row.heartbeat,
+                    &row.last_error,
+                    &(row.dispatched as i64),
+                    &persistence,
+                ],
+            )
+            .map_err(|e| crate::connect::chain(&e))
+        });
+        if written.is_some() {
+            self.row.borrow_mut().heartbeat = false;
+            *self.published.borrow_mut() = Some((row, Instant::now()));
+        }
+    }
+
+    fn update(&self, change: impl FnOnce(&mut Row)) {
+        change(&mut self.row.borrow_mut());
+    }
+}
+
+/// A turn taken: both its flag in the process and its lock.
+struct TurnHeld {
+    process: Arc<Process>,
+    turn: Turn,
+}
+
+impl Drop for TurnHeld {
+    fn drop(&mut self) {
+        // A failed unlock: the lock goes with the control connection.
+        self.process.control.with(|c| {
+            c.execute(
+                "SELECT pg_catalog.pg_advisory_unlock($1, $2)",
+                &[&LOCK_CLASS, &(TURN_LOCKS + self.turn as i32)],
+            )
+            .map_err(|e| crate::connect::chain(&e))
+        });
+        self.process.turns[self.turn as usize].store(false, Ordering::SeqCst);
+    }
+}
+
+/// The [`Wait`] of broker operations: the socket and the bell; a
+/// shutdown abandons the operation. A reload does not: the broker's
+/// settings are the process's own, read at its start.
+pub struct Waiter {
+    process: Arc<Process>,
+    bell: Arc<Bell>,
+}
+
+impl Wait for Waiter {
+    fn wait(&mut self, socket: Option<(RawFd, Interest)>, deadline: Instant) -> Result<(), Interrupted> {
+        self.check()?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.bell.wait(socket, if socket.is_some() { left } else { left.min(NAP) });
+        self.check()
+    }
+
+    fn check(&mut self) -> Result<(), Interrupted> {
+        if self.process.stopping() {
+            return Err(Interrupted);
+        }
+        Ok(())
+    }
+}
+
+impl Host for Sidecar {
+    type Db = PgDb;
+    type Waiter = Waiter;
+
+    fn waiter(&self, _config: &BrokerConfig) -> Waiter {
+        Waiter { process: Arc::clone(&self.process), bell: Arc::clone(&self.bell) }
+    }
+
+    fn set_state(&self, state: State) {
+        self.update(|r| r.state = state);
+    }
+
+    fn resume(&self) {
+        self.update(|r| {
+            if r.state == State::Paused {
+                r.state = State::Idle;
+            }
+        });
+    }
+
+    fn set_error(&self, error: Option<&str>) {
+        self.update(|r| r.last_error = error.map(str::to_string));
+    }
+
+    fn set_connected(&self, connected: bool) {
+        self.update(|r| r.connected = connected);
+    }
+
+    fn heartbeat(&self) {
+        self.update(|r| r.heartbeat = true);
+    }
+
+    fn set_persistence(&self, persistence: Persistence) {
+        self.update(|r| r.persistence = Some(persistence));
+    }
+
+    fn add_dispatched(&self, events: u64) {
+        self.update(|r| r.dispatched += events);
+    }
+
+    fn take_wake_sources(&self) -> u8 {
+        self.bell.wakes.swap(0, Ordering::SeqCst)
+    }
+
+    fn take_turn(&self, turn: Turn) -> Option<Held> {
+        let flag = &self.process.turns[turn as usize];
+        if flag.swap(true, Ordering::SeqCst) {
+            return None;
+        }
+        let taken = self.process.control.with(|c| {
+            c.query_one(
+                "SELECT pg_catalog.pg_try_advisory_lock($1, $2)",
+                &[&LOCK_CLASS, &(TURN_LOCKS + turn as i32)],
+            )
+            .map(|row| row.get::<_, bool>(0))
+            .map_err(|e| crate::connect::chain(&e))
+        });
+        if taken != Some(true) {
+            flag.store(false, Ordering::SeqCst);
+            return None;
+        }
+        Some(Box::new(TurnHeld { process: Arc::clone(&self.process), turn }))
+    }
+
+    fn counters(&self) -> &Counters {
+        &self.process.counters
+    }
+
+    fn report_running(&self, _what: &'static CStr) {}
+
+    fn log(&self, message: &str) {
+        crate::log::info(message);
+    }
+
+    fn warning(&self, message: &str) {
+        crate::log::warning(message);
+    }
+
+    fn interrupt_pending(&self) -> bool {
+        self.process.stopping() || self.bell.reload_pending()
+    }
+
+    fn linger(&self, until: Instant) -> bool {
+        loop {
+            if self.interrupt_pending() {
+                return false;
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return true;
+            }
+            self.bell.wait(None, left);
+        }
+    }
+
+    fn found_outbox(&self, _found: bool, _asked: u64) {}
+
+    fn asked(&self) -> u64 {
+        0
+    }
+
+    fn database_oid(&self) -> u32 {
+        self.database_oid
+    }
+
+    fn leave(&self) -> ! {
+        crate::log::warning(
+            "the outbox is no longer installed in the database (or the extension was created there): \
+             outbox-dispatch run stops",
+        );
+        std::process::exit(crate::run::EXIT_NOT_INSTALLED)
+    }
+}

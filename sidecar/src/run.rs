@@ -1,0 +1,431 @@
+//! `outbox-dispatch run`: the dispatchers of one database, as threads of
+//! this process, each on a connection of its own (a backend of the
+//! server), running the engine the background workers run.
+//!
+//! The main thread takes the signals (blocked in every thread, taken with
+//! `sigtimedwait`): SIGTERM or SIGINT stops every dispatcher, cancelling
+//! the statements they run and abandoning their broker operations; SIGHUP
+//! reads the settings again. A thread whose connection fails connects
+//! again after a backoff with jitter, under the first dispatcher number
+//! free (a session advisory lock, which no two dispatchers of the database
+//! hold: the number tells whose claims a restart puts back in line).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use postgres::Client;
+
+use outbox_core::backoff;
+use outbox_core::engine::{self, Dispatcher, Host, Settings, State};
+use outbox_core::guc;
+use outbox_core::metrics::WakeSource;
+
+use crate::connect::{chain, Connector};
+use crate::host::{Bell, Process, Sidecar, DISPATCHER_LOCKS, LOCK_CLASS};
+use crate::store::{PgDb, Watchdog};
+use crate::{log, script};
+
+/// The exit status when the outbox is not installed, is installed at
+/// another release, or the extension serves the database.
+pub const EXIT_NOT_INSTALLED: i32 = 3;
+/// The most dispatchers one database's sidecars may run together.
+const MAX_DISPATCHERS: i32 = 1000;
+/// How long a connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a stop waits for the dispatchers to finish what they do.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Reconnects to the database back off between these.
+const RECONNECT_MIN: Duration = Duration::from_secs(1);
+const RECONNECT_MAX: Duration = Duration::from_secs(30);
+
+/// What `run` is given: the sidecar's own configuration. The rest of the
+/// settings are the database's (`outbox.settings`, `ALTER DATABASE ... SET`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunConfig {
+    pub dsn: String,
+    pub tls_ca_file: Option<PathBuf>,
+    pub dispatchers: usize,
+    /// The longest a dispatcher sleeps without a wake (a NOTIFY).
+    pub poll_interval: Duration,
+    /// The settings that belong to the sidecar (secrets, paths on its
+    /// host), by their names in the database.
+    pub own: Vec<(&'static str, String)>,
+}
+
+/// Settings the sidecar's configuration holds, never the database: their
+/// option, environment variable and setting.
+pub const OWN_SETTINGS: [(&str, &str, &str); 4] = [
+    ("--broker-url", "OUTBOX_BROKER_URL", "outbox.broker_url"),
+    ("--broker-password-file", "OUTBOX_BROKER_PASSWORD_FILE", "outbox.redis_password_file"),
+    ("--broker-tls-ca-file", "OUTBOX_BROKER_TLS_CA_FILE", "outbox.redis_tls_ca_file"),
+    ("--sentinel-password-file", "OUTBOX_SENTINEL_PASSWORD_FILE", "outbox.redis_sentinel_password_file"),
+];
+
+/// Pins what every statement of the sidecar relies on, whatever the
+/// database's and the role's settings say.
+pub fn pin_session(client: &mut Client) -> Result<(), String> {
+    client
+        .batch_execute(
+            "SET search_path = pg_catalog, pg_temp; \
+             SET synchronous_commit = off; \
+             SET lock_timeout = '1s'; \
+             SET statement_timeout = 0; \
+             SET idle_in_transaction_session_timeout = 0; \
+             SET default_transaction_isolation = 'read committed'; \
+             SET default_transaction_read_only = off; \
+             SET enable_bitmapscan = off; \
+             SET enable_sort = off; \
+             SET jit = off; \
+             SET DateStyle = 'ISO, YMD'; \
+             SET IntervalStyle = postgres; \
+             SET TimeZone = 'UTC'; \
+             SET application_name = 'outbox-dispatch'; \
+             SET outbox.notify = off; \
+             SET outbox.dispatching = on; \
+             SELECT pg_catalog.set_config('transaction_timeout', '0', false) \
+              WHERE pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 170000",
+        )
+        .map_err(|e| chain(&e))
+}
+
+/// Why a database is not served.
+enum Check {
+    /// For good: the outbox is not installed, or at another release, or
+    /// the extension serves the database.
+    Refused(String),
+    /// For now: the connection or a statement failed.
+    Failed(String),
+}
+
+impl From<postgres::Error> for Check {
+    fn from(e: postgres::Error) -> Check {
+        Check::Failed(chain(&e))
+    }
+}
+
+/// Whether this database is served by `run`: the outbox of this release
+/// installed, and not the extension.
+fn check_installed(client: &mut Client) -> Result<(), Check> {
+    let row = client.query_one(
+        "SELECT EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname = 'outbox_dispatch'), \
+                pg_catalog.to_regclass('outbox.installed') IS NOT NULL",
+        &[],
+    )?;
+    if row.get::<_, bool>(0) {
+        return Err(Check::Refused(
+            "the extension outbox_dispatch is created in this database: its background workers deliver its \
+             events; outbox-dispatch run is for databases where it cannot be loaded"
+                .into(),
+        ));
+    }
+    if !row.get::<_, bool>(1) {
+        return Err(Check::Refused(
+            "the outbox is not installed in this database: run outbox-dispatch install".into(),
+        ));
+    }
+    let version: String = client
+        .query_one("SELECT version FROM outbox.installed ORDER BY installed_at DESC LIMIT 1", &[])?
+        .get(0);
+    if version != script::VERSION {
+        return Err(Check::Refused(format!(
+            "outbox_dispatch {version} is installed in this database and this outbox-dispatch is {}: \
+             run the outbox-dispatch of {version}",
+            script::VERSION
+        )));
+    }
+    Ok(())
+}
+
+/// Connects to the database and checks it is one to serve.
+fn connect_checked(connector: &Connector) -> Result<Client, Check> {
+    let mut client = connector.connect(CONNECT_TIMEOUT).map_err(Check::Failed)?;
+    pin_session(&mut client).map_err(Check::Failed)?;
+    check_installed(&mut client)?;
+    Ok(client)
+}
+
+/// The settings: the sidecar's own from its configuration, the others as
+/// the database has them; the values refused are named in the log and in
+/// `last_error`.
+fn read_settings(
+    client: &mut Client,
+    own: &[(&'static str, String)],
+    oid: u32,
+) -> Result<(Settings, Vec<String>), String> {
+    let names: Vec<&str> = guc::DECLARED.iter().map(|d| d.name).collect();
+    let rows = client
+        .query("SELECT n, outbox.setting(n) FROM pg_catalog.unnest($1::text[]) AS n", &[&names])
+        .map_err(|e| chain(&e))?;
+    let database: HashMap<String, Option<String>> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let value = |name: &str| match own.iter().find(|(n, _)| *n == name) {
+        Some((_, v)) => Some(v.clone()),
+        None if OWN_SETTINGS.iter().any(|(_, _, n)| *n == name) => None,
+        None => database.get(name).cloned().flatten(),
+    };
+    let (settings, invalid) = Settings::read(&value, oid);
+    Ok((settings, invalid.iter().map(|i| format!("{i}: using the default")).collect()))
+}
+
+/// Runs the dispatchers until a SIGTERM or SIGINT; the exit status.
+pub fn run(config: RunConfig) -> i32 {
+    let signals = block_signals();
+    let connector = match Connector::new(&config.dsn, config.tls_ca_file.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            log::error(&e);
+            return 2;
+        }
+    };
+    // Refused at once, rather than retried: nothing here will change.
+    match connect_checked(&connector) {
+        Ok(_) => {}
+        Err(Check::Refused(why)) => {
+            log::error(&why);
+            return EXIT_NOT_INSTALLED;
+        }
+        Err(Check::Failed(why)) => log::warning(&format!("connecting: {why}; trying again")),
+    }
+    let process =
+        Arc::new(Process::new(connector.clone(), format!("{}:{}", engine::hostname(), std::process::id())));
+    let config = Arc::new(config);
+    let watchdogs: Arc<Mutex<HashMap<usize, Watchdog>>> = Arc::default();
+    let mut bells = Vec::new();
+    let mut threads: Vec<JoinHandle<()>> = Vec::new();
+    for slot in 0..config.dispatchers {
+        let bell = match Bell::new() {
+            Ok(bell) => Arc::new(bell),
+            Err(e) => {
+                log::error(&format!("a pipe: {e}"));
+                return 1;
+            }
+        };
+        bells.push(Arc::clone(&bell));
+        let (process, config, connector, watchdogs) =
+            (Arc::clone(&process), Arc::clone(&config), connector.clone(), Arc::clone(&watchdogs));
+        let spawned = std::thread::Builder::new()
+            .name(format!("dispatcher {slot}"))
+            .spawn(move || serve(slot, &process, &bell, &config, &connector, &watchdogs));
+        match spawned {
+            Ok(handle) => threads.push(handle),
+            Err(e) => {
+                log::error(&format!("a thread: {e}"));
+                return 1;
+            }
+        }
+    }
+    {
+        let (process, bells, connector) = (Arc::clone(&process), bells.clone(), connector.clone());
+        let _ = std::thread::Builder::new()
+            .name("listener".into())
+            .spawn(move || crate::listen::listen(&process, &bells, &connector));
+    }
+    log::info(&format!(
+        "outbox-dispatch {} running {} dispatcher(s), polling every {} ms",
+        script::VERSION,
+        config.dispatchers,
+        config.poll_interval.as_millis()
+    ));
+    loop {
+        match next_signal(&signals, Duration::from_secs(1)) {
+            Some(libc::SIGHUP) => {
+                log::info("received SIGHUP, reading the settings again");
+                bells.iter().for_each(|b| b.reload());
+            }
+            Some(signal) => {
+                log::info(&format!(
+                    "received {}, stopping",
+                    if signal == libc::SIGINT { "SIGINT" } else { "SIGTERM" }
+                ));
+                break;
+            }
+            None if threads.iter().all(JoinHandle::is_finished) => break,
+            None => {}
+        }
+    }
+    process.stop();
+    bells.iter().for_each(|b| b.stop());
+    watchdogs.lock().unwrap_or_else(|e| e.into_inner()).values().for_each(Watchdog::cancel_now);
+    let deadline = Instant::now() + STOP_TIMEOUT;
+    while Instant::now() < deadline && !threads.iter().all(JoinHandle::is_finished) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if threads.iter().all(JoinHandle::is_finished) {
+        log::info("stopped");
+        0
+    } else {
+        log::warning(&format!(
+            "dispatchers still busy after {}s: exiting all the same",
+            STOP_TIMEOUT.as_secs()
+        ));
+        1
+    }
+}
+
+/// One dispatcher thread: serves until the process stops, connecting
+/// again (after a backoff) whenever its connection fails. A panic ends the
+/// session, not the thread.
+fn serve(
+    slot: usize,
+    process: &Arc<Process>,
+    bell: &Arc<Bell>,
+    config: &RunConfig,
+    connector: &Connector,
+    watchdogs: &Mutex<HashMap<usize, Watchdog>>,
+) {
+    let mut attempt = 0u32;
+    while !process.stopping() {
+        let started = Instant::now();
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            session(slot, process, bell, config, connector, watchdogs)
+        }));
+        let why = match served {
+            Ok(Ok(())) => continue,
+            Ok(Err(why)) => why,
+            Err(_) => "a panic (a bug: please report it)".to_string(),
+        };
+        if process.stopping() {
+            break;
+        }
+        // A session that served a while starts the backoff again.
+        if started.elapsed() > RECONNECT_MAX {
+            attempt = 0;
+        }
+        let delay = backoff::reconnect_delay(RECONNECT_MIN, RECONNECT_MAX, attempt, backoff::random_unit());
+        attempt = attempt.saturating_add(1);
+        log::warning(&format!(
+            "dispatcher thread {slot}: {why}; connecting again in {:.1}s",
+            delay.as_secs_f64()
+        ));
+        let until = Instant::now() + delay;
+        while !process.stopping() && Instant::now() < until {
+            bell.pause(until - Instant::now());
+        }
+    }
+}
+
+/// One connection's life: takes a dispatcher number, serves under it
+/// until the connection fails (an error) or the process stops (`Ok`).
+fn session(
+    slot: usize,
+    process: &Arc<Process>,
+    bell: &Arc<Bell>,
+    config: &RunConfig,
+    connector: &Connector,
+    watchdogs: &Mutex<HashMap<usize, Watchdog>>,
+) -> Result<(), String> {
+    let mut client = match connect_checked(connector) {
+        Ok(client) => client,
+        Err(Check::Failed(why)) => return Err(why),
+        Err(Check::Refused(why)) => {
+            log::error(&why);
+            std::process::exit(EXIT_NOT_INSTALLED);
+        }
+    };
+    let row = client
+        .query_one(
+            "SELECT d.oid, d.datname::text, pg_catalog.pg_backend_pid() \
+               FROM pg_catalog.pg_database AS d WHERE d.datname = pg_catalog.current_database()",
+            &[],
+        )
+        .map_err(|e| chain(&e))?;
+    let (oid, database, pid): (u32, String, i32) = (row.get(0), row.get(1), row.get(2));
+    let index = take_index(&mut client)?;
+    let (settings, invalid) = read_settings(&mut client, &config.own, oid)?;
+    let db = {
+        let connector = connector.clone();
+        PgDb::new(client, move |token| connector.cancel(token))
+    };
+    watchdogs.lock().unwrap_or_else(|e| e.into_inner()).insert(slot, db.watchdog());
+    let closed = db.closed();
+    let host = Sidecar::new(Arc::clone(process), Arc::clone(bell), index, pid, oid);
+    let mut dispatcher = Dispatcher::new(index as usize, host, db, database, engine::origin(), settings);
+    dispatcher.log_start();
+    show_invalid(dispatcher.host(), &invalid);
+    loop {
+        if process.stopping() {
+            dispatcher.host().set_state(State::Stopped);
+            dispatcher.host().publish();
+            return Ok(());
+        }
+        if bell.take_reload() {
+            let read = process.with_control(|c| read_settings(c, &config.own, oid));
+            match read {
+                Some((settings, invalid)) => {
+                    dispatcher.reconfigure(settings);
+                    show_invalid(dispatcher.host(), &invalid);
+                }
+                None => log::warning(&format!(
+                    "dispatcher {index}: the settings could not be read: kept as they were"
+                )),
+            }
+        }
+        let nap = dispatcher.step();
+        dispatcher.host().publish();
+        if closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(format!("dispatcher {index}: the connection to the database was lost"));
+        }
+        let timed_out = dispatcher.host().sleep(nap.min(config.poll_interval));
+        dispatcher.count_wake(timed_out);
+    }
+}
+
+/// Names the values refused, in the log and in `last_error`.
+fn show_invalid(host: &Sidecar, invalid: &[String]) {
+    for why in invalid {
+        host.warning(why);
+    }
+    if !invalid.is_empty() {
+        host.set_error(Some(&invalid.join("; ")));
+    }
+}
+
+/// The first dispatcher number no session holds, held by this one until it
+/// ends.
+fn take_index(client: &mut Client) -> Result<i32, String> {
+    let row = client
+        .query_one(
+            "SELECT n FROM pg_catalog.generate_series(0, $2 - 1) AS n \
+              WHERE pg_catalog.pg_try_advisory_lock($1, $3 + n) LIMIT 1",
+            &[&LOCK_CLASS, &MAX_DISPATCHERS, &DISPATCHER_LOCKS],
+        )
+        .map_err(|e| chain(&e));
+    match row {
+        Ok(row) => Ok(row.get(0)),
+        Err(e) if e.contains("no rows") => {
+            Err(format!("{MAX_DISPATCHERS} dispatchers serve this database already"))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Blocks the signals the main thread takes, in it and every thread it
+/// starts.
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: a signal set built and installed for this thread.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            libc::sigaddset(&mut set, signal);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+/// The next of `signals` to come within `timeout`.
+fn next_signal(signals: &libc::sigset_t, timeout: Duration) -> Option<i32> {
+    let timeout =
+        libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
+    // SAFETY: a blocked set, a timeout; no siginfo wanted.
+    let signal = unsafe { libc::sigtimedwait(signals, std::ptr::null_mut(), &timeout) };
+    (signal > 0).then_some(signal)
+}
+
+/// Rings every bell for a wake of `source`.
+pub fn wake_all(bells: &[Arc<Bell>], source: WakeSource) {
+    bells.iter().for_each(|b| b.wake(source));
+}
