@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -56,6 +57,32 @@ def wait_until(condition, timeout=30.0, interval=0.05, message="condition", seen
             found = f"; found {seen()}" if seen else ""
             raise AssertionError(f"timed out after {timeout}s waiting for {message}{found}")
         time.sleep(interval)
+
+
+class SilentBroker:
+    """Accepts connections and never says a word (a proxy whose backend is gone)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.held = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self):
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
 
 
 def make_tls_files():

@@ -6,7 +6,6 @@ privileges, a password in the DSN, a second install, a database with the
 extension or a planted schema, a writer that sets the settings a placeholder
 leaves open to it."""
 
-import os
 import shutil
 import subprocess
 import uuid
@@ -14,52 +13,18 @@ import uuid
 import psycopg
 import pytest
 
-from harness import ROOT, Cluster, make_tls_files
-
-BIN = os.environ.get("OUTBOX_DISPATCH_BIN", str(ROOT / "target" / "debug" / "outbox-dispatch"))
-
-def run(*args, env=None):
-    return subprocess.run([BIN, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
-
+from harness import make_tls_files
+from standalone import BIN, dsn, fresh_database, install, plain_server, run
 
 @pytest.fixture(scope="module")
 def server():
-    """A server without the library, roles owner (of database app) and
-    writer, both LOGIN and neither superuser."""
-    pg = Cluster("redis://127.0.0.1:1/0", preload=False)
-    try:
-        pg.sql("CREATE ROLE owner LOGIN")
-        pg.sql("CREATE ROLE writer LOGIN")
-        pg.sql("CREATE ROLE monitor LOGIN IN ROLE pg_monitor")
-        pg.sql("CREATE ROLE other LOGIN")
+    with plain_server() as pg:
         yield pg
-    finally:
-        pg.close()
-
-
-def dsn(pg, user, dbname):
-    return f"host={pg.dir} port={pg.port} user={user} dbname={dbname}"
-
-
-def fresh_database(pg, name, owner="owner"):
-    pg.sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    pg.sql(f"CREATE DATABASE {name} OWNER {owner}")
 
 
 @pytest.fixture(scope="module")
 def app(server):
-    """Database app, installed by its owner, with writer granted as the
-    README says."""
-    fresh_database(server, "app")
-    result = run("install", "--dsn", dsn(server, "owner", "app"))
-    assert result.returncode == 0, result.stderr
-    with server.connect(dbname="app", user="owner") as conn:
-        conn.execute("GRANT USAGE ON SCHEMA outbox TO writer")
-        conn.execute("GRANT INSERT ON outbox.events, outbox.log TO writer")
-        conn.execute("GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, "
-                     "interval, jsonb, text), outbox_ack(uuid), outbox_skip(uuid), outbox_inbox_claim(uuid, text), "
-                     "outbox_subscribe(text, text, text, integer, integer, interval) TO writer")
+    install(server, "app")
     return server
 
 
@@ -211,11 +176,9 @@ def test_tls_is_verified_against_the_ca_file(server):
     shutil.copy(tls / "server.key", key)
     shutil.chown(key, "postgres", "postgres")
     key.chmod(0o600)
-    pg = Cluster("redis://127.0.0.1:1/0", preload=False, server_conf={
+    with plain_server(server_conf={
         "listen_addresses": "'127.0.0.1'", "ssl": "on", "ssl_cert_file": f"'{tls / 'server.pem'}'",
-        "ssl_key_file": f"'{key}'"})
-    try:
-        pg.sql("CREATE ROLE owner LOGIN")
+        "ssl_key_file": f"'{key}'"}) as pg:
         fresh_database(pg, "app")
         url = f"postgresql://owner@127.0.0.1:{pg.port}/app?sslmode=require"
         result = run("install", "--dsn", url, "--tls-ca-file", str(tls / "other-ca.pem"))
@@ -226,9 +189,7 @@ def test_tls_is_verified_against_the_ca_file(server):
         assert pg.value("SELECT bool_and(ssl) FROM pg_stat_ssl JOIN pg_stat_activity USING (pid) "
                         "WHERE usename = 'owner'", dbname="app") in (True, None)
         assert pg.value("SELECT version FROM outbox.installed", dbname="app") == version()
-    finally:
-        pg.close()
-        shutil.rmtree(tls)
+    shutil.rmtree(tls)
 
 
 def version():

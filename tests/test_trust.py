@@ -4,15 +4,13 @@ dead-letter an event, pg_dump keeps the events, and the dispatchers report
 what they do as PostgreSQL's own workers do."""
 
 import re
-import socket
 import subprocess
-import threading
 import time
 
 import psycopg
 import pytest
 
-from harness import PG_BIN, Cluster, Redis, as_postgres, decode, queued_ids, wait_until
+from harness import PG_BIN, Cluster, Redis, SilentBroker, as_postgres, decode, queued_ids, wait_until
 
 
 def enqueue(pg, n, queue, payload="{}", dbname="postgres"):
@@ -139,32 +137,6 @@ def test_a_hostile_database_owner_gains_nothing_and_events_still_flow(redis_serv
 
 
 # -- every wait answers a shutdown ------------------------------------------------
-
-class SilentBroker:
-    """Accepts connections and never says a word (a proxy whose backend is gone)."""
-
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.held = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.held.append(conn)
-
-    def close(self):
-        self.sock.close()
-        for conn in self.held:
-            conn.close()
-
 
 @pytest.mark.parametrize("scheme", ["redis", "rediss"])
 def test_a_silent_broker_times_out_a_reload_recovers_and_shutdown_is_prompt(redis_server, scheme):

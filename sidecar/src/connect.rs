@@ -62,8 +62,17 @@ pub fn connect(dsn: &str, ca_file: Option<&Path>) -> Result<Client, String> {
 }
 
 /// An error and its causes, each once: "error connecting to server" says
-/// nothing without the refusal under it.
-pub fn chain(error: &dyn Error) -> String {
+/// nothing without the refusal under it. What the server raised is its
+/// message, with its detail and hint.
+pub fn chain(error: &(dyn Error + 'static)) -> String {
+    if let Some(db) = error.downcast_ref::<postgres::Error>().and_then(postgres::Error::as_db_error) {
+        let mut text = db.message().to_string();
+        for more in [db.detail(), db.hint()].into_iter().flatten() {
+            text.push_str(": ");
+            text.push_str(more);
+        }
+        return text;
+    }
     let mut text = error.to_string();
     let mut cause = error.source();
     while let Some(e) = cause {

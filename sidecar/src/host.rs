@@ -215,6 +215,9 @@ pub struct Sidecar {
     row: RefCell<Row>,
     /// What was last written, and when.
     published: RefCell<Option<(Row, Instant)>>,
+    /// Settings the database gets wrong: `last_error` while no other
+    /// error shows.
+    refused: RefCell<Option<String>>,
 }
 
 impl Sidecar {
@@ -235,6 +238,7 @@ impl Sidecar {
             database_oid,
             row: RefCell::new(row),
             published: RefCell::new(None),
+            refused: RefCell::new(None),
         }
     }
 
@@ -296,6 +300,13 @@ impl Sidecar {
             self.row.borrow_mut().heartbeat = false;
             *self.published.borrow_mut() = Some((row, Instant::now()));
         }
+    }
+
+    /// The settings refused at the last reading (logged by the caller),
+    /// shown in `last_error` until they are read right.
+    pub fn refuse_settings(&self, why: Option<String>) {
+        *self.refused.borrow_mut() = why.clone();
+        self.update(|r| r.last_error = why);
     }
 
     fn update(&self, change: impl FnOnce(&mut Row)) {
@@ -368,7 +379,8 @@ impl Host for Sidecar {
     }
 
     fn set_error(&self, error: Option<&str>) {
-        self.update(|r| r.last_error = error.map(str::to_string));
+        let shown = error.map(str::to_string).or_else(|| self.refused.borrow().clone());
+        self.update(|r| r.last_error = shown);
     }
 
     fn set_connected(&self, connected: bool) {

@@ -1,10 +1,22 @@
 //! The sidecar's log: one line per message on standard error, with the
 //! time in UTC and PostgreSQL's severities, for journald or a container's
 //! log. No message carries a password: URLs are redacted where they are
-//! made (`outbox_core::broker_url`), and the DSN is never printed.
+//! made (`outbox_core::broker_url`), the DSN is never printed, and every
+//! line is redacted once more of the URLs [`hide`] was given.
 
 use std::io::Write;
+use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use outbox_core::broker_url;
+
+/// The URLs no line may show but redacted.
+static HIDDEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// From now on, `url` shows redacted wherever a line would show it.
+pub fn hide(url: &str) {
+    HIDDEN.lock().unwrap_or_else(|e| e.into_inner()).push(url.to_string());
+}
 
 pub fn info(message: &str) {
     line("LOG", message);
@@ -19,6 +31,12 @@ pub fn error(message: &str) {
 }
 
 fn line(severity: &str, message: &str) {
+    let mut message = message.to_string();
+    for url in HIDDEN.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        if let Some(redacted) = broker_url::redact_within(&message, url) {
+            message = redacted;
+        }
+    }
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     let text = format!("{} {severity}:  {message}\n", utc(now.as_secs() as i64, now.subsec_millis()));
     // One write per line: the threads' lines do not interleave.

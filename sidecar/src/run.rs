@@ -109,19 +109,20 @@ impl From<postgres::Error> for Check {
 /// Whether this database is served by `run`: the outbox of this release
 /// installed, and not the extension.
 fn check_installed(client: &mut Client) -> Result<(), Check> {
-    let row = client.query_one(
-        "SELECT EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname = 'outbox_dispatch'), \
-                pg_catalog.to_regclass('outbox.installed') IS NOT NULL",
+    // The extension first: its schema may be one this role cannot see.
+    let extension = client.query_one(
+        "SELECT EXISTS (SELECT FROM pg_catalog.pg_extension WHERE extname = 'outbox_dispatch')",
         &[],
     )?;
-    if row.get::<_, bool>(0) {
+    if extension.get::<_, bool>(0) {
         return Err(Check::Refused(
             "the extension outbox_dispatch is created in this database: its background workers deliver its \
              events; outbox-dispatch run is for databases where it cannot be loaded"
                 .into(),
         ));
     }
-    if !row.get::<_, bool>(1) {
+    let installed = client.query_one("SELECT pg_catalog.to_regclass('outbox.installed') IS NOT NULL", &[])?;
+    if !installed.get::<_, bool>(0) {
         return Err(Check::Refused(
             "the outbox is not installed in this database: run outbox-dispatch install".into(),
         ));
@@ -172,6 +173,9 @@ fn read_settings(
 /// Runs the dispatchers until a SIGTERM or SIGINT; the exit status.
 pub fn run(config: RunConfig) -> i32 {
     let signals = block_signals();
+    for (_, value) in config.own.iter().filter(|(name, _)| *name == "outbox.broker_url") {
+        log::hide(value);
+    }
     let connector = match Connector::new(&config.dsn, config.tls_ca_file.as_deref()) {
         Ok(c) => c,
         Err(e) => {
@@ -377,9 +381,7 @@ fn show_invalid(host: &Sidecar, invalid: &[String]) {
     for why in invalid {
         host.warning(why);
     }
-    if !invalid.is_empty() {
-        host.set_error(Some(&invalid.join("; ")));
-    }
+    host.refuse_settings(Some(invalid.join("; ")).filter(|why| !why.is_empty()));
 }
 
 /// The first dispatcher number no session holds, held by this one until it

@@ -1,0 +1,298 @@
+"""`outbox-dispatch run` (docs/managed.md): the dispatchers as a process
+beside a server that cannot load the library, connected as the outbox's
+owner, who is not a superuser. The hostile cases first: a password in the
+environment, a database it must not serve, a broker that never answers, a
+database that sets nonsense; then what must survive: a sidecar killed mid
+drain, a connection cut, three sidecars at once; then the happy paths."""
+
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+import psycopg
+import pytest
+
+from harness import SilentBroker, queued_ids, wait_until
+from standalone import BIN, dsn, fresh_database, install, plain_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with plain_server() as pg:
+        # As docs/managed.md asks: the rotation sees every open transaction.
+        pg.sql("GRANT pg_read_all_stats TO owner")
+        yield pg
+
+
+@pytest.fixture
+def db(server, request):
+    """A database of its own for each test, installed and granted."""
+    name = "s_" + request.node.name.removeprefix("test_")[:50]
+    install(server, name)
+    yield name
+    server.sql(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+class Sidecar:
+    """`outbox-dispatch run` on database `dbname` as its owner; its log in a file."""
+
+    def __init__(self, pg, dbname, *args, broker=None, env=None):
+        self.log_file = tempfile.NamedTemporaryFile(prefix="sidecar-", suffix=".log", delete=False)
+        command = [BIN, "run", "--dsn", f"{dsn(pg, 'owner', dbname)} sslmode=disable", *args]
+        if broker:
+            command += ["--broker-url", broker]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log_file,
+                                     env={**os.environ, **(env or {})})
+
+    def log(self):
+        with open(self.log_file.name) as f:
+            return f.read()
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        """Sends `sig`; (exit status, seconds it took)."""
+        started = time.monotonic()
+        self.proc.send_signal(sig)
+        status = self.proc.wait(timeout=timeout)
+        return status, time.monotonic() - started
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.unlink(self.log_file.name)
+
+
+@pytest.fixture
+def sidecars():
+    started = []
+
+    def start(*args, **kwargs):
+        sidecar = Sidecar(*args, **kwargs)
+        started.append(sidecar)
+        return sidecar
+
+    yield start
+    for sidecar in started:
+        sidecar.close()
+
+
+def enqueue(pg, dbname, queue, n=1, notify=False):
+    """`n` events to `queue`, committed by writer; their ids."""
+    with pg.connect(dbname=dbname, user="writer") as conn:
+        if notify:
+            conn.execute("SET outbox.notify = on")
+        return [str(r[0]) for r in conn.execute(
+            "SELECT outbox_enqueue('t.run', jsonb_build_object('n', i), queue => %s) FROM generate_series(1, %s) AS i",
+            (queue, n)).fetchall()]
+
+
+def set_setting(pg, dbname, name, value):
+    with pg.connect(dbname=dbname, user="owner") as conn:
+        conn.execute("INSERT INTO outbox.settings (name, value) VALUES (%s, %s) "
+                     "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (name, value))
+
+
+def workers(pg, dbname):
+    return pg.sql("SELECT worker, state, last_error, events_dispatched FROM outbox.workers ORDER BY worker",
+                  dbname=dbname)
+
+
+def last_error(pg, dbname, worker=0):
+    return pg.value("SELECT last_error FROM outbox.workers WHERE worker = %s", (worker,), dbname=dbname) or ""
+
+
+def serving(pg, dbname, n=1):
+    wait_until(lambda: [r[1] for r in workers(pg, dbname)] == ["idle"] * n, timeout=60,
+               message=f"{n} idle dispatchers", seen=lambda: workers(pg, dbname))
+
+
+def statuses(pg, dbname):
+    return dict(pg.sql("SELECT status, count(*) FROM outbox.events GROUP BY 1", dbname=dbname))
+
+
+# -- hostile ------------------------------------------------------------------------------------
+
+def test_a_broker_password_in_the_environment_is_never_printed_and_a_silent_broker_stops_nothing(
+        server, db, sidecars):
+    secret = "S3CRET-in-the-env"
+    silent = SilentBroker()
+    try:
+        set_setting(server, db, "outbox.redis_timeout", "1s")
+        ids = enqueue(server, db, "q_silent", 3)
+        sidecar = sidecars(server, db, env={"OUTBOX_BROKER_URL": f"redis://:{secret}@127.0.0.1:{silent.port}/0"})
+        wait_until(lambda: "outbox.redis_timeout" in last_error(server, db), timeout=60,
+                   message="the timeout shown", seen=lambda: workers(server, db))
+        status, took = sidecar.stop()
+        assert status == 0 and took < 10, (status, took)
+        log = sidecar.log()
+        assert secret not in log and "127.0.0.1" in log
+        assert secret not in str(server.sql("SELECT * FROM outbox.workers", dbname=db))
+        # The broker's fault: nothing sent, nothing spent.
+        assert statuses(server, db) == {"pending": len(ids)}
+        assert server.value("SELECT max(retry_count) FROM outbox.events", dbname=db) == 0
+    finally:
+        silent.close()
+
+
+def test_a_database_it_must_not_serve_is_refused_at_once(server, sidecars):
+    fresh_database(server, "s_bare")
+    bare = sidecars(server, "s_bare")
+    assert bare.proc.wait(timeout=30) == 3
+    assert "run outbox-dispatch install" in bare.log()
+
+    fresh_database(server, "s_ext", owner="postgres")
+    server.sql("CREATE EXTENSION outbox_dispatch", dbname="s_ext")
+    server.sql("ALTER DATABASE s_ext OWNER TO owner")
+    ext = sidecars(server, "s_ext")
+    assert ext.proc.wait(timeout=30) == 3
+    assert "extension outbox_dispatch is created in this database" in ext.log()
+    assert server.value("SELECT count(*) FROM outbox.events", dbname="s_ext") == 0
+
+    install(server, "s_old")
+    with server.connect(dbname="s_old", user="owner") as conn:
+        conn.execute("UPDATE outbox.installed SET version = '0.0.1'")
+    old = sidecars(server, "s_old")
+    assert old.proc.wait(timeout=30) == 3
+    assert "run the outbox-dispatch of 0.0.1" in old.log()
+    for name in ("s_bare", "s_ext", "s_old"):
+        server.sql(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def test_settings_the_database_gets_wrong_are_named_and_the_rest_flows(server, db, redis_server, sidecars):
+    server.sql(f"ALTER DATABASE {db} SET outbox.batch_size = 'lots'")
+    sidecar = sidecars(server, db, broker=redis_server.url)
+    ids = enqueue(server, db, "q_wrong", 5)
+    wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_wrong")) == sorted(ids),
+               message="events sent")
+    assert 'parameter "outbox.batch_size": "lots"' in last_error(server, db)
+    assert 'invalid value for parameter "outbox.batch_size"' in sidecar.log()
+
+
+# -- what must survive -----------------------------------------------------------------------------
+
+def test_a_sidecar_killed_mid_drain_loses_nothing_and_sends_no_rolled_back_event(
+        server, db, redis_server, sidecars):
+    set_setting(server, db, "outbox.batch_size", "50")
+    set_setting(server, db, "outbox.report_key", "")
+    committed = enqueue(server, db, "q_kill", 20_000)
+    with server.connect(dbname=db, user="writer", autocommit=False) as conn:
+        rolled_back = [str(r[0]) for r in conn.execute(
+            "SELECT outbox_enqueue('t.run', '{}', queue => 'q_kill') FROM generate_series(1, 100)").fetchall()]
+        conn.rollback()
+    first = sidecars(server, db, broker=redis_server.url)
+    wait_until(lambda: redis_server.client().llen("q_kill") >= 1000, timeout=60, message="a drain under way")
+    first.proc.kill()
+    first.proc.wait()
+    sidecars(server, db, broker=redis_server.url)
+    wait_until(lambda: set(queued_ids(redis_server.client(), "q_kill")) >= set(committed), timeout=120,
+               message="every committed event sent")
+    sent = set(queued_ids(redis_server.client(), "q_kill"))
+    assert not sent & set(rolled_back)
+    wait_until(lambda: statuses(server, db) == {"dispatched": len(committed)}, message="all marked",
+               seen=lambda: statuses(server, db))
+
+
+def test_a_cut_connection_is_made_again(server, db, redis_server, sidecars):
+    sidecar = sidecars(server, db, broker=redis_server.url)
+    serving(server, db)
+    first = enqueue(server, db, "q_cut", 10)
+    wait_until(lambda: len(queued_ids(redis_server.client(), "q_cut")) == 10, message="sent before the cut")
+    cut = server.value("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                       "WHERE application_name = 'outbox-dispatch' AND datname = %s", (db,))
+    assert cut >= 2  # the dispatcher's and the control connection
+    second = enqueue(server, db, "q_cut", 10)
+    wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_cut")) == sorted(first + second), timeout=60,
+               message="sent after the cut")
+    assert "connecting again" in sidecar.log()
+    assert sidecar.proc.poll() is None
+
+
+def test_three_sidecars_share_the_work_and_claim_nothing_twice(server, db, redis_server, sidecars):
+    set_setting(server, db, "outbox.batch_size", "20")
+    for _ in range(3):
+        sidecars(server, db, broker=redis_server.url)
+    serving(server, db, 3)
+    ids = []
+
+    def produce():
+        for _ in range(30):
+            ids.extend(enqueue(server, db, "q_three", 100))
+
+    producers = [threading.Thread(target=produce) for _ in range(2)]
+    for p in producers:
+        p.start()
+    for p in producers:
+        p.join()
+    wait_until(lambda: redis_server.client().llen("q_three") >= len(ids), timeout=120, message="all sent")
+    time.sleep(1)
+    sent = queued_ids(redis_server.client(), "q_three")
+    assert len(sent) == len(ids) == 6000 and set(sent) == set(ids), "each sent once"
+    rows = workers(server, db)
+    assert [r[0] for r in rows] == [0, 1, 2]
+    assert sum(r[3] for r in rows) == 6000
+
+
+def test_sigterm_mid_drain_is_prompt_and_what_was_claimed_goes_again(server, db, redis_server, sidecars):
+    set_setting(server, db, "outbox.batch_size", "100")
+    ids = enqueue(server, db, "q_term", 20_000)
+    sidecar = sidecars(server, db, broker=redis_server.url)
+    wait_until(lambda: redis_server.client().llen("q_term") >= 500, timeout=60, message="a drain under way")
+    status, took = sidecar.stop()
+    assert status == 0 and took < 10, (status, took)
+    assert "stopped" in sidecar.log()
+    assert server.value("SELECT state FROM outbox.workers", dbname=db) == "stopped"
+    sidecars(server, db, broker=redis_server.url)
+    wait_until(lambda: set(queued_ids(redis_server.client(), "q_term")) >= set(ids), timeout=120,
+               message="the rest sent by the next")
+
+
+# -- the happy paths -------------------------------------------------------------------------------
+
+def test_sighup_reads_the_settings_again(server, db, redis_server, sidecars):
+    sidecar = sidecars(server, db, broker=redis_server.url)
+    serving(server, db)
+    set_setting(server, db, "outbox.enabled", "off")
+    sidecar.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: workers(server, db)[0][1] == "paused", message="paused")
+    ids = enqueue(server, db, "q_hup", 3)
+    time.sleep(1)
+    assert redis_server.client().llen("q_hup") == 0
+    set_setting(server, db, "outbox.enabled", "on")
+    sidecar.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_hup")) == sorted(ids), message="sent on resuming")
+    assert "reading the settings again" in sidecar.log()
+
+
+def test_a_notify_wakes_the_sidecar_long_before_its_poll(server, db, redis_server, sidecars):
+    set_setting(server, db, "outbox.poll_interval", "1h")
+    set_setting(server, db, "outbox.report_key", "")  # no collection of reports to wake it
+    sidecars(server, db, "--poll-interval", "1h", broker=redis_server.url)
+    serving(server, db)
+    time.sleep(1)  # the listener is listening
+    quiet = enqueue(server, db, "q_notify", 2)
+    time.sleep(2)
+    assert redis_server.client().llen("q_notify") == 0, "nothing but a NOTIFY or the poll wakes it"
+    loud = enqueue(server, db, "q_notify", 2, notify=True)
+    wait_until(lambda: set(queued_ids(redis_server.client(), "q_notify")) == set(quiet + loud), timeout=10,
+               message="a NOTIFY's events sent")
+    with psycopg.connect(host=str(server.dir), port=server.port, user="owner", dbname=db, autocommit=True) as conn:
+        later = [str(conn.execute("SELECT outbox_enqueue('t.run', '{}', queue => 'q_notify')").fetchone()[0])]
+        conn.execute("SELECT outbox_wake()")
+    wait_until(lambda: set(queued_ids(redis_server.client(), "q_notify")) == set(quiet + loud + later), timeout=10,
+               message="outbox_wake()'s events sent")
+
+
+def test_events_flow_and_the_views_show_the_sidecar(server, db, redis_server, sidecars):
+    sidecars(server, db, "--dispatchers", "2", broker=redis_server.url)
+    serving(server, db, 2)
+    ids = enqueue(server, db, "q_flow", 200)
+    wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_flow")) == sorted(ids), message="sent")
+    rows = server.sql("SELECT worker, pid, connected, started_at IS NOT NULL, database FROM outbox.workers "
+                      "ORDER BY worker", dbname=db)
+    assert [(r[0], r[2], r[3], r[4]) for r in rows] == [(0, True, True, db), (1, True, True, db)]
+    backends = server.sql("SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-dispatch'")
+    assert {r[1] for r in rows} <= {r[0] for r in backends}, "pid is the dispatcher's backend"
+    wait_until(lambda: statuses(server, db) == {"dispatched": 200}, message="marked")
