@@ -87,6 +87,30 @@ def test_commit_wakes_an_idle_dispatcher(outbox, redis_server):
                message="the event within 10 s of COMMIT")
 
 
+def claims(pg):
+    """Claims made so far: each writes its position (outbox.positions)."""
+    return pg.value("SELECT n_tup_ins FROM pg_stat_all_tables WHERE relid = 'outbox.positions'::regclass")
+
+
+def test_an_idle_dispatcher_claims_nothing_between_wakes(outbox, redis_server):
+    """Reports on, a dispatcher looks at the report list ten times a second;
+    only a wake, the poll or housekeeping makes it claim, not those looks:
+    an empty claim writes a position and takes a transaction id."""
+    outbox.configure(poll_interval="60s", report_key="outbox_dispatch.reports")
+    wait_until(lambda: outbox.value("SELECT bool_and(state = 'idle') FROM outbox.workers"),
+               message="idle dispatchers")
+    time.sleep(1)
+    before, xid_before = claims(outbox), outbox.value("SELECT pg_current_xact_id()::text::bigint")
+    time.sleep(3)
+    assert claims(outbox) - before <= 1, "claims while idle"
+    # This statement's own id, and at most the one claim above.
+    assert outbox.value("SELECT pg_current_xact_id()::text::bigint") - xid_before <= 3
+    ids = [str(r[0]) for r in outbox.sql(
+        "SELECT outbox_enqueue('idle.woken', '{}', queue => 'q_idle') FROM generate_series(1, 2)")]
+    wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_idle")) == sorted(ids), timeout=10,
+               message="a commit still claimed at once")
+
+
 def test_a_stream_of_commits_is_claimed_together_after_its_first(outbox, redis_server):
     """`outbox.linger`: the first commit after a quiet spell is claimed at
     once; the ones that follow it within the linger wait for its end and go

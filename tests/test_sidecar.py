@@ -285,6 +285,22 @@ def test_a_notify_wakes_the_sidecar_long_before_its_poll(server, db, redis_serve
                message="outbox_wake()'s events sent")
 
 
+def test_an_idle_sidecar_polls_without_writing(server, db, redis_server, sidecars):
+    """Twenty polls a second: each reads the claim's index, none claims (an
+    empty claim writes its position and takes a transaction id)."""
+    sidecars(server, db, "--poll-interval", "50ms", broker=redis_server.url)
+    serving(server, db)
+    time.sleep(1)
+    claims = "SELECT n_tup_ins FROM pg_stat_all_tables WHERE relid = 'outbox.positions'::regclass"
+    before, xid = server.value(claims, dbname=db), server.value("SELECT pg_current_xact_id()::text::bigint")
+    time.sleep(3)
+    assert server.value(claims, dbname=db) - before <= 1
+    assert server.value("SELECT pg_current_xact_id()::text::bigint") - xid <= 3
+    ids = enqueue(server, db, "q_idle", 3)
+    wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_idle")) == sorted(ids), timeout=10,
+               message="a poll finds them")
+
+
 def test_events_flow_and_the_views_show_the_sidecar(server, db, redis_server, sidecars):
     sidecars(server, db, "--dispatchers", "2", broker=redis_server.url)
     serving(server, db, 2)

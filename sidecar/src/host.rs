@@ -143,8 +143,14 @@ impl Bell {
 
     /// Events may be waiting (`source`).
     pub fn wake(&self, source: WakeSource) {
-        self.wakes.fetch_or(1 << source as u8, Ordering::SeqCst);
+        self.note(source);
         self.ring();
+    }
+
+    /// Events were found waiting by this thread itself (`source`): the
+    /// next step claims.
+    pub fn note(&self, source: WakeSource) {
+        self.wakes.fetch_or(1 << source as u8, Ordering::SeqCst);
     }
 
     /// A SIGHUP: the settings are read again.
@@ -240,6 +246,11 @@ impl Sidecar {
             published: RefCell::new(None),
             refused: RefCell::new(None),
         }
+    }
+
+    /// The wake a poll that found events in line makes.
+    pub fn found_in_line(&self) {
+        self.bell.note(WakeSource::Poll);
     }
 
     /// Sleeps until `timeout` passed, a wake, a reload or a shutdown;

@@ -28,6 +28,9 @@ use crate::host::{Bell, Process, Sidecar, DISPATCHER_LOCKS, LOCK_CLASS};
 use crate::store::{PgDb, Watchdog};
 use crate::{log, script};
 
+/// Whether events are in line that no claim has read.
+const IN_LINE: &str = include_str!("../../sql/sidecar/in_line.sql");
+
 /// The exit status when the outbox is not installed, is installed at
 /// another release, or the extension serves the database.
 pub const EXIT_NOT_INSTALLED: i32 = 3;
@@ -371,8 +374,33 @@ fn session(
         if closed.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(format!("dispatcher {index}: the connection to the database was lost"));
         }
-        let timed_out = dispatcher.host().sleep(nap.min(config.poll_interval));
+        let timed_out = rest(dispatcher.host(), process, nap, config.poll_interval);
         dispatcher.count_wake(timed_out);
+    }
+}
+
+/// Sleeps until a wake, a reload or a shutdown, `nap` (what the engine
+/// waits for next), or a poll that finds events in line; returns whether
+/// the time ran out. A poll that finds none sleeps on: it has written
+/// nothing (sql/sidecar/in_line.sql), where a claim would have.
+fn rest(host: &Sidecar, process: &Process, nap: Duration, poll: Duration) -> bool {
+    let due = Instant::now() + nap;
+    loop {
+        let left = due.saturating_duration_since(Instant::now());
+        if !host.sleep(left.min(poll)) {
+            return false;
+        }
+        if left <= poll {
+            return true;
+        }
+        let in_line = process.with_control(|c| {
+            c.query_one(IN_LINE, &[]).map(|row| row.get::<_, bool>(0)).map_err(|e| chain(&e))
+        });
+        // Unknown (the control connection failed): the step finds out.
+        if in_line != Some(false) {
+            host.found_in_line();
+            return true;
+        }
     }
 }
 

@@ -57,6 +57,13 @@ pub struct Dispatcher<H: Host> {
     /// When the last claim that took every event in line began: the next
     /// lingers until `outbox.linger` after it.
     drained_at: Option<Instant>,
+    /// When the queue is to be claimed from again without a wake: when
+    /// the last drain asked (the poll, an event coming due), or at once
+    /// after what may have put events in line (a wake, reports passing
+    /// keys on, housekeeping, a reload). A step for anything else (the
+    /// reports' poll, a heartbeat) claims nothing: an empty claim writes
+    /// its position, and takes a transaction id.
+    drain_at: Instant,
 }
 
 impl<H: Host> Dispatcher<H> {
@@ -89,21 +96,26 @@ impl<H: Host> Dispatcher<H> {
             housekeeping: housekeeping::Schedule::new(),
             reports: reports::Collector::new(),
             drained_at: None,
+            drain_at: Instant::now(),
         }
     }
 
-    /// Counts what ended the last sleep: commits, `outbox_wake()` calls
-    /// (each source once), or else the timer (the safety poll, or whatever
-    /// else fell due first).
-    pub fn count_wake(&self, timed_out: bool) {
+    /// Counts what ended the last sleep: commits, `outbox_wake()` calls,
+    /// a host's poll that found events (each source once), or else the
+    /// timer (the safety poll, or whatever else fell due first). A wake
+    /// makes the next step claim.
+    pub fn count_wake(&mut self, timed_out: bool) {
         let sources = self.host.take_wake_sources();
-        for source in [WakeSource::Commit, WakeSource::Manual] {
+        for source in WakeSource::ALL {
             if sources & (1 << source as u8) != 0 {
                 self.host.counters().woke(source);
             }
         }
         if sources == 0 && timed_out {
             self.host.counters().woke(WakeSource::Poll);
+        }
+        if sources != 0 {
+            self.drain_at = Instant::now();
         }
     }
 
@@ -178,6 +190,7 @@ impl<H: Host> Dispatcher<H> {
         self.store.set_awaited(settings.awaited());
         self.store.set_key_policy(settings.keys);
         self.settings = settings;
+        self.drain_at = Instant::now();
         self.housekeeping.reschedule(&self.settings);
         self.broker.reschedule(&self.settings);
         self.host.log(&format!("outbox dispatcher {} reloaded its settings", self.index));
@@ -245,7 +258,7 @@ impl<H: Host> Dispatcher<H> {
             return poll;
         }
         self.host.resume();
-        self.housekeep();
+        self.housekeep_and_drain_if_it_ran();
         if !self.broker.connected() {
             match self.store.extension_exists() {
                 Err(e) => return self.store_failed(&e),
@@ -270,7 +283,14 @@ impl<H: Host> Dispatcher<H> {
         if let Some(wait) = self.broker.heartbeat_if_due(&self.host, &self.settings) {
             return wait;
         }
-        let nap = self.drain();
+        let now = Instant::now();
+        let nap = if now >= self.drain_at {
+            let nap = self.drain();
+            self.drain_at = Instant::now() + nap;
+            nap
+        } else {
+            self.drain_at - now
+        };
         if let Some(wait) = self.collect_reports() {
             return wait;
         }
@@ -291,7 +311,12 @@ impl<H: Host> Dispatcher<H> {
         let collected =
             self.reports.collect_if_due(self.index, key, &self.host, &mut self.store, sink, waiter);
         match collected {
-            Ok(()) => None,
+            // Keys passed on: their next heads are in line.
+            Ok(true) => {
+                self.drain_at = Instant::now();
+                None
+            }
+            Ok(false) => None,
             Err(reports::CollectError::Broker(e)) => Some(self.broker.failed(&e, &self.host, &self.settings)),
             Err(reports::CollectError::Store(e)) => Some(self.store_failed(&e)),
         }
@@ -485,6 +510,17 @@ impl<H: Host> Dispatcher<H> {
                 self.settle();
                 return Duration::ZERO;
             }
+        }
+    }
+
+    /// Runs the housekeeping that fell due, as [`Dispatcher::housekeep`];
+    /// what it ran may have put events in line (a sweep, the rotation's
+    /// moves, a flush): the next step claims.
+    fn housekeep_and_drain_if_it_ran(&mut self) {
+        let due = self.housekeeping.next_due();
+        self.housekeep();
+        if self.housekeeping.next_due() != due {
+            self.drain_at = Instant::now();
         }
     }
 

@@ -55,7 +55,8 @@ impl Collector {
     }
 
     /// Reads and records what workers reported to `key`, when due and when
-    /// no other dispatcher has the turn.
+    /// no other dispatcher has the turn; whether it recorded any (which may
+    /// have passed keys on to their next events).
     pub fn collect_if_due(
         &mut self,
         dispatcher: usize,
@@ -64,15 +65,16 @@ impl Collector {
         store: &mut Store<impl Db>,
         sink: &mut Sink,
         waiter: &mut dyn Wait,
-    ) -> Result<(), CollectError> {
+    ) -> Result<bool, CollectError> {
         let now = Instant::now();
         if now < self.next_poll {
-            return Ok(());
+            return Ok(false);
         }
         self.next_poll = now + POLL;
         let Some(_turn) = host.take_turn(Turn::Reports) else {
-            return Ok(());
+            return Ok(false);
         };
+        let mut recorded = false;
         let key = &sink.report_queue(key);
         let place = sink.report_place(key);
         for _ in 0..BATCHES {
@@ -80,15 +82,16 @@ impl Collector {
                 Ok(raw) => raw,
                 Err(refused) => {
                     self.refused(host, dispatcher, &place, &refused);
-                    return Ok(());
+                    return Ok(recorded);
                 }
             };
             if raw.is_empty() {
-                return Ok(());
+                return Ok(recorded);
             }
             let reports = self.parse(host, dispatcher, &place, &raw);
             if !reports.is_empty() {
                 let (processed, failed) = store.apply_reports(&reports).map_err(CollectError::Store)?;
+                recorded |= processed + failed > 0;
                 let counters = host.counters();
                 counters.acked(AckSource::Celery, processed);
                 counters.add(Counter::TaskFailures, failed);
@@ -96,14 +99,14 @@ impl Collector {
             }
             if let Err(refused) = sink.forget_reports(key, raw.len(), waiter).map_err(CollectError::Broker)? {
                 self.refused(host, dispatcher, &place, &refused);
-                return Ok(());
+                return Ok(recorded);
             }
             if raw.len() < BATCH || host.interrupt_pending() {
-                return Ok(());
+                return Ok(recorded);
             }
         }
         self.next_poll = now;
-        Ok(())
+        Ok(recorded)
     }
 
     /// The broker refused to read the list (Redis: it holds no list, an
