@@ -8,7 +8,8 @@
 
 use pgrx::prelude::*;
 
-use outbox_core::exposition::{self, Family, Kind, Sample};
+use outbox_core::exposition::{self, Family, Sample};
+use outbox_core::metrics::{self, Shown};
 
 use crate::slots::State;
 use crate::{config, counters, launcher, slots};
@@ -126,97 +127,30 @@ fn database_name(database: pg_sys::Oid) -> Option<String> {
 /// The counters, then gauges read from the dispatcher slots and `outbox.status`.
 fn families() -> Vec<(Family, Vec<Sample>)> {
     let mut families = counters::families();
-    let gauge = |name, help| Family { name, help, kind: Kind::Gauge };
-
     // SAFETY: a process global.
     let workers = slots::rows(config::workers(), Some(unsafe { pg_sys::MyDatabaseId }));
-    let running = workers.iter().filter(|w| w.pid.is_some()).count() as f64;
-    let connected = workers.iter().filter(|w| w.connected).count() as f64;
-    families.push((
-        gauge("outbox_workers_running", "Dispatchers running."),
-        vec![Sample::new("outbox_workers_running", running)],
-    ));
-    families.push((
-        gauge("outbox_workers_connected", "Dispatchers connected to the broker."),
-        vec![Sample::new("outbox_workers_connected", connected)],
-    ));
-    let blocked = workers.iter().filter(|w| w.state == State::Blocked.name()).count() as f64;
-    families.push((
-        gauge("outbox_workers_blocked", "Dispatchers whose last statement failed (state blocked)."),
-        vec![Sample::new("outbox_workers_blocked", blocked)],
-    ));
+    families.extend(metrics::dispatcher_families(workers.iter().map(|w| Shown {
+        running: w.pid.is_some(),
+        connected: w.connected,
+        blocked: w.state == State::Blocked.name(),
+    })));
     families.extend(database_gauges());
     families
 }
 
-/// The gauges read from the database (sql/metrics/gauges.sql), in this
-/// order, with their help.
-const DATABASE_GAUGES: [(&str, &str); 11] = [
-    (
-        "outbox_purge_lag_seconds",
-        "How long past its truncation the oldest generation of outbox.log is (0: the rotation keeps up).",
-    ),
-    (
-        "outbox_oldest_transaction_seconds",
-        "How long the oldest transaction open in this database (a session's or a prepared one) has been open: \
-         vacuum removes no row version that died after it began.",
-    ),
-    ("outbox_events_dead_tuples", "Dead row versions in outbox.log, as the statistics last counted them."),
-    (
-        "outbox_events",
-        "Events in outbox.events by status: counted, except dispatched and processed beyond 1000 (estimated).",
-    ),
-    (
-        "outbox_events_estimated",
-        "1 where outbox_events of that status is an estimate from statistics, 0 where it is counted.",
-    ),
-    ("outbox_lag_seconds", "How long the oldest due pending event has waited."),
-    (
-        "outbox_events_waiting",
-        "Events waiting for their key's turn (per-key order): in no claim until then.",
-    ),
-    ("outbox_keys_waiting", "Keys with events waiting behind their head."),
-    (
-        "outbox_keys_dead_lettered",
-        "Keys whose head is dead-lettered and holds them (outbox.key_on_failure = block): \
-         outbox_retry() or outbox_skip() releases them.",
-    ),
-    (
-        "outbox_key_head_seconds",
-        "How long the oldest head of a key has been due without finishing (since it became the head, \
-         or its last retry fell due).",
-    ),
-    (
-        "outbox_events_unreported",
-        "Dispatched events no worker reported within outbox.report_timeout (counted up to 10001).",
-    ),
-];
-
-/// The families of [`DATABASE_GAUGES`], their samples read in one
-/// statement (the one the server runs without the library too).
+/// The families of the database's gauges (sql/metrics/gauges.sql), read
+/// in one statement (the one the server runs without the library too).
 fn database_gauges() -> Vec<(Family, Vec<Sample>)> {
-    let mut families: Vec<(Family, Vec<Sample>)> = DATABASE_GAUGES
-        .iter()
-        .map(|&(name, help)| (Family { name, help, kind: Kind::Gauge }, Vec::new()))
-        .collect();
-    Spi::connect(|client| {
+    let rows = Spi::connect(|client| {
         let retention = config::RETENTION_S.get().max(0);
-        for row in client.select(include_str!("../sql/metrics/gauges.sql"), None, &[retention.into()])? {
-            let name: String = row.get(1)?.unwrap_or_default();
-            let value: f64 = row.get(3)?.unwrap_or(0.0);
-            let Some((_, samples)) = families.iter_mut().find(|(f, _)| f.name == name) else {
-                error!("outbox metrics: sql/metrics/gauges.sql returned {name}, which has no help")
-            };
-            let sample = Sample::new(name, value);
-            samples.push(match row.get::<String>(2)? {
-                Some(status) => sample.label("status", status),
-                None => sample,
-            });
+        let mut rows = Vec::new();
+        for row in client.select(metrics::GAUGES_SQL, None, &[retention.into()])? {
+            rows.push((row.get(1)?.unwrap_or_default(), row.get(2)?, row.get(3)?.unwrap_or(0.0)));
         }
-        Ok::<_, pgrx::spi::SpiError>(())
+        Ok::<_, pgrx::spi::SpiError>(rows)
     })
     .unwrap_or_else(|e| error!("outbox metrics: cannot read the gauges: {e}"));
-    families
+    metrics::database_families(rows).unwrap_or_else(|e| error!("outbox metrics: {e}"))
 }
 
 /// One row per sample: the source of the view `outbox.metrics`. SECURITY

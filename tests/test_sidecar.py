@@ -6,7 +6,9 @@ database that sets nonsense; then what must survive: a sidecar killed mid
 drain, a connection cut, three sidecars at once; then the happy paths."""
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -15,7 +17,7 @@ import time
 import psycopg
 import pytest
 
-from harness import SilentBroker, queued_ids, wait_until
+from harness import SilentBroker, free_port, queued_ids, wait_until
 from standalone import BIN, dsn, fresh_database, install, plain_server
 
 
@@ -169,6 +171,52 @@ def test_settings_the_database_gets_wrong_are_named_and_the_rest_flows(server, d
                message="events sent")
     assert 'parameter "outbox.batch_size": "lots"' in last_error(server, db)
     assert 'invalid value for parameter "outbox.batch_size"' in sidecar.log()
+
+
+def scrape(port, request=b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"):
+    """(status line, body) of one request to the sidecar's endpoint."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0].decode(), body.decode()
+
+
+def samples(text):
+    """{(name, labels): value} of an exposition."""
+    found = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            found[series] = float(value)
+    return found
+
+
+def test_metrics_answer_garbage_with_nothing_and_show_the_library_s_names(
+        server, db, redis_server, sidecars, cluster):
+    port = free_port()
+    sidecars(server, db, "--metrics-listen", f"127.0.0.1:{port}", broker=redis_server.url)
+    serving(server, db)
+    wait_until(lambda: scrape(port)[0].endswith("200 OK"), message="/metrics served")
+    assert scrape(port, b"\x16\x03\x01garbage" * 2000)[0].endswith("400 Bad Request")
+    assert scrape(port, b"GET /secrets HTTP/1.1\r\n\r\n")[0].endswith("404 Not Found")
+    assert scrape(port, b"DELETE /metrics HTTP/1.1\r\n\r\n")[0].endswith("405 Method Not Allowed")
+    with socket.create_connection(("127.0.0.1", port)):  # says nothing: given up after 5 s
+        started = time.monotonic()
+        assert scrape(port)[0].endswith("200 OK")
+        assert time.monotonic() - started < 15
+
+    ids = enqueue(server, db, "q_metrics", 5)
+    wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_metrics")) == sorted(ids), message="sent")
+    found = samples(scrape(port)[1])
+    assert found["outbox_dispatched_total"] == 5
+    assert found["outbox_workers_running"] == 1 and found["outbox_workers_connected"] == 1
+    assert found['outbox_events{status="dispatched"}'] == 5
+    library = {r[0] for r in cluster.sql("SELECT DISTINCT name FROM outbox.metrics")}
+    names = {re.sub(r"\{.*", "", series) for series in found}
+    assert names == library, (names ^ library)
 
 
 # -- what must survive -----------------------------------------------------------------------------

@@ -315,3 +315,111 @@ fn labelled(
         })
         .collect()
 }
+
+/// A dispatcher as the gauges count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shown {
+    pub running: bool,
+    pub connected: bool,
+    /// Its last statement failed (state `blocked`).
+    pub blocked: bool,
+}
+
+/// The dispatchers' gauges.
+pub fn dispatcher_families(dispatchers: impl Iterator<Item = Shown>) -> Vec<(Family, Vec<Sample>)> {
+    let (mut running, mut connected, mut blocked) = (0, 0, 0);
+    for d in dispatchers {
+        running += usize::from(d.running);
+        connected += usize::from(d.connected);
+        blocked += usize::from(d.blocked);
+    }
+    [
+        ("outbox_workers_running", "Dispatchers running.", running),
+        ("outbox_workers_connected", "Dispatchers connected to the broker.", connected),
+        ("outbox_workers_blocked", "Dispatchers whose last statement failed (state blocked).", blocked),
+    ]
+    .into_iter()
+    .map(|(name, help, n)| (Family { name, help, kind: Kind::Gauge }, vec![Sample::new(name, n as f64)]))
+    .collect()
+}
+
+/// The gauges read from the database, one row per sample: (name, status,
+/// value); `$1` is `outbox.retention` in seconds. Both hosts run it.
+pub const GAUGES_SQL: &str = include_str!("../../sql/metrics/gauges.sql");
+
+/// The gauges [`GAUGES_SQL`] returns, in this order, with their help.
+pub const DATABASE_GAUGES: [(&str, &str); 11] = [
+    (
+        "outbox_purge_lag_seconds",
+        "How long past its truncation the oldest generation of outbox.log is (0: the rotation keeps up).",
+    ),
+    (
+        "outbox_oldest_transaction_seconds",
+        "How long the oldest transaction open in this database (a session's or a prepared one) has been open: \
+         vacuum removes no row version that died after it began.",
+    ),
+    ("outbox_events_dead_tuples", "Dead row versions in outbox.log, as the statistics last counted them."),
+    (
+        "outbox_events",
+        "Events in outbox.events by status: counted, except dispatched and processed beyond 1000 (estimated).",
+    ),
+    (
+        "outbox_events_estimated",
+        "1 where outbox_events of that status is an estimate from statistics, 0 where it is counted.",
+    ),
+    ("outbox_lag_seconds", "How long the oldest due pending event has waited."),
+    ("outbox_events_waiting", "Events waiting for their key's turn (per-key order): in no claim until then."),
+    ("outbox_keys_waiting", "Keys with events waiting behind their head."),
+    (
+        "outbox_keys_dead_lettered",
+        "Keys whose head is dead-lettered and holds them (outbox.key_on_failure = block): \
+         outbox_retry() or outbox_skip() releases them.",
+    ),
+    (
+        "outbox_key_head_seconds",
+        "How long the oldest head of a key has been due without finishing (since it became the head, \
+         or its last retry fell due).",
+    ),
+    (
+        "outbox_events_unreported",
+        "Dispatched events no worker reported within outbox.report_timeout (counted up to 10001).",
+    ),
+];
+
+/// The families of [`DATABASE_GAUGES`] from the rows of [`GAUGES_SQL`]; an
+/// error names a gauge the table does not know.
+pub fn database_families(
+    rows: impl IntoIterator<Item = (String, Option<String>, f64)>,
+) -> Result<Vec<(Family, Vec<Sample>)>, String> {
+    let mut families: Vec<(Family, Vec<Sample>)> = DATABASE_GAUGES
+        .iter()
+        .map(|&(name, help)| (Family { name, help, kind: Kind::Gauge }, Vec::new()))
+        .collect();
+    for (name, status, value) in rows {
+        let Some((_, samples)) = families.iter_mut().find(|(f, _)| f.name == name) else {
+            return Err(format!("sql/metrics/gauges.sql returned {name}, which has no help"));
+        };
+        let sample = Sample::new(name, value);
+        samples.push(match status {
+            Some(status) => sample.label("status", status),
+            None => sample,
+        });
+    }
+    Ok(families)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_gauge_the_statement_returns_has_its_help() {
+        for (name, _) in DATABASE_GAUGES {
+            assert!(GAUGES_SQL.contains(&format!("'{name}'")), "{name} is not in gauges.sql");
+        }
+        let rows = vec![("outbox_events".to_string(), Some("pending".to_string()), 3.0)];
+        let families = database_families(rows).unwrap();
+        assert_eq!(families.len(), DATABASE_GAUGES.len());
+        assert!(database_families(vec![("outbox_nonsense".to_string(), None, 1.0)]).is_err());
+    }
+}

@@ -10,6 +10,7 @@
 //! wake, a reload or a shutdown.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -20,7 +21,7 @@ use postgres::Client;
 
 use outbox_core::engine::{Held, Host, State, Turn};
 use outbox_core::link::{Interest, Interrupted, Wait, NAP};
-use outbox_core::metrics::{Counters, WakeSource};
+use outbox_core::metrics::{Counters, Shown, WakeSource};
 use outbox_core::sink::{BrokerConfig, Persistence};
 
 use crate::connect::Connector;
@@ -44,6 +45,8 @@ pub struct Process {
     pub name: String,
     control: Control,
     turns: [AtomicBool; Turn::COUNT],
+    /// Each dispatcher as the gauges count it, by number.
+    shown: Mutex<HashMap<i32, Shown>>,
 }
 
 impl Process {
@@ -54,6 +57,7 @@ impl Process {
             name,
             control: Control { connector, client: Mutex::new(None) },
             turns: std::array::from_fn(|_| AtomicBool::new(false)),
+            shown: Mutex::default(),
         }
     }
 
@@ -64,6 +68,11 @@ impl Process {
 
     pub fn stopping(&self) -> bool {
         self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// The dispatchers of this process as the gauges count them.
+    pub fn shown(&self) -> Vec<Shown> {
+        self.shown.lock().unwrap_or_else(|e| e.into_inner()).values().copied().collect()
     }
 
     /// Runs `body` on the control connection; `None` when there is none
@@ -321,7 +330,20 @@ impl Sidecar {
     }
 
     fn update(&self, change: impl FnOnce(&mut Row)) {
-        change(&mut self.row.borrow_mut());
+        let mut row = self.row.borrow_mut();
+        change(&mut row);
+        let shown = Shown {
+            running: row.state != State::Stopped,
+            connected: row.connected,
+            blocked: row.state == State::Blocked,
+        };
+        self.process.shown.lock().unwrap_or_else(|e| e.into_inner()).insert(self.index, shown);
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        self.process.shown.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.index);
     }
 }
 

@@ -8,6 +8,7 @@ mod host;
 mod install;
 mod listen;
 mod log;
+mod metrics;
 mod run;
 mod script;
 mod store;
@@ -25,6 +26,7 @@ usage: outbox-dispatch install [--dsn DSN] [--schema NAME] [--tls-ca-file PATH]
        outbox-dispatch sql [--schema NAME] [--no-transaction]
        outbox-dispatch run [--dsn DSN] [--tls-ca-file PATH] [--broker-url URL]
                            [--dispatchers N] [--poll-interval TIME]
+                           [--metrics-listen HOST:PORT]
                            [--broker-password-file PATH] [--broker-tls-ca-file PATH]
                            [--sentinel-password-file PATH]
        outbox-dispatch --version
@@ -51,6 +53,9 @@ usage: outbox-dispatch install [--dsn DSN] [--schema NAME] [--tls-ca-file PATH]
   --poll-interval T   the longest a dispatcher sleeps without a NOTIFY (or
                       OUTBOX_POLL_INTERVAL): 50ms by default; a number of
                       milliseconds, or with a unit (250ms, 1s)
+  --metrics-listen HOST:PORT
+                      serves /metrics there (or OUTBOX_METRICS_LISTEN);
+                      nowhere by default
   --broker-password-file, --broker-tls-ca-file, --sentinel-password-file
                       (or OUTBOX_BROKER_PASSWORD_FILE, ...): as
                       outbox.redis_password_file, outbox.redis_tls_ca_file
@@ -96,6 +101,7 @@ fn parse(args: &[String], env: Environment) -> Result<Command, String> {
     let mut ca_file = env("OUTBOX_TLS_CA_FILE");
     let mut dispatchers = env("OUTBOX_DISPATCHERS");
     let mut poll_interval = env("OUTBOX_POLL_INTERVAL");
+    let mut metrics_listen = env("OUTBOX_METRICS_LISTEN");
     let mut own: Vec<(&'static str, String)> =
         OWN_SETTINGS.iter().filter_map(|(_, var, setting)| env(var).map(|v| (*setting, v))).collect();
     let mut schema = "public".to_string();
@@ -117,6 +123,7 @@ fn parse(args: &[String], env: Environment) -> Result<Command, String> {
             "--schema" if verb != "run" => schema = value().ok_or_else(|| needs(name))?,
             "--dispatchers" if verb == "run" => dispatchers = Some(value().ok_or_else(|| needs(name))?),
             "--poll-interval" if verb == "run" => poll_interval = Some(value().ok_or_else(|| needs(name))?),
+            "--metrics-listen" if verb == "run" => metrics_listen = Some(value().ok_or_else(|| needs(name))?),
             _ if verb == "run" && OWN_SETTINGS.iter().any(|(option, _, _)| *option == name) => {
                 let setting = OWN_SETTINGS.iter().find(|(option, _, _)| *option == name).map(|(_, _, s)| *s);
                 let setting = setting.expect("found above");
@@ -140,6 +147,7 @@ fn parse(args: &[String], env: Environment) -> Result<Command, String> {
             tls_ca_file: ca_file.map(PathBuf::from),
             dispatchers: number(&DISPATCHERS, dispatchers)? as usize,
             poll_interval: Duration::from_millis(number(&POLL_INTERVAL, poll_interval)? as u64),
+            metrics_listen,
             own,
         })),
         "--version" | "version" => Ok(Command::Version),

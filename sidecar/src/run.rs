@@ -11,6 +11,7 @@
 //! hold: the number tells whose claims a restart puts back in line).
 
 use std::collections::HashMap;
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -26,7 +27,7 @@ use outbox_core::metrics::WakeSource;
 use crate::connect::{chain, Connector};
 use crate::host::{Bell, Process, Sidecar, DISPATCHER_LOCKS, LOCK_CLASS};
 use crate::store::{PgDb, Watchdog};
-use crate::{log, script};
+use crate::{log, metrics, script};
 
 /// Whether events are in line that no claim has read.
 const IN_LINE: &str = include_str!("../../sql/sidecar/in_line.sql");
@@ -53,6 +54,8 @@ pub struct RunConfig {
     pub dispatchers: usize,
     /// The longest a dispatcher sleeps without a wake (a NOTIFY).
     pub poll_interval: Duration,
+    /// Where `/metrics` is served (`host:port`); `None`: nowhere.
+    pub metrics_listen: Option<String>,
     /// The settings that belong to the sidecar (secrets, paths on its
     /// host), by their names in the database.
     pub own: Vec<(&'static str, String)>,
@@ -195,8 +198,21 @@ pub fn run(config: RunConfig) -> i32 {
         }
         Err(Check::Failed(why)) => log::warning(&format!("connecting: {why}; trying again")),
     }
+    let listener = match config.metrics_listen.as_deref().map(TcpListener::bind).transpose() {
+        Ok(listener) => listener,
+        Err(e) => {
+            log::error(&format!("--metrics-listen: {e}"));
+            return 2;
+        }
+    };
     let process =
         Arc::new(Process::new(connector.clone(), format!("{}:{}", engine::hostname(), std::process::id())));
+    if let Some(listener) = listener {
+        let process = Arc::clone(&process);
+        let _ = std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || metrics::serve(listener, process));
+    }
     let config = Arc::new(config);
     let watchdogs: Arc<Mutex<HashMap<usize, Watchdog>>> = Arc::default();
     let mut bells = Vec::new();

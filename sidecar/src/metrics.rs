@@ -1,0 +1,171 @@
+//! `/metrics` (`--metrics-listen`): the Prometheus text exposition of the
+//! process's counters and histograms, its dispatchers' gauges and the
+//! database's gauges, under the names `outbox.metrics` has with the
+//! library. Plain HTTP/1.1, one request per connection, on a thread of its
+//! own: a request is read up to [`MOST_REQUEST_BYTES`] within
+//! [`TIMEOUT`], so a client that sends garbage, too much or nothing ties
+//! up nothing for long.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::exposition::{self, Family, Sample};
+use outbox_core::guc::{self, Parsed};
+use outbox_core::metrics;
+
+use crate::connect::chain;
+use crate::host::Process;
+use crate::log;
+
+/// The most bytes of a request's head read.
+const MOST_REQUEST_BYTES: usize = 8192;
+/// The most bytes read after an answer, and for how long, before closing.
+const LINGER_BYTES: u64 = 1 << 20;
+const LINGER: Duration = Duration::from_secs(1);
+/// How long a client has to send its request and read the answer.
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves `/metrics` on `listener` until the process ends.
+pub fn serve(listener: TcpListener, process: Arc<Process>) {
+    for stream in listener.incoming() {
+        if process.stopping() {
+            return;
+        }
+        match stream {
+            Ok(stream) => {
+                if let Err(e) = answer(stream, &process) {
+                    log::warning(&format!("/metrics: a request failed: {e}"));
+                }
+            }
+            Err(e) => log::warning(&format!("/metrics: accepting a connection: {e}")),
+        }
+    }
+}
+
+fn answer(mut stream: TcpStream, process: &Process) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    stream.set_write_timeout(Some(TIMEOUT))?;
+    let (status, body) = match read_request(&mut stream)? {
+        Request::Metrics => ("200 OK", exposition::render(&families(process))),
+        Request::NotFound => ("404 Not Found", "only /metrics is served here\n".to_string()),
+        Request::NotGet => ("405 Method Not Allowed", "only GET is served here\n".to_string()),
+        Request::Bad => ("400 Bad Request", "not an HTTP request\n".to_string()),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes())?;
+    stream.write_all(body.as_bytes())?;
+    // A lingering close: what the client still sends (a request too long)
+    // is read, up to a bound, so that it gets the answer rather than a
+    // reset.
+    stream.shutdown(Shutdown::Write)?;
+    stream.set_read_timeout(Some(LINGER))?;
+    std::io::copy(&mut stream.take(LINGER_BYTES), &mut std::io::sink()).map(|_| ())
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Request {
+    Metrics,
+    NotFound,
+    NotGet,
+    Bad,
+}
+
+/// Reads a request's head (up to its blank line, at most
+/// [`MOST_REQUEST_BYTES`]) and tells what it asks.
+fn read_request(stream: &mut impl Read) -> std::io::Result<Request> {
+    let mut head = Vec::new();
+    let mut buffer = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        if head.len() >= MOST_REQUEST_BYTES {
+            return Ok(Request::Bad);
+        }
+        let n = stream.read(&mut buffer)?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buffer[..n]);
+    }
+    Ok(request(&head))
+}
+
+fn request(head: &[u8]) -> Request {
+    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
+    let Ok(line) = std::str::from_utf8(line) else {
+        return Request::Bad;
+    };
+    let mut parts = line.trim_end_matches('\r').split(' ');
+    let (Some(method), Some(target), Some(version), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Request::Bad;
+    };
+    if !version.starts_with("HTTP/1.") {
+        return Request::Bad;
+    }
+    if method != "GET" {
+        return Request::NotGet;
+    }
+    match target.split('?').next() {
+        Some("/metrics") => Request::Metrics,
+        _ => Request::NotFound,
+    }
+}
+
+/// Everything a scrape shows: the database's gauges only when the control
+/// connection answers (the rest is the process's own).
+fn families(process: &Process) -> Vec<(Family, Vec<Sample>)> {
+    let mut families = process.counters.families();
+    families.extend(metrics::dispatcher_families(process.shown().into_iter()));
+    let gauges = process.with_control(|c| {
+        let retention = c
+            .query_one("SELECT outbox.setting('outbox.retention')", &[])
+            .map_err(|e| chain(&e))?
+            .get::<_, Option<String>>(0);
+        let declared = guc::declared("outbox.retention").expect("a declared setting");
+        let seconds = match retention.map(|v| declared.parse(&v)) {
+            Some(Ok(Parsed::Int(s))) => s,
+            _ => match declared.default() {
+                Parsed::Int(s) => s,
+                _ => 0,
+            },
+        };
+        let rows = c.query(metrics::GAUGES_SQL, &[&seconds]).map_err(|e| chain(&e))?;
+        metrics::database_families(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))))
+    });
+    families.extend(gauges.unwrap_or_default());
+    families
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_get_of_metrics_is_served() {
+        assert_eq!(request(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"), Request::Metrics);
+        assert_eq!(request(b"GET /metrics?x=1 HTTP/1.0\r\n\r\n"), Request::Metrics);
+        assert_eq!(request(b"GET / HTTP/1.1\r\n\r\n"), Request::NotFound);
+        assert_eq!(request(b"POST /metrics HTTP/1.1\r\n\r\n"), Request::NotGet);
+        for garbage in [
+            &b"\xff\xfe\r\n\r\n"[..],
+            b"GET /metrics\r\n\r\n",
+            b"GET  /metrics HTTP/1.1\r\n",
+            b"",
+            b"SSH-2.0",
+        ] {
+            assert_eq!(request(garbage), Request::Bad, "{garbage:?}");
+        }
+    }
+
+    #[test]
+    fn a_request_too_long_is_bad_without_being_read_whole() {
+        let mut endless = std::io::repeat(b'a');
+        assert_eq!(read_request(&mut endless).unwrap(), Request::Bad);
+    }
+}
