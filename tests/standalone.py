@@ -40,13 +40,13 @@ def fresh_database(pg, name, owner="owner"):
     pg.sql(f"CREATE DATABASE {name} OWNER {owner}")
 
 
-def install(pg, dbname):
+def install(pg, dbname, owner="owner"):
     """A fresh database `dbname`, installed by its owner, with writer
     granted as docs/managed.md says."""
-    fresh_database(pg, dbname)
-    result = run("install", "--dsn", dsn(pg, "owner", dbname))
+    fresh_database(pg, dbname, owner=owner)
+    result = run("install", "--dsn", dsn(pg, owner, dbname))
     assert result.returncode == 0, result.stderr
-    with pg.connect(dbname=dbname, user="owner") as conn:
+    with pg.connect(dbname=dbname, user=owner) as conn:
         conn.execute("GRANT USAGE ON SCHEMA outbox TO writer")
         conn.execute("GRANT INSERT ON outbox.events, outbox.log TO writer")
         conn.execute("GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, "

@@ -41,9 +41,9 @@ def db(server, request):
 class Sidecar:
     """`outbox-dispatch run` on database `dbname` as its owner; its log in a file."""
 
-    def __init__(self, pg, dbname, *args, broker=None, env=None):
+    def __init__(self, pg, dbname, *args, broker=None, env=None, owner="owner"):
         self.log_file = tempfile.NamedTemporaryFile(prefix="sidecar-", suffix=".log", delete=False)
-        command = [BIN, "run", "--dsn", f"{dsn(pg, 'owner', dbname)} sslmode=disable", *args]
+        command = [BIN, "run", "--dsn", f"{dsn(pg, owner, dbname)} sslmode=disable", *args]
         if broker:
             command += ["--broker-url", broker]
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log_file,
@@ -91,8 +91,8 @@ def enqueue(pg, dbname, queue, n=1, notify=False):
             (queue, n)).fetchall()]
 
 
-def set_setting(pg, dbname, name, value):
-    with pg.connect(dbname=dbname, user="owner") as conn:
+def set_setting(pg, dbname, name, value, owner="owner"):
+    with pg.connect(dbname=dbname, user=owner) as conn:
         conn.execute("INSERT INTO outbox.settings (name, value) VALUES (%s, %s) "
                      "ON CONFLICT (name) DO UPDATE SET value = excluded.value", (name, value))
 
@@ -217,6 +217,52 @@ def test_metrics_answer_garbage_with_nothing_and_show_the_library_s_names(
     library = {r[0] for r in cluster.sql("SELECT DISTINCT name FROM outbox.metrics")}
     names = {re.sub(r"\{.*", "", series) for series in found}
     assert names == library, (names ^ library)
+
+
+def test_an_owner_blind_to_other_roles_transactions_truncates_nothing_under_their_snapshots(
+        server, redis_server, sidecars):
+    """Without pg_read_all_stats, another role's open transaction reads as
+    none. A rotation that trusted that would truncate, under a writer's
+    REPEATABLE READ snapshot, the generation its event was moved out of:
+    its outbox_ack() would then find the event nowhere."""
+    server.sql("DROP ROLE IF EXISTS blind")
+    server.sql("CREATE ROLE blind LOGIN")
+    install(server, "s_blind", owner="blind")
+    try:
+        for name, value in [("outbox.retention", "2s"), ("outbox.lifecycle_interval", "1s"),
+                            ("outbox.ack_timeout", "1h")]:
+            set_setting(server, "s_blind", name, value, owner="blind")
+        sidecar = sidecars(server, "s_blind", broker=redis_server.url, owner="blind")
+        serving(server, "s_blind")
+        current = "SELECT generation FROM outbox.generations WHERE ended_at IS NULL"
+        generation = server.value(current, dbname="s_blind")
+        [sent] = enqueue(server, "s_blind", "q_blind")
+        wait_until(lambda: queued_ids(redis_server.client(), "q_blind") == [sent], message="sent")
+        with server.connect(dbname="s_blind", user="writer", autocommit=False) as reader:
+            reader.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            reader.execute("SELECT 1")  # the snapshot
+            wait_until(lambda: server.value(current, dbname="s_blind") != generation, timeout=30,
+                       message="the event's generation ended")
+            time.sleep(6)  # ended three retentions ago: due for its truncation
+            assert reader.execute("SELECT outbox_ack(%s)", (sent,)).fetchone()[0] is True
+            reader.commit()
+        assert "pg_read_all_stats" in last_error(server, "s_blind")
+        assert "pg_read_all_stats" in sidecar.log()
+        # Once its transaction ended, the reader holds nothing back (looked
+        # at as blind, whose own sessions it sees: the suite's superuser's
+        # would hold the rotation back too).
+
+        def began(blind):
+            return blind.execute("SELECT started_at FROM outbox.generations WHERE generation = %s",
+                                 (generation,)).fetchone()[0]
+
+        with server.connect(dbname="s_blind", user="blind") as blind:
+            first = began(blind)
+            wait_until(lambda: began(blind) != first, timeout=60, interval=0.5,
+                       message="the event's generation truncated and begun again")
+    finally:
+        server.sql("DROP DATABASE s_blind WITH (FORCE)")
+        server.sql("DROP ROLE blind")
 
 
 # -- what must survive -----------------------------------------------------------------------------

@@ -357,6 +357,20 @@ fn session(
     let (oid, database, pid): (u32, String, i32) = (row.get(0), row.get(1), row.get(2));
     let index = take_index(&mut client)?;
     let (settings, invalid) = read_settings(&mut client, &config.own, oid)?;
+    let blind = !client
+        .query_one("SELECT pg_catalog.pg_has_role('pg_read_all_stats', 'USAGE')", &[])
+        .map_err(|e| chain(&e))?
+        .get::<_, bool>(0);
+    // Shown with the settings refused, for as long as it holds.
+    let standing: Vec<String> = blind
+        .then(|| {
+            "the role is not a member of pg_read_all_stats: the rotation cannot see other roles' \
+             transactions and waits while any of their sessions is connected, so that old generations \
+             are not truncated (GRANT pg_read_all_stats TO the outbox's owner)"
+                .to_string()
+        })
+        .into_iter()
+        .collect();
     let db = {
         let connector = connector.clone();
         PgDb::new(client, move |token| connector.cancel(token))
@@ -366,7 +380,7 @@ fn session(
     let host = Sidecar::new(Arc::clone(process), Arc::clone(bell), index, pid, oid);
     let mut dispatcher = Dispatcher::new(index as usize, host, db, database, engine::origin(), settings);
     dispatcher.log_start();
-    show_invalid(dispatcher.host(), &invalid);
+    show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
     loop {
         if process.stopping() {
             dispatcher.host().set_state(State::Stopped);
@@ -378,7 +392,7 @@ fn session(
             match read {
                 Some((settings, invalid)) => {
                     dispatcher.reconfigure(settings);
-                    show_invalid(dispatcher.host(), &invalid);
+                    show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
                 }
                 None => log::warning(&format!(
                     "dispatcher {index}: the settings could not be read: kept as they were"
@@ -420,7 +434,8 @@ fn rest(host: &Sidecar, process: &Process, nap: Duration, poll: Duration) -> boo
     }
 }
 
-/// Names the values refused, in the log and in `last_error`.
+/// Names the values refused (and what else stands in the way), in the log
+/// and in `last_error`.
 fn show_invalid(host: &Sidecar, invalid: &[String]) {
     for why in invalid {
         host.warning(why);

@@ -1439,12 +1439,21 @@ BEGIN
     -- that may not see the last moves as committed (its xmin at or before
     -- their transaction): it would find the moved events neither where they
     -- were nor where they went.
+    -- A session of a role whose transaction this one may not see (without
+    -- pg_read_all_stats: its xact_start and backend_xmin read NULL) may be
+    -- as old as any while it is in a transaction (holds its virtual
+    -- transaction id's lock, which pg_locks shows every role): the
+    -- rotation waits for it too.
     IF EXISTS (SELECT FROM pg_stat_activity AS a
                 WHERE a.datname = current_database()
                   AND a.pid <> pg_backend_pid()
-                  AND a.backend_type <> 'autovacuum worker'
+                  -- (NULL in the row of a session this role may not see)
+                  AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
                   AND (a.xact_start < old.ended_at
-                       OR (old.drained AND age(a.backend_xmin) >= age(xid(old.moved_xid)))))
+                       OR (old.drained AND age(a.backend_xmin) >= age(xid(old.moved_xid)))
+                       OR (NOT (pg_has_role('pg_read_all_stats', 'USAGE') OR pg_has_role(a.usesysid, 'USAGE'))
+                           AND EXISTS (SELECT FROM pg_locks AS l
+                                        WHERE l.pid = a.pid AND l.locktype = 'virtualxid' AND l.granted))))
        OR EXISTS (SELECT FROM pg_prepared_xacts AS p
                    WHERE p.database = current_database()
                      AND p.prepared < old.ended_at) THEN
