@@ -139,6 +139,24 @@ def test_a_broker_password_in_the_environment_is_never_printed_and_a_silent_brok
         silent.close()
 
 
+def test_the_database_cannot_choose_where_events_and_the_broker_password_go(server, db, sidecars):
+    """The broker's URL is the sidecar's own: `outbox.redis_url`, the former
+    name of `outbox.broker_url`, set on the database is not read, and
+    without --broker-url the default stands."""
+    lure = SilentBroker()
+    try:
+        server.sql(f"ALTER DATABASE {db} SET outbox.redis_url = 'redis://127.0.0.1:{lure.port}/0'")
+        enqueue(server, db, "q_lure", 2)
+        env = {name: "" for name in ("OUTBOX_BROKER_URL",)}
+        sidecar = sidecars(server, db, env=env)
+        wait_until(lambda: "6379" in last_error(server, db) or "6379" in sidecar.log(), timeout=60,
+                   message="the default broker tried", seen=lambda: (workers(server, db), sidecar.log()))
+        time.sleep(1)
+        assert lure.held == [], "the database's URL was used"
+    finally:
+        lure.close()
+
+
 def test_a_database_it_must_not_serve_is_refused_at_once(server, sidecars):
     fresh_database(server, "s_bare")
     bare = sidecars(server, "s_bare")
@@ -390,9 +408,37 @@ def test_an_idle_sidecar_polls_without_writing(server, db, redis_server, sidecar
     time.sleep(3)
     assert server.value(claims, dbname=db) - before <= 1
     assert server.value("SELECT pg_current_xact_id()::text::bigint") - xid <= 3
+    # Anyone may NOTIFY the channels it listens on: a forged wake costs a
+    # read-only look, not a claim.
+    with server.connect(dbname=db, user="writer") as conn:
+        for _ in range(200):
+            conn.execute("NOTIFY outbox_dispatch_wake")
+            conn.execute("NOTIFY outbox_new")
+    time.sleep(2)
+    assert server.value(claims, dbname=db) - before <= 1
     ids = enqueue(server, db, "q_idle", 3)
     wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_idle")) == sorted(ids), timeout=10,
                message="a poll finds them")
+
+
+def test_a_poll_finds_delayed_events_and_due_batches(server, db, redis_server, sidecars):
+    """What no claim range holds, a poll must find too: an event whose delay
+    ends, a subscription's batch that is due."""
+    set_setting(server, db, "outbox.poll_interval", "1h")
+    sidecars(server, db, broker=redis_server.url)
+    serving(server, db)
+    time.sleep(1)
+    with server.connect(dbname=db, user="writer") as conn:
+        delayed = str(conn.execute("SELECT outbox_enqueue('t.run', '{}', queue => 'q_delay', "
+                                   "delay => interval '1 second')").fetchone()[0])
+    wait_until(lambda: queued_ids(redis_server.client(), "q_delay") == [delayed], timeout=15,
+               message="the delayed event, once its delay ended")
+    with server.connect(dbname=db, user="owner") as conn:
+        conn.execute("SELECT outbox_subscribe('t.batched', 't.batch', queue => 'q_batch', batch_max => 2, "
+                     "batch_wait => interval '1 hour')")
+    with server.connect(dbname=db, user="writer") as conn:
+        conn.execute("SELECT outbox_enqueue('t.batched', '{}') FROM generate_series(1, 2)")
+    wait_until(lambda: redis_server.client().llen("q_batch") == 1, timeout=15, message="the batch of two")
 
 
 def test_events_flow_and_the_views_show_the_sidecar(server, db, redis_server, sidecars):

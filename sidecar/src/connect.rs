@@ -21,7 +21,18 @@ impl Connector {
     /// Parses `dsn`. TLS certificates must chain to the authorities of
     /// `ca_file` (`--tls-ca-file`), or to the system's.
     pub fn new(dsn: &str, ca_file: Option<&Path>) -> Result<Connector, String> {
-        let config: Config = dsn.parse().map_err(|e| format!("the DSN: {}", chain(&e)))?;
+        let mut config: Config = dsn.parse().map_err(|e| format!("the DSN: {}", chain(&e)))?;
+        // A peer gone without a word (a failover, a cut network) is found
+        // out within a minute, not the kernel's two hours, unless the DSN
+        // says otherwise.
+        if config.get_tcp_user_timeout().is_none() {
+            config.tcp_user_timeout(Duration::from_secs(30));
+        }
+        if config.get_keepalives_idle() == Duration::from_secs(2 * 3600) {
+            config.keepalives_idle(Duration::from_secs(30));
+            config.keepalives_interval(Duration::from_secs(10));
+            config.keepalives_retries(3);
+        }
         let tls = match config.get_ssl_mode() {
             SslMode::Disable => None,
             _ => {

@@ -55,7 +55,7 @@ impl Process {
             counters: Counters::default(),
             stopping: AtomicBool::new(false),
             name,
-            control: Control { connector, client: Mutex::new(None) },
+            control: Control { connector, client: Mutex::new(Err(Instant::now())) },
             turns: std::array::from_fn(|_| AtomicBool::new(false)),
             shown: Mutex::default(),
         }
@@ -86,28 +86,44 @@ impl Process {
 /// failed.
 struct Control {
     connector: Connector,
-    client: Mutex<Option<Client>>,
+    /// The connection, or when to try making one again.
+    client: Mutex<Result<Client, Instant>>,
 }
+
+/// How long a statement of the control connection may run, and how soon a
+/// failed connect is tried again.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
+const CONTROL_RETRY: Duration = Duration::from_secs(1);
 
 impl Control {
     /// Runs `body` on the connection; `None` when there is none to be had
     /// or the statement failed (logged).
     fn with<R>(&self, body: impl FnOnce(&mut Client) -> Result<R, String>) -> Option<R> {
         let mut guard = self.client.lock().unwrap_or_else(|e| e.into_inner());
-        if guard.as_ref().is_none_or(Client::is_closed) {
-            match self.connector.connect(Duration::from_secs(10)).and_then(|mut c| {
+        let usable = matches!(&*guard, Ok(client) if !client.is_closed());
+        if !usable {
+            if matches!(&*guard, Err(retry_at) if Instant::now() < *retry_at) {
+                return None;
+            }
+            let connected = self.connector.connect(CONTROL_TIMEOUT).and_then(|mut c| {
                 crate::run::pin_session(&mut c)?;
+                c.batch_execute(&format!("SET statement_timeout = {}", CONTROL_TIMEOUT.as_millis()))
+                    .map_err(|e| crate::connect::chain(&e))?;
                 Ok(c)
-            }) {
-                Ok(client) => *guard = Some(client),
+            });
+            match connected {
+                Ok(client) => *guard = Ok(client),
                 Err(e) => {
-                    crate::log::warning(&format!("the control connection failed: {e}"));
-                    *guard = None;
+                    crate::log::warning(&format!(
+                        "the control connection failed: {e}; trying again in {}s",
+                        CONTROL_RETRY.as_secs()
+                    ));
+                    *guard = Err(Instant::now() + CONTROL_RETRY);
                     return None;
                 }
             }
         }
-        let client = guard.as_mut()?;
+        let Ok(client) = &mut *guard else { return None };
         match body(client) {
             Ok(value) => Some(value),
             Err(e) => {
@@ -152,20 +168,19 @@ impl Bell {
 
     /// Events may be waiting (`source`).
     pub fn wake(&self, source: WakeSource) {
-        self.note(source);
-        self.ring();
-    }
-
-    /// Events were found waiting by this thread itself (`source`): the
-    /// next step claims.
-    pub fn note(&self, source: WakeSource) {
         self.wakes.fetch_or(1 << source as u8, Ordering::SeqCst);
+        self.ring();
     }
 
     /// A SIGHUP: the settings are read again.
     pub fn reload(&self) {
         self.reload.store(true, Ordering::SeqCst);
         self.ring();
+    }
+
+    /// A reload that failed: tried again at the next step.
+    pub fn reload_later(&self) {
+        self.reload.store(true, Ordering::SeqCst);
     }
 
     /// Ends the wait for a shutdown (the flag is the process's).
@@ -255,11 +270,6 @@ impl Sidecar {
             published: RefCell::new(None),
             refused: RefCell::new(None),
         }
-    }
-
-    /// The wake a poll that found events in line makes.
-    pub fn found_in_line(&self) {
-        self.bell.note(WakeSource::Poll);
     }
 
     /// Sleeps until `timeout` passed, a wake, a reload or a shutdown;

@@ -31,9 +31,14 @@ const RECONNECT_MAX: Duration = Duration::from_secs(30);
 pub fn listen(process: &Process, bells: &[Arc<Bell>], connector: &Connector) {
     let mut attempt = 0u32;
     while !process.stopping() {
+        let started = Instant::now();
         let Err(why) = listening(process, bells, connector) else {
             return;
         };
+        // A session that listened a while starts the backoff again.
+        if started.elapsed() > RECONNECT_MAX {
+            attempt = 0;
+        }
         let delay = backoff::reconnect_delay(RECONNECT_MIN, RECONNECT_MAX, attempt, backoff::random_unit());
         attempt = attempt.saturating_add(1);
         log::warning(&format!("the listener: {why}; connecting again in {:.1}s", delay.as_secs_f64()));
@@ -54,9 +59,17 @@ fn listening(process: &Process, bells: &[Arc<Bell>], connector: &Connector) -> R
         )
         .map_err(|e| chain(&e))?
         .get(0);
-    client
-        .batch_execute(&format!("LISTEN {WAKE_CHANNEL}; LISTEN \"{}\"", channel.replace('"', "\"\"")))
-        .map_err(|e| chain(&e))?;
+    client.batch_execute(&format!("LISTEN {WAKE_CHANNEL}")).map_err(|e| chain(&e))?;
+    // The database's channel apart: a bad one loses the inserts' NOTIFY
+    // (the poll still finds them), never outbox_wake()'s.
+    if channel.is_empty() || channel.len() > 63 {
+        log::warning(&format!(
+            "outbox.notify_channel is {} bytes, not 1 to 63: inserts' NOTIFY is not listened to",
+            channel.len()
+        ));
+    } else if let Err(e) = client.batch_execute(&format!("LISTEN \"{}\"", channel.replace('"', "\"\""))) {
+        log::warning(&format!("LISTEN on outbox.notify_channel: {}", chain(&e)));
+    }
     wake_all(bells, WakeSource::Manual);
     while !process.stopping() {
         {

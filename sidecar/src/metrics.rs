@@ -2,14 +2,15 @@
 //! process's counters and histograms, its dispatchers' gauges and the
 //! database's gauges, under the names `outbox.metrics` has with the
 //! library. Plain HTTP/1.1, one request per connection, on a thread of its
-//! own: a request is read up to [`MOST_REQUEST_BYTES`] within
-//! [`TIMEOUT`], so a client that sends garbage, too much or nothing ties
-//! up nothing for long.
+//! own: a connection is served within [`TIMEOUT`] in all (its request read
+//! up to [`MOST_REQUEST_BYTES`], the answer written), and the lingering
+//! close after it within [`LINGER`], so that a client that sends garbage,
+//! too much, nothing or a byte at a time ties up nothing for long.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use outbox_core::exposition::{self, Family, Sample};
 use outbox_core::guc::{self, Parsed};
@@ -44,9 +45,8 @@ pub fn serve(listener: TcpListener, process: Arc<Process>) {
     }
 }
 
-fn answer(mut stream: TcpStream, process: &Process) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(TIMEOUT))?;
-    stream.set_write_timeout(Some(TIMEOUT))?;
+fn answer(stream: TcpStream, process: &Process) -> std::io::Result<()> {
+    let mut stream = Deadline { stream, until: Instant::now() + TIMEOUT };
     let (status, body) = match read_request(&mut stream)? {
         Request::Metrics => ("200 OK", exposition::render(&families(process))),
         Request::NotFound => ("404 Not Found", "only /metrics is served here\n".to_string()),
@@ -63,9 +63,43 @@ fn answer(mut stream: TcpStream, process: &Process) -> std::io::Result<()> {
     // A lingering close: what the client still sends (a request too long)
     // is read, up to a bound, so that it gets the answer rather than a
     // reset.
-    stream.shutdown(Shutdown::Write)?;
-    stream.set_read_timeout(Some(LINGER))?;
-    std::io::copy(&mut stream.take(LINGER_BYTES), &mut std::io::sink()).map(|_| ())
+    stream.stream.shutdown(Shutdown::Write)?;
+    stream.until = Instant::now() + LINGER;
+    std::io::copy(&mut (&mut stream).take(LINGER_BYTES), &mut std::io::sink()).map(|_| ())
+}
+
+/// A connection whose every read and write ends by one instant.
+struct Deadline {
+    stream: TcpStream,
+    until: Instant,
+}
+
+impl Deadline {
+    fn left(&self) -> std::io::Result<Duration> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the connection's time ran out"));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Deadline {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Deadline {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
+    }
 }
 
 #[derive(Debug, PartialEq, Eq)]

@@ -29,9 +29,6 @@ use crate::host::{Bell, Process, Sidecar, DISPATCHER_LOCKS, LOCK_CLASS};
 use crate::store::{PgDb, Watchdog};
 use crate::{log, metrics, script};
 
-/// Whether events are in line that no claim has read.
-const IN_LINE: &str = include_str!("../../sql/sidecar/in_line.sql");
-
 /// The exit status when the outbox is not installed, is installed at
 /// another release, or the extension serves the database.
 pub const EXIT_NOT_INSTALLED: i32 = 3;
@@ -70,6 +67,15 @@ pub const OWN_SETTINGS: [(&str, &str, &str); 4] = [
     ("--sentinel-password-file", "OUTBOX_SENTINEL_PASSWORD_FILE", "outbox.redis_sentinel_password_file"),
 ];
 
+/// Whether the setting `name` is the sidecar's own, never the database's:
+/// those of [`OWN_SETTINGS`], and `outbox.redis_url`, the former name of
+/// `outbox.broker_url`, whose default stands when no URL is given (the
+/// database must not choose where the events, and the broker's password,
+/// go).
+fn is_own(name: &str) -> bool {
+    name == "outbox.redis_url" || OWN_SETTINGS.iter().any(|(_, _, setting)| *setting == name)
+}
+
 /// Pins what every statement of the sidecar relies on, whatever the
 /// database's and the role's settings say.
 pub fn pin_session(client: &mut Client) -> Result<(), String> {
@@ -80,6 +86,8 @@ pub fn pin_session(client: &mut Client) -> Result<(), String> {
              SET lock_timeout = '1s'; \
              SET statement_timeout = 0; \
              SET idle_in_transaction_session_timeout = 0; \
+             SET idle_session_timeout = 0; \
+             SET exit_on_error = off; \
              SET default_transaction_isolation = 'read committed'; \
              SET default_transaction_read_only = off; \
              SET enable_bitmapscan = off; \
@@ -169,7 +177,7 @@ fn read_settings(
     let database: HashMap<String, Option<String>> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
     let value = |name: &str| match own.iter().find(|(n, _)| *n == name) {
         Some((_, v)) => Some(v.clone()),
-        None if OWN_SETTINGS.iter().any(|(_, _, n)| *n == name) => None,
+        None if is_own(name) => None,
         None => database.get(name).cloned().flatten(),
     };
     let (settings, invalid) = Settings::read(&value, oid);
@@ -189,14 +197,31 @@ pub fn run(config: RunConfig) -> i32 {
             return 2;
         }
     };
-    // Refused at once, rather than retried: nothing here will change.
-    match connect_checked(&connector) {
-        Ok(_) => {}
-        Err(Check::Refused(why)) => {
+    // Refused at once, rather than retried: nothing here will change. On
+    // a thread of its own, while this one answers signals: a server that
+    // accepts and never answers must not hold off a SIGTERM.
+    let checked = {
+        let connector = connector.clone();
+        std::thread::spawn(move || connect_checked(&connector).map(drop))
+    };
+    while !checked.is_finished() {
+        match next_signal(&signals, Duration::from_millis(100)) {
+            // Nothing read yet: nothing to read again.
+            None | Some(libc::SIGHUP) => {}
+            Some(signal) => {
+                log::info(&format!("received {}, stopping", signal_name(signal)));
+                return 0;
+            }
+        }
+    }
+    match checked.join() {
+        Ok(Ok(())) => {}
+        Ok(Err(Check::Refused(why))) => {
             log::error(&why);
             return EXIT_NOT_INSTALLED;
         }
-        Err(Check::Failed(why)) => log::warning(&format!("connecting: {why}; trying again")),
+        Ok(Err(Check::Failed(why))) => log::warning(&format!("connecting: {why}; trying again")),
+        Err(_) => log::warning("connecting: a panic; trying again"),
     }
     let listener = match config.metrics_listen.as_deref().map(TcpListener::bind).transpose() {
         Ok(listener) => listener,
@@ -381,6 +406,7 @@ fn session(
     let mut dispatcher = Dispatcher::new(index as usize, host, db, database, engine::origin(), settings);
     dispatcher.log_start();
     show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
+    let mut reload_failed = false;
     loop {
         if process.stopping() {
             dispatcher.host().set_state(State::Stopped);
@@ -389,14 +415,21 @@ fn session(
         }
         if bell.take_reload() {
             let read = process.with_control(|c| read_settings(c, &config.own, oid));
+            let failed_before = std::mem::replace(&mut reload_failed, read.is_none());
             match read {
                 Some((settings, invalid)) => {
                     dispatcher.reconfigure(settings);
                     show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
                 }
-                None => log::warning(&format!(
-                    "dispatcher {index}: the settings could not be read: kept as they were"
-                )),
+                None => {
+                    if !failed_before {
+                        log::warning(&format!(
+                            "dispatcher {index}: the settings could not be read: kept as they were, \
+                             read again at each step until they are"
+                        ));
+                    }
+                    bell.reload_later();
+                }
             }
         }
         let nap = dispatcher.step();
@@ -404,33 +437,10 @@ fn session(
         if closed.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(format!("dispatcher {index}: the connection to the database was lost"));
         }
-        let timed_out = rest(dispatcher.host(), process, nap, config.poll_interval);
+        // Each poll is a step: the engine asks whether there is anything
+        // to claim (read only) before it claims.
+        let timed_out = dispatcher.host().sleep(nap.min(config.poll_interval));
         dispatcher.count_wake(timed_out);
-    }
-}
-
-/// Sleeps until a wake, a reload or a shutdown, `nap` (what the engine
-/// waits for next), or a poll that finds events in line; returns whether
-/// the time ran out. A poll that finds none sleeps on: it has written
-/// nothing (sql/sidecar/in_line.sql), where a claim would have.
-fn rest(host: &Sidecar, process: &Process, nap: Duration, poll: Duration) -> bool {
-    let due = Instant::now() + nap;
-    loop {
-        let left = due.saturating_duration_since(Instant::now());
-        if !host.sleep(left.min(poll)) {
-            return false;
-        }
-        if left <= poll {
-            return true;
-        }
-        let in_line = process.with_control(|c| {
-            c.query_one(IN_LINE, &[]).map(|row| row.get::<_, bool>(0)).map_err(|e| chain(&e))
-        });
-        // Unknown (the control connection failed): the step finds out.
-        if in_line != Some(false) {
-            host.found_in_line();
-            return true;
-        }
     }
 }
 
@@ -474,6 +484,14 @@ fn block_signals() -> libc::sigset_t {
         }
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         set
+    }
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    if signal == libc::SIGINT {
+        "SIGINT"
+    } else {
+        "SIGTERM"
     }
 }
 

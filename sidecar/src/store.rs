@@ -108,7 +108,11 @@ impl Watchdog {
                     None => armed = changed.wait(armed).unwrap_or_else(|e| e.into_inner()),
                     Some(at) if at <= Instant::now() => {
                         armed.at = None;
+                        // Unlocked: a cancel slow to connect must not hold
+                        // up the next arm.
+                        drop(armed);
                         cancel();
+                        armed = lock.lock().unwrap_or_else(|e| e.into_inner());
                     }
                     Some(at) => {
                         armed = changed

@@ -57,12 +57,13 @@ pub struct Dispatcher<H: Host> {
     /// When the last claim that took every event in line began: the next
     /// lingers until `outbox.linger` after it.
     drained_at: Option<Instant>,
-    /// When the queue is to be claimed from again without a wake: when
-    /// the last drain asked (the poll, an event coming due), or at once
-    /// after what may have put events in line (a wake, reports passing
-    /// keys on, housekeeping, a reload). A step for anything else (the
-    /// reports' poll, a heartbeat) claims nothing: an empty claim writes
-    /// its position, and takes a transaction id.
+    /// When the queue is to be claimed from without asking first: when the
+    /// last drain asked (the poll, an event coming due), or at once after
+    /// what may have put events in line (reports passing keys on,
+    /// housekeeping, a reload). Before then, a step (a wake, a host's poll,
+    /// the reports' poll, a heartbeat) asks whether there is anything to
+    /// claim ([`Store::in_line`], read only): an empty claim writes its
+    /// position and takes a transaction id.
     drain_at: Instant,
 }
 
@@ -100,11 +101,10 @@ impl<H: Host> Dispatcher<H> {
         }
     }
 
-    /// Counts what ended the last sleep: commits, `outbox_wake()` calls,
-    /// a host's poll that found events (each source once), or else the
-    /// timer (the safety poll, or whatever else fell due first). A wake
-    /// makes the next step claim.
-    pub fn count_wake(&mut self, timed_out: bool) {
+    /// Counts what ended the last sleep: commits, `outbox_wake()` calls
+    /// (each source once), or else the timer (the safety poll, or whatever
+    /// else fell due first).
+    pub fn count_wake(&self, timed_out: bool) {
         let sources = self.host.take_wake_sources();
         for source in WakeSource::ALL {
             if sources & (1 << source as u8) != 0 {
@@ -113,9 +113,6 @@ impl<H: Host> Dispatcher<H> {
         }
         if sources == 0 && timed_out {
             self.host.counters().woke(WakeSource::Poll);
-        }
-        if sources != 0 {
-            self.drain_at = Instant::now();
         }
     }
 
@@ -284,12 +281,15 @@ impl<H: Host> Dispatcher<H> {
             return wait;
         }
         let now = Instant::now();
-        let nap = if now >= self.drain_at {
-            let nap = self.drain();
-            self.drain_at = Instant::now() + nap;
-            nap
-        } else {
-            self.drain_at - now
+        let due = now >= self.drain_at;
+        let nap = match if due { Ok(true) } else { self.store.in_line() } {
+            Ok(true) => {
+                let nap = self.drain();
+                self.drain_at = Instant::now() + nap;
+                nap
+            }
+            Ok(false) => self.drain_at - now,
+            Err(e) => return self.store_failed(&e),
         };
         if let Some(wait) = self.collect_reports() {
             return wait;

@@ -273,6 +273,17 @@ impl<D: Db> Store<D> {
         result
     }
 
+    /// Whether a drain would find work now (sql/worker/in_line.sql), or
+    /// key passes wait from before; read only. `true` without the outbox:
+    /// the claim finds that out.
+    pub fn in_line(&mut self) -> Result<bool, StoreError> {
+        if !self.deferred.is_empty() {
+            return Ok(true);
+        }
+        let found = self.transaction(|tx, _| get::<bool>(&tx.run(Stmt::InLine, &[])?.rows[0], 0))?;
+        Ok(found.flatten().unwrap_or(true))
+    }
+
     /// Is the outbox installed in this database?
     pub fn extension_exists(&mut self) -> Result<bool, StoreError> {
         self.transaction(|_, _| Ok(())).map(|found| found.is_some())

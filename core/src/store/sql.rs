@@ -72,6 +72,7 @@ statements! {
     Ack = "ack.sql" (Uuid);
     SweepKeys = "worker/sweep_keys.sql" (Bool, Bool, Int4);
     PurgeInbox = "worker/purge_inbox.sql" (Float8, Int4);
+    InLine = "worker/in_line.sql" ();
 }
 
 /// The type of a parameter.
