@@ -172,7 +172,11 @@ impl Tx for SpiTx<'_, '_> {
             Some(plans) => {
                 let plan = plans.of(stmt);
                 report_running(&plan.text);
-                self.client.update(&plan.plan, None, &args)
+                if stmt.reads_only() {
+                    self.client.select(&plan.plan, None, &args)
+                } else {
+                    self.client.update(&plan.plan, None, &args)
+                }
             }
             None => self.client.update(stmt.sql(), None, &args),
         };

@@ -75,6 +75,14 @@ statements! {
     InLine = "worker/in_line.sql" ();
 }
 
+impl Stmt {
+    /// Whether the statement only reads: a host may run it without taking
+    /// a transaction id (pgrx's `update` takes one).
+    pub fn reads_only(self) -> bool {
+        matches!(self, Stmt::InLine)
+    }
+}
+
 /// The type of a parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Type {
