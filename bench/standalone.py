@@ -11,7 +11,7 @@ the same with the library:
   relay (a Python process: claim 100 with FOR UPDATE SKIP LOCKED, send each
   with Celery's send_task, mark them);
 - commit → broker latency at BENCH_SIDECAR_RATE events/s with the
-  sidecar's two wakes: its poll (every 50 ms, the default) and LISTEN with
+  sidecar's two wakes: its poll (every 20 ms, the default) and LISTEN with
   `outbox.notify = on`.
 
 Runs two PostgreSQL servers (fsync on): one with the library preloaded and
@@ -179,7 +179,7 @@ def relay(pg, redis):
 
 def latency(pg, redis, notify):
     """Commit → broker at RATE events/s for SECONDS with the sidecar's poll
-    (50 ms) or, with `notify`, LISTEN and `outbox.notify = on` in the
+    (20 ms) or, with `notify`, LISTEN and `outbox.notify = on` in the
     producers' sessions: p50, p99, max in ms."""
     pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     pg.sql(f"ALTER ROLE postgres SET outbox.notify = {'on' if notify else 'off'}")
@@ -272,7 +272,7 @@ def main():
         tps, workloads = enqueue_cost(servers)
         rates = drains(servers, redis)
         relay_rate = relay(servers[HOSTS[1]], redis)
-        latencies = {"poll every 50 ms (the default)": latency(servers[HOSTS[1]], redis, notify=False),
+        latencies = {"poll every 20 ms (the default)": latency(servers[HOSTS[1]], redis, notify=False),
                      "LISTEN, outbox.notify = on": latency(servers[HOSTS[1]], redis, notify=True)}
         write_report(tps, workloads, rates, relay_rate, latencies)
     finally:

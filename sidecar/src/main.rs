@@ -51,7 +51,7 @@ usage: outbox-dispatch install [--dsn DSN] [--schema NAME] [--tls-ca-file PATH]
   --dispatchers N     dispatchers of this process, each on a connection of
                       its own (or OUTBOX_DISPATCHERS); 1 by default
   --poll-interval T   the longest a dispatcher sleeps without a NOTIFY (or
-                      OUTBOX_POLL_INTERVAL): 50ms by default; a number of
+                      OUTBOX_POLL_INTERVAL): 20ms by default; a number of
                       milliseconds, or with a unit (250ms, 1s)
   --metrics-listen HOST:PORT
                       serves /metrics there (or OUTBOX_METRICS_LISTEN);
@@ -78,7 +78,7 @@ const DISPATCHERS: Declared =
 /// `--poll-interval`.
 const POLL_INTERVAL: Declared = Declared {
     name: "--poll-interval",
-    kind: Kind::Int { default: 50, min: 1, max: 3_600_000, unit: Unit::Ms },
+    kind: Kind::Int { default: 20, min: 1, max: 3_600_000, unit: Unit::Ms },
 };
 
 /// The value of an integer option, or its default.
