@@ -22,7 +22,6 @@ BENCH_PGBENCH_CLIENTS, BENCH_ROUNDS (5 here), BENCH_PAYLOAD_BYTES,
 BENCH_SECONDS; BENCH_SIDECAR_EVENTS (100,000), BENCH_RELAY_EVENTS (20,000),
 BENCH_SIDECAR_RATE (1,000)."""
 
-import multiprocessing
 import os
 import statistics
 import subprocess
@@ -35,8 +34,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from harness import Cluster, Redis, wait_until  # noqa: E402
-from run import (LOAD, PAYLOAD, PGBENCH_CLIENTS, PGBENCH_SECONDS, SECONDS, SERVER_CONF, consume,  # noqa: E402
-                 machine, pgbench, produce)
+from run import (LOAD, PAYLOAD, PGBENCH_CLIENTS, PGBENCH_SECONDS, SECONDS, SERVER_CONF,  # noqa: E402
+                 commit_to_broker, machine, pgbench)
 from wal import create_plain  # noqa: E402
 
 BIN = ROOT / "target" / "release" / "outbox-dispatch"
@@ -187,28 +186,10 @@ def latency(pg, redis, notify):
     sidecar = Sidecar(pg, redis, *(["--poll-interval", "1h"] if notify else []))
     try:
         time.sleep(2)
-        producers = 4
-        total = RATE // producers * producers * SECONDS
-        results = multiprocessing.Queue()
-        consumer = multiprocessing.Process(target=consume, args=(redis.port, total, results))
-        consumer.start()
-        procs = [multiprocessing.Process(target=produce, args=(str(pg.dir), pg.port, RATE // producers, SECONDS,
-                                                               results)) for _ in range(producers)]
-        for p in procs:
-            p.start()
-        times = {"committed": {}, "arrived": {}}
-        for _ in range(producers + 1):
-            kind, part = results.get(timeout=SECONDS + 120)
-            times[kind].update(part)
-        for p in procs + [consumer]:
-            p.join()
+        return commit_to_broker(pg, redis, RATE, SECONDS)
     finally:
         sidecar.stop()
         pg.sql("ALTER ROLE postgres RESET outbox.notify")
-    committed, arrived = times["committed"], times["arrived"]
-    lat = sorted(max(0.0, arrived[i] - committed[i]) * 1000 for i in committed if i in arrived)
-    pick = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]  # noqa: E731
-    return {"p50": pick(0.5), "p99": pick(0.99), "max": lat[-1], "missing": len(committed) - len(lat)}
 
 
 def write_report(tps, workloads, rates, relay_rate, latencies):

@@ -251,11 +251,16 @@ pub fn run(config: RunConfig) -> i32 {
             }
         };
         bells.push(Arc::clone(&bell));
-        let (process, config, connector, watchdogs) =
-            (Arc::clone(&process), Arc::clone(&config), connector.clone(), Arc::clone(&watchdogs));
-        let spawned = std::thread::Builder::new()
-            .name(format!("dispatcher {slot}"))
-            .spawn(move || serve(slot, &process, &bell, &config, &connector, &watchdogs));
+        let thread = DispatcherThread {
+            slot,
+            process: Arc::clone(&process),
+            bell,
+            config: Arc::clone(&config),
+            connector: connector.clone(),
+            watchdogs: Arc::clone(&watchdogs),
+        };
+        let spawned =
+            std::thread::Builder::new().name(format!("dispatcher {slot}")).spawn(move || thread.serve());
         match spawned {
             Ok(handle) => threads.push(handle),
             Err(e) => {
@@ -312,135 +317,137 @@ pub fn run(config: RunConfig) -> i32 {
     }
 }
 
-/// One dispatcher thread: serves until the process stops, connecting
-/// again (after a backoff) whenever its connection fails. A panic ends the
-/// session, not the thread.
-fn serve(
+/// One dispatcher thread: the `slot`th of the process, and what it
+/// shares with the others.
+struct DispatcherThread {
     slot: usize,
-    process: &Arc<Process>,
-    bell: &Arc<Bell>,
-    config: &RunConfig,
-    connector: &Connector,
-    watchdogs: &Mutex<HashMap<usize, Watchdog>>,
-) {
-    let mut attempt = 0u32;
-    while !process.stopping() {
-        let started = Instant::now();
-        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            session(slot, process, bell, config, connector, watchdogs)
-        }));
-        let why = match served {
-            Ok(Ok(())) => continue,
-            Ok(Err(why)) => why,
-            Err(_) => "a panic (a bug: please report it)".to_string(),
-        };
-        if process.stopping() {
-            break;
-        }
-        // A session that served a while starts the backoff again.
-        if started.elapsed() > RECONNECT_MAX {
-            attempt = 0;
-        }
-        let delay = backoff::reconnect_delay(RECONNECT_MIN, RECONNECT_MAX, attempt, backoff::random_unit());
-        attempt = attempt.saturating_add(1);
-        log::warning(&format!(
-            "dispatcher thread {slot}: {why}; connecting again in {:.1}s",
-            delay.as_secs_f64()
-        ));
-        let until = Instant::now() + delay;
-        while !process.stopping() && Instant::now() < until {
-            bell.pause(until - Instant::now());
-        }
-    }
+    process: Arc<Process>,
+    bell: Arc<Bell>,
+    config: Arc<RunConfig>,
+    connector: Connector,
+    /// Each thread's, for a shutdown to cancel what they run.
+    watchdogs: Arc<Mutex<HashMap<usize, Watchdog>>>,
 }
 
-/// One connection's life: takes a dispatcher number, serves under it
-/// until the connection fails (an error) or the process stops (`Ok`).
-fn session(
-    slot: usize,
-    process: &Arc<Process>,
-    bell: &Arc<Bell>,
-    config: &RunConfig,
-    connector: &Connector,
-    watchdogs: &Mutex<HashMap<usize, Watchdog>>,
-) -> Result<(), String> {
-    let mut client = match connect_checked(connector) {
-        Ok(client) => client,
-        Err(Check::Failed(why)) => return Err(why),
-        Err(Check::Refused(why)) => {
-            log::error(&why);
-            std::process::exit(EXIT_NOT_INSTALLED);
-        }
-    };
-    let row = client
-        .query_one(
-            "SELECT d.oid, d.datname::text, pg_catalog.pg_backend_pid() \
-               FROM pg_catalog.pg_database AS d WHERE d.datname = pg_catalog.current_database()",
-            &[],
-        )
-        .map_err(|e| chain(&e))?;
-    let (oid, database, pid): (u32, String, i32) = (row.get(0), row.get(1), row.get(2));
-    let index = take_index(&mut client)?;
-    let (settings, invalid) = read_settings(&mut client, &config.own, oid)?;
-    let blind = !client
-        .query_one("SELECT pg_catalog.pg_has_role('pg_read_all_stats', 'USAGE')", &[])
-        .map_err(|e| chain(&e))?
-        .get::<_, bool>(0);
-    // Shown with the settings refused, for as long as it holds.
-    let standing: Vec<String> = blind
-        .then(|| {
-            "the role is not a member of pg_read_all_stats: the rotation cannot see other roles' \
-             transactions and waits while any of their sessions is connected, so that old generations \
-             are not truncated (GRANT pg_read_all_stats TO the outbox's owner)"
-                .to_string()
-        })
-        .into_iter()
-        .collect();
-    let db = {
-        let connector = connector.clone();
-        PgDb::new(client, move |token| connector.cancel(token))
-    };
-    watchdogs.lock().unwrap_or_else(|e| e.into_inner()).insert(slot, db.watchdog());
-    let closed = db.closed();
-    let host = Sidecar::new(Arc::clone(process), Arc::clone(bell), index, pid, oid);
-    let mut dispatcher = Dispatcher::new(index as usize, host, db, database, engine::origin(), settings);
-    dispatcher.log_start();
-    show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
-    let mut reload_failed = false;
-    loop {
-        if process.stopping() {
-            dispatcher.host().set_state(State::Stopped);
-            dispatcher.host().publish();
-            return Ok(());
-        }
-        if bell.take_reload() {
-            let read = process.with_control(|c| read_settings(c, &config.own, oid));
-            let failed_before = std::mem::replace(&mut reload_failed, read.is_none());
-            match read {
-                Some((settings, invalid)) => {
-                    dispatcher.reconfigure(settings);
-                    show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
-                }
-                None => {
-                    if !failed_before {
-                        log::warning(&format!(
-                            "dispatcher {index}: the settings could not be read: kept as they were, \
-                             read again at each step until they are"
-                        ));
-                    }
-                    bell.reload_later();
-                }
+impl DispatcherThread {
+    /// Serves until the process stops, connecting again (after a backoff)
+    /// whenever its connection fails. A panic ends the session, not the
+    /// thread.
+    fn serve(&self) {
+        let DispatcherThread { slot, process, bell, .. } = self;
+        let mut attempt = 0u32;
+        while !process.stopping() {
+            let started = Instant::now();
+            let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.session()));
+            let why = match served {
+                Ok(Ok(())) => continue,
+                Ok(Err(why)) => why,
+                Err(_) => "a panic (a bug: please report it)".to_string(),
+            };
+            if process.stopping() {
+                break;
+            }
+            // A session that served a while starts the backoff again.
+            if started.elapsed() > RECONNECT_MAX {
+                attempt = 0;
+            }
+            let delay =
+                backoff::reconnect_delay(RECONNECT_MIN, RECONNECT_MAX, attempt, backoff::random_unit());
+            attempt = attempt.saturating_add(1);
+            log::warning(&format!(
+                "dispatcher thread {slot}: {why}; connecting again in {:.1}s",
+                delay.as_secs_f64()
+            ));
+            let until = Instant::now() + delay;
+            while !process.stopping() && Instant::now() < until {
+                bell.pause(until - Instant::now());
             }
         }
-        let nap = dispatcher.step();
-        dispatcher.host().publish();
-        if closed.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(format!("dispatcher {index}: the connection to the database was lost"));
+    }
+
+    /// One connection's life: takes a dispatcher number, serves under it
+    /// until the connection fails (an error) or the process stops (`Ok`).
+    fn session(&self) -> Result<(), String> {
+        let DispatcherThread { slot, process, bell, config, connector, watchdogs } = self;
+        let slot = *slot;
+        let mut client = match connect_checked(connector) {
+            Ok(client) => client,
+            Err(Check::Failed(why)) => return Err(why),
+            Err(Check::Refused(why)) => {
+                log::error(&why);
+                std::process::exit(EXIT_NOT_INSTALLED);
+            }
+        };
+        let row = client
+            .query_one(
+                "SELECT d.oid, d.datname::text, pg_catalog.pg_backend_pid() \
+               FROM pg_catalog.pg_database AS d WHERE d.datname = pg_catalog.current_database()",
+                &[],
+            )
+            .map_err(|e| chain(&e))?;
+        let (oid, database, pid): (u32, String, i32) = (row.get(0), row.get(1), row.get(2));
+        let index = take_index(&mut client)?;
+        let (settings, invalid) = read_settings(&mut client, &config.own, oid)?;
+        let blind = !client
+            .query_one("SELECT pg_catalog.pg_has_role('pg_read_all_stats', 'USAGE')", &[])
+            .map_err(|e| chain(&e))?
+            .get::<_, bool>(0);
+        // Shown with the settings refused, for as long as it holds.
+        let standing: Vec<String> = blind
+            .then(|| {
+                "the role is not a member of pg_read_all_stats: the rotation cannot see other roles' \
+             transactions and waits while any of their sessions is connected, so that old generations \
+             are not truncated (GRANT pg_read_all_stats TO the outbox's owner)"
+                    .to_string()
+            })
+            .into_iter()
+            .collect();
+        let db = {
+            let connector = connector.clone();
+            PgDb::new(client, move |token| connector.cancel(token))
+        };
+        watchdogs.lock().unwrap_or_else(|e| e.into_inner()).insert(slot, db.watchdog());
+        let closed = db.closed();
+        let host = Sidecar::new(Arc::clone(process), Arc::clone(bell), index, pid, oid);
+        let mut dispatcher = Dispatcher::new(index as usize, host, db, database, engine::origin(), settings);
+        dispatcher.log_start();
+        show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
+        let mut reload_failed = false;
+        loop {
+            if process.stopping() {
+                dispatcher.host().set_state(State::Stopped);
+                dispatcher.host().publish();
+                return Ok(());
+            }
+            if bell.take_reload() {
+                let read = process.with_control(|c| read_settings(c, &config.own, oid));
+                let failed_before = std::mem::replace(&mut reload_failed, read.is_none());
+                match read {
+                    Some((settings, invalid)) => {
+                        dispatcher.reconfigure(settings);
+                        show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
+                    }
+                    None => {
+                        if !failed_before {
+                            log::warning(&format!(
+                                "dispatcher {index}: the settings could not be read: kept as they were, \
+                             read again at each step until they are"
+                            ));
+                        }
+                        bell.reload_later();
+                    }
+                }
+            }
+            let nap = dispatcher.step();
+            dispatcher.host().publish();
+            if closed.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(format!("dispatcher {index}: the connection to the database was lost"));
+            }
+            // Each poll is a step: the engine asks whether there is anything
+            // to claim (read only) before it claims.
+            let timed_out = dispatcher.host().sleep(nap.min(config.poll_interval));
+            dispatcher.count_wake(timed_out);
         }
-        // Each poll is a step: the engine asks whether there is anything
-        // to claim (read only) before it claims.
-        let timed_out = dispatcher.host().sleep(nap.min(config.poll_interval));
-        dispatcher.count_wake(timed_out);
     }
 }
 
