@@ -7,17 +7,19 @@ drain, a connection cut, three sidecars at once; then the happy paths."""
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psycopg
 import pytest
 
-from harness import SilentBroker, free_port, queued_ids, wait_until
+from harness import PG_BIN, Cluster, SilentBroker, as_postgres, free_port, queued_ids, wait_until
 from standalone import BIN, dsn, fresh_database, install, plain_server
 
 
@@ -41,9 +43,10 @@ def db(server, request):
 class Sidecar:
     """`outbox-dispatch run` on database `dbname` as its owner; its log in a file."""
 
-    def __init__(self, pg, dbname, *args, broker=None, env=None, owner="owner"):
+    def __init__(self, pg, dbname, *args, broker=None, env=None, owner="owner", to=None):
+        """`to`: a DSN of its own, in place of `pg`'s."""
         self.log_file = tempfile.NamedTemporaryFile(prefix="sidecar-", suffix=".log", delete=False)
-        command = [BIN, "run", "--dsn", f"{dsn(pg, owner, dbname)} sslmode=disable", *args]
+        command = [BIN, "run", "--dsn", to or f"{dsn(pg, owner, dbname)} sslmode=disable", *args]
         if broker:
             command += ["--broker-url", broker]
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log_file,
@@ -345,6 +348,51 @@ def test_three_sidecars_share_the_work_and_claim_nothing_twice(server, db, redis
     rows = workers(server, db)
     assert [r[0] for r in rows] == [0, 1, 2]
     assert sum(r[3] for r in rows) == 6000
+
+
+class Standby(Cluster):
+    """A streaming replica of `primary` (pg_basebackup), hot standby."""
+
+    def __init__(self, primary):
+        self.dir = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
+        os.chmod(self.dir, 0o755)
+        shutil.chown(self.dir, "postgres", "postgres")
+        self.data, self.port, self.log = self.dir / "data", free_port(), self.dir / "server.log"
+        as_postgres(PG_BIN / "pg_basebackup", "-h", str(primary.dir), "-p", str(primary.port), "-U", "postgres",
+                    "-D", self.data, "-R", "-X", "stream", "--checkpoint=fast", "--no-sync")
+        with open(self.data / "postgresql.conf", "a") as f:
+            f.write(f"port = {self.port}\nunix_socket_directories = '{self.dir}'\n")
+        self.start()
+
+
+def test_a_multi_host_dsn_follows_the_promoted_primary(redis_server, sidecars):
+    """target_session_attrs=read-write: the sidecar connects to the primary
+    of the two, and after a failover to the standby it promoted; what was
+    committed on the old primary and replicated is sent, once at least."""
+    with plain_server() as primary:
+        install(primary, "app_ha")
+        standby = Standby(primary)
+        try:
+            both = (f"host={primary.dir},{standby.dir} port={primary.port},{standby.port} user=owner "
+                    "dbname=app_ha target_session_attrs=read-write sslmode=disable")
+            sidecar = sidecars(primary, "app_ha", broker=redis_server.url, to=both)
+            serving(primary, "app_ha")
+            before = enqueue(primary, "app_ha", "q_ha", 20)
+            wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_ha")) == sorted(before),
+                       message="sent by the first primary")
+            lsn = primary.value("SELECT pg_current_wal_lsn()::text")
+            wait_until(lambda: standby.value("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,)),
+                       message="the standby caught up")
+            primary.stop("immediate")
+            standby.pg_ctl("promote")
+            wait_until(lambda: standby.value("SELECT NOT pg_is_in_recovery()"), message="promoted")
+            after = enqueue(standby, "app_ha", "q_ha", 20)
+            wait_until(lambda: set(queued_ids(redis_server.client(), "q_ha")) >= set(before + after),
+                       timeout=120, message="sent by the promoted standby", seen=sidecar.log)
+            assert sidecar.proc.poll() is None
+            assert "connecting again" in sidecar.log()
+        finally:
+            standby.close()
 
 
 def test_sigterm_mid_drain_is_prompt_and_what_was_claimed_goes_again(server, db, redis_server, sidecars):
