@@ -1,7 +1,8 @@
--- Whether a drain would find work now: a dispatcher not due to claim
--- (woken, or polled, but not at its own poll's time) asks this first, and
--- claims only when it is true. Read only: no lock, no transaction id, no
--- WAL, where a claim that finds nothing writes its position. The ranges of
+-- Whether a drain would find work in outbox.log now: a dispatcher not due
+-- to claim (woken, or polled, but not at its own poll's time) asks this
+-- first, and claims only when it is true. Read only: no lock, no
+-- transaction id, no WAL, where a claim that finds nothing writes its
+-- position. The ranges of
 -- sql/worker/claim.sql, each probed for one row (a window under way: a
 -- page that was full; the transactions the cursor's `prev` saw in progress
 -- that have ended since; those from `prev`'s xmax on that are visible
