@@ -288,10 +288,7 @@ pub fn run(config: RunConfig) -> i32 {
                 bells.iter().for_each(|b| b.reload());
             }
             Some(signal) => {
-                log::info(&format!(
-                    "received {}, stopping",
-                    if signal == libc::SIGINT { "SIGINT" } else { "SIGTERM" }
-                ));
+                log::info(&format!("received {}, stopping", signal_name(signal)));
                 break;
             }
             None if threads.iter().all(JoinHandle::is_finished) => break,
