@@ -396,6 +396,10 @@ def test_a_batch_s_outcomes_are_read_once_not_once_per_event(outbox):
     the batch's outcome rows once, not once per event (a lookup per event
     would compare each with all 2000 rows)."""
     outbox.configure(enabled="off")
+    # The reload reaches the dispatchers a moment later: until they show it,
+    # one could claim the events first.
+    wait_until(lambda: outbox.value("SELECT bool_and(state = 'paused') FROM outbox.workers"),
+               message="the dispatchers paused")
     outbox.sql("SELECT outbox_enqueue('e', '{}', queue => 'q_many') FROM generate_series(1, 2000)")
     batch, _ = outbox.claim_as(0, 2000)
     outbox.sql("UPDATE outbox.batches SET marked_at = now() - interval '1 day' WHERE id = %s", (batch,))

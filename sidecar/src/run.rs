@@ -409,6 +409,8 @@ impl DispatcherThread {
         let mut dispatcher = Dispatcher::new(index as usize, host, db, database, engine::origin(), settings);
         dispatcher.log_start();
         show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
+        // Shown before the first step, which may drain a backlog first.
+        dispatcher.host().publish();
         let mut reload_failed = false;
         loop {
             if process.stopping() {
