@@ -41,6 +41,9 @@ pub struct Schedule {
     sweep_failures: u32,
     lifecycle_failures: u32,
     key_sweep_failures: u32,
+    /// What ran since the last look may have put events in line (a sweep
+    /// that returned some, keys passed on, the rotation's moves).
+    lined: bool,
 }
 
 impl Schedule {
@@ -53,6 +56,7 @@ impl Schedule {
             sweep_failures: 0,
             lifecycle_failures: 0,
             key_sweep_failures: 0,
+            lined: false,
         }
     }
 
@@ -61,6 +65,11 @@ impl Schedule {
         let now = Instant::now();
         self.next_sweep = self.next_sweep.min(now + settings.sweep_interval);
         self.next_lifecycle = self.next_lifecycle.min(now + settings.lifecycle_interval);
+    }
+
+    /// Whether what ran since the last call may have put events in line.
+    pub fn take_lined(&mut self) -> bool {
+        std::mem::take(&mut self.lined)
     }
 
     /// The next time something falls due.
@@ -90,7 +99,8 @@ impl Schedule {
         let mut first_error = None;
         if now >= self.next_sweep {
             match sweep(dispatcher, host, store, settings, until) {
-                Ok(more) => {
+                Ok((more, lined)) => {
+                    self.lined |= lined;
                     self.sweep_failures = 0;
                     self.next_sweep = next(now, more, settings.sweep_interval);
                 }
@@ -103,6 +113,7 @@ impl Schedule {
         if now >= self.next_key_sweep {
             match store.sweep_keys() {
                 Ok(promoted) => {
+                    self.lined |= promoted > 0;
                     if promoted > 0 {
                         host.log(&format!("outbox dispatcher {dispatcher}: {promoted} keys left without a head were passed on"));
                     }
@@ -127,6 +138,7 @@ impl Schedule {
             let claims = sweep_some(host, SWEEP_BATCH, until, || store.purge_inbox(settings.inbox_retention));
             match rotated.and_then(|again| claims.map(|(_, more)| again.unless(more))) {
                 Ok(again) => {
+                    self.lined = true;
                     self.lifecycle_failures = 0;
                     self.next_lifecycle = match again {
                         Again::Now => now,
@@ -145,14 +157,15 @@ impl Schedule {
     }
 }
 
-/// The stuck and unacknowledged sweepers; returns whether work is left.
+/// The stuck and unacknowledged sweepers; returns whether work is left,
+/// and whether they put events in line.
 fn sweep(
     dispatcher: usize,
     host: &impl Host,
     store: &mut Store<impl Db>,
     settings: &Settings,
     until: Instant,
-) -> Result<bool, StoreError> {
+) -> Result<(bool, bool), StoreError> {
     let (rescued, more_stuck) =
         sweep_some(host, SWEEP_BATCH, until, || store.sweep_stuck(settings.processing_timeout))?;
     host.counters().add(Counter::StuckRescued, rescued);
@@ -187,7 +200,7 @@ fn sweep(
              {failed} failed (their last_error says why)"
         ));
     }
-    Ok(more_stuck || more_strays || more_unacked)
+    Ok((more_stuck || more_strays || more_unacked, rescued + restored + resent > 0))
 }
 
 /// The wait before a failed part runs again: [`RETRY`], doubling with each

@@ -60,7 +60,7 @@ pub struct Dispatcher<H: Host> {
     /// When the queue is to be claimed from without asking first: when the
     /// last drain asked (the poll, an event coming due), or at once after
     /// what may have put events in line (reports passing keys on,
-    /// housekeeping, a reload). Before then, a step (a wake, a host's poll,
+    /// housekeeping that did, a reload). Before then, a step (a wake, a host's poll,
     /// the reports' poll, a heartbeat) asks whether there is anything to
     /// claim ([`Store::in_line`], read only): an empty claim writes its
     /// position and takes a transaction id.
@@ -255,7 +255,7 @@ impl<H: Host> Dispatcher<H> {
             return poll;
         }
         self.host.resume();
-        self.housekeep_and_drain_if_it_ran();
+        self.housekeep_and_drain_if_it_lined();
         if !self.broker.connected() {
             match self.store.extension_exists() {
                 Err(e) => return self.store_failed(&e),
@@ -514,12 +514,11 @@ impl<H: Host> Dispatcher<H> {
     }
 
     /// Runs the housekeeping that fell due, as [`Dispatcher::housekeep`];
-    /// what it ran may have put events in line (a sweep, the rotation's
-    /// moves, a flush): the next step claims.
-    fn housekeep_and_drain_if_it_ran(&mut self) {
-        let due = self.housekeeping.next_due();
+    /// when it put events in line (a sweep that returned some, keys passed
+    /// on, the rotation's moves), the next step claims.
+    fn housekeep_and_drain_if_it_lined(&mut self) {
         self.housekeep();
-        if self.housekeeping.next_due() != due {
+        if self.housekeeping.take_lined() {
             self.drain_at = Instant::now();
         }
     }
