@@ -288,7 +288,13 @@ impl<H: Host> Dispatcher<H> {
                 self.drain_at = Instant::now() + nap;
                 nap
             }
-            Ok(false) => self.drain_at - now,
+            // Nothing to claim: idle, as an empty claim would have shown
+            // it (a statement succeeded: a failure before is over).
+            Ok(false) => {
+                self.store_recovered();
+                self.host.set_state(State::Idle);
+                self.drain_at - now
+            }
             Err(e) => return self.store_failed(&e),
         };
         if let Some(wait) = self.collect_reports() {
