@@ -30,7 +30,6 @@ pub static BROKER_URL: GucSetting<Option<CString>> =
 /// `outbox.redis_url`, the former name of `outbox.broker_url`.
 pub static REDIS_URL: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_url")));
-const DEFAULT_BROKER_URL: &CStr = c"redis://127.0.0.1:6379/0";
 pub static AMQP_QUEUE_TYPE: GucSetting<AmqpQueueType> =
     GucSetting::<AmqpQueueType>::new(AmqpQueueType::Classic);
 pub static AMQP_MAX_PRIORITY: GucSetting<i32> =
@@ -314,7 +313,9 @@ unsafe extern "C-unwind" fn check_databases(
 /// Both `outbox.broker_url` and `outbox.redis_url` are set, and differ.
 pub fn broker_url_conflict() -> bool {
     let (broker, redis) = (text(&BROKER_URL), text(&REDIS_URL));
-    !broker.is_empty() && redis != broker && redis.as_bytes() != DEFAULT_BROKER_URL.to_bytes()
+    !broker.is_empty()
+        && redis != broker
+        && redis.as_bytes() != guc::text_default("outbox.redis_url").to_bytes()
 }
 
 /// The settings that hold a broker URL, with their values: what the server
