@@ -1,6 +1,7 @@
 import pytest
 
-from harness import CeleryWorker, Cluster, Redis
+from harness import CeleryWorker, Redis
+from standalone import new_cluster
 
 
 @pytest.fixture(scope="session")
@@ -13,9 +14,9 @@ def redis_server():
 @pytest.fixture(scope="session")
 def cluster(redis_server):
     """One cluster for the tests that need no special postmaster settings."""
-    pg = Cluster(redis_server.url)
+    pg = new_cluster(redis_server.url)
     try:
-        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.install()
         yield pg
     finally:
         pg.close()
@@ -31,9 +32,8 @@ def celery_worker(redis_server):
 @pytest.fixture
 def outbox(cluster, redis_server):
     """The shared cluster with an empty outbox and an empty Redis."""
-    cluster.sql("ALTER SYSTEM RESET ALL")
-    cluster.configure(enabled="on")
-    cluster.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
+    cluster.reset(enabled="on")
+    cluster.empty()
     redis_server.client().flushdb()
     yield cluster
 

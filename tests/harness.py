@@ -417,6 +417,15 @@ def queued_ids(client, key):
 class Cluster:
     """A PostgreSQL cluster with outbox_dispatch preloaded."""
 
+    # Whether outbox.metrics counts what the SQL functions do
+    # (outbox_ack(), outbox_inbox_claim()): the library's shared memory.
+    counts_in_sql = True
+    # Read-only transactions an idle dispatcher makes a second: a
+    # background worker sleeps until its latch is set.
+    looks_per_second = 0
+    # The dispatchers' sessions in pg_stat_activity.
+    dispatcher_sessions = "backend_type LIKE 'outbox dispatcher%'"
+
     def __init__(self, redis_url, preload=True, server_conf=None, **settings):
         """`settings` are outbox.* settings; `server_conf` overrides any other
         line of postgresql.conf (the tests run with fsync off)."""
@@ -478,12 +487,42 @@ class Cluster:
         rows = self.sql(query, params, dbname=dbname)
         return rows[0][0] if rows else None
 
+    def install(self, dbname="postgres"):
+        """Puts the outbox into `dbname`: CREATE EXTENSION."""
+        self.sql("CREATE EXTENSION outbox_dispatch", dbname=dbname)
+
+    def reset(self, **settings):
+        """Every `outbox.*` setting back to what the cluster was made with,
+        then `settings` (ALTER SYSTEM RESET ALL, then configure())."""
+        self.sql("ALTER SYSTEM RESET ALL")
+        self.configure(**settings)
+
     def configure(self, **settings):
         """Sets `outbox.*` settings with ALTER SYSTEM and reloads."""
         with self.connect() as conn:
             for k, v in settings.items():
                 conn.execute(f"ALTER SYSTEM SET outbox.{k} = {self._quote(v)}")
             conn.execute("SELECT pg_reload_conf()")
+
+    def empty(self, tables="outbox.log, outbox.batches, outbox.outcomes"):
+        """Truncates `tables`, again when a dispatcher's statement that
+        locks them in another order makes a deadlock of it."""
+        for attempt in range(5):
+            try:
+                return self.sql(f"TRUNCATE {tables}")
+            except psycopg.errors.DeadlockDetected:
+                if attempt == 4:
+                    raise
+
+    def set_in(self, conn, **settings):
+        """`outbox.*` settings the SQL API reads, for `conn`'s statements:
+        SET there (as a superuser, whose these are)."""
+        for k, v in settings.items():
+            conn.execute(f"SET outbox.{k} = {self._quote(v)}")
+
+    def setting(self, name):
+        """The value of `outbox.<name>` the dispatchers read."""
+        return self.value(f"SHOW outbox.{name}")
 
     def claim_as(self, dispatcher, limit):
         """Claims up to `limit` events as dispatcher `dispatcher` would

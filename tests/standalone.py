@@ -1,14 +1,26 @@
 """What the tests of outbox_dispatch without the library share: a server
 with no shared_preload_libraries and roles that are not superusers, as on a
-managed service, and the `outbox-dispatch` command."""
+managed service, and the `outbox-dispatch` command; and the suite's second
+mode (OUTBOX_HOST=sidecar), where the tests of the dispatcher run against
+`outbox-dispatch run` on such a server."""
 
 import os
+import signal
+import socket
 import subprocess
+import tempfile
+import time
+import urllib.request
 from contextlib import contextmanager
 
-from harness import ROOT, Cluster
+import pytest
+
+from harness import ROOT, Cluster, free_port, wait_until
 
 BIN = os.environ.get("OUTBOX_DISPATCH_BIN", str(ROOT / "target" / "debug" / "outbox-dispatch"))
+# Which host the suite's tests of the dispatcher run on: "library" (the
+# background workers of a server that preloads it) or "sidecar".
+HOST = os.environ.get("OUTBOX_HOST", "library")
 
 
 def run(*args, env=None):
@@ -52,3 +64,198 @@ def install(pg, dbname, owner="owner"):
         conn.execute("GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, "
                      "interval, jsonb, text), outbox_ack(uuid), outbox_skip(uuid), outbox_inbox_claim(uuid, text), "
                      "outbox_subscribe(text, text, text, integer, integer, interval) TO writer")
+
+
+class Sidecar:
+    """`outbox-dispatch run` on database `dbname` as its owner; its log in a file."""
+
+    def __init__(self, pg, dbname, *args, broker=None, env=None, owner="owner", to=None):
+        """`to`: a DSN of its own, in place of `pg`'s."""
+        self.log_file = tempfile.NamedTemporaryFile(prefix="sidecar-", suffix=".log", delete=False)
+        command = [BIN, "run", "--dsn", to or f"{dsn(pg, owner, dbname)} sslmode=disable", *args]
+        if broker:
+            command += ["--broker-url", broker]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log_file,
+                                     env={**os.environ, **(env or {})})
+
+    def log(self):
+        with open(self.log_file.name) as f:
+            return f.read()
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        """Sends `sig`; (exit status, seconds it took)."""
+        started = time.monotonic()
+        self.proc.send_signal(sig)
+        status = self.proc.wait(timeout=timeout)
+        return status, time.monotonic() - started
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.unlink(self.log_file.name)
+
+
+def scrape(port, request=b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"):
+    """(status line, body) of one request to the sidecar's endpoint."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(request)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0].decode(), body.decode()
+
+
+def samples(text):
+    """{series: value} of an exposition, a series as written
+    (`name{label="value"}`)."""
+    found = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            found[series] = float(value)
+    return found
+
+
+# The settings that are the sidecar's own (sidecar/src/run.rs, OWN_SETTINGS)
+# by the option that gives them, and those only the library reads.
+SIDECAR_OPTIONS = {
+    "broker_url": "--broker-url",
+    "redis_url": "--broker-url",
+    "redis_password_file": "--broker-password-file",
+    "redis_tls_ca_file": "--broker-tls-ca-file",
+    "redis_sentinel_password_file": "--sentinel-password-file",
+}
+LIBRARY_ONLY_SETTINGS = {"database"}
+
+
+class SidecarCluster(Cluster):
+    """The suite's second mode: what a managed service looks like. A server
+    without the library, database postgres owned by role owner, who is no
+    superuser, installs the outbox (`outbox-dispatch install`) and runs
+    the dispatchers (`outbox-dispatch run`, `workers` of them). The tests
+    themselves connect as postgres, the operator.
+
+    Settings go where the sidecar reads them: the dispatchers' into
+    outbox.settings, then a SIGHUP; the broker's URL and files on its
+    command line, which a restart of the sidecar changes; `metric()`
+    scrapes its /metrics."""
+
+    counts_in_sql = False
+    looks_per_second = 50  # its poll, --poll-interval's default 20 ms
+    dispatcher_sessions = "application_name = 'outbox-dispatch'"
+
+    def __init__(self, redis_url, server_conf=None, **settings):
+        super().__init__(redis_url, preload=False, server_conf=server_conf)
+        self.sql("CREATE ROLE owner LOGIN")
+        self.sql("ALTER DATABASE postgres OWNER TO owner")
+        # As docs/managed.md asks: the rotation sees every transaction.
+        self.sql("GRANT pg_read_all_stats TO owner")
+        self.metrics_port = free_port()
+        self.base = {"broker_url": redis_url, "workers": 1, **settings}
+        self.own = {}
+        self.sidecar = None
+        self.earlier_logs = ""
+
+    def install(self, dbname="postgres"):
+        assert dbname == "postgres", "the second mode serves database postgres"
+        result = run("install", "--dsn", dsn(self, "owner", dbname))
+        assert result.returncode == 0, result.stderr
+        self.reset()
+
+    def reset(self, **settings):
+        self._apply({**self.base, **settings}, replace=True)
+
+    def configure(self, **settings):
+        self._apply(settings, replace=False)
+
+    def _apply(self, settings, replace):
+        """The dispatchers' settings into outbox.settings (in place of all
+        there were, with `replace`), the sidecar's own on its command line:
+        a SIGHUP, or a restart when these changed."""
+        settings = {k: v for k, v in settings.items() if k not in LIBRARY_ONLY_SETTINGS}
+        own = {k: str(v) for k, v in settings.items() if k in SIDECAR_OPTIONS or k == "workers"}
+        with self.connect(user="owner") as conn, conn.transaction():
+            if replace:
+                conn.execute("DELETE FROM outbox.settings")
+            for name, value in settings.items():
+                if name not in own:
+                    conn.execute("INSERT INTO outbox.settings (name, value) VALUES (%s, %s) "
+                                 "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                                 (f"outbox.{name}", str(value)))
+        own = own if replace else {**self.own, **own}
+        if self.sidecar is None or own != self.own:
+            self.own = own
+            self._restart_sidecar()
+        else:
+            self.sidecar.proc.send_signal(signal.SIGHUP)
+
+    def set_in(self, conn, **settings):
+        """The owner's rows of outbox.settings, which the SQL API reads
+        without the library (a SET is not), for every session."""
+        self.configure(**settings)
+
+    def setting(self, name):
+        """The value of `outbox.<name>` the owner set; None: the default."""
+        return self.value("SELECT outbox.setting(%s)", (f"outbox.{name}",))
+
+    def _restart_sidecar(self):
+        self._stop_sidecar()
+        dispatchers = int(self.own.get("workers", 1))
+        # Rows of dispatchers this sidecar no longer runs.
+        self.sql("DELETE FROM outbox.sidecar_workers WHERE worker >= %s", (dispatchers,))
+        if dispatchers == 0:
+            return
+        args = ["--dispatchers", str(dispatchers), "--metrics-listen", f"127.0.0.1:{self.metrics_port}"]
+        for name, value in self.own.items():
+            if name in SIDECAR_OPTIONS:
+                args += [SIDECAR_OPTIONS[name], value]
+        self.sidecar = Sidecar(self, "postgres", *args)
+
+    def _stop_sidecar(self):
+        if self.sidecar is not None:
+            if self.sidecar.proc.poll() is None:
+                self.sidecar.stop()
+            self.earlier_logs += self.sidecar.log()
+            self.sidecar.close()
+            self.sidecar = None
+
+    def metric(self, name, **labels):
+        """The value of one sample of the sidecar's /metrics; None when it
+        shows none."""
+        series = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+
+        def scraped():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as answer:
+                    return samples(answer.read().decode())
+            except OSError:  # not listening yet: a sidecar just started
+                return None
+        return wait_until(scraped, message="the sidecar's /metrics").get(series)
+
+    def report_list(self, dbname="postgres"):
+        key, oid = self.sql("SELECT coalesce(outbox.setting('outbox.report_key'), 'outbox_dispatch.reports'), oid "
+                            "FROM pg_database WHERE datname = %s", (dbname,))[0]
+        return f"{key}:{oid}"
+
+    def log_text(self):
+        return (super().log_text() + "\n-- sidecar --\n" + self.earlier_logs
+                + (self.sidecar.log() if self.sidecar else ""))
+
+    def close(self):
+        self._stop_sidecar()
+        super().close()
+
+
+def new_cluster(redis_url, **settings):
+    """A cluster of the suite's mode (HOST) with `settings` (outbox.*
+    settings as Cluster takes them); `install()` puts the outbox in."""
+    if HOST == "sidecar":
+        return SidecarCluster(redis_url, **settings)
+    return Cluster(redis_url, **settings)
+
+
+def library_only(why):
+    """Marks a test of what only the library does, skipped in the second mode."""
+    return pytest.mark.skipif(HOST == "sidecar", reason=f"the library's alone: {why}")

@@ -52,9 +52,8 @@ def workers(redis_server):
 def loop(cluster, redis_server, workers):
     """The shared cluster with an empty outbox. Redis is not flushed: the
     workers' own keys (kombu's bindings) must stay."""
-    cluster.sql("ALTER SYSTEM RESET ALL")
-    cluster.configure(enabled="on")
-    cluster.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
+    cluster.reset(enabled="on")
+    cluster.empty()
     yield cluster
 
 

@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 from harness import DISPATCHER_PLANNER, Cluster, decode, queued_ids, wait_until
+from standalone import new_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,10 +157,10 @@ def test_no_wake_is_lost_across_pauses_reloads_and_brief_locks(redis_server):
     dispatchers' first claims wait on the lock, whose wait resets their
     latches), and again: each time, with a 60 s safety poll, the events
     go out within seconds."""
-    pg = Cluster(redis_server.url, workers=2, batch_size=1000, poll_interval="60s")
+    pg = new_cluster(redis_server.url, workers=2, batch_size=1000, poll_interval="60s")
     client = redis_server.client()
     try:
-        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.install()
         wait_until(lambda: pg.value("SELECT count(*) FROM outbox.workers WHERE state = 'idle'") == 2,
                    timeout=60, message="two idle dispatchers")
         for cycle in range(10):
@@ -189,10 +190,10 @@ def test_no_wake_is_lost_across_pauses_reloads_and_brief_locks(redis_server):
 def test_a_reload_during_a_push_takes_effect_before_the_backlog_is_drained(redis_server):
     """A reload that comes while a push waits on Redis is performed there;
     the drain then stops to apply it, as it stops for one it sees."""
-    pg = Cluster(redis_server.url, batch_size=500, redis_timeout="10s")
+    pg = new_cluster(redis_server.url, batch_size=500, redis_timeout="10s")
     client = redis_server.client()
     try:
-        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.install()
         pg.wait_idle()
         pg.configure(enabled="off")
         wait_until(lambda: pg.value("SELECT state FROM outbox.workers") == "paused", message="paused")
@@ -255,7 +256,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("query,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
 def test_bad_input_is_refused_with_a_clear_error(outbox, query, message):
     with outbox.connect(autocommit=False) as conn:
-        conn.execute("SET outbox.max_payload_bytes = '1kB'")
+        outbox.set_in(conn, max_payload_bytes="1kB")
         conn.execute("SELECT outbox_enqueue('fine', '{}', queue => 'q_bad')")
         with pytest.raises(psycopg.Error) as err:
             conn.execute(query)
@@ -441,9 +442,9 @@ def test_a_batch_s_outcomes_are_read_once_not_once_per_event(outbox):
 
 
 def test_two_dispatchers_deliver_10000_events_exactly_once(redis_server):
-    pg = Cluster(redis_server.url, workers=2, batch_size=100)
+    pg = new_cluster(redis_server.url, workers=2, batch_size=100)
     try:
-        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.install()
         wait_until(lambda: pg.value("SELECT count(*) FROM outbox.workers WHERE pid IS NOT NULL") == 2,
                    message="two dispatchers")
         client = redis_server.client()

@@ -11,7 +11,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from harness import CeleryWorker, Cluster, queued_ids, wait_until
+from harness import CeleryWorker, queued_ids, wait_until
+from standalone import library_only, new_cluster
 from outbox_dispatch import publish as publish_from_python
 
 QUEUE = "loop_subscribers"
@@ -29,15 +30,13 @@ def subscriber(redis_server):
 
 
 def clear(pg):
-    """Empties the tables. A dispatcher's flush locks them in another order;
-    in a deadlock the dispatcher (deadlock_timeout 100ms) gives way."""
-    pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes, outbox.batch_members, outbox.all_subscriptions")
+    """Empties the tables."""
+    pg.empty("outbox.log, outbox.batches, outbox.outcomes, outbox.batch_members, outbox.all_subscriptions")
 
 
 @pytest.fixture
 def subs(cluster, subscriber):
-    cluster.sql("ALTER SYSTEM RESET ALL")
-    cluster.configure(enabled="on")
+    cluster.reset(enabled="on")
     clear(cluster)
     yield cluster
     clear(cluster)
@@ -287,9 +286,9 @@ def test_unsubscribing_delivers_the_waiting_members_at_once(subs, redis_server):
 
 
 def test_a_crash_while_a_batch_accumulates_loses_and_repeats_nothing(redis_server, subscriber):
-    pg = Cluster(redis_server.url, report_key="outbox_dispatch.reports.crash")
+    pg = new_cluster(redis_server.url, report_key="outbox_dispatch.reports.crash")
     try:
-        pg.sql("CREATE EXTENSION outbox_dispatch")
+        pg.install()
         subscribe(pg, "shop.clicked", "loop.digest", batch_max=10, batch_wait="3 seconds")
         waiting = [publish(pg, "shop.clicked", {"n": n}) for n in range(7)]
         pg.stop("immediate")
@@ -309,6 +308,10 @@ def test_a_crash_while_a_batch_accumulates_loses_and_repeats_nothing(redis_serve
         pg.close()
 
 
+OWNER_SUBSCRIBES = "without the library only the outbox's owner manages subscriptions (docs/managed.md)"
+
+
+@library_only(OWNER_SUBSCRIBES)
 def test_only_the_owner_or_a_grantee_subscribes_and_any_writer_routes(subs, redis_server):
     subs.sql("DROP ROLE IF EXISTS sub_writer")
     subs.sql("""CREATE ROLE sub_writer LOGIN;
@@ -453,6 +456,7 @@ def test_a_locked_member_holds_up_only_its_subscription(subs, redis_server):
 
 # -- who may end a subscription ----------------------------------------------------
 
+@library_only(OWNER_SUBSCRIBES)
 def test_only_the_subscriber_or_the_extension_owner_ends_a_subscription(subs):
     subs.sql('DROP ROLE IF EXISTS sub_alice, sub_bob, "Sub-Team"')
     subs.sql("""CREATE ROLE "Sub-Team"; CREATE ROLE sub_alice LOGIN IN ROLE "Sub-Team"; CREATE ROLE sub_bob LOGIN;
@@ -549,7 +553,7 @@ def test_a_backed_off_subscription_does_not_keep_the_dispatcher_busy(subs):
 
         before = commits()
         time.sleep(5)
-        assert commits() - before < 100, "the dispatcher spins"
+        assert commits() - before < 100 + 5 * subs.looks_per_second, "the dispatcher spins"
         assert subs.value("SELECT waiting FROM outbox.subscriptions WHERE id = %s", (sub,)) == 1
         locker.rollback()
     wait_deliveries(subs, "processed", 1, timeout=120)

@@ -4,7 +4,6 @@ dead-letter an event, pg_dump keeps the events, and the dispatchers report
 what they do as PostgreSQL's own workers do."""
 
 import re
-import subprocess
 import time
 
 import psycopg

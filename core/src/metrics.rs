@@ -316,6 +316,16 @@ fn labelled(
         .collect()
 }
 
+/// Whether only the library's SQL functions count `sample`:
+/// `outbox_ack()`'s acknowledgements and `outbox_inbox_claim()`'s
+/// duplicates, counted in the server's shared memory. A host without the
+/// library cannot count them, and shows no sample rather than a zero.
+pub fn counted_in_sql(sample: &Sample) -> bool {
+    let acked_in_sql = sample.name == "outbox_acked_total"
+        && sample.labels.iter().any(|(k, v)| *k == "source" && v == AckSource::Sql.name());
+    acked_in_sql || sample.name == format!("{}_total", Counter::InboxDuplicates.name())
+}
+
 /// A dispatcher as the gauges count it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shown {
@@ -421,5 +431,23 @@ mod tests {
         let families = database_families(rows).unwrap();
         assert_eq!(families.len(), DATABASE_GAUGES.len());
         assert!(database_families(vec![("outbox_nonsense".to_string(), None, 1.0)]).is_err());
+    }
+
+    #[test]
+    fn only_the_sql_functions_counts_are_counted_in_sql() {
+        let in_sql: Vec<(String, Vec<(&str, String)>)> = Counters::default()
+            .families()
+            .into_iter()
+            .flat_map(|(_, samples)| samples)
+            .filter(counted_in_sql)
+            .map(|s| (s.name, s.labels))
+            .collect();
+        assert_eq!(
+            in_sql,
+            [
+                ("outbox_inbox_duplicates_total".to_string(), vec![]),
+                ("outbox_acked_total".to_string(), vec![("source", "sql".to_string())]),
+            ]
+        );
     }
 }

@@ -3,9 +3,9 @@
 //! in memory and shown in `outbox.sidecar_workers` (`outbox.workers`).
 //!
 //! The threads of one process share its counters and its control
-//! connection, which holds the turns (session advisory locks, taken by
-//! one thread of the process at a time) and writes the status rows, never
-//! inside a dispatcher's transaction. Each thread waits with poll(2) on
+//! connection, which holds the turns (session advisory locks, kept while
+//! the connection lasts and used by one thread of the process at a time)
+//! and writes the status rows, never inside a dispatcher's transaction. Each thread waits with poll(2) on
 //! the broker's socket and its [`Bell`], which the process rings for a
 //! wake, a reload or a shutdown.
 
@@ -13,7 +13,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -36,6 +36,10 @@ pub const DISPATCHER_LOCKS: i32 = 1000;
 const TURN_LOCKS: i32 = 2000;
 /// The status row is written at most this often, but for a change of state.
 const PUBLISH_EVERY: Duration = Duration::from_secs(1);
+/// A turn's lock held is confirmed (the control connection answers) at
+/// most this long before it is used; one another session holds is asked
+/// for again after this.
+const TURN_CHECK: Duration = Duration::from_secs(1);
 
 /// What the threads of one process share.
 pub struct Process {
@@ -44,7 +48,10 @@ pub struct Process {
     /// `host:pid` of this process, in the status rows.
     pub name: String,
     control: Control,
+    /// Whether a thread of the process has the turn now.
     turns: [AtomicBool; Turn::COUNT],
+    /// Each turn's lock, as the control connection holds it.
+    locks: Mutex<[TurnLock; Turn::COUNT]>,
     /// Each dispatcher as the gauges count it, by number.
     shown: Mutex<HashMap<i32, Shown>>,
 }
@@ -55,8 +62,9 @@ impl Process {
             counters: Counters::default(),
             stopping: AtomicBool::new(false),
             name,
-            control: Control { connector, client: Mutex::new(Err(Instant::now())) },
+            control: Control { connector, client: Mutex::new(Err(Instant::now())), made: AtomicU64::new(0) },
             turns: std::array::from_fn(|_| AtomicBool::new(false)),
+            locks: Mutex::default(),
             shown: Mutex::default(),
         }
     }
@@ -80,6 +88,52 @@ impl Process {
     pub fn with_control<R>(&self, body: impl FnOnce(&mut Client) -> Result<R, String>) -> Option<R> {
         self.control.with(body)
     }
+
+    /// Whether the control connection `c` holds `turn`'s lock: kept from
+    /// one use to the next, so an idle process asks nothing of the server
+    /// for it (reports are looked for ten times a second), and confirmed
+    /// when the connection has not answered for [`TURN_CHECK`]. A lock
+    /// held goes with its session: a connection made again asks anew.
+    fn lock_turn(&self, c: &mut Client, turn: Turn) -> Result<bool, String> {
+        let connection = self.control.made.load(Ordering::SeqCst);
+        let now = Instant::now();
+        let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
+        let lock = &mut locks[turn as usize];
+        match lock.held {
+            Some((on, answered)) if on == connection && now < answered + TURN_CHECK => return Ok(true),
+            Some((on, _)) if on == connection => {
+                c.batch_execute("SELECT").map_err(|e| crate::connect::chain(&e))?;
+                lock.held = Some((on, now));
+                return Ok(true);
+            }
+            _ => lock.held = None,
+        }
+        if lock.refused_until.is_some_and(|until| now < until) {
+            return Ok(false);
+        }
+        let taken = c
+            .query_one(
+                "SELECT pg_catalog.pg_try_advisory_lock($1, $2)",
+                &[&LOCK_CLASS, &(TURN_LOCKS + turn as i32)],
+            )
+            .map_err(|e| crate::connect::chain(&e))?
+            .get::<_, bool>(0);
+        *lock = match taken {
+            true => TurnLock { held: Some((connection, now)), refused_until: None },
+            false => TurnLock { held: None, refused_until: Some(now + TURN_CHECK) },
+        };
+        Ok(taken)
+    }
+}
+
+/// A turn's advisory lock, as the control connection holds it.
+#[derive(Clone, Copy, Default)]
+struct TurnLock {
+    /// The control connection it is held on (which one of those made),
+    /// and when that connection last answered.
+    held: Option<(u64, Instant)>,
+    /// Another session held it: not asked for again before this.
+    refused_until: Option<Instant>,
 }
 
 /// The control connection, made when first needed and again after it
@@ -88,6 +142,8 @@ struct Control {
     connector: Connector,
     /// The connection, or when to try making one again.
     client: Mutex<Result<Client, Instant>>,
+    /// Connections made so far: the current one's number.
+    made: AtomicU64,
 }
 
 /// How long a statement of the control connection may run, and how soon a
@@ -112,7 +168,10 @@ impl Control {
                 Ok(c)
             });
             match connected {
-                Ok(client) => *guard = Ok(client),
+                Ok(client) => {
+                    *guard = Ok(client);
+                    self.made.fetch_add(1, Ordering::SeqCst);
+                }
                 Err(e) => {
                     crate::log::warning(&format!(
                         "the control connection failed: {e}; trying again in {}s",
@@ -283,13 +342,23 @@ impl Sidecar {
         !self.bell.woken() && !self.interrupt_pending() && started.elapsed() >= timeout
     }
 
-    /// Writes the row when it changed (its state at once, the rest at most
-    /// every [`PUBLISH_EVERY`]).
+    /// Writes the row, between steps, when it changed: its state and its
+    /// error at once, the rest at most every [`PUBLISH_EVERY`].
     pub fn publish(&self) {
+        self.publish_when(false);
+    }
+
+    /// Writes the row when it changed. Within a step (a push the broker
+    /// holds up, a long drain) an error or a connection lost or made is
+    /// shown at once, as the library shows it; a state at most every
+    /// [`PUBLISH_EVERY`], which keeps a drain's batches from costing a
+    /// write each.
+    fn publish_when(&self, within_step: bool) {
         let row = self.row.borrow().clone();
         let due = match &*self.published.borrow() {
             None => true,
-            Some((last, _)) if last.state != row.state || last.last_error != row.last_error => true,
+            Some((last, _)) if last.last_error != row.last_error || last.connected != row.connected => true,
+            Some((last, _)) if last.state != row.state && !within_step => true,
             Some((last, at)) => *last != row && at.elapsed() >= PUBLISH_EVERY,
         };
         if !due {
@@ -340,14 +409,17 @@ impl Sidecar {
     }
 
     fn update(&self, change: impl FnOnce(&mut Row)) {
-        let mut row = self.row.borrow_mut();
-        change(&mut row);
-        let shown = Shown {
-            running: row.state != State::Stopped,
-            connected: row.connected,
-            blocked: row.state == State::Blocked,
+        let shown = {
+            let mut row = self.row.borrow_mut();
+            change(&mut row);
+            Shown {
+                running: row.state != State::Stopped,
+                connected: row.connected,
+                blocked: row.state == State::Blocked,
+            }
         };
         self.process.shown.lock().unwrap_or_else(|e| e.into_inner()).insert(self.index, shown);
+        self.publish_when(true);
     }
 }
 
@@ -357,32 +429,30 @@ impl Drop for Sidecar {
     }
 }
 
-/// A turn taken: both its flag in the process and its lock.
+/// A turn a thread has: its flag in the process (the lock is the control connection's).
 struct TurnHeld {
     process: Arc<Process>,
     turn: Turn,
 }
 
 impl Drop for TurnHeld {
+    /// The turn goes back to the process; its lock stays with the control
+    /// connection, for the next use.
     fn drop(&mut self) {
-        // A failed unlock: the lock goes with the control connection.
-        self.process.control.with(|c| {
-            c.execute(
-                "SELECT pg_catalog.pg_advisory_unlock($1, $2)",
-                &[&LOCK_CLASS, &(TURN_LOCKS + self.turn as i32)],
-            )
-            .map_err(|e| crate::connect::chain(&e))
-        });
         self.process.turns[self.turn as usize].store(false, Ordering::SeqCst);
     }
 }
 
 /// The [`Wait`] of broker operations: the socket and the bell; a
 /// shutdown abandons the operation. A reload does not: the broker's
-/// settings are the process's own, read at its start.
+/// settings are the process's own, read at its start, and the rest are
+/// read once the operation is done (the log says so).
 pub struct Waiter {
     process: Arc<Process>,
     bell: Arc<Bell>,
+    index: i32,
+    /// The reload pending at the last check, logged then.
+    reload_noted: bool,
 }
 
 impl Wait for Waiter {
@@ -397,6 +467,15 @@ impl Wait for Waiter {
         if self.process.stopping() {
             return Err(Interrupted);
         }
+        let pending = self.bell.reload_pending();
+        if pending && !self.reload_noted {
+            crate::log::info(&format!(
+                "outbox dispatcher {}: a reload came during a broker operation; the broker's settings are the \
+                 process's own: the operation goes on, and the rest are read once it is done",
+                self.index
+            ));
+        }
+        self.reload_noted = pending;
         Ok(())
     }
 }
@@ -406,7 +485,12 @@ impl Host for Sidecar {
     type Waiter = Waiter;
 
     fn waiter(&self, _config: &BrokerConfig) -> Waiter {
-        Waiter { process: Arc::clone(&self.process), bell: Arc::clone(&self.bell) }
+        Waiter {
+            process: Arc::clone(&self.process),
+            bell: Arc::clone(&self.bell),
+            index: self.index,
+            reload_noted: false,
+        }
     }
 
     fn set_state(&self, state: State) {
@@ -451,14 +535,7 @@ impl Host for Sidecar {
         if flag.swap(true, Ordering::SeqCst) {
             return None;
         }
-        let taken = self.process.control.with(|c| {
-            c.query_one(
-                "SELECT pg_catalog.pg_try_advisory_lock($1, $2)",
-                &[&LOCK_CLASS, &(TURN_LOCKS + turn as i32)],
-            )
-            .map(|row| row.get::<_, bool>(0))
-            .map_err(|e| crate::connect::chain(&e))
-        });
+        let taken = self.process.control.with(|c| self.process.lock_turn(c, turn));
         if taken != Some(true) {
             flag.store(false, Ordering::SeqCst);
             return None;

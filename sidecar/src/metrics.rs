@@ -151,10 +151,19 @@ fn request(head: &[u8]) -> Request {
     }
 }
 
-/// Everything a scrape shows: the database's gauges only when the control
-/// connection answers (the rest is the process's own).
+/// Everything a scrape shows: the process's own counters but those only
+/// the library's SQL functions count, its dispatchers' gauges, and the
+/// database's gauges when the control connection answers.
 fn families(process: &Process) -> Vec<(Family, Vec<Sample>)> {
-    let mut families = process.counters.families();
+    let mut families: Vec<_> = process
+        .counters
+        .families()
+        .into_iter()
+        .map(|(family, samples)| {
+            (family, samples.into_iter().filter(|s| !metrics::counted_in_sql(s)).collect())
+        })
+        .filter(|(_, samples): &(Family, Vec<Sample>)| !samples.is_empty())
+        .collect();
     families.extend(metrics::dispatcher_families(process.shown().into_iter()));
     let gauges = process.with_control(|c| {
         let retention = c
