@@ -76,5 +76,9 @@ if ! cmp -s tests/requirements.txt "$stamp"; then
     python3 -m venv .venv
     .venv/bin/pip install -q --upgrade pip
     .venv/bin/pip install -q -r tests/requirements.txt
+    # The Python package from the source tree, as an editable install
+    # would have it, without building the command its wheel carries.
+    site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$PWD/python/src" > "$site/outbox_dispatch_source.pth"
     cp tests/requirements.txt "$stamp"
 fi

@@ -4,8 +4,9 @@
 # holding the shared library, the control file, every install and upgrade
 # script, and install.sh, which copies them where the target server's
 # pg_config says and refuses a server of another major; and the Python
-# package's wheel, dist/outbox_dispatch-<version>-py3-none-any.whl.
-# PACKAGE_PROFILE=dev packages the quicker debug build (the tests use it).
+# package's wheel for this platform, dist/outbox_dispatch-<version>-py3-none-<platform>.whl,
+# which carries the outbox-dispatch command (sidecar/) beside the package.
+# PACKAGE_PROFILE=dev packages the quicker debug builds (the tests use them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,5 +58,8 @@ if [[ "$wheel_version" != "$version" ]]; then
     echo "package.sh: python/pyproject.toml says $wheel_version, Cargo.toml $version" >&2
     exit 1
 fi
-.venv/bin/python -m pip wheel -q --no-deps --wheel-dir dist ./python >/dev/null
-echo "dist/outbox_dispatch-$version-py3-none-any.whl"
+wheel_profile=release
+[[ "${PACKAGE_PROFILE:-release}" == dev ]] && wheel_profile=dev
+rm -f dist/outbox_dispatch-"$version"-py3-none-*.whl
+(cd python && ../.venv/bin/maturin build --quiet --profile "$wheel_profile" --out ../dist >/dev/null)
+ls dist/outbox_dispatch-"$version"-py3-none-*.whl
