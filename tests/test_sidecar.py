@@ -153,6 +153,29 @@ def test_a_database_it_must_not_serve_is_refused_at_once(server, sidecars):
         server.sql(f"DROP DATABASE {name} WITH (FORCE)")
 
 
+def test_a_role_squatting_the_turns_is_named_and_events_flow_all_the_same(server, db, redis_server, sidecars):
+    """Any role that may connect can take any advisory lock: one holds the
+    turns (housekeeping, reports) before the sidecar starts. The sidecar
+    names it, in its log and in last_error, with what ends it; events flow
+    all the same; once it is gone the turns are the outbox's again."""
+    squatter = psycopg.connect(host=str(server.dir), port=server.port, user="other", dbname=db, autocommit=True)
+    try:
+        pid = squatter.execute("SELECT pg_backend_pid()").fetchone()[0]
+        squatter.execute("SELECT pg_advisory_lock(%s, 2000), pg_advisory_lock(%s, 2001)", (0x6f757462, 0x6f757462))
+        sidecar = sidecars(server, db, broker=redis_server.url)
+        wait_until(lambda: f"pg_terminate_backend({pid})" in last_error(server, db), timeout=60,
+                   message="the squatter named", seen=lambda: workers(server, db))
+        assert "the reports turn is held by role other" in last_error(server, db)
+        assert f"held by role other (pid {pid})" in sidecar.log()
+        ids = enqueue(server, db, "q_squat", 3)
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_squat")) == sorted(ids), message="events sent")
+    finally:
+        squatter.close()
+    wait_until(lambda: last_error(server, db) == "", timeout=60, message="the note gone",
+               seen=lambda: workers(server, db))
+    assert "the turns are the outbox's again" in sidecar.log()
+
+
 def test_settings_the_database_gets_wrong_are_named_and_the_rest_flows(server, db, redis_server, sidecars):
     server.sql(f"ALTER DATABASE {db} SET outbox.batch_size = 'lots'")
     sidecar = sidecars(server, db, broker=redis_server.url)

@@ -111,29 +111,76 @@ impl Process {
         if lock.refused_until.is_some_and(|until| now < until) {
             return Ok(false);
         }
+        let key = TURN_LOCKS + turn as i32;
         let taken = c
-            .query_one(
-                "SELECT pg_catalog.pg_try_advisory_lock($1, $2)",
-                &[&LOCK_CLASS, &(TURN_LOCKS + turn as i32)],
-            )
+            .query_one("SELECT pg_catalog.pg_try_advisory_lock($1, $2)", &[&LOCK_CLASS, &key])
             .map_err(|e| crate::connect::chain(&e))?
             .get::<_, bool>(0);
         *lock = match taken {
-            true => TurnLock { held: Some((connection, now)), refused_until: None },
-            false => TurnLock { held: None, refused_until: Some(now + TURN_CHECK) },
+            true => TurnLock { held: Some((connection, now)), refused_until: None, squatter: None },
+            false => TurnLock {
+                held: None,
+                refused_until: Some(now + TURN_CHECK),
+                squatter: squatters(c, key..=key)?
+                    .into_iter()
+                    .next()
+                    .map(|holder| format!("the {} turn is held by {holder}", turn.name())),
+            },
         };
         Ok(taken)
     }
+
+    /// What holds a turn of this process back that is not the outbox's
+    /// (see [`squatters`]), one line per turn.
+    fn squatted(&self) -> Option<String> {
+        let locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
+        let lines: Vec<&str> = locks.iter().filter_map(|l| l.squatter.as_deref()).collect();
+        (!lines.is_empty()).then(|| lines.join("; "))
+    }
+}
+
+/// The sessions holding one of the advisory locks `keys` (with
+/// [`LOCK_CLASS`]) whose role is not a member of the outbox's owner, each
+/// as `role R (pid P), ...`. Any role that may connect can take any
+/// advisory lock, and hold a turn or a dispatcher's number forever: what
+/// it holds is named, for the database's administrator to end (the
+/// squatter is no dispatcher of ours: docs/managed.md, "Privileges").
+pub fn squatters(c: &mut Client, keys: std::ops::RangeInclusive<i32>) -> Result<Vec<String>, String> {
+    let rows = c
+        .query(
+            "SELECT a.usename::pg_catalog.text, a.pid \
+               FROM pg_catalog.pg_locks AS l JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid \
+              WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 \
+                AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d \
+                                   WHERE d.datname = pg_catalog.current_database()) \
+                AND l.classid::pg_catalog.int8 = $1 AND l.objid::pg_catalog.int8 BETWEEN $2 AND $3 \
+                AND NOT pg_catalog.pg_has_role(a.usesysid, outbox.owner(), 'MEMBER') \
+              ORDER BY a.pid",
+            &[&i64::from(LOCK_CLASS), &i64::from(*keys.start()), &i64::from(*keys.end())],
+        )
+        .map_err(|e| crate::connect::chain(&e))?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let (role, pid): (Option<String>, i32) = (r.get(0), r.get(1));
+            format!(
+                "role {} (pid {pid}), which is not the outbox's owner: end it with pg_terminate_backend({pid})",
+                role.as_deref().unwrap_or("?")
+            )
+        })
+        .collect())
 }
 
 /// A turn's advisory lock, as the control connection holds it.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 struct TurnLock {
     /// The control connection it is held on (which one of those made),
     /// and when that connection last answered.
     held: Option<(u64, Instant)>,
     /// Another session held it: not asked for again before this.
     refused_until: Option<Instant>,
+    /// That session, when it is not the outbox's (see [`squatters`]).
+    squatter: Option<String>,
 }
 
 /// The control connection, made when first needed and again after it
@@ -307,6 +354,9 @@ pub struct Sidecar {
     /// Settings the database gets wrong: `last_error` while no other
     /// error shows.
     refused: RefCell<Option<String>>,
+    /// A turn held by a session not the outbox's, as last shown: in
+    /// `last_error` after the above.
+    squatted: RefCell<Option<String>>,
 }
 
 impl Sidecar {
@@ -328,7 +378,35 @@ impl Sidecar {
             row: RefCell::new(row),
             published: RefCell::new(None),
             refused: RefCell::new(None),
+            squatted: RefCell::new(None),
         }
+    }
+
+    /// What `last_error` shows while no error of a step does.
+    fn standing(&self) -> Option<String> {
+        self.refused.borrow().clone().or_else(|| self.squatted.borrow().clone())
+    }
+
+    /// Shows a turn held back by a session not the outbox's, or that it
+    /// no longer is: in the log as it changes, in `last_error` unless an
+    /// error of a step shows there.
+    fn show_squatted(&self) {
+        let now = self.process.squatted();
+        if *self.squatted.borrow() == now {
+            return;
+        }
+        match &now {
+            Some(why) => crate::log::warning(&format!("dispatcher {}: {why}", self.index)),
+            None => crate::log::info(&format!("dispatcher {}: the turns are the outbox's again", self.index)),
+        }
+        let before = self.standing();
+        *self.squatted.borrow_mut() = now;
+        let after = self.standing();
+        self.update(|r| {
+            if r.last_error == before {
+                r.last_error = after;
+            }
+        });
     }
 
     /// Sleeps until `timeout` passed, a wake, a reload or a shutdown;
@@ -404,8 +482,9 @@ impl Sidecar {
     /// The settings refused at the last reading (logged by the caller),
     /// shown in `last_error` until they are read right.
     pub fn refuse_settings(&self, why: Option<String>) {
-        *self.refused.borrow_mut() = why.clone();
-        self.update(|r| r.last_error = why);
+        *self.refused.borrow_mut() = why;
+        let shown = self.standing();
+        self.update(|r| r.last_error = shown);
     }
 
     fn update(&self, change: impl FnOnce(&mut Row)) {
@@ -506,7 +585,7 @@ impl Host for Sidecar {
     }
 
     fn set_error(&self, error: Option<&str>) {
-        let shown = error.map(str::to_string).or_else(|| self.refused.borrow().clone());
+        let shown = error.map(str::to_string).or_else(|| self.standing());
         self.update(|r| r.last_error = shown);
     }
 
@@ -536,6 +615,7 @@ impl Host for Sidecar {
             return None;
         }
         let taken = self.process.control.with(|c| self.process.lock_turn(c, turn));
+        self.show_squatted();
         if taken != Some(true) {
             flag.store(false, Ordering::SeqCst);
             return None;

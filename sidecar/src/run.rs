@@ -25,7 +25,7 @@ use outbox_core::guc;
 use outbox_core::metrics::WakeSource;
 
 use crate::connect::{chain, Connector};
-use crate::host::{Bell, Process, Sidecar, DISPATCHER_LOCKS, LOCK_CLASS};
+use crate::host::{squatters, Bell, Process, Sidecar, DISPATCHER_LOCKS, LOCK_CLASS};
 use crate::store::{PgDb, Watchdog};
 use crate::{log, metrics, script};
 
@@ -472,7 +472,12 @@ fn take_index(client: &mut Client) -> Result<i32, String> {
     match row {
         Ok(row) => Ok(row.get(0)),
         Err(e) if e.contains("no rows") => {
-            Err(format!("{MAX_DISPATCHERS} dispatchers serve this database already"))
+            let held = squatters(client, DISPATCHER_LOCKS..=DISPATCHER_LOCKS + MAX_DISPATCHERS - 1)?;
+            let squatted = match held.is_empty() {
+                true => String::new(),
+                false => format!("; numbers are held by {}", held.join(", ")),
+            };
+            Err(format!("{MAX_DISPATCHERS} dispatchers serve this database already{squatted}"))
         }
         Err(e) => Err(e),
     }
