@@ -4,6 +4,7 @@
 //! migration to run; `run` delivers its events.
 
 mod connect;
+mod file;
 mod host;
 mod install;
 mod listen;
@@ -13,7 +14,8 @@ mod run;
 mod script;
 mod store;
 
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -23,8 +25,10 @@ use run::{RunConfig, OWN_SETTINGS};
 
 const USAGE: &str = "\
 usage: outbox-dispatch install [--dsn DSN] [--schema NAME] [--tls-ca-file PATH]
+                               [--config FILE]
        outbox-dispatch sql [--schema NAME] [--no-transaction]
-       outbox-dispatch run [--dsn DSN] [--tls-ca-file PATH] [--broker-url URL]
+       outbox-dispatch run [--dsn DSN] [--tls-ca-file PATH] [--config FILE]
+                           [--broker-url URL]
                            [--dispatchers N] [--poll-interval TIME]
                            [--metrics-listen HOST:PORT]
                            [--broker-password-file PATH] [--broker-tls-ca-file PATH]
@@ -60,6 +64,10 @@ usage: outbox-dispatch install [--dsn DSN] [--schema NAME] [--tls-ca-file PATH]
                       (or OUTBOX_BROKER_PASSWORD_FILE, ...): as
                       outbox.redis_password_file, outbox.redis_tls_ca_file
                       and outbox.redis_sentinel_password_file
+  --config FILE       a TOML file of what the environment may say (or
+                      OUTBOX_CONFIG): a key per variable in lower case
+                      (dsn = '...', broker_url = '...', dispatchers = 2);
+                      the environment wins over it, an option over both
 Options take their value as the next argument, or after an equals sign.
 ";
 
@@ -119,6 +127,8 @@ fn parse(args: &[String], env: Environment) -> Result<Command, String> {
         let connects = verb == "install" || verb == "run";
         match name {
             "--dsn" if connects => dsn = Some(value().ok_or_else(|| needs(name))?),
+            // Read by main() before: see `configured`.
+            "--config" if connects => drop(value().ok_or_else(|| needs(name))?),
             "--tls-ca-file" if connects => ca_file = Some(value().ok_or_else(|| needs(name))?),
             "--schema" if verb != "run" => schema = value().ok_or_else(|| needs(name))?,
             "--dispatchers" if verb == "run" => dispatchers = Some(value().ok_or_else(|| needs(name))?),
@@ -158,9 +168,27 @@ fn parse(args: &[String], env: Environment) -> Result<Command, String> {
     }
 }
 
+/// The values of the file `--config` (or `OUTBOX_CONFIG`) names, by the
+/// variable each stands for; none without one.
+fn configured(args: &[String], env: Environment) -> Result<HashMap<String, String>, String> {
+    let mut path = env("OUTBOX_CONFIG");
+    let mut rest = args.iter().skip(1);
+    while let Some(arg) = rest.next() {
+        if arg == "--config" {
+            path = rest.next().cloned();
+        } else if let Some(given) = arg.strip_prefix("--config=") {
+            path = Some(given.to_string());
+        }
+    }
+    path.map_or_else(|| Ok(HashMap::new()), |path| file::read(Path::new(&path)))
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let command = match parse(&args, &|name| std::env::var(name).ok()) {
+    let env = |name: &str| std::env::var(name).ok();
+    let parsed = configured(&args, &env)
+        .and_then(|file| parse(&args, &|name| env(name).or_else(|| file.get(name).cloned())));
+    let command = match parsed {
         Ok(command) => command,
         Err(why) => {
             eprintln!("outbox-dispatch: {why}\n{USAGE}");
@@ -274,6 +302,39 @@ mod tests {
         let Ok(Command::Run(config)) = parse(&args("run"), &env) else { panic!("run parses") };
         assert_eq!(config.poll_interval, Duration::from_secs(1));
         assert_eq!(config.dispatchers, 1);
+    }
+
+    #[test]
+    fn every_key_of_a_config_file_reaches_run_and_the_environment_wins() {
+        let path = std::env::temp_dir().join(format!("outbox-dispatch-{}.toml", std::process::id()));
+        let keys = file::KEYS.map(|key| match key {
+            "dispatchers" => format!("{key} = 4"),
+            "poll_interval" => format!("{key} = '2s'"),
+            _ => format!("{key} = 'file:{key}'"),
+        });
+        std::fs::write(&path, keys.join("\n")).unwrap();
+        let line = args(&format!("run --config {}", path.display()));
+        let env = |name: &str| (name == "OUTBOX_BROKER_URL").then(|| "redis://env".to_string());
+        let file = configured(&line, &env).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let Ok(Command::Run(config)) = parse(&line, &|name| env(name).or_else(|| file.get(name).cloned()))
+        else {
+            panic!("run parses");
+        };
+        assert_eq!(config.dsn, "file:dsn");
+        assert_eq!(config.tls_ca_file, Some("file:tls_ca_file".into()));
+        assert_eq!(config.dispatchers, 4);
+        assert_eq!(config.poll_interval, Duration::from_secs(2));
+        assert_eq!(config.metrics_listen.as_deref(), Some("file:metrics_listen"));
+        let own: HashMap<_, _> = config.own.into_iter().collect();
+        assert_eq!(own["outbox.broker_url"], "redis://env");
+        assert_eq!(own["outbox.redis_password_file"], "file:broker_password_file");
+        assert_eq!(own["outbox.redis_tls_ca_file"], "file:broker_tls_ca_file");
+        assert_eq!(own["outbox.redis_sentinel_password_file"], "file:sentinel_password_file");
+        assert!(configured(&args("run --config=/nonexistent/x.toml"), &none)
+            .unwrap_err()
+            .contains("--config"));
+        assert!(parse(&args("run --dsn x --config"), &none).unwrap_err().contains("--config needs a value"));
     }
 
     #[test]
