@@ -66,7 +66,8 @@ integration-sidecar: integration
 
 test: unit integration $(if $(filter sidecar,$(MODES)),integration-sidecar)
 
-# An archive to install on a server without Rust (see the README).
+# An archive to install on a server without Rust (see the README), and the
+# Python package's wheel, which carries the outbox-dispatch command.
 package: deps
 	PG_CONFIG=$(PG_CONFIG) FEATURES="$(FEATURES)" ./scripts/package.sh
 

@@ -52,7 +52,8 @@ mkdir -p dist
 tar -C "$staging" -czf "dist/$name.tar.gz" "$name"
 echo "dist/$name.tar.gz"
 
-# The Python package (python/), a wheel for any platform, of the same version.
+# The Python package (python/), with the outbox-dispatch command: a wheel for
+# this platform, of the same version.
 wheel_version=$(sed -n 's/^version = "\(.*\)"/\1/p' python/pyproject.toml)
 if [[ "$wheel_version" != "$version" ]]; then
     echo "package.sh: python/pyproject.toml says $wheel_version, Cargo.toml $version" >&2

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from harness import DISPATCHER_PLANNER, Cluster, decode, queued_ids, wait_until
-from standalone import new_cluster
+from standalone import library_only, new_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,6 +74,11 @@ def test_orm_insert_is_dispatched(outbox, redis_server):
     assert str(event_id)[14] == "7"
 
 
+COMMIT_WAKE = "the wake at commit is the library's; the sidecar polls, or LISTENs with outbox.notify = on " \
+    "(tests/test_sidecar.py)"
+
+
+@library_only(COMMIT_WAKE)
 def test_commit_wakes_an_idle_dispatcher(outbox, redis_server):
     """With a 60 s safety poll, only the commit-time wake can deliver within
     the deadline."""
@@ -152,6 +157,7 @@ def test_a_lingering_dispatcher_stops_at_sigterm_and_loses_nothing(outbox, redis
                message="every event, by the dispatcher started again")
 
 
+@library_only(COMMIT_WAKE)
 def test_no_wake_is_lost_across_pauses_reloads_and_brief_locks(redis_server):
     """Pause, enqueue, resume while the table is briefly locked (the
     dispatchers' first claims wait on the lock, whose wait resets their

@@ -18,7 +18,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from harness import PG_BIN, Cluster, SilentBroker, as_postgres, free_port, queued_ids, wait_until
+from harness import PG_BIN, Cluster, Redis, SilentBroker, as_postgres, free_port, queued_ids, wait_until
 from standalone import Sidecar, fresh_database, install, plain_server, samples, scrape
 
 
@@ -174,6 +174,36 @@ def test_a_role_squatting_the_turns_is_named_and_events_flow_all_the_same(server
     wait_until(lambda: last_error(server, db) == "", timeout=60, message="the note gone",
                seen=lambda: workers(server, db))
     assert "the turns are the outbox's again" in sidecar.log()
+
+
+def turn_holders(pg, dbname, turn):
+    """Backends holding turn `turn`'s lock (0 housekeeping, 1 reports)."""
+    return pg.sql("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objid = %s "
+                  "AND objsubid = 2 AND granted AND database = (SELECT oid FROM pg_database WHERE datname = %s)",
+                  (0x6f757462, 2000 + turn, dbname), dbname=dbname)
+
+
+def test_a_sidecar_whose_broker_is_down_gives_the_reports_turn_back(server, db, sidecars):
+    """A sidecar keeps the reports turn's lock from one look at the list to
+    the next; one that stops looking (its broker is gone) gives it back
+    within seconds, for another sidecar to take: the reports of the
+    database are never left to a sidecar that cannot read them."""
+    first, second = Redis(), Redis()
+    try:
+        a = sidecars(server, db, broker=first.url)
+        wait_until(lambda: turn_holders(server, db, 1), message="the reports turn taken",
+                   seen=lambda: (workers(server, db), a.log()))
+        first.stop()
+        wait_until(lambda: not turn_holders(server, db, 1), timeout=30, message="the turn given back",
+                   seen=lambda: (workers(server, db), a.log()))
+        sidecars(server, db, broker=second.url)
+        wait_until(lambda: turn_holders(server, db, 1), timeout=30, message="the turn taken by the second")
+        reports = f"outbox_dispatch.reports:{server.value('SELECT oid FROM pg_database WHERE datname = %s', (db,))}"
+        second.client().rpush(reports, b"garbage")
+        wait_until(lambda: second.client().llen(reports) == 0, timeout=30, message="the second sidecar collecting")
+    finally:
+        first.close()
+        second.close()
 
 
 def test_settings_the_database_gets_wrong_are_named_and_the_rest_flows(server, db, redis_server, sidecars):

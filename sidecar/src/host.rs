@@ -34,12 +34,15 @@ pub const LOCK_CLASS: i32 = 0x6f75_7462;
 pub const DISPATCHER_LOCKS: i32 = 1000;
 /// The second key of a turn's lock: `TURN_LOCKS + turn`.
 const TURN_LOCKS: i32 = 2000;
-/// The status row is written at most this often, but for a change of state.
+/// The status row is written at most this often, but for what shows at
+/// once (see [`Sidecar::publish_when`]).
 const PUBLISH_EVERY: Duration = Duration::from_secs(1);
 /// A turn's lock held is confirmed (the control connection answers) at
 /// most this long before it is used; one another session holds is asked
 /// for again after this.
 const TURN_CHECK: Duration = Duration::from_secs(1);
+/// A turn's lock unused this long is given back.
+const TURN_IDLE: Duration = Duration::from_secs(2);
 
 /// What the threads of one process share.
 pub struct Process {
@@ -90,20 +93,24 @@ impl Process {
     }
 
     /// Whether the control connection `c` holds `turn`'s lock: kept from
-    /// one use to the next, so an idle process asks nothing of the server
-    /// for it (reports are looked for ten times a second), and confirmed
-    /// when the connection has not answered for [`TURN_CHECK`]. A lock
-    /// held goes with its session: a connection made again asks anew.
+    /// one use to the next while they come (reports are looked for ten
+    /// times a second) and given back once unused for [`TURN_IDLE`]
+    /// ([`Process::release_idle_turns`]); confirmed when the connection
+    /// has not answered for [`TURN_CHECK`]. A lock held goes with its
+    /// session: a connection made again asks anew.
     fn lock_turn(&self, c: &mut Client, turn: Turn) -> Result<bool, String> {
         let connection = self.control.made.load(Ordering::SeqCst);
         let now = Instant::now();
         let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
         let lock = &mut locks[turn as usize];
         match lock.held {
-            Some((on, answered)) if on == connection && now < answered + TURN_CHECK => return Ok(true),
-            Some((on, _)) if on == connection => {
-                c.batch_execute("SELECT").map_err(|e| crate::connect::chain(&e))?;
-                lock.held = Some((on, now));
+            Some(held) if held.on == connection => {
+                let mut answered = held.answered;
+                if now >= answered + TURN_CHECK {
+                    c.batch_execute("SELECT").map_err(|e| crate::connect::chain(&e))?;
+                    answered = now;
+                }
+                lock.held = Some(LockHeld { answered, used: now, ..held });
                 return Ok(true);
             }
             _ => lock.held = None,
@@ -117,7 +124,11 @@ impl Process {
             .map_err(|e| crate::connect::chain(&e))?
             .get::<_, bool>(0);
         *lock = match taken {
-            true => TurnLock { held: Some((connection, now)), refused_until: None, squatter: None },
+            true => TurnLock {
+                held: Some(LockHeld { on: connection, answered: now, used: now }),
+                refused_until: None,
+                squatter: None,
+            },
             false => TurnLock {
                 held: None,
                 refused_until: Some(now + TURN_CHECK),
@@ -128,6 +139,41 @@ impl Process {
             },
         };
         Ok(taken)
+    }
+
+    /// Gives back the locks of turns no thread of the process has used
+    /// for [`TURN_IDLE`]: a process that stops collecting (its broker is
+    /// down) or whose housekeeping is done lets another sidecar take them.
+    pub fn release_idle_turns(&self) {
+        let now = Instant::now();
+        let idle = |locks: &[TurnLock; Turn::COUNT], turn: Turn| {
+            locks[turn as usize].held.is_some_and(|held| now >= held.used + TURN_IDLE)
+        };
+        {
+            let locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
+            if !Turn::ALL.iter().any(|&turn| idle(&locks, turn)) {
+                return;
+            }
+        }
+        self.control.with(|c| {
+            let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
+            for turn in Turn::ALL {
+                // Not while a thread has the turn (it holds the flag).
+                if !idle(&locks, turn) || self.turns[turn as usize].swap(true, Ordering::SeqCst) {
+                    continue;
+                }
+                locks[turn as usize].held = None;
+                let released = c
+                    .execute(
+                        "SELECT pg_catalog.pg_advisory_unlock($1, $2)",
+                        &[&LOCK_CLASS, &(TURN_LOCKS + turn as i32)],
+                    )
+                    .map_err(|e| crate::connect::chain(&e));
+                self.turns[turn as usize].store(false, Ordering::SeqCst);
+                released?;
+            }
+            Ok(())
+        });
     }
 
     /// What holds a turn of this process back that is not the outbox's
@@ -171,12 +217,21 @@ pub fn squatters(c: &mut Client, keys: std::ops::RangeInclusive<i32>) -> Result<
         .collect())
 }
 
+/// A turn's lock the control connection holds.
+#[derive(Clone, Copy)]
+struct LockHeld {
+    /// The connection it is held on (which one of those made).
+    on: u64,
+    /// When that connection last answered.
+    answered: Instant,
+    /// When a thread last took the turn.
+    used: Instant,
+}
+
 /// A turn's advisory lock, as the control connection holds it.
 #[derive(Clone, Default)]
 struct TurnLock {
-    /// The control connection it is held on (which one of those made),
-    /// and when that connection last answered.
-    held: Option<(u64, Instant)>,
+    held: Option<LockHeld>,
     /// Another session held it: not asked for again before this.
     refused_until: Option<Instant>,
     /// That session, when it is not the outbox's (see [`squatters`]).

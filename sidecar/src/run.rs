@@ -439,6 +439,7 @@ impl DispatcherThread {
             }
             let nap = dispatcher.step();
             dispatcher.host().publish();
+            process.release_idle_turns();
             if closed.load(std::sync::atomic::Ordering::SeqCst) {
                 return Err(format!("dispatcher {index}: the connection to the database was lost"));
             }
