@@ -36,8 +36,9 @@ named! {
         /// The sweepers and the lifecycle purge.
         Housekeeping = "housekeeping",
         /// Collecting the outcomes Celery workers report: the report list
-        /// is read and trimmed from its head, so two at once would trim
-        /// each other's reports.
+        /// is read and trimmed from its head, so two at once would read
+        /// the same reports twice (the trim drops only a head that is
+        /// still what was read: no report is lost even then).
         Reports = "reports",
     }
 }

@@ -3,10 +3,12 @@
 //! statement, then trim it off the list.
 //!
 //! One dispatcher at a time collects (a turn of the host's): two would
-//! trim each other's reports. Workers only append, so the trim removes
-//! exactly what was read. A crash between the commit and the trim reads the
-//! batch again, its reports then stale: a report is never lost, at worst
-//! counted twice.
+//! read the same reports twice. Workers only append, so the trim removes
+//! exactly what was read, and the broker's trim drops only a head that is
+//! still what was read (Redis: its digest; RabbitMQ acknowledges each
+//! delivery): a second collector at once loses nothing. A crash between
+//! the commit and the trim reads the batch again, its reports then stale:
+//! a report is never lost, at worst counted twice.
 
 use std::time::{Duration, Instant};
 

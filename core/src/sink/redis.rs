@@ -54,7 +54,19 @@ pub struct RedisSink {
     /// The server knows `EVAL_RO` (Redis 7 and later): the report read then
     /// runs during a `CLIENT PAUSE WRITE` (a failover) as a plain read would.
     read_only_scripts: bool,
+    /// The digest of the reports [`RedisSink::reports`] read last, which
+    /// [`RedisSink::forget_reports`] trims only if they are still the
+    /// list's head.
+    read_digest: Option<String>,
 }
+
+/// Lua: the digest of the list `items` (SHA-1 over each item's length and
+/// bytes), as the report read and the trim both compute it.
+const DIGEST: &str = "local function digest(items) \
+                          local parts = {} \
+                          for i, item in ipairs(items) do parts[i] = #item .. ':' .. item end \
+                          return redis.sha1hex(table.concat(parts)) \
+                      end ";
 
 impl RedisSink {
     /// Takes the parsed URL and the key options; connects lazily.
@@ -77,6 +89,7 @@ impl RedisSink {
             display_url,
             master: None,
             read_only_scripts: true,
+            read_digest: None,
         })
     }
 
@@ -235,7 +248,8 @@ impl RedisSink {
     /// [`report::MAX_REPORT_BYTES`] is cut to nothing on the server (a
     /// script: its bytes never travel), so the reply stays within the
     /// link's limits whatever a client of the broker appended; it then
-    /// reads as malformed, and is counted and dropped like one.
+    /// reads as malformed, and is counted and dropped like one. The reply
+    /// ends with the digest of what was read, kept for the trim.
     pub fn reports(
         &mut self,
         key: &str,
@@ -243,13 +257,18 @@ impl RedisSink {
         waiter: &mut dyn Wait,
     ) -> Result<Result<Vec<Vec<u8>>, String>, SinkError> {
         const READ: &str = "local items = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1) \
+                            if #items == 0 then return items end \
+                            local read = digest(items) \
                             for i, item in ipairs(items) do \
                                 if #item > tonumber(ARGV[2]) then items[i] = '' end \
                             end \
+                            items[#items + 1] = read \
                             return items";
+        self.read_digest = None;
+        let script = format!("{DIGEST}{READ}");
         let (max, most) = (max.to_string(), report::MAX_REPORT_BYTES.to_string());
         let eval = if self.read_only_scripts { "EVAL_RO" } else { "EVAL" };
-        let read = [eval, READ, "1", key, &max, &most];
+        let read = [eval, &script, "1", key, &max, &most];
         let reply = match self.exchange_within(&read, Limits::REPORTS, waiter)? {
             // A Redis before 7, or an ACL that denies EVAL_RO (and may
             // allow EVAL): EVAL from now on. When EVAL is denied too, the
@@ -274,34 +293,52 @@ impl RedisSink {
             }
             reply => self.answer(reply)?,
         };
-        match reply {
-            Reply::Array(Some(items)) => Ok(Ok(items
+        let mut items: Vec<Vec<u8>> = match reply {
+            Reply::Array(Some(items)) => items
                 .into_iter()
                 .filter_map(|item| match item {
                     Reply::Bulk(Some(bytes)) => Some(bytes),
                     _ => None,
                 })
-                .collect())),
-            Reply::Array(None) => Ok(Ok(Vec::new())),
-            other => Err(self.fail(not_redis(&format!("the report read answered {}", other.describe())))),
-        }
+                .collect(),
+            Reply::Array(None) => Vec::new(),
+            other => {
+                return Err(self.fail(not_redis(&format!("the report read answered {}", other.describe()))))
+            }
+        };
+        self.read_digest = items.pop().and_then(|digest| String::from_utf8(digest).ok());
+        Ok(Ok(items))
     }
 
-    /// Drops the first `n` reports of list `key`, once they are recorded.
-    /// Workers only append, so these are the ones [`Sink::reports`] read.
-    /// The inner error is an ACL denying the trim (NOPERM): the read's
-    /// refusal, the connection stays.
+    /// Drops the first `n` reports of list `key`, once they are recorded:
+    /// the ones [`Sink::reports`] read, as workers only append, and only if
+    /// they are still the list's head (the same digest). Another collector
+    /// that read and trimmed them first (two dispatchers that each believe
+    /// they have the turn) leaves this trim nothing to do, rather than
+    /// reports nobody read to drop. The inner error is an ACL denying the
+    /// trim (NOPERM): the read's refusal, the connection stays.
     pub fn forget_reports(
         &mut self,
         key: &str,
         n: usize,
         waiter: &mut dyn Wait,
     ) -> Result<Result<(), String>, SinkError> {
-        match self.exchange_within(&["LTRIM", key, &n.to_string(), "-1"], Limits::REPLY, waiter)? {
-            Reply::Status(status) if status == "OK" => Ok(Ok(())),
+        const TRIM: &str = "local items = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1) \
+                            if #items == tonumber(ARGV[1]) and digest(items) == ARGV[2] then \
+                                redis.call('LTRIM', KEYS[1], ARGV[1], -1) \
+                                return 1 \
+                            end \
+                            return 0";
+        let Some(digest) = self.read_digest.take() else {
+            return Ok(Ok(()));
+        };
+        let script = format!("{DIGEST}{TRIM}");
+        let trim = ["EVAL", &script, "1", key, &n.to_string(), &digest];
+        match self.exchange_within(&trim, Limits::REPLY, waiter)? {
+            Reply::Integer(_) => Ok(Ok(())),
             Reply::Error(e) if Condition::of(&e) == Some(Condition::NoPerm) => Ok(Err(broker_text(&e))),
             reply @ Reply::Error(_) => self.answer(reply).map(|_| Ok(())),
-            other => Err(self.fail(not_redis(&format!("LTRIM answered {}", other.describe())))),
+            other => Err(self.fail(not_redis(&format!("the report trim answered {}", other.describe())))),
         }
     }
 
@@ -775,6 +812,34 @@ mod tests {
         run(&mut sink, &string, 1);
         assert!(sink.reports("not_a_list", 10, &mut Poll).unwrap().unwrap_err().starts_with("WRONGTYPE"));
         assert!(sink.is_connected());
+    }
+
+    #[test]
+    fn two_collectors_reading_one_head_never_trim_reports_nobody_read() {
+        let server = Server::start("s3cret");
+        let url = format!("redis://:s3cret@127.0.0.1:{}/0", server.1);
+        let (mut a, mut b) = (redis_sink(&config(&url)).unwrap(), redis_sink(&config(&url)).unwrap());
+        a.connect(&mut Poll).unwrap();
+        b.connect(&mut Poll).unwrap();
+        let mut append = Vec::new();
+        resp::command(&mut append, &["RPUSH", "r", "a", "b", "c", "d", "e"]);
+        run(&mut a, &append, 1);
+        let read_by_a = a.reports("r", 2, &mut Poll).unwrap().unwrap();
+        let read_by_b = b.reports("r", 2, &mut Poll).unwrap().unwrap();
+        assert_eq!(read_by_a, read_by_b);
+        a.forget_reports("r", 2, &mut Poll).unwrap().unwrap();
+        // The head is now "c", "d", which b did not read: kept. (Had they
+        // been "a", "b" again, b would trim them: it recorded reports of
+        // the very same bytes, which is all a report is.)
+        b.forget_reports("r", 2, &mut Poll).unwrap().unwrap();
+        assert_eq!(
+            a.reports("r", 10, &mut Poll).unwrap().unwrap(),
+            [b"c".to_vec(), b"d".to_vec(), b"e".to_vec()]
+        );
+        // Forgetting twice what was read once trims once.
+        a.forget_reports("r", 3, &mut Poll).unwrap().unwrap();
+        a.forget_reports("r", 3, &mut Poll).unwrap().unwrap();
+        assert!(a.reports("r", 10, &mut Poll).unwrap().unwrap().is_empty());
     }
 
     #[test]
