@@ -206,6 +206,30 @@ def test_a_sidecar_whose_broker_is_down_gives_the_reports_turn_back(server, db, 
         second.close()
 
 
+def test_a_push_the_broker_holds_up_shows_within_a_second_or_two(server, db, redis_server, sidecars):
+    """A dispatcher's row is written between steps; within one, what it
+    does shows as the broker holds it up. Redis pauses writes just after
+    a delivery (the row written idle a moment before): the row shows the
+    dispatcher draining within seconds, not once the push is done."""
+    set_setting(server, db, "outbox.redis_timeout", "60s")
+    sidecars(server, db, broker=redis_server.url)
+    serving(server, db)
+    client = redis_server.client()
+    first = enqueue(server, db, "q_held")
+    wait_until(lambda: queued_ids(client, "q_held") == first, message="a first event sent")
+    serving(server, db)
+    client.execute_command("CLIENT", "PAUSE", "30000", "WRITE")
+    try:
+        enqueue(server, db, "q_held")
+        # Held for 30 s (the push may wait 60): no error to show, only
+        # what the dispatcher does.
+        wait_until(lambda: [r[1] for r in workers(server, db)] == ["draining"], timeout=20,
+                   message="the held push shown", seen=lambda: workers(server, db))
+    finally:
+        client.execute_command("CLIENT", "UNPAUSE")
+    wait_until(lambda: len(queued_ids(client, "q_held")) == 2, message="the second event sent")
+
+
 def test_settings_the_database_gets_wrong_are_named_and_the_rest_flows(server, db, redis_server, sidecars):
     server.sql(f"ALTER DATABASE {db} SET outbox.batch_size = 'lots'")
     sidecar = sidecars(server, db, broker=redis_server.url)

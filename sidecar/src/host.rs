@@ -13,6 +13,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -401,11 +402,9 @@ pub struct Sidecar {
     process: Arc<Process>,
     bell: Arc<Bell>,
     index: i32,
-    pid: i32,
     database_oid: u32,
-    row: RefCell<Row>,
-    /// What was last written, and when.
-    published: RefCell<Option<(Row, Instant)>>,
+    /// Its row, which its broker operations' waits publish too.
+    status: Rc<Status>,
     /// Settings the database gets wrong: `last_error` while no other
     /// error shows.
     refused: RefCell<Option<String>>,
@@ -424,14 +423,19 @@ impl Sidecar {
             dispatched: 0,
             heartbeat: false,
         };
+        let status = Status {
+            process: Arc::clone(&process),
+            index,
+            pid,
+            row: RefCell::new(row),
+            published: RefCell::new(None),
+        };
         Sidecar {
             process,
             bell,
             index,
-            pid,
             database_oid,
-            row: RefCell::new(row),
-            published: RefCell::new(None),
+            status: Rc::new(status),
             refused: RefCell::new(None),
             squatted: RefCell::new(None),
         }
@@ -478,9 +482,34 @@ impl Sidecar {
     /// Writes the row, between steps, when it changed: its state and its
     /// error at once, the rest at most every [`PUBLISH_EVERY`].
     pub fn publish(&self) {
-        self.publish_when(false);
+        self.status.publish_when(false);
     }
 
+    /// The settings refused at the last reading (logged by the caller),
+    /// shown in `last_error` until they are read right.
+    pub fn refuse_settings(&self, why: Option<String>) {
+        *self.refused.borrow_mut() = why;
+        let shown = self.standing();
+        self.update(|r| r.last_error = shown);
+    }
+
+    fn update(&self, change: impl FnOnce(&mut Row)) {
+        self.status.update(change);
+    }
+}
+
+/// A dispatcher's row of `outbox.sidecar_workers`, as it is and as it was
+/// last written.
+struct Status {
+    process: Arc<Process>,
+    index: i32,
+    pid: i32,
+    row: RefCell<Row>,
+    /// What was last written, and when.
+    published: RefCell<Option<(Row, Instant)>>,
+}
+
+impl Status {
     /// Writes the row when it changed. Within a step (a push the broker
     /// holds up, a long drain) an error or a connection lost or made is
     /// shown at once, as the library shows it; a state at most every
@@ -534,14 +563,7 @@ impl Sidecar {
         }
     }
 
-    /// The settings refused at the last reading (logged by the caller),
-    /// shown in `last_error` until they are read right.
-    pub fn refuse_settings(&self, why: Option<String>) {
-        *self.refused.borrow_mut() = why;
-        let shown = self.standing();
-        self.update(|r| r.last_error = shown);
-    }
-
+    /// Changes the row; what shows at once is written at once.
     fn update(&self, change: impl FnOnce(&mut Row)) {
         let shown = {
             let mut row = self.row.borrow_mut();
@@ -557,7 +579,7 @@ impl Sidecar {
     }
 }
 
-impl Drop for Sidecar {
+impl Drop for Status {
     fn drop(&mut self) {
         self.process.shown.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.index);
     }
@@ -584,6 +606,9 @@ impl Drop for TurnHeld {
 pub struct Waiter {
     process: Arc<Process>,
     bell: Arc<Bell>,
+    /// The row, written when due while the broker holds the operation up
+    /// (a state changed within a step shows within a second).
+    status: Rc<Status>,
     index: i32,
     /// The reload pending at the last check, logged then.
     reload_noted: bool,
@@ -593,7 +618,8 @@ impl Wait for Waiter {
     fn wait(&mut self, socket: Option<(RawFd, Interest)>, deadline: Instant) -> Result<(), Interrupted> {
         self.check()?;
         let left = deadline.saturating_duration_since(Instant::now());
-        self.bell.wait(socket, if socket.is_some() { left } else { left.min(NAP) });
+        self.bell.wait(socket, if socket.is_some() { left.min(PUBLISH_EVERY) } else { left.min(NAP) });
+        self.status.publish_when(true);
         self.check()
     }
 
@@ -622,6 +648,7 @@ impl Host for Sidecar {
         Waiter {
             process: Arc::clone(&self.process),
             bell: Arc::clone(&self.bell),
+            status: Rc::clone(&self.status),
             index: self.index,
             reload_noted: false,
         }
