@@ -363,10 +363,22 @@ impl<H: Host> Dispatcher<H> {
 
     /// A statement succeeded after failing: the error no longer applies.
     fn store_recovered(&mut self) {
+        self.store_answered(None);
+    }
+
+    /// A statement succeeded, and what it did failed in part (`failure`:
+    /// an accumulated subscription's batch that could not be made), or
+    /// not at all: the error shown is that, and nothing flickers between.
+    fn store_answered(&mut self, failure: Option<&StoreError>) {
         self.store_attempt = 0;
         self.store_retry_at = None;
-        if self.store_failing.take().is_some() {
-            self.host.set_error(None);
+        match failure {
+            Some(error) => self.show_store_error(error),
+            None => {
+                if self.store_failing.take().is_some() {
+                    self.host.set_error(None);
+                }
+            }
         }
     }
 
@@ -454,17 +466,18 @@ impl<H: Host> Dispatcher<H> {
                     return self.store_failed(&e);
                 }
             };
-            self.store_recovered();
             nap = nap.min(account(self.host.counters(), &settled));
             let (events, batch, next_due) = match claim {
-                Claim::NoExtension => return self.leave_for_extension(),
+                Claim::NoExtension => {
+                    self.store_recovered();
+                    return self.leave_for_extension();
+                }
                 Claim::Claimed { flushed, events, batch, next_due } => {
                     self.host.counters().add(Counter::AccumulatedBatches, flushed.batches);
                     self.host.counters().add(Counter::AccumulatedEvents, flushed.events);
                     self.host.counters().add(Counter::DeadLetters, flushed.dead_lettered);
-                    if let Some(error) = flushed.errors.first() {
-                        self.show_store_error(&StoreError::Failed(error.clone()));
-                    }
+                    let failure = flushed.errors.first().map(|error| StoreError::Failed(error.clone()));
+                    self.store_answered(failure.as_ref());
                     (events, batch, next_due)
                 }
             };
