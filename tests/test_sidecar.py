@@ -163,9 +163,10 @@ def test_a_role_squatting_the_turns_is_named_and_events_flow_all_the_same(server
         pid = squatter.execute("SELECT pg_backend_pid()").fetchone()[0]
         squatter.execute("SELECT pg_advisory_lock(%s, 2000), pg_advisory_lock(%s, 2001)", (0x6f757462, 0x6f757462))
         sidecar = sidecars(server, db, broker=redis_server.url)
-        wait_until(lambda: f"pg_terminate_backend({pid})" in last_error(server, db), timeout=60,
+        wait_until(lambda: all(f"the {turn} turn is held by role other (pid {pid})" in last_error(server, db)
+                               for turn in ("housekeeping", "reports")), timeout=60,
                    message="the squatter named", seen=lambda: workers(server, db))
-        assert "the reports turn is held by role other" in last_error(server, db)
+        assert f"pg_terminate_backend({pid})" in last_error(server, db)
         assert f"held by role other (pid {pid})" in sidecar.log()
         ids = enqueue(server, db, "q_squat", 3)
         wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_squat")) == sorted(ids), message="events sent")

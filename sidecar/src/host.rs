@@ -692,17 +692,14 @@ impl Host for Sidecar {
     }
 
     fn take_turn(&self, turn: Turn) -> Option<Held> {
-        let flag = &self.process.turns[turn as usize];
-        if flag.swap(true, Ordering::SeqCst) {
+        if self.process.turns[turn as usize].swap(true, Ordering::SeqCst) {
             return None;
         }
+        // Held from here: dropped (a refusal, a panic), the flag goes back.
+        let held = TurnHeld { process: Arc::clone(&self.process), turn };
         let taken = self.process.control.with(|c| self.process.lock_turn(c, turn));
         self.show_squatted();
-        if taken != Some(true) {
-            flag.store(false, Ordering::SeqCst);
-            return None;
-        }
-        Some(Box::new(TurnHeld { process: Arc::clone(&self.process), turn }))
+        (taken == Some(true)).then(|| Box::new(held) as Held)
     }
 
     fn counters(&self) -> &Counters {
