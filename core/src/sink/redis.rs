@@ -316,7 +316,7 @@ impl RedisSink {
     /// that read and trimmed them first (two dispatchers that each believe
     /// they have the turn) leaves this trim nothing to do, rather than
     /// reports nobody read to drop. The inner error is an ACL denying the
-    /// trim (NOPERM): the read's refusal, the connection stays.
+    /// trim: the read's refusal, the connection stays.
     pub fn forget_reports(
         &mut self,
         key: &str,
@@ -336,7 +336,12 @@ impl RedisSink {
         let trim = ["EVAL", &script, "1", key, &n.to_string(), &digest];
         match self.exchange_within(&trim, Limits::REPLY, waiter)? {
             Reply::Integer(_) => Ok(Ok(())),
-            Reply::Error(e) if Condition::of(&e) == Some(Condition::NoPerm) => Ok(Err(broker_text(&e))),
+            // As for the read: an ACL denying the script (NOPERM) or the
+            // LTRIM in it ("ERR The user executing the script can't run
+            // this command"), or the list's own fault.
+            Reply::Error(e) if Condition::of(&e).is_none_or(|c| c == Condition::NoPerm) => {
+                Ok(Err(broker_text(&e)))
+            }
             reply @ Reply::Error(_) => self.answer(reply).map(|_| Ok(())),
             other => Err(self.fail(not_redis(&format!("the report trim answered {}", other.describe())))),
         }
@@ -840,6 +845,24 @@ mod tests {
         a.forget_reports("r", 3, &mut Poll).unwrap().unwrap();
         a.forget_reports("r", 3, &mut Poll).unwrap().unwrap();
         assert!(a.reports("r", 10, &mut Poll).unwrap().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_trim_an_acl_denies_is_refused_and_the_link_stays() {
+        let server = Server::start("s3cret");
+        let admin_url = format!("redis://:s3cret@127.0.0.1:{}/0", server.1);
+        let mut admin = redis_sink(&config(&admin_url)).unwrap();
+        admin.connect(&mut Poll).unwrap();
+        let mut setup = Vec::new();
+        resp::command(&mut setup, &["ACL", "SETUSER", "reader", "on", ">pw", "~*", "&*", "+@all", "-ltrim"]);
+        resp::command(&mut setup, &["RPUSH", "r", "a"]);
+        run(&mut admin, &setup, 2);
+        let mut sink = redis_sink(&config(&format!("redis://reader:pw@127.0.0.1:{}/0", server.1))).unwrap();
+        sink.connect(&mut Poll).unwrap();
+        assert_eq!(sink.reports("r", 10, &mut Poll).unwrap().unwrap(), [b"a".to_vec()]);
+        let refused = sink.forget_reports("r", 1, &mut Poll).unwrap().unwrap_err();
+        assert!(refused.contains("can't run this command"), "{refused}");
+        assert!(sink.is_connected());
     }
 
     #[test]
