@@ -853,18 +853,24 @@ mod tests {
         assert!(a.reports("r", 10, &mut Poll).unwrap().unwrap().is_empty());
     }
 
-    #[test]
-    fn a_trim_an_acl_denies_is_refused_and_the_link_stays() {
+    /// A sink connected as a user the ACL allows everything but `denied`,
+    /// to a server whose list `r` holds "a" (and the server, kept alive).
+    fn denied_sink(denied: &str) -> (RedisSink, Server) {
         let server = Server::start("s3cret");
-        let admin_url = format!("redis://:s3cret@127.0.0.1:{}/0", server.1);
-        let mut admin = redis_sink(&config(&admin_url)).unwrap();
+        let mut admin = redis_sink(&config(&format!("redis://:s3cret@127.0.0.1:{}/0", server.1))).unwrap();
         admin.connect(&mut Poll).unwrap();
         let mut setup = Vec::new();
-        resp::command(&mut setup, &["ACL", "SETUSER", "reader", "on", ">pw", "~*", "&*", "+@all", "-ltrim"]);
+        resp::command(&mut setup, &["ACL", "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", denied]);
         resp::command(&mut setup, &["RPUSH", "r", "a"]);
         run(&mut admin, &setup, 2);
-        let mut sink = redis_sink(&config(&format!("redis://reader:pw@127.0.0.1:{}/0", server.1))).unwrap();
+        let mut sink = redis_sink(&config(&format!("redis://limited:pw@127.0.0.1:{}/0", server.1))).unwrap();
         sink.connect(&mut Poll).unwrap();
+        (sink, server)
+    }
+
+    #[test]
+    fn a_trim_an_acl_denies_is_refused_and_the_link_stays() {
+        let (mut sink, _server) = denied_sink("-ltrim");
         assert_eq!(sink.reports("r", 10, &mut Poll).unwrap().unwrap(), [b"a".to_vec()]);
         let refused = sink.forget_reports("r", 1, &mut Poll).unwrap().unwrap_err();
         assert!(
@@ -876,19 +882,7 @@ mod tests {
 
     #[test]
     fn a_report_read_an_acl_denies_is_refused_and_the_link_stays() {
-        let server = Server::start("s3cret");
-        let admin_url = format!("redis://:s3cret@127.0.0.1:{}/0", server.1);
-        let mut admin = redis_sink(&config(&admin_url)).unwrap();
-        admin.connect(&mut Poll).unwrap();
-        let mut user = Vec::new();
-        resp::command(
-            &mut user,
-            &["ACL", "SETUSER", "pusher", "on", ">pw", "~*", "&*", "+@all", "-@scripting"],
-        );
-        run(&mut admin, &user, 1);
-        let url = format!("redis://pusher:pw@127.0.0.1:{}/0", server.1);
-        let mut sink = redis_sink(&config(&url)).unwrap();
-        sink.connect(&mut Poll).unwrap();
+        let (mut sink, _server) = denied_sink("-@scripting");
         let refused = sink.reports("r", 10, &mut Poll).unwrap().unwrap_err();
         assert!(refused.starts_with("NOPERM"), "{refused}");
         assert!(sink.is_connected());
