@@ -10,7 +10,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.request
 from contextlib import contextmanager
 
 import pytest
@@ -228,8 +227,7 @@ class SidecarCluster(Cluster):
 
         def scraped():
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as answer:
-                    return samples(answer.read().decode())
+                return samples(scrape(self.metrics_port)[1])
             except OSError:  # not listening yet: a sidecar just started
                 return None
         return wait_until(scraped, message="the sidecar's /metrics").get(series)

@@ -3,11 +3,12 @@
 //! in memory and shown in `outbox.sidecar_workers` (`outbox.workers`).
 //!
 //! The threads of one process share its counters and its control
-//! connection, which holds the turns (session advisory locks, kept while
-//! the connection lasts and used by one thread of the process at a time)
-//! and writes the status rows, never inside a dispatcher's transaction. Each thread waits with poll(2) on
-//! the broker's socket and its [`Bell`], which the process rings for a
-//! wake, a reload or a shutdown.
+//! connection, which holds the turns (session advisory locks, kept from
+//! one use to the next while the uses come, each use by one thread of the
+//! process at a time) and writes the status rows, never inside a
+//! dispatcher's transaction. Each thread waits with poll(2) on the
+//! broker's socket and its [`Bell`], which the process rings for a wake, a
+//! reload or a shutdown.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -36,7 +37,7 @@ pub const DISPATCHER_LOCKS: i32 = 1000;
 /// The second key of a turn's lock: `TURN_LOCKS + turn`.
 const TURN_LOCKS: i32 = 2000;
 /// The status row is written at most this often, but for what shows at
-/// once (see [`Sidecar::publish_when`]).
+/// once (see [`Status::publish_when`]).
 const PUBLISH_EVERY: Duration = Duration::from_secs(1);
 /// A turn's lock held is confirmed (the control connection answers) at
 /// most this long before it is used; one another session holds is asked
@@ -157,19 +158,24 @@ impl Process {
             }
         }
         self.control.with(|c| {
+            let connection = self.control.made.load(Ordering::SeqCst);
             let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
             for turn in Turn::ALL {
                 // Not while a thread has the turn (it holds the flag).
                 if !idle(&locks, turn) || self.turns[turn as usize].swap(true, Ordering::SeqCst) {
                     continue;
                 }
-                locks[turn as usize].held = None;
-                let released = c
-                    .execute(
-                        "SELECT pg_catalog.pg_advisory_unlock($1, $2)",
-                        &[&LOCK_CLASS, &(TURN_LOCKS + turn as i32)],
-                    )
-                    .map_err(|e| crate::connect::chain(&e));
+                // Held on a connection since lost, it went with its session.
+                let released = match locks[turn as usize].held.take() {
+                    Some(held) if held.on == connection => c
+                        .execute(
+                            "SELECT pg_catalog.pg_advisory_unlock($1, $2)",
+                            &[&LOCK_CLASS, &(TURN_LOCKS + turn as i32)],
+                        )
+                        .map(drop)
+                        .map_err(|e| crate::connect::chain(&e)),
+                    _ => Ok(()),
+                };
                 self.turns[turn as usize].store(false, Ordering::SeqCst);
                 released?;
             }
