@@ -95,6 +95,12 @@ pub static REPORT_TIMEOUT_S: GucSetting<i32> =
 pub static INBOX_RETENTION_S: GucSetting<i32> =
     GucSetting::<i32>::new(guc::int_default("outbox.inbox_retention"));
 pub static KEY_ON_FAILURE: GucSetting<KeyOnFailure> = GucSetting::<KeyOnFailure>::new(KeyOnFailure::Block);
+pub static KAFKA_TOPIC: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.kafka_topic")));
+pub static KAFKA_TOMBSTONES: GucSetting<bool> =
+    GucSetting::<bool>::new(guc::flag_default("outbox.kafka_tombstones"));
+pub static KAFKA_SASL_MECHANISM: GucSetting<SaslMechanism> =
+    GucSetting::<SaslMechanism>::new(SaslMechanism::Plain);
 
 /// `outbox.key_on_failure`: what a dead-lettered head does to its key.
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -116,6 +122,18 @@ pub enum AmqpQueueType {
     Quorum,
 }
 
+/// `outbox.kafka_sasl_mechanism`: how a user the Kafka URL names
+/// authenticates.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum SaslMechanism {
+    #[name = c"plain"]
+    Plain,
+    #[name = c"scram-sha-256"]
+    ScramSha256,
+    #[name = c"scram-sha-512"]
+    ScramSha512,
+}
+
 /// The kind of a setting and its storage (whose default is the static's,
 /// taken from `outbox_core::guc`, as are the ranges and units).
 enum Value {
@@ -126,13 +144,14 @@ enum Value {
     Databases(&'static GucSetting<Option<CString>>),
     OnFailure(&'static GucSetting<KeyOnFailure>),
     QueueType(&'static GucSetting<AmqpQueueType>),
+    Mechanism(&'static GucSetting<SaslMechanism>),
 }
 
 /// One setting: name, context, flags, value, description.
 struct Declaration(&'static CStr, GucContext, GucFlags, Value, &'static CStr);
 
 use GucContext::{Postmaster, Sighup, Suset, Userset};
-use Value::{Bool, Databases, Int, OnFailure, QueueType, Text};
+use Value::{Bool, Databases, Int, Mechanism, OnFailure, QueueType, Text};
 
 const NONE: GucFlags = GucFlags::empty();
 const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
@@ -140,7 +159,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 41] = [
+const DECLARATIONS: [Declaration; 44] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -223,6 +242,12 @@ const DECLARATIONS: [Declaration; 41] = [
         c"Set by the rotation, for its own transaction, while it moves events to the current generation: the insert triggers leave them as they are. Not for use."),
     Declaration(c"outbox.key_on_failure", Sighup, NONE, OnFailure(&KEY_ON_FAILURE),
         c"A dead-lettered event with an ordering_key: block its key until outbox_retry() or outbox_skip(), or continue."),
+    Declaration(c"outbox.kafka_topic", Sighup, NONE, Text(&KAFKA_TOPIC),
+        c"Kafka: the topic of an event, a name with {event_type} and {queue} in it as wanted (Debezium's route.topic.replacement)."),
+    Declaration(c"outbox.kafka_tombstones", Sighup, NONE, Bool(&KAFKA_TOMBSTONES),
+        c"Kafka: an event with an ordering_key and a null payload is sent as a tombstone (a record without a value)."),
+    Declaration(c"outbox.kafka_sasl_mechanism", Sighup, NONE, Mechanism(&KAFKA_SASL_MECHANISM),
+        c"Kafka: how the user named in outbox.broker_url authenticates: plain, scram-sha-256 or scram-sha-512."),
 ];
 
 /// Defines the settings. The postmaster-only ones only while preloading
@@ -247,6 +272,9 @@ pub fn register(preloading: bool) {
                 GucRegistry::define_enum_guc(name, description, c"", setting, context, flags)
             }
             QueueType(setting) => {
+                GucRegistry::define_enum_guc(name, description, c"", setting, context, flags)
+            }
+            Mechanism(setting) => {
                 GucRegistry::define_enum_guc(name, description, c"", setting, context, flags)
             }
             // SAFETY: a check hook that only parses the value.

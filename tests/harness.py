@@ -394,6 +394,96 @@ class RabbitMQ:
         shutil.rmtree(self.home if self.own_home else self.dir, ignore_errors=True)
 
 
+class Kafka:
+    """A Kafka-protocol broker on loopback: tansu (a Rust implementation of
+    Kafka's protocol, `cargo install tansu`), its storage in memory, so a
+    restart forgets every topic and record. `tls`, a directory with
+    server.pem and server.key, makes the listener TLS-only;
+    `authentication` asks every client for SASL (SCRAM users made with
+    `add_user`). Records are read back with kafka-python."""
+
+    BIN = Path(os.environ.get("TANSU", Path.home() / ".cargo/bin/tansu"))
+
+    def __init__(self, tls=None, authentication=False):
+        self.port = free_port()
+        self.tls = tls
+        self.authentication = authentication
+        self.proc = None
+        self.start()
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self):
+        return f"{'kafkas' if self.tls else 'kafka'}://{self.address}"
+
+    def start(self):
+        listener = f"tcp://{self.address}"
+        args = [self.BIN, "broker", "--listener-url", listener, "--advertised-listener-url", listener,
+                "--storage-engine", "memory://tansu/", "--cluster-id", f"outbox-{self.port}"]
+        if self.tls:
+            args += ["--cert", self.tls / "server.pem", "--key", self.tls / "server.key"]
+        if self.authentication:
+            args.append("--authentication")
+        self.proc = subprocess.Popen(list(map(str, args)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+
+        def listening():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return True
+            except OSError:
+                return False
+        wait_until(listening, timeout=60, message=f"tansu on port {self.port}")
+
+    def kill(self):
+        """The broker dies at once, and with it everything it held."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        self.proc = None
+
+    def freeze(self, frozen=True):
+        """Stops (or resumes) the broker's process: its connections stay
+        open and nothing answers on them."""
+        os.killpg(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
+    def _cli(self, *args):
+        return subprocess.run([str(self.BIN), *map(str, args)], check=True, capture_output=True, text=True,
+                              timeout=60).stdout
+
+    def create_topic(self, name, partitions=3):
+        self._cli("topic", "create", "--broker", f"tcp://{self.address}", "--partitions", partitions, name)
+
+    def add_user(self, name, password, mechanism="scram512"):
+        self._cli("user", "create", "--broker", f"tcp://{self.address}", "--mechanism", mechanism, name, password)
+
+    def records(self, topic):
+        """Every record of `topic`, in each partition's order: dicts of
+        partition, offset, key, value and headers (a dict)."""
+        from kafka import KafkaConsumer, TopicPartition
+        consumer = KafkaConsumer(bootstrap_servers=self.address, group_id=None, enable_auto_commit=False,
+                                 consumer_timeout_ms=1500, request_timeout_ms=20000, api_version_auto_timeout_ms=20000)
+        try:
+            partitions = consumer.partitions_for_topic(topic) or set()
+            consumer.assign([TopicPartition(topic, p) for p in sorted(partitions)])
+            consumer.seek_to_beginning()
+            return [dict(partition=m.partition, offset=m.offset, key=m.key, value=m.value, headers=dict(m.headers))
+                    for m in consumer]
+        finally:
+            consumer.close()
+
+    def ids(self, topic):
+        """The `id` header of every record of `topic`."""
+        return [r["headers"]["id"].decode() for r in self.records(topic)]
+
+    def close(self):
+        if self.proc:
+            self.freeze(False)
+            self.kill()
+
+
 def send_of(batch_send, event):
     """What the message of `event` names as its send in a batch whose send
     is `batch_send` (outbox.send_of(), outbox_core::report::send_of): the

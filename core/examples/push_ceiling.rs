@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use outbox_core::celery::{self, TaskMessage};
 use outbox_core::link::Poll;
-use outbox_core::sink::{BrokerConfig, Delivery, KeyBatch, Sink};
+use outbox_core::sink::{BrokerConfig, Delivery, KeyBatch, Outgoing, Sink};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -46,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for start in (0..n).step_by(batch.max(1)) {
         let messages =
             (start..n.min(start + batch)).map(|_| message(uuid::Uuid::now_v7())).collect::<Result<_, _>>()?;
-        batches.push(vec![KeyBatch { key: "bench_ceiling".into(), messages }]);
+        batches.push(Outgoing::Tasks(vec![KeyBatch { key: "bench_ceiling".into(), messages }]));
     }
 
     let config = BrokerConfig::plain(url, Duration::from_secs(30), usize::MAX);

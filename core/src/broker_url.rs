@@ -6,7 +6,9 @@
 //! `amqp://[user:password@]host[:port][/vhost]` (`amqps://` for TLS,
 //! `pyamqp://` as kombu also spells it), several nodes of a cluster as
 //! `amqp://h1;amqp://h2`, tried in that order (the credentials and vhost
-//! are the first URL's).
+//! are the first URL's); Kafka as `kafka://[user:password@]h1:9092,h2:9092`
+//! (`kafkas://` for TLS), the bootstrap servers as Kafka's clients list
+//! them (or as `kafka://h1;kafka://h2`).
 //!
 //! Parsed with a real URL parser (`url`); the password may be
 //! percent-encoded, as in kombu, and must be where it holds `/`, `?`, `#`,
@@ -27,6 +29,9 @@ pub enum Endpoints {
     Sentinels(Vec<(String, u16)>),
     /// RabbitMQ nodes, tried in order at each connect.
     Amqp(Vec<(String, u16)>),
+    /// Kafka's bootstrap servers, asked in order for the cluster's
+    /// metadata.
+    Kafka(Vec<(String, u16)>),
 }
 
 /// A parsed broker URL.
@@ -62,6 +67,7 @@ const DEFAULT_PORT: u16 = 6379;
 const SENTINEL_PORT: u16 = 26379;
 const AMQP_PORT: u16 = 5672;
 const AMQPS_PORT: u16 = 5671;
+const KAFKA_PORT: u16 = 9092;
 
 /// How to write a character a password must not hold as it is.
 const ENCODE_HINT: &str =
@@ -73,11 +79,12 @@ impl BrokerUrl {
     /// the text: a password holding `/`, `?` or `#` unencoded ends the
     /// authority early, and any part may then be a piece of it.
     pub fn parse(text: &str) -> Result<BrokerUrl, String> {
+        let text = kafka_hosts(text);
         let mut parts = text.split(';');
         let first = Url::parse(parts.next().unwrap_or_default()).map_err(|e| {
             format!(
-                "not a URL ({e}); expected redis://host:port/db, rediss://…, sentinel://… or \
-                 amqp://host:port/vhost; {ENCODE_HINT}"
+                "not a URL ({e}); expected redis://host:port/db, rediss://…, sentinel://…, \
+                 amqp://host:port/vhost or kafka://host:port,host:port; {ENCODE_HINT}"
             )
         })?;
         let scheme = Scheme::of(first.scheme())?;
@@ -93,8 +100,10 @@ impl BrokerUrl {
             }
             urls.push(url);
         }
-        if let Scheme::Amqp { tls } = scheme {
-            return amqp(&urls, tls);
+        match scheme {
+            Scheme::Amqp { tls } => return nodes(&urls, tls, false),
+            Scheme::Kafka { tls } => return nodes(&urls, tls, true),
+            _ => {}
         }
         let (tls, sentinel) = (scheme == Scheme::Rediss, scheme == Scheme::Sentinel);
         let last = urls.last().expect("at least one URL");
@@ -133,6 +142,10 @@ impl BrokerUrl {
         matches!(self.endpoints, Endpoints::Amqp(_))
     }
 
+    pub fn is_kafka(&self) -> bool {
+        matches!(self.endpoints, Endpoints::Kafka(_))
+    }
+
     /// The URL without its credentials, rebuilt from what was parsed: what
     /// logs, views and errors may show.
     pub fn display(&self) -> String {
@@ -142,6 +155,8 @@ impl BrokerUrl {
             (Endpoints::Direct(..), false) => "redis",
             (Endpoints::Amqp(_), true) => "amqps",
             (Endpoints::Amqp(_), false) => "amqp",
+            (Endpoints::Kafka(_), true) => "kafkas",
+            (Endpoints::Kafka(_), false) => "kafka",
         };
         let credentials = if self.username.is_some() || self.password.is_some() { "***@" } else { "" };
         let host = |(host, port): &(String, u16)| {
@@ -157,9 +172,13 @@ impl BrokerUrl {
             let nodes: Vec<String> = nodes.iter().map(|n| format!("{}/{vhost}", host(n))).collect();
             return format!("{scheme}://{credentials}{}", nodes.join(&format!(";{scheme}://")));
         }
+        if let Endpoints::Kafka(servers) = &self.endpoints {
+            let servers: Vec<String> = servers.iter().map(host).collect();
+            return format!("{scheme}://{credentials}{}", servers.join(","));
+        }
         let hosts = match &self.endpoints {
             Endpoints::Direct(h, p) => host(&(h.clone(), *p)),
-            Endpoints::Sentinels(all) | Endpoints::Amqp(all) => {
+            Endpoints::Sentinels(all) | Endpoints::Amqp(all) | Endpoints::Kafka(all) => {
                 all.iter().map(host).collect::<Vec<_>>().join(&format!(";{scheme}://"))
             }
         };
@@ -180,6 +199,7 @@ enum Scheme {
     Rediss,
     Sentinel,
     Amqp { tls: bool },
+    Kafka { tls: bool },
 }
 
 impl Scheme {
@@ -190,7 +210,12 @@ impl Scheme {
             "sentinel" => Ok(Scheme::Sentinel),
             "amqp" | "pyamqp" => Ok(Scheme::Amqp { tls: false }),
             "amqps" => Ok(Scheme::Amqp { tls: true }),
-            _ => Err("unsupported scheme (expected redis, rediss, sentinel, amqp or amqps)".into()),
+            "kafka" => Ok(Scheme::Kafka { tls: false }),
+            "kafkas" => Ok(Scheme::Kafka { tls: true }),
+            _ => {
+                Err("unsupported scheme (expected redis, rediss, sentinel, amqp, amqps, kafka or kafkas)"
+                    .into())
+            }
         }
     }
 
@@ -201,34 +226,67 @@ impl Scheme {
             Scheme::Sentinel => Some("sentinel"),
             Scheme::Amqp { tls: false } => Some("amqp"),
             Scheme::Amqp { tls: true } => Some("amqps"),
+            Scheme::Kafka { tls: false } => Some("kafka"),
+            Scheme::Kafka { tls: true } => Some("kafkas"),
             Scheme::Redis | Scheme::Rediss => None,
         }
     }
 }
 
-/// An AMQP URL, its nodes in `urls`: kombu's `amqp://user:password@host:port/vhost`.
-/// Takes no parameters: TLS is the scheme's, its authorities
+/// `kafka://user:password@h1:9092,h2:9092/` as `kafka://user:password@h1:9092;kafka://h2:9092/`:
+/// Kafka's list of bootstrap servers, written as the URLs of the other
+/// schemes that name several hosts. Other text is returned as it is.
+fn kafka_hosts(text: &str) -> std::borrow::Cow<'_, str> {
+    let Some((scheme @ ("kafka" | "kafkas"), rest)) = text.split_once("://") else { return text.into() };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    if !authority.contains(',') {
+        return text.into();
+    }
+    // The credentials end at the last @ (an @ in them is percent-encoded).
+    let hosts_at = authority.rfind('@').map_or(0, |at| at + 1);
+    let (credentials, hosts) = authority.split_at(hosts_at);
+    let hosts: Vec<&str> = hosts.split(',').collect();
+    format!("{scheme}://{credentials}{}{tail}", hosts.join(&format!(";{scheme}://"))).into()
+}
+
+/// An AMQP URL, its nodes in `urls`: kombu's `amqp://user:password@host:port/vhost`;
+/// or (`kafka`) a Kafka URL, its bootstrap servers in `urls`, which names
+/// no vhost. Takes no parameters: TLS is the scheme's, its authorities
 /// `outbox.broker_tls_ca_file`'s.
-fn amqp(urls: &[Url], tls: bool) -> Result<BrokerUrl, String> {
+fn nodes(urls: &[Url], tls: bool, kafka: bool) -> Result<BrokerUrl, String> {
     let first = &urls[0];
+    let kind = if kafka { "Kafka" } else { "AMQP" };
     if urls.iter().any(|u| u.query().is_some()) {
-        return Err(format!("AMQP URLs take no parameters (?…); {ENCODE_HINT}"));
+        return Err(format!("{kind} URLs take no parameters (?…); {ENCODE_HINT}"));
     }
     // A fragment, or an @ in the path, is a password with a /, # or ? that
     // ended the authority early: what follows may be a piece of it.
     if urls.iter().any(|u| u.fragment().is_some() || u.path().contains('@')) {
         return Err(format!("the URL has a # or an @ after the host; {ENCODE_HINT}"));
     }
-    let port = if tls { AMQPS_PORT } else { AMQP_PORT };
+    let port = match (kafka, tls) {
+        (true, _) => KAFKA_PORT,
+        (false, true) => AMQPS_PORT,
+        (false, false) => AMQP_PORT,
+    };
     let path = first.path();
     let vhost = decode(path.strip_prefix('/').unwrap_or(path), "vhost")?;
+    if kafka && urls.iter().any(|u| !matches!(u.path(), "" | "/")) {
+        return Err("a Kafka URL has no path: kafka://host:port,host:port".into());
+    }
     let username = Some(decode(first.username(), "user name")?).filter(|u| !u.is_empty());
     let password = first.password().map(|p| decode(p, "password")).transpose()?;
+    let servers = urls.iter().map(|u| address(u, port)).collect::<Result<_, _>>()?;
     Ok(BrokerUrl {
         tls,
-        endpoints: Endpoints::Amqp(urls.iter().map(|u| address(u, port)).collect::<Result<_, _>>()?),
+        endpoints: if kafka { Endpoints::Kafka(servers) } else { Endpoints::Amqp(servers) },
         db: 0,
-        vhost: if vhost.is_empty() { "/".into() } else { vhost },
+        vhost: match (kafka, vhost.is_empty()) {
+            (true, _) => String::new(),
+            (false, true) => "/".into(),
+            (false, false) => vhost,
+        },
         username,
         password,
     })
@@ -461,5 +519,36 @@ mod tests {
             redact("sentinel://:pw@h1:1;sentinel://:pw@h2:2/0"),
             "sentinel://***@h1:1;sentinel://h2:2/0"
         );
+    }
+
+    #[test]
+    fn kafka_urls_list_bootstrap_servers() {
+        let u = BrokerUrl::parse("kafka://k1:9093,k2,[::1]:9094").unwrap();
+        let servers = vec![("k1".into(), 9093), ("k2".into(), 9092), ("::1".into(), 9094)];
+        assert_eq!(
+            (u.tls, u.endpoints.clone(), u.username.clone()),
+            (false, Endpoints::Kafka(servers), None)
+        );
+        assert!(u.is_kafka() && !u.is_amqp());
+        assert_eq!(u.display(), "kafka://k1:9093,k2:9092,[::1]:9094");
+        let u = BrokerUrl::parse("kafkas://outbox:p%40ss%2Cw@k1:9093,k2:9093/").unwrap();
+        assert_eq!(
+            (u.tls, u.username.as_deref(), u.password.as_deref()),
+            (true, Some("outbox"), Some("p@ss,w"))
+        );
+        assert_eq!(u.display(), "kafkas://***@k1:9093,k2:9093");
+        // Written as the other schemes list hosts, too.
+        let u = BrokerUrl::parse("kafka://k1;kafka://k2:1").unwrap();
+        assert_eq!(u.endpoints, Endpoints::Kafka(vec![("k1".into(), 9092), ("k2".into(), 1)]));
+        for (bad, why) in [
+            ("kafka://k1/topic", "no path"),
+            ("kafka://k1?acks=1", "no parameters"),
+            ("kafka://k1,", "host is missing"),
+            ("kafka://k1;amqp://k2", "kafka://host:port"),
+        ] {
+            let error = BrokerUrl::parse(bad).unwrap_err();
+            assert!(error.contains(why), "{bad}: {error}");
+            assert!(!error.contains("s3cr"), "{error}");
+        }
     }
 }

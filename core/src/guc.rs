@@ -94,7 +94,7 @@ const fn choice(name: &'static str, names: &'static [&'static str]) -> Declared 
 
 /// Every setting, one line each.
 #[rustfmt::skip]
-pub const DECLARED: [Declared; 41] = [
+pub const DECLARED: [Declared; 44] = [
     int("outbox.workers", 1, 0, MAX_WORKERS, Unit::None),
     text("outbox.database", c"postgres"),
     flag("outbox.enabled", true),
@@ -136,6 +136,9 @@ pub const DECLARED: [Declared; 41] = [
     int("outbox.amqp_max_priority", 0, 0, 255, Unit::None),
     flag("outbox.moving", false),
     choice("outbox.key_on_failure", &["block", "continue"]),
+    text("outbox.kafka_topic", c"outbox.event.{event_type}"),
+    flag("outbox.kafka_tombstones", false),
+    choice("outbox.kafka_sasl_mechanism", &["plain", "scram-sha-256", "scram-sha-512"]),
 ];
 
 /// The declaration of `name`.

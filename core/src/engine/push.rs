@@ -1,5 +1,6 @@
 //! Claimed events → Celery messages grouped by destination (a Redis list,
-//! an AMQP queue) → a push → what became of each event.
+//! an AMQP queue) or Kafka records grouped by topic → a push → what became
+//! of each event.
 
 use std::collections::HashMap;
 use std::os::fd::RawFd;
@@ -10,7 +11,7 @@ use crate::backoff;
 use crate::celery::{self, TaskMessage};
 use crate::link::{Interest, Interrupted, Wait};
 use crate::metrics::{Counter, Counters, PushFailure};
-use crate::sink::{Condition, Delivery, KeyBatch, Sink, SinkError};
+use crate::sink::{Condition, Delivery, Event, KeyBatch, Outgoing, Record, Sink, SinkError};
 use crate::store::{Batch, ClaimedEvent, Failure, Head, Outcome};
 
 /// How the dispatcher treats one event's failure.
@@ -92,9 +93,8 @@ pub fn push<H: Host>(
 ) -> Pushed {
     let counters: &Counters = host.counters();
     let mut outcome = Outcome { batch, ..Outcome::default() };
-    let mut batches: Vec<KeyBatch> = Vec::new();
-    let mut members: Vec<Vec<usize>> = Vec::new();
-    let mut by_key: HashMap<String, usize> = HashMap::new();
+    let mut outgoing = Outgoing::of(sink);
+    let mut members = Members::default();
     let now = unix_now();
     // Fresh delivery tags for this push: one draw from the OS's random
     // source, then one apart (a draw per message cost a system call each).
@@ -110,50 +110,32 @@ pub fn push<H: Host>(
             counters.add(Counter::Expired, 1);
             continue;
         }
-        let mut message = String::with_capacity(event.payload.len() * 2 + 1024);
-        let encoded = celery::encode(
-            &TaskMessage {
-                id: event.id,
-                task: &event.task,
-                queue: &event.queue,
-                priority: event.priority,
-                event_type: &event.event_type,
-                created_at: &event.created_at,
-                payload: &event.payload,
-                args: event.args.as_deref(),
-                headers: event.headers.as_deref(),
-                expires: event.expires.as_ref().map(|(text, _)| text.as_str()),
-                report_to: envelope.report_to,
-                send: event.send,
-            },
-            envelope.origin,
-            uuid::Uuid::from_u128(tags.wrapping_add(i as u128)),
-            &mut message,
-        );
-        if let Err(e) = encoded {
-            outcome.failures.push(policy.failure(event, e.to_string(), false));
+        let added = match &mut outgoing {
+            Outgoing::Tasks(batches) => {
+                let tag = uuid::Uuid::from_u128(tags.wrapping_add(i as u128));
+                task(event, envelope, tag).map(|message| {
+                    members.add(batches, sink.destination(&event.queue, event.priority), message, i)
+                })
+            }
+            Outgoing::Records(batches) => {
+                record(sink, event).map(|(topic, record)| members.add(batches, topic, record, i))
+            }
+        };
+        if let Err(e) = added {
+            outcome.failures.push(policy.failure(event, e, false));
             counters.push_failed(PushFailure::Unencodable, 1);
-            continue;
         }
-        let key = sink.destination(&event.queue, event.priority);
-        let slot = *by_key.entry(key.clone()).or_insert_with(|| {
-            batches.push(KeyBatch { key, messages: Vec::new() });
-            members.push(Vec::new());
-            batches.len() - 1
-        });
-        batches[slot].messages.push(message);
-        members[slot].push(i);
     }
 
-    if batches.is_empty() {
+    if members.of.is_empty() {
         return Pushed { outcome, failure: None };
     }
-    let pushed = sink.push(&batches, &mut ShowingPauses { waiter, host }, pause_until);
+    let pushed = sink.push(&outgoing, &mut ShowingPauses { waiter, host }, pause_until);
     let now = unix_now();
     let mut latencies = Vec::with_capacity(events.len());
     let mut failure = pushed.failure;
     let mut unsent = 0;
-    for (delivery, i) in pushed.deliveries.into_iter().zip(members.into_iter().flatten()) {
+    for (delivery, i) in pushed.deliveries.into_iter().zip(members.of.into_iter().flatten()) {
         let event = &events[i];
         match delivery {
             Delivery::Delivered => {
@@ -193,6 +175,70 @@ pub fn push<H: Host>(
         counters.observe_batch(&latencies);
     }
     Pushed { outcome, failure }
+}
+
+/// Which events each batch holds, in order: the push's answers come back
+/// in that order.
+#[derive(Default)]
+struct Members {
+    of: Vec<Vec<usize>>,
+    by_key: HashMap<String, usize>,
+}
+
+impl Members {
+    /// Adds event `i`'s `message` to the batch bound for `key`.
+    fn add<M>(&mut self, batches: &mut Vec<KeyBatch<M>>, key: String, message: M, i: usize) {
+        let slot = *self.by_key.entry(key.clone()).or_insert_with(|| {
+            batches.push(KeyBatch { key, messages: Vec::new() });
+            self.of.push(Vec::new());
+            batches.len() - 1
+        });
+        batches[slot].messages.push(message);
+        self.of[slot].push(i);
+    }
+}
+
+/// The Celery message of `event`, or why it cannot be one.
+fn task(event: &ClaimedEvent, envelope: &Envelope<'_>, tag: uuid::Uuid) -> Result<String, String> {
+    let mut message = String::with_capacity(event.payload.len() * 2 + 1024);
+    celery::encode(
+        &TaskMessage {
+            id: event.id,
+            task: &event.task,
+            queue: &event.queue,
+            priority: event.priority,
+            event_type: &event.event_type,
+            created_at: &event.created_at,
+            payload: &event.payload,
+            args: event.args.as_deref(),
+            headers: event.headers.as_deref(),
+            expires: event.expires.as_ref().map(|(text, _)| text.as_str()),
+            report_to: envelope.report_to,
+            send: event.send,
+        },
+        envelope.origin,
+        tag,
+        &mut message,
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(message)
+}
+
+/// The Kafka topic and record of `event`, or why it has none.
+fn record(sink: &Sink, event: &ClaimedEvent) -> Result<(String, Record), String> {
+    let Sink::Kafka(kafka) = sink else { unreachable!("records are for Kafka") };
+    let topic = kafka.topic(&event.event_type, &event.queue)?;
+    let record = Record::of(
+        &Event {
+            id: event.id,
+            ordering_key: event.head.as_ref().map(|key| key.ordering_key.as_str()),
+            event_type: &event.event_type,
+            payload: &event.payload,
+            headers: event.headers.as_deref(),
+        },
+        kafka.tombstones(),
+    )?;
+    Ok((topic, record))
 }
 
 /// Seconds since the Unix epoch.

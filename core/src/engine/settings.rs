@@ -5,8 +5,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::broker_url::BrokerUrl;
 use crate::guc::{self, Invalid, Parsed};
-use crate::sink::{BrokerConfig, QueueKind, QueueShape, KOMBU_SEPARATOR};
+use crate::sink::{BrokerConfig, KafkaShape, Mechanism, QueueKind, QueueShape, KOMBU_SEPARATOR};
 use crate::store::KeyPolicy;
 
 /// What a dispatcher needs of the settings, read at start and after each
@@ -151,12 +152,20 @@ impl Settings {
             // The broker closes a connection it heard nothing on for two
             // heartbeats; the dispatcher PINGs every heartbeat_interval.
             heartbeat: v.seconds("outbox.heartbeat_interval") + Duration::from_secs(10),
+            kafka: KafkaShape {
+                topic: v.text("outbox.kafka_topic"),
+                mechanism: Mechanism::ALL[v.choice("outbox.kafka_sasl_mechanism")],
+                tombstones: v.flag("outbox.kafka_tombstones"),
+            },
         };
+        // No Celery worker reads Kafka, so none reports back: a head is
+        // finished once delivered, unless acknowledgements are asked.
+        let kafka = BrokerUrl::parse(&broker.url).is_ok_and(|url| url.is_kafka());
         let batch_size = v.int("outbox.batch_size").max(1) as usize;
         let max_payload_bytes = v.int("outbox.max_payload_bytes").max(1) as usize;
         let longest = longest_push(&broker, batch_size, max_payload_bytes);
         let processing_timeout = v.seconds("outbox.processing_timeout");
-        let report_key = v.text("outbox.report_key");
+        let report_key = Some(v.text("outbox.report_key")).filter(|_| !kafka).unwrap_or_default();
         let ack_timeout = v.seconds("outbox.ack_timeout");
         let settings = Settings {
             enabled: v.flag("outbox.enabled"),

@@ -31,6 +31,16 @@ crate::named! {
         /// RabbitMQ closed the channel: a declaration that does not match
         /// the queue as it is, a permission, a queue that went away.
         ChannelClosed = "channel_closed",
+        /// Kafka: the partition's leader moved or is being elected
+        /// (NOT_LEADER_OR_FOLLOWER, LEADER_NOT_AVAILABLE, …); the metadata
+        /// is asked again.
+        LeaderMoved = "leader_moved",
+        /// Kafka: fewer in-sync replicas than the topic's
+        /// `min.insync.replicas` (NOT_ENOUGH_REPLICAS…).
+        NotEnoughReplicas = "not_enough_replicas",
+        /// Kafka: any other condition of the broker (a timeout, a storage
+        /// error, an unknown error code).
+        Unavailable = "unavailable",
     }
 }
 

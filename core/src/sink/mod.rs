@@ -1,12 +1,13 @@
-//! The broker end: where committed events go, as Celery messages. Redis
-//! (`redis.rs`) or RabbitMQ over AMQP 0-9-1 (`amqp/`), chosen by the
-//! URL's scheme; both push batches in round trips of bounded size, each
+//! The broker end: where committed events go, as Celery messages to Redis
+//! (`redis.rs`) or RabbitMQ over AMQP 0-9-1 (`amqp/`), or as records of
+//! Kafka topics (`kafka/`), chosen by the URL's scheme; each pushes batches in round trips of bounded size, each
 //! with one deadline, and draw the same line between the broker's fault
 //! (the connection, a condition of the server: never an event's retry) and
 //! one event's fault (an error the broker answered for that message).
 
 mod amqp;
 mod errors;
+mod kafka;
 mod keys;
 mod plan;
 mod redis;
@@ -21,13 +22,15 @@ use crate::link::Wait;
 
 pub use amqp::{AmqpSink, QueueKind, QueueShape};
 pub use errors::{Condition, Reason, SinkError};
+pub use kafka::{Event, KafkaShape, KafkaSink, Mechanism, Record, Topics};
 pub use keys::{Keys, KOMBU_PRIORITY_STEPS, KOMBU_SEPARATOR};
 pub use redis::RedisSink;
 
 /// Where the broker is and how to reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerConfig {
-    /// `redis://`, `rediss://` (TLS), `sentinel://`, `amqp://` or `amqps://`.
+    /// `redis://`, `rediss://` (TLS), `sentinel://`, `amqp://`, `amqps://`,
+    /// `kafka://` or `kafkas://`.
     pub url: String,
     /// The deadline of every operation: a connect (with TLS and AUTH), one
     /// round trip of a push, a PING.
@@ -60,6 +63,8 @@ pub struct BrokerConfig {
     /// AMQP: how long the broker may hear nothing from the dispatcher
     /// before it closes the connection (the negotiated heartbeat).
     pub heartbeat: Duration,
+    /// Kafka: how events become records.
+    pub kafka: KafkaShape,
 }
 
 impl BrokerConfig {
@@ -80,17 +85,19 @@ impl BrokerConfig {
             priority_separator: KOMBU_SEPARATOR.into(),
             queues: QueueShape::default(),
             heartbeat: Duration::from_secs(60),
+            kafka: KafkaShape::default(),
         }
     }
 }
 
 /// Messages bound for one destination, in order: a Redis list (pushed with
 /// multi-value LPUSHes, so that a BRPOP consumer sees them first to last)
-/// or an AMQP queue. Each message is kombu's envelope (`celery::encode`).
+/// or an AMQP queue, each message kombu's envelope (`celery::encode`); or
+/// a Kafka topic, each message a [`Record`].
 #[derive(Debug, Default)]
-pub struct KeyBatch {
+pub struct KeyBatch<M = String> {
     pub key: String,
-    pub messages: Vec<String>,
+    pub messages: Vec<M>,
 }
 
 /// What became of one message of a push.
@@ -134,7 +141,8 @@ crate::named! {
         /// The configuration could not be read (CONFIG is not allowed).
         Unknown = "unknown",
         /// AMQP: persistent messages in durable queues, kept across a
-        /// restart of the broker.
+        /// restart of the broker. Kafka: records the leader acknowledged
+        /// with `acks=all` (kept as the topic's replication keeps them).
         Durable = "durable",
     }
 }
@@ -143,14 +151,16 @@ crate::named! {
 pub enum Sink {
     Redis(RedisSink),
     Amqp(AmqpSink),
+    Kafka(KafkaSink),
 }
 
-/// The same call on either broker.
+/// The same call on any broker.
 macro_rules! either {
     ($sink:expr, $inner:ident => $call:expr) => {
         match $sink {
             Sink::Redis($inner) => $call,
             Sink::Amqp($inner) => $call,
+            Sink::Kafka($inner) => $call,
         }
     };
 }
@@ -166,44 +176,54 @@ impl Sink {
         })?;
         if url.is_amqp() {
             Ok(Sink::Amqp(AmqpSink::new(config, url)?))
+        } else if url.is_kafka() {
+            Ok(Sink::Kafka(KafkaSink::new(config, url)?))
         } else {
             Ok(Sink::Redis(RedisSink::new(config, url)?))
         }
     }
 
-    /// Where a message for `queue` at `priority` goes: the Redis list
-    /// kombu's worker reads, or the AMQP queue (priority travels in the
-    /// message).
+    /// Where a Celery message for `queue` at `priority` goes: the Redis
+    /// list kombu's worker reads, or the AMQP queue (priority travels in
+    /// the message). Kafka takes records, not Celery messages: its topic is
+    /// [`KafkaSink::topic`]'s.
     pub fn destination(&self, queue: &str, priority: u8) -> String {
         match self {
             Sink::Redis(sink) => sink.keys().queue(queue, priority),
-            Sink::Amqp(_) => queue.to_string(),
+            Sink::Amqp(_) | Sink::Kafka(_) => queue.to_string(),
         }
     }
 
     /// Where workers append the reports named `key` in messages: kombu's
-    /// client prefixes Redis keys; an AMQP queue is named as it is.
+    /// client prefixes Redis keys; an AMQP queue is named as it is. (Kafka
+    /// has no Celery worker to report: reports are off there.)
     pub fn report_queue(&self, key: &str) -> String {
         match self {
             Sink::Redis(sink) => sink.keys().prefixed(key),
-            Sink::Amqp(_) => key.to_string(),
+            Sink::Amqp(_) | Sink::Kafka(_) => key.to_string(),
         }
     }
 
     /// Where reports of `queue` are, as logs name it.
     pub fn report_place(&self, queue: &str) -> String {
+        format!("{} {} \"{queue}\"", self.kind(), self.report_kind())
+    }
+
+    fn report_kind(&self) -> &'static str {
         match self {
-            Sink::Redis(_) => format!("Redis list \"{queue}\""),
-            Sink::Amqp(_) => format!("RabbitMQ queue \"{queue}\""),
+            Sink::Redis(_) => "list",
+            Sink::Amqp(_) => "queue",
+            Sink::Kafka(_) => "topic",
         }
     }
 
     /// What the broker's address names, as logs say it: Redis's master, a
-    /// RabbitMQ node.
+    /// RabbitMQ node, a Kafka bootstrap server.
     pub fn node_kind(&self) -> &'static str {
         match self {
             Sink::Redis(_) => "master",
             Sink::Amqp(_) => "node",
+            Sink::Kafka(_) => "bootstrap server",
         }
     }
 
@@ -212,6 +232,7 @@ impl Sink {
         match self {
             Sink::Redis(_) => "Redis",
             Sink::Amqp(_) => "RabbitMQ",
+            Sink::Kafka(_) => "Kafka",
         }
     }
 
@@ -260,7 +281,12 @@ impl Sink {
         max: usize,
         waiter: &mut dyn Wait,
     ) -> Result<Result<Vec<Vec<u8>>, String>, SinkError> {
-        either!(self, sink => sink.reports(queue, max, waiter))
+        match self {
+            Sink::Redis(sink) => sink.reports(queue, max, waiter),
+            Sink::Amqp(sink) => sink.reports(queue, max, waiter),
+            // No Celery worker reads Kafka: nothing reports back.
+            Sink::Kafka(_) => Ok(Ok(Vec::new())),
+        }
     }
 
     /// Drops the `n` reports [`Sink::reports`] read last, once recorded.
@@ -272,7 +298,11 @@ impl Sink {
         n: usize,
         waiter: &mut dyn Wait,
     ) -> Result<Result<(), String>, SinkError> {
-        either!(self, sink => sink.forget_reports(queue, n, waiter))
+        match self {
+            Sink::Redis(sink) => sink.forget_reports(queue, n, waiter),
+            Sink::Amqp(sink) => sink.forget_reports(queue, n, waiter),
+            Sink::Kafka(_) => Ok(Ok(())),
+        }
     }
 
     /// Pushes every batch, in as few round trips as `max_batch_bytes`
@@ -281,10 +311,30 @@ impl Sink {
     /// the rest are [`Delivery::Unsent`]. A broker that pauses publishing
     /// (a RabbitMQ alarm) is waited for until `pause_until` at the latest:
     /// an instant the caller derives from its claim, which no alarm moves.
-    pub fn push(&mut self, batches: &[KeyBatch], waiter: &mut dyn Wait, pause_until: Instant) -> Pushed {
-        match self {
-            Sink::Redis(sink) => sink.push(batches, waiter),
-            Sink::Amqp(sink) => sink.push(batches, waiter, pause_until),
+    pub fn push(&mut self, outgoing: &Outgoing, waiter: &mut dyn Wait, pause_until: Instant) -> Pushed {
+        match (self, outgoing) {
+            (Sink::Redis(sink), Outgoing::Tasks(batches)) => sink.push(batches, waiter),
+            (Sink::Amqp(sink), Outgoing::Tasks(batches)) => sink.push(batches, waiter, pause_until),
+            (Sink::Kafka(sink), Outgoing::Records(batches)) => sink.push(batches, waiter),
+            _ => unreachable!("Outgoing::of gives each broker its form of message"),
+        }
+    }
+}
+
+/// A push's messages, in the form their broker takes.
+pub enum Outgoing {
+    /// Celery messages, for Redis and RabbitMQ.
+    Tasks(Vec<KeyBatch>),
+    /// Kafka records, by topic.
+    Records(Vec<KeyBatch<Record>>),
+}
+
+impl Outgoing {
+    /// No messages yet, in the form `sink` takes.
+    pub fn of(sink: &Sink) -> Outgoing {
+        match sink {
+            Sink::Redis(_) | Sink::Amqp(_) => Outgoing::Tasks(Vec::new()),
+            Sink::Kafka(_) => Outgoing::Records(Vec::new()),
         }
     }
 }

@@ -143,7 +143,7 @@ impl RedisSink {
         let (host, port) = match &mut self.url.endpoints {
             Endpoints::Direct(host, port) => (host.clone(), *port),
             Endpoints::Sentinels(sentinels) => ask_sentinels(sentinels, &self.config, waiter, deadline)?,
-            Endpoints::Amqp(_) => unreachable!("an AMQP URL makes an AMQP sink"),
+            Endpoints::Amqp(_) | Endpoints::Kafka(_) => unreachable!("only Redis URLs make a Redis sink"),
         };
         let sentinel = matches!(self.url.endpoints, Endpoints::Sentinels(_));
         self.master = Some(format!("{host}:{port}"));

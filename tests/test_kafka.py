@@ -1,0 +1,331 @@
+"""Kafka as the broker (outbox.broker_url = kafka://…): a real
+Kafka-protocol broker on loopback (tansu), read back with kafka-python,
+and counted as the other brokers are: every committed event reaches its
+topic at least once (exactly once without a fault), a rolled-back one
+never does, and the broker's faults never spend a retry.
+
+Hostile cases first: a template that names no topic, a peer that is not
+Kafka, a topic that does not exist, an event that makes a bad name, then
+the broker killed, frozen and restarted mid-drain, then the happy path."""
+
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from collections import Counter, defaultdict
+
+import pytest
+from kafka.partitioner.default import murmur2
+
+from harness import Kafka, wait_until
+from standalone import new_cluster
+
+
+@pytest.fixture(scope="module")
+def kafka():
+    broker = Kafka()
+    yield broker
+    broker.close()
+
+
+@pytest.fixture(scope="module")
+def kafka_cluster(kafka, redis_server):
+    pg = new_cluster(redis_server.url, broker_url=kafka.url, kafka_topic="{queue}", reconnect_delay_min="200ms",
+                     reconnect_delay_max="1s", redis_timeout="3s", heartbeat_interval="1s")
+    try:
+        pg.install()
+        yield pg
+    finally:
+        pg.close()
+
+
+@pytest.fixture
+def ob(kafka_cluster, kafka):
+    kafka_cluster.reset(enabled="on", broker_url=kafka.url, kafka_topic="{queue}")
+    kafka_cluster.empty()
+    yield kafka_cluster
+
+
+def topic(kafka, name, partitions=3):
+    """A fresh topic (each test its own: the broker keeps them)."""
+    name = f"{name}-{os.urandom(3).hex()}"
+    kafka.create_topic(name, partitions)
+    return name
+
+
+def enqueue(pg, n, queue, event_type="test.event", keys=None, rollback=False):
+    """Enqueues n events in one transaction (keyed by `keys[i % len]`); their ids."""
+    with pg.connect(autocommit=False) as conn:
+        ids = []
+        for i in range(n):
+            key = keys[i % len(keys)] if keys else None
+            ids.append(str(conn.execute(
+                "SELECT outbox_enqueue(%s, jsonb_build_object('n', %s::int), queue => %s, ordering_key => %s, "
+                "headers => %s)", (event_type, i, queue, key, json.dumps({"traceparent": f"00-{i:032x}-01"}))
+            ).fetchone()[0]))
+        conn.rollback() if rollback else conn.commit()
+    return ids
+
+
+def last_error(pg):
+    return pg.value("SELECT string_agg(last_error, ' | ') FROM outbox.workers") or ""
+
+
+def statuses(pg, ids):
+    return Counter(r[0] for r in pg.sql("SELECT status::text FROM outbox.events WHERE id = ANY(%s::uuid[])", (ids,)))
+
+
+def test_a_template_that_names_no_topic_is_refused_and_nothing_moves(ob, kafka):
+    ob.configure(kafka_topic="orders/{event_type}")
+    ids = enqueue(ob, 3, "celery")
+    wait_until(lambda: "outbox.kafka_topic" in last_error(ob), message="the template refused")
+    assert "'/'" in last_error(ob)
+    time.sleep(1)
+    assert statuses(ob, ids) == {"pending": 3}
+    ob.configure(kafka_topic="{queue}")
+    name = topic(kafka, "after")
+    ob.sql("UPDATE outbox.log SET queue = %s", (name,))
+    wait_until(lambda: statuses(ob, ids) == {"dispatched": 3}, message="the events once the template is fixed")
+    assert sorted(kafka.ids(name)) == sorted(ids)
+
+
+class GarbagePeer:
+    """Answers every connection with `reply` (bytes), then streams `tail`
+    forever, counting what it sent."""
+
+    def __init__(self, reply, tail=b""):
+        self.reply, self.tail, self.sent = reply, tail, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+
+    def _talk(self, conn):
+        try:
+            conn.recv(65536)
+            conn.sendall(self.reply)
+            self.sent += len(self.reply)
+            while self.tail and not self.stop.is_set():
+                conn.sendall(self.tail)
+                self.sent += len(self.tail)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+def dispatcher_rss_kb(pg):
+    [pid] = pg.dispatcher_pids()
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_garbage_peer_costs_bounded_memory_and_a_prompt_shutdown(ob, kafka):
+    # An ApiVersions answer (correlation 0, no error) whose list of APIs
+    # claims two billion entries: the codec as published would size one
+    # allocation by it and abort the server.
+    impossible = struct.pack(">iihi", 10, 0, 0, 2**31 - 1)
+    # A frame announced as 2 GB, then bytes forever.
+    endless = struct.pack(">i", 2**31 - 1)
+    ids = enqueue(ob, 2, "celery")
+    for reply, tail, why in [(impossible, b"", "exceeds"), (endless, b"\x00" * 65536, "at most"),
+                             (b"HTTP/1.1 400 Bad Request\r\n\r\n" * 100, b"", "Kafka protocol error")]:
+        peer = GarbagePeer(reply, tail)
+        try:
+            ob.configure(broker_url=f"kafka://127.0.0.1:{peer.port}")
+            wait_until(lambda: why in last_error(ob), message=f"the garbage refused ({why})", seen=lambda: last_error(ob))
+            assert dispatcher_rss_kb(ob) < 200_000
+            assert statuses(ob, ids) == {"pending": 2}
+        finally:
+            peer.close()
+    assert ob.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0") == 0
+    # The server stops at once with a dispatcher reading from the peer.
+    peer = GarbagePeer(endless, b"\x00" * 65536)
+    try:
+        ob.configure(broker_url=f"kafka://127.0.0.1:{peer.port}", redis_timeout="60s")
+        wait_until(lambda: peer.sent > 10_000_000, message="the stream under way")
+        started = time.monotonic()
+        ob.stop("fast")
+        assert time.monotonic() - started < 10
+    finally:
+        peer.close()
+        ob.start()
+
+
+def test_an_unknown_topic_is_its_events_fault_and_others_flow(ob, kafka):
+    ob.configure(max_retries="2", retry_backoff="100ms")
+    good = topic(kafka, "good")
+    lost = enqueue(ob, 4, "no-such-topic-here")
+    kept = enqueue(ob, 20, good)
+    wait_until(lambda: statuses(ob, kept) == {"dispatched": 20}, message="the other topic's events")
+    wait_until(lambda: statuses(ob, lost) == {"failed": 4}, message="the unknown topic's events dead-lettered")
+    errors = {r[0] for r in ob.sql("SELECT last_error FROM outbox.events WHERE id = ANY(%s::uuid[])", (lost,))}
+    assert all("UNKNOWN_TOPIC_OR_PARTITION" in e and "no-such-topic-here" in e for e in errors), errors
+    assert sorted(kafka.ids(good)) == sorted(kept)
+
+
+def test_an_event_that_makes_a_bad_topic_name_fails_alone(ob, kafka):
+    ob.configure(kafka_topic="{event_type}")
+    good = topic(kafka, "typed")
+    bad = enqueue(ob, 2, "celery", event_type="order:paid")
+    fine = enqueue(ob, 5, "celery", event_type=good)
+    wait_until(lambda: statuses(ob, fine) == {"dispatched": 5}, message="the good events")
+    wait_until(lambda: statuses(ob, bad) == {"failed": 2}, message="the bad ones failed at once")
+    error = ob.value("SELECT last_error FROM outbox.events WHERE id = %s", (bad[0],))
+    assert "INVALID_TOPIC_EXCEPTION" in error and "order:paid" in error
+    assert ob.value("SELECT max(retry_count) FROM outbox.events WHERE id = ANY(%s::uuid[])", (bad,)) <= 1
+
+
+def test_a_frozen_broker_spends_no_retry_and_loses_nothing(ob, kafka):
+    ob.configure(redis_timeout="1s", batch_size="50")
+    name = topic(kafka, "frozen")
+    stop = threading.Event()
+
+    def produce():
+        with ob.connect() as conn:
+            while not stop.is_set():
+                conn.execute("SELECT outbox_enqueue('f', '{}', queue => %s) FROM generate_series(1, 10)", (name,))
+                time.sleep(0.02)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        wait_until(lambda: ob.count("dispatched") >= 100, message="events flowing")
+        kafka.freeze()
+        try:
+            wait_until(lambda: ob.metric("outbox_reconnects_total", reason="timeout") >= 1, timeout=60,
+                       message="the dispatcher to time out")
+            time.sleep(2)
+        finally:
+            kafka.freeze(False)
+        wait_until(lambda: ob.value("SELECT bool_and(connected) FROM outbox.workers"), timeout=60,
+                   message="the reconnect")
+    finally:
+        stop.set()
+        producer.join()
+    total = ob.value("SELECT count(*) FROM outbox.events")
+    wait_until(lambda: ob.count("dispatched") == total, timeout=120, message="the backlog delivered")
+    assert ob.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0 OR status = 'failed'") == 0
+    seen = Counter(kafka.ids(name))
+    assert set(seen) == {str(r[0]) for r in ob.sql("SELECT id FROM outbox.events")}
+    # A frozen broker's late answers are not lost: only what was in flight
+    # when the connection was given up may come twice.
+    assert sum(seen.values()) - len(seen) <= 100
+
+
+def test_a_broker_killed_and_restarted_mid_drain_marks_only_what_it_acknowledged(ob, kafka):
+    ob.configure(enabled="off", batch_size="200")
+    name = f"restart-{os.urandom(3).hex()}"
+    kafka.create_topic(name, 3)
+    with ob.connect() as conn:
+        conn.execute("SELECT outbox_enqueue('r', jsonb_build_object('n', g), queue => %s) "
+                     "FROM generate_series(1, 20000) g", (name,))
+    ob.configure(enabled="on")
+    wait_until(lambda: ob.count("dispatched") >= 2000, message="the drain under way")
+    kafka.kill()
+    acknowledged_before = {str(r[0]) for r in ob.sql("SELECT id FROM outbox.events WHERE status = 'dispatched'")}
+    assert len(acknowledged_before) < 20000
+    kafka.start()
+    kafka.create_topic(name, 3)
+    wait_until(lambda: ob.count("dispatched") == 20000, timeout=180, message="every event after the restart")
+    assert ob.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0 OR status = 'failed'") == 0
+    # The restarted broker holds every event not acknowledged before the
+    # kill (its memory lost the others): none was marked without an answer.
+    after = set(kafka.ids(name))
+    everything = {str(r[0]) for r in ob.sql("SELECT id FROM outbox.events")}
+    assert everything - acknowledged_before <= after
+
+
+def test_every_committed_event_once_with_debeziums_shape_in_key_order(ob, kafka):
+    name = topic(kafka, "orders", partitions=4)
+    keys = [f"order-{k}" for k in range(6)]
+    keyed = enqueue(ob, 300, name, keys=keys)
+    plain = enqueue(ob, 50, name)
+    rolled_back = enqueue(ob, 10, name, rollback=True)
+    wait_until(lambda: ob.count("dispatched") == 350, timeout=120, message="every committed event")
+    records = kafka.records(name)
+    by_id = {r["headers"]["id"].decode(): r for r in records}
+    assert len(records) == len(by_id) == 350
+    assert set(by_id) == set(keyed) | set(plain) and not set(rolled_back) & set(by_id)
+    rows = {str(r[0]): r[1:] for r in ob.sql("SELECT id, ordering_key, event_type, payload::text, key_seq "
+                                             "FROM outbox.events")}
+    offsets = defaultdict(list)
+    for id_, record in by_id.items():
+        key, event_type, payload, seq = rows[id_]
+        assert record["key"] == (key or id_).encode()
+        assert json.loads(record["value"]) == json.loads(payload)
+        assert record["headers"]["eventType"] == event_type.encode()
+        assert record["headers"]["traceparent"].startswith(b"00-")
+        # Where Kafka's own default partitioner would put the key.
+        assert record["partition"] == (murmur2(record["key"]) & 0x7FFFFFFF) % 4
+        if key:
+            offsets[key].append((record["offset"], seq))
+    for key, placed in offsets.items():
+        assert [seq for _, seq in sorted(placed)] == sorted(seq for _, seq in placed), f"{key} out of order"
+    assert ob.metric("outbox_events_dispatched_total") >= 350
+
+
+def test_a_tombstone_when_asked(ob, kafka):
+    name = topic(kafka, "compacted", partitions=1)
+    ob.configure(kafka_tombstones="on")
+    with ob.connect() as conn:
+        conn.execute("SELECT outbox_enqueue('gone', 'null'::jsonb, queue => %s, ordering_key => 'user-1')", (name,))
+        conn.execute("SELECT outbox_enqueue('kept', 'null'::jsonb, queue => %s)", (name,))
+    wait_until(lambda: ob.count("dispatched") == 2, message="both sent")
+    values = {r["headers"]["eventType"]: r["value"] for r in kafka.records(name)}
+    assert values == {b"gone": None, b"kept": b"null"}
+
+
+def test_scram_authentication_and_a_wrong_password(tls_files, redis_server, tmp_path):
+    broker = Kafka(tls=tls_files, authentication=True)
+    pg = None
+    try:
+        broker.add_user("outbox", "s3cret-pw", "scram512")
+        secret = tmp_path / "password"
+        secret.write_text("Wr0ng-pw\n")
+        os.chmod(tmp_path, 0o755)
+        secret.chmod(0o644)
+        pg = new_cluster(redis_server.url, broker_url=f"kafkas://outbox@{broker.address}",
+                         kafka_topic="{queue}", kafka_sasl_mechanism="scram-sha-512",
+                         redis_password_file=str(secret), redis_tls_ca_file=str(tls_files / "ca.pem"),
+                         reconnect_delay_min="200ms", reconnect_delay_max="1s")
+        pg.install()
+        ids = enqueue(pg, 5, "secured")
+        wait_until(lambda: "SASL authentication failed" in last_error(pg), message="the refusal shown",
+                   seen=lambda: last_error(pg))
+        assert "Wr0ng-pw" not in last_error(pg)
+        assert statuses(pg, ids) == {"pending": 5}
+        secret.write_text("s3cret-pw\n")
+        broker.create_topic("secured", 1)
+        wait_until(lambda: statuses(pg, ids) == {"dispatched": 5}, timeout=60, message="delivery once the password is right")
+        assert pg.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0") == 0
+    finally:
+        if pg:
+            pg.close()
+        broker.close()
+
+
+@pytest.fixture(scope="module")
+def tls_files():
+    import shutil
+
+    from harness import make_tls_files
+    directory = make_tls_files()
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
