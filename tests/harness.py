@@ -397,16 +397,14 @@ class RabbitMQ:
 class Kafka:
     """A Kafka-protocol broker on loopback: tansu (a Rust implementation of
     Kafka's protocol, `cargo install tansu`), its storage in memory, so a
-    restart forgets every topic and record. `tls`, a directory with
-    server.pem and server.key, makes the listener TLS-only;
-    `authentication` asks every client for SASL (SCRAM users made with
-    `add_user`). Records are read back with kafka-python."""
+    restart forgets every topic and record. `authentication` asks every
+    client for SASL (SCRAM users made with `add_user`). Records are read
+    back with kafka-python. (tansu 0.6 serves no TLS handshake.)"""
 
     BIN = Path(os.environ.get("TANSU", Path.home() / ".cargo/bin/tansu"))
 
-    def __init__(self, tls=None, authentication=False):
+    def __init__(self, authentication=False):
         self.port = free_port()
-        self.tls = tls
         self.authentication = authentication
         self.proc = None
         self.start()
@@ -417,14 +415,12 @@ class Kafka:
 
     @property
     def url(self):
-        return f"{'kafkas' if self.tls else 'kafka'}://{self.address}"
+        return f"kafka://{self.address}"
 
     def start(self):
         listener = f"tcp://{self.address}"
         args = [self.BIN, "broker", "--listener-url", listener, "--advertised-listener-url", listener,
                 "--storage-engine", "memory://tansu/", "--cluster-id", f"outbox-{self.port}"]
-        if self.tls:
-            args += ["--cert", self.tls / "server.pem", "--key", self.tls / "server.key"]
         if self.authentication:
             args.append("--authentication")
         self.proc = subprocess.Popen(list(map(str, args)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
