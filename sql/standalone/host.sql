@@ -125,7 +125,8 @@ SELECT CASE
                            'outbox.statement_timeout', 'outbox.sweep_interval', 'outbox.retention',
                            'outbox.lifecycle_interval', 'outbox.heartbeat_interval', 'outbox.report_key',
                            'outbox.report_timeout', 'outbox.max_payload_bytes', 'outbox.inbox_retention',
-                           'outbox.amqp_queue_type', 'outbox.amqp_max_priority', 'outbox.key_on_failure'])
+                           'outbox.amqp_queue_type', 'outbox.amqp_max_priority', 'outbox.key_on_failure',
+                           'outbox.kafka_topic', 'outbox.kafka_tombstones', 'outbox.kafka_sasl_mechanism'])
         THEN 'database'
 END
 $$;
