@@ -1,12 +1,14 @@
-"""`make bench`, part five: Redis and RabbitMQ side by side. Runs its own
-PostgreSQL 15 (fsync on), redis-server and rabbitmq-server, with the
-release build installed by the Makefile; writes bench/results/brokers.md
-and the raw numbers in brokers.json.
+"""`make bench`, part five: Redis, RabbitMQ and Kafka side by side. Runs
+its own PostgreSQL 15 (fsync on), redis-server, rabbitmq-server and tansu
+(a Kafka-protocol broker), with the release build installed by the
+Makefile; writes bench/results/brokers.md and the raw numbers in
+brokers.json.
 
 - The drain: BENCH_BROKER_EVENTS [100000] pending events, one dispatcher,
-  batch 1000, to a Redis list and to a durable RabbitMQ queue (classic,
-  and quorum), every message confirmed; the median of BENCH_ROUNDS [3]
-  runs of each, in alternation.
+  batch 1000, to a Redis list, to a durable RabbitMQ queue (classic, and
+  quorum), every message confirmed, and to a Kafka topic of 3 partitions
+  (acks=all, idempotent); the median of BENCH_ROUNDS [3] runs of each, in
+  alternation.
 - The full loop through a stock prefork Celery worker (2 processes) on each
   broker, with outbox_dispatch.celery reporting over the same broker:
   BENCH_BROKER_LOOP [20000] events from enabling to the last `processed`."""
@@ -24,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import amqp  # noqa: E402
 import amqp.protocol  # noqa: E402
 
-from harness import CeleryWorker, Cluster, RabbitMQ, Redis, wait_until  # noqa: E402
+from harness import CeleryWorker, Cluster, Kafka, RabbitMQ, Redis, wait_until  # noqa: E402
 
 EVENTS = int(os.environ.get("BENCH_BROKER_EVENTS", 100_000))
 LOOP_EVENTS = int(os.environ.get("BENCH_BROKER_LOOP", 20_000))
@@ -110,8 +112,9 @@ def full_loop(pg, url, notes, consuming):
 
 def main():
     RESULTS.mkdir(exist_ok=True)
-    redis, rabbit = Redis("--loglevel", "warning"), RabbitMQ()
-    r = {"drain": {"redis": [], "classic": [], "quorum": []}, "loop": {}}
+    redis, rabbit, kafka = Redis("--loglevel", "warning"), RabbitMQ(), Kafka()
+    kafka.create_topic("bench_kafka", 3)
+    r = {"drain": {"redis": [], "classic": [], "quorum": [], "kafka": []}, "loop": {}}
     try:
         pg = Cluster(redis.url, server_conf=SERVER_CONF, batch_size=BATCH, enabled="off")
         # One connection watches the queue's depth (a passive declaration
@@ -132,6 +135,11 @@ def main():
                     rate = drain(pg, rabbit.url, lambda q=queue: watch(q), queue, amqp_queue_type=kind)
                     r["drain"][kind].append(rate)
                     log(f"round {round_ + 1}: RabbitMQ, {kind} queue, {rate:,.0f} events/s")
+                # Counted as acknowledged (dispatched): tansu's latest
+                # offset is its last batch's first, not the log's end.
+                rate = drain(pg, kafka.url, lambda: pg.count("dispatched"), "bench_kafka", kafka_topic="{queue}")
+                r["drain"]["kafka"].append(rate)
+                log(f"round {round_ + 1}: Kafka, {rate:,.0f} events/s")
             pg.sql("ALTER SYSTEM SET autovacuum = on")
             redis.client().flushall()
             r["loop"]["redis"] = full_loop(pg, redis.url, redis.url,
@@ -148,21 +156,26 @@ def main():
     finally:
         redis.close()
         rabbit.close()
+        kafka.close()
     median = {kind: statistics.median(rates) for kind, rates in r["drain"].items()}
     lines = [
-        "# Redis and RabbitMQ", "",
-        f"One PostgreSQL 15 server (fsync on), one dispatcher, batch {BATCH}; redis-server (no persistence) and "
-        f"rabbitmq-server (Debian's, one node) on loopback; {os.cpu_count()} cores.", "",
+        "# Redis, RabbitMQ and Kafka", "",
+        f"One PostgreSQL 15 server (fsync on), one dispatcher, batch {BATCH}; redis-server (no persistence), "
+        "rabbitmq-server (Debian's, one node) and tansu 0.6.0 (a Kafka-protocol broker, memory storage) on "
+        f"loopback; {os.cpu_count()} cores.", "",
         "## Drain", "",
         f"{EVENTS:,} pending events, committed while the dispatcher was paused; then enabled, until the broker "
         "holds every message. On RabbitMQ every message is persistent, published `mandatory` to a durable queue "
-        f"and confirmed before its event counts as dispatched. The median of {ROUNDS} runs, brokers in "
-        "alternation.", "",
+        "and confirmed before its event counts as dispatched; on Kafka every record is acknowledged by its "
+        "partition's leader (`acks=all`, the idempotent producer) before its event counts as dispatched, and "
+        "the dispatched events are counted. The median of "
+        f"{ROUNDS} runs, brokers in alternation.", "",
         "| broker | events/s | of Redis's |",
         "|---|---|---|",
         f"| Redis list | {median['redis']:,.0f} | 100% |",
         f"| RabbitMQ, classic queue | {median['classic']:,.0f} | {median['classic'] / median['redis']:.0%} |",
-        f"| RabbitMQ, quorum queue | {median['quorum']:,.0f} | {median['quorum'] / median['redis']:.0%} |", "",
+        f"| RabbitMQ, quorum queue | {median['quorum']:,.0f} | {median['quorum'] / median['redis']:.0%} |",
+        f"| Kafka topic, 3 partitions | {median['kafka']:,.0f} | {median['kafka'] / median['redis']:.0%} |", "",
         "## Full loop", "",
         f"{LOOP_EVENTS:,} events for a no-op task, through a stock Celery worker (prefork, 2 processes, prefetch "
         "100) on the same broker, with `outbox_dispatch.celery` reporting each outcome over it.", "",

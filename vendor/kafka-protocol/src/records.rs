@@ -514,7 +514,7 @@ impl RecordBatchDecoder {
         version: i8,
         records: &mut Vec<Record>,
     ) -> Result<()> {
-        records.reserve((batch_decode_info.record_count as usize).min(buf.remaining()));
+        records.reserve((batch_decode_info.record_count as usize).min(64));
         for _ in 0..batch_decode_info.record_count {
             records.push(Record::decode_new(buf, batch_decode_info, version)?);
         }
@@ -893,7 +893,7 @@ impl Record {
         }
         let num_headers = num_headers as usize;
 
-        let mut headers = IndexMap::with_capacity(num_headers.min(bytes::Buf::remaining(buf)));
+        let mut headers = IndexMap::with_capacity(num_headers.min(64));
         for _ in 0..num_headers {
             // Key len
             let key_len: i32 = types::VarInt.decode(buf)?;

@@ -60,7 +60,15 @@ impl Topics {
         if parts.is_empty() {
             return Err("outbox.kafka_topic is empty: name a topic, or use {event_type} or {queue}".into());
         }
-        Ok(Topics { parts })
+        let fixed: usize = parts.iter().map(|p| if let Part::Text(t) = p { t.len() } else { 0 }).sum();
+        if fixed > TOPIC_MAX {
+            return Err(format!("outbox.kafka_topic has {fixed} characters besides its placeholders: a topic's name has at most {TOPIC_MAX}"));
+        }
+        let topics = Topics { parts };
+        if topics.parts.iter().all(|p| matches!(p, Part::Text(_))) {
+            topics.topic("", "").map_err(|e| format!("outbox.kafka_topic: {e}"))?;
+        }
+        Ok(topics)
     }
 
     /// The topic of an event of `event_type` in `queue`; the error says
@@ -182,10 +190,13 @@ mod tests {
             ("{event_type", "brace"),
             ("x}", "brace"),
             ("ünïcode", "'ü'"),
+            ("..", "not a Kafka topic name"),
         ] {
             let error = Topics::parse(bad).unwrap_err();
             assert!(error.contains(why), "{bad}: {error}");
         }
+        let long = Topics::parse(&format!("{}{{queue}}", "x".repeat(250))).unwrap_err();
+        assert!(long.contains("at most 249"), "{long}");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! PostgreSQL). The versions spoken are agreed at connect (ApiVersions),
 //! and SASL is done there too.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use kafka_protocol::messages::{
@@ -15,7 +15,7 @@ use kafka_protocol::protocol::{Decodable, Encodable, Request, StrBytes};
 
 use super::sasl::{self, Mechanism, Scram};
 use crate::link::{Link, Wait};
-use crate::sink::errors::broker_text;
+use crate::sink::errors::{broker_text, scrub};
 use crate::sink::SinkError;
 
 /// The largest response taken: a metadata response of a large cluster
@@ -83,26 +83,23 @@ pub struct Conn {
     inbox: Vec<u8>,
     next_correlation: i32,
     pub versions: Versions,
-    timeout: Duration,
 }
 
 impl Conn {
     /// Connects to `host:port` (TLS with `tls`) and agrees the versions,
-    /// all before `deadline`.
+    /// all by `deadline`.
     pub fn open(
         host: &str,
         port: u16,
         tls: Option<std::sync::Arc<rustls::ClientConfig>>,
-        timeout: Duration,
         waiter: &mut dyn Wait,
+        deadline: Instant,
     ) -> Result<Conn, SinkError> {
-        let deadline = Instant::now() + timeout;
         let link =
             Link::connect(host, port, tls, waiter, deadline).map_err(|e| SinkError::from_link(e, false))?;
-        let mut conn =
-            Conn { link, inbox: Vec::new(), next_correlation: 0, versions: Versions::default(), timeout };
+        let mut conn = Conn { link, inbox: Vec::new(), next_correlation: 0, versions: Versions::default() };
         // Version 0 of ApiVersions: every broker since Kafka 0.10 answers it.
-        let offered = conn.call(&ApiVersionsRequest::default(), 0, waiter).map_err(connecting)?;
+        let offered = conn.call(&ApiVersionsRequest::default(), 0, waiter, deadline).map_err(connecting)?;
         if let Some(error) = failed(offered.error_code) {
             return Err(SinkError::Connect(format!("the broker refused ApiVersions: {error}")));
         }
@@ -113,18 +110,20 @@ impl Conn {
     }
 
     /// Authenticates as `user` with `mechanism` (SaslHandshake, then
-    /// SaslAuthenticate: KIP-152).
+    /// SaslAuthenticate: KIP-152), by `deadline`. What the broker says is
+    /// quoted with the password taken out first.
     pub fn authenticate(
         &mut self,
         mechanism: Mechanism,
         user: &str,
         password: &str,
         waiter: &mut dyn Wait,
+        deadline: Instant,
     ) -> Result<(), SinkError> {
         let handshake =
             SaslHandshakeRequest::default().with_mechanism(StrBytes::from_string(mechanism.name().into()));
         let version = self.versions.of(ApiKey::SaslHandshake)?;
-        let answer = self.call(&handshake, version, waiter).map_err(connecting)?;
+        let answer = self.call(&handshake, version, waiter, deadline).map_err(connecting)?;
         if let Some(error) = failed(answer.error_code) {
             let offered: Vec<&str> = answer.mechanisms.iter().map(|m| m.as_str()).collect();
             return Err(SinkError::Connect(broker_text(&format!(
@@ -133,47 +132,53 @@ impl Conn {
                 offered.join(", ")
             ))));
         }
+        let mut step = |conn: &mut Conn, bytes| conn.sasl_step(bytes, password, waiter, deadline);
         match mechanism {
             Mechanism::Plain => {
-                self.sasl_step(sasl::plain(user, password), waiter)?;
+                step(self, sasl::plain(user, password))?;
             }
             Mechanism::ScramSha256 | Mechanism::ScramSha512 => {
                 let mut scram = Scram::new(mechanism, user, password, sasl::fresh_nonce());
-                let server_first = self.sasl_step(scram.first(), waiter)?;
+                let server_first = step(self, scram.first())?;
                 let reply = scram.reply(&server_first).map_err(SinkError::Connect)?;
-                let server_final = self.sasl_step(reply, waiter)?;
+                let server_final = step(self, reply)?;
                 scram.verify(&server_final).map_err(SinkError::Connect)?;
             }
         }
         Ok(())
     }
 
-    /// One SaslAuthenticate round trip: the broker's answer, or its refusal.
-    fn sasl_step(&mut self, bytes: Vec<u8>, waiter: &mut dyn Wait) -> Result<Bytes, SinkError> {
+    /// One SaslAuthenticate round trip: the broker's answer, or its refusal
+    /// (`password` taken out of what it says).
+    fn sasl_step(
+        &mut self,
+        bytes: Vec<u8>,
+        password: &str,
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<Bytes, SinkError> {
         let version = self.versions.of(ApiKey::SaslAuthenticate)?;
         let request = SaslAuthenticateRequest::default().with_auth_bytes(Bytes::from(bytes));
-        let answer = self.call(&request, version, waiter).map_err(connecting)?;
+        let answer = self.call(&request, version, waiter, deadline).map_err(connecting)?;
         match failed(answer.error_code) {
             None => Ok(answer.auth_bytes),
             Some(error) => {
                 let message = answer.error_message.as_ref().map_or("", |m| m.as_str());
-                Err(SinkError::Connect(format!(
-                    "SASL authentication failed: {error}: {}",
-                    broker_text(message)
-                )))
+                let message = broker_text(&scrub(message, &[Some(password)]));
+                Err(SinkError::Connect(format!("SASL authentication failed: {error}: {message}")))
             }
         }
     }
 
-    /// Sends `request` (as `version`) and receives its response, within
-    /// one timeout.
+    /// Sends `request` (as `version`) and receives its response, by
+    /// `deadline`.
     pub fn call<R: Request>(
         &mut self,
         request: &R,
         version: i16,
         waiter: &mut dyn Wait,
+        deadline: Instant,
     ) -> Result<R::Response, SinkError> {
-        let deadline = Instant::now() + self.timeout;
         let correlation = self.send(request, version, waiter, deadline)?;
         self.receive::<R>(correlation, version, waiter, deadline)
     }
@@ -318,7 +323,7 @@ pub fn failed(code: i16) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kafka_protocol::messages::{MetadataRequest, MetadataResponse};
+    use kafka_protocol::messages::MetadataRequest;
 
     #[test]
     fn versions_are_the_highest_both_speak() {
@@ -377,7 +382,6 @@ mod tests {
         let wrong = Bytes::from(frame(2, &[])[4..].to_vec());
         let error = decode::<MetadataRequest>(wrong, ApiKey::Metadata, 1, 1).unwrap_err();
         assert!(error.contains("request 2 where 1"), "{error}");
-        let _: Option<MetadataResponse> = None;
     }
 
     #[test]

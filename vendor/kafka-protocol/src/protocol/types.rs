@@ -10,6 +10,9 @@ use anyhow::{bail, Result};
 use std::convert::TryFrom;
 use std::string::String as StdString;
 
+/// The most elements an array's count reserves room for before any decodes.
+const PREALLOCATED: usize = 64;
+
 macro_rules! define_copy_impl {
     ($e:ident, $t:ty) => (
         impl Encoder<$t> for $e {
@@ -986,11 +989,13 @@ impl<T, E: Decoder<T>> Decoder<Option<Vec<T>>> for Array<E> {
             -1 => Ok(None),
             n if n >= 0 => {
                 // Every element takes at least a byte: a count beyond what
-                // is left is malformed, and must not size an allocation.
+                // is left is malformed. Nor does a count size an allocation
+                // (an element takes more memory than wire): the vector
+                // grows with what decodes.
                 if n as usize > buf.remaining() {
                     bail!("Array length {n} exceeds the {} bytes left", buf.remaining());
                 }
-                let mut result = Vec::with_capacity(n as usize);
+                let mut result = Vec::with_capacity((n as usize).min(PREALLOCATED));
                 for _ in 0..n {
                     result.push(self.0.decode(buf)?);
                 }
@@ -1098,11 +1103,12 @@ impl<T, E: Decoder<T>> Decoder<Option<Vec<T>>> for CompactArray<E> {
         match UnsignedVarInt.decode(buf)? {
             0 => Ok(None),
             n => {
-                // As for Array: a count beyond the bytes left is malformed.
+                // As for Array: a count beyond the bytes left is malformed,
+                // and none sizes an allocation.
                 if (n - 1) as usize > buf.remaining() {
                     bail!("Array length {} exceeds the {} bytes left", n - 1, buf.remaining());
                 }
-                let mut result = Vec::with_capacity((n - 1) as usize);
+                let mut result = Vec::with_capacity(((n - 1) as usize).min(PREALLOCATED));
                 for _ in 1..n {
                     result.push(self.0.decode(buf)?);
                 }

@@ -1,0 +1,493 @@
+//! A push to Kafka: each record to the partition its key hashes to, each
+//! partition's records in record batches, the batches to their leaders in
+//! produce requests, up to [`IN_FLIGHT`] unanswered on a connection, and
+//! what each answer says of each record.
+//!
+//! Sequence numbers are kept per partition from the producer id given at
+//! connect: the broker refuses a batch out of order, so a partition's
+//! records are never written out of order with several requests in flight.
+//! When a batch fails, the partition's later batches are not sent (or, sent
+//! already, refused as out of order): they go back to pending as unsent,
+//! and the next push starts with a fresh producer id, its sequences at 0.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::ops::Range;
+use std::time::Instant;
+
+use bytes::BytesMut;
+use kafka_protocol::indexmap::IndexMap;
+use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
+use kafka_protocol::messages::{ApiKey, InitProducerIdRequest, ProduceRequest, ProduceResponse, TopicName};
+use kafka_protocol::protocol::StrBytes;
+use kafka_protocol::records::{Compression, RecordBatchEncoder, RecordEncodeOptions, TimestampType};
+use kafka_protocol::ResponseError;
+
+use super::faults::Fault;
+use super::metadata::TopicState;
+use super::wire::{failed, Conn};
+use super::{route, KafkaSink, Record, Session};
+use crate::link::Wait;
+use crate::sink::errors::broker_text;
+use crate::sink::{Condition, Delivery, KeyBatch, SinkError};
+
+/// Requests on a connection awaiting their answers, at most: what Kafka's
+/// idempotent producer keeps in order (`max.in.flight.requests.per.connection`).
+const IN_FLIGHT: usize = 5;
+
+/// The most bytes of records in one record batch: Kafka's default
+/// `message.max.bytes` (a batch is one message to the broker), whatever
+/// `outbox.max_batch_bytes` allows, so that a default broker takes it.
+const BATCH_MAX: usize = 1024 * 1024;
+
+/// The most bytes of one produce request: below Kafka's default
+/// `socket.request.max.bytes` (100 MiB), which a broker enforces by
+/// closing the connection. A record larger than this is refused here.
+pub const REQUEST_MAX: usize = 64 * 1024 * 1024;
+
+/// The idempotent producer: its id and epoch, and the next sequence number
+/// of each partition.
+pub struct Producer {
+    id: i64,
+    epoch: i16,
+    sequences: HashMap<(String, i32), i32>,
+    /// A batch failed: the next push takes a fresh id.
+    pub stale: bool,
+}
+
+impl Producer {
+    /// A fresh producer id and epoch (InitProducerId, no transactional id),
+    /// its sequences starting at 0.
+    pub fn fresh(conn: &mut Conn, waiter: &mut dyn Wait, deadline: Instant) -> Result<Producer, SinkError> {
+        let version = conn.versions.of(ApiKey::InitProducerId).map_err(|_| {
+            SinkError::Connect(
+                "the broker has no idempotent producer (InitProducerId); Kafka 0.11 or later is needed"
+                    .into(),
+            )
+        })?;
+        let request = InitProducerIdRequest::default()
+            .with_transactional_id(None)
+            .with_transaction_timeout_ms(i32::MAX);
+        let answer = conn.call(&request, version, waiter, deadline)?;
+        match failed(answer.error_code) {
+            None => Ok(Producer {
+                id: answer.producer_id.0,
+                epoch: answer.producer_epoch,
+                sequences: HashMap::new(),
+                stale: false,
+            }),
+            Some(error) => Err(SinkError::Connect(format!(
+                "the broker gave no producer id: {error} (an ACL must allow IdempotentWrite on the cluster)"
+            ))),
+        }
+    }
+
+    /// The first of `n` sequence numbers of `partition` of `topic`.
+    fn take(&mut self, topic: &str, partition: i32, n: usize) -> i32 {
+        let next = self.sequences.entry((topic.to_string(), partition)).or_insert(0);
+        let first = *next;
+        *next = next_sequence(first, n);
+        first
+    }
+}
+
+/// The sequence number `n` after `sequence`: Kafka's wrap to 0 after
+/// `i32::MAX`.
+fn next_sequence(sequence: i32, n: usize) -> i32 {
+    ((i64::from(sequence) + n as i64) % (i64::from(i32::MAX) + 1)) as i32
+}
+
+/// One partition's records in one push, in order: their places among the
+/// push's messages.
+struct Run {
+    topic: String,
+    partition: i32,
+    leader: i32,
+    members: Vec<usize>,
+}
+
+/// One record batch: some of a run's members.
+struct Chunk {
+    run: usize,
+    members: Range<usize>,
+}
+
+/// Produces `batches` (`key`: the topic), writing what became of each
+/// record in `deliveries`, every step done by `until`. `alone` names the
+/// partitions whose records go one per batch (see [`KafkaSink`]).
+#[allow(clippy::too_many_arguments)]
+pub fn produce(
+    sink: &KafkaSink,
+    session: &mut Session,
+    alone: &mut HashSet<(String, i32)>,
+    batches: &[KeyBatch<Record>],
+    deliveries: &mut [Delivery],
+    waiter: &mut dyn Wait,
+    until: Instant,
+) -> Result<(), SinkError> {
+    if session.producer.stale {
+        session.producer = Producer::fresh(&mut session.bootstrap, waiter, sink.step(until)?)?;
+    }
+    let states = session.cluster.states(
+        &mut session.bootstrap,
+        batches.iter().map(|b| b.key.as_str()),
+        waiter,
+        sink.step(until)?,
+    )?;
+    let records: Vec<&Record> = batches.iter().flat_map(|b| &b.messages).collect();
+    let runs = runs_of(batches, &states, &records, deliveries);
+
+    let mut leaders: Vec<i32> = Vec::new();
+    for run in &runs {
+        if !leaders.contains(&run.leader) {
+            leaders.push(run.leader);
+        }
+    }
+    let budget = sink.config.max_batch_bytes.clamp(1, REQUEST_MAX);
+    let mut failure = None;
+    for leader in leaders {
+        let mine: Vec<usize> = (0..runs.len()).filter(|&r| runs[r].leader == leader).collect();
+        let rounds = chunks_of(&runs, &mine, &records, budget.min(BATCH_MAX), alone);
+        let requests = requests_of(rounds, &runs, &records, budget);
+        let sent = Leader { sink, session, runs: &runs, records: &records, alone: &mut *alone }
+            .send(leader, &requests, deliveries, waiter, until);
+        match sent {
+            Ok(()) => {}
+            Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
+            // A leader not reached or not answered in time: its records stay
+            // unsent, the other leaders' go on; the session goes after the
+            // push (KafkaSink::push).
+            Err(e) => {
+                session.producer.stale = true;
+                failure.get_or_insert(e);
+            }
+        }
+    }
+    failure.map_or(Ok(()), Err)
+}
+
+/// Each record to its partition, in runs per partition; a record whose
+/// topic failed, whose partition has no leader now, or that no request
+/// could carry, gets its verdict at once.
+fn runs_of(
+    batches: &[KeyBatch<Record>],
+    states: &HashMap<String, TopicState>,
+    records: &[&Record],
+    deliveries: &mut [Delivery],
+) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    let mut run_of: HashMap<(usize, i32), usize> = HashMap::new();
+    let mut place = 0;
+    for (b, batch) in batches.iter().enumerate() {
+        for _ in &batch.messages {
+            let here = place;
+            place += 1;
+            let leaders = match &states[&batch.key] {
+                TopicState::Failed(fault, error) => {
+                    deliveries[here] = fault.verdict(error);
+                    continue;
+                }
+                TopicState::Known(leaders) => leaders,
+            };
+            if records[here].size() > REQUEST_MAX {
+                deliveries[here] = Delivery::Rejected(format!(
+                    "MESSAGE_TOO_LARGE: a record of {} bytes; a produce request carries at most {REQUEST_MAX}",
+                    records[here].size()
+                ));
+                continue;
+            }
+            let partition = route::partition(&records[here].key, leaders.len()) as i32;
+            let Some(leader) = leaders[partition as usize] else {
+                let error = format!("LEADER_NOT_AVAILABLE: no leader for {}[{partition}]", batch.key);
+                deliveries[here] = Delivery::Refused(Condition::LeaderMoved, error);
+                continue;
+            };
+            let run = *run_of.entry((b, partition)).or_insert_with(|| {
+                runs.push(Run { topic: batch.key.clone(), partition, leader, members: Vec::new() });
+                runs.len() - 1
+            });
+            runs[run].members.push(here);
+        }
+    }
+    runs
+}
+
+/// The record batches of `mine` (runs of one leader), each at most
+/// `budget` bytes (or one record, which may be larger; one record only in
+/// the partitions `alone` names), by rounds: the first batch of every run,
+/// then the second, …
+fn chunks_of(
+    runs: &[Run],
+    mine: &[usize],
+    records: &[&Record],
+    budget: usize,
+    alone: &HashSet<(String, i32)>,
+) -> Vec<Vec<Chunk>> {
+    let mut rounds: Vec<Vec<Chunk>> = Vec::new();
+    for &r in mine {
+        let run = &runs[r];
+        let one_by_one = alone.contains(&(run.topic.clone(), run.partition));
+        let (mut start, mut round) = (0, 0);
+        while start < run.members.len() {
+            let mut bytes = records[run.members[start]].size();
+            let mut end = start + 1;
+            while !one_by_one && end < run.members.len() && bytes + records[run.members[end]].size() <= budget
+            {
+                bytes += records[run.members[end]].size();
+                end += 1;
+            }
+            if rounds.len() == round {
+                rounds.push(Vec::new());
+            }
+            rounds[round].push(Chunk { run: r, members: start..end });
+            start = end;
+            round += 1;
+        }
+    }
+    rounds
+}
+
+/// The rounds as produce requests of at most `budget` bytes each (or one
+/// batch): a round in several requests where it is larger, in order, so a
+/// partition's batches still go first to last.
+fn requests_of(rounds: Vec<Vec<Chunk>>, runs: &[Run], records: &[&Record], budget: usize) -> Vec<Vec<Chunk>> {
+    let size = |chunk: &Chunk| -> usize {
+        runs[chunk.run].members[chunk.members.clone()].iter().map(|&m| records[m].size()).sum()
+    };
+    let mut requests: Vec<Vec<Chunk>> = Vec::new();
+    for round in rounds {
+        let mut bytes = 0;
+        let mut request = Vec::new();
+        for chunk in round {
+            let chunk_bytes = size(&chunk);
+            if !request.is_empty() && bytes + chunk_bytes > budget {
+                requests.push(std::mem::take(&mut request));
+                bytes = 0;
+            }
+            bytes += chunk_bytes;
+            request.push(chunk);
+        }
+        requests.push(request);
+    }
+    requests
+}
+
+/// One leader's share of a push.
+struct Leader<'a> {
+    sink: &'a KafkaSink,
+    session: &'a mut Session,
+    runs: &'a [Run],
+    records: &'a [&'a Record],
+    alone: &'a mut HashSet<(String, i32)>,
+}
+
+impl Leader<'_> {
+    /// Sends `requests` to `leader`, up to [`IN_FLIGHT`] unanswered, each
+    /// answer due a timeout after its request went (and by `until`), and
+    /// records what each answer says. A request is built as it goes, without
+    /// the batches of partitions that failed meanwhile.
+    fn send(
+        mut self,
+        leader: i32,
+        requests: &[Vec<Chunk>],
+        deliveries: &mut [Delivery],
+        waiter: &mut dyn Wait,
+        until: Instant,
+    ) -> Result<(), SinkError> {
+        if !self.session.leaders.contains_key(&leader) {
+            let (host, port) = self.session.cluster.address(leader).ok_or_else(|| {
+                SinkError::ConnectionLost(format!("the metadata names leader {leader} but not its address"))
+            })?;
+            let conn = self.sink.open(&host, port, waiter, self.sink.step(until)?)?;
+            self.session.leaders.insert(leader, conn);
+        }
+        let version = self.session.leaders[&leader].versions.of(ApiKey::Produce)?;
+        let mut failed_runs = vec![false; self.runs.len()];
+        let mut in_flight: VecDeque<(i32, &[Chunk], Instant)> = VecDeque::new();
+        let mut next = 0;
+        while next < requests.len() || !in_flight.is_empty() {
+            if next < requests.len() && in_flight.len() < IN_FLIGHT {
+                let chunks = &requests[next];
+                next += 1;
+                let Some(request) = self.request(chunks, &failed_runs) else { continue };
+                let deadline = self.sink.step(until)?;
+                let conn = self.session.leaders.get_mut(&leader).expect("opened");
+                let correlation = conn.send(&request, version, waiter, deadline)?;
+                in_flight.push_back((correlation, chunks, deadline));
+                continue;
+            }
+            let (correlation, chunks, deadline) = in_flight.pop_front().expect("a request in flight");
+            let conn = self.session.leaders.get_mut(&leader).expect("opened");
+            let answer = conn.receive::<ProduceRequest>(correlation, version, waiter, deadline)?;
+            self.settle(chunks, &answer, deliveries, &mut failed_runs)?;
+        }
+        Ok(())
+    }
+
+    /// One produce request: a record batch per chunk of a partition that has
+    /// not failed, with the next sequence numbers of its partition; `None`
+    /// when no chunk is left.
+    fn request(&mut self, chunks: &[Chunk], failed_runs: &[bool]) -> Option<ProduceRequest> {
+        let producer = &mut self.session.producer;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        let mut topics: Vec<TopicProduceData> = Vec::new();
+        let mut topic_of: HashMap<&str, usize> = HashMap::new();
+        for chunk in chunks.iter().filter(|c| !failed_runs[c.run]) {
+            let run = &self.runs[chunk.run];
+            let members = &run.members[chunk.members.clone()];
+            let first = producer.take(&run.topic, run.partition, members.len());
+            let batch: Vec<kafka_protocol::records::Record> = members
+                .iter()
+                .enumerate()
+                .map(|(i, &m)| {
+                    let record = self.records[m];
+                    kafka_protocol::records::Record {
+                        transactional: false,
+                        control: false,
+                        delete_horizon: false,
+                        partition_leader_epoch: -1,
+                        producer_id: producer.id,
+                        producer_epoch: producer.epoch,
+                        timestamp_type: TimestampType::Creation,
+                        offset: i as i64,
+                        sequence: next_sequence(first, i),
+                        timestamp: now,
+                        key: Some(record.key.clone()),
+                        value: record.value.clone(),
+                        headers: record
+                            .headers
+                            .iter()
+                            .map(|(name, value)| (StrBytes::from_string(name.clone()), Some(value.clone())))
+                            .collect::<IndexMap<_, _>>(),
+                    }
+                })
+                .collect();
+            let mut bytes = BytesMut::new();
+            let options = RecordEncodeOptions { version: 2, compression: Compression::None };
+            RecordBatchEncoder::encode(&mut bytes, &batch, &options).expect("an uncompressed batch encodes");
+            let data =
+                PartitionProduceData::default().with_index(run.partition).with_records(Some(bytes.freeze()));
+            let slot = *topic_of.entry(run.topic.as_str()).or_insert_with(|| {
+                topics.push(
+                    TopicProduceData::default()
+                        .with_name(TopicName(StrBytes::from_string(run.topic.clone()))),
+                );
+                topics.len() - 1
+            });
+            topics[slot].partition_data.push(data);
+        }
+        let timeout = self.sink.config.timeout.as_millis().min(i32::MAX as u128) as i32;
+        (!topics.is_empty()).then(|| {
+            ProduceRequest::default()
+                .with_transactional_id(None)
+                .with_acks(-1)
+                .with_timeout_ms(timeout)
+                .with_topic_data(topics)
+        })
+    }
+
+    /// What the answer to one request says of each of its batches.
+    fn settle(
+        &mut self,
+        chunks: &[Chunk],
+        answer: &ProduceResponse,
+        deliveries: &mut [Delivery],
+        failed_runs: &mut [bool],
+    ) -> Result<(), SinkError> {
+        let mut answers: HashMap<(&str, i32), (i16, Option<String>)> = HashMap::new();
+        for topic in &answer.responses {
+            for partition in &topic.partition_responses {
+                let message = partition.error_message.as_ref().map(|m| m.to_string());
+                answers.insert((topic.name.0.as_str(), partition.index), (partition.error_code, message));
+            }
+        }
+        for chunk in chunks {
+            let run = &self.runs[chunk.run];
+            let members = &run.members[chunk.members.clone()];
+            if failed_runs[chunk.run] {
+                // Behind a batch that failed: not sent, or refused as out of
+                // order; not the record's doing, and not known delivered.
+                continue;
+            }
+            let (code, message) = answers.remove(&(run.topic.as_str(), run.partition)).ok_or_else(|| {
+                SinkError::ConnectionLost(format!(
+                    "Kafka protocol error: the produce answer left out {}[{}]",
+                    broker_text(&run.topic),
+                    run.partition
+                ))
+            })?;
+            let key = (run.topic.clone(), run.partition);
+            if code == 0 || code == ResponseError::DuplicateSequenceNumber.code() {
+                if members.len() == 1 {
+                    self.alone.remove(&key);
+                }
+                members.iter().for_each(|&m| deliveries[m] = Delivery::Delivered);
+                continue;
+            }
+            failed_runs[chunk.run] = true;
+            self.session.producer.stale = true;
+            let error = format!(
+                "{}: {}[{}]{}",
+                failed(code).unwrap_or_default(),
+                run.topic,
+                run.partition,
+                message.map(|m| format!(": {}", broker_text(&m))).unwrap_or_default()
+            );
+            match Fault::of(code) {
+                // One record of several may be the cause: they go back to
+                // pending and then one per batch, so that only it pays.
+                Fault::Message { split: true } if members.len() > 1 => {
+                    self.alone.insert(key);
+                }
+                fault @ Fault::Broker(_) => {
+                    self.session.cluster.forget(&run.topic);
+                    members.iter().for_each(|&m| deliveries[m] = fault.verdict(&error));
+                }
+                fault => members.iter().for_each(|&m| deliveries[m] = fault.verdict(&error)),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequences_wrap_as_kafkas_do() {
+        assert_eq!(next_sequence(0, 5), 5);
+        assert_eq!(next_sequence(i32::MAX, 1), 0);
+        assert_eq!(next_sequence(i32::MAX - 1, 3), 1);
+    }
+
+    fn run(topic: &str, members: std::ops::Range<usize>) -> Run {
+        Run { topic: topic.into(), partition: 0, leader: 1, members: members.collect() }
+    }
+
+    fn shape(requests: &[Vec<Chunk>]) -> Vec<Vec<(usize, Range<usize>)>> {
+        requests.iter().map(|r| r.iter().map(|c| (c.run, c.members.clone())).collect()).collect()
+    }
+
+    #[test]
+    fn batches_are_cut_by_bytes_and_requests_keep_each_partitions_order() {
+        let record = Record { key: "k".into(), value: Some(vec![b'x'; 75].into()), headers: Vec::new() };
+        assert_eq!(record.size(), 100);
+        let records = vec![&record; 6];
+        let runs = [run("t", 0..5), run("u", 5..6)];
+        let none = HashSet::new();
+        let rounds = chunks_of(&runs, &[0, 1], &records, 250, &none);
+        let by_round: Vec<Vec<(usize, Range<usize>)>> =
+            rounds.iter().map(|r| r.iter().map(|c| (c.run, c.members.clone())).collect()).collect();
+        assert_eq!(by_round, vec![vec![(0, 0..2), (1, 0..1)], vec![(0, 2..4)], vec![(0, 4..5)]]);
+        // A request budget below a round: the round in two, in order.
+        let requests = requests_of(rounds, &runs, &records, 250);
+        assert_eq!(
+            shape(&requests),
+            vec![vec![(0, 0..2)], vec![(1, 0..1)], vec![(0, 2..4)], vec![(0, 4..5)]]
+        );
+        let alone = HashSet::from([("t".to_string(), 0)]);
+        assert_eq!(chunks_of(&runs, &[0], &records, 250, &alone).len(), 5);
+    }
+}
