@@ -254,6 +254,18 @@ def new_cluster(redis_url, **settings):
     return Cluster(redis_url, **settings)
 
 
+@contextmanager
+def installed_cluster(redis_url, **settings):
+    """A cluster of the suite's mode with the outbox installed, closed
+    after use."""
+    pg = new_cluster(redis_url, **settings)
+    try:
+        pg.install()
+        yield pg
+    finally:
+        pg.close()
+
+
 def library_only(why):
     """Marks a test of what only the library does, skipped in the second mode."""
     return pytest.mark.skipif(HOST == "sidecar", reason=f"the library's alone: {why}")

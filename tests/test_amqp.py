@@ -15,7 +15,7 @@ import time
 import pytest
 
 from harness import CeleryWorker, RabbitMQ, make_tls_files, wait_until
-from standalone import new_cluster
+from standalone import installed_cluster, new_cluster
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +35,9 @@ def rabbit(tls_files):
 @pytest.fixture(scope="module")
 def amqp_cluster(rabbit, redis_server):
     # outbox.redis_url names the Redis; outbox.broker_url, set too, wins.
-    pg = new_cluster(redis_server.url, broker_url=rabbit.url, reconnect_delay_min="200ms", reconnect_delay_max="1s",
-                 redis_timeout="3s")
-    try:
-        pg.install()
+    with installed_cluster(redis_server.url, broker_url=rabbit.url, reconnect_delay_min="200ms",
+                           reconnect_delay_max="1s", redis_timeout="3s") as pg:
         yield pg
-    finally:
-        pg.close()
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ import pytest
 from kafka.partitioner.default import murmur2
 
 from harness import Kafka, wait_until
-from standalone import HOST, new_cluster
+from standalone import HOST, installed_cluster, new_cluster
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,10 @@ def kafka():
 
 @pytest.fixture(scope="module")
 def kafka_cluster(kafka, redis_server):
-    pg = new_cluster(redis_server.url, broker_url=kafka.url, kafka_topic="{queue}", reconnect_delay_min="200ms",
-                     reconnect_delay_max="1s", redis_timeout="3s", heartbeat_interval="1s")
-    try:
-        pg.install()
+    with installed_cluster(redis_server.url, broker_url=kafka.url, kafka_topic="{queue}",
+                           reconnect_delay_min="200ms", reconnect_delay_max="1s", redis_timeout="3s",
+                           heartbeat_interval="1s") as pg:
         yield pg
-    finally:
-        pg.close()
 
 
 @pytest.fixture

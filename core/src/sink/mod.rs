@@ -244,7 +244,10 @@ impl Sink {
 
     /// What a refusal of `condition` means for this broker.
     pub fn refusal(&self, condition: Condition, reply: String) -> SinkError {
-        either!(self, sink => sink.refusal(condition, reply))
+        match self {
+            Sink::Redis(sink) => sink.refusal(condition, reply),
+            Sink::Amqp(_) | Sink::Kafka(_) => SinkError::Refused(condition, reply),
+        }
     }
 
     /// The broker's address with any credentials masked.

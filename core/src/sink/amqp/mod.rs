@@ -184,10 +184,6 @@ impl AmqpSink {
         self.node.as_deref()
     }
 
-    pub fn refusal(&self, condition: Condition, reply: String) -> SinkError {
-        SinkError::Refused(condition, reply)
-    }
-
     pub fn display_url(&self) -> &str {
         &self.display_url
     }

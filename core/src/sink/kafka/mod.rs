@@ -25,7 +25,7 @@ pub use sasl::Mechanism;
 
 use super::errors::scrub;
 use super::secrets::password_from_file;
-use super::{tls_config, BrokerConfig, Condition, Delivery, KeyBatch, Persistence, Pushed, SinkError};
+use super::{tls_config, BrokerConfig, Delivery, KeyBatch, Persistence, Pushed, SinkError};
 use crate::broker_url::{BrokerUrl, Endpoints};
 use crate::link::Wait;
 use metadata::Cluster;
@@ -107,10 +107,6 @@ impl KafkaSink {
 
     pub fn master(&self) -> Option<&str> {
         self.node.as_deref()
-    }
-
-    pub fn refusal(&self, condition: Condition, reply: String) -> SinkError {
-        SinkError::Refused(condition, reply)
     }
 
     pub fn display_url(&self) -> &str {
