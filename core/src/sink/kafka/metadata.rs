@@ -25,6 +25,9 @@ pub const MAX_AGE: Duration = Duration::from_secs(300);
 /// How long to wait before asking again of a topic being created.
 const CREATING: Duration = Duration::from_millis(100);
 
+/// The most topics one metadata request asks about.
+const GROUP: usize = 100;
+
 /// The leader of each of a topic's partitions (`None`: none now).
 pub type Leaders = Vec<Option<i32>>;
 
@@ -74,8 +77,10 @@ impl Cluster {
             }
         }
         while !asked.is_empty() {
+            // At most GROUP topics a request, so that an answer stays small.
+            let group: Vec<String> = asked.drain(..asked.len().min(GROUP)).collect();
             let version = bootstrap.versions.of(ApiKey::Metadata)?;
-            let topics = asked
+            let topics = group
                 .iter()
                 .map(|t| {
                     MetadataRequestTopic::default()
@@ -93,8 +98,8 @@ impl Cluster {
                     self.brokers.insert(broker.node_id.0, (broker.host.to_string(), port));
                 }
             }
-            let wanted: HashSet<&String> = asked.iter().collect();
-            let mut again = Vec::new();
+            let wanted: HashSet<&String> = group.iter().collect();
+            let mut again = HashSet::new();
             for topic in &answer.topics {
                 let Some(name) = topic.name.as_ref().map(|n| n.0.to_string()).filter(|n| wanted.contains(n))
                 else {
@@ -117,7 +122,7 @@ impl Cluster {
                     Some(error)
                         if error == "LEADER_NOT_AVAILABLE" && Instant::now() + CREATING < deadline =>
                     {
-                        again.push(name);
+                        again.insert(name);
                         continue;
                     }
                     Some(error) => TopicState::Failed(
@@ -127,7 +132,7 @@ impl Cluster {
                 };
                 states.insert(name, state);
             }
-            if let Some(missing) = asked.iter().find(|t| !states.contains_key(*t) && !again.contains(t)) {
+            if let Some(missing) = group.iter().find(|t| !states.contains_key(*t) && !again.contains(*t)) {
                 return Err(SinkError::ConnectionLost(format!(
                     "Kafka protocol error: the metadata answer left out the topic {}",
                     broker_text(missing)
@@ -139,7 +144,7 @@ impl Cluster {
                     waiter.wait(None, nap).map_err(|_| SinkError::Interrupted)?;
                 }
             }
-            asked = again;
+            asked.extend(again);
         }
         Ok(states)
     }

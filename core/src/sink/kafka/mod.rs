@@ -218,10 +218,9 @@ impl KafkaSink {
     /// Produces every batch (`key`: its topic) and says what became of each
     /// record, in order. A connection that fails part way loses only what
     /// it had not answered, and the session with it. The push as a whole
-    /// takes no longer than `outbox.processing_timeout`'s floor counts for
-    /// it: a timeout for the metadata and the producer id, and one per
-    /// `outbox.max_batch_bytes` of records; what is not sent by then goes
-    /// back to pending, unsent.
+    /// takes less than `outbox.processing_timeout`'s floor counts for it: a
+    /// timeout, and one per `outbox.max_batch_bytes` of records; what is not
+    /// sent by then goes back to pending, unsent.
     pub fn push(&mut self, batches: &[KeyBatch<Record>], waiter: &mut dyn Wait) -> Pushed {
         let total = batches.iter().map(|b| b.messages.len()).sum();
         let mut deliveries = vec![Delivery::Unsent; total];
@@ -230,8 +229,10 @@ impl KafkaSink {
         };
         let bytes: usize = batches.iter().flat_map(|b| &b.messages).map(Record::size).sum();
         let trips = bytes.div_ceil(self.config.max_batch_bytes.max(1)).max(1);
+        // A timeout fewer than the floor counts, for the claim before the
+        // push and the marks after it.
         let until =
-            Instant::now() + self.config.timeout.saturating_mul(2 + trips.min(u32::MAX as usize) as u32);
+            Instant::now() + self.config.timeout.saturating_mul(1 + trips.min(u32::MAX as usize) as u32);
         let mut alone = std::mem::take(&mut self.alone);
         let failure =
             produce::produce(self, &mut session, &mut alone, batches, &mut deliveries, waiter, until).err();

@@ -35,9 +35,10 @@ use crate::sink::{Condition, Delivery, KeyBatch, SinkError};
 const IN_FLIGHT: usize = 5;
 
 /// The most bytes of records in one record batch: Kafka's default
-/// `message.max.bytes` (a batch is one message to the broker), whatever
+/// `message.max.bytes` (a batch is one message to the broker), less room
+/// for the batch's header and what [`Record::size`] leaves out, whatever
 /// `outbox.max_batch_bytes` allows, so that a default broker takes it.
-const BATCH_MAX: usize = 1024 * 1024;
+const BATCH_MAX: usize = 1024 * 1024 - 1024;
 
 /// The most bytes of one produce request: below Kafka's default
 /// `socket.request.max.bytes` (100 MiB), which a broker enforces by
@@ -282,7 +283,7 @@ struct Leader<'a> {
 
 impl Leader<'_> {
     /// Sends `requests` to `leader`, up to [`IN_FLIGHT`] unanswered, each
-    /// answer due a timeout after its request went (and by `until`), and
+    /// answer due a timeout after the one before it (and by `until`), and
     /// records what each answer says. A request is built as it goes, without
     /// the batches of partitions that failed meanwhile.
     fn send(
@@ -302,20 +303,23 @@ impl Leader<'_> {
         }
         let version = self.session.leaders[&leader].versions.of(ApiKey::Produce)?;
         let mut failed_runs = vec![false; self.runs.len()];
-        let mut in_flight: VecDeque<(i32, &[Chunk], Instant)> = VecDeque::new();
+        let mut in_flight: VecDeque<(i32, &[Chunk])> = VecDeque::new();
         let mut next = 0;
         while next < requests.len() || !in_flight.is_empty() {
             if next < requests.len() && in_flight.len() < IN_FLIGHT {
                 let chunks = &requests[next];
                 next += 1;
-                let Some(request) = self.request(chunks, &failed_runs) else { continue };
                 let deadline = self.sink.step(until)?;
+                let Some(request) = self.request(chunks, &failed_runs) else { continue };
                 let conn = self.session.leaders.get_mut(&leader).expect("opened");
                 let correlation = conn.send(&request, version, waiter, deadline)?;
-                in_flight.push_back((correlation, chunks, deadline));
+                in_flight.push_back((correlation, chunks));
                 continue;
             }
-            let (correlation, chunks, deadline) = in_flight.pop_front().expect("a request in flight");
+            // A broker answers a connection's requests one after another:
+            // each answer is due a timeout after the one before it came.
+            let (correlation, chunks) = in_flight.pop_front().expect("a request in flight");
+            let deadline = self.sink.step(until)?;
             let conn = self.session.leaders.get_mut(&leader).expect("opened");
             let answer = conn.receive::<ProduceRequest>(correlation, version, waiter, deadline)?;
             self.settle(chunks, &answer, deliveries, &mut failed_runs)?;
@@ -377,7 +381,9 @@ impl Leader<'_> {
             });
             topics[slot].partition_data.push(data);
         }
-        let timeout = self.sink.config.timeout.as_millis().min(i32::MAX as u128) as i32;
+        // The broker's own deadline for replication (`acks=all`), three
+        // quarters of ours, so that its REQUEST_TIMED_OUT comes in time.
+        let timeout = (self.sink.config.timeout.as_millis() * 3 / 4).min(i32::MAX as u128) as i32;
         (!topics.is_empty()).then(|| {
             ProduceRequest::default()
                 .with_transactional_id(None)
