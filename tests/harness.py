@@ -401,7 +401,7 @@ class Kafka:
     client for SASL (SCRAM users made with `add_user`). Records are read
     back with kafka-python. (tansu 0.6 serves no TLS handshake.)"""
 
-    BIN = Path(os.environ.get("TANSU", Path.home() / ".cargo/bin/tansu"))
+    BIN = Path(os.environ.get("TANSU") or shutil.which("tansu") or Path.home() / ".cargo/bin/tansu")
 
     def __init__(self, authentication=False):
         self.port = free_port()
