@@ -1,7 +1,8 @@
 //! The broker end: where committed events go, as Celery messages to Redis
 //! (`redis.rs`) or RabbitMQ over AMQP 0-9-1 (`amqp/`), or as records of
-//! Kafka topics (`kafka/`), chosen by the URL's scheme; each pushes batches in round trips of bounded size, each
-//! with one deadline, and draw the same line between the broker's fault
+//! Kafka topics (`kafka/`), chosen by the URL's scheme. Each pushes
+//! batches in round trips of bounded size, each with one deadline, and
+//! draws the same line between the broker's fault
 //! (the connection, a condition of the server: never an event's retry) and
 //! one event's fault (an error the broker answered for that message).
 
@@ -206,14 +207,10 @@ impl Sink {
 
     /// Where reports of `queue` are, as logs name it.
     pub fn report_place(&self, queue: &str) -> String {
-        format!("{} {} \"{queue}\"", self.kind(), self.report_kind())
-    }
-
-    fn report_kind(&self) -> &'static str {
         match self {
-            Sink::Redis(_) => "list",
-            Sink::Amqp(_) => "queue",
-            Sink::Kafka(_) => "topic",
+            Sink::Redis(_) => format!("Redis list \"{queue}\""),
+            Sink::Amqp(_) => format!("RabbitMQ queue \"{queue}\""),
+            Sink::Kafka(_) => format!("Kafka topic \"{queue}\""),
         }
     }
 
