@@ -34,10 +34,10 @@ pub static AMQP_QUEUE_TYPE: GucSetting<AmqpQueueType> =
     GucSetting::<AmqpQueueType>::new(AmqpQueueType::Classic);
 pub static AMQP_MAX_PRIORITY: GucSetting<i32> =
     GucSetting::<i32>::new(guc::int_default("outbox.amqp_max_priority"));
-pub static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_password_file")));
-pub static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> =
-    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_tls_ca_file")));
+pub static BROKER_PASSWORD_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_password_file")));
+pub static BROKER_TLS_CA_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_tls_ca_file")));
 pub static DEFAULT_QUEUE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.default_queue")));
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.batch_size"));
@@ -51,8 +51,15 @@ pub static RECONNECT_DELAY_MIN_MS: GucSetting<i32> =
     GucSetting::<i32>::new(guc::int_default("outbox.reconnect_delay_min"));
 pub static RECONNECT_DELAY_MAX_MS: GucSetting<i32> =
     GucSetting::<i32>::new(guc::int_default("outbox.reconnect_delay_max"));
-pub static REDIS_TIMEOUT_MS: GucSetting<i32> =
-    GucSetting::<i32>::new(guc::int_default("outbox.redis_timeout"));
+pub static BROKER_TIMEOUT_MS: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.broker_timeout"));
+/// The former names of `outbox.broker_timeout`, `outbox.broker_password_file`
+/// and `outbox.broker_tls_ca_file` (`guc::RENAMED`), deprecated.
+static REDIS_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.redis_timeout"));
+static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_password_file")));
+static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.redis_tls_ca_file")));
 pub static PROCESSING_TIMEOUT_S: GucSetting<i32> =
     GucSetting::<i32>::new(guc::int_default("outbox.processing_timeout"));
 pub static ACK_TIMEOUT_S: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.ack_timeout"));
@@ -159,7 +166,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// Every setting, one line each; the README's settings table is checked
 /// against them (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 44] = [
+const DECLARATIONS: [Declaration; 47] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -167,13 +174,13 @@ const DECLARATIONS: [Declaration; 44] = [
     Declaration(c"outbox.enabled", Sighup, NONE, Bool(&ENABLED),
         c"Dispatch events; off pauses the dispatchers without a restart."),
     Declaration(c"outbox.broker_url", Sighup, SECRET, Text(&BROKER_URL),
-        c"Broker URL: redis://, rediss://, sentinel://, amqp:// or amqps://, as kombu writes them; empty: outbox.redis_url. May hold a password: superusers only."),
+        c"Broker URL: redis://, rediss://, sentinel://, amqp://, amqps://, kafka:// or kafkas://; empty: outbox.redis_url. May hold a password: superusers only."),
     Declaration(c"outbox.redis_url", Sighup, SECRET, Text(&REDIS_URL),
         c"The former name of outbox.broker_url, used while that is empty."),
-    Declaration(c"outbox.redis_password_file", Sighup, SECRET, Text(&REDIS_PASSWORD_FILE),
+    Declaration(c"outbox.broker_password_file", Sighup, SECRET, Text(&BROKER_PASSWORD_FILE),
         c"File holding the broker password (first line); keeps it out of outbox.broker_url and the server log."),
-    Declaration(c"outbox.redis_tls_ca_file", Sighup, NONE, Text(&REDIS_TLS_CA_FILE),
-        c"PEM file of the certificate authorities trusted for rediss:// and amqps:// URLs; empty: the system's."),
+    Declaration(c"outbox.broker_tls_ca_file", Sighup, NONE, Text(&BROKER_TLS_CA_FILE),
+        c"PEM file of the certificate authorities trusted for rediss://, amqps:// and kafkas:// URLs; empty: the system's."),
     Declaration(c"outbox.redis_sentinel_master", Sighup, NONE, Text(&REDIS_SENTINEL_MASTER),
         c"For sentinel:// URLs: the name of the master at the sentinels (kombu's master_name)."),
     Declaration(c"outbox.redis_sentinel_password_file", Sighup, SECRET, Text(&REDIS_SENTINEL_PASSWORD_FILE),
@@ -204,7 +211,7 @@ const DECLARATIONS: [Declaration; 44] = [
         c"Shortest wait before reconnecting to the broker."),
     Declaration(c"outbox.reconnect_delay_max", Sighup, NONE, Int(&RECONNECT_DELAY_MAX_MS),
         c"Longest wait before reconnecting to the broker."),
-    Declaration(c"outbox.redis_timeout", Sighup, NONE, Int(&REDIS_TIMEOUT_MS),
+    Declaration(c"outbox.broker_timeout", Sighup, NONE, Int(&BROKER_TIMEOUT_MS),
         c"Deadline of each broker operation: a connect, one round trip of a push, a PING."),
     Declaration(c"outbox.processing_timeout", Sighup, NONE, Int(&PROCESSING_TIMEOUT_S),
         c"Claims older than this are stuck: the sweeper returns them to pending."),
@@ -248,6 +255,12 @@ const DECLARATIONS: [Declaration; 44] = [
         c"Kafka: an event with an ordering_key and a null payload is sent as a tombstone (a record without a value)."),
     Declaration(c"outbox.kafka_sasl_mechanism", Sighup, NONE, Mechanism(&KAFKA_SASL_MECHANISM),
         c"Kafka: how the user named in outbox.broker_url authenticates: plain, scram-sha-256 or scram-sha-512."),
+    Declaration(c"outbox.redis_timeout", Sighup, NONE, Int(&REDIS_TIMEOUT_MS),
+        c"Deprecated: the former name of outbox.broker_timeout, read while that is at its default."),
+    Declaration(c"outbox.redis_password_file", Sighup, SECRET, Text(&REDIS_PASSWORD_FILE),
+        c"Deprecated: the former name of outbox.broker_password_file, read while that is empty."),
+    Declaration(c"outbox.redis_tls_ca_file", Sighup, NONE, Text(&REDIS_TLS_CA_FILE),
+        c"Deprecated: the former name of outbox.broker_tls_ca_file, read while that is empty."),
 ];
 
 /// Defines the settings. The postmaster-only ones only while preloading

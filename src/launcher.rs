@@ -32,6 +32,7 @@ use outbox_core::launch::{self, Database, Known};
 use outbox_core::{backoff, named};
 
 use crate::config::{self, MAX_DATABASES, MAX_WORKERS};
+use crate::counters;
 use crate::slots::{self, launcher as groups, Extension};
 use crate::worker::{signals, wait};
 
@@ -270,6 +271,8 @@ impl Launcher {
             self.release(*g);
         }
         for (g, database) in &plan.assign {
+            // Its counters from zero before any dispatcher of it counts.
+            counters::reset(*g);
             groups::assign(*g, *database);
             self.restart_at.retain(|(group, _), _| group != g);
         }

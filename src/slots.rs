@@ -476,7 +476,8 @@ pub mod launcher {
         (found.unwrap_or(Extension::Unknown), group.absent_as_of.load(Ordering::Acquire))
     }
 
-    /// Gives free group `g` to `database`, its rows and counters from zero.
+    /// Gives free group `g` to `database`, its rows from zero (the launcher
+    /// resets its counters first: `counters::reset`).
     pub fn assign(g: usize, database: u32) {
         clear(g);
         group(g).database.store(database, Ordering::Release);
@@ -508,7 +509,6 @@ pub mod launcher {
             slot.persistence.store(0, Ordering::Relaxed);
             set_slot_error(g, index, None);
         }
-        crate::counters::reset(g);
     }
 
     /// Shows dispatcher `index` of group `g` as started, or as not

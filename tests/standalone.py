@@ -122,7 +122,9 @@ def samples(text):
 SIDECAR_OPTIONS = {
     "broker_url": "--broker-url",
     "redis_url": "--broker-url",
+    "broker_password_file": "--broker-password-file",
     "redis_password_file": "--broker-password-file",
+    "broker_tls_ca_file": "--broker-tls-ca-file",
     "redis_tls_ca_file": "--broker-tls-ca-file",
     "redis_sentinel_password_file": "--sentinel-password-file",
 }

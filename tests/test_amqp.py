@@ -36,7 +36,7 @@ def rabbit(tls_files):
 def amqp_cluster(rabbit, redis_server):
     # outbox.redis_url names the Redis; outbox.broker_url, set too, wins.
     with installed_cluster(redis_server.url, broker_url=rabbit.url, reconnect_delay_min="200ms",
-                           reconnect_delay_max="1s", redis_timeout="3s") as pg:
+                           reconnect_delay_max="1s", broker_timeout="3s") as pg:
         yield pg
 
 
@@ -68,7 +68,7 @@ def test_a_wrong_password_or_vhost_is_a_clear_error_and_spends_nothing(ob, rabbi
     ob.configure(broker_url=f"amqp://guest:Zq-wrong-Wv@127.0.0.1:{rabbit.port}//")
     ids = enqueue(ob, 3)
     wait_until(lambda: "ACCESS_REFUSED" in last_error(ob), message="the refusal shown")
-    # PostgreSQL itself logs a changed setting (outbox.redis_password_file
+    # PostgreSQL itself logs a changed setting (outbox.broker_password_file
     # keeps a password out of it); no line of the dispatchers shows it.
     ours = [line for line in ob.log_text().splitlines() if "outbox.broker_url\" changed to" not in line]
     assert "Zq-wrong-Wv" not in last_error(ob) and not any("Zq-wrong-Wv" in line for line in ours)
@@ -86,11 +86,11 @@ def test_a_wrong_password_or_vhost_is_a_clear_error_and_spends_nothing(ob, rabbi
 
 @pytest.mark.broker_only
 def test_amqps_with_a_trusted_ca_delivers_and_an_untrusted_one_is_refused(ob, rabbit, tls_files):
-    ob.configure(broker_url=rabbit.tls_url, redis_tls_ca_file=str(tls_files / "other-ca.pem"))
+    ob.configure(broker_url=rabbit.tls_url, broker_tls_ca_file=str(tls_files / "other-ca.pem"))
     ids = enqueue(ob, 3)
     wait_until(lambda: "TLS" in last_error(ob) and "certificate" in last_error(ob), message="the certificate refused")
     assert ob.count("pending") == 3
-    ob.configure(redis_tls_ca_file=str(tls_files / "ca.pem"))
+    ob.configure(broker_tls_ca_file=str(tls_files / "ca.pem"))
     wait_until(lambda: ob.count("dispatched") == 3, message="the events sent over TLS")
     assert sorted(rabbit.drain("celery")) == sorted(ids)
 
@@ -448,7 +448,7 @@ def reconnects(pg):
 def test_a_memory_alarm_pauses_publishing_on_the_same_connection(ob, rabbit):
     """A memory alarm: RabbitMQ blocks publishers. The dispatcher keeps
     the connection and shows the alarm (not a broker that did not answer,
-    though the pause outlasts outbox.redis_timeout), spends no retry, and
+    though the pause outlasts outbox.broker_timeout), spends no retry, and
     its round trip is confirmed once the alarm clears: each event in the
     queue once."""
     first = enqueue(ob, 1)
@@ -460,7 +460,7 @@ def test_a_memory_alarm_pauses_publishing_on_the_same_connection(ob, rabbit):
         wait_until(lambda: "RabbitMQ blocked the connection" in last_error(ob), message="the alarm shown",
                    seen=lambda: (ob.sql("TABLE outbox.workers"),
                                  ob.sql("SELECT status, count(*) FROM outbox.events GROUP BY 1")))
-        time.sleep(4)  # longer than outbox.redis_timeout (3s)
+        time.sleep(4)  # longer than outbox.broker_timeout (3s)
         assert ob.sql("SELECT status, retry_count, last_error FROM outbox.events WHERE retry_count > 0") == []
         assert "RabbitMQ blocked the connection" in last_error(ob), last_error(ob)
         assert ob.value("SELECT bool_and(connected) FROM outbox.workers")
@@ -533,7 +533,7 @@ def test_a_cluster_node_killed_mid_drain_loses_nothing(redis_server):
         url = ";".join(f"amqp://guest:guest@127.0.0.1:{n.port}//" for n in nodes)
         pg = new_cluster(redis_server.url, broker_url=url, amqp_queue_type="quorum", batch_size=500,
                      max_batch_bytes="64kB", reconnect_delay_min="100ms", reconnect_delay_max="1s",
-                     redis_timeout="5s", report_key="", enabled="off")
+                     broker_timeout="5s", report_key="", enabled="off")
         try:
             pg.install()
             ids = []

@@ -144,7 +144,7 @@ def postmaster_pid(pg):
 @pytest.mark.parametrize("mode", ["bulk", "array", "nested", "drip", "extra", "garbage"])
 def test_a_misbehaving_broker_is_dropped_within_bounds(redis_server, mode):
     fake = FakeRedis(mode)
-    pg = Cluster(fake.url, redis_timeout="2s", reconnect_delay_min="200ms", reconnect_delay_max="500ms",
+    pg = Cluster(fake.url, broker_timeout="2s", reconnect_delay_min="200ms", reconnect_delay_max="500ms",
                  heartbeat_interval="1s")
     try:
         pg.sql("CREATE EXTENSION outbox_dispatch")
@@ -159,7 +159,7 @@ def test_a_misbehaving_broker_is_dropped_within_bounds(redis_server, mode):
             peak = max(peak, rss_kb(pid))
             time.sleep(0.1)
         assert peak < RSS_BOUND_KB, f"{peak} kB resident"
-        expected = "did not answer within outbox.redis_timeout" if mode == "drip" else "protocol error"
+        expected = "did not answer within outbox.broker_timeout" if mode == "drip" else "protocol error"
         wait_until(lambda: expected in pg.log_text(), message=f"{expected!r} in the log")
         assert pg.count("failed") == 0
 

@@ -196,7 +196,7 @@ def test_no_wake_is_lost_across_pauses_reloads_and_brief_locks(redis_server):
 def test_a_reload_during_a_push_takes_effect_before_the_backlog_is_drained(redis_server):
     """A reload that comes while a push waits on Redis is performed there;
     the drain then stops to apply it, as it stops for one it sees."""
-    pg = new_cluster(redis_server.url, batch_size=500, redis_timeout="10s")
+    pg = new_cluster(redis_server.url, batch_size=500, broker_timeout="10s")
     client = redis_server.client()
     try:
         pg.install()

@@ -19,7 +19,7 @@ SLOW_WAL_WRITER = {"wal_writer_delay": "'10s'", "wal_writer_flush_after": 0}
 
 def test_a_crash_after_a_batch_is_made_does_not_change_its_task_id():
     server = Redis()
-    pg = Cluster(server.url, server_conf=SLOW_WAL_WRITER, redis_timeout="30s")
+    pg = Cluster(server.url, server_conf=SLOW_WAL_WRITER, broker_timeout="30s")
     try:
         pg.sql("CREATE EXTENSION outbox_dispatch")
         pg.wait_idle()

@@ -38,7 +38,7 @@ def kafka():
 @pytest.fixture(scope="module")
 def kafka_cluster(kafka, redis_server):
     with installed_cluster(redis_server.url, broker_url=kafka.url, kafka_topic="{queue}",
-                           reconnect_delay_min="200ms", reconnect_delay_max="1s", redis_timeout="3s",
+                           reconnect_delay_min="200ms", reconnect_delay_max="1s", broker_timeout="3s",
                            heartbeat_interval="1s") as pg:
         yield pg
 
@@ -180,7 +180,7 @@ def test_a_garbage_peer_costs_bounded_memory_and_a_prompt_shutdown(ob, kafka):
     # at once when asked (SIGTERM).
     peer = GarbagePeer(struct.pack(">i", 1_000_000), b"\x00", pause=0.01)
     try:
-        ob.configure(broker_url=f"kafka://127.0.0.1:{peer.port}", redis_timeout="60s")
+        ob.configure(broker_url=f"kafka://127.0.0.1:{peer.port}", broker_timeout="60s")
         wait_until(lambda: peer.sent > 200, message="the drip under way")
         pid = dispatcher_pid(ob)
         started = time.monotonic()
@@ -216,7 +216,7 @@ def test_an_event_that_makes_a_bad_topic_name_fails_alone(ob, kafka):
 
 
 def test_a_frozen_broker_spends_no_retry_and_loses_nothing(ob, kafka):
-    ob.configure(redis_timeout="1s", batch_size="50")
+    ob.configure(broker_timeout="1s", batch_size="50")
     name = topic(kafka, "frozen")
     stop = threading.Event()
 
@@ -394,7 +394,7 @@ def test_sasl_is_spoken_and_a_refusal_is_clear(redis_server, mechanism):
         secret.write_text("Wr0ng-pw\n")
         secret.chmod(0o644)
         pg = new_cluster(redis_server.url, broker_url=f"kafka://outbox@{broker.address}", kafka_topic="{queue}",
-                         kafka_sasl_mechanism=mechanism, redis_password_file=str(secret),
+                         kafka_sasl_mechanism=mechanism, broker_password_file=str(secret),
                          reconnect_delay_min="200ms", reconnect_delay_max="1s")
         pg.install()
         ids = enqueue(pg, 5, "secured")

@@ -76,7 +76,7 @@ def test_a_storm_of_commits_is_delivered_in_far_fewer_batches(outbox, redis_serv
 
 
 def test_stuck_claims_return_to_pending_and_are_delivered(outbox, redis_server):
-    outbox.configure(processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms", max_payload_bytes="10kB",
+    outbox.configure(processing_timeout="2s", sweep_interval="1s", broker_timeout="200ms", max_payload_bytes="10kB",
                      enabled="off")
     wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
     rescued_before = outbox.metric("outbox_stuck_rescued_total")
@@ -97,7 +97,7 @@ def test_a_stream_that_never_empties_the_line_does_not_hold_off_the_sweepers(out
     so the drain never ends on an empty one: the sweepers still run
     between its pushes, and a stuck claim comes back while the stream
     lasts."""
-    outbox.configure(linger="1s", processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms",
+    outbox.configure(linger="1s", processing_timeout="2s", sweep_interval="1s", broker_timeout="200ms",
                      max_payload_bytes="10kB", enabled="off")
     wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
     ids = [str(r[0]) for r in outbox.sql(
@@ -131,7 +131,7 @@ def test_an_abandoned_claim_sends_again_neither_what_was_acknowledged_nor_a_coun
     after its key's next), and counts no send: whether the push reached the
     broker is unknown, and a crash loop must not spend
     outbox.max_redeliveries."""
-    outbox.configure(processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms", max_payload_bytes="10kB",
+    outbox.configure(processing_timeout="2s", sweep_interval="1s", broker_timeout="200ms", max_payload_bytes="10kB",
                      enabled="off")
     wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
     ids = [str(r[0]) for r in outbox.sql(
@@ -156,7 +156,7 @@ def test_an_acknowledgement_the_stuck_sweeper_races_is_never_undone(outbox, redi
     push got through). The sweeper decides what goes back in line after it
     holds the batches: it sees the acknowledgement, and the event is not
     sent again."""
-    outbox.configure(processing_timeout="2s", sweep_interval="1s", redis_timeout="200ms", max_payload_bytes="10kB",
+    outbox.configure(processing_timeout="2s", sweep_interval="1s", broker_timeout="200ms", max_payload_bytes="10kB",
                      enabled="off")
     wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
     # Nothing of earlier tests for the sweeper to take first.
@@ -219,7 +219,7 @@ def persistent_redis():
 
 def test_redis_outage_loses_nothing_and_spends_no_retries(persistent_redis):
     pg = new_cluster(persistent_redis.url, reconnect_delay_min="200ms", reconnect_delay_max="1s",
-                 redis_timeout="1s", heartbeat_interval="1s")
+                 broker_timeout="1s", heartbeat_interval="1s")
     try:
         pg.install()
         stop = threading.Event()

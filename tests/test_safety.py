@@ -74,7 +74,7 @@ def test_an_application_role_can_enqueue_and_nothing_more(outbox, roles, redis_s
                   "DELETE FROM outbox.events", "TABLE outbox.status", "TABLE outbox.dead_letters",
                   "SELECT outbox_retry_failed()", "SELECT outbox_wake()",
                   "SELECT outbox_ack(gen_random_uuid())", "SHOW outbox.redis_url",
-                  "SHOW outbox.redis_password_file"]:
+                  "SHOW outbox.broker_password_file", "SHOW outbox.redis_password_file"]:
         denied(outbox, "outbox_app", query)
 
 
@@ -159,7 +159,7 @@ def test_a_wrong_password_is_reported_without_leaking_and_recovers(outbox, secre
     server = Redis(password="right-horse-battery")
     try:
         password_file = public_file(secrets_dir, "redis-password", "wrong-staple-42\n")
-        outbox.configure(redis_url=f"redis://127.0.0.1:{server.port}/0", redis_password_file=str(password_file),
+        outbox.configure(redis_url=f"redis://127.0.0.1:{server.port}/0", broker_password_file=str(password_file),
                          reconnect_delay_min="200ms", reconnect_delay_max="500ms")
         wait_until(lambda: "auth" in (outbox.value("SELECT last_error FROM outbox.workers") or "").lower(),
                    message="the authentication failure")
@@ -182,7 +182,7 @@ def test_an_acl_user_from_the_url_with_its_password_from_a_file(outbox, secrets_
                                     commands=["+@all"])
         password_file = public_file(secrets_dir, "acl-password", "acl-secret\n")
         outbox.configure(redis_url=f"redis://outbox@127.0.0.1:{server.port}/0",
-                         redis_password_file=str(password_file))
+                         broker_password_file=str(password_file))
         event_id = outbox.value("SELECT outbox_enqueue('acl', '{}', queue => 'q_acl')")
         wait_until(lambda: queued_ids(server.client(), "q_acl") == [str(event_id)], message="delivery as ACL user")
         assert_secret_hidden(outbox, "acl-secret")
@@ -246,7 +246,8 @@ def test_a_password_with_any_character_is_never_shown(outbox, roles, redis_serve
 
 
 def test_redis_settings_are_hidden_from_ordinary_roles(outbox, roles):
-    for setting in ("outbox.broker_url", "outbox.redis_url", "outbox.redis_password_file"):
+    for setting in ("outbox.broker_url", "outbox.redis_url", "outbox.broker_password_file",
+                    "outbox.redis_password_file"):
         denied(outbox, "outbox_nobody", f"SHOW {setting}")
         denied(outbox, "outbox_nobody", "SELECT current_setting(%s)", (setting,))
         with as_role(outbox, "outbox_nobody") as conn:
@@ -270,13 +271,13 @@ def tls_redis(tls_files):
 
 def test_tls_with_a_trusted_ca_delivers_and_an_untrusted_one_is_refused(outbox, tls_files, tls_redis):
     url = tls_redis.url
-    outbox.configure(redis_url=url, redis_tls_ca_file=str(tls_files / "other-ca.pem"),
+    outbox.configure(redis_url=url, broker_tls_ca_file=str(tls_files / "other-ca.pem"),
                      reconnect_delay_min="200ms", reconnect_delay_max="500ms")
     wait_until(lambda: "certificate" in (outbox.value("SELECT last_error FROM outbox.workers") or "").lower(),
                message="the untrusted certificate refused")
     assert outbox.value("SELECT connected FROM outbox.workers") is False
 
-    outbox.configure(redis_url=url, redis_tls_ca_file=str(tls_files / "ca.pem"))
+    outbox.configure(redis_url=url, broker_tls_ca_file=str(tls_files / "ca.pem"))
     event_id = outbox.value("SELECT outbox_enqueue('tls', '{}', queue => 'q_tls')")
     wait_until(lambda: queued_ids(tls_redis.client(), "q_tls") == [str(event_id)], message="delivery over TLS")
 

@@ -4,6 +4,8 @@ setting, its default and its context, and no other."""
 import re
 from pathlib import Path
 
+from harness import Cluster, wait_until
+
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 UNITS = {"B": 1, "kB": 1024, "MB": 1024 ** 2, "GB": 1024 ** 3,
          "ms": 1, "s": 1000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -49,3 +51,26 @@ def test_the_readme_settings_table_matches_the_server(cluster):
             assert boot in ("", None), name
         else:
             assert default == boot, f"{name}: {default} vs {boot}"
+
+
+def test_a_former_name_is_read_while_the_new_one_is_unset_and_warned_of_once(redis_server):
+    """`outbox.redis_timeout`, `outbox.redis_password_file` and
+    `outbox.redis_tls_ca_file` became `outbox.broker_*`: the former names
+    still work, each dispatcher says once that they are deprecated (not at
+    every reload), and the new name, once set, wins."""
+    pg = Cluster(redis_server.url, redis_timeout="7s")
+    try:
+        pg.install()
+        wait_until(lambda: "broker_timeout=7s" in pg.log_text(), message="the former name read")
+        pg.configure(batch_size=50)
+        wait_until(lambda: "batch_size=50" in pg.log_text(), message="the reload")
+        pg.configure(broker_timeout="3s")
+        wait_until(lambda: "broker_timeout=3s" in pg.log_text(), message="the new name read")
+        # A dispatcher that found no extension yet (before install) was
+        # the first process: one warning each, none at a reload.
+        warned = re.findall(r"\[(\d+)\] WARNING:  outbox dispatcher 0: outbox.redis_timeout is deprecated.*"
+                            r"set outbox.broker_timeout instead", pg.log_text())
+        reloaded = re.findall(r"\[(\d+)\] LOG:  outbox dispatcher 0 reloaded its settings", pg.log_text())
+        assert reloaded and len(warned) == len(set(warned)) and reloaded[-1] in warned, (warned, reloaded)
+    finally:
+        pg.close()

@@ -94,10 +94,10 @@ def test_a_broker_password_in_the_environment_is_never_printed_and_a_silent_brok
     secret = "S3CRET-in-the-env"
     silent = SilentBroker()
     try:
-        set_setting(server, db, "outbox.redis_timeout", "1s")
+        set_setting(server, db, "outbox.broker_timeout", "1s")
         ids = enqueue(server, db, "q_silent", 3)
         sidecar = sidecars(server, db, env={"OUTBOX_BROKER_URL": f"redis://:{secret}@127.0.0.1:{silent.port}/0"})
-        wait_until(lambda: "outbox.redis_timeout" in last_error(server, db), timeout=60,
+        wait_until(lambda: "outbox.broker_timeout" in last_error(server, db), timeout=60,
                    message="the timeout shown", seen=lambda: workers(server, db))
         status, took = sidecar.stop()
         assert status == 0 and took < 10, (status, took)
@@ -212,7 +212,7 @@ def test_a_push_the_broker_holds_up_shows_within_a_second_or_two(server, db, red
     does shows as the broker holds it up. Redis pauses writes just after
     a delivery (the row written idle a moment before): the row shows the
     dispatcher draining within seconds, not once the push is done."""
-    set_setting(server, db, "outbox.redis_timeout", "60s")
+    set_setting(server, db, "outbox.broker_timeout", "60s")
     sidecars(server, db, broker=redis_server.url)
     serving(server, db)
     client = redis_server.client()

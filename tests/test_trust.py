@@ -141,15 +141,15 @@ def test_a_hostile_database_owner_gains_nothing_and_events_still_flow(redis_serv
 def test_a_silent_broker_times_out_a_reload_recovers_and_shutdown_is_prompt(redis_server, scheme):
     silent = SilentBroker()
     silent_url = f"{scheme}://:secret@127.0.0.1:{silent.port}/0"
-    pg = Cluster(silent_url, redis_timeout="2s", reconnect_delay_min="100ms", reconnect_delay_max="200ms")
+    pg = Cluster(silent_url, broker_timeout="2s", reconnect_delay_min="100ms", reconnect_delay_max="200ms")
     try:
         pg.sql("CREATE EXTENSION outbox_dispatch")
-        wait_until(lambda: "within outbox.redis_timeout" in (pg.value("SELECT last_error FROM outbox.workers") or ""),
+        wait_until(lambda: "within outbox.broker_timeout" in (pg.value("SELECT last_error FROM outbox.workers") or ""),
                    timeout=30, message="last_error to say timeout")
         assert pg.metric("outbox_reconnects_total", reason="timeout") >= 1
         # A long timeout now: the dispatcher sits in a connect for a minute
         # unless a reload or a shutdown reaches it.
-        pg.configure(redis_timeout="60s")
+        pg.configure(broker_timeout="60s")
         time.sleep(3)
         queue = f"q_silent_{scheme}"
         ids = enqueue(pg, 3, queue)
@@ -376,7 +376,7 @@ def test_a_broker_without_persistence_is_reported_once(outbox):
 # -- claims and sizes ----------------------------------------------------------------
 
 def test_a_stale_holder_cannot_record_an_outcome_for_a_claim_it_lost(outbox, redis_server):
-    outbox.configure(redis_timeout="30s")
+    outbox.configure(broker_timeout="30s")
     outbox.wait_idle()
     client = redis_server.client()
     client.execute_command("CLIENT", "PAUSE", 4000, "WRITE")
@@ -440,6 +440,6 @@ def test_a_database_that_is_not_utf8_is_refused_clearly(cluster):
 
 
 def test_a_processing_timeout_shorter_than_a_push_is_raised_and_said(outbox):
-    outbox.configure(processing_timeout="1s", redis_timeout="5s")
+    outbox.configure(processing_timeout="1s", broker_timeout="5s")
     wait_until(lambda: "outbox.processing_timeout (1s) is shorter than the longest push" in outbox.log_text(),
                message="the warning")

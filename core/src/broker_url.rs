@@ -303,7 +303,7 @@ fn check_query(url: &Url) -> Result<bool, String> {
             ("ssl_cert_reqs", _) => {
                 return Err(
                     "ssl_cert_reqs other than required is not supported: the server's certificate is \
-                            always verified (outbox.redis_tls_ca_file names the authorities to trust)"
+                            always verified (outbox.broker_tls_ca_file names the authorities to trust)"
                         .into(),
                 )
             }

@@ -94,14 +94,14 @@ const fn choice(name: &'static str, names: &'static [&'static str]) -> Declared 
 
 /// Every setting, one line each.
 #[rustfmt::skip]
-pub const DECLARED: [Declared; 44] = [
+pub const DECLARED: [Declared; 47] = [
     int("outbox.workers", 1, 0, MAX_WORKERS, Unit::None),
     text("outbox.database", c"postgres"),
     flag("outbox.enabled", true),
     text("outbox.broker_url", c""),
     text("outbox.redis_url", c"redis://127.0.0.1:6379/0"),
-    text("outbox.redis_password_file", c""),
-    text("outbox.redis_tls_ca_file", c""),
+    text("outbox.broker_password_file", c""),
+    text("outbox.broker_tls_ca_file", c""),
     text("outbox.redis_sentinel_master", c""),
     text("outbox.redis_sentinel_password_file", c""),
     int("outbox.redis_wait_replicas", 0, 0, 16, Unit::None),
@@ -117,7 +117,7 @@ pub const DECLARED: [Declared; 44] = [
     int("outbox.retry_backoff", 1_000, 0, HOUR_MS, Unit::Ms),
     int("outbox.reconnect_delay_min", 3_000, 10, HOUR_MS, Unit::Ms),
     int("outbox.reconnect_delay_max", 10_000, 10, HOUR_MS, Unit::Ms),
-    int("outbox.redis_timeout", 5_000, 100, 600_000, Unit::Ms),
+    int("outbox.broker_timeout", 5_000, 100, 600_000, Unit::Ms),
     int("outbox.processing_timeout", 300, 1, DAY_S, Unit::S),
     int("outbox.ack_timeout", 0, 0, 30 * DAY_S, Unit::S),
     int("outbox.max_redeliveries", 5, 0, 1000, Unit::None),
@@ -139,6 +139,20 @@ pub const DECLARED: [Declared; 44] = [
     text("outbox.kafka_topic", c"outbox.event.{event_type}"),
     flag("outbox.kafka_tombstones", false),
     choice("outbox.kafka_sasl_mechanism", &["plain", "scram-sha-256", "scram-sha-512"]),
+    // The former names of [`RENAMED`]'s settings, as they were.
+    int("outbox.redis_timeout", 5_000, 100, 600_000, Unit::Ms),
+    text("outbox.redis_password_file", c""),
+    text("outbox.redis_tls_ca_file", c""),
+];
+
+/// Settings renamed when they came to serve every broker: (former name,
+/// name). The former stays declared, deprecated: it is read while the new
+/// one is at its default and it is not, and a dispatcher that reads it says
+/// so once.
+pub const RENAMED: [(&str, &str); 3] = [
+    ("outbox.redis_timeout", "outbox.broker_timeout"),
+    ("outbox.redis_password_file", "outbox.broker_password_file"),
+    ("outbox.redis_tls_ca_file", "outbox.broker_tls_ca_file"),
 ];
 
 /// The declaration of `name`.

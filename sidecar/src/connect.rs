@@ -96,3 +96,32 @@ pub fn chain(error: &(dyn Error + 'static)) -> String {
     }
     text
 }
+
+/// Pins what every statement of the sidecar relies on, whatever the
+/// database's and the role's settings say.
+pub fn pin_session(client: &mut Client) -> Result<(), String> {
+    client
+        .batch_execute(
+            "SET search_path = pg_catalog, pg_temp; \
+             SET synchronous_commit = off; \
+             SET lock_timeout = '1s'; \
+             SET statement_timeout = 0; \
+             SET idle_in_transaction_session_timeout = 0; \
+             SET idle_session_timeout = 0; \
+             SET exit_on_error = off; \
+             SET default_transaction_isolation = 'read committed'; \
+             SET default_transaction_read_only = off; \
+             SET enable_bitmapscan = off; \
+             SET enable_sort = off; \
+             SET jit = off; \
+             SET DateStyle = 'ISO, YMD'; \
+             SET IntervalStyle = postgres; \
+             SET TimeZone = 'UTC'; \
+             SET application_name = 'outbox-dispatch'; \
+             SET outbox.notify = off; \
+             SET outbox.dispatching = on; \
+             SELECT pg_catalog.set_config('transaction_timeout', '0', false) \
+              WHERE pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 170000",
+        )
+        .map_err(|e| chain(&e))
+}

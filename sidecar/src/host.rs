@@ -46,6 +46,10 @@ const TURN_CHECK: Duration = Duration::from_secs(1);
 /// A turn's lock unused this long is given back.
 const TURN_IDLE: Duration = Duration::from_secs(2);
 
+/// The exit status when the outbox is not installed, is installed at
+/// another release, or the extension serves the database.
+pub const EXIT_NOT_INSTALLED: i32 = 3;
+
 /// What the threads of one process share.
 pub struct Process {
     pub counters: Counters,
@@ -271,7 +275,7 @@ impl Control {
                 return None;
             }
             let connected = self.connector.connect(CONTROL_TIMEOUT).and_then(|mut c| {
-                crate::run::pin_session(&mut c)?;
+                crate::connect::pin_session(&mut c)?;
                 c.batch_execute(&format!("SET statement_timeout = {}", CONTROL_TIMEOUT.as_millis()))
                     .map_err(|e| crate::connect::chain(&e))?;
                 Ok(c)
@@ -300,6 +304,11 @@ impl Control {
             }
         }
     }
+}
+
+/// Rings every bell for a wake of `source`.
+pub fn wake_all(bells: &[Arc<Bell>], source: WakeSource) {
+    bells.iter().for_each(|b| b.wake(source));
 }
 
 /// How the process reaches one thread: the flags it sets, and a pipe whose
@@ -754,6 +763,6 @@ impl Host for Sidecar {
             "the outbox is no longer installed in the database (or the extension was created there): \
              outbox-dispatch run stops",
         );
-        std::process::exit(crate::run::EXIT_NOT_INSTALLED)
+        std::process::exit(EXIT_NOT_INSTALLED)
     }
 }

@@ -13,10 +13,9 @@ use postgres::fallible_iterator::FallibleIterator;
 use outbox_core::backoff;
 use outbox_core::metrics::WakeSource;
 
-use crate::connect::{chain, Connector};
-use crate::host::{Bell, Process};
+use crate::connect::{chain, pin_session, Connector};
+use crate::host::{wake_all, Bell, Process};
 use crate::log;
-use crate::run::{pin_session, wake_all};
 
 /// The channel `outbox_wake()` notifies.
 const WAKE_CHANNEL: &str = "outbox_dispatch_wake";

@@ -62,7 +62,7 @@ usage: outbox-dispatch install [--dsn DSN] [--schema NAME] [--tls-ca-file PATH]
                       nowhere by default
   --broker-password-file, --broker-tls-ca-file, --sentinel-password-file
                       (or OUTBOX_BROKER_PASSWORD_FILE, ...): as
-                      outbox.redis_password_file, outbox.redis_tls_ca_file
+                      outbox.broker_password_file, outbox.broker_tls_ca_file
                       and outbox.redis_sentinel_password_file
   --config FILE       a TOML file of what the environment may say (or
                       OUTBOX_CONFIG): a key per variable in lower case
@@ -298,7 +298,7 @@ mod tests {
         assert_eq!(config.poll_interval, Duration::from_secs(1));
         let own: std::collections::HashMap<_, _> = config.own.into_iter().collect();
         assert_eq!(own["outbox.broker_url"], "amqp://h");
-        assert_eq!(own["outbox.redis_password_file"], "/run/secret");
+        assert_eq!(own["outbox.broker_password_file"], "/run/secret");
         let Ok(Command::Run(config)) = parse(&args("run"), &env) else { panic!("run parses") };
         assert_eq!(config.poll_interval, Duration::from_secs(1));
         assert_eq!(config.dispatchers, 1);
@@ -328,8 +328,8 @@ mod tests {
         assert_eq!(config.metrics_listen.as_deref(), Some("file:metrics_listen"));
         let own: HashMap<_, _> = config.own.into_iter().collect();
         assert_eq!(own["outbox.broker_url"], "redis://env");
-        assert_eq!(own["outbox.redis_password_file"], "file:broker_password_file");
-        assert_eq!(own["outbox.redis_tls_ca_file"], "file:broker_tls_ca_file");
+        assert_eq!(own["outbox.broker_password_file"], "file:broker_password_file");
+        assert_eq!(own["outbox.broker_tls_ca_file"], "file:broker_tls_ca_file");
         assert_eq!(own["outbox.redis_sentinel_password_file"], "file:sentinel_password_file");
         assert!(configured(&args("run --config=/nonexistent/x.toml"), &none)
             .unwrap_err()

@@ -22,16 +22,12 @@ use postgres::Client;
 use outbox_core::backoff;
 use outbox_core::engine::{self, Dispatcher, Host, Settings, State};
 use outbox_core::guc;
-use outbox_core::metrics::WakeSource;
 
-use crate::connect::{chain, Connector};
-use crate::host::{squatters, Bell, Process, Sidecar, DISPATCHER_LOCKS, LOCK_CLASS};
+use crate::connect::{chain, pin_session, Connector};
+use crate::host::{squatters, Bell, Process, Sidecar, DISPATCHER_LOCKS, EXIT_NOT_INSTALLED, LOCK_CLASS};
 use crate::store::{PgDb, Watchdog};
 use crate::{log, metrics, script};
 
-/// The exit status when the outbox is not installed, is installed at
-/// another release, or the extension serves the database.
-pub const EXIT_NOT_INSTALLED: i32 = 3;
 /// The most dispatchers one database's sidecars may run together.
 const MAX_DISPATCHERS: i32 = 1000;
 /// How long a connection attempt may take.
@@ -62,47 +58,19 @@ pub struct RunConfig {
 /// option, environment variable and setting.
 pub const OWN_SETTINGS: [(&str, &str, &str); 4] = [
     ("--broker-url", "OUTBOX_BROKER_URL", "outbox.broker_url"),
-    ("--broker-password-file", "OUTBOX_BROKER_PASSWORD_FILE", "outbox.redis_password_file"),
-    ("--broker-tls-ca-file", "OUTBOX_BROKER_TLS_CA_FILE", "outbox.redis_tls_ca_file"),
+    ("--broker-password-file", "OUTBOX_BROKER_PASSWORD_FILE", "outbox.broker_password_file"),
+    ("--broker-tls-ca-file", "OUTBOX_BROKER_TLS_CA_FILE", "outbox.broker_tls_ca_file"),
     ("--sentinel-password-file", "OUTBOX_SENTINEL_PASSWORD_FILE", "outbox.redis_sentinel_password_file"),
 ];
 
 /// Whether the setting `name` is the sidecar's own, never the database's:
-/// those of [`OWN_SETTINGS`], and `outbox.redis_url`, the former name of
-/// `outbox.broker_url`, whose default stands when no URL is given (the
-/// database must not choose where the events, and the broker's password,
-/// go).
+/// those of [`OWN_SETTINGS`] and their former names, and `outbox.redis_url`,
+/// the former name of `outbox.broker_url`, whose default stands when no URL
+/// is given (the database must not choose where the events, and the
+/// broker's password, go).
 fn is_own(name: &str) -> bool {
+    let name = guc::RENAMED.iter().find(|(former, _)| *former == name).map_or(name, |(_, new)| new);
     name == "outbox.redis_url" || OWN_SETTINGS.iter().any(|(_, _, setting)| *setting == name)
-}
-
-/// Pins what every statement of the sidecar relies on, whatever the
-/// database's and the role's settings say.
-pub fn pin_session(client: &mut Client) -> Result<(), String> {
-    client
-        .batch_execute(
-            "SET search_path = pg_catalog, pg_temp; \
-             SET synchronous_commit = off; \
-             SET lock_timeout = '1s'; \
-             SET statement_timeout = 0; \
-             SET idle_in_transaction_session_timeout = 0; \
-             SET idle_session_timeout = 0; \
-             SET exit_on_error = off; \
-             SET default_transaction_isolation = 'read committed'; \
-             SET default_transaction_read_only = off; \
-             SET enable_bitmapscan = off; \
-             SET enable_sort = off; \
-             SET jit = off; \
-             SET DateStyle = 'ISO, YMD'; \
-             SET IntervalStyle = postgres; \
-             SET TimeZone = 'UTC'; \
-             SET application_name = 'outbox-dispatch'; \
-             SET outbox.notify = off; \
-             SET outbox.dispatching = on; \
-             SELECT pg_catalog.set_config('transaction_timeout', '0', false) \
-              WHERE pg_catalog.current_setting('server_version_num')::pg_catalog.int4 >= 170000",
-        )
-        .map_err(|e| chain(&e))
 }
 
 /// Why a database is not served.
@@ -514,9 +482,4 @@ fn next_signal(signals: &libc::sigset_t, timeout: Duration) -> Option<i32> {
     // SAFETY: a blocked set, a timeout; no siginfo wanted.
     let signal = unsafe { libc::sigtimedwait(signals, std::ptr::null_mut(), &timeout) };
     (signal > 0).then_some(signal)
-}
-
-/// Rings every bell for a wake of `source`.
-pub fn wake_all(bells: &[Arc<Bell>], source: WakeSource) {
-    bells.iter().for_each(|b| b.wake(source));
 }

@@ -111,8 +111,9 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
 SELECT CASE
-    WHEN name = ANY (ARRAY['outbox.broker_url', 'outbox.redis_url', 'outbox.redis_password_file',
-                           'outbox.redis_sentinel_password_file', 'outbox.redis_tls_ca_file']) THEN 'sidecar'
+    WHEN name = ANY (ARRAY['outbox.broker_url', 'outbox.redis_url', 'outbox.broker_password_file',
+                           'outbox.redis_password_file', 'outbox.redis_sentinel_password_file',
+                           'outbox.broker_tls_ca_file', 'outbox.redis_tls_ca_file']) THEN 'sidecar'
     WHEN name = ANY (ARRAY['outbox.workers', 'outbox.database']) THEN 'library'
     WHEN name = ANY (ARRAY['outbox.default_queue', 'outbox.notify', 'outbox.notify_channel']) THEN 'session'
     WHEN name = 'outbox.moving' THEN 'internal'
@@ -120,13 +121,14 @@ SELECT CASE
                            'outbox.redis_key_prefix', 'outbox.priority_steps', 'outbox.priority_separator',
                            'outbox.batch_size', 'outbox.max_batch_bytes', 'outbox.poll_interval',
                            'outbox.linger', 'outbox.max_retries', 'outbox.retry_backoff',
-                           'outbox.reconnect_delay_min', 'outbox.reconnect_delay_max', 'outbox.redis_timeout',
+                           'outbox.reconnect_delay_min', 'outbox.reconnect_delay_max', 'outbox.broker_timeout',
                            'outbox.processing_timeout', 'outbox.ack_timeout', 'outbox.max_redeliveries',
                            'outbox.statement_timeout', 'outbox.sweep_interval', 'outbox.retention',
                            'outbox.lifecycle_interval', 'outbox.heartbeat_interval', 'outbox.report_key',
                            'outbox.report_timeout', 'outbox.max_payload_bytes', 'outbox.inbox_retention',
                            'outbox.amqp_queue_type', 'outbox.amqp_max_priority', 'outbox.key_on_failure',
-                           'outbox.kafka_topic', 'outbox.kafka_tombstones', 'outbox.kafka_sasl_mechanism'])
+                           'outbox.kafka_topic', 'outbox.kafka_tombstones', 'outbox.kafka_sasl_mechanism',
+                           'outbox.redis_timeout'])
         THEN 'database'
 END
 $$;

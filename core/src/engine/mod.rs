@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::backoff;
 use crate::broker_url;
+use crate::guc;
 use crate::metrics::{Counter, Counters, WakeSource};
 use crate::store::{Claim, Home, Outcome, Store, StoreError};
 use broker::Broker;
@@ -54,6 +55,8 @@ pub struct Dispatcher<H: Host> {
     store_retry_at: Option<Instant>,
     housekeeping: housekeeping::Schedule,
     reports: reports::Collector,
+    /// The deprecated settings this dispatcher has warned of (once each).
+    deprecation_told: Vec<&'static str>,
     /// When the last claim that took every event in line began: the next
     /// lingers until `outbox.linger` after it.
     drained_at: Option<Instant>,
@@ -96,6 +99,7 @@ impl<H: Host> Dispatcher<H> {
             store_retry_at: None,
             housekeeping: housekeeping::Schedule::new(),
             reports: reports::Collector::new(),
+            deprecation_told: Vec::new(),
             drained_at: None,
             drain_at: Instant::now(),
         }
@@ -116,12 +120,22 @@ impl<H: Host> Dispatcher<H> {
         }
     }
 
-    pub fn log_start(&self) {
+    pub fn log_start(&mut self) {
+        for (former, new) in guc::RENAMED {
+            if self.settings.deprecated.contains(&former) && !self.deprecation_told.contains(&former) {
+                self.host.warning(&format!(
+                    "outbox dispatcher {}: {former} is deprecated, and read because {new} is not set: \
+                     set {new} instead",
+                    self.index
+                ));
+                self.deprecation_told.push(former);
+            }
+        }
         let s = &self.settings;
         if let Some(set) = s.processing_timeout_set {
             self.host.warning(&format!(
                 "outbox dispatcher {}: outbox.processing_timeout ({}s) is shorter than the longest push \
-                 (outbox.redis_timeout per round trip of outbox.batch_size events of outbox.max_payload_bytes, \
+                 (outbox.broker_timeout per round trip of outbox.batch_size events of outbox.max_payload_bytes, \
                  outbox.max_batch_bytes per round trip); using {}s",
                 self.index,
                 set.as_secs(),
@@ -136,9 +150,9 @@ impl<H: Host> Dispatcher<H> {
             ));
         }
         self.host.log(&format!(
-            "outbox_dispatcher_starting worker={} database={} broker_url={} redis_password_file={:?} \
-             redis_tls_ca_file={:?} enabled={} batch_size={} max_batch_bytes={} \
-             poll_interval={:?} max_retries={} retry_backoff={:?} redis_timeout={:?} \
+            "outbox_dispatcher_starting worker={} database={} broker_url={} broker_password_file={:?} \
+             broker_tls_ca_file={:?} enabled={} batch_size={} max_batch_bytes={} \
+             poll_interval={:?} max_retries={} retry_backoff={:?} broker_timeout={:?} \
              reconnect_delay={:?}..{:?} heartbeat_interval={:?} processing_timeout={:?} \
              ack_timeout={:?} max_redeliveries={} statement_timeout={:?} sweep_interval={:?} retention={:?} lifecycle_interval={:?} \
              report_key={:?} redis_sentinel_master={:?} redis_wait_replicas={} redis_key_prefix={:?} \

@@ -52,6 +52,9 @@ pub struct Settings {
     pub batch_budget: i64,
     /// When a head lets its key go.
     pub keys: KeyPolicy,
+    /// The former names of renamed settings read in place of their new
+    /// ones ([`guc::RENAMED`]).
+    pub deprecated: Vec<&'static str>,
 }
 
 impl Settings {
@@ -67,10 +70,30 @@ impl Settings {
 struct Values<'a> {
     text: &'a dyn Fn(&str) -> Option<String>,
     invalid: Vec<Invalid>,
+    deprecated: Vec<&'static str>,
 }
 
 impl Values<'_> {
+    /// The value of `name`; for a renamed one at its default, its former
+    /// name's while that is not.
     fn get(&mut self, name: &str) -> Parsed {
+        let value = self.parse(name);
+        let Some(&(former, _)) = guc::RENAMED.iter().find(|(_, new)| *new == name) else {
+            return value;
+        };
+        let default = guc::declared(name).map(|d| d.default());
+        if Some(&value) != default.as_ref() {
+            return value;
+        }
+        let earlier = self.parse(former);
+        if Some(&earlier) == default.as_ref() {
+            return value;
+        }
+        self.deprecated.push(former);
+        earlier
+    }
+
+    fn parse(&mut self, name: &str) -> Parsed {
         let declared = guc::declared(name).unwrap_or_else(|| panic!("{name} is not declared"));
         match (self.text)(name) {
             None => declared.default(),
@@ -128,14 +151,14 @@ impl Settings {
     /// not set), for the database of OID `database_oid`; with the values
     /// refused, each replaced by its default.
     pub fn read(text: &dyn Fn(&str) -> Option<String>, database_oid: u32) -> (Settings, Vec<Invalid>) {
-        let mut v = Values { text, invalid: Vec::new() };
+        let mut v = Values { text, invalid: Vec::new(), deprecated: Vec::new() };
         let broker = BrokerConfig {
             url: Some(v.text("outbox.broker_url"))
                 .filter(|url| !url.is_empty())
                 .unwrap_or_else(|| v.text("outbox.redis_url")),
-            timeout: v.millis("outbox.redis_timeout"),
-            tls_ca_file: v.path("outbox.redis_tls_ca_file"),
-            password_file: v.path("outbox.redis_password_file"),
+            timeout: v.millis("outbox.broker_timeout"),
+            tls_ca_file: v.path("outbox.broker_tls_ca_file"),
+            password_file: v.path("outbox.broker_password_file"),
             max_batch_bytes: v.int("outbox.max_batch_bytes").max(1) as usize * 1024,
             sentinel_master: v.text("outbox.redis_sentinel_master"),
             sentinel_password_file: v.path("outbox.redis_sentinel_password_file"),
@@ -204,6 +227,7 @@ impl Settings {
                 failed: v.choice("outbox.key_on_failure") == 1,
             },
             broker,
+            deprecated: v.deprecated,
         };
         (settings, v.invalid)
     }
@@ -290,5 +314,21 @@ mod tests {
         assert_eq!(s.processing_timeout_set, Some(Duration::from_secs(1)));
         assert!(s.processing_timeout > Duration::from_secs(1));
         assert_eq!(s.pause_limit, Duration::ZERO);
+    }
+
+    #[test]
+    fn a_former_name_is_read_while_the_new_one_is_at_its_default() {
+        let (s, _) = read(&[("outbox.redis_timeout", "9s"), ("outbox.redis_tls_ca_file", "/ca.pem")]);
+        assert_eq!(s.broker.timeout, Duration::from_secs(9));
+        assert_eq!(s.broker.tls_ca_file, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(s.broker.password_file, None);
+        assert_eq!(s.deprecated, ["outbox.redis_timeout", "outbox.redis_tls_ca_file"]);
+
+        let (s, _) = read(&[("outbox.redis_timeout", "9s"), ("outbox.broker_timeout", "2s")]);
+        assert_eq!(s.broker.timeout, Duration::from_secs(2), "the new name wins");
+        assert!(s.deprecated.is_empty());
+
+        let (s, _) = read(&[("outbox.redis_timeout", "5s"), ("outbox.broker_password_file", "")]);
+        assert!(s.deprecated.is_empty(), "a former name at its default is not read");
     }
 }

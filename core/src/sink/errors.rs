@@ -138,7 +138,7 @@ impl fmt::Display for SinkError {
         match self {
             SinkError::InvalidConfig(e) => write!(f, "{e}"),
             SinkError::Connect(e) => write!(f, "cannot connect to the broker: {e}"),
-            SinkError::Timeout => write!(f, "the broker did not answer within outbox.redis_timeout"),
+            SinkError::Timeout => write!(f, "the broker did not answer within outbox.broker_timeout"),
             SinkError::ConnectionLost(e) => write!(f, "lost the broker connection: {e}"),
             SinkError::Refused(_, e) => write!(f, "the broker refused the push for a reason of its own: {e}"),
             SinkError::Failover(e) => write!(f, "the Redis master changed (failover): {e}"),

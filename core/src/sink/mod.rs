@@ -340,7 +340,7 @@ impl Outgoing {
 }
 
 /// TLS for `rediss://` and `amqps://`: the authorities of
-/// `outbox.redis_tls_ca_file`, or the system's.
+/// `outbox.broker_tls_ca_file`, or the system's.
 fn tls_config(ca_file: Option<&std::path::Path>) -> Result<std::sync::Arc<rustls::ClientConfig>, SinkError> {
-    crate::tls::client_config("outbox.redis_tls_ca_file", ca_file).map_err(SinkError::InvalidConfig)
+    crate::tls::client_config("outbox.broker_tls_ca_file", ca_file).map_err(SinkError::InvalidConfig)
 }

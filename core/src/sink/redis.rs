@@ -136,7 +136,7 @@ impl RedisSink {
         self.link = None;
         let deadline = self.deadline();
         let password = match &self.config.password_file {
-            Some(path) => Some(password_from_file("outbox.redis_password_file", path)?),
+            Some(path) => Some(password_from_file("outbox.broker_password_file", path)?),
             None => self.url.password.clone(),
         };
         let tls = self.url.tls.then(|| tls_config(self.config.tls_ca_file.as_deref())).transpose()?;
@@ -667,7 +667,7 @@ mod tests {
         let tls = BrokerConfig { tls_ca_file: Some(missing.clone()), ..config("rediss://h:6379/0") };
         let err = redis_sink(&tls).unwrap().connect(&mut Poll).unwrap_err();
         assert_eq!(err.reason(), Reason::InvalidConfig);
-        assert!(err.to_string().contains("outbox.redis_tls_ca_file /nonexistent/ca.pem"), "{err}");
+        assert!(err.to_string().contains("outbox.broker_tls_ca_file /nonexistent/ca.pem"), "{err}");
         // Plain redis:// ignores the CA file: the refusal comes from port 1.
         let plain = BrokerConfig { tls_ca_file: Some(missing), ..config("redis://127.0.0.1:1/0") };
         assert_eq!(
@@ -680,7 +680,7 @@ mod tests {
     fn an_unreadable_password_file_is_refused_by_name() {
         let broker = BrokerConfig { password_file: Some("/nonexistent/pw".into()), ..config("redis://h/0") };
         let err = redis_sink(&broker).unwrap().connect(&mut Poll).unwrap_err();
-        assert!(err.to_string().contains("cannot read outbox.redis_password_file /nonexistent/pw"), "{err}");
+        assert!(err.to_string().contains("cannot read outbox.broker_password_file /nonexistent/pw"), "{err}");
     }
 
     #[test]

@@ -128,7 +128,7 @@ impl KafkaSink {
     pub fn connect(&mut self, waiter: &mut dyn Wait) -> Result<Persistence, SinkError> {
         self.session = None;
         let password = match &self.config.password_file {
-            Some(path) => Some(password_from_file("outbox.redis_password_file", path)?),
+            Some(path) => Some(password_from_file("outbox.broker_password_file", path)?),
             None => self.url.password.clone(),
         };
         self.user = self.url.username.clone().map(|user| (user, password.unwrap_or_default()));
