@@ -17,7 +17,7 @@ PG_BIN     = $(shell $(PG_CONFIG) --bindir)
 PYTHON    := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: all deps build install install-dev sidecar test unit integration integration-sidecar demo stop bench soak package clean
+.PHONY: all deps build install install-dev sidecar test unit integration integration-sidecar demo stop bench soak package docs clean
 
 all: build
 
@@ -40,7 +40,7 @@ install-dev: deps
 	cargo pgrx install --pg-config $(PG_CONFIG) $(FEATURES)
 	install -m 644 sql/releases/*.sql sql/upgrade/*.sql $(EXTENSION_DIR)/
 
-# The sidecar's command (managed PostgreSQL: docs/managed.md), which the
+# The sidecar's command (managed PostgreSQL: docs/guides/managed.md), which the
 # integration tests run.
 sidecar: deps
 	cargo build -p outbox-dispatch
@@ -66,8 +66,9 @@ integration-sidecar: integration
 
 test: unit integration $(if $(filter sidecar,$(MODES)),integration-sidecar)
 
-# An archive to install on a server without Rust (see the README), and the
-# Python package's wheel, which carries the outbox-dispatch command.
+# An archive to install on a server without Rust (see
+# docs/getting-started/install.md), and the Python package's wheel, which
+# carries the outbox-dispatch command.
 package: deps
 	PG_CONFIG=$(PG_CONFIG) FEATURES="$(FEATURES)" ./scripts/package.sh
 
@@ -101,6 +102,17 @@ soak: install
 	.venv/bin/pip install -q -r bench/requirements.txt
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/soak.py
 
+# The venv alone, for what needs nothing else (docs); scripts/deps.sh makes
+# it too, and fills it with the tests' packages.
+$(PYTHON):
+	python3 -m venv .venv
+
+# The documentation site (mkdocs, docs/ → site/), strict: a broken link,
+# anchor or page fails.
+docs: $(PYTHON)
+	$(PYTHON) -m pip install -q -r docs/requirements.txt
+	$(PYTHON) -m mkdocs build --strict
+
 clean:
 	cargo clean
-	rm -rf .venv dist
+	rm -rf .venv dist site

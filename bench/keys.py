@@ -94,7 +94,7 @@ def block_keys(pg, n):
         return
     with pg.connect() as conn:
         # A thousand keys per transaction: each holds its keys' locks to its
-        # commit, one lock table entry per key (README, "Per-key order").
+        # commit, one lock table entry per key (docs/guides/per-key-order.md).
         for first in range(1, n + 1, 1000):
             conn.execute("SELECT outbox_enqueue('bench.blocked', '{}', queue => 'bench_blocked', "
                          "ordering_key => 'blocked' || k) "

@@ -1,4 +1,4 @@
-"""`make bench`, without the library (docs/managed.md), in one run beside
+"""`make bench`, without the library (docs/guides/managed.md), in one run beside
 the same with the library:
 
 - what an enqueue costs on a server where the schema is installed by

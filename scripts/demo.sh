@@ -116,7 +116,7 @@ Metrics for Prometheus (as a role IN ROLE pg_monitor in production):
         --dsn "host=$DEMO_DIR port=$PG_PORT user=postgres dbname=postgres"
     curl -s localhost:9808/metrics | grep outbox_dispatched_total
 Alert rules: contrib/prometheus/outbox_alerts.yml; Grafana dashboard to import:
-contrib/grafana/outbox.json (README, "A scrape target, alerts and a dashboard").
+contrib/grafana/outbox.json (docs/operations/alerts.md).
 
 Stop everything with: make stop
 TEXT

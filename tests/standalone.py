@@ -53,7 +53,7 @@ def fresh_database(pg, name, owner="owner"):
 
 def install(pg, dbname, owner="owner"):
     """A fresh database `dbname`, installed by its owner, with writer
-    granted as docs/managed.md says."""
+    granted as docs/guides/managed.md says."""
     fresh_database(pg, dbname, owner=owner)
     result = run("install", "--dsn", dsn(pg, owner, dbname))
     assert result.returncode == 0, result.stderr
@@ -151,7 +151,7 @@ class SidecarCluster(Cluster):
         super().__init__(redis_url, preload=False, server_conf=server_conf)
         self.sql("CREATE ROLE owner LOGIN")
         self.sql("ALTER DATABASE postgres OWNER TO owner")
-        # As docs/managed.md asks: the rotation sees every transaction.
+        # As docs/guides/managed.md asks: the rotation sees every transaction.
         self.sql("GRANT pg_read_all_stats TO owner")
         self.metrics_port = free_port()
         self.base = {"broker_url": redis_url, "workers": 1, **settings}

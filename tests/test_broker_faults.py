@@ -3,7 +3,7 @@ shutdown, or take the server down: fake servers written for these tests
 answer like Redis for the connection's set-up and then stream an endless
 bulk string, announce a huge array, drip one byte at a time, send replies no
 command asked for, or garbage. Each time the dispatcher's resident memory
-stays under the bound the README gives, a fast shutdown takes seconds, no
+stays under the bound docs/design/how-it-works.md gives, a fast shutdown takes seconds, no
 process crashes, and once the real Redis is back every event is delivered,
 none failed, from the same dispatcher process."""
 

@@ -60,7 +60,7 @@ def test_a_duplicate_waits_for_the_first_claim(inbox, first_ends):
     assert inbox.value("SELECT count(*) FROM outbox.inbox WHERE id = %s", (message,)) == 1
 
 
-@library_only("SQL cannot tell a statement outside a transaction block (docs/managed.md)")
+@library_only("SQL cannot tell a statement outside a transaction block (docs/guides/managed.md)")
 def test_a_claim_outside_a_transaction_block_is_refused(inbox):
     """In autocommit the claim would commit on its own, before the effects
     it guards (and a duplicate would stop waiting for them)."""

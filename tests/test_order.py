@@ -129,7 +129,7 @@ def test_a_producer_holding_a_key_holds_up_no_dispatcher(keyed, redis_server, fl
 
 
 REFUSED_ABOVE_READ_COMMITTED = "without the library a keyed event is refused above READ COMMITTED " \
-    "(docs/managed.md; tests/test_standalone.py)"
+    "(docs/guides/managed.md; tests/test_standalone.py)"
 
 
 @library_only(REFUSED_ABOVE_READ_COMMITTED)
@@ -657,8 +657,8 @@ def test_concurrent_producers_on_the_same_keys(keyed, redis_server, fleet):
     """Four producers enqueue for the same 20 keys in transactions of their
     own, committing in whatever order they race to: each key runs its events
     one at a time in key_seq order, which is each producer's own order. A
-    transaction enqueues for its keys in sorted order, as the README says
-    to: two that lock keys in opposite orders deadlock, as with row locks."""
+    transaction enqueues for its keys in sorted order, as docs/guides/per-key-order.md
+    says to: two that lock keys in opposite orders deadlock, as with row locks."""
     keys = [f"race{n}" for n in range(20)]
 
     def produce(producer):

@@ -37,7 +37,7 @@ def secrets_dir():
 
 @pytest.fixture(scope="module")
 def roles(cluster):
-    """The roles of the README's "Privileges" section."""
+    """The roles of the "Privileges" page (docs/operations/security.md)."""
     cluster.sql("""
         DO $$ BEGIN
             CREATE ROLE outbox_app LOGIN;

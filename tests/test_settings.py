@@ -1,19 +1,20 @@
-"""The README's settings table says what the server says: every outbox.*
-setting, its default and its context, and no other."""
+"""The settings table (docs/reference/settings.md) says what the server
+says: every outbox.* setting, its default and its context, and no other."""
 
 import re
 from pathlib import Path
 
 from harness import Cluster, wait_until
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+SETTINGS = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "settings.md").read_text()
 UNITS = {"B": 1, "kB": 1024, "MB": 1024 ** 2, "GB": 1024 ** 3,
          "ms": 1, "s": 1000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
 def documented():
-    """{name: (default, context)} from the README's "Settings" table."""
-    section = README.split("\n## Settings", 1)[1].split("\n## ", 1)[0]
+    """{name: (default, context)} from the table of docs/reference/settings.md
+    (the page up to its first section, if it has any)."""
+    section = SETTINGS.split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -1,4 +1,4 @@
-"""`outbox-dispatch run` (docs/managed.md): the dispatchers as a process
+"""`outbox-dispatch run` (docs/guides/managed.md): the dispatchers as a process
 beside a server that cannot load the library, connected as the outbox's
 owner, who is not a superuser. The hostile cases first: a password in the
 environment, a database it must not serve, a broker that never answers, a
@@ -25,7 +25,7 @@ from standalone import Sidecar, fresh_database, install, plain_server, samples, 
 @pytest.fixture(scope="module")
 def server():
     with plain_server() as pg:
-        # As docs/managed.md asks: the rotation sees every open transaction.
+        # As docs/guides/managed.md asks: the rotation sees every open transaction.
         pg.sql("GRANT pg_read_all_stats TO owner")
         yield pg
 

@@ -1,4 +1,4 @@
-"""outbox_dispatch without the library (docs/managed.md): `outbox-dispatch
+"""outbox_dispatch without the library (docs/guides/managed.md): `outbox-dispatch
 install` puts the schema and the SQL API into a database of a server with no
 shared_preload_libraries, as the database's owner, who is not a superuser,
 as on a managed service. The hostile cases first: a role without the

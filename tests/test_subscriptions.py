@@ -308,7 +308,7 @@ def test_a_crash_while_a_batch_accumulates_loses_and_repeats_nothing(redis_serve
         pg.close()
 
 
-OWNER_SUBSCRIBES = "without the library only the outbox's owner manages subscriptions (docs/managed.md)"
+OWNER_SUBSCRIBES = "without the library only the outbox's owner manages subscriptions (docs/guides/managed.md)"
 
 
 @library_only(OWNER_SUBSCRIBES)

@@ -258,8 +258,8 @@ def test_events_restored_from_a_busier_cluster_are_put_in_line(outbox, redis_ser
     --disable-triggers) brings pending rows whose pending_xid lies in this
     cluster's future, where no claim looks until its transaction ids catch
     up: the sweep puts them in line. (ENABLE TRIGGER ALL after it turns
-    events_pending_again back to origin-only: the restore step in the
-    README sets it ALWAYS again, as here.)"""
+    events_pending_again back to origin-only: the restore step in
+    docs/reference/table.md sets it ALWAYS again, as here.)"""
     client = redis_server.client()
     outbox.configure(sweep_interval="1s")
     with outbox.connect() as conn:

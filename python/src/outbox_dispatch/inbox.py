@@ -1,6 +1,5 @@
 """Effects once: a task's writes to the database happen once per message,
-however many times the message is delivered (the README's "Effects
-once").
+however many times the message is delivered (docs/guides/effects-once.md).
 
 :func:`claim` calls ``outbox_inbox_claim()`` in the caller's transaction.
 :func:`once` wraps a bound Celery task so that its body runs in a

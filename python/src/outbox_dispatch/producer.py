@@ -61,8 +61,7 @@ def enqueue(
 
     With ``ordering_key`` (1 to 255 bytes: ``"order:42"``), the task runs
     only once every earlier event of that key has finished, in the order
-    the transactions that enqueued them committed (the README's "Per-key
-    order"). The transaction then holds the key's lock until it ends:
+    the transactions that enqueued them committed (docs/guides/per-key-order.md). The transaction then holds the key's lock until it ends:
     another transaction enqueuing for the same key waits for it. Enqueue
     for several keys in one transaction in a consistent (sorted) order.
 
