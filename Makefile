@@ -30,15 +30,19 @@ build: deps
 EXTENSION_DIR = $(shell $(PG_CONFIG) --sharedir)/extension
 
 # Builds and installs into the PostgreSQL that PG_CONFIG names (release build),
-# with the install scripts of earlier versions and the upgrade scripts.
+# with the update chain from 0.8.0, in place of the scripts an earlier
+# install left there.
 install: deps
+	rm -f $(EXTENSION_DIR)/outbox_dispatch--*.sql
 	cargo pgrx install --release --pg-config $(PG_CONFIG) $(FEATURES)
-	install -m 644 sql/releases/*.sql sql/upgrade/*.sql $(EXTENSION_DIR)/
+	install -m 644 sql/upgrade/*.sql $(EXTENSION_DIR)/
 
-# The same with the quicker dev profile, for the tests.
+# The same with the quicker dev profile, for the tests; with 0.8.0's install
+# script, which the tests of the update chain start from.
 install-dev: deps
+	rm -f $(EXTENSION_DIR)/outbox_dispatch--*.sql
 	cargo pgrx install --pg-config $(PG_CONFIG) $(FEATURES)
-	install -m 644 sql/releases/*.sql sql/upgrade/*.sql $(EXTENSION_DIR)/
+	install -m 644 sql/upgrade/*.sql tests/fixtures/outbox_dispatch--0.8.0.sql $(EXTENSION_DIR)/
 
 # The sidecar's command (managed PostgreSQL: docs/guides/managed.md), which the
 # integration tests run.

@@ -27,7 +27,7 @@ root="$staging/$name"
 mkdir -p "$root/lib" "$root/extension"
 find "$staging/build" -name 'outbox_dispatch.so' -exec cp {} "$root/lib/" \;
 find "$staging/build" -path '*/extension/*' -type f -exec cp {} "$root/extension/" \;
-cp sql/releases/*.sql sql/upgrade/*.sql "$root/extension/"
+cp sql/upgrade/*.sql "$root/extension/"
 cat > "$root/install.sh" <<INSTALL
 #!/bin/sh
 # Installs outbox_dispatch into the PostgreSQL $major that pg_config (or \$PG_CONFIG) names.

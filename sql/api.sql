@@ -458,7 +458,7 @@ COMMENT ON VIEW outbox.unreported IS
     'Dispatched events no worker reported within outbox.report_timeout (while reports are on): lost after the push, or never run.';
 
 -- Privileges. PostgreSQL lets PUBLIC execute every new function; here
--- nobody but the owner may do anything until granted (README, "Privileges").
+-- nobody but the owner may do anything until granted (docs/operations/security.md).
 -- outbox_uuid_v7() stays public: it is the id default of every insert path.
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb, text),

@@ -1,4 +1,4 @@
--- outbox_dispatch: the inbox (README, "Effects once"; src/inbox.rs).
+-- outbox_dispatch: the inbox (docs/guides/effects-once.md; src/inbox.rs).
 --
 -- Delivery is at least once: a task may run twice. A task whose effects are
 -- writes to this database claims its message in the transaction that makes
@@ -12,7 +12,7 @@
 SET LOCAL search_path = pg_catalog, pg_temp;
 
 -- One row per message and consumer claimed, kept for outbox.inbox_retention
--- (longer than any message may come again: README, "Effects once"), then
+-- (longer than any message may come again: docs/guides/effects-once.md), then
 -- deleted by the dispatchers' lifecycle sweeper.
 CREATE TABLE outbox.inbox (
     id         uuid NOT NULL,  -- the message: a Celery task id (an event's id)

@@ -1,4 +1,4 @@
--- outbox_dispatch: per-key order (README, "Per-key order"; src/keys.rs).
+-- outbox_dispatch: per-key order (docs/guides/per-key-order.md; src/keys.rs).
 --
 -- Events with the same ordering_key (per subscription, for deliveries) are
 -- sent one at a time, in the order their transactions committed: the next

@@ -1,4 +1,4 @@
--- outbox_dispatch: the rotation (README, "Retention"). Space comes back by
+-- outbox_dispatch: the rotation (docs/operations/retention.md). Space comes back by
 -- TRUNCATE of the oldest partition of outbox.log and outbox.outcomes,
 -- never by a DELETE of what was delivered: a delivered event is written
 -- once, and leaves nothing for vacuum.

@@ -74,7 +74,7 @@ CREATE TABLE outbox.log (
     -- pending again): where the claim reads it (outbox.cursor). NULL: out
     -- of line until available_at.
     pending_xid           xid8 DEFAULT pg_current_xact_id(),
-    -- Per-key order (README, "Per-key order"): events of one ordering_key
+    -- Per-key order (docs/guides/per-key-order.md): events of one ordering_key
     -- (per subscription, for deliveries) are sent one at a time, in the
     -- order their transactions committed, which key_seq records. The head
     -- (key_state 'head') holds its key until it is finished; the events
@@ -243,11 +243,11 @@ COMMENT ON TABLE outbox.claim_turn IS
     'One row the claims lock in turn (sql/worker/lock_cursor.sql).';
 
 -- One row per claim: the page of a window it read, and what became of it.
--- Its events are those of the window between its two positions still in
--- line there (outbox_batch_members()). An event is written only when
--- something exceptional happens to it (a failed push, a dead letter, a
--- release, a re-send); otherwise its batch is its state (README, "How it
--- works"). Messages carry `send`, which a report must name.
+-- Its events are those of the window between its two positions still in line
+-- there (outbox_batch_members()). An event is written only when something
+-- exceptional happens to it (a failed push, a dead letter, a release, a
+-- re-send); otherwise its batch is its state (docs/design/how-it-works.md).
+-- Messages carry `send`, which a report must name.
 CREATE TABLE outbox.batches (
     id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     send         uuid NOT NULL,
@@ -567,7 +567,7 @@ CREATE TABLE outbox.all_subscriptions (
     batch_wait      interval,  -- how long the oldest waiting event may wait (NULL: until batch_max)
     created_at      timestamptz NOT NULL DEFAULT now(),
     unsubscribed_at timestamptz,
-    created_by      name NOT NULL,  -- the role that subscribed (README, "Privileges")
+    created_by      name NOT NULL,  -- the role that subscribed (docs/operations/security.md)
     -- Why the last batch of an accumulated subscription could not be made
     -- for a reason that would not pass (its members were dead-lettered).
     last_error      text,
@@ -613,12 +613,13 @@ CREATE INDEX batch_members_waiting_idx ON outbox.batch_members (subscription_id,
 -- The purge of a batch's members with the batch.
 CREATE INDEX batch_members_batch_idx ON outbox.batch_members (batch_id) WHERE batch_id IS NOT NULL;
 
--- The database whose events these are: CREATE EXTENSION records its OID.
--- A copy (CREATE DATABASE ... TEMPLATE) carries the row with the events of
--- the database it copied, events sent from there already: its dispatchers
--- send nothing until outbox_adopt() is run in it (README, "Several
--- databases"), or find nothing to send or confirm and adopt it themselves.
--- Not dumped: a restore runs CREATE EXTENSION, which records the new OID.
+-- The database whose events these are: CREATE EXTENSION records its OID. A
+-- copy (CREATE DATABASE ... TEMPLATE) carries the row with the events of the
+-- database it copied, events sent from there already: its dispatchers send
+-- nothing until outbox_adopt() is run in it
+-- (docs/guides/several-databases.md), or find nothing to send or confirm and
+-- adopt it themselves. Not dumped: a restore runs CREATE EXTENSION, which
+-- records the new OID.
 CREATE TABLE outbox.installed_in (
     database oid NOT NULL,
     only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row)

@@ -11,9 +11,9 @@
 -- subscriptions it went to. An event that matches none is dispatched as it
 -- always was (routed_to = 0), to the task named like its event type.
 -- A delivery keeps the event's ordering_key, as a key of its subscription:
--- each subscribed task gets the events of one key in order (README,
--- "Per-key order"). An accumulated subscription's batches have no key:
--- they carry their members in the order the members fell due.
+-- each subscribed task gets the events of one key in order
+-- (docs/guides/per-key-order.md). An accumulated subscription's batches have
+-- no key: they carry their members in the order the members fell due.
 
 -- Every name below resolves in pg_catalog or is qualified: nothing binds an
 -- object the database owner may have put in the extension's schema (the

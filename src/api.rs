@@ -53,7 +53,7 @@ fn outbox_wake() {
 
 /// The consumer confirms an event: dispatched → processed. Returns whether
 /// the event was waiting for it. An event that holds its key passes it on
-/// (README, "Per-key order"), once a producer of the key has committed. With `outbox.ack_timeout` > 0, events not
+/// (docs/guides/per-key-order.md), once a producer of the key has committed. With `outbox.ack_timeout` > 0, events not
 /// acknowledged in time are sent again. SECURITY DEFINER: a consumer role
 /// needs EXECUTE on this function, not UPDATE on the table.
 #[pg_extern(volatile, parallel_unsafe, security_definer)]

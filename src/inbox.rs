@@ -1,4 +1,4 @@
-//! The inbox (README, "Effects once"): `outbox_inbox_claim()`, which a task
+//! The inbox (docs/guides/effects-once.md): `outbox_inbox_claim()`, which a task
 //! calls in the transaction that makes its effects, so that a message run
 //! twice makes them once. The table is in sql/inbox.sql; the dispatchers
 //! purge it after `outbox.inbox_retention`.

@@ -1,4 +1,4 @@
-//! Per-key order (README, "Per-key order") in a session: `outbox_skip()`,
+//! Per-key order (docs/guides/per-key-order.md) in a session: `outbox_skip()`,
 //! the checks `outbox_take_turn()` (sql/keys.sql) makes under the latest
 //! snapshot, and passing a key on from `outbox_ack()`. Passing itself is
 //! `outbox_core::store::keys`, which the dispatchers run too.

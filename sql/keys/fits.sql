@@ -2,7 +2,7 @@
 -- key $1 (of subscription $2; 0: an event's own key)? It does when no row of
 -- the key has that key_seq, every row after it waits, and, for a head,
 -- every row before it is finished: a key's rows in key_seq order are the
--- finished ones, its head, then the waiting ones (README, "Per-key order").
+-- finished ones, its head, then the waiting ones (docs/guides/per-key-order.md).
 -- Run as of now, whatever the caller's isolation (src/keys.rs), under the
 -- key's lock. Served by events_key_idx.
 -- Through outbox.events, the name every version has: the library also

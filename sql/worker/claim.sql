@@ -1,5 +1,5 @@
 -- Claim up to $1 events in line for dispatcher $2: the next page of the
--- window outbox.cursor is reading, as one batch (README, "How it works").
+-- window outbox.cursor is reading, as one batch (docs/design/how-it-works.md).
 -- Run right after lock_cursor.sql, in the same transaction: claims run one
 -- at a time, each with a snapshot taken once the one before committed, and
 -- nothing is read twice or skipped. Nothing is written to the events: the

@@ -1,4 +1,4 @@
-//! Per-key order (README, "Per-key order"): passing a key on, with the SQL
+//! Per-key order (docs/guides/per-key-order.md): passing a key on, with the SQL
 //! in sql/keys/.
 //!
 //! An event with an `ordering_key` takes its turn as it is inserted
