@@ -70,9 +70,11 @@ integration-sidecar: integration
 
 test: unit integration $(if $(filter sidecar,$(MODES)),integration-sidecar)
 
-# An archive to install on a server without Rust (see
-# docs/getting-started/install.md), and the Python package's wheel, which
-# carries the outbox-dispatch command.
+# Into dist/, for the PostgreSQL major of PG (or PG_CONFIG): the Debian
+# package postgresql-<major>-outbox-dispatch_<version>_<arch>.deb, an archive
+# for other systems, and the Python package's source distribution and wheel,
+# which carries the outbox-dispatch command (docs/getting-started/install.md).
+# One major per run: make package PG=16, PG=18, PG_CONFIG=... for 17.
 package: deps
 	PG_CONFIG=$(PG_CONFIG) FEATURES="$(FEATURES)" ./scripts/package.sh
 

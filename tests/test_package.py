@@ -1,11 +1,16 @@
-"""`make package`: an archive that installs on a server without Rust, and
-the Python package's wheel, which carries the outbox-dispatch command."""
+"""`make package`: a Debian package that apt installs into Debian's
+PostgreSQL, where the core dispatch tests then run; an archive that
+installs on a server without Rust; and the Python package's source
+distribution and wheel, which carries the outbox-dispatch command."""
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -19,32 +24,73 @@ PG_CONFIG = str(PG_BIN / "pg_config")
 MAJOR = subprocess.run([PG_CONFIG, "--version"], check=True, capture_output=True, text=True).stdout.split()[1].split(".")[0]
 
 
+VERSION = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
+# What the extension directory holds: one install script, the update chain.
+EXTENSION_FILES = {"outbox_dispatch.control", f"outbox_dispatch--{VERSION}.sql",
+                   "outbox_dispatch--0.8.0--0.9.0.sql", "outbox_dispatch--0.9.0--0.10.0.sql",
+                   "outbox_dispatch--0.10.0--1.0.0.sql"}
+
+
 @pytest.fixture(scope="module")
 def packages():
-    """`make package` (of the debug builds): the archive and the wheel."""
+    """`make package` (of the debug builds): the Debian package, the
+    archive, the source distribution and the wheel."""
     built = subprocess.run(["./scripts/package.sh"], cwd=ROOT,
                            env=dict(os.environ, PACKAGE_PROFILE="dev", PG_CONFIG=PG_CONFIG),
                            check=True, capture_output=True, text=True)
-    return [ROOT / line for line in built.stdout.strip().splitlines()[-2:]]
+    return [ROOT / line for line in built.stdout.strip().splitlines()[-4:]]
 
 
-def test_the_archive_installs_and_runs(redis_server, packages):
-    archive, wheel = packages
-    assert f"-pg{MAJOR}-" in archive.name and archive.name.endswith(".tar.gz")
-    with zipfile.ZipFile(wheel) as python_package:
-        assert {"outbox_dispatch/__init__.py", "outbox_dispatch/celery.py", "outbox_dispatch/producer.py",
-                "outbox_dispatch/report.py", "outbox_dispatch/py.typed",
-                "outbox_dispatch-0.10.0.data/scripts/outbox-dispatch"} <= set(python_package.namelist())
-    assert "-py3-none-" in wheel.name and not wheel.name.endswith("-any.whl"), wheel.name
+def pg_config(option):
+    return Path(subprocess.run([PG_CONFIG, option], check=True, capture_output=True, text=True).stdout.strip())
+
+
+@contextlib.contextmanager
+def build_set_aside(tmp_path):
+    """What `make install-dev` put into this server moves aside while a
+    package installs its own, and comes back after, in place of the
+    package's: only the package's files serve meanwhile, and the tests after
+    this one find the build's (with the baseline install script the tests
+    update from)."""
+    libdir, extdir = pg_config("--pkglibdir"), pg_config("--sharedir") / "extension"
+
+    def ours():
+        return [*libdir.glob("outbox_dispatch.so"), *extdir.glob("outbox_dispatch*")]
+
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    moved = [(path, aside / path.name) for path in ours()]
+    for path, to in moved:
+        shutil.move(path, to)
+    try:
+        yield libdir, extdir
+    finally:
+        for path in ours():
+            path.unlink()
+        for path, to in moved:
+            shutil.move(to, path)
+
+
+def delivers(redis_server):
+    """A fresh cluster of this server, with the extension created, delivers
+    an event."""
+    pg = Cluster(redis_server.url)
+    try:
+        pg.sql("CREATE EXTENSION outbox_dispatch")
+        event_id = pg.value("SELECT outbox_enqueue('packaged', '{}', queue => 'q_package')")
+        wait_until(lambda: queued_ids(redis_server.client(), "q_package") == [str(event_id)],
+                   message="delivery from the packaged build")
+        redis_server.client().delete("q_package")
+    finally:
+        pg.close()
+
+
+def test_the_archive_installs_and_runs(redis_server, packages, tmp_path):
+    archive = packages[1]
+    assert archive.name == f"outbox_dispatch-{VERSION}-pg{MAJOR}-{os.uname().machine}.tar.gz"
     with tempfile.TemporaryDirectory() as unpacked, tarfile.open(archive) as tar:
-        names = {Path(n).name for n in tar.getnames()}
-        assert {"outbox_dispatch.so", "outbox_dispatch.control", "outbox_dispatch--0.10.0.sql", "outbox_dispatch--0.9.0.sql", "outbox_dispatch--0.8.0.sql", "outbox_dispatch--0.7.0.sql", "outbox_dispatch--0.6.0.sql", "outbox_dispatch--0.5.0.sql",
-                "outbox_dispatch--0.4.0.sql", "outbox_dispatch--0.3.0.sql", "outbox_dispatch--0.2.0.sql", "outbox_dispatch--0.1.0.sql",
-                "outbox_dispatch--0.1.0--0.2.0.sql", "outbox_dispatch--0.2.0--0.3.0.sql",
-                "outbox_dispatch--0.3.0--0.4.0.sql", "outbox_dispatch--0.4.0--0.5.0.sql", "outbox_dispatch--0.5.0--0.6.0.sql",
-                "outbox_dispatch--0.6.0--0.7.0.sql",
-                "outbox_dispatch--0.7.0--0.8.0.sql", "outbox_dispatch--0.8.0--0.9.0.sql",
-                "outbox_dispatch--0.9.0--0.10.0.sql", "install.sh"} <= names
+        names = {Path(n).name for n in tar.getnames() if not tar.getmember(n).isdir()}
+        assert names == EXTENSION_FILES | {"outbox_dispatch.so", "install.sh", "LICENSE", "CHANGELOG.md"}, names
         tar.extractall(unpacked)
         [top] = Path(unpacked).iterdir()
         # A server of another major is refused, and nothing is copied.
@@ -55,32 +101,106 @@ def test_the_archive_installs_and_runs(redis_server, packages):
                                  capture_output=True, text=True)
         assert refused.returncode != 0
         assert f"is for PostgreSQL {MAJOR}; {other} is PostgreSQL 14" in refused.stderr
-        subprocess.run([str(top / "install.sh")], env=dict(os.environ, PG_CONFIG=PG_CONFIG),
-                       check=True, capture_output=True)
+        with build_set_aside(tmp_path) as (_, extdir):
+            # A script an earlier install left is removed, not served.
+            (extdir / "outbox_dispatch--0.7.0.sql").write_text("SELECT 1;\n")
+            subprocess.run([str(top / "install.sh")], env=dict(os.environ, PG_CONFIG=PG_CONFIG),
+                           check=True, capture_output=True)
+            assert {p.name for p in extdir.glob("outbox_dispatch*")} == EXTENSION_FILES
+            delivers(redis_server)
 
-    pg = Cluster(redis_server.url)
-    try:
-        pg.sql("CREATE EXTENSION outbox_dispatch")
-        event_id = pg.value("SELECT outbox_enqueue('packaged', '{}', queue => 'q_package')")
-        wait_until(lambda: queued_ids(redis_server.client(), "q_package") == [str(event_id)],
-                   message="delivery from the packaged build")
-    finally:
-        pg.close()
+
+def debian_postgresql():
+    """Whether this server is Debian's (or PGDG's) package of its major,
+    which the Debian package depends on."""
+    return (PG_CONFIG == f"/usr/lib/postgresql/{MAJOR}/bin/pg_config" and shutil.which("apt-get") is not None
+            and subprocess.run(["dpkg", "-S", PG_CONFIG], capture_output=True).returncode == 0)
+
+
+@pytest.mark.skipif(not debian_postgresql(), reason="the Debian package installs into Debian's or PGDG's "
+                    "PostgreSQL, and this server is neither")
+def test_the_debian_package_installs_with_apt_and_the_core_tests_pass_on_it(redis_server, packages, tmp_path):
+    """`apt install ./postgresql-<major>-outbox-dispatch_<version>_<arch>.deb`
+    into this machine's Debian PostgreSQL, the build's files set aside: the
+    package's alone serve the dispatch tests; removing it leaves nothing."""
+    deb = packages[0]
+    name = f"postgresql-{MAJOR}-outbox-dispatch"
+    arch = subprocess.run(["dpkg", "--print-architecture"], check=True, capture_output=True, text=True).stdout.strip()
+    assert deb.name == f"{name}_{VERSION}_{arch}.deb"
+    fields = subprocess.run(["dpkg-deb", "--field", deb, "Package", "Version", "Architecture", "Depends"],
+                            check=True, capture_output=True, text=True).stdout
+    assert f"Package: {name}\nVersion: {VERSION}\nArchitecture: {arch}\n" in fields
+    assert f"Depends: postgresql-{MAJOR}," in fields
+    listed = subprocess.run(["dpkg-deb", "--contents", deb], check=True, capture_output=True, text=True).stdout
+    files = {line.split()[-1] for line in listed.splitlines() if not line.startswith("d")}
+    assert files == {f"./usr/lib/postgresql/{MAJOR}/lib/outbox_dispatch.so",
+                     f"./usr/share/doc/{name}/copyright", f"./usr/share/doc/{name}/changelog.gz",
+                     *(f"./usr/share/postgresql/{MAJOR}/extension/{f}" for f in EXTENSION_FILES)}, files
+
+    apt = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    with build_set_aside(tmp_path) as (libdir, extdir):
+        try:
+            subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", str(deb.resolve())],
+                           env=apt, check=True, capture_output=True)
+            status = subprocess.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", name],
+                                    check=True, capture_output=True, text=True).stdout
+            assert status == f"install ok installed {VERSION}"
+            assert subprocess.run(["dpkg", "--verify", name], capture_output=True, text=True).stdout == ""
+            core = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   str(ROOT / "tests" / "test_dispatch.py")],
+                                  cwd=ROOT, env=dict(os.environ, PG_BIN=str(PG_BIN)), capture_output=True, text=True)
+            assert core.returncode == 0, core.stdout[-5000:]
+        finally:
+            subprocess.run(["apt-get", "purge", "-y", name], env=apt, check=True, capture_output=True)
+        assert not (libdir / "outbox_dispatch.so").exists() and not list(extdir.glob("outbox_dispatch*"))
+
+
+def test_the_source_distribution_builds_the_package_and_the_command(packages, tmp_path):
+    """Where no wheel fits, pip builds one from the source distribution: it
+    holds the Python package, the command's Rust sources (the vendored,
+    patched codec too) and the SQL they include, and nothing else of the
+    repository."""
+    sdist = packages[2]
+    assert sdist.name == f"outbox_dispatch-{VERSION}.tar.gz"
+    with tarfile.open(sdist) as tar:
+        tops = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 2}
+    assert tops == {"core", "sidecar", "sql", "src", "vendor"}, tops
+    # The crates' dependencies as the build left them (of the same lock file):
+    # only the crates of the distribution compile again.
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path, sdist],
+                           env=dict(os.environ, MATURIN_PEP517_ARGS="--profile dev",
+                                    CARGO_TARGET_DIR=str(ROOT / "target")),
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-5000:]
+    [wheel] = tmp_path.glob("*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel], check=True)
+    command = venv / "bin" / "outbox-dispatch"
+    assert subprocess.run([command, "--version"], check=True, capture_output=True,
+                          text=True).stdout.strip() == f"outbox-dispatch {VERSION}"
+    script = subprocess.run([command, "sql"], check=True, capture_output=True, text=True).stdout
+    assert "CREATE TABLE outbox.log" in script and "CREATE TABLE outbox.installed" in script
 
 
 def test_the_wheel_brings_the_package_and_the_command(redis_server, packages, tmp_path):
     """`pip install outbox-dispatch` on a machine without Rust: the Python
     package and the `outbox-dispatch` command, which installs the outbox
     into a server without the library and delivers from it."""
-    wheel = packages[1]
+    wheel = packages[3]
+    with zipfile.ZipFile(wheel) as python_package:
+        assert {"outbox_dispatch/__init__.py", "outbox_dispatch/celery.py", "outbox_dispatch/producer.py",
+                "outbox_dispatch/report.py", "outbox_dispatch/py.typed",
+                f"outbox_dispatch-{VERSION}.data/scripts/outbox-dispatch"} <= set(python_package.namelist())
+    assert "-py3-none-" in wheel.name and not wheel.name.endswith("-any.whl"), wheel.name
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel], check=True)
     command = venv / "bin" / "outbox-dispatch"
     assert subprocess.run([command, "--version"], check=True, capture_output=True,
-                          text=True).stdout.strip() == "outbox-dispatch 0.10.0"
+                          text=True).stdout.strip() == f"outbox-dispatch {VERSION}"
     assert subprocess.run([venv / "bin" / "python", "-c", "import outbox_dispatch; print(outbox_dispatch.__version__)"],
-                          check=True, capture_output=True, text=True, cwd=tmp_path).stdout.strip() == "0.10.0"
+                          check=True, capture_output=True, text=True, cwd=tmp_path).stdout.strip() == VERSION
 
     with plain_server() as pg:
         fresh_database(pg, "wheel")
