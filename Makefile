@@ -117,7 +117,7 @@ $(PYTHON):
 # anchor or page fails.
 docs: $(PYTHON)
 	$(PYTHON) -m pip install -q -r docs/requirements.txt
-	$(PYTHON) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
 
 clean:
 	cargo clean
