@@ -19,6 +19,8 @@ PGRX_VERSION=0.18.0
 packages=(redis-server rabbitmq-server libclang-dev clang openssl prometheus)
 # PgQ: the bench's measure of the write path (bench/wal.py) runs it beside.
 [[ "$PG" == 15 ]] && packages+=(postgresql-15 postgresql-server-dev-15 postgresql-contrib postgresql-15-pgq3)
+# The Debian package's test on a fresh Debian 12 (tests/test_package.py).
+[[ "$PG" == 15 ]] && packages+=(debootstrap)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
