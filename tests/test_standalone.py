@@ -6,15 +6,19 @@ privileges, a password in the DSN, a second install, a database with the
 extension or a planted schema, a writer that sets the settings a placeholder
 leaves open to it."""
 
+import difflib
 import shutil
 import subprocess
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
 
-from harness import make_tls_files
+from harness import PG_BIN, as_postgres, make_tls_files
 from standalone import BIN, dsn, fresh_database, install, plain_server, run
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 @pytest.fixture(scope="module")
 def server():
@@ -404,3 +408,46 @@ def test_the_printed_script_installs_the_same(server, app):
     assert server.sql(catalog, dbname="migrated") == server.sql(catalog, dbname="app")
     result = run("install", "--dsn", dsn(server, "owner", "migrated"))
     assert "nothing to do" in result.stdout
+
+
+def schema_dump(pg, dbname):
+    """`pg_dump --schema-only` of `dbname`, without pg_dump's comments."""
+    dump = as_postgres(PG_BIN / "pg_dump", "--schema-only", "-h", pg.dir, "-p", pg.port, "-d", dbname).stdout
+    return [line for line in dump.splitlines()
+            if line.strip() and not line.startswith(("--", "\\restrict", "\\unrestrict"))]
+
+
+def test_an_outbox_that_0_10_0_installed_is_updated_and_then_equals_a_fresh_install(server):
+    """0.10.0's script, as its `outbox-dispatch sql` printed it
+    (tests/fixtures), run by the owner, with an event in line and a setting
+    under a name that 1.0.0 deprecates: this release's install updates it,
+    in one transaction, keeping both; a second does nothing; the schema is
+    then a fresh install's, as pg_dump writes it. `sql --update-from`
+    prints the same update."""
+    fresh_database(server, "earlier")
+    with server.connect(dbname="earlier", user="owner") as conn:
+        conn.execute((FIXTURES / "outbox-dispatch-0.10.0.sql").read_text())
+        event = conn.execute("SELECT outbox_enqueue('earlier', '{}', queue => 'q_earlier')").fetchone()[0]
+        conn.execute("INSERT INTO outbox.settings VALUES ('outbox.redis_timeout', '7s')")
+        with pytest.raises(psycopg.errors.UndefinedObject):
+            conn.execute("INSERT INTO outbox.settings VALUES ('outbox.broker_timeout', '3s')")
+    printed = run("sql", "--update-from", "0.10.0")
+    assert printed.returncode == 0 and "CREATE OR REPLACE FUNCTION outbox.setting_place" in printed.stdout
+    assert "updates only 0.10.0" in run("sql", "--update-from", "0.9.0").stderr
+
+    updated = run("install", "--dsn", dsn(server, "owner", "earlier"))
+    assert updated.returncode == 0, updated.stderr
+    assert f"updated outbox_dispatch 0.10.0 to {version()}" in updated.stdout
+    assert server.value("SELECT version FROM outbox.installed", dbname="earlier") == version()
+    assert server.value("SELECT count(*) FROM outbox.events WHERE id = %s", (event,), dbname="earlier") == 1
+    assert server.value("SELECT value FROM outbox.settings WHERE name = 'outbox.redis_timeout'",
+                        dbname="earlier") == "7s"
+    with server.connect(dbname="earlier", user="owner") as conn:
+        conn.execute("INSERT INTO outbox.settings VALUES ('outbox.broker_timeout', '3s')")
+    assert "nothing to do" in run("install", "--dsn", dsn(server, "owner", "earlier")).stdout
+
+    fresh_database(server, "fresh")
+    assert run("install", "--dsn", dsn(server, "owner", "fresh")).returncode == 0
+    fresh, earlier = schema_dump(server, "fresh"), schema_dump(server, "earlier")
+    assert len(fresh) > 500
+    assert earlier == fresh, "\n".join(difflib.unified_diff(fresh, earlier, "fresh", "updated", lineterm=""))

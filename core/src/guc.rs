@@ -316,6 +316,14 @@ mod tests {
     }
 
     #[test]
+    fn a_former_name_is_declared_as_its_new_name_is() {
+        for (former, new) in RENAMED {
+            let (former, new) = (declared(former).unwrap(), declared(new).unwrap());
+            assert_eq!(former.kind, new.kind, "{} and {}", former.name, new.name);
+        }
+    }
+
+    #[test]
     fn integers_take_their_kind_of_unit_and_are_rounded() {
         assert_eq!(parse("outbox.poll_interval", "250"), Ok(Parsed::Int(250)));
         assert_eq!(parse("outbox.poll_interval", "2s"), Ok(Parsed::Int(2000)));

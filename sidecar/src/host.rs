@@ -201,7 +201,7 @@ impl Process {
 /// as `role R (pid P), ...`. Any role that may connect can take any
 /// advisory lock, and hold a turn or a dispatcher's number forever: what
 /// it holds is named, for the database's administrator to end (the
-/// squatter is no dispatcher of ours: docs/managed.md, "Privileges").
+/// squatter is no dispatcher of ours: docs/guides/managed.md, "Privileges").
 pub fn squatters(c: &mut Client, keys: std::ops::RangeInclusive<i32>) -> Result<Vec<String>, String> {
     let rows = c
         .query(

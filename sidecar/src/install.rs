@@ -1,6 +1,7 @@
 //! `outbox-dispatch install`: the schema and the SQL API, installed into a
 //! database by its owner as a migration would, in one transaction, after
-//! checks that name what is missing.
+//! checks that name what is missing; or an outbox an earlier release
+//! installed, updated to this one.
 
 use std::fmt;
 
@@ -15,6 +16,8 @@ pub enum Installed {
     Now,
     /// This release was installed already: nothing was done.
     Already,
+    /// The outbox of this earlier release was updated to this one.
+    Updated(String),
 }
 
 /// Why an install did nothing.
@@ -69,10 +72,17 @@ pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallEr
         if installed == VERSION {
             return Ok(Installed::Already);
         }
-        return Err(InstallError::Refused(format!(
-            "outbox_dispatch {installed} is installed in this database; this is {VERSION}, which cannot \
-             update it: run the outbox-dispatch of {installed}"
-        )));
+        let Some(update) = script::update(&installed, schema) else {
+            let from: Vec<&str> = script::updated_from().collect();
+            return Err(InstallError::Refused(format!(
+                "outbox_dispatch {installed} is installed in this database; this is {VERSION}, which \
+                 updates only {}: run the outbox-dispatch of {installed}",
+                from.join(", ")
+            )));
+        };
+        tx.batch_execute(&update?)?;
+        tx.commit()?;
+        return Ok(Installed::Updated(installed));
     }
     check_privileges(&mut tx, schema)?;
     tx.batch_execute(&script)?;

@@ -26,7 +26,7 @@ use run::{RunConfig, OWN_SETTINGS};
 const USAGE: &str = "\
 usage: outbox-dispatch install [--dsn DSN] [--schema NAME] [--tls-ca-file PATH]
                                [--config FILE]
-       outbox-dispatch sql [--schema NAME] [--no-transaction]
+       outbox-dispatch sql [--schema NAME] [--no-transaction] [--update-from RELEASE]
        outbox-dispatch run [--dsn DSN] [--tls-ca-file PATH] [--config FILE]
                            [--broker-url URL]
                            [--dispatchers N] [--poll-interval TIME]
@@ -37,9 +37,11 @@ usage: outbox-dispatch install [--dsn DSN] [--schema NAME] [--tls-ca-file PATH]
 
   install  installs the outbox schema and the SQL API into the database of
            DSN (or of the environment's OUTBOX_DSN), as that role, in one
-           transaction; does nothing where this release is installed
+           transaction; does nothing where this release is installed, and
+           updates an outbox an earlier release installed (0.10.0)
   sql      prints the same script (in a transaction, unless
-           --no-transaction: for a migration tool that opens its own)
+           --no-transaction: for a migration tool that opens its own);
+           with --update-from, the script that updates that release
   run      delivers the events of the database of DSN until SIGTERM or
            SIGINT (SIGHUP reads the settings again). The outbox.* settings
            are the database's (outbox.settings, ALTER DATABASE ... SET);
@@ -75,7 +77,7 @@ Options take their value as the next argument, or after an equals sign.
 #[derive(Debug, PartialEq, Eq)]
 enum Command {
     Install { dsn: String, schema: String, ca_file: Option<PathBuf> },
-    Sql { schema: String, transaction: bool },
+    Sql { schema: String, transaction: bool, from: Option<String> },
     Run(RunConfig),
     Version,
 }
@@ -114,6 +116,7 @@ fn parse(args: &[String], env: Environment) -> Result<Command, String> {
         OWN_SETTINGS.iter().filter_map(|(_, var, setting)| env(var).map(|v| (*setting, v))).collect();
     let mut schema = "public".to_string();
     let mut transaction = true;
+    let mut from = None;
     let mut rest = rest.iter().enumerate();
     while let Some((position, arg)) = rest.next() {
         // A value may hold a password: an argument is named by its option
@@ -142,6 +145,7 @@ fn parse(args: &[String], env: Environment) -> Result<Command, String> {
                 own.push((setting, value));
             }
             "--no-transaction" if verb == "sql" && inline.is_none() => transaction = false,
+            "--update-from" if verb == "sql" => from = Some(value().ok_or_else(|| needs(name))?),
             _ if name.starts_with("--") => return Err(format!("{verb}: unknown option {name}")),
             _ => return Err(format!("{verb}: unexpected argument {} (not shown)", position + 1)),
         }
@@ -151,7 +155,7 @@ fn parse(args: &[String], env: Environment) -> Result<Command, String> {
             let dsn = dsn.ok_or("install: --dsn or OUTBOX_DSN names the database")?;
             Ok(Command::Install { dsn, schema, ca_file: ca_file.map(PathBuf::from) })
         }
-        "sql" => Ok(Command::Sql { schema, transaction }),
+        "sql" => Ok(Command::Sql { schema, transaction, from }),
         "run" => Ok(Command::Run(RunConfig {
             dsn: dsn.ok_or("run: --dsn or OUTBOX_DSN names the database")?,
             tls_ca_file: ca_file.map(PathBuf::from),
@@ -198,14 +202,26 @@ fn main() -> ExitCode {
     match command {
         Command::Version => println!("outbox-dispatch {}", script::VERSION),
         Command::Run(config) => return ExitCode::from(run::run(config) as u8),
-        Command::Sql { schema, transaction } => match script::script(&schema) {
-            Ok(sql) if transaction => print!("BEGIN;\n{sql}COMMIT;\n"),
-            Ok(sql) => print!("{sql}"),
-            Err(e) => {
-                eprintln!("outbox-dispatch: {e}");
-                return ExitCode::from(2);
+        Command::Sql { schema, transaction, from } => {
+            let sql = match from.as_deref() {
+                None => script::script(&schema).map_err(|e| e.to_string()),
+                Some(from) => match script::update(from, &schema) {
+                    Some(update) => update.map_err(|e| e.to_string()),
+                    None => {
+                        let known: Vec<&str> = script::updated_from().collect();
+                        Err(format!("--update-from: this release updates only {}", known.join(", ")))
+                    }
+                },
+            };
+            match sql {
+                Ok(sql) if transaction => print!("BEGIN;\n{sql}COMMIT;\n"),
+                Ok(sql) => print!("{sql}"),
+                Err(e) => {
+                    eprintln!("outbox-dispatch: {e}");
+                    return ExitCode::from(2);
+                }
             }
-        },
+        }
         Command::Install { dsn, schema, ca_file } => {
             let result = connect::connect(&dsn, ca_file.as_deref())
                 .map_err(install::InstallError::Refused)
@@ -213,6 +229,9 @@ fn main() -> ExitCode {
             match result {
                 Ok(install::Installed::Now) => {
                     println!("outbox-dispatch: installed outbox_dispatch {}", script::VERSION)
+                }
+                Ok(install::Installed::Updated(from)) => {
+                    println!("outbox-dispatch: updated outbox_dispatch {from} to {}", script::VERSION)
                 }
                 Ok(install::Installed::Already) => {
                     println!(
@@ -277,7 +296,7 @@ mod tests {
         }
         assert_eq!(
             parse(&args("sql --no-transaction"), &none),
-            Ok(Command::Sql { schema: "public".into(), transaction: false })
+            Ok(Command::Sql { schema: "public".into(), transaction: false, from: None })
         );
     }
 

@@ -483,3 +483,17 @@ fn next_signal(signals: &libc::sigset_t, timeout: Duration) -> Option<i32> {
     let signal = unsafe { libc::sigtimedwait(signals, std::ptr::null_mut(), &timeout) };
     (signal > 0).then_some(signal)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_former_names_of_its_own_settings_are_its_own_too() {
+        for (former, new) in guc::RENAMED {
+            assert_eq!(is_own(former), is_own(new), "{former}");
+        }
+        assert!(is_own("outbox.redis_password_file") && is_own("outbox.redis_tls_ca_file"));
+        assert!(is_own("outbox.redis_url") && !is_own("outbox.redis_timeout"));
+    }
+}

@@ -15,9 +15,10 @@ use std::fmt;
 
 /// The files in the order they run: the extension's (src/lib.rs), with the
 /// library's functions (sql/standalone/host.sql) after the tables.
-const PARTS: [(&str, &str); 9] = [
-    ("standalone/head.sql", include_str!("../../sql/standalone/head.sql")),
+const PARTS: [(&str, &str); 10] = [
+    HEAD,
     ("schema.sql", include_str!("../../sql/schema.sql")),
+    SETTING_PLACE,
     ("standalone/host.sql", include_str!("../../sql/standalone/host.sql")),
     ("subscriptions.sql", include_str!("../../sql/subscriptions.sql")),
     ("keys.sql", include_str!("../../sql/keys.sql")),
@@ -26,6 +27,16 @@ const PARTS: [(&str, &str); 9] = [
     ("api.sql", include_str!("../../sql/api.sql")),
     ("standalone/tail.sql", include_str!("../../sql/standalone/tail.sql")),
 ];
+
+const HEAD: (&str, &str) = ("standalone/head.sql", include_str!("../../sql/standalone/head.sql"));
+const SETTING_PLACE: (&str, &str) =
+    ("standalone/setting_place.sql", include_str!("../../sql/standalone/setting_place.sql"));
+const UPDATE_END: (&str, &str) = ("standalone/update.sql", include_str!("../../sql/standalone/update.sql"));
+
+/// The releases an install updates, each with the files that replace what
+/// changed since it (each `CREATE OR REPLACE`s its objects). 0.10.0 and
+/// 1.0.0 differ in where settings belong: three have new names.
+const UPDATES: [(&str, &[(&str, &str)]); 1] = [("0.10.0", &[SETTING_PLACE])];
 
 /// The statements `@include` may name.
 const INCLUDES: [(&str, &str); 9] = [
@@ -82,12 +93,33 @@ impl std::error::Error for ScriptError {}
 /// `outbox-dispatch install` runs in one transaction, and `outbox-dispatch
 /// sql` prints for a migration.
 pub fn script(schema: &str) -> Result<String, ScriptError> {
+    put_together(schema, &PARTS)
+}
+
+/// The script that updates a database installed at release `from` to this
+/// one, for the functions' schema `schema`; `None` when no update leads
+/// from `from`.
+pub fn update(from: &str, schema: &str) -> Option<Result<String, ScriptError>> {
+    let (_, files) = UPDATES.iter().find(|(release, _)| *release == from)?;
+    let parts: Vec<(&'static str, &'static str)> =
+        [HEAD].iter().chain(files.iter()).chain([UPDATE_END].iter()).copied().collect();
+    Some(put_together(schema, &parts))
+}
+
+/// The releases [`update`] starts from.
+pub fn updated_from() -> impl Iterator<Item = &'static str> {
+    UPDATES.iter().map(|(release, _)| *release)
+}
+
+/// `parts` one after the other, each under its name, with the rules of the
+/// module's documentation applied.
+fn put_together(schema: &str, parts: &[(&'static str, &'static str)]) -> Result<String, ScriptError> {
     if schema.is_empty() || schema.len() > 63 {
         return Err(ScriptError::SchemaName(schema.to_string()));
     }
     let quoted = quote_ident(schema);
     let mut out = String::new();
-    for (file, text) in PARTS {
+    for &(file, text) in parts {
         out.push_str(&format!("-- sql/{file}\n"));
         let kept = without_extension_only(file, text)?;
         let included = expand_includes(file, &kept)?;

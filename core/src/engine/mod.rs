@@ -124,8 +124,8 @@ impl<H: Host> Dispatcher<H> {
         for (former, new) in guc::RENAMED {
             if self.settings.deprecated.contains(&former) && !self.deprecation_told.contains(&former) {
                 self.host.warning(&format!(
-                    "outbox dispatcher {}: {former} is deprecated, and read because {new} is not set: \
-                     set {new} instead",
+                    "outbox dispatcher {}: {former} is deprecated, and read because {new} is at its \
+                     default: set {new} instead",
                     self.index
                 ));
                 self.deprecation_told.push(former);

@@ -77,12 +77,15 @@ impl Values<'_> {
     /// The value of `name`; for a renamed one at its default, its former
     /// name's while that is not.
     fn get(&mut self, name: &str) -> Parsed {
+        let refused = self.invalid.len();
         let value = self.parse(name);
         let Some(&(former, _)) = guc::RENAMED.iter().find(|(_, new)| *new == name) else {
             return value;
         };
+        // A value refused under the new name is its default, shown as
+        // such: not the former name's.
         let default = guc::declared(name).map(|d| d.default());
-        if Some(&value) != default.as_ref() {
+        if Some(&value) != default.as_ref() || self.invalid.len() > refused {
             return value;
         }
         let earlier = self.parse(former);
@@ -330,5 +333,10 @@ mod tests {
 
         let (s, _) = read(&[("outbox.redis_timeout", "5s"), ("outbox.broker_password_file", "")]);
         assert!(s.deprecated.is_empty(), "a former name at its default is not read");
+
+        let (s, invalid) = read(&[("outbox.redis_timeout", "9s"), ("outbox.broker_timeout", "soon")]);
+        assert_eq!(s.broker.timeout, Duration::from_secs(5), "a refused new name is its default");
+        assert_eq!(invalid.len(), 1);
+        assert!(s.deprecated.is_empty());
     }
 }
