@@ -494,27 +494,3 @@ def test_too_few_worker_slots_is_a_warning_and_a_row(redis_server):
         assert "terminated by signal" not in pg.log_text()
     finally:
         pg.close()
-
-
-def test_a_copy_made_under_0_5_0_waits_for_adoption_after_the_update(redis_server):
-    pg = Cluster(redis_server.url, database="orig")
-    try:
-        pg.sql("CREATE DATABASE orig")
-        pg.sql("CREATE EXTENSION outbox_dispatch VERSION '0.5.0'", dbname="orig")
-        ids = enqueue(pg, "orig", "q_old_copy", 3)
-        pg.sql("CREATE DATABASE old_copy TEMPLATE orig")
-        pg.sql("ALTER EXTENSION outbox_dispatch UPDATE", dbname="orig")
-        with pg.connect(dbname="old_copy") as conn:
-            notices = []
-            conn.add_notice_handler(lambda n: notices.append(n.message_primary))
-            conn.execute("ALTER EXTENSION outbox_dispatch UPDATE")
-        assert any("taken for a copy" in n for n in notices), notices
-        pg.configure(database="orig, old_copy")
-        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_old_copy")) == sorted(ids),
-                   message="the original's events sent")
-        wait_until(lambda: pg.value("SELECT state FROM outbox.workers WHERE database = 'old_copy'", dbname="orig")
-                   == "copy", timeout=30, message="the copy waiting")
-        time.sleep(1)
-        assert sorted(queued_ids(redis_server.client(), "q_old_copy")) == sorted(ids)
-    finally:
-        pg.close()
