@@ -28,21 +28,33 @@ build: deps
 	cargo build --release $(FEATURES)
 
 EXTENSION_DIR = $(shell $(PG_CONFIG) --sharedir)/extension
+VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+DEB_PACKAGE = postgresql-$(PG_MAJOR)-outbox-dispatch
+# The scripts an earlier install left that are not this one's: removed once
+# this one is in place (a failed build leaves the earlier install whole).
+STALE_SCRIPTS = find $(EXTENSION_DIR) -maxdepth 1 -name 'outbox_dispatch--*.sql' \
+	! -name 'outbox_dispatch--$(VERSION).sql' $(foreach f,$(notdir $(wildcard sql/upgrade/*.sql)),! -name '$(f)')
 
 # Builds and installs into the PostgreSQL that PG_CONFIG names (release build),
 # with the update chain from 0.8.0, in place of the scripts an earlier
-# install left there.
+# install left there; not over the Debian package's files.
 install: deps
-	rm -f $(EXTENSION_DIR)/outbox_dispatch--*.sql
+	@if dpkg-query -W $(DEB_PACKAGE) >/dev/null 2>&1; then \
+		echo "make install: $(DEB_PACKAGE) is installed; apt remove it first, or update it with the new .deb" >&2; exit 1; fi
 	cargo pgrx install --release --pg-config $(PG_CONFIG) $(FEATURES)
 	install -m 644 sql/upgrade/*.sql $(EXTENSION_DIR)/
+	$(STALE_SCRIPTS) -delete
 
 # The same with the quicker dev profile, for the tests; with 0.8.0's install
-# script, which the tests of the update chain start from.
+# script, which the tests of the update chain start from. A Debian package
+# an interrupted test left installed (tests/test_package.py) is purged first.
 install-dev: deps
-	rm -f $(EXTENSION_DIR)/outbox_dispatch--*.sql
+	@if dpkg-query -W $(DEB_PACKAGE) >/dev/null 2>&1; then \
+		echo "make install-dev: purging $(DEB_PACKAGE), which a test left"; \
+		DEBIAN_FRONTEND=noninteractive apt-get purge -y -q $(DEB_PACKAGE) >/dev/null; fi
 	cargo pgrx install --pg-config $(PG_CONFIG) $(FEATURES)
 	install -m 644 sql/upgrade/*.sql tests/fixtures/outbox_dispatch--0.8.0.sql $(EXTENSION_DIR)/
+	$(STALE_SCRIPTS) ! -name 'outbox_dispatch--0.8.0.sql' -delete
 
 # The sidecar's command (managed PostgreSQL: docs/guides/managed.md), which the
 # integration tests run.
@@ -70,7 +82,7 @@ integration-sidecar: integration
 
 test: unit integration $(if $(filter sidecar,$(MODES)),integration-sidecar)
 
-# Into dist/, for the PostgreSQL major of PG (or PG_CONFIG): the Debian
+# Into dist/ (DIST_DIR), for the PostgreSQL major of PG (or PG_CONFIG): the Debian
 # package postgresql-<major>-outbox-dispatch_<version>_<arch>.deb, an archive
 # for other systems, and the Python package's source distribution and wheel,
 # which carries the outbox-dispatch command (docs/getting-started/install.md).

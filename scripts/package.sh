@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# `make package`: what a release ships, into dist/, for the PostgreSQL major
-# that PG_CONFIG names and this machine's architecture:
+# `make package`: what a release ships, for the PostgreSQL major that
+# PG_CONFIG names and this machine's architecture, into DIST_DIR (dist/ by
+# default):
 #
 # - postgresql-<major>-outbox-dispatch_<version>_<arch>.deb, which
 #   `apt install ./file.deb` installs into Debian's or PGDG's PostgreSQL of
-#   that major (packaging/debian/);
+#   that major (packaging/debian/; built where dpkg-deb is);
 # - outbox_dispatch-<version>-pg<major>-<arch>.tar.gz, the same files with
 #   install.sh, which copies them where the target server's pg_config says
 #   and refuses a server of another major (any other Linux);
@@ -12,54 +13,64 @@
 #   platform, which carries the outbox-dispatch command (sidecar/) beside the
 #   package, both checked as an index would take them.
 #
-# Every artefact has the version of Cargo.toml; python/pyproject.toml and
-# META.json must say the same. PACKAGE_PROFILE=dev packages the quicker
+# Every artefact has the version of Cargo.toml, and the release's files
+# must all say the same (tests/test_release.py states where). Each is
+# written whole or not at all. PACKAGE_PROFILE=dev packages the quicker
 # debug builds (the tests use them); DEB_MAINTAINER names the Debian
-# package's maintainer.
+# package's maintainer ("Name <address>").
 set -euo pipefail
+shopt -s globstar nullglob
 cd "$(dirname "$0")/.."
 
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
+DIST_DIR=${DIST_DIR:-dist}
 major=$("$PG_CONFIG" --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')
 FEATURES=${FEATURES:---no-default-features --features pg$major}
+.venv/bin/python -m pytest -q -p no:cacheprovider tests/test_release.py >/dev/null || {
+    echo "package.sh: the release's files do not agree (.venv/bin/python -m pytest tests/test_release.py)" >&2
+    exit 1
+}
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
-for file in python/pyproject.toml META.json; do
-    if ! grep -Eq "^ *\"?version\"? *[=:] *\"$version\"" "$file"; then
-        echo "package.sh: $file does not give version $version (Cargo.toml's)" >&2
-        exit 1
-    fi
-done
+maintainer=${DEB_MAINTAINER:-The outbox_dispatch authors <outbox-dispatch@packages.invalid>}
+if ! [[ "$maintainer" =~ ^[A-Za-z0-9\ ._\'-]+\ \<[A-Za-z0-9._+-]+@[A-Za-z0-9.-]+\>$ ]]; then
+    echo "package.sh: DEB_MAINTAINER must be \"Name <address>\" (letters, digits, spaces and . _ ' - in the name)" >&2
+    exit 1
+fi
 staging=$(mktemp -d)
 trap 'rm -rf "$staging"' EXIT
+mkdir -p "$DIST_DIR" "$staging/out"
 
 profile=(--profile release)
 [[ "${PACKAGE_PROFILE:-release}" == dev ]] && profile=(--debug)
 # shellcheck disable=SC2086 # FEATURES is a list of cargo flags
 cargo pgrx package "${profile[@]}" --pg-config "$PG_CONFIG" $FEATURES --out-dir "$staging/build" >/dev/null
 library=$(find "$staging/build" -name 'outbox_dispatch.so')
-shopt -s globstar
 scripts=("$staging"/build/**/extension/* sql/upgrade/*.sql)
-mkdir -p dist
+# shellcheck disable=SC2086
+python3 scripts/notices.py outbox_dispatch $FEATURES > "$staging/THIRD-PARTY"
 
 # The Debian package: Debian's layout of PostgreSQL <major>, whoever built
-# the server it was compiled against.
-name=postgresql-$major-outbox-dispatch
-arch=$(dpkg --print-architecture)
-deb="$staging/deb"
-install -D -m 644 "$library" "$deb/usr/lib/postgresql/$major/lib/outbox_dispatch.so"
-install -d "$deb/usr/share/postgresql/$major/extension" "$deb/usr/share/doc/$name" "$deb/DEBIAN"
-install -m 644 "${scripts[@]}" "$deb/usr/share/postgresql/$major/extension/"
-install -m 644 packaging/debian/copyright "$deb/usr/share/doc/$name/copyright"
-gzip -9n < CHANGELOG.md > "$deb/usr/share/doc/$name/changelog.gz"
-maintainer=${DEB_MAINTAINER:-The outbox_dispatch authors <outbox-dispatch@packages.invalid>}
-sed -e "s/@major@/$major/g" -e "s/@version@/$version/g" -e "s/@arch@/$arch/g" -e "s|@maintainer@|$maintainer|" \
-    -e "s/@size@/$(du -sk --exclude=DEBIAN "$deb" | cut -f1)/" \
-    packaging/debian/control > "$deb/DEBIAN/control"
-compress=(-Zxz)
-[[ "${PACKAGE_PROFILE:-release}" == dev ]] && compress=(-Zgzip -z1)
-rm -f dist/"$name"_*.deb
-dpkg-deb --root-owner-group "${compress[@]}" --build "$deb" "dist/${name}_${version}_$arch.deb" >/dev/null
-echo "dist/${name}_${version}_$arch.deb"
+# the server it was compiled against; the C library's version the library
+# needs, read from its symbols.
+if command -v dpkg-deb >/dev/null; then
+    name=postgresql-$major-outbox-dispatch
+    arch=$(dpkg --print-architecture)
+    glibc=$(objdump -T "$library" | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -uV | tail -1)
+    deb="$staging/deb"
+    doc="$deb/usr/share/doc/$name"
+    install -D -m 644 "$library" "$deb/usr/lib/postgresql/$major/lib/outbox_dispatch.so"
+    install -d "$deb/usr/share/postgresql/$major/extension" "$doc" "$deb/DEBIAN"
+    install -m 644 "${scripts[@]}" "$deb/usr/share/postgresql/$major/extension/"
+    sed "s/@name@/$name/g" packaging/debian/copyright > "$doc/copyright"
+    gzip -9n < "$staging/THIRD-PARTY" > "$doc/THIRD-PARTY.gz"
+    gzip -9n < CHANGELOG.md > "$doc/changelog.gz"
+    sed -e "s/@major@/$major/g" -e "s/@version@/$version/g" -e "s/@arch@/$arch/g" -e "s/@glibc@/$glibc/g" \
+        -e "s/@size@/$(du -sk --exclude=DEBIAN "$deb" | cut -f1)/" -e "s|@maintainer@|$maintainer|" \
+        packaging/debian/control > "$deb/DEBIAN/control"
+    compress=(-Zxz)
+    [[ "${PACKAGE_PROFILE:-release}" == dev ]] && compress=(-Zgzip -z1)
+    dpkg-deb --root-owner-group "${compress[@]}" --build "$deb" "$staging/out/${name}_${version}_$arch.deb" >/dev/null
+fi
 
 # The archive, for a server installed otherwise.
 archive=outbox_dispatch-$version-pg$major-$(uname -m)
@@ -67,7 +78,7 @@ root="$staging/$archive"
 install -D -m 755 "$library" "$root/lib/outbox_dispatch.so"
 install -d "$root/extension"
 install -m 644 "${scripts[@]}" "$root/extension/"
-install -m 644 LICENSE CHANGELOG.md "$root/"
+install -m 644 LICENSE CHANGELOG.md "$staging/THIRD-PARTY" "$root/"
 cat > "$root/install.sh" <<INSTALL
 #!/bin/sh
 # Installs outbox_dispatch into the PostgreSQL $major that pg_config (or \$PG_CONFIG) names.
@@ -82,23 +93,31 @@ if [ "$server" != "$built_for" ]; then
     echo "install.sh: this build of outbox_dispatch is for PostgreSQL $built_for; $PG_CONFIG is PostgreSQL $server" >&2
     exit 1
 fi
-rm -f "$($PG_CONFIG --sharedir)"/extension/outbox_dispatch--*.sql
-install -m 755 "$here"/lib/outbox_dispatch.so "$($PG_CONFIG --pkglibdir)/"
-install -m 644 "$here"/extension/* "$($PG_CONFIG --sharedir)/extension/"
+libdir=$("$PG_CONFIG" --pkglibdir)
+extdir=$("$PG_CONFIG" --sharedir)/extension
+install -m 755 "$here"/lib/outbox_dispatch.so "$libdir/"
+install -m 644 "$here"/extension/* "$extdir/"
+# The scripts an earlier install left, which are not this release's.
+for script in "$extdir"/outbox_dispatch--*.sql; do
+    [ -e "$here/extension/$(basename "$script")" ] || rm -f "$script"
+done
 echo "outbox_dispatch installed; add it to shared_preload_libraries and restart the server."
 INSTALL
 chmod 755 "$root/install.sh"
-tar -C "$staging" -czf "dist/$archive.tar.gz" "$archive"
-echo "dist/$archive.tar.gz"
+tar -C "$staging" -czf "$staging/out/$archive.tar.gz" "$archive"
 
 # The Python package: the source distribution (maturin's, with the Rust
-# sources the command builds from) and this platform's wheel.
-rm -f dist/outbox_dispatch-"$version".tar.gz dist/outbox_dispatch-"$version"-py3-none-*.whl
-.venv/bin/python -m build --sdist --outdir dist python >/dev/null
+# sources the command builds from and the SQL they include) and this
+# platform's wheel.
+.venv/bin/python -m build --sdist --outdir "$staging/out" python >/dev/null
 wheel_profile=release
 [[ "${PACKAGE_PROFILE:-release}" == dev ]] && wheel_profile=dev
-(cd python && ../.venv/bin/maturin build --quiet --profile "$wheel_profile" --out ../dist >/dev/null)
-.venv/bin/python -m twine check --strict dist/outbox_dispatch-"$version".tar.gz \
-    dist/outbox_dispatch-"$version"-py3-none-*.whl >/dev/null
-echo "dist/outbox_dispatch-$version.tar.gz"
-ls dist/outbox_dispatch-"$version"-py3-none-*.whl
+(cd python && ../.venv/bin/maturin build --quiet --profile "$wheel_profile" --out "$staging/out" >/dev/null)
+.venv/bin/python -m twine check --strict "$staging"/out/outbox_dispatch-"$version".tar.gz \
+    "$staging"/out/outbox_dispatch-"$version"-py3-none-*.whl >/dev/null
+
+# All built: into DIST_DIR, in place of this version's earlier ones.
+for built in "$staging"/out/*; do
+    mv -f "$built" "$DIST_DIR/"
+    echo "$DIST_DIR/$(basename "$built")"
+done

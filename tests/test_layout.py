@@ -18,19 +18,41 @@ def module_of(path, root):
     return None if parts in (("lib",), ("main",)) else parts[0]
 
 
+def named_modules(text):
+    """The top-level modules `crate::` paths in `text` name, in a group
+    (`crate::{a::{x, y}, b}`) too."""
+    named = set()
+    for match in re.finditer(r"\bcrate::", text):
+        rest = text[match.end():]
+        if not rest.startswith("{"):
+            named.update(re.findall(r"^\w+", rest))
+            continue
+        depth, item = 0, ""
+        for char in rest:
+            depth += {"{": 1, "}": -1}.get(char, 0)
+            if depth == 0 or depth == 1 and char == ",":
+                named.update(re.findall(r"^[\s{]*(\w+)", item))
+                item = ""
+                if depth == 0:
+                    break
+            else:
+                item += char
+    return named
+
+
 def imports(root):
     """{module: the other top-level modules of the crate it names}, tests
-    left out."""
+    (a `mod tests` block, or a file of its own) left out."""
     graph = {}
     for path in sorted(root.rglob("*.rs")):
         module = module_of(path, root)
         if module is None:
             continue
+        graph.setdefault(module, set())
+        if path.stem == "tests" or "tests" in path.relative_to(root).parts[:-1]:
+            continue
         text = re.split(r"#\[cfg\(test\)\]\s*mod tests", path.read_text())[0]
-        named = set(re.findall(r"crate::(\w+)", text))
-        for group in re.findall(r"crate::\{([^}]*)\}", text):
-            named |= set(re.findall(r"(?:^|,)\s*(\w+)", group))
-        graph.setdefault(module, set()).update(named - {module})
+        graph[module].update(named_modules(text) - {module})
     return {m: {n for n in named if n in graph} for m, named in graph.items()}
 
 
@@ -61,6 +83,10 @@ def circles(graph):
         if v not in index:
             visit(v)
     return found
+
+
+def test_every_module_a_path_names_is_found():
+    assert named_modules("use crate::{a::{x, y}, b};\nlet c = crate::c::f();") == {"a", "b", "c"}
 
 
 def test_a_circle_is_found():

@@ -33,13 +33,21 @@ EXTENSION_FILES = {"outbox_dispatch.control", f"outbox_dispatch--{VERSION}.sql",
 
 
 @pytest.fixture(scope="module")
-def packages():
-    """`make package` (of the debug builds): the Debian package, the
-    archive, the source distribution and the wheel."""
+def packages(tmp_path_factory):
+    """`make package` (of the debug builds, into a directory of the
+    tests', not dist/): the Debian package, the archive, the source
+    distribution and the wheel."""
+    out = tmp_path_factory.mktemp("dist")
     built = subprocess.run(["./scripts/package.sh"], cwd=ROOT,
-                           env=dict(os.environ, PACKAGE_PROFILE="dev", PG_CONFIG=PG_CONFIG),
+                           env=dict(os.environ, PACKAGE_PROFILE="dev", PG_CONFIG=PG_CONFIG, DIST_DIR=str(out)),
                            check=True, capture_output=True, text=True)
-    return [ROOT / line for line in built.stdout.strip().splitlines()[-4:]]
+    files = [ROOT / line for line in built.stdout.split()]
+    assert {f.parent for f in files} == {out}, files
+    kinds = {".deb": "deb", f"-pg{MAJOR}-{os.uname().machine}.tar.gz": "archive",
+             f"-{VERSION}.tar.gz": "sdist", ".whl": "wheel"}
+    found = {kind: [f for f in files if f.name.endswith(end)] for end, kind in kinds.items()}
+    assert all(len(f) == 1 for f in found.values()), files
+    return {kind: f[0] for kind, f in found.items()}
 
 
 def pg_config(option):
@@ -87,11 +95,12 @@ def delivers(redis_server):
 
 
 def test_the_archive_installs_and_runs(redis_server, packages, tmp_path):
-    archive = packages[1]
+    archive = packages["archive"]
     assert archive.name == f"outbox_dispatch-{VERSION}-pg{MAJOR}-{os.uname().machine}.tar.gz"
     with tempfile.TemporaryDirectory() as unpacked, tarfile.open(archive) as tar:
         names = {Path(n).name for n in tar.getnames() if not tar.getmember(n).isdir()}
-        assert names == EXTENSION_FILES | {"outbox_dispatch.so", "install.sh", "LICENSE", "CHANGELOG.md"}, names
+        assert names == EXTENSION_FILES | {"outbox_dispatch.so", "install.sh", "LICENSE", "CHANGELOG.md",
+                                           "THIRD-PARTY"}, names
         tar.extractall(unpacked)
         [top] = Path(unpacked).iterdir()
         # A server of another major is refused, and nothing is copied.
@@ -124,7 +133,7 @@ def test_the_debian_package_installs_with_apt_and_the_core_tests_pass_on_it(redi
     """`apt install ./postgresql-<major>-outbox-dispatch_<version>_<arch>.deb`
     into this machine's Debian PostgreSQL, the build's files set aside: the
     package's alone serve the dispatch tests; removing it leaves nothing."""
-    deb = packages[0]
+    deb = packages["deb"]
     name = f"postgresql-{MAJOR}-outbox-dispatch"
     arch = subprocess.run(["dpkg", "--print-architecture"], check=True, capture_output=True, text=True).stdout.strip()
     assert deb.name == f"{name}_{VERSION}_{arch}.deb"
@@ -132,13 +141,25 @@ def test_the_debian_package_installs_with_apt_and_the_core_tests_pass_on_it(redi
                             check=True, capture_output=True, text=True).stdout
     assert f"Package: {name}\nVersion: {VERSION}\nArchitecture: {arch}\n" in fields
     assert f"Depends: postgresql-{MAJOR}," in fields
+    # The C library it needs, no older than the newest symbol version the
+    # library uses.
+    with tempfile.TemporaryDirectory() as unpacked:
+        subprocess.run(["dpkg-deb", "--extract", deb, unpacked], check=True)
+        symbols = subprocess.run(["objdump", "-T", f"{unpacked}/usr/lib/postgresql/{MAJOR}/lib/outbox_dispatch.so"],
+                                 check=True, capture_output=True, text=True).stdout
+    needed = max((tuple(map(int, v.split("."))) for v in re.findall(r"GLIBC_([\d.]+)", symbols)))
+    bound = re.search(r"libc6 \(>= ([\d.]+)\)", fields).group(1)
+    assert tuple(map(int, bound.split("."))) >= needed, (bound, needed)
     listed = subprocess.run(["dpkg-deb", "--contents", deb], check=True, capture_output=True, text=True).stdout
     files = {line.split()[-1] for line in listed.splitlines() if not line.startswith("d")}
     assert files == {f"./usr/lib/postgresql/{MAJOR}/lib/outbox_dispatch.so",
                      f"./usr/share/doc/{name}/copyright", f"./usr/share/doc/{name}/changelog.gz",
+                     f"./usr/share/doc/{name}/THIRD-PARTY.gz",
                      *(f"./usr/share/postgresql/{MAJOR}/extension/{f}" for f in EXTENSION_FILES)}, files
 
     apt = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    # An interrupted run's package is purged by make install-dev (Makefile).
+    assert subprocess.run(["dpkg-query", "-W", name], capture_output=True).returncode != 0, f"{name} is installed"
     with build_set_aside(tmp_path) as (libdir, extdir):
         try:
             subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", str(deb.resolve())],
@@ -161,7 +182,7 @@ def test_the_source_distribution_builds_the_package_and_the_command(packages, tm
     holds the Python package, the command's Rust sources (the vendored,
     patched codec too) and the SQL they include, and nothing else of the
     repository."""
-    sdist = packages[2]
+    sdist = packages["sdist"]
     assert sdist.name == f"outbox_dispatch-{VERSION}.tar.gz"
     with tarfile.open(sdist) as tar:
         tops = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 2}
@@ -188,7 +209,7 @@ def test_the_wheel_brings_the_package_and_the_command(redis_server, packages, tm
     """`pip install outbox-dispatch` on a machine without Rust: the Python
     package and the `outbox-dispatch` command, which installs the outbox
     into a server without the library and delivers from it."""
-    wheel = packages[3]
+    wheel = packages["wheel"]
     with zipfile.ZipFile(wheel) as python_package:
         assert {"outbox_dispatch/__init__.py", "outbox_dispatch/celery.py", "outbox_dispatch/producer.py",
                 "outbox_dispatch/report.py", "outbox_dispatch/py.typed",
@@ -232,34 +253,34 @@ def debian_mirror():
 @contextlib.contextmanager
 def fresh_debian(root):
     """A Debian 12 of the minimal variant at `root` (no Rust, no
-    PostgreSQL), with /proc and /dev/shm, that starts no service."""
+    PostgreSQL) that starts no service; a function that runs a command in
+    it, with /proc and a /dev/shm of its own mounted in a mount namespace of
+    the command's, gone when the last process in it is (whatever ends this
+    test)."""
     subprocess.run(["debootstrap", "--variant=minbase", "bookworm", root, debian_mirror()],
                    check=True, capture_output=True)
     (root / "usr/sbin/policy-rc.d").write_text("#!/bin/sh\nexit 101\n")
     (root / "usr/sbin/policy-rc.d").chmod(0o755)
     shutil.copy("/etc/resolv.conf", root / "etc/resolv.conf")
-    mounts = [("proc", root / "proc", ["-t", "proc"]), ("shm", root / "dev/shm", ["-t", "tmpfs"])]
-    mounted = []
-    try:
-        for name, point, kind in mounts:
-            subprocess.run(["mount", *kind, name, point], check=True)
-            mounted.append(point)
-        yield lambda *command, **kw: subprocess.run(["chroot", root, *command], capture_output=True, text=True, **kw)
-    finally:
-        for point in reversed(mounted):
-            subprocess.run(["umount", "--lazy", point], check=True)
-    # Only once nothing is mounted in it: 400 MB a run otherwise kept.
+    enter = 'mount -t proc proc "$0/proc" && mount -t tmpfs shm "$0/dev/shm" && exec chroot "$0" "$@"'
+
+    def inside(*command, **kw):
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", enter, root,
+                               *command], capture_output=True, text=True, **kw)
+
+    yield inside
     shutil.rmtree(root)
 
 
-@pytest.mark.skipif(not debian_postgresql() or shutil.which("debootstrap") is None or debian_mirror() is None,
-                    reason="needs Debian 12 with its PostgreSQL, debootstrap and a Debian archive")
+@pytest.mark.skipif(MAJOR != "15" or not debian_postgresql() or shutil.which("debootstrap") is None
+                    or debian_mirror() is None,
+                    reason="needs Debian 12's own PostgreSQL (15), debootstrap and a Debian archive")
 def test_a_fresh_debian_installs_the_package_with_apt_and_runs_the_quick_start(redis_server, packages, tmp_path):
     """The quick start on a Debian 12 that has nothing but its base system:
     `apt install ./<package>.deb` brings PostgreSQL with it; no Rust; the
     server preloads the library, CREATE EXTENSION, and a committed event
     reaches this machine's Redis while a rolled-back one does not."""
-    deb = packages[0]
+    deb = packages["deb"]
     root = tmp_path / "debian"
     with fresh_debian(root) as inside:
         shutil.copy(deb, root / "tmp" / deb.name)
@@ -278,9 +299,10 @@ def test_a_fresh_debian_installs_the_package_with_apt_and_runs_the_quick_start(r
             conf.write("listen_addresses = ''\nunix_socket_directories = '/tmp'\nport = 5433\n"
                        "shared_preload_libraries = 'outbox_dispatch'\n"
                        f"outbox.broker_url = '{redis_server.url}'\n")
-        started = inside(*as_postgres, f"{bin_dir}/pg_ctl", "-D", "/tmp/data", "-l", "/tmp/data/log", "-w", "start")
-        assert started.returncode == 0, started.stderr + (root / "tmp/data/log").read_text()
         try:
+            started = inside(*as_postgres, f"{bin_dir}/pg_ctl", "-D", "/tmp/data", "-l", "/tmp/data/log", "-w",
+                             "start")
+            assert started.returncode == 0, started.stderr + (root / "tmp/data/log").read_text()
             def psql(*statements):
                 """Runs `statements` in one session; what they return."""
                 ran = inside(f"{bin_dir}/psql", "-h", "/tmp", "-p", "5433", "-U", "postgres", "-X", "-q", "-A", "-t",

@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""The third-party notices of what a build links: every crate the named
+package depends on for its build's output (normal dependencies, with the
+features the build uses), with its version, its licence as it declares it,
+and the text of the licence files it ships. `make package` puts them in
+the Debian package's copyright and beside the archive's library.
+
+usage: notices.py PACKAGE [CARGO_ARGS...]   (e.g. --no-default-features --features pg15)
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+LICENCE_FILES = ("LICENSE", "LICENCE", "COPYING", "NOTICE", "COPYRIGHT")
+
+
+def linked(package, cargo_args):
+    """The crates `package` links, by id: cargo's resolution of it alone."""
+    metadata = json.loads(subprocess.run(
+        ["cargo", "metadata", "--format-version", "1", "--locked", *cargo_args],
+        check=True, capture_output=True, text=True).stdout)
+    packages = {p["id"]: p for p in metadata["packages"]}
+    nodes = {n["id"]: n for n in metadata["resolve"]["nodes"]}
+    [root] = [i for i, p in packages.items() if p["name"] == package and i in metadata["workspace_members"]]
+    seen, stack = set(), [root]
+    while stack:
+        node = nodes[stack.pop()]
+        for dep in node["deps"]:
+            if any(kind["kind"] is None for kind in dep["dep_kinds"]) and dep["pkg"] not in seen:
+                seen.add(dep["pkg"])
+                stack.append(dep["pkg"])
+    ours = set(metadata["workspace_members"]) - {i for i, p in packages.items() if "vendor" in p["manifest_path"]}
+    return sorted((packages[i] for i in seen - ours), key=lambda p: (p["name"], p["version"]))
+
+
+def notice(crate):
+    folder = Path(crate["manifest_path"]).parent
+    files = sorted(f for f in folder.iterdir() if f.is_file() and f.name.upper().startswith(LICENCE_FILES))
+    lines = [f"{crate['name']} {crate['version']}: {crate.get('license') or 'see its licence files'}"]
+    for file in files:
+        lines += ["", f"--- {file.name}", file.read_text(errors="replace").rstrip()]
+    return "\n".join(lines)
+
+
+def main():
+    package, cargo_args = sys.argv[1], sys.argv[2:]
+    crates = linked(package, cargo_args)
+    print(f"Third-party software in {package}: {len(crates)} crates, each under its own licence.\n")
+    print("\n\n========================================\n\n".join(notice(c) for c in crates))
+
+
+if __name__ == "__main__":
+    main()
