@@ -59,3 +59,12 @@ def test_one_update_chain_leads_from_the_baseline_to_this_version():
     # No install script of an earlier version ships: the chain installs them.
     shipped = [p.name for p in ROOT.glob("sql/**/outbox_dispatch--*.sql")]
     assert all(re.fullmatch(r"outbox_dispatch--[\d.]+--[\d.]+\.sql", name) for name in shipped), shipped
+
+
+def test_every_alert_links_to_a_runbook_row_that_exists():
+    rules = (ROOT / "contrib" / "prometheus" / "outbox_alerts.yml").read_text()
+    links = set(re.findall(r'runbook_url: "([^"#]+)#([^"]+)"', rules))
+    assert len(links) > 5
+    for page, anchor in links:
+        text = (ROOT / page).read_text()
+        assert f'id="{anchor}"' in text, f"{page}#{anchor}"
