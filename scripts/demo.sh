@@ -43,7 +43,7 @@ port = $PG_PORT
 listen_addresses = ''
 unix_socket_directories = '$DEMO_DIR'
 shared_preload_libraries = 'outbox_dispatch'
-outbox.redis_url = '$BROKER'
+outbox.broker_url = '$BROKER'
 outbox.database = 'postgres'
 CONF
     as_postgres "$PG_BIN/pg_ctl" -D "$DEMO_DIR/data" -l "$DEMO_DIR/postgresql.log" -w start >/dev/null
