@@ -35,22 +35,30 @@ DEB_PACKAGE = postgresql-$(PG_MAJOR)-outbox-dispatch
 STALE_SCRIPTS = find $(EXTENSION_DIR) -maxdepth 1 -name 'outbox_dispatch--*.sql' \
 	! -name 'outbox_dispatch--$(VERSION).sql' $(foreach f,$(notdir $(wildcard sql/upgrade/*.sql)),! -name '$(f)')
 
+# The Debian package's state here: "installed", or empty; and its maintainer,
+# which names the packages tests/test_package.py builds (TEST_MAINTAINER).
+DEB_STATE = dpkg-query -W -f='$${db:Status-Status}' $(DEB_PACKAGE) 2>/dev/null | grep -x installed
+TEST_MAINTAINER = The outbox_dispatch tests <tests@outbox-dispatch.invalid>
+
 # Builds and installs into the PostgreSQL that PG_CONFIG names (release build),
 # with the update chain from 0.8.0, in place of the scripts an earlier
 # install left there; not over the Debian package's files.
 install: deps
-	@if dpkg-query -W $(DEB_PACKAGE) >/dev/null 2>&1; then \
+	@if $(DEB_STATE) >/dev/null; then \
 		echo "make install: $(DEB_PACKAGE) is installed; apt remove it first, or update it with the new .deb" >&2; exit 1; fi
 	cargo pgrx install --release --pg-config $(PG_CONFIG) $(FEATURES)
 	install -m 644 sql/upgrade/*.sql $(EXTENSION_DIR)/
 	$(STALE_SCRIPTS) -delete
 
 # The same with the quicker dev profile, for the tests; with 0.8.0's install
-# script, which the tests of the update chain start from. A Debian package
-# an interrupted test left installed (tests/test_package.py) is purged first.
+# script, which the tests of the update chain start from. The package a
+# test left installed, when one was interrupted, is purged first; one
+# installed otherwise is refused, as by make install.
 install-dev: deps
-	@if dpkg-query -W $(DEB_PACKAGE) >/dev/null 2>&1; then \
-		echo "make install-dev: purging $(DEB_PACKAGE), which a test left"; \
+	@if $(DEB_STATE) >/dev/null; then \
+		if [ "$$(dpkg-query -W -f='$${Maintainer}' $(DEB_PACKAGE))" != "$(TEST_MAINTAINER)" ]; then \
+			echo "make install-dev: $(DEB_PACKAGE) is installed; apt remove it first" >&2; exit 1; fi; \
+		echo "make install-dev: purging $(DEB_PACKAGE), which an interrupted test left"; \
 		DEBIAN_FRONTEND=noninteractive apt-get purge -y -q $(DEB_PACKAGE) >/dev/null; fi
 	cargo pgrx install --pg-config $(PG_CONFIG) $(FEATURES)
 	install -m 644 sql/upgrade/*.sql tests/fixtures/outbox_dispatch--0.8.0.sql $(EXTENSION_DIR)/

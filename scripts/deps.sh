@@ -16,7 +16,7 @@ DEPS_DIR=${OUTBOX_DEPS_DIR:-/opt/outbox_dispatch}
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
 PGRX_VERSION=0.18.0
 
-packages=(redis-server rabbitmq-server libclang-dev clang openssl prometheus)
+packages=(redis-server rabbitmq-server libclang-dev clang openssl prometheus binutils)
 # PgQ: the bench's measure of the write path (bench/wal.py) runs it beside.
 [[ "$PG" == 15 ]] && packages+=(postgresql-15 postgresql-server-dev-15 postgresql-contrib postgresql-15-pgq3)
 # The Debian package's test on a fresh Debian 12 (tests/test_package.py).

@@ -9,6 +9,7 @@ usage: notices.py PACKAGE [CARGO_ARGS...]   (e.g. --no-default-features --featur
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,16 @@ from pathlib import Path
 LICENCE_FILES = ("LICENSE", "LICENCE", "COPYING", "NOTICE", "COPYRIGHT")
 
 
+def host():
+    return re.search(r"^host: (\S+)$", subprocess.run(["rustc", "-vV"], check=True, capture_output=True,
+                                                     text=True).stdout, re.M).group(1)
+
+
 def linked(package, cargo_args):
-    """The crates `package` links, by id: cargo's resolution of it alone."""
+    """The crates `package` links on this platform, and the vendored ones
+    among them: cargo's resolution of it alone."""
     metadata = json.loads(subprocess.run(
-        ["cargo", "metadata", "--format-version", "1", "--locked", *cargo_args],
+        ["cargo", "metadata", "--format-version", "1", "--locked", "--filter-platform", host(), *cargo_args],
         check=True, capture_output=True, text=True).stdout)
     packages = {p["id"]: p for p in metadata["packages"]}
     nodes = {n["id"]: n for n in metadata["resolve"]["nodes"]}
@@ -31,14 +38,22 @@ def linked(package, cargo_args):
             if any(kind["kind"] is None for kind in dep["dep_kinds"]) and dep["pkg"] not in seen:
                 seen.add(dep["pkg"])
                 stack.append(dep["pkg"])
-    ours = set(metadata["workspace_members"]) - {i for i, p in packages.items() if "vendor" in p["manifest_path"]}
-    return sorted((packages[i] for i in seen - ours), key=lambda p: (p["name"], p["version"]))
+    vendor = Path(metadata["workspace_root"]) / "vendor"
+    vendored = {i for i, p in packages.items() if Path(p["manifest_path"]).is_relative_to(vendor)}
+    ours = set(metadata["workspace_members"]) - vendored
+    crates = sorted((packages[i] for i in seen - ours), key=lambda p: (p["name"], p["version"]))
+    return crates, {packages[i]["name"] for i in vendored}
 
 
-def notice(crate):
+def notice(crate, vendored):
     folder = Path(crate["manifest_path"]).parent
     files = sorted(f for f in folder.iterdir() if f.is_file() and f.name.upper().startswith(LICENCE_FILES))
     lines = [f"{crate['name']} {crate['version']}: {crate.get('license') or 'see its licence files'}"]
+    if vendored:
+        lines.append("(vendored with a fix: vendor/kafka-protocol/PATCHED.md in the source)")
+    authors = ", ".join(crate.get("authors") or []) or "its authors"
+    if not files:
+        lines.append(f"(the crate ships no licence file: {crate.get('license')}, copyright {authors})")
     for file in files:
         lines += ["", f"--- {file.name}", file.read_text(errors="replace").rstrip()]
     return "\n".join(lines)
@@ -46,9 +61,9 @@ def notice(crate):
 
 def main():
     package, cargo_args = sys.argv[1], sys.argv[2:]
-    crates = linked(package, cargo_args)
+    crates, vendored = linked(package, cargo_args)
     print(f"Third-party software in {package}: {len(crates)} crates, each under its own licence.\n")
-    print("\n\n========================================\n\n".join(notice(c) for c in crates))
+    print("\n\n========================================\n\n".join(notice(c, c["name"] in vendored) for c in crates))
 
 
 if __name__ == "__main__":

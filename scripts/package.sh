@@ -36,9 +36,11 @@ if ! [[ "$maintainer" =~ ^[A-Za-z0-9\ ._\'-]+\ \<[A-Za-z0-9._+-]+@[A-Za-z0-9.-]+
     echo "package.sh: DEB_MAINTAINER must be \"Name <address>\" (letters, digits, spaces and . _ ' - in the name)" >&2
     exit 1
 fi
-staging=$(mktemp -d)
+# In DIST_DIR, so that each artefact arrives by a rename: whole or not at all.
+mkdir -p "$DIST_DIR"
+staging=$(mktemp -d "$DIST_DIR/.staging.XXXXXX")
 trap 'rm -rf "$staging"' EXIT
-mkdir -p "$DIST_DIR" "$staging/out"
+mkdir -p "$staging/out"
 
 profile=(--profile release)
 [[ "${PACKAGE_PROFILE:-release}" == dev ]] && profile=(--debug)
@@ -113,10 +115,14 @@ tar -C "$staging" -czf "$staging/out/$archive.tar.gz" "$archive"
 wheel_profile=release
 [[ "${PACKAGE_PROFILE:-release}" == dev ]] && wheel_profile=dev
 (cd python && ../.venv/bin/maturin build --quiet --profile "$wheel_profile" --out "$staging/out" >/dev/null)
-.venv/bin/python -m twine check --strict "$staging"/out/outbox_dispatch-"$version".tar.gz \
-    "$staging"/out/outbox_dispatch-"$version"-py3-none-*.whl >/dev/null
+python_package=("$staging"/out/outbox_dispatch-"$version".tar.gz "$staging"/out/outbox_dispatch-"$version"-py3-none-*.whl)
+if ((${#python_package[@]} != 2)); then
+    echo "package.sh: expected the source distribution and one wheel, built ${python_package[*]##*/}" >&2
+    exit 1
+fi
+.venv/bin/python -m twine check --strict "${python_package[@]}" >/dev/null
 
-# All built: into DIST_DIR, in place of this version's earlier ones.
+# All built: into DIST_DIR, each in place of its namesake.
 for built in "$staging"/out/*; do
     mv -f "$built" "$DIST_DIR/"
     echo "$DIST_DIR/$(basename "$built")"

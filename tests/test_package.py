@@ -26,6 +26,9 @@ MAJOR = subprocess.run([PG_CONFIG, "--version"], check=True, capture_output=True
 
 
 VERSION = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
+# The maintainer of the packages the tests build: make install-dev purges a
+# package of theirs that an interrupted test left installed (Makefile).
+TEST_MAINTAINER = "The outbox_dispatch tests <tests@outbox-dispatch.invalid>"
 # What the extension directory holds: one install script, the update chain.
 EXTENSION_FILES = {"outbox_dispatch.control", f"outbox_dispatch--{VERSION}.sql",
                    "outbox_dispatch--0.8.0--0.9.0.sql", "outbox_dispatch--0.9.0--0.10.0.sql",
@@ -39,7 +42,8 @@ def packages(tmp_path_factory):
     distribution and the wheel."""
     out = tmp_path_factory.mktemp("dist")
     built = subprocess.run(["./scripts/package.sh"], cwd=ROOT,
-                           env=dict(os.environ, PACKAGE_PROFILE="dev", PG_CONFIG=PG_CONFIG, DIST_DIR=str(out)),
+                           env=dict(os.environ, PACKAGE_PROFILE="dev", PG_CONFIG=PG_CONFIG, DIST_DIR=str(out),
+                                    DEB_MAINTAINER=TEST_MAINTAINER),
                            check=True, capture_output=True, text=True)
     files = [ROOT / line for line in built.stdout.split()]
     assert {f.parent for f in files} == {out}, files
@@ -159,7 +163,8 @@ def test_the_debian_package_installs_with_apt_and_the_core_tests_pass_on_it(redi
 
     apt = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     # An interrupted run's package is purged by make install-dev (Makefile).
-    assert subprocess.run(["dpkg-query", "-W", name], capture_output=True).returncode != 0, f"{name} is installed"
+    state = subprocess.run(["dpkg-query", "-W", "-f", "${db:Status-Status}", name], capture_output=True, text=True)
+    assert state.stdout != "installed", f"{name} is installed"
     with build_set_aside(tmp_path) as (libdir, extdir):
         try:
             subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", str(deb.resolve())],
@@ -268,8 +273,11 @@ def fresh_debian(root):
         return subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", enter, root,
                                *command], capture_output=True, text=True, **kw)
 
-    yield inside
-    shutil.rmtree(root)
+    try:
+        yield inside
+    finally:
+        # Nothing is mounted in it; a server it ran was stopped (or died).
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.skipif(MAJOR != "15" or not debian_postgresql() or shutil.which("debootstrap") is None

@@ -143,6 +143,27 @@ def test_a_schema_made_to_look_installed_by_another_role_is_refused(server):
     assert 'belongs to role other' in stderr
 
 
+def test_a_schema_another_role_made_to_look_like_an_earlier_release_is_not_updated_by_a_superuser(server):
+    """Another role with CREATE on the database plants a schema outbox whose
+    outbox.installed says 0.10.0, with a trigger that would make it a
+    superuser: an install by a superuser, who holds every role's
+    privileges, neither updates it nor runs its code."""
+    fresh_database(server, "planted", owner="postgres")
+    server.sql("GRANT CREATE ON DATABASE planted TO other", dbname="planted")
+    with server.connect(dbname="planted", user="other") as conn:
+        conn.execute("CREATE SCHEMA outbox")
+        conn.execute("CREATE TABLE outbox.installed (version text, installed_at timestamptz)")
+        conn.execute("INSERT INTO outbox.installed VALUES ('0.10.0', now())")
+        conn.execute("CREATE FUNCTION outbox.escalate() RETURNS trigger LANGUAGE plpgsql AS "
+                     "$$ BEGIN EXECUTE 'ALTER ROLE other SUPERUSER'; RETURN NEW; END $$")
+        conn.execute("CREATE TRIGGER escalate BEFORE UPDATE ON outbox.installed "
+                     "FOR EACH ROW EXECUTE FUNCTION outbox.escalate()")
+    stderr = refused(server, "postgres", "planted", installs_nothing=False)
+    assert "belongs to role other" in stderr
+    assert server.value("SELECT rolsuper FROM pg_roles WHERE rolname = 'other'") is False
+    assert server.value("SELECT version FROM outbox.installed", dbname="planted") == "0.10.0"
+
+
 def test_a_functions_schema_others_may_create_in_is_refused_naming_them(server):
     fresh_database(server, "open_schema")
     with server.connect(dbname="open_schema", user="postgres") as conn:
@@ -446,8 +467,22 @@ def test_an_outbox_that_0_10_0_installed_is_updated_and_then_equals_a_fresh_inst
         conn.execute("INSERT INTO outbox.settings VALUES ('outbox.broker_timeout', '3s')")
     assert "nothing to do" in run("install", "--dsn", dsn(server, "owner", "earlier")).stdout
 
+    # The printed update, as a migration runs it: the same schema; and it
+    # refuses a database at any other release.
+    fresh_database(server, "migrated_earlier")
+    with server.connect(dbname="migrated_earlier", user="owner") as conn:
+        conn.execute((FIXTURES / "outbox-dispatch-0.10.0.sql").read_text())
+    with server.connect(dbname="migrated_earlier", user="owner", autocommit=False) as conn:
+        conn.execute(printed.stdout.replace("BEGIN;\n", "", 1).rsplit("COMMIT;", 1)[0])
+        conn.commit()
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match=f"{version()} is installed"):
+        with server.connect(dbname="earlier", user="owner") as conn:
+            conn.execute(printed.stdout)
+
     fresh_database(server, "fresh")
     assert run("install", "--dsn", dsn(server, "owner", "fresh")).returncode == 0
-    fresh, earlier = schema_dump(server, "fresh"), schema_dump(server, "earlier")
+    fresh = schema_dump(server, "fresh")
     assert len(fresh) > 500
-    assert earlier == fresh, "\n".join(difflib.unified_diff(fresh, earlier, "fresh", "updated", lineterm=""))
+    for updated in ("earlier", "migrated_earlier"):
+        dump = schema_dump(server, updated)
+        assert dump == fresh, "\n".join(difflib.unified_diff(fresh, dump, "fresh", updated, lineterm=""))

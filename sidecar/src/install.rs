@@ -119,11 +119,15 @@ fn installed_version(tx: &mut Transaction<'_>) -> Result<Option<String>, Install
              rename or drop it first"
         )));
     }
-    // Installed by this role (or one whose privileges it has), not made to
-    // look installed by another.
+    // Installed by this role, not made to look installed by another: the
+    // schema and a plain table `installed` both this role's, so that what
+    // reads and updates it runs no code of another's (a trigger, a rule, a
+    // view), even for a role that holds every other's privileges.
     let row = tx.query_one(
         "SELECT n.nspowner::pg_catalog.regrole::pg_catalog.text,
-                pg_catalog.pg_has_role(n.nspowner, 'MEMBER') AND pg_catalog.pg_has_role(c.relowner, 'MEMBER')
+                n.nspowner = c.relowner AND c.relowner = (SELECT r.oid FROM pg_catalog.pg_roles AS r
+                                                            WHERE r.rolname = current_user)
+                AND c.relkind = 'r' AND NOT c.relhasrules AND NOT c.relhastriggers
            FROM pg_catalog.pg_namespace AS n, pg_catalog.pg_class AS c
           WHERE n.nspname = 'outbox' AND c.relnamespace = n.oid AND c.relname = 'installed'",
         &[],
@@ -131,8 +135,8 @@ fn installed_version(tx: &mut Transaction<'_>) -> Result<Option<String>, Install
     let (owner, ours): (String, bool) = (row.get(0), row.get(1));
     if !ours {
         return Err(InstallError::Refused(format!(
-            "schema \"outbox\" of database \"{database}\" belongs to role {owner}, whose privileges this \
-             role does not have: install as {owner}, or check who made it"
+            "schema \"outbox\" of database \"{database}\" belongs to role {owner}, or its table \
+             outbox.installed is not as outbox-dispatch made it: install as {owner}, or check who made it"
         )));
     }
     let version: String = tx.query_one("SELECT version FROM outbox.installed", &[])?.get(0);

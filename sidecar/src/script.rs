@@ -31,6 +31,8 @@ const PARTS: [(&str, &str); 10] = [
 const HEAD: (&str, &str) = ("standalone/head.sql", include_str!("../../sql/standalone/head.sql"));
 const SETTING_PLACE: (&str, &str) =
     ("standalone/setting_place.sql", include_str!("../../sql/standalone/setting_place.sql"));
+const UPDATE_FROM: (&str, &str) =
+    ("standalone/update_from.sql", include_str!("../../sql/standalone/update_from.sql"));
 const UPDATE_END: (&str, &str) = ("standalone/update.sql", include_str!("../../sql/standalone/update.sql"));
 
 /// The releases an install updates, each with the files that replace what
@@ -100,10 +102,10 @@ pub fn script(schema: &str) -> Result<String, ScriptError> {
 /// one, for the functions' schema `schema`; `None` when no update leads
 /// from `from`.
 pub fn update(from: &str, schema: &str) -> Option<Result<String, ScriptError>> {
-    let (_, files) = UPDATES.iter().find(|(release, _)| *release == from)?;
+    let (from, files) = UPDATES.iter().find(|(release, _)| *release == from)?;
     let parts: Vec<(&'static str, &'static str)> =
-        [HEAD].iter().chain(files.iter()).chain([UPDATE_END].iter()).copied().collect();
-    Some(put_together(schema, &parts))
+        [HEAD, UPDATE_FROM].iter().chain(files.iter()).chain([UPDATE_END].iter()).copied().collect();
+    Some(put_together(schema, &parts).map(|sql| sql.replace("@from@", from)))
 }
 
 /// The releases [`update`] starts from.
