@@ -182,6 +182,18 @@ def test_the_debian_package_installs_with_apt_and_the_core_tests_pass_on_it(redi
         assert not (libdir / "outbox_dispatch.so").exists() and not list(extdir.glob("outbox_dispatch*"))
 
 
+def installed(wheel, tmp_path):
+    """`wheel` installed into a fresh venv, without the index: the venv,
+    and its outbox-dispatch command, which says this version."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel], check=True)
+    command = venv / "bin" / "outbox-dispatch"
+    assert subprocess.run([command, "--version"], check=True, capture_output=True,
+                          text=True).stdout.strip() == f"outbox-dispatch {VERSION}"
+    return venv, command
+
+
 def test_the_source_distribution_builds_the_package_and_the_command(packages, tmp_path):
     """Where no wheel fits, pip builds one from the source distribution: it
     holds the Python package, the command's Rust sources (the vendored,
@@ -200,12 +212,7 @@ def test_the_source_distribution_builds_the_package_and_the_command(packages, tm
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-5000:]
     [wheel] = tmp_path.glob("*.whl")
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel], check=True)
-    command = venv / "bin" / "outbox-dispatch"
-    assert subprocess.run([command, "--version"], check=True, capture_output=True,
-                          text=True).stdout.strip() == f"outbox-dispatch {VERSION}"
+    _, command = installed(wheel, tmp_path)
     script = subprocess.run([command, "sql"], check=True, capture_output=True, text=True).stdout
     assert "CREATE TABLE outbox.log" in script and "CREATE TABLE outbox.installed" in script
 
@@ -220,12 +227,7 @@ def test_the_wheel_brings_the_package_and_the_command(redis_server, packages, tm
                 "outbox_dispatch/report.py", "outbox_dispatch/py.typed",
                 f"outbox_dispatch-{VERSION}.data/scripts/outbox-dispatch"} <= set(python_package.namelist())
     assert "-py3-none-" in wheel.name and not wheel.name.endswith("-any.whl"), wheel.name
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel], check=True)
-    command = venv / "bin" / "outbox-dispatch"
-    assert subprocess.run([command, "--version"], check=True, capture_output=True,
-                          text=True).stdout.strip() == f"outbox-dispatch {VERSION}"
+    venv, command = installed(wheel, tmp_path)
     assert subprocess.run([venv / "bin" / "python", "-c", "import outbox_dispatch; print(outbox_dispatch.__version__)"],
                           check=True, capture_output=True, text=True, cwd=tmp_path).stdout.strip() == VERSION
 
