@@ -38,7 +38,7 @@ if ! [[ "$maintainer" =~ ^[A-Za-z0-9\ ._\'-]+\ \<[A-Za-z0-9._+-]+@[A-Za-z0-9.-]+
 fi
 # In DIST_DIR, so that each artefact arrives by a rename: whole or not at all.
 mkdir -p "$DIST_DIR"
-staging=$(mktemp -d "$DIST_DIR/.staging.XXXXXX")
+staging=$(mktemp -d "$(realpath "$DIST_DIR")/.staging.XXXXXX")
 trap 'rm -rf "$staging"' EXIT
 mkdir -p "$staging/out"
 

@@ -42,11 +42,12 @@ def packages(tmp_path_factory):
     distribution and the wheel."""
     out = tmp_path_factory.mktemp("dist")
     built = subprocess.run(["./scripts/package.sh"], cwd=ROOT,
-                           env=dict(os.environ, PACKAGE_PROFILE="dev", PG_CONFIG=PG_CONFIG, DIST_DIR=str(out),
-                                    DEB_MAINTAINER=TEST_MAINTAINER),
+                           # Relative, as make package's dist/ is.
+                           env=dict(os.environ, PACKAGE_PROFILE="dev", PG_CONFIG=PG_CONFIG,
+                                    DIST_DIR=os.path.relpath(out, ROOT), DEB_MAINTAINER=TEST_MAINTAINER),
                            check=True, capture_output=True, text=True)
-    files = [ROOT / line for line in built.stdout.split()]
-    assert {f.parent for f in files} == {out}, files
+    files = [(ROOT / line).resolve() for line in built.stdout.split()]
+    assert {f.parent for f in files} == {out.resolve()}, files
     kinds = {".deb": "deb", f"-pg{MAJOR}-{os.uname().machine}.tar.gz": "archive",
              f"-{VERSION}.tar.gz": "sdist", ".whl": "wheel"}
     found = {kind: [f for f in files if f.name.endswith(end)] for end, kind in kinds.items()}
