@@ -163,8 +163,9 @@ use Value::{Bool, Databases, Int, Mechanism, OnFailure, QueueType, Text};
 const NONE: GucFlags = GucFlags::empty();
 const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 
-/// Every setting, one line each; the settings table of docs/reference/settings.md is checked
-/// against them (tests/test_settings.py).
+/// Every setting, one line each; the settings table of
+/// docs/reference/settings.md is checked against them
+/// (tests/test_settings.py).
 #[rustfmt::skip]
 const DECLARATIONS: [Declaration; 47] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS),

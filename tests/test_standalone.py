@@ -482,6 +482,13 @@ def test_an_outbox_that_0_10_0_installed_is_updated_and_then_equals_a_fresh_inst
     fresh_database(server, "fresh")
     assert run("install", "--dsn", dsn(server, "owner", "fresh")).returncode == 0
     fresh = schema_dump(server, "fresh")
+    # A release no update starts from is refused, naming those that do.
+    fresh_database(server, "unknown")
+    assert run("install", "--dsn", dsn(server, "owner", "unknown")).returncode == 0
+    with server.connect(dbname="unknown", user="owner") as conn:
+        conn.execute("UPDATE outbox.installed SET version = '0.0.1'")
+    stderr = refused(server, "owner", "unknown", installs_nothing=False)
+    assert f"{version()} updates only 0.10.0, not 0.0.1: run the outbox-dispatch of 0.0.1" in stderr
     assert len(fresh) > 500
     for updated in ("earlier", "migrated_earlier"):
         dump = schema_dump(server, updated)

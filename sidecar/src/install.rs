@@ -72,15 +72,13 @@ pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallEr
         if installed == VERSION {
             return Ok(Installed::Already);
         }
-        let Some(update) = script::update(&installed, schema) else {
-            let from: Vec<&str> = script::updated_from().collect();
-            return Err(InstallError::Refused(format!(
-                "outbox_dispatch {installed} is installed in this database; this is {VERSION}, which \
-                 updates only {}: run the outbox-dispatch of {installed}",
-                from.join(", ")
-            )));
-        };
-        tx.batch_execute(&update?)?;
+        let update = script::update(&installed, schema).map_err(|e| {
+            InstallError::Refused(format!(
+                "outbox_dispatch {installed} is installed in this database, and {e}: run the \
+                 outbox-dispatch of {installed}"
+            ))
+        })?;
+        tx.batch_execute(&update)?;
         tx.commit()?;
         return Ok(Installed::Updated(installed));
     }

@@ -204,14 +204,8 @@ fn main() -> ExitCode {
         Command::Run(config) => return ExitCode::from(run::run(config) as u8),
         Command::Sql { schema, transaction, from } => {
             let sql = match from.as_deref() {
-                None => script::script(&schema).map_err(|e| e.to_string()),
-                Some(from) => match script::update(from, &schema) {
-                    Some(update) => update.map_err(|e| e.to_string()),
-                    None => {
-                        let known: Vec<&str> = script::updated_from().collect();
-                        Err(format!("--update-from: this release updates only {}", known.join(", ")))
-                    }
-                },
+                None => script::script(&schema),
+                Some(from) => script::update(from, &schema),
             };
             match sql {
                 Ok(sql) if transaction => print!("BEGIN;\n{sql}COMMIT;\n"),

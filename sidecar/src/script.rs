@@ -72,6 +72,8 @@ pub enum ScriptError {
     Quote(&'static str),
     /// The schema's name is empty or longer than PostgreSQL keeps.
     SchemaName(String),
+    /// No update of this release starts from that one.
+    NoUpdate(String),
 }
 
 impl fmt::Display for ScriptError {
@@ -82,6 +84,10 @@ impl fmt::Display for ScriptError {
                 write!(f, "sql/{file} includes {name}, which is not known")
             }
             ScriptError::Quote(file) => write!(f, "sql/{file} holds {QUOTE}, which quotes it"),
+            ScriptError::NoUpdate(from) => {
+                let known: Vec<&str> = UPDATES.iter().map(|(release, _)| *release).collect();
+                write!(f, "{VERSION} updates only {}, not {from}", known.join(", "))
+            }
             ScriptError::SchemaName(name) => {
                 write!(f, "--schema is {} bytes (\"{name}\"), it must be 1 to 63 bytes", name.len())
             }
@@ -99,18 +105,14 @@ pub fn script(schema: &str) -> Result<String, ScriptError> {
 }
 
 /// The script that updates a database installed at release `from` to this
-/// one, for the functions' schema `schema`; `None` when no update leads
-/// from `from`.
-pub fn update(from: &str, schema: &str) -> Option<Result<String, ScriptError>> {
-    let (from, files) = UPDATES.iter().find(|(release, _)| *release == from)?;
+/// one, for the functions' schema `schema`.
+pub fn update(from: &str, schema: &str) -> Result<String, ScriptError> {
+    let Some((from, files)) = UPDATES.iter().find(|(release, _)| *release == from) else {
+        return Err(ScriptError::NoUpdate(from.to_string()));
+    };
     let parts: Vec<(&'static str, &'static str)> =
         [HEAD, UPDATE_FROM].iter().chain(files.iter()).chain([UPDATE_END].iter()).copied().collect();
-    Some(put_together(schema, &parts).map(|sql| sql.replace("@from@", from)))
-}
-
-/// The releases [`update`] starts from.
-pub fn updated_from() -> impl Iterator<Item = &'static str> {
-    UPDATES.iter().map(|(release, _)| *release)
+    put_together(schema, &parts).map(|sql| sql.replace("@from@", from))
 }
 
 /// `parts` one after the other, each under its name, with the rules of the

@@ -28,7 +28,9 @@ const BUDGET: Duration = Duration::from_millis(20);
 /// dispatcher goes on delivering.
 const RETRY: Duration = Duration::from_secs(10);
 
-/// Period of the sweep for keys no statement passed on (docs/guides/per-key-order.md): the longest such a key waits, while the sweep succeeds.
+/// Period of the sweep for keys no statement passed on
+/// (docs/guides/per-key-order.md): the longest such a key waits, while the
+/// sweep succeeds.
 const KEY_SWEEP: Duration = Duration::from_secs(10);
 
 /// When each kind of housekeeping falls due.
