@@ -23,16 +23,14 @@ from standalone import dsn, fresh_database, plain_server
 ROOT = Path(__file__).resolve().parent.parent
 PG_CONFIG = str(PG_BIN / "pg_config")
 MAJOR = subprocess.run([PG_CONFIG, "--version"], check=True, capture_output=True, text=True).stdout.split()[1].split(".")[0]
-
-
 VERSION = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
 # The maintainer of the packages the tests build: make install-dev purges a
 # package of theirs that an interrupted test left installed (Makefile).
 TEST_MAINTAINER = "The outbox_dispatch tests <tests@outbox-dispatch.invalid>"
-# What the extension directory holds: one install script, the update chain.
+# What the extension directory holds: one install script, the update chain
+# (tests/test_release.py checks that it leads to this version).
 EXTENSION_FILES = {"outbox_dispatch.control", f"outbox_dispatch--{VERSION}.sql",
-                   "outbox_dispatch--0.8.0--0.9.0.sql", "outbox_dispatch--0.9.0--0.10.0.sql",
-                   "outbox_dispatch--0.10.0--1.0.0.sql"}
+                   *(p.name for p in (ROOT / "sql" / "upgrade").glob("outbox_dispatch--*--*.sql"))}
 
 
 @pytest.fixture(scope="module")
