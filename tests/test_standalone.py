@@ -370,6 +370,20 @@ def test_enqueue_and_per_key_turns_as_the_library_takes_them(app):
     assert app.value("SELECT status FROM outbox.events WHERE id = %s", (ids[0],), dbname="app") == "processed"
 
 
+def test_ids_a_session_takes_in_turn_are_in_order_within_a_millisecond(app):
+    """Before PostgreSQL 18 the id is PL/pgSQL's: the fraction of the
+    millisecond follows the milliseconds, so ids taken one after another
+    sort as they were taken, as the library's and PostgreSQL 18's do."""
+    with app.connect(dbname="app", user="writer") as conn:
+        ids = [uuid.UUID(str(conn.execute("SELECT outbox_uuid_v7()").fetchone()[0])) for _ in range(300)]
+        now_ms = int(conn.execute("SELECT extract(epoch FROM clock_timestamp()) * 1000").fetchone()[0])
+    millis = [i.int >> 80 for i in ids]
+    assert len(set(millis)) < len(ids), "no two ids in one millisecond: the test shows nothing"
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert all(i.version == 7 and i.variant == uuid.RFC_4122 for i in ids)
+    assert now_ms - 60_000 < millis[0] <= millis[-1] <= now_ms
+
+
 def test_the_inbox_claims_once(app):
     message = uuid.uuid4()
     with app.connect(dbname="app", user="writer", autocommit=False) as conn:

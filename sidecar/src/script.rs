@@ -15,10 +15,11 @@ use std::fmt;
 
 /// The files in the order they run: the extension's (src/lib.rs), with the
 /// library's functions (sql/standalone/host.sql) after the tables.
-const PARTS: [(&str, &str); 10] = [
+const PARTS: [(&str, &str); 11] = [
     HEAD,
     ("schema.sql", include_str!("../../sql/schema.sql")),
     SETTING_PLACE,
+    UUID_V7,
     ("standalone/host.sql", include_str!("../../sql/standalone/host.sql")),
     ("subscriptions.sql", include_str!("../../sql/subscriptions.sql")),
     ("keys.sql", include_str!("../../sql/keys.sql")),
@@ -31,14 +32,17 @@ const PARTS: [(&str, &str); 10] = [
 const HEAD: (&str, &str) = ("standalone/head.sql", include_str!("../../sql/standalone/head.sql"));
 const SETTING_PLACE: (&str, &str) =
     ("standalone/setting_place.sql", include_str!("../../sql/standalone/setting_place.sql"));
+const UUID_V7: (&str, &str) = ("standalone/uuid_v7.sql", include_str!("../../sql/standalone/uuid_v7.sql"));
 const UPDATE_FROM: (&str, &str) =
     ("standalone/update_from.sql", include_str!("../../sql/standalone/update_from.sql"));
 const UPDATE_END: (&str, &str) = ("standalone/update.sql", include_str!("../../sql/standalone/update.sql"));
 
 /// The releases an install updates, each with the files that replace what
 /// changed since it (each `CREATE OR REPLACE`s its objects). 0.10.0 and
-/// 1.0.0 differ in where settings belong: three have new names.
-const UPDATES: [(&str, &[(&str, &str)]); 1] = [("0.10.0", &[SETTING_PLACE])];
+/// 1.0.0 differ in where settings belong (three have new names) and in
+/// the ids before PostgreSQL 18 (ordered to the microsecond, not the
+/// millisecond).
+const UPDATES: [(&str, &[(&str, &str)]); 1] = [("0.10.0", &[SETTING_PLACE, UUID_V7])];
 
 /// The statements `@include` may name.
 const INCLUDES: [(&str, &str); 9] = [

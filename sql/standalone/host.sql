@@ -147,37 +147,6 @@ LANGUAGE sql STABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT n.nspowner FROM pg_namespace AS n WHERE n.nspname = 'outbox' $$;
 
--- A time-ordered UUID (version 7): the milliseconds since the epoch, then
--- random bits; PostgreSQL 18's own uuidv7() where there is one. Every name
--- qualified and no SET clause: it is the id default of every insert.
--- PL/pgSQL elsewhere, whose expression a session plans once (an SQL
--- function would be parsed again by every INSERT it is inlined into).
-DO $install$
-BEGIN
-    IF pg_catalog.current_setting('server_version_num')::pg_catalog.int4 OPERATOR(pg_catalog.>=) 180000 THEN
-        EXECUTE $create$
-            CREATE FUNCTION @extschema@.outbox_uuid_v7() RETURNS uuid
-            LANGUAGE sql VOLATILE PARALLEL SAFE
-            AS 'SELECT pg_catalog.uuidv7()'
-        $create$;
-    ELSE
-        EXECUTE $create$
-            CREATE FUNCTION @extschema@.outbox_uuid_v7() RETURNS uuid
-            LANGUAGE plpgsql VOLATILE PARALLEL SAFE
-            AS $body$
-            BEGIN
-                RETURN (pg_catalog.lpad(pg_catalog.to_hex(pg_catalog.floor(
-                            pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())
-                            OPERATOR(pg_catalog.*) 1000)::pg_catalog.int8), 12, '0')
-                        OPERATOR(pg_catalog.||) '7'
-                        OPERATOR(pg_catalog.||) pg_catalog.substr(pg_catalog.gen_random_uuid()::pg_catalog.text, 16)
-                       )::pg_catalog.uuid;
-            END
-            $body$
-        $create$;
-    END IF;
-END
-$install$;
 CREATE FUNCTION @extschema@.outbox_max_payload_bytes() RETURNS integer
 LANGUAGE sql STABLE PARALLEL SAFE
 AS $$
