@@ -183,6 +183,34 @@ def test_a_functions_schema_others_may_create_in_is_refused_naming_them(server):
     assert "outbox_ack(text)" in stderr
 
 
+def test_a_superuser_installing_is_refused_a_schema_others_may_create_in_and_their_functions(server):
+    """A superuser is a member of every role: what another role may plant
+    in the functions' schema is still another's, and would run as every
+    writer that calls it. A function of the id default's name is not
+    taken over, whether by `install` or by the printed script."""
+    fresh_database(server, "super_open", owner="postgres")
+    with server.connect(dbname="super_open", user="postgres") as conn:
+        conn.execute("GRANT CREATE ON SCHEMA public TO other")
+    assert 'schema "public" is open to others: other may create in it' in refused(server, "postgres", "super_open")
+    # The database's owner, through pg_database_owner, when it is not the installer.
+    fresh_database(server, "super_owned", owner="owner")
+    assert 'schema "public" is open to others: owner may create in it' in refused(server, "postgres", "super_owned")
+    with server.connect(dbname="super_open", user="postgres") as conn:
+        conn.execute("SET ROLE other")
+        conn.execute("CREATE FUNCTION public.outbox_uuid_v7() RETURNS uuid LANGUAGE sql AS 'SELECT gen_random_uuid()'")
+        conn.execute("RESET ROLE")
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM other")
+    assert "outbox_uuid_v7()" in refused(server, "postgres", "super_open")
+    printed = run("sql")
+    assert printed.returncode == 0, printed.stderr
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match="belongs to role other"):
+        with server.connect(dbname="super_open", user="postgres") as conn:
+            conn.execute(printed.stdout)
+    assert "outbox" not in schemas(server, "super_open")
+    assert server.value("SELECT proowner::regrole::text FROM pg_proc WHERE proname = 'outbox_uuid_v7'",
+                        dbname="super_open") == "other"
+
+
 def test_an_argument_is_never_echoed(server):
     secret = "S3CRET-" + uuid.uuid4().hex
     for args in (["install", f"postgresql://owner:{secret}@127.0.0.1:1/app"],

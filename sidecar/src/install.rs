@@ -179,20 +179,32 @@ fn check_privileges(tx: &mut Transaction<'_>, schema: &str) -> Result<(), Instal
     }
     // Whoever else may create in the schema may plant an overload of an
     // outbox_* function there, which a caller's call would resolve to.
+    // Another is a role whose privileges are not this role's own: for a
+    // superuser, who is a member of every role, any role but itself and
+    // the other superusers. pg_database_owner stands for the database's
+    // owner.
     let others: Vec<String> = tx
         .query(
-            "SELECT CASE WHEN r.oid IS NULL THEN 'PUBLIC' ELSE r.rolname::pg_catalog.text END
-               FROM (SELECT DISTINCT a.grantee
+            "WITH me AS (SELECT r.oid, r.rolsuper FROM pg_catalog.pg_roles AS r WHERE r.rolname = CURRENT_USER)
+             SELECT CASE WHEN r.oid IS NULL THEN 'PUBLIC' ELSE r.rolname::pg_catalog.text END
+               FROM (SELECT DISTINCT CASE WHEN a.grantee = 'pg_database_owner'::pg_catalog.regrole THEN d.datdba
+                                          ELSE a.grantee END AS grantee
                        FROM pg_catalog.pg_namespace AS n CROSS JOIN LATERAL pg_catalog.aclexplode(n.nspacl) AS a
+                       JOIN pg_catalog.pg_database AS d ON d.datname = pg_catalog.current_database()
                       WHERE n.oid = pg_catalog.to_regnamespace($1) AND a.privilege_type = 'CREATE') AS g
                LEFT JOIN pg_catalog.pg_roles AS r ON r.oid = g.grantee
-              WHERE g.grantee = 0 OR (NOT r.rolsuper AND NOT pg_catalog.pg_has_role(r.oid, 'MEMBER'))
+              CROSS JOIN me
+              WHERE g.grantee = 0
+                 OR NOT (r.rolsuper OR CASE WHEN me.rolsuper THEN r.oid = me.oid
+                                            ELSE pg_catalog.pg_has_role(r.oid, 'MEMBER') END)
              UNION
              SELECT p.oid::pg_catalog.regprocedure::pg_catalog.text
                FROM pg_catalog.pg_proc AS p
+               JOIN pg_catalog.pg_roles AS o ON o.oid = p.proowner
+              CROSS JOIN me
               WHERE p.pronamespace = pg_catalog.to_regnamespace($1)
                 AND p.proname LIKE 'outbox\\_%'
-                AND NOT pg_catalog.pg_has_role(p.proowner, 'MEMBER')
+                AND NOT CASE WHEN me.rolsuper THEN o.rolsuper ELSE pg_catalog.pg_has_role(o.oid, 'MEMBER') END
              ORDER BY 1",
             &[&script::quote_ident(schema)],
         )?

@@ -14,8 +14,21 @@ SET LOCAL search_path = pg_catalog, pg_temp;
 -- Every name qualified and no SET clause: it is the id default of every
 -- insert. PL/pgSQL elsewhere, whose expressions a session plans once (an
 -- SQL function would be parsed again by every INSERT it is inlined into).
+-- An install takes over no function of this name another role made (an
+-- update replaces the one the installing role made), whether or not
+-- `outbox-dispatch install` checked the schema first.
 DO $install$
+DECLARE
+    planted regrole := (SELECT p.proowner::regrole
+                          FROM pg_proc AS p
+                         WHERE p.oid = to_regprocedure($name$@extschema@.outbox_uuid_v7()$name$)
+                           AND p.proowner <> (SELECT r.oid FROM pg_roles AS r WHERE r.rolname = current_user));
 BEGIN
+    IF planted IS NOT NULL THEN
+        RAISE EXCEPTION '%.outbox_uuid_v7() belongs to role %, not to the installing role', $name$@extschema@$name$, planted
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = 'Drop it, or install into a schema only this role creates in.';
+    END IF;
     IF pg_catalog.current_setting('server_version_num')::pg_catalog.int4 OPERATOR(pg_catalog.>=) 180000 THEN
         EXECUTE $create$
             CREATE OR REPLACE FUNCTION @extschema@.outbox_uuid_v7() RETURNS pg_catalog.uuid

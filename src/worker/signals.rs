@@ -21,24 +21,14 @@ thread_local! {
     static RELOADED: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Installs the handlers, reads the configuration files and unblocks
-/// signals; the first thing a dispatcher or the launcher does.
-///
-/// The read closes a window PostgreSQL leaves open. A worker forked just
-/// before a reload holds the settings from before it, and the SIGHUP the
-/// postmaster then sends it is dropped: a new background worker ignores
-/// SIGHUP until its own handler is set. Reading the files once that
-/// handler is set sees every change a reload made (ALTER SYSTEM writes the
-/// file before `pg_reload_conf()` signals); a SIGHUP from then on is noted.
+/// Installs the handlers and unblocks signals; the first thing a
+/// dispatcher does.
 pub fn install() {
     // SAFETY: PostgreSQL's own handlers, installed as worker_spi does; the
-    // postmaster starts background workers with signals blocked, so no
-    // handler runs until they are unblocked. ProcessConfigFile needs no
-    // database connection (the checkpointer calls it).
+    // postmaster starts background workers with signals blocked.
     unsafe {
         pqsignal(pg_sys::SIGHUP as i32, SignalHandlerForConfigReload);
         pqsignal(pg_sys::SIGTERM as i32, die);
-        pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP);
         pg_sys::BackgroundWorkerUnblockSignals();
     }
 }
