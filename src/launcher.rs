@@ -127,7 +127,9 @@ pub extern "C-unwind" fn outbox_launcher_main(_arg: pg_sys::Datum) {
     launcher.adopt();
     log!("outbox launcher started");
     loop {
-        signals::reload_if_requested();
+        if signals::reload_if_requested() {
+            groups::count_reload();
+        }
         let nap = launcher.turn();
         wait::for_wake(nap);
     }
@@ -368,6 +370,7 @@ impl Launcher {
             .set_notify_pid(unsafe { pg_sys::MyProcPid });
         let mut worker: pg_sys::BackgroundWorker = (&builder).into();
         let mut handle = std::ptr::null_mut();
+        groups::starting(g, index);
         // SAFETY: a filled-in registration; the handle is allocated in the
         // launcher's long-lived memory context.
         let registered = unsafe { pg_sys::RegisterDynamicBackgroundWorker(&mut worker, &mut handle) };

@@ -2,7 +2,9 @@
 a stock Celery worker; rolled-back ones never leave the database."""
 
 import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -189,6 +191,30 @@ def test_no_wake_is_lost_across_pauses_reloads_and_brief_locks(redis_server):
             wait_until(lambda: client.llen(queue) == 3001, timeout=20,
                        message=f"cycle {cycle}: every event well before the 60 s poll "
                                f"({client.llen(queue)} of 3001; {pg.sql('TABLE outbox.workers')})")
+    finally:
+        pg.close()
+
+
+@library_only("the launcher and its count of reloads are the library's")
+def test_a_reload_a_dispatcher_missed_reaches_it_through_the_launchers_count(redis_server):
+    """PostgreSQL drops a SIGHUP that comes while it starts a background
+    worker, so a dispatcher forked just before a reload would keep the
+    settings from before it. The launcher counts the reloads it does, and a
+    dispatcher behind the count reads the files again. Shown here with a
+    SIGHUP to the launcher alone, which no dispatcher gets: within seconds,
+    with a 60 s safety poll, they follow it."""
+    pg = new_cluster(redis_server.url, workers=2, poll_interval="60s")
+    try:
+        pg.install()
+        wait_until(lambda: pg.value("SELECT count(*) FROM outbox.workers WHERE state = 'idle'") == 2,
+                   timeout=60, message="two idle dispatchers")
+        with pg.connect() as conn:
+            conn.execute("ALTER SYSTEM SET outbox.enabled = off")
+        launcher = pg.value("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox launcher'")
+        os.kill(launcher, signal.SIGHUP)
+        wait_until(lambda: pg.value("SELECT bool_and(state = 'paused') FROM outbox.workers"), timeout=20,
+                   message="the dispatchers paused by the reload only the launcher was sent",
+                   seen=lambda: pg.sql("SELECT worker, state FROM outbox.workers"))
     finally:
         pg.close()
 

@@ -62,7 +62,11 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     loop {
         // A SIGTERM that cut a step short exits here, between transactions.
         signals::process_interrupts();
-        signals::reload_if_requested();
+        if dispatcher.host().slot.take_launcher_reload() {
+            signals::reload();
+        } else {
+            signals::reload_if_requested();
+        }
         if signals::take_reloaded() {
             dispatcher.reconfigure(config::current());
             warn_of_two_urls(index);
@@ -72,11 +76,13 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
         // set the latch, but a wait inside PostgreSQL (a lock, a buffer pin)
         // may have reset it since: what they left in shared memory and in
         // the signal flags decides whether to sleep, not the latch.
-        let timed_out = if dispatcher.host().slot.wake_pending() || signals::interrupt_pending() {
-            false
-        } else {
-            wait::for_wake(nap)
-        };
+        let slot = &dispatcher.host().slot;
+        let timed_out =
+            if slot.wake_pending() || slot.launcher_reload_pending() || signals::interrupt_pending() {
+                false
+            } else {
+                wait::for_wake(nap)
+            };
         dispatcher.count_wake(timed_out);
     }
 }

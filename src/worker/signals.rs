@@ -46,17 +46,25 @@ unsafe fn pqsignal(signal: i32, handler: unsafe extern "C-unwind" fn(i32)) {
 /// Re-reads the configuration files if a SIGHUP asked for it; returns
 /// whether it did.
 pub fn reload_if_requested() -> bool {
-    // SAFETY: flags set by the signal handler, read and cleared on the
-    // main thread, as PostgreSQL's own workers do.
+    // SAFETY: a flag set by the signal handler, read on the main thread,
+    // as PostgreSQL's own workers do.
+    if unsafe { (&raw const pg_sys::ConfigReloadPending).read_volatile() } == 0 {
+        return false;
+    }
+    reload();
+    true
+}
+
+/// Re-reads the configuration files, as a SIGHUP asks (and answers one
+/// that is waiting).
+pub fn reload() {
+    // SAFETY: the flag is cleared on the main thread, before the read, as
+    // PostgreSQL's own workers do.
     unsafe {
-        if (&raw const pg_sys::ConfigReloadPending).read_volatile() == 0 {
-            return false;
-        }
         (&raw mut pg_sys::ConfigReloadPending).write_volatile(0);
         pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP);
     }
     RELOADED.set(true);
-    true
 }
 
 /// Whether the configuration was re-read since the last call.
