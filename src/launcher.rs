@@ -131,7 +131,11 @@ pub extern "C-unwind" fn outbox_launcher_main(_arg: pg_sys::Datum) {
             groups::count_reload();
         }
         let nap = launcher.turn();
-        wait::for_wake(nap);
+        // A SIGHUP during the turn whose latch a wait inside it reset is
+        // performed now, not after the nap.
+        if !signals::reload_requested() {
+            wait::for_wake(nap);
+        }
     }
 }
 

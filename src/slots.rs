@@ -53,10 +53,10 @@ pub struct Slot {
     wake_sources: AtomicU8,
     /// How the broker persists data: 1 + index in `Persistence::ALL`, 0 = not known.
     persistence: AtomicU8,
-    /// The launcher's [`Slots::reloads`] as of which the dispatcher holds
-    /// the configuration: set as the launcher starts it, and as it reads
-    /// the files again ([`Own::take_launcher_reload`]).
-    reloads_read: AtomicU64,
+    /// [`Slots::reloads`] when the launcher registered the dispatcher: the
+    /// process the postmaster forks for it holds the configuration as of
+    /// at least these (`worker/signals.rs`).
+    reloads_at_start: AtomicU64,
 }
 
 /// The dispatchers of one database.
@@ -140,7 +140,7 @@ pub fn init() {
                         dispatched: AtomicU64::new(0),
                         wake_sources: AtomicU8::new(0),
                         persistence: AtomicU8::new(0),
-                        reloads_read: AtomicU64::new(0),
+                        reloads_at_start: AtomicU64::new(0),
                     }),
                     turns: std::array::from_fn(|_| AtomicI32::new(-1)),
                     extension: AtomicU8::new(Extension::Unknown as u8),
@@ -224,6 +224,12 @@ fn latch(procno: i32) -> Option<*mut pg_sys::Latch> {
         }
         Some(&raw mut (*(*global).allProcs.add(procno as usize)).procLatch)
     }
+}
+
+/// The reloads of the configuration the launcher has done (0 when the
+/// library is not preloaded).
+pub fn reloads() -> u64 {
+    slots().map_or(0, |s| s.reloads.load(Ordering::SeqCst))
 }
 
 /// Sets the launcher's latch: something it acts on changed.
@@ -327,25 +333,9 @@ impl Own {
         }
     }
 
-    /// Whether the launcher reloaded the configuration since this
-    /// dispatcher was started or last took one; the dispatcher then reads
-    /// the files again. PostgreSQL drops a SIGHUP that comes while it
-    /// starts a background worker (which ignores SIGHUP until its own
-    /// handler is set), so a dispatcher forked just before a reload would
-    /// otherwise keep the settings from before it until the next one.
-    /// Every reload is thus read twice by a running dispatcher: once at
-    /// its own SIGHUP, once at the launcher's count.
-    pub fn take_launcher_reload(&self) -> bool {
-        let count = slots().expect("owned slots exist").reloads.load(Ordering::Acquire);
-        self.slot().reloads_read.swap(count, Ordering::AcqRel) != count
-    }
-
-    /// Whether a reload the launcher counted waits to be taken: the
-    /// dispatcher does not sleep then (a wait inside PostgreSQL may have
-    /// reset the latch the launcher set).
-    pub fn launcher_reload_pending(&self) -> bool {
-        let count = slots().expect("owned slots exist").reloads.load(Ordering::Acquire);
-        self.slot().reloads_read.load(Ordering::Acquire) != count
+    /// The launcher's count of reloads when it registered this dispatcher.
+    pub fn reloads_at_start(&self) -> u64 {
+        self.slot().reloads_at_start.load(Ordering::SeqCst)
     }
 
     /// The sources of the wakes since the last call, as `1 << WakeSource` bits.
@@ -541,18 +531,16 @@ pub mod launcher {
     }
 
     /// Records, before dispatcher `index` of group `g` is registered, the
-    /// reloads counted so far: the process the postmaster forks for it
-    /// holds the configuration as of at least these.
+    /// reloads counted so far ([`Slot::reloads_at_start`]).
     pub fn starting(g: usize, index: usize) {
-        let reloads = slots().expect("the launcher runs only when preloaded").reloads.load(Ordering::Acquire);
-        group(g).slots[index].reloads_read.store(reloads, Ordering::Release);
+        group(g).slots[index].reloads_at_start.store(reloads(), Ordering::SeqCst);
     }
 
     /// Counts a reload of the configuration the launcher has done, and
-    /// wakes every dispatcher to compare ([`Own::take_launcher_reload`]).
+    /// wakes every dispatcher: one behind the count reads the files again.
     pub fn count_reload() {
         let slots = slots().expect("the launcher runs only when preloaded");
-        slots.reloads.fetch_add(1, Ordering::AcqRel);
+        slots.reloads.fetch_add(1, Ordering::SeqCst);
         for slot in slots.groups.iter().flat_map(|g| g.slots.iter()) {
             if let Some(latch) = latch(slot.procno.load(Ordering::Acquire)) {
                 // SAFETY: as in wake_database.

@@ -219,6 +219,34 @@ def test_a_reload_a_dispatcher_missed_reaches_it_through_the_launchers_count(red
         pg.close()
 
 
+@library_only("the launcher and its count of reloads are the library's")
+def test_a_dispatcher_started_after_a_reload_reads_no_edit_that_was_not_reloaded(redis_server):
+    """A dispatcher holds the configuration as of the launcher's count
+    when it was registered: one started after the last reload follows no
+    edit made since, as PostgreSQL's own processes do not."""
+    pg = new_cluster(redis_server.url, workers=2, poll_interval="60s")
+    try:
+        pg.install()
+        wait_until(lambda: pg.value("SELECT count(*) FROM outbox.workers WHERE state = 'idle'") == 2,
+                   timeout=60, message="two idle dispatchers")
+        # A reload the launcher has surely counted: it acts on it.
+        pg.configure(workers=3)
+        wait_until(lambda: pg.value("SELECT count(*) FROM outbox.workers WHERE state = 'idle'") == 3,
+                   timeout=60, message="three idle dispatchers")
+        with pg.connect() as conn:
+            conn.execute("ALTER SYSTEM SET outbox.enabled = off")
+        pid = pg.value("SELECT pid FROM outbox.workers WHERE worker = 1")
+        pg.sql("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_until(lambda: pg.value("SELECT pid FROM outbox.workers WHERE worker = 1 AND state = 'idle'")
+                   not in (None, pid), timeout=30, message="dispatcher 1 started again",
+                   seen=lambda: pg.sql("SELECT worker, pid, state FROM outbox.workers"))
+        time.sleep(1)
+        assert pg.sql("SELECT worker, state FROM outbox.workers ORDER BY worker") == [
+            (0, "idle"), (1, "idle"), (2, "idle")]
+    finally:
+        pg.close()
+
+
 def test_a_reload_during_a_push_takes_effect_before_the_backlog_is_drained(redis_server):
     """A reload that comes while a push waits on Redis is performed there;
     the drain then stops to apply it, as it stops for one it sees."""

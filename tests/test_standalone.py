@@ -200,7 +200,8 @@ def test_a_superuser_installing_is_refused_a_schema_others_may_create_in_and_the
         conn.execute("CREATE FUNCTION public.outbox_uuid_v7() RETURNS uuid LANGUAGE sql AS 'SELECT gen_random_uuid()'")
         conn.execute("RESET ROLE")
         conn.execute("REVOKE CREATE ON SCHEMA public FROM other")
-    assert "outbox_uuid_v7()" in refused(server, "postgres", "super_open")
+    stderr = refused(server, "postgres", "super_open")
+    assert 'schema "public" is open to others' in stderr and "outbox_uuid_v7()" in stderr
     printed = run("sql")
     assert printed.returncode == 0, printed.stderr
     with pytest.raises(psycopg.errors.InsufficientPrivilege, match="belongs to role other"):
@@ -209,6 +210,15 @@ def test_a_superuser_installing_is_refused_a_schema_others_may_create_in_and_the
     assert "outbox" not in schemas(server, "super_open")
     assert server.value("SELECT proowner::regrole::text FROM pg_proc WHERE proname = 'outbox_uuid_v7'",
                         dbname="super_open") == "other"
+    # A schema another role owns, with no grant at all: its owner may
+    # grant itself CREATE whenever it likes.
+    with server.connect(dbname="super_open", user="postgres") as conn:
+        conn.execute("CREATE SCHEMA owned_by_other AUTHORIZATION other")
+    stderr = refused(server, "postgres", "super_open", "--schema", "owned_by_other")
+    assert 'schema "owned_by_other" is open to others: other may create in it' in stderr
+    # A name the script's literals could not hold is refused before anything runs.
+    stderr = refused(server, "postgres", "super_open", "--schema", "x$name$")
+    assert "cannot quote" in stderr
 
 
 def test_an_argument_is_never_echoed(server):

@@ -181,17 +181,23 @@ fn check_privileges(tx: &mut Transaction<'_>, schema: &str) -> Result<(), Instal
     // outbox_* function there, which a caller's call would resolve to.
     // Another is a role whose privileges are not this role's own: for a
     // superuser, who is a member of every role, any role but itself and
-    // the other superusers. pg_database_owner stands for the database's
-    // owner.
+    // the other superusers. The schema's owner may always grant itself
+    // CREATE; pg_database_owner stands for the database's owner.
     let others: Vec<String> = tx
         .query(
             "WITH me AS (SELECT r.oid, r.rolsuper FROM pg_catalog.pg_roles AS r WHERE r.rolname = CURRENT_USER)
              SELECT CASE WHEN r.oid IS NULL THEN 'PUBLIC' ELSE r.rolname::pg_catalog.text END
                FROM (SELECT DISTINCT CASE WHEN a.grantee = 'pg_database_owner'::pg_catalog.regrole THEN d.datdba
                                           ELSE a.grantee END AS grantee
-                       FROM pg_catalog.pg_namespace AS n CROSS JOIN LATERAL pg_catalog.aclexplode(n.nspacl) AS a
+                       FROM pg_catalog.pg_namespace AS n
                        JOIN pg_catalog.pg_database AS d ON d.datname = pg_catalog.current_database()
-                      WHERE n.oid = pg_catalog.to_regnamespace($1) AND a.privilege_type = 'CREATE') AS g
+                      CROSS JOIN LATERAL (SELECT e.grantee
+                                            FROM pg_catalog.aclexplode(coalesce(n.nspacl,
+                                                     pg_catalog.acldefault('n', n.nspowner))) AS e
+                                           WHERE e.privilege_type = 'CREATE'
+                                          UNION
+                                          SELECT n.nspowner) AS a
+                      WHERE n.oid = pg_catalog.to_regnamespace($1)) AS g
                LEFT JOIN pg_catalog.pg_roles AS r ON r.oid = g.grantee
               CROSS JOIN me
               WHERE g.grantee = 0

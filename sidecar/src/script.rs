@@ -62,6 +62,9 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 const BEGIN: &str = "-- extension only: begin";
 const END: &str = "-- extension only: end";
+/// What a schema's name may not hold: it is put into dollar-quoted and
+/// quoted literals (PostgreSQL refuses the same in `@extschema@`).
+const UNQUOTABLE: [char; 4] = ['$', '\'', '"', '\\'];
 const QUOTE: &str = "$outbox_sql$";
 
 /// Why a script could not be put together: a fault of the SQL files, which
@@ -91,6 +94,12 @@ impl fmt::Display for ScriptError {
             ScriptError::NoUpdate(from) => {
                 let known: Vec<&str> = UPDATES.iter().map(|(release, _)| *release).collect();
                 write!(f, "{VERSION} updates only {}, not {from}", known.join(", "))
+            }
+            ScriptError::SchemaName(name) if name.contains(UNQUOTABLE) => {
+                write!(
+                    f,
+                    "--schema \"{name}\" holds one of $ ' \" \\, which the script's literals cannot quote"
+                )
             }
             ScriptError::SchemaName(name) => {
                 write!(f, "--schema is {} bytes (\"{name}\"), it must be 1 to 63 bytes", name.len())
@@ -122,7 +131,7 @@ pub fn update(from: &str, schema: &str) -> Result<String, ScriptError> {
 /// `parts` one after the other, each under its name, with the rules of the
 /// module's documentation applied.
 fn put_together(schema: &str, parts: &[(&'static str, &'static str)]) -> Result<String, ScriptError> {
-    if schema.is_empty() || schema.len() > 63 {
+    if schema.is_empty() || schema.len() > 63 || schema.contains(UNQUOTABLE) {
         return Err(ScriptError::SchemaName(schema.to_string()));
     }
     let quoted = quote_ident(schema);
@@ -211,10 +220,15 @@ mod tests {
 
     #[test]
     fn a_schema_name_is_quoted_and_bounded() {
-        assert!(script("my \"app\"").unwrap().contains("CREATE FUNCTION \"my \"\"app\"\"\".outbox_enqueue("));
+        assert!(script("my app").unwrap().contains("CREATE FUNCTION \"my app\".outbox_enqueue("));
         assert_eq!(script(""), Err(ScriptError::SchemaName(String::new())));
         let long = "s".repeat(64);
         assert_eq!(script(&long), Err(ScriptError::SchemaName(long.clone())));
+        for name in ["x$name$", "o'b", "a\"b", "a\\b"] {
+            let refused = script(name).unwrap_err();
+            assert_eq!(refused, ScriptError::SchemaName(name.to_string()));
+            assert!(refused.to_string().contains("cannot quote"), "{refused}");
+        }
     }
 
     #[test]

@@ -32,6 +32,7 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     signals::install();
     crate::wake::mute();
     let slot = slots::Own::take(group, index);
+    signals::follow_launcher(slot.reloads_at_start());
     let database = slot.database();
     if database == pg_sys::InvalidOid {
         // The launcher let the group go before this process started.
@@ -49,7 +50,7 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     setup::return_large_buffers();
 
     let settings = config::current();
-    warn_of_two_urls(index);
+    let mut two_urls = warn_of_two_urls(index, false);
     let mut dispatcher = Dispatcher::new(
         index,
         Background { slot },
@@ -62,40 +63,38 @@ pub extern "C-unwind" fn outbox_dispatcher_main(arg: pg_sys::Datum) {
     loop {
         // A SIGTERM that cut a step short exits here, between transactions.
         signals::process_interrupts();
-        if dispatcher.host().slot.take_launcher_reload() {
-            signals::reload();
-        } else {
-            signals::reload_if_requested();
-        }
+        signals::reload_if_requested();
         if signals::take_reloaded() {
             dispatcher.reconfigure(config::current());
-            warn_of_two_urls(index);
+            two_urls = warn_of_two_urls(index, two_urls);
         }
         let nap = dispatcher.step().min(rest());
         // A commit's wake, a reload or a shutdown that came during the step
         // set the latch, but a wait inside PostgreSQL (a lock, a buffer pin)
         // may have reset it since: what they left in shared memory and in
         // the signal flags decides whether to sleep, not the latch.
-        let slot = &dispatcher.host().slot;
-        let timed_out =
-            if slot.wake_pending() || slot.launcher_reload_pending() || signals::interrupt_pending() {
-                false
-            } else {
-                wait::for_wake(nap)
-            };
+        let timed_out = if dispatcher.host().slot.wake_pending() || signals::interrupt_pending() {
+            false
+        } else {
+            wait::for_wake(nap)
+        };
         dispatcher.count_wake(timed_out);
     }
 }
 
 /// Warns when `outbox.broker_url` and its former name `outbox.redis_url`
-/// are both set, to different URLs.
-fn warn_of_two_urls(index: usize) {
-    if config::broker_url_conflict() {
+/// are both set, to different URLs, unless they were at the last read
+/// (`warned`): each reload is read twice (`signals.rs`). Returns whether
+/// they are.
+fn warn_of_two_urls(index: usize, warned: bool) -> bool {
+    let conflict = config::broker_url_conflict();
+    if conflict && !warned {
         warning!(
             "outbox dispatcher {index}: outbox.broker_url and outbox.redis_url (its former name) are both set, \
              to different URLs: using outbox.broker_url; remove outbox.redis_url"
         );
     }
+    conflict
 }
 
 /// Before sleeping: show the dispatcher idle and flush its table

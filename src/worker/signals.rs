@@ -4,10 +4,20 @@
 //! once; SIGHUP only notes a reload, which the loop (or a broker wait)
 //! performs. Nothing ever holds signals back: the Redis socket is waited on
 //! together with the latch (see `wait.rs`).
+//!
+//! A dispatcher also performs the reloads the launcher counted and it did
+//! not read. PostgreSQL drops a SIGHUP that comes while it starts a
+//! background worker (which ignores SIGHUP until its own handler is set):
+//! a dispatcher forked just before a reload would otherwise keep the
+//! settings from before it until the next one. Every reload is thus read
+//! twice by a running dispatcher, at its own SIGHUP and at the launcher's
+//! count.
 
 use std::cell::Cell;
 
 use pgrx::prelude::*;
+
+use crate::slots;
 
 unsafe extern "C-unwind" {
     /// tcop/tcopprot.h and postmaster/interrupt.h: the handlers themselves,
@@ -19,6 +29,10 @@ unsafe extern "C-unwind" {
 thread_local! {
     /// The configuration was re-read since the loop last looked.
     static RELOADED: Cell<bool> = const { Cell::new(false) };
+    /// A dispatcher's: the launcher's count of reloads ([`slots::reloads`])
+    /// as of which it holds the configuration. None in the launcher, which
+    /// counts them.
+    static READ_AS_OF: Cell<Option<u64>> = const { Cell::new(None) };
 }
 
 /// Installs the handlers and unblocks signals; the first thing a
@@ -43,21 +57,23 @@ unsafe fn pqsignal(signal: i32, handler: unsafe extern "C-unwind" fn(i32)) {
     pg_sys::pqsignal_be(signal, Some(handler));
 }
 
-/// Re-reads the configuration files if a SIGHUP asked for it; returns
-/// whether it did.
-pub fn reload_if_requested() -> bool {
-    // SAFETY: a flag set by the signal handler, read on the main thread,
-    // as PostgreSQL's own workers do.
-    if unsafe { (&raw const pg_sys::ConfigReloadPending).read_volatile() } == 0 {
-        return false;
-    }
-    reload();
-    true
+/// Has this dispatcher perform the reloads the launcher counts from
+/// `as_of` on: the count when the launcher registered it.
+pub fn follow_launcher(as_of: u64) {
+    READ_AS_OF.set(Some(as_of));
 }
 
-/// Re-reads the configuration files, as a SIGHUP asks (and answers one
-/// that is waiting).
-pub fn reload() {
+/// Re-reads the configuration files if a SIGHUP asked for it, or the
+/// launcher counted a reload this dispatcher has not read; returns whether
+/// it did.
+pub fn reload_if_requested() -> bool {
+    if !reload_requested() && !launcher_reloaded() {
+        return false;
+    }
+    // Noted before the read: a reload counted during it is read again.
+    if READ_AS_OF.get().is_some() {
+        READ_AS_OF.set(Some(slots::reloads()));
+    }
     // SAFETY: the flag is cleared on the main thread, before the read, as
     // PostgreSQL's own workers do.
     unsafe {
@@ -65,6 +81,18 @@ pub fn reload() {
         pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP);
     }
     RELOADED.set(true);
+    true
+}
+
+/// A SIGHUP is waiting.
+pub fn reload_requested() -> bool {
+    // SAFETY: a flag the handler sets, read on the main thread.
+    unsafe { (&raw const pg_sys::ConfigReloadPending).read_volatile() != 0 }
+}
+
+/// The launcher counted a reload this dispatcher has not read.
+fn launcher_reloaded() -> bool {
+    READ_AS_OF.get().is_some_and(|read| read != slots::reloads())
 }
 
 /// Whether the configuration was re-read since the last call.
@@ -88,14 +116,11 @@ pub fn process_interrupts() {
     check_for_interrupts!();
 }
 
-/// A SIGTERM or a reload is waiting, or a reload was done (inside a broker
-/// wait) and the loop has not applied it yet: a long piece of work stops
-/// early.
+/// A SIGTERM or a reload is waiting (a SIGHUP's, or one the launcher
+/// counted), or a reload was done (inside a broker wait) and the loop has
+/// not applied it yet: a long piece of work stops early.
 pub fn interrupt_pending() -> bool {
-    // SAFETY: reads of flags the handlers set.
-    let signalled = unsafe {
-        (&raw const pg_sys::ProcDiePending).read_volatile() != 0
-            || (&raw const pg_sys::ConfigReloadPending).read_volatile() != 0
-    };
-    signalled || RELOADED.get()
+    // SAFETY: a read of a flag the handler sets.
+    let dying = unsafe { (&raw const pg_sys::ProcDiePending).read_volatile() != 0 };
+    dying || reload_requested() || launcher_reloaded() || RELOADED.get()
 }
