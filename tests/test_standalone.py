@@ -164,6 +164,16 @@ def test_a_schema_another_role_made_to_look_like_an_earlier_release_is_not_updat
     assert server.value("SELECT version FROM outbox.installed", dbname="planted") == "0.10.0"
 
 
+def plant(pg, dbname, definition):
+    """Role other, which may create in schema public of `dbname`, runs
+    `definition` there; then it may no longer create there."""
+    with pg.connect(dbname=dbname, user="postgres") as conn:
+        conn.execute("SET ROLE other")
+        conn.execute(definition)
+        conn.execute("RESET ROLE")
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM other")
+
+
 def test_a_functions_schema_others_may_create_in_is_refused_naming_them(server):
     fresh_database(server, "open_schema")
     with server.connect(dbname="open_schema", user="postgres") as conn:
@@ -173,12 +183,8 @@ def test_a_functions_schema_others_may_create_in_is_refused_naming_them(server):
     with server.connect(dbname="open_schema", user="postgres") as conn:
         conn.execute("GRANT CREATE ON SCHEMA public TO PUBLIC")
     assert "PUBLIC" in refused(server, "owner", "open_schema")
-    with server.connect(dbname="open_schema", user="postgres") as conn:
-        conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
-        conn.execute("SET ROLE other")
-        conn.execute("CREATE FUNCTION public.outbox_ack(text) RETURNS boolean LANGUAGE sql AS 'SELECT true'")
-        conn.execute("RESET ROLE")
-        conn.execute("REVOKE CREATE ON SCHEMA public FROM other")
+    server.sql("REVOKE CREATE ON SCHEMA public FROM PUBLIC", dbname="open_schema")
+    plant(server, "open_schema", "CREATE FUNCTION public.outbox_ack(text) RETURNS boolean LANGUAGE sql AS 'SELECT true'")
     stderr = refused(server, "owner", "open_schema")
     assert "outbox_ack(text)" in stderr
 
@@ -195,11 +201,8 @@ def test_a_superuser_installing_is_refused_a_schema_others_may_create_in_and_the
     # The database's owner, through pg_database_owner, when it is not the installer.
     fresh_database(server, "super_owned", owner="owner")
     assert 'schema "public" is open to others: owner may create in it' in refused(server, "postgres", "super_owned")
-    with server.connect(dbname="super_open", user="postgres") as conn:
-        conn.execute("SET ROLE other")
-        conn.execute("CREATE FUNCTION public.outbox_uuid_v7() RETURNS uuid LANGUAGE sql AS 'SELECT gen_random_uuid()'")
-        conn.execute("RESET ROLE")
-        conn.execute("REVOKE CREATE ON SCHEMA public FROM other")
+    plant(server, "super_open",
+          "CREATE FUNCTION public.outbox_uuid_v7() RETURNS uuid LANGUAGE sql AS 'SELECT gen_random_uuid()'")
     stderr = refused(server, "postgres", "super_open")
     assert 'schema "public" is open to others' in stderr and "outbox_uuid_v7()" in stderr
     printed = run("sql")
