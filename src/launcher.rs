@@ -121,6 +121,7 @@ pub fn notes() -> Vec<(String, Unserved)> {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn outbox_launcher_main(_arg: pg_sys::Datum) {
     signals::install();
+    signals::read_on_start();
     BackgroundWorker::connect_worker_to_spi(None, None);
     groups::listen();
     let mut launcher = Launcher::default();

@@ -67,7 +67,7 @@ pub fn follow_launcher(as_of: u64) {
 /// launcher counted a reload this dispatcher has not read; returns whether
 /// it did.
 pub fn reload_if_requested() -> bool {
-    if !reload_requested() && !launcher_reloaded() {
+    if !reload_pending() {
         return false;
     }
     // Noted before the read: a reload counted during it is read again.
@@ -82,6 +82,22 @@ pub fn reload_if_requested() -> bool {
     }
     RELOADED.set(true);
     true
+}
+
+/// Reads the configuration files once as the launcher starts: a SIGHUP
+/// that came while PostgreSQL started it was dropped (see above), and
+/// nothing counts reloads for the launcher. At the server's start the files
+/// are what the postmaster has just read; after the launcher's restart, an
+/// edit not yet reloaded is read too, by the launcher alone.
+pub fn read_on_start() {
+    // SAFETY: the launcher's main thread, outside any transaction, as the
+    // checkpointer reads them.
+    unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+}
+
+/// A reload is waiting: a SIGHUP's, or one the launcher counted.
+pub fn reload_pending() -> bool {
+    reload_requested() || launcher_reloaded()
 }
 
 /// A SIGHUP is waiting.
@@ -122,5 +138,5 @@ pub fn process_interrupts() {
 pub fn interrupt_pending() -> bool {
     // SAFETY: a read of a flag the handler sets.
     let dying = unsafe { (&raw const pg_sys::ProcDiePending).read_volatile() != 0 };
-    dying || reload_requested() || launcher_reloaded() || RELOADED.get()
+    dying || reload_pending() || RELOADED.get()
 }

@@ -109,11 +109,19 @@ impl Waiter {
     /// the batch's size and is fixed at the claim). Else it goes on, and
     /// the rest applies once it is done.
     fn reload(&self) -> Result<(), Interrupted> {
-        if !signals::reload_if_requested() {
+        if !signals::reload_pending() {
             return Ok(());
         }
-        if crate::config::current().broker != self.config {
+        let before = crate::config::current();
+        signals::reload_if_requested();
+        let after = crate::config::current();
+        if after.broker != self.config {
             return Err(Interrupted);
+        }
+        // Each reload is read twice (signals.rs): the read that changed
+        // nothing says nothing.
+        if after == before {
+            return Ok(());
         }
         log!(
             "outbox dispatcher reloaded its settings during a broker operation; the broker's are unchanged: \
