@@ -79,6 +79,8 @@ pub enum ScriptError {
     Quote(&'static str),
     /// The schema's name is empty or longer than PostgreSQL keeps.
     SchemaName(String),
+    /// The schema's name holds a character of [`UNQUOTABLE`].
+    Unquotable(String),
     /// No update of this release starts from that one.
     NoUpdate(String),
 }
@@ -95,7 +97,7 @@ impl fmt::Display for ScriptError {
                 let known: Vec<&str> = UPDATES.iter().map(|(release, _)| *release).collect();
                 write!(f, "{VERSION} updates only {}, not {from}", known.join(", "))
             }
-            ScriptError::SchemaName(name) if name.contains(UNQUOTABLE) => {
+            ScriptError::Unquotable(name) => {
                 write!(
                     f,
                     "--schema \"{name}\" holds one of $ ' \" \\, which the script's literals cannot quote"
@@ -131,8 +133,11 @@ pub fn update(from: &str, schema: &str) -> Result<String, ScriptError> {
 /// `parts` one after the other, each under its name, with the rules of the
 /// module's documentation applied.
 fn put_together(schema: &str, parts: &[(&'static str, &'static str)]) -> Result<String, ScriptError> {
-    if schema.is_empty() || schema.len() > 63 || schema.contains(UNQUOTABLE) {
+    if schema.is_empty() || schema.len() > 63 {
         return Err(ScriptError::SchemaName(schema.to_string()));
+    }
+    if schema.contains(UNQUOTABLE) {
+        return Err(ScriptError::Unquotable(schema.to_string()));
     }
     let quoted = quote_ident(schema);
     let mut out = String::new();
@@ -226,7 +231,7 @@ mod tests {
         assert_eq!(script(&long), Err(ScriptError::SchemaName(long.clone())));
         for name in ["x$name$", "o'b", "a\"b", "a\\b"] {
             let refused = script(name).unwrap_err();
-            assert_eq!(refused, ScriptError::SchemaName(name.to_string()));
+            assert_eq!(refused, ScriptError::Unquotable(name.to_string()));
             assert!(refused.to_string().contains("cannot quote"), "{refused}");
         }
     }

@@ -1,10 +1,11 @@
 -- outbox_dispatch without the library: what the library's functions do,
 -- in SQL and PL/pgSQL, under the same names, for a server where
 -- shared_preload_libraries is closed (a managed service). Runs after
--- sql/schema.sql and sql/standalone/setting_place.sql in the script
--- `outbox-dispatch sql` prints and `outbox-dispatch install` runs
--- (sidecar/src/script.rs), as the owner, who needs no superuser. The statements the library runs from sql/ are
--- included here as text (a dollar-quoted literal, put in by
+-- sql/schema.sql, sql/standalone/setting_place.sql and
+-- sql/standalone/uuid_v7.sql in the script `outbox-dispatch sql` prints
+-- and `outbox-dispatch install` runs (sidecar/src/script.rs), as the
+-- owner, who needs no superuser. The statements the library runs from
+-- sql/ are included here as text (a dollar-quoted literal, put in by
 -- sidecar/src/script.rs), run with EXECUTE: one copy of each, for both.
 --
 -- What the library does and this cannot (docs/guides/managed.md):
