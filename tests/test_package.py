@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PG_CONFIG = str(PG_BIN / "pg_config")
 MAJOR = subprocess.run([PG_CONFIG, "--version"], check=True, capture_output=True, text=True).stdout.split()[1].split(".")[0]
 VERSION = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
-# The maintainer of the packages the tests build: make install-dev purges a
-# package of theirs that an interrupted test left installed (Makefile).
-TEST_MAINTAINER = "The outbox_dispatch tests <tests@outbox-dispatch.invalid>"
+# The maintainer of the packages the tests build, as the Makefile names it:
+# make install-dev purges a package of theirs that an interrupted test left.
+TEST_MAINTAINER = re.search(r"^TEST_MAINTAINER = (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
 # What the extension directory holds: one install script, the update chain
 # (tests/test_release.py checks that it leads to this version).
 EXTENSION_FILES = {"outbox_dispatch.control", f"outbox_dispatch--{VERSION}.sql",
