@@ -390,7 +390,11 @@ def test_batches_are_cut_by_the_size_that_will_be_sent(subs, redis_server):
 
 def batch_trigger(pg, name, sub, action):
     """A trigger (an operator's, say) that does `action` when a batch of
-    subscription `sub` is about to be inserted; returns the SQL dropping it."""
+    subscription `sub` is about to be inserted; returns the SQL dropping it.
+
+    That SQL locks outbox.log before the DROP TRIGGER: the DROP takes the
+    partitions' clones before the table, a dispatcher's INSERT the table
+    before a partition, and the two deadlock (docs/operations/runbook.md)."""
     pg.sql(f"""
         CREATE OR REPLACE FUNCTION public.{name}() RETURNS trigger LANGUAGE plpgsql AS $$
         BEGIN
@@ -400,7 +404,8 @@ def batch_trigger(pg, name, sub, action):
             RETURN NEW;
         END $$;
         CREATE TRIGGER {name} BEFORE INSERT ON outbox.log FOR EACH ROW EXECUTE FUNCTION public.{name}()""")
-    return f"DROP TRIGGER {name} ON outbox.log; DROP FUNCTION public.{name}()"
+    return (f"LOCK TABLE outbox.log IN ACCESS EXCLUSIVE MODE; "
+            f"DROP TRIGGER {name} ON outbox.log; DROP FUNCTION public.{name}()")
 
 
 def test_a_batch_that_cannot_be_made_fails_its_members_and_nothing_else(subs, redis_server):
