@@ -2,8 +2,9 @@
 """The third-party notices of what a build links: every crate the named
 package depends on for its build's output (normal dependencies, with the
 features the build uses), with its version, its licence as it declares it,
-and the text of the licence files it ships. `make package` puts them in
-the Debian package's copyright and beside the archive's library.
+and the text of the licence files it ships. `make package` puts the
+library's beside the Debian package's copyright and the archive's library,
+and the command's (outbox-dispatch) in the Python package's distributions.
 
 usage: notices.py PACKAGE [CARGO_ARGS...]   (e.g. --no-default-features --features pg15)
 """

@@ -11,7 +11,8 @@
 #   and refuses a server of another major (any other Linux);
 # - the Python package: its source distribution and a wheel for this
 #   platform, which carries the outbox-dispatch command (sidecar/) beside the
-#   package, both checked as an index would take them.
+#   package, both checked as an index would take them, and both carrying
+#   the licence and the notices of the crates the command links.
 #
 # Every artefact has the version of Cargo.toml, and the release's files
 # must all say the same (tests/test_release.py states where). Each is
@@ -110,7 +111,9 @@ tar -C "$staging" -czf "$staging/out/$archive.tar.gz" "$archive"
 
 # The Python package: the source distribution (maturin's, with the Rust
 # sources the command builds from and the SQL they include) and this
-# platform's wheel.
+# platform's wheel, each with the notices of what the command links.
+trap 'rm -rf "$staging" python/THIRD-PARTY' EXIT
+python3 scripts/notices.py outbox-dispatch > python/THIRD-PARTY
 .venv/bin/python -m build --sdist --outdir "$staging/out" python >/dev/null
 wheel_profile=release
 [[ "${PACKAGE_PROFILE:-release}" == dev ]] && wheel_profile=dev

@@ -193,6 +193,24 @@ def installed(wheel, tmp_path):
     return venv, command
 
 
+def assert_licences(read, metadata):
+    """The project's licence and the notices of the crates the command
+    links (not the extension's), each declared a License-File (PEP 639);
+    `read(name)` reads a file the distribution carries."""
+    assert read("LICENSE") == (ROOT / "LICENSE").read_text()
+    notices = read("THIRD-PARTY")
+    assert notices.startswith("Third-party software in outbox-dispatch: "), notices[:200]
+    assert "\nrustls " in notices and "\npgrx " not in notices
+    assert {"License-File: LICENSE", "License-File: THIRD-PARTY"} <= set(metadata.splitlines()), metadata
+
+
+def assert_wheel_licences(wheel):
+    info = f"outbox_dispatch-{VERSION}.dist-info"
+    with zipfile.ZipFile(wheel) as python_package:
+        assert_licences(lambda name: python_package.read(f"{info}/licenses/{name}").decode(),
+                        python_package.read(f"{info}/METADATA").decode())
+
+
 def test_the_source_distribution_builds_the_package_and_the_command(packages, tmp_path):
     """Where no wheel fits, pip builds one from the source distribution: it
     holds the Python package, the command's Rust sources (the vendored,
@@ -202,6 +220,9 @@ def test_the_source_distribution_builds_the_package_and_the_command(packages, tm
     assert sdist.name == f"outbox_dispatch-{VERSION}.tar.gz"
     with tarfile.open(sdist) as tar:
         tops = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 2}
+        root = f"outbox_dispatch-{VERSION}"
+        assert_licences(lambda name: tar.extractfile(f"{root}/{name}").read().decode(),
+                        tar.extractfile(f"{root}/PKG-INFO").read().decode())
     assert tops == {"core", "sidecar", "sql", "src", "vendor"}, tops
     # The crates' dependencies as the build left them (of the same lock file):
     # only the crates of the distribution compile again.
@@ -211,6 +232,7 @@ def test_the_source_distribution_builds_the_package_and_the_command(packages, tm
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-5000:]
     [wheel] = tmp_path.glob("*.whl")
+    assert_wheel_licences(wheel)
     _, command = installed(wheel, tmp_path)
     script = subprocess.run([command, "sql"], check=True, capture_output=True, text=True).stdout
     assert "CREATE TABLE outbox.log" in script and "CREATE TABLE outbox.installed" in script
@@ -226,6 +248,7 @@ def test_the_wheel_brings_the_package_and_the_command(redis_server, packages, tm
                 "outbox_dispatch/report.py", "outbox_dispatch/py.typed",
                 f"outbox_dispatch-{VERSION}.data/scripts/outbox-dispatch"} <= set(python_package.namelist())
     assert "-py3-none-" in wheel.name and not wheel.name.endswith("-any.whl"), wheel.name
+    assert_wheel_licences(wheel)
     venv, command = installed(wheel, tmp_path)
     assert subprocess.run([venv / "bin" / "python", "-c", "import outbox_dispatch; print(outbox_dispatch.__version__)"],
                           check=True, capture_output=True, text=True, cwd=tmp_path).stdout.strip() == VERSION
