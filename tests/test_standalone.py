@@ -189,6 +189,39 @@ def test_a_functions_schema_others_may_create_in_is_refused_naming_them(server):
     assert "outbox_ack(text)" in stderr
 
 
+def test_a_group_the_installer_shares_with_others_is_theirs_too(server):
+    """CREATE granted to a group role is every member's: a group the
+    installer belongs to is its own only while no other role that logs in
+    (nor a member of such a role) belongs to it too; the same holds for
+    the owner of an outbox_* function already there."""
+    server.sql("CREATE ROLE makers NOLOGIN; CREATE ROLE inner_makers NOLOGIN IN ROLE makers; "
+               "GRANT makers TO owner")
+    try:
+        fresh_database(server, "group_schema")
+        server.sql("GRANT CREATE ON SCHEMA public TO makers", dbname="group_schema")
+        result = run("install", "--dsn", dsn(server, "owner", "group_schema"))
+        assert result.returncode == 0, result.stderr
+
+        fresh_database(server, "shared_group")
+        server.sql("GRANT CREATE ON SCHEMA public TO makers", dbname="shared_group")
+        server.sql("GRANT inner_makers TO other")
+        stderr = refused(server, "owner", "shared_group")
+        assert 'schema "public" is open to others: makers (which other belongs to) may create in it' in stderr
+        server.sql("REVOKE CREATE ON SCHEMA public FROM makers", dbname="shared_group")
+        with server.connect(dbname="shared_group", user="postgres") as conn:
+            conn.execute("GRANT CREATE ON SCHEMA public TO makers")
+            conn.execute("SET ROLE makers")
+            conn.execute("CREATE FUNCTION public.outbox_ack(text) RETURNS boolean LANGUAGE sql AS 'SELECT true'")
+            conn.execute("RESET ROLE")
+            conn.execute("REVOKE CREATE ON SCHEMA public FROM makers")
+        stderr = refused(server, "owner", "shared_group")
+        assert "outbox_ack(text)" in stderr
+    finally:
+        for dbname in ("group_schema", "shared_group"):
+            server.sql(f"DROP DATABASE IF EXISTS {dbname} WITH (FORCE)")
+        server.sql("DROP ROLE inner_makers; DROP ROLE makers")
+
+
 def test_a_superuser_installing_is_refused_a_schema_others_may_create_in_and_their_functions(server):
     """A superuser is a member of every role: what another role may plant
     in the functions' schema is still another's, and would run as every

@@ -60,6 +60,11 @@ impl From<ScriptError> for InstallError {
 /// apart from the extension's bigint locks): the second finds the first's.
 const INSTALL_LOCK: (i32, i32) = (0x6f75_7462, 1);
 
+/// Who else could plant an outbox_* function in the functions' schema ($1):
+/// the roles that may create there and the functions there that are not
+/// the installing role's own, each named.
+const OTHERS: &str = include_str!("../../sql/standalone/others.sql");
+
 /// Installs this release into the database `client` is connected to, its
 /// functions into `schema`; a no-op where it is installed already.
 pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallError> {
@@ -177,46 +182,10 @@ fn check_privileges(tx: &mut Transaction<'_>, schema: &str) -> Result<(), Instal
             r = script::quote_ident(&role)
         )));
     }
-    // Whoever else may create in the schema may plant an overload of an
-    // outbox_* function there, which a caller's call would resolve to.
-    // Another is a role whose privileges are not this role's own: for a
-    // superuser, who is a member of every role, any role but itself and
-    // the other superusers. The schema's owner may always grant itself
-    // CREATE; pg_database_owner stands for the database's owner.
-    let others: Vec<String> = tx
-        .query(
-            "WITH me AS (SELECT r.oid, r.rolsuper FROM pg_catalog.pg_roles AS r WHERE r.rolname = CURRENT_USER)
-             SELECT CASE WHEN r.oid IS NULL THEN 'PUBLIC' ELSE r.rolname::pg_catalog.text END
-               FROM (SELECT DISTINCT CASE WHEN a.grantee = 'pg_database_owner'::pg_catalog.regrole THEN d.datdba
-                                          ELSE a.grantee END AS grantee
-                       FROM pg_catalog.pg_namespace AS n
-                       JOIN pg_catalog.pg_database AS d ON d.datname = pg_catalog.current_database()
-                      CROSS JOIN LATERAL (SELECT e.grantee
-                                            FROM pg_catalog.aclexplode(coalesce(n.nspacl,
-                                                     pg_catalog.acldefault('n', n.nspowner))) AS e
-                                           WHERE e.privilege_type = 'CREATE'
-                                          UNION
-                                          SELECT n.nspowner) AS a
-                      WHERE n.oid = pg_catalog.to_regnamespace($1)) AS g
-               LEFT JOIN pg_catalog.pg_roles AS r ON r.oid = g.grantee
-              CROSS JOIN me
-              WHERE g.grantee = 0
-                 OR NOT (r.rolsuper OR CASE WHEN me.rolsuper THEN r.oid = me.oid
-                                            ELSE pg_catalog.pg_has_role(r.oid, 'MEMBER') END)
-             UNION
-             SELECT p.oid::pg_catalog.regprocedure::pg_catalog.text
-               FROM pg_catalog.pg_proc AS p
-               JOIN pg_catalog.pg_roles AS o ON o.oid = p.proowner
-              CROSS JOIN me
-              WHERE p.pronamespace = pg_catalog.to_regnamespace($1)
-                AND p.proname LIKE 'outbox\\_%'
-                AND NOT CASE WHEN me.rolsuper THEN o.rolsuper ELSE pg_catalog.pg_has_role(o.oid, 'MEMBER') END
-             ORDER BY 1",
-            &[&script::quote_ident(schema)],
-        )?
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
+    // Whoever else may create in the schema, or made an outbox_* function
+    // there (sql/standalone/others.sql says who counts as another).
+    let others: Vec<String> =
+        tx.query(OTHERS, &[&script::quote_ident(schema)])?.iter().map(|row| row.get(0)).collect();
     if !others.is_empty() {
         return Err(InstallError::Refused(format!(
             "schema \"{schema}\" is open to others: {} may create in it or made functions there, which \
