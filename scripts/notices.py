@@ -6,7 +6,11 @@ and the text of the licence files it ships. `make package` puts the
 library's beside the Debian package's copyright and the archive's library,
 and the command's (outbox-dispatch) in the Python package's distributions.
 
-usage: notices.py PACKAGE [CARGO_ARGS...]   (e.g. --no-default-features --features pg15)
+usage: notices.py PACKAGE [--every-platform] [CARGO_ARGS...]   (e.g. --no-default-features --features pg15)
+
+With --every-platform, the crates it links on any platform, not only this
+one: the Python package's source distribution is built into wheels
+elsewhere, and carries the one file for them all.
 """
 
 import json
@@ -23,11 +27,12 @@ def host():
                                                      text=True).stdout, re.M).group(1)
 
 
-def linked(package, cargo_args):
-    """The crates `package` links on this platform, and the vendored ones
-    among them: cargo's resolution of it alone."""
+def linked(package, cargo_args, every_platform):
+    """The crates `package` links on this platform (or any), and the
+    vendored ones among them: cargo's resolution of it alone."""
+    platform = [] if every_platform else ["--filter-platform", host()]
     metadata = json.loads(subprocess.run(
-        ["cargo", "metadata", "--format-version", "1", "--locked", "--filter-platform", host(), *cargo_args],
+        ["cargo", "metadata", "--format-version", "1", "--locked", *platform, *cargo_args],
         check=True, capture_output=True, text=True).stdout)
     packages = {p["id"]: p for p in metadata["packages"]}
     nodes = {n["id"]: n for n in metadata["resolve"]["nodes"]}
@@ -62,7 +67,8 @@ def notice(crate, vendored):
 
 def main():
     package, cargo_args = sys.argv[1], sys.argv[2:]
-    crates, vendored = linked(package, cargo_args)
+    every_platform = cargo_args[:1] == ["--every-platform"]
+    crates, vendored = linked(package, cargo_args[1:] if every_platform else cargo_args, every_platform)
     print(f"Third-party software in {package}: {len(crates)} crates, each under its own licence.\n")
     print("\n\n========================================\n\n".join(notice(c, c["name"] in vendored) for c in crates))
 

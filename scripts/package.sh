@@ -113,7 +113,7 @@ tar -C "$staging" -czf "$staging/out/$archive.tar.gz" "$archive"
 # sources the command builds from and the SQL they include) and this
 # platform's wheel, each with the notices of what the command links.
 trap 'rm -rf "$staging" python/THIRD-PARTY' EXIT
-python3 scripts/notices.py outbox-dispatch > python/THIRD-PARTY
+python3 scripts/notices.py outbox-dispatch --every-platform > python/THIRD-PARTY
 .venv/bin/python -m build --sdist --outdir "$staging/out" python >/dev/null
 wheel_profile=release
 [[ "${PACKAGE_PROFILE:-release}" == dev ]] && wheel_profile=dev
@@ -124,6 +124,16 @@ if ((${#python_package[@]} != 2)); then
     exit 1
 fi
 .venv/bin/python -m twine check --strict "${python_package[@]}" >/dev/null
+# maturin leaves out a license file it does not find, without a word.
+.venv/bin/python - "$version" "${python_package[@]}" <<'CARRIED'
+import sys, tarfile, zipfile
+version, sdist, wheel = sys.argv[1:]
+carried = {*tarfile.open(sdist).getnames(), *zipfile.ZipFile(wheel).namelist()}
+wanted = {f"outbox_dispatch-{version}/{name}" for name in ("LICENSE", "THIRD-PARTY")} | \
+    {f"outbox_dispatch-{version}.dist-info/licenses/{name}" for name in ("LICENSE", "THIRD-PARTY")}
+if not wanted <= carried:
+    sys.exit(f"package.sh: the Python package lacks {sorted(wanted - carried)}")
+CARRIED
 
 # All built: into DIST_DIR, each in place of its namesake.
 for built in "$staging"/out/*; do
