@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from harness import PG_BIN, as_postgres, make_tls_files
+from harness import PG_BIN, as_postgres, make_tls_files, wait_until
 from standalone import BIN, dsn, fresh_database, install, plain_server, run
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -187,6 +187,85 @@ def test_a_functions_schema_others_may_create_in_is_refused_naming_them(server):
     plant(server, "open_schema", "CREATE FUNCTION public.outbox_ack(text) RETURNS boolean LANGUAGE sql AS 'SELECT true'")
     stderr = refused(server, "owner", "open_schema")
     assert "outbox_ack(text)" in stderr
+
+
+def test_a_database_owners_search_path_runs_nothing_of_theirs_in_the_install(server):
+    """The owner of the database, who is not the installer, sets its
+    search_path to a schema of theirs with an = of their own: nothing the
+    install runs, its checks first, resolves a name through it."""
+    fresh_database(server, "trapped", owner="other")
+    server.sql("GRANT CREATE ON DATABASE trapped TO owner")
+    server.sql("CREATE SCHEMA fns AUTHORIZATION owner", dbname="trapped")
+    with server.connect(dbname="trapped", user="other") as conn:
+        conn.execute("""
+            CREATE SCHEMA trap;
+            GRANT USAGE ON SCHEMA trap TO PUBLIC;
+            CREATE TABLE trap.calls (who text);
+            GRANT INSERT ON trap.calls TO PUBLIC;
+            CREATE FUNCTION trap.eq(name, name) RETURNS boolean LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO trap.calls VALUES (current_user);
+                RETURN $1 OPERATOR(pg_catalog.=) $2;
+            END $$;
+            CREATE OPERATOR trap.= (LEFTARG = name, RIGHTARG = name, FUNCTION = trap.eq);
+            ALTER DATABASE trapped SET search_path = trap, pg_catalog""")
+    try:
+        for _ in range(2):  # the install, then the one that finds it installed
+            result = run("install", "--dsn", dsn(server, "owner", "trapped"), "--schema", "fns")
+            assert result.returncode == 0, result.stderr
+        assert server.value("SELECT count(*) FROM trap.calls", dbname="trapped") == 0
+    finally:
+        server.sql("DROP DATABASE trapped WITH (FORCE)")
+
+
+def test_a_grant_committed_while_the_script_runs_is_seen_before_the_install_commits(server):
+    """The check runs again as the install's last statement: CREATE granted
+    to another role while the script ran (here, while an event trigger
+    holds its first CREATE TABLE) refuses the install, and nothing of it
+    stays."""
+    fresh_database(server, "raced")
+    server.sql("""
+        CREATE FUNCTION public.hold_first_table() RETURNS event_trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF current_user = 'owner' AND current_setting('raced.held', true) IS NULL THEN
+                PERFORM set_config('raced.held', 'on', true);
+                PERFORM pg_sleep(3);
+            END IF;
+        END $$;
+        CREATE EVENT TRIGGER hold_first_table ON ddl_command_start WHEN TAG IN ('CREATE TABLE')
+            EXECUTE FUNCTION public.hold_first_table()""", dbname="raced")
+    installing = subprocess.Popen([BIN, "install", "--dsn", dsn(server, "owner", "raced")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: server.value("SELECT count(*) FROM pg_stat_activity WHERE datname = 'raced' "
+                                        "AND wait_event = 'PgSleep'") == 1, message="the script held")
+        server.sql("GRANT CREATE ON SCHEMA public TO other", dbname="raced")
+        _, stderr = installing.communicate(timeout=60)
+    finally:
+        installing.kill()
+    assert installing.returncode == 1, stderr
+    assert 'schema "public" is open to others: other may create in it' in stderr
+    assert "outbox" not in schemas(server, "raced")
+
+
+def test_a_roles_administrator_is_trusted_as_the_installers_are(server):
+    """From PostgreSQL 16 a role's creator that is no superuser administers
+    it (ADMIN, with neither INHERIT nor SET): it could become any role it
+    administers, as it could become the installer, and is not counted as
+    another that may create in the schema."""
+    server.sql("CREATE ROLE admin_mgr LOGIN CREATEROLE")
+    try:
+        with server.connect(user="admin_mgr") as conn:
+            conn.execute("CREATE ROLE mgr_makers NOLOGIN")
+            conn.execute("GRANT mgr_makers TO owner")
+        fresh_database(server, "administered")
+        server.sql("GRANT CREATE ON SCHEMA public TO mgr_makers", dbname="administered")
+        result = run("install", "--dsn", dsn(server, "owner", "administered"))
+        assert result.returncode == 0, result.stderr
+    finally:
+        server.sql("DROP DATABASE IF EXISTS administered WITH (FORCE)")
+        server.sql("DROP ROLE IF EXISTS mgr_makers")
+        server.sql("DROP ROLE admin_mgr")
 
 
 def test_a_group_the_installer_shares_with_others_is_theirs_too(server):

@@ -72,6 +72,10 @@ pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallEr
     // READ COMMITTED whatever the role's default: the checks after the lock
     // see what an install that held it committed.
     let mut tx = client.build_transaction().isolation_level(IsolationLevel::ReadCommitted).start()?;
+    // The search_path the database's owner or the role's settings gave the
+    // session is nobody's to trust: no name of the checks, the script or
+    // the update resolves through it.
+    tx.batch_execute("SET LOCAL search_path = pg_catalog, pg_temp")?;
     tx.execute("SELECT pg_catalog.pg_advisory_xact_lock($1, $2)", &[&INSTALL_LOCK.0, &INSTALL_LOCK.1])?;
     if let Some(installed) = installed_version(&mut tx)? {
         if installed == VERSION {
@@ -89,6 +93,9 @@ pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallEr
     }
     check_privileges(&mut tx, schema)?;
     tx.batch_execute(&script)?;
+    // Again, as the last statement: a grant, or another's function,
+    // committed while the script ran is seen now (READ COMMITTED).
+    refuse_others(&mut tx, schema)?;
     tx.commit()?;
     Ok(Installed::Now)
 }
@@ -182,18 +189,7 @@ fn check_privileges(tx: &mut Transaction<'_>, schema: &str) -> Result<(), Instal
             r = script::quote_ident(&role)
         )));
     }
-    // Whoever else may create in the schema, or made an outbox_* function
-    // there (sql/standalone/others.sql says who counts as another).
-    let others: Vec<String> =
-        tx.query(OTHERS, &[&script::quote_ident(schema)])?.iter().map(|row| row.get(0)).collect();
-    if !others.is_empty() {
-        return Err(InstallError::Refused(format!(
-            "schema \"{schema}\" is open to others: {} may create in it or made functions there, which \
-             could stand in for outbox_* functions; revoke CREATE from them, or --schema one only this \
-             role creates in",
-            others.join(", ")
-        )));
-    }
+    refuse_others(tx, schema)?;
     if !read_stats {
         eprintln!(
             "outbox-dispatch: warning: role \"{role}\" is not a member of pg_read_all_stats: the \
@@ -203,4 +199,21 @@ fn check_privileges(tx: &mut Transaction<'_>, schema: &str) -> Result<(), Instal
         );
     }
     Ok(())
+}
+
+/// Refuses a functions' schema where another role may create, or made an
+/// outbox_* function (sql/standalone/others.sql says who counts as
+/// another).
+fn refuse_others(tx: &mut Transaction<'_>, schema: &str) -> Result<(), InstallError> {
+    let others: Vec<String> =
+        tx.query(OTHERS, &[&script::quote_ident(schema)])?.iter().map(|row| row.get(0)).collect();
+    if others.is_empty() {
+        return Ok(());
+    }
+    Err(InstallError::Refused(format!(
+        "schema \"{schema}\" is open to others: {} may create in it or made functions there, which \
+         could stand in for outbox_* functions; revoke CREATE from them, or --schema one only this \
+         role creates in",
+        others.join(", ")
+    )))
 }

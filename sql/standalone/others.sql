@@ -6,14 +6,22 @@
 -- function there, whose holder is another's; PUBLIC for a grant to all.
 --
 -- A holder is the installer's own when it is the installer, a superuser,
--- or a group the installer belongs to that no other role which logs in
--- belongs to as well, directly or through another group: CREATE granted to
--- a group is every member's. The schema's owner may always grant itself
--- CREATE; pg_database_owner stands for the database's owner. A superuser
--- installing is a member of every role, so its membership is read from
--- pg_auth_members, not pg_has_role.
-WITH RECURSIVE me AS (
-    SELECT r.oid FROM pg_catalog.pg_roles AS r WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER
+-- or a role the installer acts for that no other role which logs in acts
+-- for as well: CREATE granted to a group is every member's. A role acts
+-- for a holder when it has the holder's privileges (USAGE) or may SET ROLE
+-- to it, directly or through other groups, as pg_has_role() reads the
+-- membership options of PostgreSQL 16 and later (before 16, every member
+-- may SET ROLE). A role's administrators (ADMIN alone, CREATEROLE before
+-- 16) could make themselves members, and are trusted as the installer's
+-- own administrators are. The schema's owner may always grant itself
+-- CREATE; pg_database_owner stands for the database's owner.
+WITH me AS (
+    SELECT r.oid,
+           CASE WHEN pg_catalog.current_setting('server_version_num')::pg_catalog.int4
+                     OPERATOR(pg_catalog.>=) 160000
+                THEN 'USAGE, SET' ELSE 'MEMBER' END AS acting
+      FROM pg_catalog.pg_roles AS r
+     WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER
 ), schema AS (
     SELECT n.oid, n.nspowner, n.nspacl, d.datdba
       FROM pg_catalog.pg_namespace AS n
@@ -35,37 +43,33 @@ WITH RECURSIVE me AS (
       FROM pg_catalog.pg_proc AS p
       JOIN schema AS s ON p.pronamespace OPERATOR(pg_catalog.=) s.oid
      WHERE p.proname OPERATOR(pg_catalog.~~) 'outbox\_%'
-), acting (holder, role) AS (
-    -- Each holder, and every role that belongs to it, however deep.
-    SELECT DISTINCT h.holder, h.holder FROM holders AS h WHERE h.holder OPERATOR(pg_catalog.<>) 0
-    UNION
-    SELECT a.holder, m.member
-      FROM acting AS a
-      JOIN pg_catalog.pg_auth_members AS m ON m.roleid OPERATOR(pg_catalog.=) a.role
 ), standing (holder, mine, shared, members) AS (
-    -- Per holder: whether the installer acts for it; whether a role that
-    -- logs in and is neither the installer nor a superuser does (the
-    -- holder itself too); those of them that belong to it, to name.
-    SELECT a.holder,
-           pg_catalog.bool_or(a.role OPERATOR(pg_catalog.=) me.oid),
-           pg_catalog.bool_or(r.rolcanlogin AND NOT r.rolsuper AND r.oid OPERATOR(pg_catalog.<>) me.oid),
-           pg_catalog.string_agg(r.rolname::pg_catalog.text, ', ' ORDER BY r.rolname)
-               FILTER (WHERE r.rolcanlogin AND NOT r.rolsuper AND r.oid OPERATOR(pg_catalog.<>) me.oid
-                             AND r.oid OPERATOR(pg_catalog.<>) a.holder)
-      FROM acting AS a
-      JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) a.role
+    -- Per holder: whether the installer acts for it; whether a role acts
+    -- for it that logs in and is neither the installer nor a superuser (the
+    -- holder itself, when it logs in); those of them that belong to it.
+    SELECT h.holder,
+           pg_catalog.pg_has_role(me.oid, h.holder, me.acting),
+           pg_catalog.bool_or(r.oid IS NOT NULL),
+           pg_catalog.array_agg(r.rolname::pg_catalog.text ORDER BY r.rolname)
+               FILTER (WHERE r.oid OPERATOR(pg_catalog.<>) h.holder)
+      FROM (SELECT DISTINCT holder FROM holders WHERE holder OPERATOR(pg_catalog.<>) 0) AS h
      CROSS JOIN me
-     GROUP BY a.holder
+      LEFT JOIN pg_catalog.pg_roles AS r
+             ON r.rolcanlogin AND NOT r.rolsuper AND r.oid OPERATOR(pg_catalog.<>) me.oid
+            AND pg_catalog.pg_has_role(r.oid, h.holder, me.acting)
+     GROUP BY h.holder, me.oid, me.acting
 )
 SELECT coalesce(h.function,
                 CASE WHEN h.holder OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
                      WHEN s.members IS NULL THEN r.rolname::pg_catalog.text
-                     ELSE pg_catalog.format('%s (which %s belongs to)', r.rolname, s.members)
+                     ELSE pg_catalog.format('%s (which %s belongs to)', r.rolname,
+                                            pg_catalog.array_to_string(s.members, ', '))
                 END)
   FROM holders AS h
   LEFT JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) h.holder
   LEFT JOIN standing AS s ON s.holder OPERATOR(pg_catalog.=) h.holder
- CROSS JOIN me
- WHERE h.holder OPERATOR(pg_catalog.=) 0
-    OR NOT (coalesce(r.rolsuper, false) OR h.holder OPERATOR(pg_catalog.=) me.oid OR (s.mine AND NOT s.shared))
+ WHERE NOT coalesce(r.rolsuper
+                    OR h.holder OPERATOR(pg_catalog.=) (SELECT me.oid FROM me)
+                    OR (s.mine AND NOT s.shared),
+                    false)
  ORDER BY 1
