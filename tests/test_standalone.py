@@ -248,11 +248,88 @@ def test_a_grant_committed_while_the_script_runs_is_seen_before_the_install_comm
     assert "outbox" not in schemas(server, "raced")
 
 
+def server_version(pg):
+    return int(pg.value("SHOW server_version_num"))
+
+
+def test_a_role_that_may_set_role_to_one_that_inherits_the_schemas_grant_is_another(server):
+    """From PostgreSQL 16 a member may inherit a role's privileges without
+    SET ROLE to it, or SET ROLE to it without inheriting: other, which may
+    SET ROLE to deployers, which inherits makers' CREATE, may create in the
+    schema, though it neither inherits makers' privileges nor may SET ROLE
+    to makers."""
+    if server_version(server) < 160000:
+        pytest.skip("membership options came with PostgreSQL 16")
+    server.sql("CREATE ROLE chain_makers NOLOGIN; CREATE ROLE chain_deployers NOLOGIN; "
+               "GRANT chain_makers TO owner; "
+               "GRANT chain_makers TO chain_deployers WITH INHERIT TRUE, SET FALSE; "
+               "GRANT chain_deployers TO other WITH INHERIT FALSE, SET TRUE")
+    try:
+        fresh_database(server, "chained")
+        server.sql("GRANT CREATE ON SCHEMA public TO chain_makers", dbname="chained")
+        stderr = refused(server, "owner", "chained")
+        assert "chain_makers (which other belongs to) may create" in stderr
+    finally:
+        server.sql("DROP DATABASE IF EXISTS chained WITH (FORCE)")
+        server.sql("DROP ROLE chain_deployers; DROP ROLE chain_makers")
+
+
+def test_a_role_the_databases_settings_switch_the_install_to_is_refused(server):
+    """The database's owner, who is not the installer, sets role for the
+    database to a group both belong to: the install would run as that
+    group and make the outbox the owner's too. It is refused, naming the
+    setting; the installer may still choose a role for itself."""
+    server.sql("CREATE ROLE switched NOLOGIN; GRANT switched TO owner, other")
+    try:
+        fresh_database(server, "switching", owner="other")
+        server.sql("GRANT CREATE ON DATABASE switching TO owner, switched")
+        server.sql("CREATE SCHEMA fns AUTHORIZATION switched", dbname="switching")
+        server.sql("REVOKE CREATE ON SCHEMA public FROM PUBLIC", dbname="switching")
+        with server.connect(dbname="switching", user="other") as conn:
+            conn.execute("ALTER DATABASE switching SET role = switched")
+        stderr = refused(server, "owner", "switching", "--schema", "fns")
+        assert 'role "switched"' in stderr and "ALTER DATABASE" in stderr
+    finally:
+        server.sql("DROP DATABASE IF EXISTS switching WITH (FORCE)")
+        server.sql("DROP ROLE switched")
+
+
+def test_an_outbox_function_already_there_is_refused_unless_the_installers_or_a_superusers(server):
+    """A function of the outbox's names already in the schema is what a
+    caller's call would find: on an install it may only be the installer's
+    (or a superuser's), whatever group owns it now."""
+    server.sql("CREATE ROLE quiet_makers NOLOGIN; GRANT quiet_makers TO owner")
+    try:
+        fresh_database(server, "quiet")
+        server.sql("CREATE FUNCTION public.outbox_ack(text) RETURNS boolean LANGUAGE sql AS 'SELECT true'; "
+                   "ALTER FUNCTION public.outbox_ack(text) OWNER TO quiet_makers", dbname="quiet")
+        assert "outbox_ack(text)" in refused(server, "owner", "quiet")
+    finally:
+        server.sql("DROP DATABASE IF EXISTS quiet WITH (FORCE)")
+        server.sql("DROP ROLE quiet_makers")
+
+
+def test_the_databases_settings_change_nothing_of_how_the_script_reads(server):
+    """standard_conforming_strings off for the database would read the
+    script's backslashes as escapes, and loosen its checks."""
+    fresh_database(server, "escaping")
+    server.sql("ALTER DATABASE escaping SET standard_conforming_strings = off")
+    result = run("install", "--dsn", dsn(server, "owner", "escaping"))
+    assert result.returncode == 0, result.stderr
+    with server.connect(dbname="escaping") as conn:
+        conn.execute("SET standard_conforming_strings = on")
+        check = conn.execute("SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+                             "WHERE conrelid = 'outbox.settings'::regclass AND contype = 'c'").fetchone()[0]
+    assert r"'^outbox\.[a-z_]+$'" in check, check
+
+
 def test_a_roles_administrator_is_trusted_as_the_installers_are(server):
     """From PostgreSQL 16 a role's creator that is no superuser administers
     it (ADMIN, with neither INHERIT nor SET): it could become any role it
     administers, as it could become the installer, and is not counted as
     another that may create in the schema."""
+    if server_version(server) < 160000:
+        pytest.skip("before PostgreSQL 16 a role's creator is not made its member")
     server.sql("CREATE ROLE admin_mgr LOGIN CREATEROLE")
     try:
         with server.connect(user="admin_mgr") as conn:
@@ -603,6 +680,24 @@ def schema_dump(pg, dbname):
     dump = as_postgres(PG_BIN / "pg_dump", "--schema-only", "-h", pg.dir, "-p", pg.port, "-d", dbname).stdout
     return [line for line in dump.splitlines()
             if line.strip() and not line.startswith(("--", "\\restrict", "\\unrestrict"))]
+
+
+def test_an_update_is_checked_as_an_install_is(server):
+    """Updating an outbox 0.10.0 installed (which checked nobody) refuses a
+    functions' schema others may create in, as an install does, and a
+    --schema other than the one its functions are in."""
+    fresh_database(server, "earlier_open")
+    server.sql("CREATE SCHEMA fns AUTHORIZATION owner", dbname="earlier_open")
+    with server.connect(dbname="earlier_open", user="owner") as conn:
+        conn.execute((FIXTURES / "outbox-dispatch-0.10.0.sql").read_text())
+    server.sql("GRANT CREATE ON SCHEMA public TO other", dbname="earlier_open")
+    stderr = refused(server, "owner", "earlier_open", installs_nothing=False)
+    assert 'schema "public" is open to others: other may create in it' in stderr
+    stderr = refused(server, "owner", "earlier_open", "--schema", "fns", installs_nothing=False)
+    assert 'put its functions in schema public, not "fns"' in stderr
+    assert server.value("SELECT version FROM outbox.installed", dbname="earlier_open") == "0.10.0"
+    assert server.value("SELECT count(*) FROM pg_proc WHERE pronamespace = 'fns'::regnamespace",
+                        dbname="earlier_open") == 0
 
 
 def test_an_outbox_that_0_10_0_installed_is_updated_and_then_equals_a_fresh_install(server):

@@ -72,10 +72,18 @@ pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallEr
     // READ COMMITTED whatever the role's default: the checks after the lock
     // see what an install that held it committed.
     let mut tx = client.build_transaction().isolation_level(IsolationLevel::ReadCommitted).start()?;
-    // The search_path the database's owner or the role's settings gave the
-    // session is nobody's to trust: no name of the checks, the script or
-    // the update resolves through it.
-    tx.batch_execute("SET LOCAL search_path = pg_catalog, pg_temp")?;
+    // What the database's owner or the role's settings gave the session is
+    // nobody's to trust: no name of the checks, the script or the update
+    // resolves through their search_path, and their text reads as written.
+    tx.batch_execute(
+        "SET LOCAL search_path = pg_catalog, pg_temp; \
+         SET LOCAL standard_conforming_strings = on; \
+         SET LOCAL array_nulls = on; \
+         SET LOCAL transform_null_equals = off; \
+         SET LOCAL DateStyle = 'ISO, YMD'; \
+         SET LOCAL IntervalStyle = postgres",
+    )?;
+    refuse_a_role_the_database_chose(&mut tx)?;
     tx.execute("SELECT pg_catalog.pg_advisory_xact_lock($1, $2)", &[&INSTALL_LOCK.0, &INSTALL_LOCK.1])?;
     if let Some(installed) = installed_version(&mut tx)? {
         if installed == VERSION {
@@ -87,7 +95,10 @@ pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallEr
                  outbox-dispatch of {installed}"
             ))
         })?;
+        refuse_another_schema(&mut tx, &installed, schema)?;
+        refuse_others(&mut tx, schema)?;
         tx.batch_execute(&update)?;
+        refuse_others(&mut tx, schema)?;
         tx.commit()?;
         return Ok(Installed::Updated(installed));
     }
@@ -98,6 +109,63 @@ pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallEr
     refuse_others(&mut tx, schema)?;
     tx.commit()?;
     Ok(Installed::Now)
+}
+
+/// Refuses a session whose role the database's settings switched (ALTER
+/// DATABASE ... SET role): its owner, who may not be the installer, would
+/// choose who owns the outbox. The role's own settings, or the client's,
+/// are the installer's choice.
+fn refuse_a_role_the_database_chose(tx: &mut Transaction<'_>) -> Result<(), InstallError> {
+    let row = tx.query_one(
+        "SELECT session_user::text, current_user::text, current_database()::text,
+                EXISTS (SELECT FROM pg_db_role_setting AS s
+                          JOIN pg_database AS d ON d.oid = s.setdatabase
+                         CROSS JOIN LATERAL unnest(s.setconfig) AS c (setting)
+                         WHERE d.datname = current_database() AND s.setrole = 0
+                           AND c.setting LIKE 'role=%')",
+        &[],
+    )?;
+    let (connected, acting, database, chosen): (String, String, String, bool) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    if connected == acting || !chosen {
+        return Ok(());
+    }
+    Err(InstallError::Refused(format!(
+        "the session runs as role \"{acting}\", not \"{connected}\" who connected, and the database's \
+         settings set a role (ALTER DATABASE {db} SET role): its owner would choose who owns the outbox; \
+         ALTER DATABASE {db} RESET role first",
+        db = script::quote_ident(&database)
+    )))
+}
+
+/// Refuses to update an outbox whose functions are in another schema than
+/// `schema`: the update would put its functions beside, not in place of,
+/// those the outbox calls (its id default, outbox_uuid_v7()).
+fn refuse_another_schema(
+    tx: &mut Transaction<'_>,
+    installed: &str,
+    schema: &str,
+) -> Result<(), InstallError> {
+    let row = tx.query_opt(
+        "SELECT p.pronamespace::regnamespace::text, p.pronamespace = to_regnamespace($1)
+           FROM pg_attrdef AS d
+           JOIN pg_depend AS e ON e.classid = 'pg_attrdef'::regclass AND e.objid = d.oid
+                              AND e.refclassid = 'pg_proc'::regclass
+           JOIN pg_proc AS p ON p.oid = e.refobjid
+          WHERE d.adrelid = 'outbox.log'::regclass AND p.proname = 'outbox_uuid_v7'",
+        &[&script::quote_ident(schema)],
+    )?;
+    match row.map(|row| (row.get::<_, String>(0), row.get::<_, Option<bool>>(1))) {
+        Some((_, Some(true))) => Ok(()),
+        Some((theirs, _)) => Err(InstallError::Refused(format!(
+            "outbox_dispatch {installed} put its functions in schema {theirs}, not \"{schema}\": \
+             update with --schema {theirs}"
+        ))),
+        None => Err(InstallError::Refused(format!(
+            "outbox_dispatch {installed} is installed, but outbox.log's id default calls no \
+             outbox_uuid_v7(): the schema was changed by hand, and is not updated"
+        ))),
+    }
 }
 
 /// The release installed without the library, if any; refuses a database

@@ -5,21 +5,24 @@
 -- names anyone: each role that may create there, and each outbox_*
 -- function there, whose holder is another's; PUBLIC for a grant to all.
 --
--- A holder is the installer's own when it is the installer, a superuser,
--- or a role the installer acts for that no other role which logs in acts
--- for as well: CREATE granted to a group is every member's. A role acts
--- for a holder when it has the holder's privileges (USAGE) or may SET ROLE
--- to it, directly or through other groups, as pg_has_role() reads the
--- membership options of PostgreSQL 16 and later (before 16, every member
--- may SET ROLE). A role's administrators (ADMIN alone, CREATEROLE before
--- 16) could make themselves members, and are trusted as the installer's
--- own administrators are. The schema's owner may always grant itself
--- CREATE; pg_database_owner stands for the database's owner.
+-- A holder of CREATE is the installer's own when it is the installer, a
+-- superuser, or a role the installer acts for that no other role which
+-- logs in acts for as well: CREATE granted to a group is every member's. A
+-- role acts for a holder when it has the holder's privileges, or may SET
+-- ROLE to a role that has them: from PostgreSQL 16 pg_has_role() reads
+-- USAGE (inherited, every grant of the chain with INHERIT) and SET (every
+-- grant with SET) apart, and SET ROLE is checked against the role that
+-- logged in, so a role may SET ROLE to one that inherits the holder's
+-- privileges; before 16, every member may do both (MEMBER). A role's
+-- administrators (ADMIN alone, CREATEROLE before 16) could make themselves
+-- members, and are trusted as the installer's own administrators are. The
+-- schema's owner may always grant itself CREATE; pg_database_owner stands
+-- for the database's owner. An outbox_* function already there is what a
+-- caller's call would find: it must be the installer's or a superuser's.
 WITH me AS (
     SELECT r.oid,
-           CASE WHEN pg_catalog.current_setting('server_version_num')::pg_catalog.int4
-                     OPERATOR(pg_catalog.>=) 160000
-                THEN 'USAGE, SET' ELSE 'MEMBER' END AS acting
+           pg_catalog.current_setting('server_version_num')::pg_catalog.int4 OPERATOR(pg_catalog.>=) 160000
+               AS options
       FROM pg_catalog.pg_roles AS r
      WHERE r.rolname OPERATOR(pg_catalog.=) CURRENT_USER
 ), schema AS (
@@ -43,21 +46,35 @@ WITH me AS (
       FROM pg_catalog.pg_proc AS p
       JOIN schema AS s ON p.pronamespace OPERATOR(pg_catalog.=) s.oid
      WHERE p.proname OPERATOR(pg_catalog.~~) 'outbox\_%'
+), heirs (holder, heir) AS (
+    -- The roles that have each holder's privileges, the holder among them.
+    SELECT h.holder, x.oid
+      FROM (SELECT DISTINCT holder FROM holders
+             WHERE function IS NULL AND holder OPERATOR(pg_catalog.<>) 0) AS h
+     CROSS JOIN me
+      JOIN pg_catalog.pg_roles AS x
+        ON pg_catalog.pg_has_role(x.oid, h.holder, CASE WHEN me.options THEN 'USAGE' ELSE 'MEMBER' END)
+), acting (holder, role) AS (
+    -- The roles that have them, or may SET ROLE to a role that has them.
+    SELECT DISTINCT e.holder, r.oid
+      FROM heirs AS e
+     CROSS JOIN me
+      JOIN pg_catalog.pg_roles AS r
+        ON pg_catalog.pg_has_role(r.oid, e.heir, CASE WHEN me.options THEN 'SET' ELSE 'MEMBER' END)
 ), standing (holder, mine, shared, members) AS (
     -- Per holder: whether the installer acts for it; whether a role acts
     -- for it that logs in and is neither the installer nor a superuser (the
     -- holder itself, when it logs in); those of them that belong to it.
-    SELECT h.holder,
-           pg_catalog.pg_has_role(me.oid, h.holder, me.acting),
-           pg_catalog.bool_or(r.oid IS NOT NULL),
+    SELECT a.holder,
+           pg_catalog.bool_or(a.role OPERATOR(pg_catalog.=) me.oid),
+           pg_catalog.bool_or(r.rolcanlogin AND NOT r.rolsuper AND r.oid OPERATOR(pg_catalog.<>) me.oid),
            pg_catalog.array_agg(r.rolname::pg_catalog.text ORDER BY r.rolname)
-               FILTER (WHERE r.oid OPERATOR(pg_catalog.<>) h.holder)
-      FROM (SELECT DISTINCT holder FROM holders WHERE holder OPERATOR(pg_catalog.<>) 0) AS h
+               FILTER (WHERE r.rolcanlogin AND NOT r.rolsuper AND r.oid OPERATOR(pg_catalog.<>) me.oid
+                             AND r.oid OPERATOR(pg_catalog.<>) a.holder)
+      FROM acting AS a
+      JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) a.role
      CROSS JOIN me
-      LEFT JOIN pg_catalog.pg_roles AS r
-             ON r.rolcanlogin AND NOT r.rolsuper AND r.oid OPERATOR(pg_catalog.<>) me.oid
-            AND pg_catalog.pg_has_role(r.oid, h.holder, me.acting)
-     GROUP BY h.holder, me.oid, me.acting
+     GROUP BY a.holder
 )
 SELECT coalesce(h.function,
                 CASE WHEN h.holder OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
@@ -67,7 +84,7 @@ SELECT coalesce(h.function,
                 END)
   FROM holders AS h
   LEFT JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) h.holder
-  LEFT JOIN standing AS s ON s.holder OPERATOR(pg_catalog.=) h.holder
+  LEFT JOIN standing AS s ON s.holder OPERATOR(pg_catalog.=) h.holder AND h.function IS NULL
  WHERE NOT coalesce(r.rolsuper
                     OR h.holder OPERATOR(pg_catalog.=) (SELECT me.oid FROM me)
                     OR (s.mine AND NOT s.shared),
