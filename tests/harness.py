@@ -623,6 +623,21 @@ class Cluster:
             conn.commit()
         return rows[0][17], {str(r[0]): send_of(r[18], r[0]) for r in rows if r[0] is not None}
 
+    def claim_enqueued(self, dispatcher, ids):
+        """Claims the events `ids`, enqueued while the dispatchers were
+        paused, as dispatcher `dispatcher` would, in one batch; returns it
+        as claim_as() does. A dispatcher's last claim before the pause may
+        have left its window open (a full page does), with a snapshot taken
+        before they were enqueued: that window's claim holds none of them,
+        and the next, a window of its own, holds them all."""
+        wanted = {str(i) for i in ids}
+        for _ in range(3):
+            batch, sends = self.claim_as(dispatcher, max(len(wanted), 100))
+            if wanted & set(sends):
+                assert wanted <= set(sends), ("claimed apart", wanted - set(sends))
+                return batch, sends
+        raise AssertionError(f"three claims held none of {sorted(wanted)[:3]}...")
+
     @staticmethod
     def prepare_claim(conn):
         """Prepares sql/worker/claim.sql in `conn` as `claim(limit,

@@ -248,7 +248,7 @@ def test_a_report_may_overtake_the_dispatchers_record(loop, redis_server):
     wait_until(lambda: loop.value("SELECT bool_and(state = 'paused') FROM outbox.workers"), message="the pause")
     event = loop.value("SELECT outbox_enqueue('overtaken', '{}', queue => 'q_overtaken')")
     # Claimed by a dispatcher that has not marked it (index 7).
-    _, sends = loop.claim_as(7, 100)
+    _, sends = loop.claim_enqueued(7, [event])
     loop.configure(enabled="on")
     redis_server.client().rpush(loop.report_list(), report.processed(str(event), sends[str(event)]))
     wait_status(loop, event, "processed")
@@ -263,7 +263,7 @@ def test_a_message_names_a_send_good_for_its_own_event_alone(loop, redis_server)
     wait_until(lambda: loop.value("SELECT bool_and(state = 'paused') FROM outbox.workers"), message="the pause")
     seen, other = (str(loop.value("SELECT outbox_enqueue('forged', '{}', queue => 'q_forged')")) for _ in range(2))
     stale = loop.metric("outbox_reports_ignored_total", reason="stale")
-    _, sends = loop.claim_as(7, 100)
+    _, sends = loop.claim_enqueued(7, [seen, other])
     assert set(sends) == {seen, other} and sends[seen] != sends[other]
     loop.configure(enabled="on")
     redis_server.client().rpush(loop.report_list(), report.failed(other, sends[seen], "forged"))

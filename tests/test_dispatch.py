@@ -478,8 +478,8 @@ def test_a_batch_s_outcomes_are_read_once_not_once_per_event(outbox):
     # one could claim the events first.
     wait_until(lambda: outbox.value("SELECT bool_and(state = 'paused') FROM outbox.workers"),
                message="the dispatchers paused")
-    outbox.sql("SELECT outbox_enqueue('e', '{}', queue => 'q_many') FROM generate_series(1, 2000)")
-    batch, _ = outbox.claim_as(0, 2000)
+    ids = [r[0] for r in outbox.sql("SELECT outbox_enqueue('e', '{}', queue => 'q_many') FROM generate_series(1, 2000)")]
+    batch, _ = outbox.claim_enqueued(0, ids)
     outbox.sql("UPDATE outbox.batches SET marked_at = now() - interval '1 day' WHERE id = %s", (batch,))
     outbox.sql("INSERT INTO outbox.outcomes (batch, generation, events) "
                "SELECT %s, l.generation, ARRAY[l.id] FROM outbox.log AS l", (batch,))

@@ -83,7 +83,7 @@ def test_stuck_claims_return_to_pending_and_are_delivered(outbox, redis_server):
     ids = [str(r[0]) for r in outbox.sql(
         "SELECT outbox_enqueue('stuck', '{}', queue => 'q_stuck') FROM generate_series(1, 5)")]
     # The claim of a dispatcher that no longer exists (index 7), a minute old.
-    batch, _ = outbox.claim_as(7, 100)
+    batch, _ = outbox.claim_enqueued(7, ids)
     outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '1 minute' WHERE id = %s", (batch,))
     assert outbox.count("processing") == 5
     outbox.configure(enabled="on")
@@ -102,7 +102,7 @@ def test_a_stream_that_never_empties_the_line_does_not_hold_off_the_sweepers(out
     wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
     ids = [str(r[0]) for r in outbox.sql(
         "SELECT outbox_enqueue('stuck', '{}', queue => 'q_stuck') FROM generate_series(1, 5)")]
-    outbox.claim_as(7, 100)  # a fresh claim of a dispatcher gone: stuck 2 s from now
+    outbox.claim_enqueued(7, ids)  # a fresh claim of a dispatcher gone: stuck 2 s from now
     streaming = threading.Event()
     streaming.set()
 
@@ -136,7 +136,7 @@ def test_an_abandoned_claim_sends_again_neither_what_was_acknowledged_nor_a_coun
     wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
     ids = [str(r[0]) for r in outbox.sql(
         "SELECT outbox_enqueue('stuck', '{}', queue => 'q_abandoned') FROM generate_series(1, 3)")]
-    batch, _ = outbox.claim_as(7, 100)
+    batch, _ = outbox.claim_enqueued(7, ids)
     acked = ids[0]
     assert outbox.value("SELECT outbox_ack(%s)", (acked,)) is True
     outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '1 minute' WHERE id = %s", (batch,))
@@ -162,9 +162,9 @@ def test_an_acknowledgement_the_stuck_sweeper_races_is_never_undone(outbox, redi
     # Nothing of earlier tests for the sweeper to take first.
     assert outbox.value("SELECT count(*) FROM outbox.batches WHERE marked_at IS NULL AND abandoned_at IS NULL") == 0
     (other,) = [str(r[0]) for r in outbox.sql("SELECT outbox_enqueue('stuck', '{}', queue => 'q_raced')")]
-    first, _ = outbox.claim_as(7, 100)
+    first, _ = outbox.claim_enqueued(7, [other])
     (acked,) = [str(r[0]) for r in outbox.sql("SELECT outbox_enqueue('stuck', '{}', queue => 'q_raced')")]
-    second, _ = outbox.claim_as(7, 100)
+    second, _ = outbox.claim_enqueued(7, [acked])
     outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '2 minutes' WHERE id = %s", (first,))
     outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '1 minute' WHERE id = %s", (second,))
     outbox.sql("CREATE FUNCTION public.hold_abandoning() RETURNS trigger LANGUAGE plpgsql "
