@@ -17,10 +17,10 @@ import pytest
 
 from harness import PG_BIN, Cluster, as_postgres, queued_ids, wait_until
 
-CURRENT = "1.0.0"
+CURRENT = "1.1.0"
 # The update chain: 0.8.0's install script (tests/fixtures), then each
 # update. PostgreSQL installs a later one of them as 0.8.0 and the updates.
-RELEASES = ["0.8.0", "0.9.0", "0.10.0"]
+RELEASES = ["0.8.0", "0.9.0", "0.10.0", "1.0.0"]
 
 # Every object of the extension and everything owned by one of them (an
 # index, a view's rule, a default, a constraint, a trigger), then whatever

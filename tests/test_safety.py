@@ -404,7 +404,7 @@ def test_upgrade_from_the_previous_version_keeps_events_flowing(redis_server):
         assert pg.sql("SELECT status::text, count, estimated FROM outbox.status") == [
             ("pending", 2, False), ("processing", 0, False), ("dispatched", 0, False), ("processed", 0, False),
             ("failed", 0, False)]
-        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "1.0.0"
+        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'") == "1.1.0"
         # The table became outbox.log, under the view outbox.events: the
         # role may insert through the view as it did into the table.
         assert pg.sql("SELECT relname::text, relkind::text FROM pg_class WHERE relnamespace = 'outbox'::regnamespace "

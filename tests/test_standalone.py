@@ -716,7 +716,7 @@ def test_an_outbox_that_0_10_0_installed_is_updated_and_then_equals_a_fresh_inst
             conn.execute("INSERT INTO outbox.settings VALUES ('outbox.broker_timeout', '3s')")
     printed = run("sql", "--update-from", "0.10.0")
     assert printed.returncode == 0 and "CREATE OR REPLACE FUNCTION outbox.setting_place" in printed.stdout
-    assert "updates only 0.10.0" in run("sql", "--update-from", "0.9.0").stderr
+    assert "updates only 0.10.0, 1.0.0, not 0.9.0" in run("sql", "--update-from", "0.9.0").stderr
 
     updated = run("install", "--dsn", dsn(server, "owner", "earlier"))
     assert updated.returncode == 0, updated.stderr
@@ -750,8 +750,37 @@ def test_an_outbox_that_0_10_0_installed_is_updated_and_then_equals_a_fresh_inst
     with server.connect(dbname="unknown", user="owner") as conn:
         conn.execute("UPDATE outbox.installed SET version = '0.0.1'")
     stderr = refused(server, "owner", "unknown", installs_nothing=False)
-    assert f"{version()} updates only 0.10.0, not 0.0.1: run the outbox-dispatch of 0.0.1" in stderr
+    assert f"{version()} updates only 0.10.0, 1.0.0, not 0.0.1: run the outbox-dispatch of 0.0.1" in stderr
     assert len(fresh) > 500
     for updated in ("earlier", "migrated_earlier"):
         dump = schema_dump(server, updated)
         assert dump == fresh, "\n".join(difflib.unified_diff(fresh, dump, "fresh", updated, lineterm=""))
+
+
+def test_an_outbox_that_1_0_0_installed_is_updated_keeping_its_events_and_then_equals_a_fresh_install(server):
+    """1.0.0's script (tests/fixtures), run by the owner, with a plain and a
+    keyed event in line and a setting: this release's install runs the
+    extension's own update and the library's functions' in one
+    transaction, keeping the events, their keys' turns and the setting;
+    the schema is then a fresh install's."""
+    fresh_database(server, "at_1_0_0")
+    with server.connect(dbname="at_1_0_0", user="owner") as conn:
+        conn.execute((FIXTURES / "outbox-dispatch-1.0.0.sql").read_text())
+        events = [conn.execute("SELECT outbox_enqueue('earlier', '{}', queue => 'q_earlier')").fetchone()[0],
+                  *[r[0] for r in conn.execute(
+                      "SELECT outbox_enqueue('earlier', '{}', queue => 'q_earlier', ordering_key => 'k') "
+                      "FROM generate_series(1, 2)").fetchall()]]
+        conn.execute("INSERT INTO outbox.settings VALUES ('outbox.retention', '2d')")
+        before = conn.execute("SELECT id, status::text, key_state FROM outbox.events ORDER BY id").fetchall()
+    updated = run("install", "--dsn", dsn(server, "owner", "at_1_0_0"))
+    assert updated.returncode == 0, updated.stderr
+    assert f"updated outbox_dispatch 1.0.0 to {version()}" in updated.stdout
+    with server.connect(dbname="at_1_0_0", user="owner") as conn:
+        assert conn.execute("SELECT id, status::text, key_state FROM outbox.events ORDER BY id").fetchall() == before
+        assert sorted(r[0] for r in before) == sorted(events)
+        assert conn.execute("SELECT value FROM outbox.settings WHERE name = 'outbox.retention'").fetchone()[0] == "2d"
+    fresh_database(server, "fresh_1_1")
+    assert run("install", "--dsn", dsn(server, "owner", "fresh_1_1")).returncode == 0
+    fresh, dump = schema_dump(server, "fresh_1_1"), schema_dump(server, "at_1_0_0")
+    assert len(fresh) > 500
+    assert dump == fresh, "\n".join(difflib.unified_diff(fresh, dump, "fresh", "at_1_0_0", lineterm=""))

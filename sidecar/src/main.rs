@@ -38,7 +38,7 @@ usage: outbox-dispatch install [--dsn DSN] [--schema NAME] [--tls-ca-file PATH]
   install  installs the outbox schema and the SQL API into the database of
            DSN (or of the environment's OUTBOX_DSN), as that role, in one
            transaction; does nothing where this release is installed, and
-           updates an outbox an earlier release installed (0.10.0)
+           updates an outbox an earlier release installed (0.10.0, 1.0.0)
   sql      prints the same script (in a transaction, unless
            --no-transaction: for a migration tool that opens its own);
            with --update-from, the script that updates that release

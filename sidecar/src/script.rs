@@ -37,12 +37,24 @@ const UPDATE_FROM: (&str, &str) =
     ("standalone/update_from.sql", include_str!("../../sql/standalone/update_from.sql"));
 const UPDATE_END: (&str, &str) = ("standalone/update.sql", include_str!("../../sql/standalone/update.sql"));
 
-/// The releases an install updates, each with the files that replace what
-/// changed since it (each `CREATE OR REPLACE`s its objects). 0.10.0 and
-/// 1.0.0 differ in where settings belong (three have new names) and in
-/// the ids before PostgreSQL 18 (ordered to the microsecond, not the
-/// millisecond).
-const UPDATES: [(&str, &[(&str, &str)]); 1] = [("0.10.0", &[SETTING_PLACE, UUID_V7])];
+/// The releases an install updates, oldest first, each with the files that
+/// take it to the next: an update runs those of its release and of every
+/// later one. 0.10.0 and 1.0.0 differ in where settings belong (three have
+/// new names) and in the ids before PostgreSQL 18 (ordered to the
+/// microsecond, not the millisecond): files that `CREATE OR REPLACE` their
+/// objects. From 1.0.0 on, a step is the extension's own update script
+/// (`sql/upgrade/`, but its regions only the extension may run) and what
+/// changed of the library's functions in SQL (`sql/standalone/updates/`).
+const UPDATES: [(&str, &[(&str, &str)]); 2] = [
+    ("0.10.0", &[SETTING_PLACE, UUID_V7]),
+    (
+        "1.0.0",
+        &[
+            ("upgrade/outbox_dispatch--1.0.0--1.1.0.sql", include_str!("../../sql/upgrade/outbox_dispatch--1.0.0--1.1.0.sql")),
+            ("standalone/updates/1.0.0--1.1.0.sql", include_str!("../../sql/standalone/updates/1.0.0--1.1.0.sql")),
+        ],
+    ),
+];
 
 /// The statements `@include` may name.
 const INCLUDES: [(&str, &str); 9] = [
@@ -122,12 +134,13 @@ pub fn script(schema: &str) -> Result<String, ScriptError> {
 /// The script that updates a database installed at release `from` to this
 /// one, for the functions' schema `schema`.
 pub fn update(from: &str, schema: &str) -> Result<String, ScriptError> {
-    let Some((from, files)) = UPDATES.iter().find(|(release, _)| *release == from) else {
+    let Some(step) = UPDATES.iter().position(|(release, _)| *release == from) else {
         return Err(ScriptError::NoUpdate(from.to_string()));
     };
+    let files = UPDATES[step..].iter().flat_map(|(_, files)| files.iter());
     let parts: Vec<(&'static str, &'static str)> =
-        [HEAD, UPDATE_FROM].iter().chain(files.iter()).chain([UPDATE_END].iter()).copied().collect();
-    put_together(schema, &parts).map(|sql| sql.replace("@from@", from))
+        [HEAD, UPDATE_FROM].iter().chain(files).chain([UPDATE_END].iter()).copied().collect();
+    put_together(schema, &parts).map(|sql| sql.replace("@from@", UPDATES[step].0))
 }
 
 /// `parts` one after the other, each under its name, with the rules of the
@@ -213,6 +226,23 @@ mod tests {
         }
         assert!(sql.contains("CREATE FUNCTION \"public\".outbox_enqueue("));
         assert!(sql.contains(&format!("VALUES ('{VERSION}')")));
+    }
+
+    #[test]
+    fn an_update_runs_the_steps_of_its_release_and_every_later_one() {
+        let from_first = update("0.10.0", "public").unwrap();
+        let from_last = update("1.0.0", "public").unwrap();
+        for (_, files) in &UPDATES[1..] {
+            for (file, _) in *files {
+                let header = format!("-- sql/{file}\n");
+                assert!(from_first.contains(&header) && from_last.contains(&header), "{file}");
+            }
+        }
+        assert!(!from_last.contains("-- sql/standalone/setting_place.sql\n"));
+        for absent in ["@extschema@", "@include", "@version@", "@from@", "\\echo", "pg_extension_config_dump"] {
+            assert!(!from_first.contains(absent), "{absent} is left in the update");
+        }
+        assert_eq!(update("0.9.0", "public"), Err(ScriptError::NoUpdate("0.9.0".to_string())));
     }
 
     #[test]

@@ -16,4 +16,4 @@ from outbox_dispatch.call import AutocommitError
 from outbox_dispatch.producer import enqueue, publish
 
 __all__ = ["AutocommitError", "enqueue", "publish"]
-__version__ = "1.0.0"
+__version__ = "1.1.0"
