@@ -463,6 +463,7 @@ COMMENT ON VIEW outbox.unreported IS
 REVOKE ALL ON FUNCTION
     @extschema@.outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, interval, jsonb, text),
     @extschema@.outbox_ack(uuid),
+    @extschema@.outbox_ack(uuid, uuid),
     @extschema@.outbox_skip(uuid),
     @extschema@.outbox_inbox_claim(uuid, text),
     @extschema@.outbox_retry(uuid),

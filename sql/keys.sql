@@ -48,6 +48,34 @@ BEGIN
 END
 $$;
 
+-- A turn is the owner's to give: a row that a role without the owner's
+-- privileges inserts (a writer, through outbox.events or outbox_enqueue())
+-- with a key_seq or a key_state takes its turn afresh, as one without
+-- them does, however large or well placed the one it brings: a writer
+-- never puts its event before one committed earlier. The owner's own
+-- inserts (a restore, the routing's deliveries) keep theirs when they fit
+-- (outbox_turn_fits()). Named to fire before the other insert triggers;
+-- the WHEN is evaluated without a function call.
+CREATE FUNCTION outbox.writers_take_turns() RETURNS trigger
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT pg_has_role(current_user, outbox.owner(), 'USAGE') THEN
+        NEW.key_seq := NULL;
+        NEW.key_state := NULL;
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER events_from_writers
+    BEFORE INSERT ON outbox.log
+    FOR EACH ROW WHEN (NEW.key_seq IS NOT NULL OR NEW.key_state IS NOT NULL)
+    EXECUTE FUNCTION outbox.writers_take_turns();
+-- Also where triggers are off for replication.
+ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_from_writers;
+REVOKE ALL ON FUNCTION outbox.writers_take_turns() FROM PUBLIC;
+
 -- Named to fire after events_route: an event routed to subscriptions is
 -- processed at once, and its deliveries take turns of their own. Every
 -- pending event inserted with a key takes a turn, or keeps the one it

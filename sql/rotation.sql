@@ -55,8 +55,8 @@ COMMENT ON TABLE outbox.generations IS
 -- not take: dead letters; events holding or waiting for their key's turn;
 -- events out of line (delayed, backing off); events in line the claims
 -- have not read (the transactions the cursor's `prev` does not see); and
--- events in a batch not marked, or (acknowledgements on, $2) marked and
--- not settled, without an outcome. Everything else is finished: sent
+-- events in a batch not marked, or (acknowledgements on, $2) marked while
+-- they were on and not settled, without an outcome. Everything else is finished: sent
 -- (reported or not), processed, or the record of a routed event. Each set
 -- through an index (the dead letters', the keys', the due one, the
 -- claim's from `prev`'s xmin on, the batches' in flight), and no event in
@@ -92,7 +92,7 @@ SELECT m.id
         UNION ALL
         SELECT b.id, b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id
           FROM outbox.batches AS b
-         WHERE $2 AND b.settled_at IS NULL AND b.marked_at IS NOT NULL) AS b
+         WHERE $2 AND b.settled_at IS NULL AND b.awaits_ack) AS b
  CROSS JOIN LATERAL outbox.batch_members(b.prev, b.target, b.from_xid, b.from_id, b.to_xid, b.to_id) AS m
  CROSS JOIN LATERAL (SELECT FROM outbox.log AS e, outbox.cursor AS c
                       WHERE e.generation = $1 AND e.id = m.id
@@ -107,7 +107,7 @@ SELECT m.id
                               FROM outbox.outcomes AS o CROSS JOIN LATERAL unnest(o.events) AS r(id)
                              WHERE o.batch IN (SELECT b.id FROM outbox.batches AS b
                                                 WHERE (b.marked_at IS NULL AND b.abandoned_at IS NULL)
-                                                   OR ($2 AND b.settled_at IS NULL AND b.marked_at IS NOT NULL))
+                                                   OR ($2 AND b.settled_at IS NULL AND b.awaits_ack))
                                AND r.id IS NOT NULL)
 $$;
 

@@ -25,6 +25,13 @@ $$;
 CREATE SCHEMA outbox;
 COMMENT ON SCHEMA outbox IS 'Transactional outbox: events delivered to Redis as Celery tasks';
 
+-- The role that installed the outbox (the owner of its schema): the
+-- extension's owner, or the role that ran `outbox-dispatch install`.
+CREATE FUNCTION outbox.owner() RETURNS oid
+LANGUAGE sql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT n.nspowner FROM pg_namespace AS n WHERE n.nspname = 'outbox' $$;
+
 CREATE TYPE outbox.event_status AS ENUM
     ('pending', 'processing', 'dispatched', 'processed', 'failed');
 
@@ -262,7 +269,12 @@ CREATE TABLE outbox.batches (
     events       integer NOT NULL,
     marked_at    timestamptz,  -- pushed: its events are in the broker
     abandoned_at timestamptz,  -- not marked within outbox.processing_timeout: its events went back in line
-    settled_at   timestamptz   -- nothing is awaited of its events any more (acknowledgements off, or swept)
+    settled_at   timestamptz,  -- nothing is awaited of its events any more (acknowledgements off, or swept)
+    -- Marked while acknowledgements were on (outbox.ack_timeout above 0):
+    -- what it sent is sent again unless acknowledged within the setting.
+    -- One marked while they were off awaits none, whatever the setting
+    -- becomes.
+    awaits_ack   boolean NOT NULL DEFAULT false
 )
 WITH (fillfactor = 50);
 
@@ -279,6 +291,10 @@ CREATE INDEX batches_unmarked_idx ON outbox.batches (claimed_at, dispatcher)
 CREATE INDEX batches_unsettled_idx ON outbox.batches (marked_at)
     WHERE settled_at IS NULL AND marked_at IS NOT NULL;
 CREATE INDEX batches_settled_idx ON outbox.batches (settled_at) WHERE settled_at IS NOT NULL;
+-- Batches whose acknowledgements are awaited: the unacknowledged sweeper
+-- (sql/worker/settle_unacked.sql).
+CREATE INDEX batches_unacked_idx ON outbox.batches (marked_at)
+    WHERE settled_at IS NULL AND awaits_ack;
 CREATE INDEX batches_abandoned_idx ON outbox.batches (abandoned_at) WHERE abandoned_at IS NOT NULL;
 
 -- Events a Celery worker reported processed, or a consumer acknowledged

@@ -6,7 +6,7 @@ use std::ffi::{c_char, CString};
 use pgrx::prelude::*;
 
 use outbox_core::store::keys as turns;
-use outbox_core::store::sql::{Arg, DbError, Stmt, Tx};
+use outbox_core::store::sql::{get, Arg, DbError, Stmt, Tx};
 
 use crate::config::KeyPolicy;
 use crate::counters::{self, AckSource};
@@ -51,29 +51,54 @@ fn outbox_wake() {
     wake::ask_at_commit();
 }
 
-/// The consumer confirms an event: dispatched → processed. Returns whether
-/// the event was waiting for it. An event that holds its key passes it on
-/// (docs/guides/per-key-order.md), once a producer of the key has committed. With `outbox.ack_timeout` > 0, events not
-/// acknowledged in time are sent again. SECURITY DEFINER: a consumer role
-/// needs EXECUTE on this function, not UPDATE on the table.
+/// The consumer confirms an event it was sent once: in flight →
+/// processed. Returns whether the event was waiting for it; an event sent
+/// more than once is acknowledged only with the send it was
+/// ([`outbox_ack_send`]). SECURITY DEFINER: a consumer role needs EXECUTE
+/// on this function, not UPDATE on the table.
 #[pg_extern(volatile, parallel_unsafe, security_definer)]
 #[search_path(pg_catalog, pg_temp)]
 fn outbox_ack(id: pgrx::Uuid) -> bool {
+    acknowledge(id, None)
+}
+
+/// The consumer confirms an event as the send `send` carried it (the
+/// message's `outbox_send` header): in flight → processed, while that is
+/// the send the event awaits an outcome of (sql/ack.sql).
+#[pg_extern(name = "outbox_ack", volatile, parallel_unsafe, security_definer)]
+#[search_path(pg_catalog, pg_temp)]
+fn outbox_ack_send(id: pgrx::Uuid, send: pgrx::Uuid) -> bool {
+    acknowledge(id, Some(send))
+}
+
+/// `outbox_ack()`: records the outcome, and passes on the key of an event
+/// that holds one (docs/guides/per-key-order.md), once a producer of the
+/// key has committed. With `outbox.ack_timeout` > 0, events not
+/// acknowledged in time are sent again.
+fn acknowledge(id: pgrx::Uuid, send: Option<pgrx::Uuid>) -> bool {
     let id = uuid::Uuid::from_bytes(*id.as_bytes());
-    let acked = Spi::connect_mut(|client| {
+    let send = send.map(|s| uuid::Uuid::from_bytes(*s.as_bytes()));
+    let (acked, unnamed) = Spi::connect_mut(|client| {
         let tx = &mut SpiTx::unprepared(client);
         turns::lock_key_of(tx, id)?;
-        tx.run(Stmt::AckLock, &[Arg::Uuid(id)])?;
-        let acked = tx.run(Stmt::Ack, &[Arg::Uuid(id)])?;
-        let Some(row) = acked.rows.first() else {
-            return Ok(false);
+        tx.run(Stmt::AckLock, &[Arg::Uuid(Some(id))])?;
+        let found = tx.run(Stmt::Ack, &[Arg::Uuid(Some(id)), Arg::Uuid(send)])?;
+        let Some(row) = found.rows.first() else {
+            return Ok((false, false));
         };
-        if let Some(head) = turns::head_of(row, 0)? {
+        let (acked, unnamed) = (get::<bool>(row, 0)?.unwrap_or(false), get::<bool>(row, 4)?.unwrap_or(false));
+        if let Some(head) = turns::head_of(row, 1)?.filter(|_| acked) {
             keys::pass_now(tx, head, KeyPolicy { failed: false, dispatched: false })?;
         }
-        Ok::<_, DbError>(true)
+        Ok::<_, DbError>((acked, unnamed))
     })
     .unwrap_or_else(|e| error!("outbox_ack: {e}"));
+    if unnamed {
+        warning!(
+            "outbox_ack: event {id} was sent more than once and is not acknowledged: name the send \
+             (outbox_ack(id, send), send from the message's outbox_send header)"
+        );
+    }
     if acked {
         counters::acked(AckSource::Sql, 1);
     }

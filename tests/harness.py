@@ -500,6 +500,16 @@ def queued_ids(client, key):
     return [decode(m)[0]["headers"]["id"] for m in reversed(client.lrange(key, 0, -1))]
 
 
+def documented_grants(role):
+    """The statements docs/operations/security.md grants its example role
+    `role` (app, consumer, grafana, platform, ops), as the page writes them:
+    the tests give a role of each class what the docs say, no more."""
+    page = (ROOT / "docs" / "operations" / "security.md").read_text()
+    block = page.split("```sql\n", 1)[1].split("```", 1)[0]
+    statements = [s.strip() + ";" for s in re.sub(r"--[^\n]*", "", block).split(";") if s.strip()]
+    return [s for s in statements if re.search(rf"\bTO {role};$", s)]
+
+
 class Cluster:
     """A PostgreSQL cluster with outbox_dispatch preloaded."""
 
@@ -511,6 +521,8 @@ class Cluster:
     looks_per_second = 0
     # The dispatchers' sessions in pg_stat_activity.
     dispatcher_sessions = "backend_type LIKE 'outbox dispatcher%'"
+    # The outbox's owner: the extension's, who created it.
+    owner = "postgres"
 
     def __init__(self, redis_url, preload=True, server_conf=None, **settings):
         """`settings` are outbox.* settings; `server_conf` overrides any other
@@ -563,6 +575,18 @@ class Cluster:
     def connect(self, autocommit=True, dbname="postgres", user="postgres", **kwargs):
         return psycopg.connect(host=str(self.dir), port=self.port, user=user,
                                dbname=dbname, autocommit=autocommit, **kwargs)
+
+    def connect_as(self, role, documented, dbname="postgres", **kwargs):
+        """A connection as `role`, made (once) and given by the outbox's
+        owner what docs/operations/security.md grants its role
+        `documented` (documented_grants())."""
+        with self.connect(dbname=dbname) as conn:
+            conn.execute(f"DO $$ BEGIN CREATE ROLE {role} LOGIN; "
+                         "EXCEPTION WHEN duplicate_object THEN NULL; END $$")
+        with self.connect(dbname=dbname, user=self.owner) as conn:
+            for statement in documented_grants(documented):
+                conn.execute(statement.replace(f" TO {documented};", f" TO {role};"))
+        return self.connect(dbname=dbname, user=role, **kwargs)
 
     def sql(self, query, params=None, dbname="postgres"):
         with self.connect(dbname=dbname) as conn:

@@ -61,7 +61,7 @@ def install(pg, dbname, owner="owner"):
         conn.execute("GRANT USAGE ON SCHEMA outbox TO writer")
         conn.execute("GRANT INSERT ON outbox.events, outbox.log TO writer")
         conn.execute("GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, "
-                     "interval, jsonb, text), outbox_ack(uuid), outbox_skip(uuid), outbox_inbox_claim(uuid, text), "
+                     "interval, jsonb, text), outbox_ack(uuid), outbox_ack(uuid, uuid), outbox_skip(uuid), outbox_inbox_claim(uuid, text), "
                      "outbox_subscribe(text, text, text, integer, integer, interval) TO writer")
 
 
@@ -146,6 +146,7 @@ class SidecarCluster(Cluster):
     counts_in_sql = False
     looks_per_second = 50  # its poll, --poll-interval's default 20 ms
     dispatcher_sessions = "application_name = 'outbox-dispatch'"
+    owner = "owner"
 
     def __init__(self, redis_url, server_conf=None, **settings):
         super().__init__(redis_url, preload=False, server_conf=server_conf)

@@ -383,7 +383,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "claim.sql": ("(int, int)", "(100, 0)", [("_pending_xid_idx",)]),
         worker / "came_due.sql": ("(int)", "(100)", [("_due_idx",)]),
         worker / "next_due.sql": ("(bigint[])", "('{}')", [("_due_idx",), ("batch_members_waiting_idx",)]),
-        worker / "mark_dispatched.sql": ("(bigint, int)", "(1, 0)",
+        worker / "mark_dispatched.sql": ("(bigint, int, bool)", "(1, 0, false)",
                                          [("batches_pkey",)]),
         worker / "mark_failed.sql": ("(uuid[], text[], text[], text[], float8[])",
                                      "(ARRAY[gen_random_uuid()], '{1}', '{failed}', '{x}', '{0}')", [("log_0_pkey",)]),
@@ -391,7 +391,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "abandon.sql": ("(int, float8, int)", "(NULL, 1000, 10)", [("batches_unmarked_idx",)]),
         worker / "reline_abandoned.sql": ("(bigint[])", "('{1}')", [("batches_pkey",), ("log_0_pkey",)]),
         worker / "sweep_strays.sql": ("(int)", "(100)", [("_pending_xid_idx",)]),
-        worker / "settle_unacked.sql": ("(float8, int)", "(1000, 10)", [("batches_unsettled_idx",)]),
+        worker / "settle_unacked.sql": ("(float8, int)", "(1000, 10)", [("batches_unacked_idx",)]),
         worker / "sweep_unacked.sql": ("(bigint[], int)", "('{1}', 5)", [("batches_pkey",)]),
         worker / "settle_reported.sql": ("(bigint[])", "('{1}')", [("batches_pkey", "batches_unsettled_idx")]),
         worker / "rotate.sql": ("(float8, int, bool)", "(1000, 10, true)", []),
@@ -399,7 +399,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "apply_reports.sql": ("(uuid[], uuid[], text[], text[])",
                                        "(ARRAY[gen_random_uuid()], ARRAY[gen_random_uuid()], '{processed}', '{NULL}')",
                                        [("log_0_pkey",)]),
-        ROOT / "sql" / "ack.sql": ("(uuid)", "(gen_random_uuid())", [("log_0_pkey",)]),
+        ROOT / "sql" / "ack.sql": ("(uuid, uuid)", "(gen_random_uuid(), NULL)", [("log_0_pkey",)]),
     }
     # The partition the events went to.
     current = outbox.value("SELECT pg_sequence_last_value('outbox.generation')")
@@ -456,7 +456,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
         for function, args, indexes in (
                 ("outbox.unfinished", {"$1": "1::smallint", "$2": "true"},
                  ("log_1_failed_idx", "log_1_key_state_idx", "log_1_due_idx", "log_1_pending_xid_idx",
-                  "batches_unmarked_idx", "batches_unsettled_idx")),
+                  "batches_unmarked_idx", "batches_unacked_idx")),
                 ("outbox.forget_batches", {"$1": "10"}, ("batches_pkey",))):
             body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = %s::regproc", (function,))
             for name, value in args.items():

@@ -14,7 +14,7 @@ import uuid
 import psycopg
 import pytest
 
-from harness import CeleryWorker, queued_ids, wait_until
+from harness import CeleryWorker, decode, queued_ids, wait_until
 from standalone import library_only
 
 QUEUE = "ordered"
@@ -344,6 +344,44 @@ def test_the_upgrade_repair_leaves_no_second_claimable_event_of_a_key(cluster):
         cluster.sql("DROP DATABASE IF EXISTS redteam_upgrade")
 
 
+def test_a_turn_a_writer_brings_never_puts_its_event_before_one_committed_earlier(keyed, redis_server):
+    """A key's head and an event waiting behind it, with a gap between
+    their turns (another key took one). A writer granted as the docs say
+    may not write a turn at all; one granted 1.0.0's INSERT on the whole
+    table inserts an event into the gap, as a waiting one right behind the
+    head: it takes its turn afresh, after the event committed before it,
+    and is sent after it."""
+    keyed.configure(enabled="off", report_key="", ack_timeout=0)
+    with keyed.connect() as conn:
+        head = str(enqueue_ordered(conn, "brought", 1, queue="q_brought"))
+        enqueue_ordered(conn, "another", 1, queue="q_brought")
+        earlier = str(enqueue_ordered(conn, "brought", 2, queue="q_brought"))
+    (head_seq,) = keyed.sql("SELECT key_seq FROM outbox.events WHERE id = %s", (head,))[0]
+    gap = head_seq + 1
+    assert keyed.value("SELECT count(*) FROM outbox.events WHERE key_seq = %s AND ordering_key = 'brought'",
+                       (gap,)) == 0
+    forged = ("INSERT INTO outbox.events (event_type, queue, ordering_key, key_seq, key_state) "
+              "VALUES ('loop.ordered', 'q_brought', 'brought', %s, 'waiting') RETURNING id")
+    with keyed.connect_as("outbox_writer", "app") as conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(forged.replace(" RETURNING id", ""), (gap,))
+    with keyed.connect(user=keyed.owner) as conn:
+        conn.execute("GRANT INSERT, SELECT ON outbox.events, outbox.log TO outbox_writer")
+    try:
+        with keyed.connect(user="outbox_writer") as conn:
+            brought = str(conn.execute(forged, (gap,)).fetchone()[0])
+    finally:
+        with keyed.connect(user=keyed.owner) as conn:
+            conn.execute("REVOKE INSERT, SELECT ON outbox.events, outbox.log FROM outbox_writer")
+    seqs = dict(keyed.sql("SELECT id::text, key_seq FROM outbox.events WHERE ordering_key = 'brought'"))
+    assert seqs[brought] > seqs[earlier] > seqs[head], seqs
+    keyed.configure(enabled="on")
+    client = redis_server.client()
+    wait_until(lambda: brought in queued_ids(client, "q_brought"), message="the key's three sent")
+    sent = [event for event in queued_ids(client, "q_brought") if event in (head, earlier, brought)]
+    assert sent == [head, earlier, brought], (sent, head, earlier, brought, key_states(keyed, "brought"))
+
+
 def test_an_acknowledgement_of_a_waiting_event_changes_nothing(keyed):
     keyed.configure(enabled="off")
     with keyed.connect() as conn:
@@ -351,6 +389,49 @@ def test_an_acknowledgement_of_a_waiting_event_changes_nothing(keyed):
         waiting = enqueue_ordered(conn, "acked", 2)
         assert conn.execute("SELECT outbox_ack(%s)", (waiting,)).fetchone()[0] is False
     assert [r[1:3] for r in key_states(keyed, "acked")] == [("pending", "head"), ("pending", "waiting")]
+
+
+def test_an_acknowledgement_of_an_event_never_sent_changes_nothing(keyed):
+    """No send carried a delayed event: an acknowledgement of it, with or
+    without a send, is refused, and it stays pending, to be sent when due."""
+    keyed.configure(enabled="off")
+    with keyed.connect() as conn:
+        delayed = conn.execute("SELECT outbox_enqueue('x', '{}', queue => 'q_never', "
+                               "delay => interval '1 hour')").fetchone()[0]
+        assert conn.execute("SELECT outbox_ack(%s)", (delayed,)).fetchone()[0] is False
+        assert conn.execute("SELECT outbox_ack(%s, gen_random_uuid())", (delayed,)).fetchone()[0] is False
+        assert conn.execute("SELECT status::text FROM outbox.events WHERE id = %s", (delayed,)).fetchone()[0] \
+            == "pending"
+
+
+def test_an_acknowledgement_names_its_send_and_an_earlier_one_passes_no_key(keyed, redis_server):
+    """A head not acknowledged in time is sent again. An acknowledgement of
+    its first send is refused, and so is one that names no send (which
+    copy was processed cannot be told): the key waits for the copy in the
+    broker. The second send's passes it on."""
+    keyed.configure(ack_timeout="1s", sweep_interval="1s", max_redeliveries=10)
+    client = redis_server.client()
+    with keyed.connect() as conn:
+        head = str(enqueue_ordered(conn, "named", 1, queue="q_named"))
+        after = str(enqueue_ordered(conn, "named", 2, queue="q_named"))
+    wait_until(lambda: queued_ids(client, "q_named").count(head) >= 2, timeout=30, message="the head sent again")
+    keyed.configure(ack_timeout="1h", max_redeliveries=10)
+    wait_until(lambda: keyed.value("SELECT status::text FROM outbox.events WHERE id = %s", (head,)) == "dispatched",
+               message="the head's second send marked")
+    # Newest first (LPUSH): the send the head awaits an outcome of, and its first.
+    sends = [decode(m)[0]["headers"]["outbox_send"] for m in client.lrange("q_named", 0, -1)
+             if decode(m)[0]["headers"]["id"] == head]
+    warnings = []
+    with keyed.connect() as conn:
+        conn.add_notice_handler(lambda notice: warnings.append(notice.message_primary))
+        assert conn.execute("SELECT outbox_ack(%s, %s)", (head, sends[-1])).fetchone()[0] is False
+        assert conn.execute("SELECT outbox_ack(%s)", (head,)).fetchone()[0] is False
+        assert any("sent more than once" in w and "outbox_ack(id, send)" in w for w in warnings), warnings
+        time.sleep(1)
+        assert after not in queued_ids(client, "q_named")
+        assert conn.execute("SELECT outbox_ack(%s, %s)", (head, sends[0])).fetchone()[0] is True
+    wait_until(lambda: after in queued_ids(client, "q_named"), message="the key passed on")
+    assert keyed.value("SELECT status::text FROM outbox.events WHERE id = %s", (head,)) == "processed"
 
 
 def test_keys_are_checked(keyed):

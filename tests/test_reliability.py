@@ -435,6 +435,27 @@ def test_acknowledgements_are_off_by_default_and_redelivery_is_bounded(outbox, r
     assert len(queued_ids(client, "q_bounded")) == 3
 
 
+def test_raising_ack_timeout_applies_to_what_is_sent_after_it(outbox, redis_server):
+    """outbox.ack_timeout applies to what is sent while it is above 0: 20
+    events sent with acknowledgements off, then a raise, leave 20 messages
+    in the queue, not 40 (their batches, unsettled while reports are on,
+    carry no deadline); one sent after the raise and never acknowledged is
+    sent again."""
+    client = redis_server.client()
+    assert outbox.setting("ack_timeout") in ("0", None)
+    sent = [str(r[0]) for r in outbox.sql(
+        "SELECT outbox_enqueue('before', '{}', queue => 'q_raise') FROM generate_series(1, 20)")]
+    wait_until(lambda: sorted(queued_ids(client, "q_raise")) == sorted(sent), message="the 20 sent")
+    outbox.configure(ack_timeout="1s", sweep_interval="1s")
+    after = str(outbox.value("SELECT outbox_enqueue('after', '{}', queue => 'q_raise')"))
+    wait_until(lambda: queued_ids(client, "q_raise").count(after) >= 2, timeout=30,
+               message="the event sent after the raise, sent again")
+    time.sleep(3)  # more rounds of the sweeper: none of the 20
+    queued = Counter(queued_ids(client, "q_raise"))
+    assert {event: queued[event] for event in sent} == {event: 1 for event in sent}
+    assert sum(queued.values()) - queued[after] == 20
+
+
 def test_reload_changes_batch_size_and_redis_url(outbox, redis_server):
     second = Redis()
     try:

@@ -31,7 +31,9 @@ def group():
 
 
 def ha_cluster(group, **settings):
-    return Cluster(group.url, redis_sentinel_master=group.name, redis_wait_replicas=1,
+    """A cluster on the sentinels with outbox.redis_wait_replicas as it
+    comes: its default waits for a replica with a sentinel:// URL."""
+    return Cluster(group.url, redis_sentinel_master=group.name,
                    reconnect_delay_min="100ms", reconnect_delay_max="1s", batch_size=500, enabled="off",
                    **settings)
 

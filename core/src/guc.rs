@@ -104,7 +104,7 @@ pub const DECLARED: [Declared; 47] = [
     text("outbox.broker_tls_ca_file", c""),
     text("outbox.redis_sentinel_master", c""),
     text("outbox.redis_sentinel_password_file", c""),
-    int("outbox.redis_wait_replicas", 0, 0, 16, Unit::None),
+    int("outbox.redis_wait_replicas", -1, -1, 16, Unit::None),
     text("outbox.redis_key_prefix", c""),
     text("outbox.priority_steps", c"0,3,6,9"),
     text("outbox.priority_separator", c""),

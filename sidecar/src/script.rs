@@ -50,8 +50,14 @@ const UPDATES: [(&str, &[(&str, &str)]); 2] = [
     (
         "1.0.0",
         &[
-            ("upgrade/outbox_dispatch--1.0.0--1.1.0.sql", include_str!("../../sql/upgrade/outbox_dispatch--1.0.0--1.1.0.sql")),
-            ("standalone/updates/1.0.0--1.1.0.sql", include_str!("../../sql/standalone/updates/1.0.0--1.1.0.sql")),
+            (
+                "upgrade/outbox_dispatch--1.0.0--1.1.0.sql",
+                include_str!("../../sql/upgrade/outbox_dispatch--1.0.0--1.1.0.sql"),
+            ),
+            (
+                "standalone/updates/1.0.0--1.1.0.sql",
+                include_str!("../../sql/standalone/updates/1.0.0--1.1.0.sql"),
+            ),
         ],
     ),
 ];
@@ -239,7 +245,8 @@ mod tests {
             }
         }
         assert!(!from_last.contains("-- sql/standalone/setting_place.sql\n"));
-        for absent in ["@extschema@", "@include", "@version@", "@from@", "\\echo", "pg_extension_config_dump"] {
+        for absent in ["@extschema@", "@include", "@version@", "@from@", "\\echo", "pg_extension_config_dump"]
+        {
             assert!(!from_first.contains(absent), "{absent} is left in the update");
         }
         assert_eq!(update("0.9.0", "public"), Err(ScriptError::NoUpdate("0.9.0".to_string())));

@@ -141,13 +141,6 @@ CREATE TRIGGER settings_checked
     BEFORE INSERT OR UPDATE ON outbox.settings
     FOR EACH ROW EXECUTE FUNCTION outbox.check_setting();
 
--- The role that installed the outbox (the owner of its schema): what the
--- extension's owner is to the library.
-CREATE FUNCTION outbox.owner() RETURNS oid
-LANGUAGE sql STABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $$ SELECT n.nspowner FROM pg_namespace AS n WHERE n.nspname = 'outbox' $$;
-
 CREATE FUNCTION @extschema@.outbox_max_payload_bytes() RETURNS integer
 LANGUAGE sql STABLE PARALLEL SAFE
 AS $$
@@ -343,21 +336,27 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION @extschema@.outbox_ack(id uuid) RETURNS boolean
-LANGUAGE plpgsql VOLATILE STRICT SECURITY DEFINER PARALLEL UNSAFE
+-- outbox_ack(id) and outbox_ack(id, send): records the outcome of the
+-- event as the send `send` carried it (NULL: the one send there has been;
+-- sql/ack.sql), and passes its key on: src/api.rs acknowledge.
+CREATE FUNCTION outbox.acknowledge(id uuid, send uuid) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    acked boolean;
     head uuid;
     key_ text;
     subscription bigint;
-    acked bigint;
+    unnamed boolean;
 BEGIN
     PERFORM outbox.lock_key_of(id);
     EXECUTE @include ack_lock.sql@ USING id;
-    EXECUTE @include ack.sql@ INTO head, key_, subscription USING id;
-    GET DIAGNOSTICS acked = ROW_COUNT;
-    IF acked = 0 THEN
+    EXECUTE @include ack.sql@ INTO acked, head, key_, subscription, unnamed USING id, send;
+    IF unnamed THEN
+        RAISE WARNING 'outbox_ack: event % was sent more than once and is not acknowledged: name the send (outbox_ack(id, send), send from the message''s outbox_send header)', id;
+    END IF;
+    IF NOT coalesce(acked, false) THEN
         RETURN false;
     END IF;
     IF head IS NOT NULL THEN
@@ -366,6 +365,16 @@ BEGIN
     RETURN true;
 END
 $$;
+
+CREATE FUNCTION @extschema@.outbox_ack(id uuid) RETURNS boolean
+LANGUAGE sql VOLATILE STRICT SECURITY DEFINER PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT outbox.acknowledge(id, NULL) $$;
+
+CREATE FUNCTION @extschema@.outbox_ack(id uuid, send uuid) RETURNS boolean
+LANGUAGE sql VOLATILE STRICT SECURITY DEFINER PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT outbox.acknowledge(id, send) $$;
 
 CREATE FUNCTION @extschema@.outbox_skip(id uuid) RETURNS boolean
 LANGUAGE plpgsql VOLATILE STRICT SECURITY DEFINER PARALLEL UNSAFE

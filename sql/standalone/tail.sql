@@ -39,7 +39,7 @@ COMMENT ON TABLE outbox.installed IS
     'The release of outbox_dispatch installed without the library (outbox-dispatch install).';
 
 REVOKE ALL ON FUNCTION outbox.check_setting(), outbox.refuse_moving(), outbox.lock_key_of(uuid),
-    outbox.pass_key(uuid, text, bigint, boolean, boolean) FROM PUBLIC;
+    outbox.pass_key(uuid, text, bigint, boolean, boolean), outbox.acknowledge(uuid, uuid) FROM PUBLIC;
 GRANT SELECT ON outbox.settings, outbox.installed, outbox.sidecar_workers TO pg_monitor;
 
 -- The caller's search_path again (sql/standalone/head.sql).

@@ -86,7 +86,7 @@ fn datum(arg: &Arg) -> DatumWithOid<'static> {
         Arg::Float8(f) => (*f).into(),
         Arg::Text(t) => t.clone().into(),
         Arg::Oid(o) => pg_sys::Oid::from(*o).into(),
-        Arg::Uuid(u) => pg_uuid(*u).into(),
+        Arg::Uuid(u) => u.map(pg_uuid).into(),
         Arg::Int8Array(a) => a.clone().into(),
         Arg::Float8Array(a) => a.clone().into(),
         Arg::TextArray(a) => a.clone().into(),

@@ -85,7 +85,7 @@ impl<H: Host> Dispatcher<H> {
             index,
             broker: Broker::new(index, host.waiter(&settings.broker), &settings.broker),
             host,
-            store: Store::new(db, index, settings.statement_timeout, settings.awaited(), settings.keys),
+            store: Store::new(db, index, settings.statement_timeout, settings.awaiting(), settings.keys),
             settings,
             origin,
             unsettled: Outcome::default(),
@@ -144,8 +144,8 @@ impl<H: Host> Dispatcher<H> {
         }
         if s.broker.wait_replicas == 0 && s.broker.url.starts_with("sentinel://") {
             self.host.warning(&format!(
-                "outbox dispatcher {}: outbox.redis_url names sentinels and outbox.redis_wait_replicas is 0: \
-                 a failover can lose the events pushed just before it (set it to 1 or more)",
+                "outbox dispatcher {}: outbox.broker_url names sentinels and outbox.redis_wait_replicas is set to 0: \
+                 a failover can lose the events pushed just before it (set it to 1 or more, or reset it)",
                 self.index
             ));
         }
@@ -198,7 +198,7 @@ impl<H: Host> Dispatcher<H> {
             self.broker.replace(&settings.broker, &self.host);
         }
         self.store.set_statement_timeout(settings.statement_timeout);
-        self.store.set_awaited(settings.awaited());
+        self.store.set_awaited(settings.awaiting());
         self.store.set_key_policy(settings.keys);
         self.settings = settings;
         self.drain_at = Instant::now();

@@ -58,9 +58,10 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// Whether reports or acknowledgements are awaited of what is sent.
-    pub fn awaited(&self) -> bool {
-        !self.keys.dispatched
+    /// Whether reports or acknowledgements are awaited of what is sent,
+    /// and whether acknowledgements are.
+    pub fn awaiting(&self) -> (bool, bool) {
+        (!self.keys.dispatched, !self.ack_timeout.is_zero())
     }
 }
 
@@ -155,17 +156,24 @@ impl Settings {
     /// refused, each replaced by its default.
     pub fn read(text: &dyn Fn(&str) -> Option<String>, database_oid: u32) -> (Settings, Vec<Invalid>) {
         let mut v = Values { text, invalid: Vec::new(), deprecated: Vec::new() };
+        let url = Some(v.text("outbox.broker_url"))
+            .filter(|url| !url.is_empty())
+            .unwrap_or_else(|| v.text("outbox.redis_url"));
+        // -1, the default: 1 with sentinels, where a failover loses what its
+        // replicas had not got; 0 without.
+        let wait_replicas = match v.int("outbox.redis_wait_replicas") {
+            -1 => u32::from(url.starts_with("sentinel://")),
+            n => n.max(0) as u32,
+        };
         let broker = BrokerConfig {
-            url: Some(v.text("outbox.broker_url"))
-                .filter(|url| !url.is_empty())
-                .unwrap_or_else(|| v.text("outbox.redis_url")),
+            url,
             timeout: v.millis("outbox.broker_timeout"),
             tls_ca_file: v.path("outbox.broker_tls_ca_file"),
             password_file: v.path("outbox.broker_password_file"),
             max_batch_bytes: v.int("outbox.max_batch_bytes").max(1) as usize * 1024,
             sentinel_master: v.text("outbox.redis_sentinel_master"),
             sentinel_password_file: v.path("outbox.redis_sentinel_password_file"),
-            wait_replicas: v.int("outbox.redis_wait_replicas").max(0) as u32,
+            wait_replicas,
             key_prefix: v.text("outbox.redis_key_prefix"),
             priority_steps: v.text("outbox.priority_steps"),
             priority_separator: Some(v.text("outbox.priority_separator"))

@@ -109,7 +109,7 @@ pub fn head_of(row: &[Value], first: usize) -> Result<Option<Head>, DbError> {
 /// and `outbox_skip()`, before they change the event (they then hold no
 /// lock of its row while they wait, which a dispatcher would wait for).
 pub fn lock_key_of(tx: &mut dyn Tx, id: Uuid) -> Result<Option<Key>, DbError> {
-    let held = tx.run(Stmt::KeyOf, &[Arg::Uuid(id)])?;
+    let held = tx.run(Stmt::KeyOf, &[Arg::Uuid(Some(id))])?;
     let Some(row) = held.rows.first() else {
         return Ok(None);
     };

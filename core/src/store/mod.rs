@@ -181,6 +181,9 @@ pub struct Store<D> {
     /// Reports or acknowledgements are awaited of what was sent: a copy
     /// of a database is adopted only once none are.
     awaited: bool,
+    /// Whether what is marked awaits acknowledgements (`outbox.ack_timeout`
+    /// above 0 as it is marked); a batch keeps what it was marked with.
+    acks: bool,
     /// When a finished head lets its key go.
     key_policy: KeyPolicy,
     /// Finished heads whose key a producer held locked when this
@@ -195,7 +198,7 @@ impl<D: Db> Store<D> {
         db: D,
         dispatcher: usize,
         statement_timeout: Duration,
-        awaited: bool,
+        (awaited, acks): (bool, bool),
         key_policy: KeyPolicy,
     ) -> Self {
         Store {
@@ -204,6 +207,7 @@ impl<D: Db> Store<D> {
             flush_backoff: Backoff::default(),
             statement_timeout,
             awaited,
+            acks,
             key_policy,
             deferred: Vec::new(),
             key_turns: 0,
@@ -219,9 +223,11 @@ impl<D: Db> Store<D> {
         self.key_policy = policy;
     }
 
-    /// Whether reports or acknowledgements are awaited of what is sent.
-    pub fn set_awaited(&mut self, awaited: bool) {
+    /// Whether reports or acknowledgements are awaited of what is sent, and
+    /// whether acknowledgements are, of what is marked from now on.
+    pub fn set_awaited(&mut self, (awaited, acks): (bool, bool)) {
         self.awaited = awaited;
+        self.acks = acks;
     }
 
     /// When a subscription whose batch failed may be tried again.
@@ -341,9 +347,10 @@ impl<D: Db> Store<D> {
         batch_budget: i64,
     ) -> Result<Claim, StoreError> {
         let mut backoff = std::mem::take(&mut self.flush_backoff);
+        let acks = self.acks;
         let claimed = self.with_turns(|tx, dispatcher, turns| {
             let promoted = turns.promoted;
-            mark(tx, dispatcher, settled, turns)?;
+            mark(tx, dispatcher, settled, acks, turns)?;
             // Before the claim, which may take the new heads.
             turns.pass(tx)?;
             let flushed = batches::flush(tx, batch_budget, &mut backoff)?;
@@ -387,8 +394,9 @@ impl<D: Db> Store<D> {
 
     /// Records `settled` on its own, when no claim is to follow.
     pub fn settle(&mut self, settled: &Outcome) -> Result<(), StoreError> {
+        let acks = self.acks;
         self.with_turns(|tx, dispatcher, turns| {
-            mark(tx, dispatcher, settled, turns)?;
+            mark(tx, dispatcher, settled, acks, turns)?;
             turns.pass(tx)
         })?;
         Ok(())
@@ -410,10 +418,11 @@ impl<D: Db> Store<D> {
         Ok(swept.unwrap_or(0))
     }
 
-    /// Up to [`SWEEP_BATCH`] events dispatched longer than `timeout` ago
-    /// and never acknowledged: back to pending to be sent again, or failed
-    /// when re-sent `max_redeliveries` times already. Returns how many of
-    /// each: (resent, failed).
+    /// Up to [`SWEEP_BATCH`] events dispatched longer than `timeout` ago,
+    /// in batches marked while acknowledgements were on, and never
+    /// acknowledged: back to pending to be sent again, or failed when
+    /// re-sent `max_redeliveries` times already. Returns how many of each:
+    /// (resent, failed).
     pub fn sweep_unacked(
         &mut self,
         timeout: Duration,
@@ -560,14 +569,21 @@ fn batch_ids(tx: &mut dyn Tx, stmt: Stmt, args: &[Arg]) -> Result<Vec<i64>, DbEr
 }
 
 /// Records one push's outcome while its batch is still this claim's: the
-/// batch is marked, `failures` go out of line until their backoff or to
-/// the dead letter, `released` back in line as they were. A batch a
+/// batch is marked (as awaiting acknowledgements, with `acks`), `failures`
+/// go out of line until their backoff or to the dead letter, `released` back in line as they were. A batch a
 /// sweeper took meanwhile records nothing: its events are back in line.
-fn mark(tx: &mut dyn Tx, dispatcher: i32, outcome: &Outcome, turns: &mut keys::Turns) -> Result<(), DbError> {
+fn mark(
+    tx: &mut dyn Tx,
+    dispatcher: i32,
+    outcome: &Outcome,
+    acks: bool,
+    turns: &mut keys::Turns,
+) -> Result<(), DbError> {
     let Some(batch) = outcome.batch.filter(|_| !outcome.is_empty()) else {
         return Ok(());
     };
-    let marked = tx.run(Stmt::MarkDispatched, &[Arg::Int8(Some(batch.id)), Arg::Int4(Some(dispatcher))])?;
+    let args = [Arg::Int8(Some(batch.id)), Arg::Int4(Some(dispatcher)), Arg::Bool(acks)];
+    let marked = tx.run(Stmt::MarkDispatched, &args)?;
     if marked.touched == 0 {
         return Ok(());
     }

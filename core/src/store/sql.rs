@@ -52,7 +52,7 @@ statements! {
     Claim = "worker/claim.sql" (Int4, Int4);
     CameDue = "worker/came_due.sql" (Int4);
     NextDue = "worker/next_due.sql" (Int8Array);
-    MarkDispatched = "worker/mark_dispatched.sql" (Int8, Int4);
+    MarkDispatched = "worker/mark_dispatched.sql" (Int8, Int4, Bool);
     MarkFailed = "worker/mark_failed.sql" (UuidArray, TextArray, TextArray, TextArray, Float8Array);
     Release = "worker/release.sql" (UuidArray, TextArray);
     Abandon = "worker/abandon.sql" (Int4, Float8, Int4);
@@ -69,7 +69,7 @@ statements! {
     PassKeys = "keys/pass.sql" (UuidArray, TextArray, Int8Array, Bool, Bool);
     KeyOf = "keys/key_of.sql" (Uuid);
     AckLock = "ack_lock.sql" (Uuid);
-    Ack = "ack.sql" (Uuid);
+    Ack = "ack.sql" (Uuid, Uuid);
     SweepKeys = "worker/sweep_keys.sql" (Bool, Bool, Int4);
     PurgeInbox = "worker/purge_inbox.sql" (Float8, Int4);
     InLine = "worker/in_line.sql" ();
@@ -108,7 +108,7 @@ pub enum Arg {
     Float8(f64),
     Text(String),
     Oid(u32),
-    Uuid(Uuid),
+    Uuid(Option<Uuid>),
     Int8Array(Vec<i64>),
     Float8Array(Vec<f64>),
     /// Elements may be NULL.

@@ -3,5 +3,57 @@
 -- extension's own update (sql/upgrade/outbox_dispatch--1.0.0--1.1.0.sql).
 SET LOCAL search_path = pg_catalog, pg_temp;
 
+-- What awaits an acknowledgement now keeps awaiting it
+-- (sql/upgrade/outbox_dispatch--1.0.0--1.1.0.sql), by the database's
+-- outbox.ack_timeout.
+UPDATE outbox.batches AS b
+   SET awaits_ack = true
+ WHERE b.settled_at IS NULL AND b.marked_at IS NOT NULL
+   AND coalesce(outbox.setting('outbox.ack_timeout'), '0')::pg_catalog.interval > interval '0';
+
+-- An acknowledgement names the send it acknowledges, or is of an event
+-- sent once (sql/ack.sql): outbox_ack(id, send), and outbox_ack(id) on it.
+-- outbox_ack(id) and outbox_ack(id, send): records the outcome of the
+-- event as the send `send` carried it (NULL: the one send there has been;
+-- sql/ack.sql), and passes its key on: src/api.rs acknowledge.
+CREATE FUNCTION outbox.acknowledge(id uuid, send uuid) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    acked boolean;
+    head uuid;
+    key_ text;
+    subscription bigint;
+    unnamed boolean;
+BEGIN
+    PERFORM outbox.lock_key_of(id);
+    EXECUTE @include ack_lock.sql@ USING id;
+    EXECUTE @include ack.sql@ INTO acked, head, key_, subscription, unnamed USING id, send;
+    IF unnamed THEN
+        RAISE WARNING 'outbox_ack: event % was sent more than once and is not acknowledged: name the send (outbox_ack(id, send), send from the message''s outbox_send header)', id;
+    END IF;
+    IF NOT coalesce(acked, false) THEN
+        RETURN false;
+    END IF;
+    IF head IS NOT NULL THEN
+        PERFORM outbox.pass_key(head, key_, subscription, false, false);
+    END IF;
+    RETURN true;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_ack(id uuid) RETURNS boolean
+LANGUAGE sql VOLATILE STRICT SECURITY DEFINER PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT outbox.acknowledge(id, NULL) $$;
+
+CREATE FUNCTION @extschema@.outbox_ack(id uuid, send uuid) RETURNS boolean
+LANGUAGE sql VOLATILE STRICT SECURITY DEFINER PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT outbox.acknowledge(id, send) $$;
+
+REVOKE ALL ON FUNCTION outbox.acknowledge(uuid, uuid), @extschema@.outbox_ack(uuid, uuid) FROM PUBLIC;
+
 -- The extension's schema again, for the files that follow.
 SET LOCAL search_path = @extschema@;
