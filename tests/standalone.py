@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from harness import ROOT, Cluster, free_port, wait_until
+from harness import ROOT, Cluster, documented_grants, free_port, wait_until
 
 BIN = os.environ.get("OUTBOX_DISPATCH_BIN", str(ROOT / "target" / "debug" / "outbox-dispatch"))
 # Which host the suite's tests of the dispatcher run on: "library" (the
@@ -58,10 +58,9 @@ def install(pg, dbname, owner="owner"):
     result = run("install", "--dsn", dsn(pg, owner, dbname))
     assert result.returncode == 0, result.stderr
     with pg.connect(dbname=dbname, user=owner) as conn:
-        conn.execute("GRANT USAGE ON SCHEMA outbox TO writer")
-        conn.execute("GRANT INSERT ON outbox.events, outbox.log TO writer")
-        conn.execute("GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, "
-                     "interval, jsonb, text), outbox_ack(uuid), outbox_ack(uuid, uuid), outbox_skip(uuid), outbox_inbox_claim(uuid, text), "
+        for statement in documented_grants("app") + documented_grants("consumer"):
+            conn.execute(statement.replace(" TO app;", " TO writer;").replace(" TO consumer;", " TO writer;"))
+        conn.execute("GRANT EXECUTE ON FUNCTION outbox_skip(uuid), outbox_inbox_claim(uuid, text), "
                      "outbox_subscribe(text, text, text, integer, integer, interval) TO writer")
 
 

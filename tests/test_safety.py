@@ -46,11 +46,8 @@ def roles(cluster):
             CREATE ROLE outbox_nobody LOGIN;
         EXCEPTION WHEN duplicate_object THEN NULL;
         END $$""")
-    cluster.sql(f"""
-        GRANT USAGE ON SCHEMA outbox TO outbox_app;
-        GRANT INSERT ON outbox.events, outbox.log TO outbox_app;
-        GRANT EXECUTE ON FUNCTION {ENQUEUE} TO outbox_app;
-        GRANT EXECUTE ON FUNCTION outbox_ack(uuid) TO outbox_consumer""")
+    for role, documented in (("outbox_app", "app"), ("outbox_consumer", "consumer"), ("outbox_watcher", "grafana")):
+        cluster.connect_as(role, documented).close()
     return cluster
 
 
@@ -74,7 +71,12 @@ def test_an_application_role_can_enqueue_and_nothing_more(outbox, roles, redis_s
                   "DELETE FROM outbox.events", "TABLE outbox.status", "TABLE outbox.dead_letters",
                   "SELECT outbox_retry_failed()", "SELECT outbox_wake()",
                   "SELECT outbox_ack(gen_random_uuid())", "SHOW outbox.redis_url",
-                  "SHOW outbox.broker_password_file", "SHOW outbox.redis_password_file"]:
+                  "SHOW outbox.broker_password_file", "SHOW outbox.redis_password_file",
+                  # What the outbox writes of an event: never a writer's to choose.
+                  "INSERT INTO outbox.log (event_type, generation) VALUES ('e', 1)",
+                  "INSERT INTO outbox.events (event_type, ordering_key, key_seq, key_state) VALUES ('e', 'k', 1, 'head')",
+                  "INSERT INTO outbox.log (event_type, status) VALUES ('e', 'failed')",
+                  "INSERT INTO outbox.events (event_type, pending_xid) VALUES ('e', '1')"]:
         denied(outbox, "outbox_app", query)
 
 
