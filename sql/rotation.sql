@@ -180,7 +180,8 @@ $$;
 --              now, and is kept outbox.retention as the others;
 --   advanced   the current generation is outbox.retention / 2 old and the
 --              next one is empty: the next one is current;
---   waiting    the oldest generation is due, but a transaction that began
+--   waiting    the oldest generation is due, but its triggers are off
+--              (a restore's rows, outbox.triggers_off()), or a transaction that began
 --              before it ended (one that may still write it) or, once it
 --              is drained, a snapshot that may not see the last moves (one
 --              that may still read it as it was) is open: the moves or the
@@ -277,6 +278,13 @@ BEGIN
        OR EXISTS (SELECT FROM pg_prepared_xacts AS p
                    WHERE p.database = current_database()
                      AND p.prepared < old.ended_at) THEN
+        step := 'waiting';
+        RETURN;
+    END IF;
+
+    -- Rows a restore wrote with the triggers off wait for the dispatchers
+    -- to find them (outbox.triggers_off()): they may look sent.
+    IF EXISTS (SELECT FROM outbox.triggers_off() AS t WHERE t.generation = oldest) THEN
         step := 'waiting';
         RETURN;
     END IF;

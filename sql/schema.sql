@@ -174,6 +174,63 @@ CREATE TRIGGER events_pending_again
 -- subscriber applying the rows of another server's history).
 ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again;
 
+-- The triggers of outbox.log that fire always, also where triggers are
+-- off for replication (events_from_writers in sql/keys.sql; without the
+-- library, events_moving_refused in sql/standalone/tail.sql); and the
+-- partitions of the log where one does not: a data-only restore with
+-- --disable-triggers, or a copy made with the triggers off, leaves them
+-- disabled while it writes
+-- (disabled: true), then, after its ENABLE TRIGGER ALL, firing for
+-- ordinary sessions only. The rows written meanwhile kept the transaction
+-- ids they came with, which may lie inside windows the claims have read
+-- (sql/worker/reline_restored.sql); until the dispatchers have put them
+-- in line and made the triggers fire always again (outbox.fire_always()),
+-- the rotation moves and truncates nothing of such a partition.
+CREATE FUNCTION outbox.always_firing() RETURNS SETOF name
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT unnest('{events_pending_again,events_from_writers,events_moving_refused}'::name[]) $$;
+
+CREATE FUNCTION outbox.triggers_off() RETURNS TABLE (generation smallint, disabled boolean, pages bigint)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT substr(c.relname, 5)::smallint, bool_or(t.tgenabled = 'D'),
+       pg_relation_size(c.oid) / current_setting('block_size')::bigint
+  FROM pg_inherits AS i
+  JOIN pg_class AS c ON c.oid = i.inhrelid
+  JOIN pg_trigger AS t ON t.tgrelid = c.oid
+ WHERE i.inhparent = 'outbox.log'::regclass
+   AND t.tgname IN (SELECT outbox.always_firing())
+   AND t.tgenabled <> 'A'
+ GROUP BY c.oid, c.relname
+$$;
+
+-- The triggers of generation $1's partition fire always again, as on the
+-- log (outbox.triggers_off()).
+CREATE FUNCTION outbox.fire_always(generation smallint) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    table_ name;
+    trigger_ name;
+BEGIN
+    FOR table_, trigger_ IN
+        SELECT c.relname, t.tgname
+          FROM pg_trigger AS t
+          JOIN pg_class AS c ON c.oid = t.tgrelid
+         WHERE t.tgrelid IN ('outbox.log'::regclass, format('outbox.log_%s', generation)::regclass)
+           AND t.tgname IN (SELECT outbox.always_firing())
+           AND t.tgenabled <> 'A'
+    LOOP
+        EXECUTE format('ALTER TABLE ONLY outbox.%I ENABLE ALWAYS TRIGGER %I', table_, trigger_);
+    END LOOP;
+END
+$$;
+
+REVOKE ALL ON FUNCTION outbox.always_firing(), outbox.triggers_off(), outbox.fire_always(smallint) FROM PUBLIC;
+
 -- Dead letters.
 CREATE INDEX events_failed_idx ON outbox.log (created_at) WHERE status = 'failed';
 -- Records of routed events, and events acknowledged while out of a batch:

@@ -297,6 +297,50 @@ def test_events_restored_with_a_transaction_id_before_every_window_are_put_in_li
     outbox.configure(sweep_interval="30s")
 
 
+def test_events_restored_inside_windows_already_read_are_found_and_sent(outbox, redis_server):
+    """A data-only restore with its triggers disabled into a database whose
+    claims have read past the rows' transaction ids (a dump of another
+    database of the same cluster). One row's place in line lies in a batch
+    sent before it came: it looked sent. Another's lies in a window read
+    before it came, in a batch or not. The dispatchers find both (written
+    after the claims that passed their place), put them in line, and make
+    the triggers fire always again. The restore is done as
+    docs/reference/table.md says: nothing after ENABLE TRIGGER ALL."""
+    client = redis_server.client()
+    outbox.configure(sweep_interval="1h")
+    with outbox.connect() as conn:
+        # A transaction of the dumped database that enqueued nothing...
+        idle = conn.execute("SELECT pg_current_xact_id()::text").fetchone()[0]
+        # ... and one whose place is the first sent event's.
+        with conn.transaction():
+            sent = [enqueue(conn, "q_inside")]
+            shared = conn.execute("SELECT pg_current_xact_id()::text").fetchone()[0]
+        sent += [enqueue(conn, "q_inside") for _ in range(2)]
+        wait_until(lambda: set(sent) <= set(queued_ids(client, "q_inside")), message="the events after it sent")
+        conn.execute("ALTER TABLE outbox.log DISABLE TRIGGER ALL")
+        try:
+            restored = [r[0] for r in conn.execute(
+                "INSERT INTO outbox.log (id, event_type, queue, pending_xid) "
+                "VALUES ('00000000-0000-7000-8000-000000000001', 'restored', 'q_inside', %s), "
+                "       (gen_random_uuid(), 'restored', 'q_inside', %s) RETURNING id::text", (shared, idle))]
+        finally:
+            conn.execute("ALTER TABLE outbox.log ENABLE TRIGGER ALL")
+    # What the first looked like: sent, in the batch that sent the first event.
+    assert outbox.value("SELECT status::text FROM outbox.events WHERE id = %s", (restored[0],)) == "dispatched"
+    assert outbox.value("SELECT count(*) FROM outbox.triggers_off()") >= 1
+    relined = outbox.metric("outbox_strays_relined_total") or 0
+    outbox.configure(sweep_interval="1s")
+    wait_until(lambda: set(restored) <= set(queued_ids(client, "q_inside")), timeout=60,
+               message="the restored events")
+    wait_until(lambda: outbox.value("SELECT count(*) FROM outbox.triggers_off()") == 0,
+               message="the triggers firing always again")
+    assert outbox.value("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'outbox.log'::regclass AND tgenabled = 'A'") \
+        >= 2
+    assert outbox.metric("outbox_strays_relined_total") - relined == 2
+    assert sorted(queued_ids(client, "q_inside")) == sorted(sent + restored)
+    outbox.configure(sweep_interval="30s")
+
+
 def busy(pg, work):
     """Runs `work(conn)` in a transaction that has its transaction id while
     a later one stays in progress and a still later one ends (a busy

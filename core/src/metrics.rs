@@ -29,6 +29,8 @@ named! {
         DeadLetters = "outbox_dead_letters" => "Events moved to failed (the dead letter).",
         StuckRescued = "outbox_stuck_rescued"
             => "Events in processing longer than outbox.processing_timeout returned to pending.",
+        StraysRelined = "outbox_strays_relined"
+            => "Pending events found where no claim would read them (rows a restore wrote with the triggers off), put in line.",
         UnackedResent = "outbox_unacked_resent"
             => "Dispatched events not acknowledged within outbox.ack_timeout, returned to pending.",
         UnackedFailed = "outbox_unacked_failed"

@@ -125,5 +125,236 @@ CREATE TRIGGER events_from_writers
 ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_from_writers;
 REVOKE ALL ON FUNCTION outbox.writers_take_turns() FROM PUBLIC;
 
+-- The triggers of outbox.log that fire always, also where triggers are
+-- off for replication (events_from_writers in sql/keys.sql; without the
+-- library, events_moving_refused in sql/standalone/tail.sql); and the
+-- partitions of the log where one does not: a data-only restore with
+-- --disable-triggers, or a copy made with the triggers off, leaves them
+-- disabled while it writes
+-- (disabled: true), then, after its ENABLE TRIGGER ALL, firing for
+-- ordinary sessions only. The rows written meanwhile kept the transaction
+-- ids they came with, which may lie inside windows the claims have read
+-- (sql/worker/reline_restored.sql); until the dispatchers have put them
+-- in line and made the triggers fire always again (outbox.fire_always()),
+-- the rotation moves and truncates nothing of such a partition.
+CREATE FUNCTION outbox.always_firing() RETURNS SETOF name
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT unnest('{events_pending_again,events_from_writers,events_moving_refused}'::name[]) $$;
+
+CREATE FUNCTION outbox.triggers_off() RETURNS TABLE (generation smallint, disabled boolean, pages bigint)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT substr(c.relname, 5)::smallint, bool_or(t.tgenabled = 'D'),
+       pg_relation_size(c.oid) / current_setting('block_size')::bigint
+  FROM pg_inherits AS i
+  JOIN pg_class AS c ON c.oid = i.inhrelid
+  JOIN pg_trigger AS t ON t.tgrelid = c.oid
+ WHERE i.inhparent = 'outbox.log'::regclass
+   AND t.tgname IN (SELECT outbox.always_firing())
+   AND t.tgenabled <> 'A'
+ GROUP BY c.oid, c.relname
+$$;
+
+-- The triggers of generation $1's partition fire always again, as on the
+-- log (outbox.triggers_off()).
+CREATE FUNCTION outbox.fire_always(generation smallint) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    table_ name;
+    trigger_ name;
+BEGIN
+    FOR table_, trigger_ IN
+        SELECT c.relname, t.tgname
+          FROM pg_trigger AS t
+          JOIN pg_class AS c ON c.oid = t.tgrelid
+         WHERE t.tgrelid IN ('outbox.log'::regclass, format('outbox.log_%s', generation)::regclass)
+           AND t.tgname IN (SELECT outbox.always_firing())
+           AND t.tgenabled <> 'A'
+    LOOP
+        EXECUTE format('ALTER TABLE ONLY outbox.%I ENABLE ALWAYS TRIGGER %I', table_, trigger_);
+    END LOOP;
+END
+$$;
+
+REVOKE ALL ON FUNCTION outbox.always_firing(), outbox.triggers_off(), outbox.fire_always(smallint) FROM PUBLIC;
+
+-- The rotation waits for a restore's rows written with the triggers off.
+CREATE OR REPLACE FUNCTION outbox.rotate(retention interval, moves integer, acks boolean,
+                              OUT step text, OUT events bigint)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    next_batch CONSTANT bigint := (SELECT coalesce(max(b.id), 0) + 1 FROM outbox.batches AS b);
+    current_ smallint;
+    oldest smallint;
+    now_ outbox.generations;
+    old outbox.generations;
+BEGIN
+    events := 0;
+    -- One rotation at a time, whoever runs it; the generation read once
+    -- the one before has committed.
+    PERFORM FROM outbox.generations AS g ORDER BY g.generation FOR UPDATE;
+    current_ := pg_sequence_last_value('outbox.generation'::regclass)::smallint;
+    oldest := (current_ + 1) % 3;
+    SELECT * INTO now_ FROM outbox.generations AS g WHERE g.generation = current_;
+    SELECT * INTO old FROM outbox.generations AS g WHERE g.generation = oldest;
+    IF now_.started_at IS NULL THEN
+        UPDATE outbox.generations AS g SET started_at = now(), first_batch = next_batch
+         WHERE g.generation = current_;
+        -- The one it replaced, if that advance did not say so.
+        UPDATE outbox.generations AS g SET ended_at = now()
+         WHERE g.generation <> current_ AND g.started_at IS NOT NULL AND g.ended_at IS NULL;
+        step := 'started';
+        RETURN;
+    END IF;
+
+    -- Clean: never current since it was truncated, nothing moved out of it
+    -- (which leaves dead rows a truncation takes), and nothing in it (a
+    -- restore's rows, an insert that named it).
+    IF old.started_at IS NULL AND old.moved_xid IS NULL AND NOT old.drained
+       AND NOT EXISTS (SELECT FROM outbox.log AS e WHERE e.generation = oldest)
+       AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.generation = oldest) THEN
+        IF now_.started_at > now() - retention / 2 THEN
+            RETURN;
+        END IF;
+        -- Not transactional: should this transaction not commit, the next
+        -- step finds the new generation without a start, and starts it.
+        PERFORM setval('outbox.generation'::regclass, oldest, true);
+        UPDATE outbox.generations AS g
+           SET started_at = now(), ended_at = NULL, moved_xid = NULL, drained = false, first_batch = next_batch
+         WHERE g.generation = oldest;
+        -- After the switch: whatever began before it may still insert
+        -- into the generation it read.
+        UPDATE outbox.generations AS g SET ended_at = clock_timestamp() WHERE g.generation = current_;
+        step := 'advanced';
+        RETURN;
+    END IF;
+
+    -- Rows in a generation that was never current (a restore's, an insert
+    -- that named it): it counts as ended now, and is kept as long.
+    IF old.ended_at IS NULL THEN
+        UPDATE outbox.generations AS g SET ended_at = now() WHERE g.generation = oldest;
+        step := 'ended';
+        RETURN;
+    END IF;
+    IF old.ended_at > now() - retention THEN
+        RETURN;
+    END IF;
+    -- Client sessions and other workers of this database (not autovacuum,
+    -- which a TRUNCATE sends away), and prepared transactions, begun before
+    -- it ended: they may still insert into it, and their rows are not
+    -- visible here until they commit. For the truncation, also any snapshot
+    -- that may not see the last moves as committed (its xmin at or before
+    -- their transaction): it would find the moved events neither where they
+    -- were nor where they went.
+    -- A session of a role whose transaction this one may not see (without
+    -- pg_read_all_stats: its xact_start and backend_xmin read NULL) may be
+    -- as old as any while it is in a transaction (holds its virtual
+    -- transaction id's lock, which pg_locks shows every role): the
+    -- rotation waits for it too.
+    IF EXISTS (SELECT FROM pg_stat_activity AS a
+                WHERE a.datname = current_database()
+                  AND a.pid <> pg_backend_pid()
+                  -- (NULL in the row of a session this role may not see)
+                  AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+                  AND (a.xact_start < old.ended_at
+                       OR (old.drained AND age(a.backend_xmin) >= age(xid(old.moved_xid)))
+                       OR (NOT (pg_has_role('pg_read_all_stats', 'USAGE') OR pg_has_role(a.usesysid, 'USAGE'))
+                           AND EXISTS (SELECT FROM pg_locks AS l
+                                        WHERE l.pid = a.pid AND l.locktype = 'virtualxid' AND l.granted))))
+       OR EXISTS (SELECT FROM pg_prepared_xacts AS p
+                   WHERE p.database = current_database()
+                     AND p.prepared < old.ended_at) THEN
+        step := 'waiting';
+        RETURN;
+    END IF;
+
+    -- Rows a restore wrote with the triggers off wait for the dispatchers
+    -- to find them (outbox.triggers_off()): they may look sent.
+    IF EXISTS (SELECT FROM outbox.triggers_off() AS t WHERE t.generation = oldest) THEN
+        step := 'waiting';
+        RETURN;
+    END IF;
+
+    IF NOT old.drained THEN
+        events := outbox.move_unfinished(oldest, current_, moves, acks);
+        IF events < moves THEN
+            -- The members of the oldest generation's batch deliveries go
+            -- with them (they are finished: nothing above needed them).
+            DELETE FROM outbox.batch_members AS m
+             WHERE m.batch_id IS NOT NULL
+               AND EXISTS (SELECT FROM outbox.log AS d WHERE d.generation = oldest AND d.id = m.batch_id);
+        END IF;
+        UPDATE outbox.generations AS g
+           SET moved_xid = CASE WHEN events > 0 THEN pg_current_xact_id() ELSE g.moved_xid END,
+               drained = events < moves
+         WHERE g.generation = oldest;
+        step := 'moved';
+        RETURN;
+    END IF;
+
+    -- Drained: nothing writes it or reads it as it was. Truncated unless
+    -- something in it became needed since (an UPDATE made an event pending
+    -- again): that is moved, and the truncation waits for whoever may
+    -- have seen it where it was.
+    EXECUTE format('LOCK TABLE outbox.%I, outbox.%I IN ACCESS EXCLUSIVE MODE',
+                   'log_' || oldest, 'outcomes_' || oldest);
+    events := outbox.move_unfinished(oldest, current_, moves, acks);
+    IF events > 0 THEN
+        -- Many (a DBA's UPDATE of old events): drained again, without the
+        -- lock.
+        UPDATE outbox.generations AS g SET moved_xid = pg_current_xact_id(), drained = events < moves
+         WHERE g.generation = oldest;
+        step := 'moved';
+        RETURN;
+    END IF;
+    -- The outcomes of the events moved out of it, recorded before the move
+    -- or by a statement that did not see it (all of them have ended: the
+    -- wait above), follow them, found by the batch that read them at their
+    -- position. One that kept its id is recorded again where it went, in
+    -- the same batch. One given a new id is out of its batch (its position
+    -- changed): it is stored processed.
+    PERFORM outbox.record_outcomes(array_agg(r.batch), array_agg(r.moved_to), array_agg(r.id), array_agg(r.at))
+       FROM (SELECT DISTINCT ON (m.moved_to, m.id) o.batch, m.moved_to, m.id, o.at
+               FROM outbox.moved AS m
+               JOIN outbox.log AS e ON e.generation = m.moved_to AND e.id = m.id
+               JOIN outbox.outcomes AS o
+                 ON o.generation = oldest
+                AND o.batch = outbox.batch_of(e.pending_xid, m.event, true)
+                AND m.event = ANY (o.events)
+              WHERE m.generation = oldest
+                AND m.id = m.event
+                AND NOT EXISTS (SELECT FROM outbox.outcomes AS t
+                                 WHERE t.generation = m.moved_to AND t.batch = o.batch AND m.id = ANY (t.events))
+              ORDER BY m.moved_to, m.id, o.at) AS r;
+    UPDATE outbox.log AS e
+       SET status = 'processed'
+      FROM outbox.moved AS m
+     WHERE m.generation = oldest
+       AND m.id <> m.event
+       AND e.generation = m.moved_to
+       AND e.id = m.id
+       AND e.status = 'pending'
+       AND EXISTS (SELECT FROM outbox.outcomes AS o
+                    WHERE o.generation = oldest
+                      AND o.batch = outbox.batch_of(e.pending_xid, m.event, true)
+                      AND m.event = ANY (o.events));
+    DELETE FROM outbox.moved AS m WHERE m.generation = oldest;
+    -- Its events as the statistics count them, kept by every insert and
+    -- delete (a count would read the partition whole).
+    events := pg_stat_get_live_tuples(('outbox.log_' || oldest)::regclass);
+    EXECUTE format('TRUNCATE outbox.%I, outbox.%I', 'log_' || oldest, 'outcomes_' || oldest);
+    UPDATE outbox.generations AS g
+       SET started_at = NULL, ended_at = NULL, moved_xid = NULL, drained = false, first_batch = NULL
+     WHERE g.generation = oldest;
+    step := 'truncated';
+END
+$$;
+
 -- The extension's schema again, for what follows (as after an install).
 SET LOCAL search_path = @extschema@;

@@ -28,6 +28,10 @@ const BUDGET: Duration = Duration::from_millis(20);
 /// dispatcher goes on delivering.
 const RETRY: Duration = Duration::from_secs(10);
 
+/// Pages of a partition a transaction of the scan for a restore's rows
+/// reads (sql/worker/reline_restored.sql): 8 MB.
+const RESTORE_SCAN_PAGES: i64 = 1000;
+
 /// Period of the sweep for keys no statement passed on
 /// (docs/guides/per-key-order.md): the longest such a key waits, while the
 /// sweep succeeds.
@@ -45,6 +49,18 @@ pub struct Schedule {
     /// What ran since the last look may have put events in line (a sweep
     /// that returned some, keys passed on, the rotation's moves).
     lined: bool,
+    /// The partition whose rows a restore wrote with the triggers off is
+    /// being read, from this page on.
+    restore_scan: Option<RestoreScan>,
+}
+
+/// A partition of the log whose triggers a restore or a copy left off,
+/// read a range of pages at a time.
+#[derive(Debug, Clone, Copy)]
+struct RestoreScan {
+    generation: i32,
+    next_page: i64,
+    pages: i64,
 }
 
 impl Schedule {
@@ -58,6 +74,7 @@ impl Schedule {
             lifecycle_failures: 0,
             key_sweep_failures: 0,
             lined: false,
+            restore_scan: None,
         }
     }
 
@@ -99,7 +116,7 @@ impl Schedule {
         let until = now + BUDGET;
         let mut first_error = None;
         if now >= self.next_sweep {
-            match sweep(dispatcher, host, store, settings, until) {
+            match sweep(dispatcher, host, store, settings, until, &mut self.restore_scan) {
                 Ok((more, lined)) => {
                     self.lined |= lined;
                     self.sweep_failures = 0;
@@ -166,6 +183,7 @@ fn sweep(
     store: &mut Store<impl Db>,
     settings: &Settings,
     until: Instant,
+    restore_scan: &mut Option<RestoreScan>,
 ) -> Result<(bool, bool), StoreError> {
     let (rescued, more_stuck) =
         sweep_some(host, SWEEP_BATCH, until, || store.sweep_stuck(settings.processing_timeout))?;
@@ -175,13 +193,16 @@ fn sweep(
             "outbox dispatcher {dispatcher}: {rescued} events stuck in processing returned to pending"
         ));
     }
-    let (restored, more_strays) = sweep_some(host, SWEEP_BATCH, until, || store.sweep_strays())?;
-    if restored > 0 {
+    let (strays, more_strays) = sweep_some(host, SWEEP_BATCH, until, || store.sweep_strays())?;
+    if strays > 0 {
         host.log(&format!(
-            "outbox dispatcher {dispatcher}: {restored} pending events with a transaction id no claim \
+            "outbox dispatcher {dispatcher}: {strays} pending events with a transaction id no claim \
              reads (a restore's, in this cluster's future or before every window) were put in line"
         ));
     }
+    let (relined, more_restored) = reline_restored(dispatcher, host, store, until, restore_scan)?;
+    let restored = strays + relined;
+    host.counters().add(Counter::StraysRelined, restored);
     let mut failed = 0;
     let (swept, more_unacked) = if settings.ack_timeout.is_zero() {
         (0, false)
@@ -201,7 +222,59 @@ fn sweep(
              {failed} failed (their last_error says why)"
         ));
     }
-    Ok((more_stuck || more_strays || more_unacked, rescued + restored + resent > 0))
+    Ok((more_stuck || more_strays || more_restored || more_unacked, rescued + restored + resent > 0))
+}
+
+/// The rows a restore or a copy wrote with the log's triggers off, inside
+/// windows the claims had read: each partition that shows it
+/// (`outbox.triggers_off()`) is read a range of pages at a time and the
+/// rows no claim sent are put in line (sql/worker/reline_restored.sql),
+/// then its triggers fire always again; one whose triggers are still
+/// disabled (the restore under way) waits, and is named. Returns how many
+/// were put in line, and whether work is left.
+fn reline_restored(
+    dispatcher: usize,
+    host: &impl Host,
+    store: &mut Store<impl Db>,
+    until: Instant,
+    scan: &mut Option<RestoreScan>,
+) -> Result<(u64, bool), StoreError> {
+    if scan.is_none() {
+        let off = store.triggers_off()?;
+        for partition in off.iter().filter(|p| p.disabled) {
+            host.warning(&format!(
+                "outbox dispatcher {dispatcher}: the triggers of outbox.log_{} are disabled (a restore or a \
+                 copy with its triggers off?): the rows written meanwhile are put in line once they are \
+                 enabled again, and nothing of that partition is rotated out until then",
+                partition.generation
+            ));
+        }
+        *scan = off.iter().find(|p| !p.disabled).map(|p| RestoreScan {
+            generation: p.generation,
+            next_page: 0,
+            pages: p.pages,
+        });
+    }
+    let mut relined = 0;
+    while let Some(current) = scan.as_mut() {
+        if current.next_page >= current.pages {
+            store.fire_always(current.generation)?;
+            host.log(&format!(
+                "outbox dispatcher {dispatcher}: the rows written into outbox.log_{} with its triggers off are \
+                 in line; its triggers fire always again",
+                current.generation
+            ));
+            *scan = None;
+            return Ok((relined, true));
+        }
+        let pages = current.next_page..current.next_page + RESTORE_SCAN_PAGES;
+        relined += store.reline_restored(current.generation, pages.clone())?;
+        current.next_page = pages.end;
+        if host.interrupt_pending() || Instant::now() >= until {
+            return Ok((relined, true));
+        }
+    }
+    Ok((relined, false))
 }
 
 /// The wait before a failed part runs again: [`RETRY`], doubling with each

@@ -108,6 +108,16 @@ impl Outcome {
     }
 }
 
+/// A partition of `outbox.log` whose triggers a restore or a copy left off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TriggersOff {
+    pub generation: i32,
+    /// Still disabled: the restore is under way.
+    pub disabled: bool,
+    /// Its size in pages.
+    pub pages: i64,
+}
+
 /// An event that failed for a reason of its own.
 pub struct Failure {
     pub id: Uuid,
@@ -416,6 +426,46 @@ impl<D: Db> Store<D> {
         let swept =
             self.transaction(|tx, _| Ok(tx.run(Stmt::SweepStrays, &[count(SWEEP_BATCH)])?.touched))?;
         Ok(swept.unwrap_or(0))
+    }
+
+    /// The partitions whose triggers a restore or a copy left off
+    /// (`outbox.triggers_off()`).
+    pub fn triggers_off(&mut self) -> Result<Vec<TriggersOff>, StoreError> {
+        let found = self.transaction(|tx, _| {
+            let mut off = Vec::new();
+            for row in tx.run(Stmt::TriggersOff, &[])?.rows {
+                off.push(TriggersOff {
+                    generation: get::<i64>(&row, 0)?.unwrap_or(0) as i32,
+                    disabled: get::<bool>(&row, 1)?.unwrap_or(false),
+                    pages: get::<i64>(&row, 2)?.unwrap_or(0),
+                });
+            }
+            Ok(off)
+        })?;
+        Ok(found.unwrap_or_default())
+    }
+
+    /// Puts in line the rows of generation `generation`'s pages `pages`
+    /// that a restore wrote with the triggers off inside windows the claims
+    /// had read (sql/worker/reline_restored.sql); returns how many.
+    pub fn reline_restored(
+        &mut self,
+        generation: i32,
+        pages: std::ops::Range<i64>,
+    ) -> Result<u64, StoreError> {
+        let args = [
+            Arg::Int4(Some(generation)),
+            Arg::Int8(Some(pages.start)),
+            Arg::Int8(Some(pages.end - pages.start)),
+        ];
+        let relined = self.transaction(|tx, _| Ok(tx.run(Stmt::RelineRestored, &args)?.touched))?;
+        Ok(relined.unwrap_or(0))
+    }
+
+    /// Generation `generation`'s triggers fire always again.
+    pub fn fire_always(&mut self, generation: i32) -> Result<(), StoreError> {
+        self.transaction(|tx, _| tx.run(Stmt::FireAlways, &[Arg::Int4(Some(generation))]).map(drop))?;
+        Ok(())
     }
 
     /// Up to [`SWEEP_BATCH`] events dispatched longer than `timeout` ago,

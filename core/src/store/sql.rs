@@ -59,6 +59,9 @@ statements! {
     RelineAbandoned = "worker/reline_abandoned.sql" (Int8Array);
     SettleReported = "worker/settle_reported.sql" (Int8Array);
     SweepStrays = "worker/sweep_strays.sql" (Int4);
+    TriggersOff = "worker/triggers_off.sql" ();
+    RelineRestored = "worker/reline_restored.sql" (Int4, Int8, Int8);
+    FireAlways = "worker/fire_always.sql" (Int4);
     SettleUnacked = "worker/settle_unacked.sql" (Float8, Int4);
     SweepUnacked = "worker/sweep_unacked.sql" (Int8Array, Int4);
     Rotate = "worker/rotate.sql" (Float8, Int4, Bool);
@@ -79,7 +82,7 @@ impl Stmt {
     /// Whether the statement only reads: a host may run it without taking
     /// a transaction id (pgrx's `update` takes one).
     pub fn reads_only(self) -> bool {
-        matches!(self, Stmt::InLine)
+        matches!(self, Stmt::InLine | Stmt::TriggersOff)
     }
 }
 
