@@ -503,8 +503,7 @@ def test_a_writer_cannot_choose_its_place_in_line_with_outbox_moving(app):
     with app.connect(dbname="app", user="writer") as conn:
         conn.execute("SET outbox.moving = on")
         with pytest.raises(psycopg.errors.InsufficientPrivilege, match="outbox.moving"):
-            conn.execute("INSERT INTO outbox.events (event_type, payload, pending_xid) "
-                         "VALUES ('forged', '{}', '1'::xid8)")
+            conn.execute("INSERT INTO outbox.events (event_type, payload) VALUES ('forged', '{}')")
     assert app.value("SELECT count(*) FROM outbox.log WHERE event_type = 'forged'", dbname="app") == 0
 
 
@@ -589,15 +588,15 @@ def test_enqueue_and_per_key_turns_as_the_library_takes_them(app):
     for i in ids + [plain]:
         assert uuid.UUID(str(i)).version == 7
     assert ids == sorted(ids)
-    # Acknowledged while in line: processed, and the key passes to the next.
+    # Never sent (no sidecar runs): an acknowledgement of it is refused, and
+    # the key stays with its head.
     with app.connect(dbname="app", user="writer") as conn:
-        assert conn.execute("SELECT outbox_ack(%s)", (ids[0],)).fetchone()[0] is True
         assert conn.execute("SELECT outbox_ack(%s)", (ids[0],)).fetchone()[0] is False
         # Not its key's head yet: nothing to skip.
         assert conn.execute("SELECT outbox_skip(%s)", (ids[2],)).fetchone()[0] is False
     rows = dict(app.sql("SELECT id, key_state FROM outbox.log WHERE ordering_key = 'order-1'", dbname="app"))
-    assert [rows[i] for i in ids] == [None, "head", "waiting"]
-    assert app.value("SELECT status FROM outbox.events WHERE id = %s", (ids[0],), dbname="app") == "processed"
+    assert [rows[i] for i in ids] == ["head", "waiting", "waiting"]
+    assert app.value("SELECT status FROM outbox.events WHERE id = %s", (ids[0],), dbname="app") == "pending"
 
 
 def test_ids_a_session_takes_in_turn_are_in_order_within_a_millisecond(app):
