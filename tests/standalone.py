@@ -5,16 +5,18 @@ mode (OUTBOX_HOST=sidecar), where the tests of the dispatcher run against
 `outbox-dispatch run` on such a server."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
-from harness import ROOT, Cluster, documented_grants, free_port, wait_until
+from harness import PG_BIN, ROOT, Cluster, as_postgres, documented_grants, free_port, wait_until
 
 BIN = os.environ.get("OUTBOX_DISPATCH_BIN", str(ROOT / "target" / "debug" / "outbox-dispatch"))
 # Which host the suite's tests of the dispatcher run on: "library" (the
@@ -92,6 +94,21 @@ class Sidecar:
             self.proc.kill()
             self.proc.wait()
         os.unlink(self.log_file.name)
+
+
+class Standby(Cluster):
+    """A streaming replica of `primary` (pg_basebackup), hot standby."""
+
+    def __init__(self, primary):
+        self.dir = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
+        os.chmod(self.dir, 0o755)
+        shutil.chown(self.dir, "postgres", "postgres")
+        self.data, self.port, self.log = self.dir / "data", free_port(), self.dir / "server.log"
+        as_postgres(PG_BIN / "pg_basebackup", "-h", str(primary.dir), "-p", str(primary.port), "-U", "postgres",
+                    "-D", self.data, "-R", "-X", "stream", "--checkpoint=fast", "--no-sync")
+        with open(self.data / "postgresql.conf", "a") as f:
+            f.write(f"port = {self.port}\nunix_socket_directories = '{self.dir}'\n")
+        self.start()
 
 
 def scrape(port, request=b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"):

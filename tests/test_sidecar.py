@@ -5,21 +5,17 @@ environment, a database it must not serve, a broker that never answers, a
 database that sets nonsense; then what must survive: a sidecar killed mid
 drain, a connection cut, three sidecars at once; then the happy paths."""
 
-import os
 import re
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import psycopg
 import pytest
 
-from harness import PG_BIN, Cluster, Redis, SilentBroker, as_postgres, free_port, queued_ids, wait_until
-from standalone import Sidecar, fresh_database, install, plain_server, samples, scrape
+from harness import Redis, SilentBroker, free_port, queued_ids, wait_until
+from standalone import Sidecar, Standby, fresh_database, install, plain_server, samples, scrape
 
 
 @pytest.fixture(scope="module")
@@ -377,21 +373,6 @@ def test_three_sidecars_share_the_work_and_claim_nothing_twice(server, db, redis
     rows = workers(server, db)
     assert [r[0] for r in rows] == [0, 1, 2]
     assert sum(r[3] for r in rows) == 6000
-
-
-class Standby(Cluster):
-    """A streaming replica of `primary` (pg_basebackup), hot standby."""
-
-    def __init__(self, primary):
-        self.dir = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
-        os.chmod(self.dir, 0o755)
-        shutil.chown(self.dir, "postgres", "postgres")
-        self.data, self.port, self.log = self.dir / "data", free_port(), self.dir / "server.log"
-        as_postgres(PG_BIN / "pg_basebackup", "-h", str(primary.dir), "-p", str(primary.port), "-U", "postgres",
-                    "-D", self.data, "-R", "-X", "stream", "--checkpoint=fast", "--no-sync")
-        with open(self.data / "postgresql.conf", "a") as f:
-            f.write(f"port = {self.port}\nunix_socket_directories = '{self.dir}'\n")
-        self.start()
 
 
 def test_a_multi_host_dsn_follows_the_promoted_primary(redis_server, sidecars):

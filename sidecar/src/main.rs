@@ -10,6 +10,7 @@ mod install;
 mod listen;
 mod log;
 mod metrics;
+mod private_file;
 mod run;
 mod script;
 mod store;
