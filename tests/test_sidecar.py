@@ -5,6 +5,7 @@ environment, a database it must not serve, a broker that never answers, a
 database that sets nonsense; then what must survive: a sidecar killed mid
 drain, a connection cut, three sidecars at once; then the happy paths."""
 
+import json
 import re
 import signal
 import socket
@@ -263,6 +264,56 @@ def test_metrics_answer_garbage_with_nothing_and_show_the_library_s_names(
     library = {r[0] for r in cluster.sql("SELECT DISTINCT name FROM outbox.metrics")}
     names = {re.sub(r"\{.*", "", series) for series in found}
     assert names == library - {"outbox_inbox_duplicates_total"}, (names ^ library)
+
+
+def answer(port, path):
+    """The status line of a GET of `path`; "" while nothing listens."""
+    try:
+        return scrape(port, f"GET {path} HTTP/1.1\r\n\r\n".encode())[0]
+    except OSError:
+        return ""
+
+
+def test_healthz_says_alive_and_readyz_only_with_the_database_and_the_broker(server, db, redis_server, sidecars):
+    port = free_port()
+    down = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    sidecar = sidecars(server, db, "--metrics-listen", f"127.0.0.1:{port}", broker=down)
+    wait_until(lambda: answer(port, "/healthz").endswith("200 OK"), message="/healthz")
+    wait_until(lambda: workers(server, db), message="a dispatcher with its number")
+    for _ in range(3):
+        status, body = scrape(port, b"GET /readyz HTTP/1.1\r\n\r\n")
+        assert status.endswith("503 Service Unavailable") and "not ready" in body, (status, body)
+        time.sleep(0.5)
+    sidecar.stop()
+    port = free_port()
+    sidecar = sidecars(server, db, "--metrics-listen", f"127.0.0.1:{port}", broker=redis_server.url)
+    serving(server, db)
+    wait_until(lambda: answer(port, "/readyz").endswith("200 OK"), message="/readyz")
+    assert "ready: 1 of 1" in scrape(port, b"GET /readyz HTTP/1.1\r\n\r\n")[1]
+    # The database gone from under the dispatcher: not ready until it connects again.
+    server.sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'outbox-dispatch' "
+               "AND datname = %s", (db,))
+    wait_until(lambda: answer(port, "/readyz").endswith("503 Service Unavailable"),
+               message="not ready without the database")
+    wait_until(lambda: answer(port, "/readyz").endswith("200 OK"), timeout=60,
+               message="ready again")
+    assert answer(port, "/healthz").endswith("200 OK")
+
+
+def test_log_lines_as_json_parse_and_the_level_leaves_out_what_is_below_it(server, db, redis_server, sidecars):
+    secret = "S3CRET-json"
+    sidecar = sidecars(server, db, "--log-format", "json", broker=f"redis://:{secret}@127.0.0.1:{free_port()}/0")
+    wait_until(lambda: "running 1 dispatcher" in sidecar.log(), timeout=60, message="started", seen=sidecar.log)
+    sidecar.stop()
+    lines = [json.loads(line) for line in sidecar.log().splitlines()]
+    assert {"time", "level", "severity", "message", "pid"} <= set(lines[0])
+    assert {line["level"] for line in lines} >= {"info", "warning"}
+    assert any("running 1 dispatcher" in line["message"] for line in lines), sidecar.log()
+    assert secret not in sidecar.log()
+    quiet = sidecars(server, db, env={"OUTBOX_LOG_LEVEL": "warning"}, broker=redis_server.url)
+    serving(server, db)
+    quiet.stop()
+    assert "running 1 dispatcher" not in quiet.log() and "LOG:" not in quiet.log()
 
 
 def test_an_owner_blind_to_other_roles_transactions_truncates_nothing_under_their_snapshots(

@@ -417,10 +417,108 @@ def test_an_argument_is_never_echoed(server):
     secret = "S3CRET-" + uuid.uuid4().hex
     for args in (["install", f"postgresql://owner:{secret}@127.0.0.1:1/app"],
                  ["install", f"--dns=postgresql://owner:{secret}@127.0.0.1:1/app"],
-                 [f"postgresql://owner:{secret}@127.0.0.1:1/app"]):
+                 [f"postgresql://owner:{secret}@127.0.0.1:1/app"],
+                 ["instal", "--dsn", f"postgresql://owner:{secret}@127.0.0.1:1/app"],
+                 ["run", "--dsn", "x", f"--log-format={secret}"],
+                 ["run", "--dsn", "x", "--dispatchers", secret],
+                 ["run", "--dsn", "x", "--broker-url", f"redis://:{secret}@h/0", "--broker-url-file", "/f"],
+                 ["sql", "--schema"],
+                 [b"\xff" + secret.encode()]):
         result = run(*args)
-        assert result.returncode == 2
-        assert secret not in result.stderr + result.stdout
+        assert result.returncode == 2, args
+        assert secret not in result.stderr + result.stdout, args
+        assert "panicked" not in result.stderr
+
+
+def test_help_and_version_answer_on_every_command():
+    version = run("--version").stdout.split()[-1]
+    for command in ([], ["install"], ["sql"], ["run"]):
+        for flag in ("--help", "-h"):
+            result = run(*command, flag)
+            assert result.returncode == 0, (command, flag, result.stderr)
+            assert "Usage: outbox-dispatch" in result.stdout and "Exit status:" in result.stdout
+            assert "3  run: the outbox is not installed" in result.stdout
+        for flag in ("--version", "-V"):
+            result = run(*command, flag)
+            assert result.returncode == 0 and result.stdout == f"outbox-dispatch {version}\n", (command, flag)
+    assert "--dsn-file" in run("install", "--help").stdout and "--broker-url-file" in run("run", "-h").stdout
+    assert run("help", "run").stdout == run("run", "--help").stdout
+    # No command: the help, on standard error, exit status 2.
+    result = run()
+    assert result.returncode == 2 and "Usage:" in result.stderr
+
+
+def test_a_misspelled_command_or_option_is_told_the_right_one():
+    result = run("instal", "--dsn", "x")
+    assert result.returncode == 2
+    assert "did you mean 'install'" in result.stderr, result.stderr
+    result = run("run", "--dsn", "x", "--dispachers", "2")
+    assert result.returncode == 2
+    assert "unknown option --dispachers; did you mean '--dispatchers'" in result.stderr, result.stderr
+
+
+def test_the_systemd_unit_is_hardened_reads_a_private_environment_file_and_verifies(tmp_path):
+    unit = (Path(__file__).resolve().parent.parent / "packaging" / "systemd" / "outbox-dispatch@.service").read_text()
+    lines = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in unit.splitlines() if "=" in line
+             and not line.startswith("#")}
+    assert lines["EnvironmentFile"] == "/etc/outbox-dispatch/%i.env"
+    assert lines["DynamicUser"] == "yes" and lines["NoNewPrivileges"] == "yes"
+    assert lines["ProtectSystem"] == "strict" and lines["ProtectHome"] == "yes"
+    assert lines["ExecStart"].endswith("outbox-dispatch run")
+    # No restart for what a restart does not change: bad usage, a database not installed.
+    assert lines["RestartPreventExitStatus"].split() == ["2", "3"]
+    assert "2  bad usage" in run("--help").stdout
+    if shutil.which("systemd-analyze"):
+        copy = tmp_path / "outbox-dispatch@app.service"
+        copy.write_text(unit.replace("/usr/local/bin/outbox-dispatch", BIN))
+        result = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+
+
+def private_file(tmp_path, name, text, mode=0o600):
+    path = tmp_path / name
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_secrets_come_from_files_no_one_else_may_read_and_an_argument_holding_one_is_warned_of(app, tmp_path):
+    app.sql("ALTER ROLE owner PASSWORD 'owner-pw'")
+    with_password = f"host={app.dir} port={app.port} user=owner dbname=app password=owner-pw"
+    # Given as an argument: it works, and says that every local user can read it in ps.
+    result = run("install", "--dsn", f"host={app.dir} port={app.port} user=owner dbname=app password=owner-pw")
+    assert result.returncode == 0, result.stderr
+    assert "--dsn holds a password, which every local user can read in ps" in result.stderr
+    assert "owner-pw" not in result.stderr
+    # From the environment or a file of its own: no warning.
+    result = run("install", env={"OUTBOX_DSN": f"host={app.dir} port={app.port} user=owner dbname=app "
+                                               "password=owner-pw"})
+    assert result.returncode == 0 and "holds a password" not in result.stderr
+    dsn_file = private_file(tmp_path, "dsn", f"host={app.dir} port={app.port} user=owner dbname=app "
+                                             "password=owner-pw\n")
+    for args, env in ((["--dsn-file", str(dsn_file)], None), ([], {"OUTBOX_DSN_FILE": str(dsn_file)})):
+        result = run("install", *args, env=env)
+        assert result.returncode == 0 and "holds a password" not in result.stderr, result.stderr
+    # A file others may read is refused, naming it and the mode it needs, before anything is done.
+    for mode in (0o644, 0o640, 0o604):
+        dsn_file.chmod(mode)
+        result = run("install", "--dsn-file", str(dsn_file))
+        assert result.returncode == 2, oct(mode)
+        assert f"--dsn-file {dsn_file}" in result.stderr and "0600" in result.stderr
+        assert "owner-pw" not in result.stderr
+    # A --config file holding a password: refused when others may read it, as libpq refuses such a .pgpass.
+    config = private_file(tmp_path, "outbox.toml", f"dsn = '{with_password}'\n", 0o644)
+    result = run("install", "--config", str(config))
+    assert result.returncode == 2
+    assert f"--config {config}" in result.stderr and "holds a password" in result.stderr, result.stderr
+    assert "owner-pw" not in result.stderr
+    config.chmod(0o600)
+    result = run("install", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    # Without a password in it, a file anyone may read is fine.
+    plain = private_file(tmp_path, "plain.toml", f"dsn = 'host={app.dir} port={app.port} user=owner dbname=app'\n",
+                         0o644)
+    assert run("install", "--config", str(plain)).returncode == 0
 
 
 def test_tls_is_verified_against_the_ca_file(server):

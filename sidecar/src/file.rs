@@ -4,16 +4,24 @@
 //! over the file, and the command line over both.
 //!
 //! A value may hold a password: an error names the line and the key,
-//! never a value (nor the line, which TOML's own messages quote).
+//! never a value (nor the line, which TOML's own messages quote). A file
+//! whose DSN or broker URL holds a password is refused when others may
+//! read it, as libpq refuses such a password file.
 
 use std::collections::HashMap;
 use std::path::Path;
 
+use outbox_core::broker_url::BrokerUrl;
+
+use crate::private_file::{self, Rule};
+
 /// Every key a file may hold: each an `OUTBOX_*` variable in lower case.
-pub const KEYS: [&str; 9] = [
+pub const KEYS: [&str; 11] = [
     "dsn",
+    "dsn_file",
     "tls_ca_file",
     "broker_url",
+    "broker_url_file",
     "broker_password_file",
     "broker_tls_ca_file",
     "sentinel_password_file",
@@ -25,7 +33,23 @@ pub const KEYS: [&str; 9] = [
 /// The values of the file at `path`, by the variable each stands for.
 pub fn read(path: &Path) -> Result<HashMap<String, String>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("--config {}: {e}", path.display()))?;
-    parse(&text).map_err(|e| format!("--config {}: {e}", path.display()))
+    let values = parse(&text).map_err(|e| format!("--config {}: {e}", path.display()))?;
+    if holds_password(&values) {
+        private_file::read(path, Rule::Key, "--config").map_err(|e| {
+            format!("{e} (its dsn or broker_url holds a password; or move the password to a password file)")
+        })?;
+    }
+    Ok(values)
+}
+
+/// Whether the DSN or the broker's URL holds a password (or cannot be
+/// read well enough to tell).
+fn holds_password(values: &HashMap<String, String>) -> bool {
+    let dsn = values.get("OUTBOX_DSN").is_some_and(|dsn| crate::connect::holds_password(dsn));
+    let url = values
+        .get("OUTBOX_BROKER_URL")
+        .is_some_and(|url| BrokerUrl::parse(url).map_or(true, |u| u.password.is_some()));
+    dsn || url
 }
 
 /// The values of a file's text, by the variable each stands for.
@@ -80,5 +104,30 @@ mod tests {
             assert!(e.contains("line 2") || e.contains("key") || e.contains("must be"), "{e}");
         }
         assert!(parse("broker-url = 'x'").unwrap_err().contains("unknown key \"broker-url\""));
+    }
+
+    #[test]
+    fn a_file_holding_a_password_others_may_read_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let path = std::env::temp_dir().join(format!("outbox-config-{}.toml", std::process::id()));
+        for (text, secret) in [
+            ("dsn = 'host=db password=S3CRET'\n", true),
+            ("dsn = 'postgresql://u:S3CRET@db/app'\n", true),
+            ("broker_url = 'redis://:S3CRET@r/0'\n", true),
+            ("dsn = 'host=db'\nbroker_url = 'redis://r/0'\ndispatchers = 2\n", false),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+            match read(&path) {
+                Ok(_) => assert!(!secret, "{text}"),
+                Err(e) => {
+                    assert!(secret, "{text}: {e}");
+                    assert!(e.contains("--config") && e.contains("0644") && !e.contains("S3CRET"), "{e}");
+                }
+            }
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+            assert!(read(&path).is_ok(), "{text}");
+        }
+        std::fs::remove_file(&path).unwrap();
     }
 }

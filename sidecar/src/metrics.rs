@@ -1,7 +1,9 @@
 //! `/metrics` (`--metrics-listen`): the Prometheus text exposition of the
 //! process's counters and histograms, its dispatchers' gauges and the
 //! database's gauges, under the names `outbox.metrics` has with the
-//! library. Plain HTTP/1.1, one request per connection, on a thread of its
+//! library; beside it `/healthz` (the process answers) and `/readyz` (a
+//! dispatcher holds a number, on a connection to the database, with its
+//! broker connected: 503 otherwise). Plain HTTP/1.1, one request per connection, on a thread of its
 //! own: a connection is served within [`TIMEOUT`] in all (its request read
 //! up to [`MOST_REQUEST_BYTES`], the answer written), and the lingering
 //! close after it within [`LINGER`], so that a client that sends garbage,
@@ -14,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use outbox_core::exposition::{self, Family, Sample};
 use outbox_core::guc::{self, Parsed};
-use outbox_core::metrics;
+use outbox_core::metrics::{self, Shown};
 
 use crate::connect::chain;
 use crate::host::Process;
@@ -49,7 +51,11 @@ fn answer(stream: TcpStream, process: &Process) -> std::io::Result<()> {
     let mut stream = Deadline { stream, until: Instant::now() + TIMEOUT };
     let (status, body) = match read_request(&mut stream)? {
         Request::Metrics => ("200 OK", exposition::render(&families(process))),
-        Request::NotFound => ("404 Not Found", "only /metrics is served here\n".to_string()),
+        Request::Health => ("200 OK", "alive\n".to_string()),
+        Request::Ready => readiness(&process.shown()),
+        Request::NotFound => {
+            ("404 Not Found", "only /metrics, /healthz and /readyz are served here\n".to_string())
+        }
         Request::NotGet => ("405 Method Not Allowed", "only GET is served here\n".to_string()),
         Request::Bad => ("400 Bad Request", "not an HTTP request\n".to_string()),
     };
@@ -105,6 +111,8 @@ impl Write for Deadline {
 #[derive(Debug, PartialEq, Eq)]
 enum Request {
     Metrics,
+    Health,
+    Ready,
     NotFound,
     NotGet,
     Bad,
@@ -147,7 +155,28 @@ fn request(head: &[u8]) -> Request {
     }
     match target.split('?').next() {
         Some("/metrics") => Request::Metrics,
+        Some("/healthz") => Request::Health,
+        Some("/readyz") => Request::Ready,
         _ => Request::NotFound,
+    }
+}
+
+/// Whether the process delivers: a dispatcher is shown only while it
+/// holds a number on a session of the database (its row goes with the
+/// session), and is ready when its broker is connected and its last
+/// statement did not fail.
+fn readiness(dispatchers: &[Shown]) -> (&'static str, String) {
+    let ready = dispatchers.iter().filter(|d| d.running && d.connected && !d.blocked).count();
+    match ready {
+        0 => (
+            "503 Service Unavailable",
+            format!(
+                "not ready: of {} dispatcher(s) holding a number, none has the database and the broker \
+                 (outbox.workers and the log say why)\n",
+                dispatchers.len()
+            ),
+        ),
+        n => ("200 OK", format!("ready: {n} of {} dispatcher(s) deliver\n", dispatchers.len())),
     }
 }
 
@@ -193,6 +222,8 @@ mod tests {
     fn only_a_get_of_metrics_is_served() {
         assert_eq!(request(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"), Request::Metrics);
         assert_eq!(request(b"GET /metrics?x=1 HTTP/1.0\r\n\r\n"), Request::Metrics);
+        assert_eq!(request(b"GET /healthz HTTP/1.1\r\n\r\n"), Request::Health);
+        assert_eq!(request(b"GET /readyz HTTP/1.0\r\n\r\n"), Request::Ready);
         assert_eq!(request(b"GET / HTTP/1.1\r\n\r\n"), Request::NotFound);
         assert_eq!(request(b"POST /metrics HTTP/1.1\r\n\r\n"), Request::NotGet);
         for garbage in [
@@ -210,5 +241,15 @@ mod tests {
     fn a_request_too_long_is_bad_without_being_read_whole() {
         let mut endless = std::io::repeat(b'a');
         assert_eq!(read_request(&mut endless).unwrap(), Request::Bad);
+    }
+
+    #[test]
+    fn ready_when_a_dispatcher_has_the_database_and_the_broker() {
+        let shown = |running, connected, blocked| Shown { running, connected, blocked };
+        assert_eq!(readiness(&[]).0, "503 Service Unavailable");
+        assert_eq!(readiness(&[shown(true, false, false)]).0, "503 Service Unavailable");
+        assert_eq!(readiness(&[shown(true, true, true)]).0, "503 Service Unavailable");
+        assert_eq!(readiness(&[shown(false, true, false)]).0, "503 Service Unavailable");
+        assert_eq!(readiness(&[shown(true, false, false), shown(true, true, false)]).0, "200 OK");
     }
 }

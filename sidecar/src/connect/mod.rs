@@ -421,6 +421,12 @@ impl<T: TlsConnect<Socket>> TlsConnect<Socket> for WatchedConnect<T> {
     }
 }
 
+/// Whether `dsn` holds a password (or cannot be parsed well enough to
+/// tell).
+pub fn holds_password(dsn: &str) -> bool {
+    Params::parse(dsn).map_or(true, |params| params.get("password").is_some())
+}
+
 /// Connects to `dsn` once.
 pub fn connect(dsn: &str, ca_file: Option<&Path>) -> Result<Client, String> {
     Connector::new(dsn, ca_file)?.connect(Duration::from_secs(30))
