@@ -470,6 +470,31 @@ def test_sigterm_mid_drain_is_prompt_and_what_was_claimed_goes_again(server, db,
                message="the rest sent by the next")
 
 
+def test_sigterm_mid_drain_marks_every_push_it_made_before_it_exits(server, db, redis_server, sidecars):
+    """The push in flight at a SIGTERM is finished and marked, within the
+    stop's bound: nothing that reached the broker is left processing, or
+    pending to go again."""
+    set_setting(server, db, "outbox.batch_size", "100")
+    ids = enqueue(server, db, "q_marked", 20_000)
+    for _ in range(3):
+        sidecar = sidecars(server, db, broker=redis_server.url)
+        seen = redis_server.client().llen("q_marked")
+        # Under way (or, on a fast machine, done: then there is nothing to check but the end).
+        wait_until(lambda: redis_server.client().llen("q_marked") >= min(seen + 500, len(ids)), timeout=60,
+                   message="a drain under way")
+        status, took = sidecar.stop()
+        assert status == 0 and took < 10, (status, took)
+        sent = set(queued_ids(redis_server.client(), "q_marked"))
+        rows = dict(server.sql("SELECT id::text, status FROM outbox.events WHERE queue = 'q_marked'", dbname=db))
+        unmarked = [i for i in sent if rows.get(i) != "dispatched"]
+        assert unmarked == [], f"{len(unmarked)} pushed and not marked, e.g. {unmarked[:3]}"
+        assert "processing" not in statuses(server, db)
+    sidecars(server, db, broker=redis_server.url)
+    wait_until(lambda: len(queued_ids(redis_server.client(), "q_marked")) >= len(ids), timeout=120,
+               message="the rest sent by the next")
+    assert sorted(queued_ids(redis_server.client(), "q_marked")) == sorted(ids), "each sent once"
+
+
 # -- the happy paths -------------------------------------------------------------------------------
 
 def test_sighup_reads_the_settings_again(server, db, redis_server, sidecars):

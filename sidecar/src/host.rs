@@ -46,6 +46,10 @@ const TURN_CHECK: Duration = Duration::from_secs(1);
 /// A turn's lock unused this long is given back.
 const TURN_IDLE: Duration = Duration::from_secs(2);
 
+/// How long a stop lets the push in flight finish, and its marks be
+/// written, before its broker operation is abandoned.
+pub const STOP_DRAIN: Duration = Duration::from_secs(5);
+
 /// The exit status when the outbox is not installed, is installed at
 /// another release, or the extension serves the database.
 pub const EXIT_NOT_INSTALLED: i32 = 3;
@@ -54,6 +58,8 @@ pub const EXIT_NOT_INSTALLED: i32 = 3;
 pub struct Process {
     pub counters: Counters,
     stopping: AtomicBool,
+    /// When the stop came.
+    stopped_at: Mutex<Option<Instant>>,
     /// `host:pid` of this process, in the status rows.
     pub name: String,
     control: Control,
@@ -70,6 +76,7 @@ impl Process {
         Process {
             counters: Counters::default(),
             stopping: AtomicBool::new(false),
+            stopped_at: Mutex::new(None),
             name,
             control: Control { connector, client: Mutex::new(Err(Instant::now())), made: AtomicU64::new(0) },
             turns: std::array::from_fn(|_| AtomicBool::new(false)),
@@ -78,9 +85,17 @@ impl Process {
         }
     }
 
-    /// A SIGTERM came: every thread stops.
+    /// A SIGTERM came: every thread stops, once the push it has in flight
+    /// is done (within [`STOP_DRAIN`]) and marked.
     pub fn stop(&self) {
+        self.stopped_at.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(Instant::now);
         self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    /// The stop came [`STOP_DRAIN`] ago or more: a broker operation still
+    /// in flight is abandoned (its events go back in line).
+    fn giving_up(&self) -> bool {
+        self.stopped_at.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|at| at.elapsed() >= STOP_DRAIN)
     }
 
     pub fn stopping(&self) -> bool {
@@ -615,7 +630,8 @@ impl Drop for TurnHeld {
 }
 
 /// The [`Wait`] of broker operations: the socket and the bell; a
-/// shutdown abandons the operation. A reload does not: the broker's
+/// shutdown abandons the operation once it has had [`STOP_DRAIN`] to
+/// finish (a push whose answers came is marked). A reload does not: the broker's
 /// settings are the process's own, read at its start, and the rest are
 /// read once the operation is done (the log says so).
 pub struct Waiter {
@@ -639,7 +655,7 @@ impl Wait for Waiter {
     }
 
     fn check(&mut self) -> Result<(), Interrupted> {
-        if self.process.stopping() {
+        if self.process.giving_up() {
             return Err(Interrupted);
         }
         let pending = self.bell.reload_pending();

@@ -3,8 +3,9 @@
 //! server), running the engine the background workers run.
 //!
 //! The main thread takes the signals (blocked in every thread, taken with
-//! `sigtimedwait`): SIGTERM or SIGINT stops every dispatcher, cancelling
-//! the statements they run and abandoning their broker operations; SIGHUP
+//! `sigtimedwait`): SIGTERM or SIGINT stops every dispatcher once the push
+//! it has in flight is done and marked, within [`STOP_DRAIN`]; what still
+//! runs then is cancelled (its statements, its broker operations); SIGHUP
 //! reads the settings again. A thread whose connection fails connects
 //! again after a backoff with jitter, under the first dispatcher number
 //! free (a session advisory lock, which no two dispatchers of the database
@@ -24,7 +25,9 @@ use outbox_core::engine::{self, Dispatcher, Host, Settings, State};
 use outbox_core::guc;
 
 use crate::connect::{chain, pin_session, Connector};
-use crate::host::{squatters, Bell, Process, Sidecar, DISPATCHER_LOCKS, EXIT_NOT_INSTALLED, LOCK_CLASS};
+use crate::host::{
+    squatters, Bell, Process, Sidecar, DISPATCHER_LOCKS, EXIT_NOT_INSTALLED, LOCK_CLASS, STOP_DRAIN,
+};
 use crate::store::{PgDb, Watchdog};
 use crate::{log, metrics, script};
 
@@ -32,7 +35,8 @@ use crate::{log, metrics, script};
 const MAX_DISPATCHERS: i32 = 1000;
 /// How long a connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a stop waits for the dispatchers to finish what they do.
+/// How long a stop waits for the dispatchers to finish what they do, the
+/// [`STOP_DRAIN`] given to the pushes in flight included.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Reconnects to the database back off between these.
 const RECONNECT_MIN: Duration = Duration::from_secs(1);
@@ -265,8 +269,12 @@ pub fn run(config: RunConfig) -> i32 {
     }
     process.stop();
     bells.iter().for_each(|b| b.stop());
-    watchdogs.lock().unwrap_or_else(|e| e.into_inner()).values().for_each(Watchdog::cancel_now);
     let deadline = Instant::now() + STOP_TIMEOUT;
+    let drained = Instant::now() + STOP_DRAIN;
+    while Instant::now() < drained && !threads.iter().all(JoinHandle::is_finished) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    watchdogs.lock().unwrap_or_else(|e| e.into_inner()).values().for_each(Watchdog::cancel_now);
     while Instant::now() < deadline && !threads.iter().all(JoinHandle::is_finished) {
         std::thread::sleep(Duration::from_millis(20));
     }
