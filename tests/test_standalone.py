@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from harness import PG_BIN, as_postgres, make_tls_files, wait_until
+from harness import PG_BIN, as_postgres, wait_until
 from standalone import BIN, dsn, fresh_database, install, plain_server, run
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -519,30 +519,6 @@ def test_secrets_come_from_files_no_one_else_may_read_and_an_argument_holding_on
     plain = private_file(tmp_path, "plain.toml", f"dsn = 'host={app.dir} port={app.port} user=owner dbname=app'\n",
                          0o644)
     assert run("install", "--config", str(plain)).returncode == 0
-
-
-def test_tls_is_verified_against_the_ca_file(server):
-    if not server.value("SHOW ssl_library"):
-        pytest.skip("this PostgreSQL is built without TLS (the relocatable builds are)")
-    tls = make_tls_files()
-    key = tls / "pg.key"
-    shutil.copy(tls / "server.key", key)
-    shutil.chown(key, "postgres", "postgres")
-    key.chmod(0o600)
-    with plain_server(server_conf={
-        "listen_addresses": "'127.0.0.1'", "ssl": "on", "ssl_cert_file": f"'{tls / 'server.pem'}'",
-        "ssl_key_file": f"'{key}'"}) as pg:
-        fresh_database(pg, "app")
-        url = f"postgresql://owner@127.0.0.1:{pg.port}/app?sslmode=require"
-        result = run("install", "--dsn", url, "--tls-ca-file", str(tls / "other-ca.pem"))
-        assert result.returncode == 1
-        assert "certificate" in result.stderr.lower()
-        result = run("install", "--dsn", url, env={"OUTBOX_TLS_CA_FILE": str(tls / "ca.pem")})
-        assert result.returncode == 0, result.stderr
-        assert pg.value("SELECT bool_and(ssl) FROM pg_stat_ssl JOIN pg_stat_activity USING (pid) "
-                        "WHERE usename = 'owner'", dbname="app") in (True, None)
-        assert pg.value("SELECT version FROM outbox.installed", dbname="app") == version()
-    shutil.rmtree(tls)
 
 
 def version():

@@ -10,6 +10,18 @@ use rustls::pki_types::CertificateDer;
 /// The TLS client configuration: the authorities of `ca_file`, or the
 /// system's. `setting` names where the file is given, for the errors.
 pub fn client_config(setting: &str, ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, String> {
+    let roots = roots(setting, ca_file)?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
+/// The authorities of `ca_file` (PEM), or the system's.
+pub fn roots(setting: &str, ca_file: Option<&Path>) -> Result<rustls::RootCertStore, String> {
     let mut roots = rustls::RootCertStore::empty();
     match ca_file {
         Some(path) => {
@@ -32,11 +44,5 @@ pub fn client_config(setting: &str, ca_file: Option<&Path>) -> Result<Arc<rustls
             }
         }
     }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(Arc::new(config))
+    Ok(roots)
 }

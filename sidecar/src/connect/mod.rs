@@ -340,14 +340,7 @@ fn describe(wanted: SessionAttrs) -> &'static str {
 }
 
 fn sslmode_name(mode: SslMode) -> &'static str {
-    match mode {
-        SslMode::Disable => "disable",
-        SslMode::Allow => "allow",
-        SslMode::Prefer => "prefer",
-        SslMode::Require => "require",
-        SslMode::VerifyCa => "verify-ca",
-        SslMode::VerifyFull => "verify-full",
-    }
+    options::SSLMODES.iter().find(|(_, m)| *m == mode).map_or("?", |(name, _)| name)
 }
 
 /// The process's user: its name (libpq's default `user`) and home (where

@@ -135,6 +135,26 @@ pub struct Account {
     pub home: Option<PathBuf>,
 }
 
+/// `sslmode`'s values, by name.
+pub const SSLMODES: [(&str, SslMode); 6] = [
+    ("disable", SslMode::Disable),
+    ("allow", SslMode::Allow),
+    ("prefer", SslMode::Prefer),
+    ("require", SslMode::Require),
+    ("verify-ca", SslMode::VerifyCa),
+    ("verify-full", SslMode::VerifyFull),
+];
+
+/// `target_session_attrs`'s values, by name.
+const SESSION_ATTRS: [(&str, SessionAttrs); 6] = [
+    ("any", SessionAttrs::Any),
+    ("read-write", SessionAttrs::ReadWrite),
+    ("read-only", SessionAttrs::ReadOnly),
+    ("primary", SessionAttrs::Primary),
+    ("standby", SessionAttrs::Standby),
+    ("prefer-standby", SessionAttrs::PreferStandby),
+];
+
 /// libpq's default port.
 const PORT: u16 = 5432;
 /// The directories libpq's builds put the server's socket in: Debian's,
@@ -145,21 +165,7 @@ impl Options {
     pub fn from_params(params: &Params, account: &Account) -> Result<Options, DsnError> {
         let get = |k: &str| params.get(k).filter(|v| !v.is_empty());
         let dot = |file: &str| account.home.as_ref().map(|h| h.join(".postgresql").join(file));
-        let sslmode = match get("sslmode") {
-            None => None,
-            Some(v) => Some(one_of(
-                "sslmode",
-                v,
-                &[
-                    ("disable", SslMode::Disable),
-                    ("allow", SslMode::Allow),
-                    ("prefer", SslMode::Prefer),
-                    ("require", SslMode::Require),
-                    ("verify-ca", SslMode::VerifyCa),
-                    ("verify-full", SslMode::VerifyFull),
-                ],
-            )?),
-        };
+        let sslmode = get("sslmode").map(|v| one_of("sslmode", v, &SSLMODES)).transpose()?;
         let roots = match get("sslrootcert") {
             Some("system") => Roots::System,
             Some(file) => Roots::File(PathBuf::from(file)),
@@ -177,22 +183,14 @@ impl Options {
             }
             (mode, _, _) => mode.unwrap_or(SslMode::Prefer),
         };
-        let direct = one_of(
-            "sslnegotiation",
-            get("sslnegotiation").unwrap_or("postgres"),
-            &[("postgres", false), ("direct", true)],
-        )?;
+        let direct = choice(params, "sslnegotiation", "postgres", &[("postgres", false), ("direct", true)])?;
         if direct && sslmode < SslMode::Require {
             return Err(DsnError::Value(
                 "sslnegotiation",
                 "direct only with sslmode require, verify-ca or verify-full".into(),
             ));
         }
-        let sends_cert = one_of(
-            "sslcertmode",
-            get("sslcertmode").unwrap_or("allow"),
-            &[("allow", true), ("disable", false)],
-        )?;
+        let sends_cert = choice(params, "sslcertmode", "allow", &[("allow", true), ("disable", false)])?;
         let client_cert = match (get("sslcert"), get("sslkey")) {
             _ if !sends_cert => None,
             (Some(cert), key) => Some(ClientCert {
@@ -205,11 +203,7 @@ impl Options {
             }),
         };
         let version = |k: &'static str, default: &str| {
-            one_of(
-                k,
-                get(k).unwrap_or(default),
-                &[("TLSv1", 10), ("TLSv1.1", 11), ("TLSv1.2", 12), ("TLSv1.3", 13)],
-            )
+            choice(params, k, default, &[("TLSv1", 10), ("TLSv1.1", 11), ("TLSv1.2", 12), ("TLSv1.3", 13)])
         };
         let (min, max) = (
             version("ssl_min_protocol_version", "TLSv1.2")?,
@@ -223,15 +217,12 @@ impl Options {
             ));
         }
         use postgres::config::ChannelBinding;
-        let channel_binding = one_of(
-            "channel_binding",
-            get("channel_binding").unwrap_or("prefer"),
-            &[
-                ("disable", ChannelBinding::Disable),
-                ("prefer", ChannelBinding::Prefer),
-                ("require", ChannelBinding::Require),
-            ],
-        )?;
+        let bindings = [
+            ("disable", ChannelBinding::Disable),
+            ("prefer", ChannelBinding::Prefer),
+            ("require", ChannelBinding::Require),
+        ];
+        let channel_binding = choice(params, "channel_binding", "prefer", &bindings)?;
         refuse_unsupported(params)?;
         let user = get("user").map(str::to_string).or_else(|| account.name.clone()).ok_or(
             DsnError::Value("user", "a role's name: none is given and the process's user has no name".into()),
@@ -247,7 +238,7 @@ impl Options {
             sslmode,
             roots,
             client_cert,
-            sni: one_of("sslsni", get("sslsni").unwrap_or("1"), &[("1", true), ("0", false)])?,
+            sni: choice(params, "sslsni", "1", &[("1", true), ("0", false)])?,
             versions,
             direct,
             channel_binding,
@@ -255,7 +246,7 @@ impl Options {
             connect_timeout: seconds(params, "connect_timeout")?
                 .filter(|s| *s > 0)
                 .map(|s| Duration::from_secs(s.max(2) as u64)),
-            keepalives: one_of("keepalives", get("keepalives").unwrap_or("1"), &[("1", true), ("0", false)])?,
+            keepalives: choice(params, "keepalives", "1", &[("1", true), ("0", false)])?,
             keepalives_idle: seconds(params, "keepalives_idle")?
                 .filter(|s| *s > 0)
                 .map(|s| Duration::from_secs(s as u64)),
@@ -271,24 +262,12 @@ impl Options {
                 .or_else(|| get("fallback_application_name"))
                 .map(str::to_string),
             target: get("target_session_attrs")
-                .map(|v| {
-                    one_of(
-                        "target_session_attrs",
-                        v,
-                        &[
-                            ("any", SessionAttrs::Any),
-                            ("read-write", SessionAttrs::ReadWrite),
-                            ("read-only", SessionAttrs::ReadOnly),
-                            ("primary", SessionAttrs::Primary),
-                            ("standby", SessionAttrs::Standby),
-                            ("prefer-standby", SessionAttrs::PreferStandby),
-                        ],
-                    )
-                })
+                .map(|v| one_of("target_session_attrs", v, &SESSION_ATTRS))
                 .transpose()?,
-            load_balance: one_of(
+            load_balance: choice(
+                params,
                 "load_balance_hosts",
-                get("load_balance_hosts").unwrap_or("disable"),
+                "disable",
                 &[("disable", false), ("random", true)],
             )?,
         })
@@ -301,6 +280,17 @@ fn one_of<T: Copy>(keyword: &'static str, value: &str, choices: &[(&str, T)]) ->
         let names: Vec<&str> = choices.iter().map(|(name, _)| *name).collect();
         DsnError::Value(keyword, format!("one of {}", names.join(", ")))
     })
+}
+
+/// The value of `keyword` among `choices`, or `default`'s when it is not
+/// given (or empty).
+fn choice<T: Copy>(
+    params: &Params,
+    keyword: &'static str,
+    default: &str,
+    choices: &[(&str, T)],
+) -> Result<T, DsnError> {
+    one_of(keyword, params.get(keyword).filter(|v| !v.is_empty()).unwrap_or(default), choices)
 }
 
 /// An integer option (seconds, or milliseconds for `tcp_user_timeout`).

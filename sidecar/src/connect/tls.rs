@@ -55,29 +55,10 @@ pub fn client_config(options: &Options, roots_named: &str) -> Result<Arc<rustls:
 
 /// The authorities of a file (PEM), or the system's.
 fn roots(roots: &Roots, named: &str) -> Result<rustls::RootCertStore, String> {
-    let mut store = rustls::RootCertStore::empty();
     match roots {
-        Roots::File(path) => {
-            let unusable = |e: String| format!("unusable {named} {}: {e}", path.display());
-            let pem =
-                std::fs::read(path).map_err(|e| format!("cannot read {named} {}: {e}", path.display()))?;
-            for certificate in CertificateDer::pem_slice_iter(&pem) {
-                store
-                    .add(certificate.map_err(|e| unusable(e.to_string()))?)
-                    .map_err(|e| unusable(e.to_string()))?;
-            }
-            if store.is_empty() {
-                return Err(unusable("no certificate in it".into()));
-            }
-        }
-        Roots::System => {
-            let (added, _) = store.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-            if added == 0 {
-                return Err(format!("no system certificate authorities found for TLS; set {named}"));
-            }
-        }
+        Roots::File(path) => outbox_core::tls::roots(named, Some(path)),
+        Roots::System => outbox_core::tls::roots(named, None),
     }
-    Ok(store)
 }
 
 /// The client's certificate chain, and its key, read only when no one
