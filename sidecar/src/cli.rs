@@ -444,11 +444,20 @@ fn refusal(e: clap::Error) -> Usage {
 }
 
 /// An argument as an error may show it: an option's name (`--dns` of
-/// `--dns=...`, `--dsn` of `--dsn <DSN>`), never anything else.
+/// `--dns=...`, `--dsn` of `--dsn <DSN>`), when it is written as names
+/// are (`--` and at most 40 lower-case letters, digits and dashes), or a
+/// short option's letter; never anything else.
 fn shown(arg: &str) -> String {
-    match arg.starts_with('-') {
-        true => arg.split(['=', ' ']).next().unwrap_or_default().to_string(),
-        false => "(not shown)".to_string(),
+    let name = arg.split(['=', ' ']).next().unwrap_or_default();
+    let long = name.strip_prefix("--").is_some_and(|n| {
+        !n.is_empty()
+            && n.len() <= 40
+            && n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    });
+    match name.as_bytes() {
+        _ if long => name.to_string(),
+        [b'-', letter, ..] if letter.is_ascii_alphanumeric() => format!("-{}", *letter as char),
+        _ => "(not shown)".to_string(),
     }
 }
 
@@ -504,6 +513,10 @@ mod tests {
             "run --dsn x --dispatchers S3CRET",
             "run --dsn=S3CRET --dsn-file=/S3CRET",
             "instal --dsn S3CRET",
+            "run --dsn x -pS3CRET",
+            "run --dsn x -dsn=S3CRET",
+            "run --dsn x --S3CRET",
+            "run --dsn x ---S3CRET",
         ] {
             let error = command(line, &none).unwrap_err();
             assert!(!error.contains("S3CRET"), "{line}: {error}");

@@ -32,11 +32,14 @@ pub const KEYS: [&str; 11] = [
 
 /// The values of the file at `path`, by the variable each stands for.
 pub fn read(path: &Path) -> Result<HashMap<String, String>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("--config {}: {e}", path.display()))?;
+    let (text, meta) = private_file::open(path).map_err(|e| format!("--config {}: {e}", path.display()))?;
     let values = parse(&text).map_err(|e| format!("--config {}: {e}", path.display()))?;
     if holds_password(&values) {
-        private_file::read(path, Rule::Key, "--config").map_err(|e| {
-            format!("{e} (its dsn or broker_url holds a password; or move the password to a password file)")
+        private_file::check(&meta, Rule::Key, private_file::effective_user()).map_err(|why| {
+            format!(
+                "{} (its dsn or broker_url holds a password; or move the password to a password file)",
+                private_file::refusal(path, "--config", &why)
+            )
         })?;
     }
     Ok(values)

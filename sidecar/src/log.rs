@@ -84,7 +84,8 @@ fn render(format: Format, level: Level, time: &str, message: &str) -> String {
         Level::Error => ("error", "ERROR"),
     };
     match format {
-        Format::Text => format!("{time} {severity}:  {message}\n"),
+        // One line a message: a newline in it would forge another.
+        Format::Text => format!("{time} {severity}:  {}\n", printable(message)),
         Format::Json => {
             let object = serde_json::json!({
                 "time": format!("{}Z", time.trim_end_matches(" UTC").replacen(' ', "T", 1)),
@@ -96,6 +97,11 @@ fn render(format: Format, level: Level, time: &str, message: &str) -> String {
             format!("{object}\n")
         }
     }
+}
+
+/// `text` with its control characters escaped (`\n`, `\u{1b}`).
+pub fn printable(text: &str) -> String {
+    text.chars().flat_map(|c| if c.is_control() { c.escape_default().collect() } else { vec![c] }).collect()
 }
 
 /// `YYYY-MM-DD HH:MM:SS.mmm UTC` of `seconds` since the epoch.
@@ -141,5 +147,8 @@ mod tests {
         assert_eq!(value["severity"], "WARNING");
         assert_eq!(value["time"], "2026-01-02T03:04:05.678Z");
         assert_eq!(render(Format::Text, Level::Info, "t", "m"), "t LOG:  m\n");
+        let forged =
+            render(Format::Text, Level::Info, "t", "m\n2026-01-01 00:00:00.000 UTC ERROR:  x\u{1b}[2J");
+        assert_eq!(forged, "t LOG:  m\\n2026-01-01 00:00:00.000 UTC ERROR:  x\\u{1b}[2J\n");
     }
 }

@@ -64,13 +64,47 @@ pub fn check(meta: &Metadata, rule: Rule, euid: u32) -> Result<(), Exposed> {
     Ok(())
 }
 
+/// The text of the file at `path` and what it was when read: opened
+/// once, so that what is checked is what is read (no file put in its
+/// place between the two), and without waiting on a FIFO.
+pub fn open(path: &Path) -> std::io::Result<(String, Metadata)> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    let meta = file.metadata()?;
+    let mut text = String::new();
+    if meta.is_file() {
+        file.read_to_string(&mut text)?;
+    }
+    Ok((text, meta))
+}
+
+/// Why a private file was not read.
+#[derive(Debug)]
+pub enum Refused {
+    Io(std::io::Error),
+    Exposed(Exposed),
+}
+
+/// The text of the file at `path` when it is private enough under `rule`.
+pub fn read_private(path: &Path, rule: Rule) -> Result<String, Refused> {
+    let (text, meta) = open(path).map_err(Refused::Io)?;
+    check(&meta, rule, effective_user()).map_err(Refused::Exposed)?;
+    Ok(text)
+}
+
 /// Reads the file at `path` when it is private enough under `rule`;
 /// `what` names it in the errors (an option, a setting).
 pub fn read(path: &Path, rule: Rule, what: &str) -> Result<String, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
-    check(&meta, rule, effective_user())
-        .map_err(|why| format!("{what} {}: refused, as libpq refuses such a file: {why}", path.display()))?;
-    std::fs::read_to_string(path).map_err(|e| format!("{what} {}: {e}", path.display()))
+    read_private(path, rule).map_err(|refused| match refused {
+        Refused::Io(e) => format!("{what} {}: {e}", path.display()),
+        Refused::Exposed(why) => refusal(path, what, &why),
+    })
+}
+
+/// Says why the file `what` names is refused.
+pub fn refusal(path: &Path, what: &str, why: &Exposed) -> String {
+    format!("{what} {}: refused, as libpq refuses such a file: {why}", path.display())
 }
 
 /// The process's effective user id.

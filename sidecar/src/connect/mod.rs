@@ -428,6 +428,10 @@ pub fn connect(dsn: &str, ca_file: Option<&Path>) -> Result<Client, String> {
 /// An error and its causes, each once: "error connecting to server" says
 /// nothing without the refusal under it. What the server raised is its
 /// message, with its detail and hint.
+///
+/// A server's words are its own: control characters in them (a newline
+/// that would forge a line of the log, a terminal's escape) are shown
+/// escaped.
 pub fn chain(error: &(dyn Error + 'static)) -> String {
     if let Some(db) = error.downcast_ref::<postgres::Error>().and_then(postgres::Error::as_db_error) {
         let mut text = db.message().to_string();
@@ -435,7 +439,7 @@ pub fn chain(error: &(dyn Error + 'static)) -> String {
             text.push_str(": ");
             text.push_str(more);
         }
-        return text;
+        return crate::log::printable(&text);
     }
     let mut text = error.to_string();
     let mut cause = error.source();
@@ -447,7 +451,7 @@ pub fn chain(error: &(dyn Error + 'static)) -> String {
         }
         cause = e.source();
     }
-    text
+    crate::log::printable(&text)
 }
 
 /// Pins what every statement of the sidecar relies on, whatever the

@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use super::options::{Endpoint, Host};
-use crate::private_file::{self, Rule};
+use crate::private_file::{self, Refused, Rule};
 
 /// What the password file says for one connection.
 #[derive(Debug, PartialEq, Eq)]
@@ -25,14 +25,12 @@ const LOCAL_SOCKET_DIRS: [&str; 3] = ["/var/run/postgresql", "/run/postgresql", 
 
 /// The password of the first line of `file` that matches.
 pub fn lookup(file: &Path, endpoint: &Endpoint, dbname: &str, user: &str) -> Lookup {
-    let Ok(meta) = std::fs::metadata(file) else {
-        return Lookup::Nothing;
-    };
-    if let Err(why) = private_file::check(&meta, Rule::Passfile, private_file::effective_user()) {
-        return Lookup::Ignored(format!("password file {} is ignored: {why}", file.display()));
-    }
-    let Ok(text) = std::fs::read_to_string(file) else {
-        return Lookup::Nothing;
+    let text = match private_file::read_private(file, Rule::Passfile) {
+        Ok(text) => text,
+        Err(Refused::Io(_)) => return Lookup::Nothing,
+        Err(Refused::Exposed(why)) => {
+            return Lookup::Ignored(format!("password file {} is ignored: {why}", file.display()));
+        }
     };
     let host = match &endpoint.host {
         Host::Tcp(name) => name.clone(),
