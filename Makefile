@@ -119,6 +119,7 @@ bench: install
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/keys.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/brokers.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/wal.py
+	PG_BIN=$(PG_BIN) $(PYTHON) bench/table.py
 	cargo build --release -p outbox-dispatch
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/standalone.py
 

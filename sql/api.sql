@@ -7,6 +7,28 @@ SET LOCAL search_path = pg_catalog, pg_temp;
 
 ALTER TABLE outbox.log ALTER COLUMN id SET DEFAULT @extschema@.outbox_uuid_v7();
 
+-- The defaults of outbox.log's columns are those of the view outbox.events
+-- (sql/events.sql: a rule's NEW has a view's, not the table's); not those of the columns that say
+-- what became of the event, which are never written.
+DO $$
+DECLARE
+    column_ record;
+BEGIN
+    FOR column_ IN
+        SELECT a.attname, pg_get_expr(d.adbin, d.adrelid) AS default_
+          FROM pg_attribute AS a
+          JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+         WHERE a.attrelid = 'outbox.log'::regclass
+           AND a.attname IN (SELECT v.attname FROM pg_attribute AS v
+                              WHERE v.attrelid = 'outbox.events'::regclass AND v.attnum > 0)
+           AND a.attname NOT IN ('status', 'deliveries')
+    LOOP
+        EXECUTE format('ALTER VIEW outbox.events ALTER COLUMN %I SET DEFAULT %s', column_.attname, column_.default_);
+    END LOOP;
+END
+$$;
+
+
 -- Every insert path (outbox_enqueue() or an ORM's INSERT) wakes the
 -- dispatchers when its transaction commits. Once per statement, not per row;
 -- BEFORE rather than AFTER, which would queue an after-trigger event per
@@ -276,53 +298,8 @@ $$;
 -- and the metrics count them).
 CREATE VIEW outbox.status AS
 WITH waiting AS (
-    -- In line, not read yet. A window reads the transactions its prev saw
-    -- in progress (behind), then those from prev's xmax on (fresh), each
-    -- in (pending_xid, id) order, up to the cursor's position; what its
-    -- target does not see, a later window reads. Each range starts where
-    -- the unread rows of its transaction start: a large transaction the
-    -- window has read is not walked again (500,000 buffers for a scrape
-    -- over one of 200,000 events whose window was not closed yet).
-    -- Behind: a transaction the target sees and the position passed is
-    -- read; the one at the position, from there on; any other, whole.
-    SELECT e.created_at, e.available_at
-      FROM outbox.cursor AS c
-     CROSS JOIN LATERAL pg_catalog.pg_snapshot_xip(c.prev) AS b(xid)
-     CROSS JOIN LATERAL (
-           SELECT coalesce(pg_catalog.pg_visible_in_snapshot(b.xid, c.target) AND b.xid = c.after_xid, false)
-                      AS at_position,
-                  coalesce(pg_catalog.pg_visible_in_snapshot(b.xid, c.target) AND b.xid < c.after_xid, false)
-                      AS passed) AS r
-      JOIN outbox.log AS e
-        ON e.pending_xid = b.xid
-       AND (e.pending_xid, e.id) > (b.xid, CASE WHEN r.at_position THEN c.after_id
-                                                ELSE '00000000-0000-0000-0000-000000000000'::uuid END)
-     WHERE NOT r.passed
-       AND e.status = 'pending'
-       AND e.key_state IS DISTINCT FROM 'waiting'
-    UNION ALL
-    -- Fresh, beyond the position (from prev's xmax while the window is
-    -- still reading behind, or has not begun).
-    SELECT e.created_at, e.available_at
-      FROM outbox.cursor AS c
-      JOIN outbox.log AS e
-        ON (e.pending_xid, e.id)
-           > (CASE WHEN c.target IS NOT NULL AND c.after_xid >= pg_catalog.pg_snapshot_xmax(c.prev) THEN c.after_xid
-                   ELSE outbox.xid_before(pg_catalog.pg_snapshot_xmax(c.prev)) END,
-              CASE WHEN c.target IS NOT NULL AND c.after_xid >= pg_catalog.pg_snapshot_xmax(c.prev) THEN c.after_id
-                   ELSE 'ffffffff-ffff-ffff-ffff-ffffffffffff'::uuid END)
-     WHERE e.status = 'pending'
-       AND e.key_state IS DISTINCT FROM 'waiting'
-    UNION ALL
-    -- Fresh, before the position, of transactions the target does not see.
-    SELECT e.created_at, e.available_at
-      FROM outbox.cursor AS c
-     CROSS JOIN LATERAL pg_catalog.pg_snapshot_xip(c.target) AS t(xid)
-      JOIN outbox.log AS e ON e.pending_xid = t.xid
-     WHERE t.xid >= pg_catalog.pg_snapshot_xmax(c.prev)
-       AND t.xid < c.after_xid
-       AND e.status = 'pending'
-       AND e.key_state IS DISTINCT FROM 'waiting'
+    -- In line, not read yet.
+    SELECT u.created_at, u.available_at FROM outbox.unread AS u
     UNION ALL
     -- Out of line until due.
     SELECT e.created_at, e.available_at

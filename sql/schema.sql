@@ -59,8 +59,11 @@ CREATE TABLE outbox.log (
                           CONSTRAINT events_priority_range CHECK (priority BETWEEN 0 AND 9),
     -- What was written of the event, not what it is now: 'pending' (in
     -- line, or sent: its batch says, see outbox.events), 'failed' (a dead
-    -- letter), 'processed' (the record of a routed event).
-    status                outbox.event_status NOT NULL DEFAULT 'pending',
+    -- letter), 'processed' (the record of a routed event). Never more: the
+    -- planner reads this constraint to leave the other statuses' filters
+    -- on outbox.events out of these rows (sql/events.sql).
+    status                outbox.event_status NOT NULL DEFAULT 'pending'
+                          CONSTRAINT events_status_written CHECK (status IN ('pending', 'failed', 'processed')),
     retry_count           integer NOT NULL DEFAULT 0,
     created_at            timestamptz NOT NULL DEFAULT clock_timestamp(),
     available_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
@@ -164,8 +167,21 @@ BEGIN
 END
 $$;
 CREATE TRIGGER events_pending_again
-    BEFORE INSERT OR UPDATE OF status, available_at, pending_xid ON outbox.log
+    BEFORE INSERT ON outbox.log
     FOR EACH ROW WHEN (NEW.status = 'pending'
+                       AND (NEW.pending_xid IS DISTINCT FROM pg_catalog.pg_current_xact_id()
+                            OR NEW.available_at > pg_catalog.clock_timestamp())
+                       AND pg_catalog.current_setting('outbox.moving', true) IS DISTINCT FROM 'on')
+    EXECUTE FUNCTION @extschema@.outbox_pending_again();
+-- An update that changes one of these: one that leaves them as they were
+-- (an edit of its payload through outbox.events, whose rule writes every
+-- column) leaves the event where it is.
+CREATE TRIGGER events_pending_again_updated
+    BEFORE UPDATE OF status, available_at, pending_xid ON outbox.log
+    FOR EACH ROW WHEN (NEW.status = 'pending'
+                       AND (OLD.status IS DISTINCT FROM NEW.status
+                            OR OLD.available_at IS DISTINCT FROM NEW.available_at
+                            OR OLD.pending_xid IS DISTINCT FROM NEW.pending_xid)
                        AND (NEW.pending_xid IS DISTINCT FROM pg_catalog.pg_current_xact_id()
                             OR NEW.available_at > pg_catalog.clock_timestamp())
                        AND pg_catalog.current_setting('outbox.moving', true) IS DISTINCT FROM 'on')
@@ -173,6 +189,7 @@ CREATE TRIGGER events_pending_again
 -- Also where triggers are off for replication (a logical replication
 -- subscriber applying the rows of another server's history).
 ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again;
+ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again_updated;
 
 -- The triggers of outbox.log that fire always, also where triggers are
 -- off for replication (events_from_writers in sql/keys.sql; without the
@@ -189,7 +206,7 @@ ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again;
 CREATE FUNCTION outbox.always_firing() RETURNS SETOF name
 LANGUAGE sql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT unnest('{events_pending_again,events_from_writers,events_moving_refused}'::name[]) $$;
+AS $$ SELECT unnest('{events_pending_again,events_pending_again_updated,events_from_writers,events_moving_refused}'::name[]) $$;
 
 CREATE FUNCTION outbox.triggers_off() RETURNS TABLE (generation smallint, disabled boolean, pages bigint)
 LANGUAGE sql STABLE
@@ -229,7 +246,7 @@ BEGIN
 END
 $$;
 
-REVOKE ALL ON FUNCTION outbox.always_firing(), outbox.triggers_off(), outbox.fire_always(smallint) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.fire_always(smallint) FROM PUBLIC;
 
 -- Dead letters.
 CREATE INDEX events_failed_idx ON outbox.log (created_at) WHERE status = 'failed';
@@ -486,23 +503,34 @@ RETURN pg_catalog.encode(
         pg_catalog.uuid_send(send) OPERATOR(pg_catalog.||) pg_catalog.uuid_send(event)), 1, 16),
     'hex')::pg_catalog.uuid;
 
--- The batch that read an event in line at ($1, $2): the page of the
--- window that holds its position. NULL: none yet (or out of line). An
--- abandoned batch (its events went back in line, but those with an
--- outcome) only with $3: what became of the event at that position.
-CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid, abandoned boolean DEFAULT false) RETURNS bigint
-LANGUAGE sql STABLE STRICT SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
+-- The batch that read an event in line at ($1, $2): the page of a window
+-- that holds its place (the first batch whose last place is at or after
+-- it, of the window that read its transaction). No row: none yet (or
+-- out of line). Plain SQL with every name qualified and no SET clause, so
+-- that a caller inlines it (outbox.batch_of(), and the library's
+-- outbox.state_at() when a place is not the last batch's it found).
+CREATE FUNCTION outbox.held_by(xid xid8, event uuid)
+RETURNS TABLE (id bigint, from_xid xid8, from_id uuid, to_xid xid8, to_id uuid, prev pg_snapshot,
+               target pg_snapshot, marked_at timestamptz, abandoned_at timestamptz)
+LANGUAGE sql STABLE ROWS 1
 AS $$
-SELECT b.id
+SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
   FROM outbox.batches AS b
  WHERE (b.to_xid, b.to_id) OPERATOR(pg_catalog.>=) ($1, $2)
    AND pg_catalog.pg_visible_in_snapshot($1, b.target)
    AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
    AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
-   AND ($3 OR b.abandoned_at IS NULL)
  ORDER BY b.to_xid, b.to_id
  LIMIT 1
+$$;
+
+-- Its id; an abandoned batch (its events went back in line, but those
+-- with an outcome) only with $3: what became of the event at that place.
+CREATE FUNCTION outbox.batch_of(pending_xid xid8, id uuid, abandoned boolean DEFAULT false) RETURNS bigint
+LANGUAGE sql STABLE STRICT SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT h.id FROM outbox.held_by($1, $2) AS h WHERE $3 OR h.abandoned_at IS NULL
 $$;
 
 -- What an event is now, from what was written of it ($1, the row's status)
@@ -529,26 +557,7 @@ SELECT CASE
        END
 $$;
 
--- The name applications, ORMs and DBAs use. A view of one table, so
--- PostgreSQL updates it by itself: an INSERT (RETURNING included), UPDATE
--- or DELETE through it is one on outbox.log, with the table's defaults,
--- constraints and triggers (its statement triggers too), except `status`,
--- `batch` and `deliveries`, which say what became of the event and are
--- read only. It acts as its caller (security_invoker): a role needs the
--- privilege on both, and the table's row-level security applies to it as
--- to a statement on the table.
-CREATE VIEW outbox.events WITH (security_invoker = true) AS
-SELECT l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority,
-       outbox.event_status(l.status, l.pending_xid, l.id, l.key_state) AS status,
-       l.retry_count, l.created_at, l.available_at, l.last_error, l.args, l.expires_at, l.event_id,
-       l.subscription_id, l.routed_to,
-       l.deliveries OPERATOR(pg_catalog.+) (outbox.batch_of(l.pending_xid, l.id) IS NOT NULL)::integer AS deliveries,
-       l.pending_xid, l.ordering_key, l.key_seq, l.key_state,
-       outbox.batch_of(l.pending_xid, l.id) AS batch
-  FROM outbox.log AS l;
-
-COMMENT ON VIEW outbox.events IS
-    'Outbox events. Insert with outbox_enqueue() or a plain INSERT; committed rows are dispatched.';
+-- (The view outbox.events, which derives it a set of rows at a time: sql/events.sql.)
 
 -- extension only: begin (what pg_dump keeps; sql/standalone/ goes without)
 -- (One call per statement: each rewrites the extension's catalog row.)

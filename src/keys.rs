@@ -131,7 +131,7 @@ unsafe fn plan_of(query: &'static AsOfNow) -> pg_sys::SPIPlanPtr {
     if !kept.is_null() {
         return kept;
     }
-    let sql = std::ffi::CString::new(query.sql).expect("no NUL in SQL files");
+    let sql = std::ffi::CString::new(of_this_release(query.sql).into_owned()).expect("no NUL in SQL files");
     let mut types = query.types.to_vec();
     let plan = pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr());
     if plan.is_null() || pg_sys::SPI_keepplan(plan) != 0 {
@@ -142,6 +142,19 @@ unsafe fn plan_of(query: &'static AsOfNow) -> pg_sys::SPIPlanPtr {
     }
     query.plan.set(plan);
     plan
+}
+
+/// `sql` as this database's release of the outbox names its table: before
+/// 0.10.0 (a database whose extension is not updated yet, whose writers'
+/// inserts take turns here), `outbox.events` was the table `outbox.log` is.
+fn of_this_release(sql: &str) -> std::borrow::Cow<'_, str> {
+    let before_the_log = crate::read_one::<bool>("SELECT pg_catalog.to_regclass('outbox.log') IS NULL")
+        .unwrap_or_else(|e| error!("outbox_dispatch: {e}"))
+        .unwrap_or(false);
+    match before_the_log {
+        true => sql.replace("outbox.log", "outbox.events").into(),
+        false => sql.into(),
+    }
 }
 
 /// Lets a key go on without its head: a dead-lettered head (failed under

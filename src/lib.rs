@@ -17,6 +17,7 @@ mod keys;
 mod launcher;
 mod secrets;
 mod slots;
+mod state;
 mod subscriptions;
 mod views;
 mod wake;
@@ -52,6 +53,11 @@ extension_sql_file!(
 );
 extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["schema"]);
 extension_sql_file!("../sql/rotation.sql", name = "rotation", requires = ["schema", api::outbox_uuid_v7]);
+extension_sql_file!(
+    "../sql/events.sql",
+    name = "events",
+    requires = ["schema", "subscriptions", "keys", "rotation"]
+);
 extension_sql_file!("../sql/api.sql", name = "api", finalize);
 
 #[pg_guard]

@@ -441,7 +441,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
         conn.execute("SET enable_seqscan = off")
         body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_of'::regproc")
         plan = "\n".join(r[0] for r in conn.execute(
-            f"EXPLAIN {body.replace('$1', chr(39) + '100' + chr(39) + '::xid8').replace('$2', 'gen_random_uuid()').replace('$3', 'false')}"))
+            f"EXPLAIN {body.replace('$1', chr(39) + '100' + chr(39) + '::xid8').replace('$2', chr(39) + LAST + chr(39) + '::uuid').replace('$3', 'false')}"))
         assert "batches_to_idx" in plan, plan
         body = outbox.value("SELECT prosrc FROM pg_proc WHERE oid = 'outbox.batch_members'::regproc")
         body = body.replace("batch_members.", "")

@@ -246,7 +246,8 @@ def test_a_head_copied_into_another_key_takes_a_turn_there(paused):
     with paused.connect() as conn:
         a1 = enqueue_ordered(conn, "rt_a", 1)
         b1 = enqueue_ordered(conn, "rt_b", 1)
-        assert conn.execute("SELECT outbox_ack(%s)", (b1,)).fetchone()[0] is True  # B1 done, key B passed
+        # B1 done (finished by hand: paused, nothing was sent), key B free.
+        conn.execute("UPDATE outbox.log SET status = 'processed', key_state = NULL WHERE id = %s", (b1,))
         conn.execute("INSERT INTO outbox.events (event_type, task, queue, ordering_key, key_seq, key_state, payload) "
                      "SELECT event_type, task, queue, 'rt_b', key_seq, key_state, payload "
                      "  FROM outbox.events WHERE id = %s", (a1,))
@@ -586,8 +587,9 @@ def test_outbox_skip_lets_a_key_go_on_past_a_head_never_reported(keyed, redis_se
 def test_a_skipped_head_is_never_sent_again_after_its_successor(keyed, redis_server):
     """With acknowledgements on, a head sent and skipped is not sent again
     by the unacknowledged sweeper once its successor went out: it is failed,
-    saying why. The same for heads passed on as sent while acknowledgements
-    were off, when outbox.ack_timeout is raised later."""
+    saying why. Heads passed on as sent while acknowledgements were off
+    await none when outbox.ack_timeout is raised later: neither failed nor
+    sent again."""
     client = redis_server.client()
     idle = QUEUE + "_skipped"
     keyed.configure(ack_timeout="2s", sweep_interval="1s", report_key="")
@@ -613,13 +615,13 @@ def test_a_skipped_head_is_never_sent_again_after_its_successor(keyed, redis_ser
     with keyed.connect() as conn:
         first = enqueue_ordered(conn, "raised", 1, queue=idle)
         then = enqueue_ordered(conn, "raised", 2, queue=idle)
-    wait_until(lambda: queued_ids(client, idle) == [str(first), str(then)], timeout=30, message="both sent")
+    wait_until(lambda: {str(first), str(then)} <= set(queued_ids(client, idle)), timeout=30, message="both sent")
     keyed.configure(ack_timeout="2s")
-    wait_until(lambda: keyed.value("SELECT status::text FROM outbox.events WHERE id = %s", (first,)) == "failed",
-               timeout=30, message="the passed head failed by the sweeper")
-    wait_until(lambda: len(queued_ids(client, idle)) >= 3, timeout=30, message="the key's head sent again")
-    sent = queued_ids(client, idle)
-    assert sent[0] == str(first) and str(first) not in sent[1:], sent
+    time.sleep(5)  # two sweeps past the new timeout: nothing sent before it awaits one
+    raised = [event for event in queued_ids(client, idle) if event in (str(first), str(then))]
+    assert raised == [str(first), str(then)]
+    assert keyed.sql("SELECT status::text FROM outbox.events WHERE id IN (%s, %s)", (first, then)) \
+        == [("dispatched",), ("dispatched",)]
     client.delete(idle)
 
 

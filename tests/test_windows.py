@@ -233,8 +233,11 @@ def test_events_set_pending_by_hand_or_restored_are_put_in_line(outbox, redis_se
     with outbox.connect() as conn:
         passed = enqueue(conn, "q_hand")
         wait_until(lambda: passed in queued_ids(client, "q_hand"), message="the first send")
-        # A DBA sends a dispatched event again by hand.
+        # A DBA sends a dispatched event again by hand (an UPDATE that
+        # leaves its status, place and due time as they were does not).
         conn.execute("UPDATE outbox.log SET status = 'pending' WHERE id = %s", (passed,))
+        conn.execute("UPDATE outbox.events SET payload = '{\"again\": true}' WHERE id = %s", (passed,))
+        conn.execute("UPDATE outbox.log SET pending_xid = NULL WHERE id = %s", (passed,))
         wait_until(lambda: queued_ids(client, "q_hand").count(passed) == 2, message="the send by hand")
         # A DBA hurries an event delayed by an hour.
         delayed = str(conn.execute("SELECT outbox_enqueue('e', '{}', queue => 'q_hand', delay => '1 hour')")

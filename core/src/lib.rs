@@ -14,6 +14,7 @@ pub mod launch;
 pub mod link;
 pub mod metrics;
 pub mod named;
+pub mod place;
 pub mod report;
 pub mod resp;
 pub mod sink;

@@ -15,7 +15,7 @@ use std::fmt;
 
 /// The files in the order they run: the extension's (src/lib.rs), with the
 /// library's functions (sql/standalone/host.sql) after the tables.
-const PARTS: [(&str, &str); 11] = [
+const PARTS: [(&str, &str); 12] = [
     HEAD,
     ("schema.sql", include_str!("../../sql/schema.sql")),
     SETTING_PLACE,
@@ -25,6 +25,7 @@ const PARTS: [(&str, &str); 11] = [
     ("keys.sql", include_str!("../../sql/keys.sql")),
     ("inbox.sql", include_str!("../../sql/inbox.sql")),
     ("rotation.sql", include_str!("../../sql/rotation.sql")),
+    ("events.sql", include_str!("../../sql/events.sql")),
     ("api.sql", include_str!("../../sql/api.sql")),
     ("standalone/tail.sql", include_str!("../../sql/standalone/tail.sql")),
 ];

@@ -5,11 +5,9 @@
 -- finished ones, its head, then the waiting ones (docs/guides/per-key-order.md).
 -- Run as of now, whatever the caller's isolation (src/keys.rs), under the
 -- key's lock. Served by events_key_idx.
--- Through outbox.events, the name every version has: the library also
--- serves databases whose extension is not updated yet.
 SELECT NOT EXISTS (
     SELECT
-      FROM outbox.events AS e
+      FROM outbox.log AS e
      WHERE e.ordering_key OPERATOR(pg_catalog.=) $1
        AND coalesce(e.subscription_id, 0) OPERATOR(pg_catalog.=) $2
        AND e.key_seq IS NOT NULL

@@ -2,9 +2,7 @@
 -- outbox_skip(), which take the key's lock (lock.sql) before they change
 -- the event, so that they hold no lock of the event's row while they wait
 -- for a producer of the key to commit. Served by the primary key.
--- Through outbox.events, the name every version has: the library also
--- serves databases whose extension is not updated yet.
 SELECT e.ordering_key, coalesce(e.subscription_id, 0)
-  FROM outbox.events AS e
+  FROM outbox.log AS e
  WHERE e.id OPERATOR(pg_catalog.=) $1
    AND e.key_state OPERATOR(pg_catalog.=) 'head'

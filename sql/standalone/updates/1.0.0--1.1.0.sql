@@ -55,5 +55,46 @@ AS $$ SELECT outbox.acknowledge(id, send) $$;
 
 REVOKE ALL ON FUNCTION outbox.acknowledge(uuid, uuid), @extschema@.outbox_ack(uuid, uuid) FROM PUBLIC;
 
+-- The key's statements read outbox.log (sql/keys/), not the view
+-- outbox.events, whose rows are derived a set at a time.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_key_taken(ordering_key text, subscription bigint) RETURNS boolean
+LANGUAGE plpgsql VOLATILE STRICT PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    taken boolean;
+BEGIN
+    PERFORM outbox.require_read_committed();
+    EXECUTE @include keys/taken.sql@ INTO taken USING ordering_key, subscription;
+    RETURN coalesce(taken, false);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_turn_fits(ordering_key text, subscription bigint, key_seq bigint,
+                                             key_state text) RETURNS boolean
+LANGUAGE plpgsql VOLATILE STRICT PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    fits boolean;
+BEGIN
+    PERFORM outbox.require_read_committed();
+    EXECUTE @include keys/fits.sql@ INTO fits USING ordering_key, subscription, key_seq, key_state;
+    RETURN coalesce(fits, false);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.lock_key_of(id uuid, OUT ordering_key text, OUT subscription bigint)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    EXECUTE @include keys/key_of.sql@ INTO ordering_key, subscription USING id;
+    IF ordering_key IS NOT NULL THEN
+        EXECUTE @include keys/lock.sql@ USING ARRAY[ordering_key], ARRAY[subscription], true;
+    END IF;
+END
+$$;
+
 -- The extension's schema again, for the files that follow.
 SET LOCAL search_path = @extschema@;
