@@ -17,10 +17,11 @@
 SET LOCAL search_path = pg_catalog, pg_temp;
 
 -- What became of the event at ($1, $2), a place in line the claims have
--- read: pending (no batch holds it, or its batch was abandoned and it has
--- no outcome), processing, dispatched or processed; and the batch that
--- holds it (NULL: none, or abandoned). In SQL, each call asks
--- outbox.held_by() (inlined) and the batch's outcomes; the library
+-- read or not: pending (not read yet, no batch holds it, or its batch was
+-- abandoned and it has no outcome), processing, dispatched or processed;
+-- and the batch that holds it (NULL: none, or abandoned). In SQL, each
+-- call asks outbox.cursor, outbox.held_by() (inlined) and the batch's
+-- outcomes; the library
 -- replaces both with functions that answer from the last batch each call
 -- site found (src/state.rs), and ask only for a place outside it: a
 -- statement reads the log mostly in place order, a hundred events a
@@ -30,13 +31,18 @@ CREATE FUNCTION outbox.state_at(pending_xid xid8, id uuid) RETURNS outbox.event_
 LANGUAGE sql STABLE STRICT PARALLEL RESTRICTED
 SET search_path = pg_catalog, pg_temp
 AS $$
-SELECT coalesce((SELECT CASE WHEN EXISTS (SELECT FROM outbox.outcomes AS o
-                                           WHERE o.batch = h.id AND $2 = ANY (o.events)) THEN 'processed'
-                             WHEN h.abandoned_at IS NOT NULL THEN 'pending'
-                             WHEN h.marked_at IS NULL THEN 'processing'
-                             ELSE 'dispatched' END::outbox.event_status
-                   FROM outbox.held_by($1, $2) AS h),
-                'pending')
+SELECT CASE WHEN NOT EXISTS (SELECT FROM outbox.cursor AS c
+                              WHERE pg_visible_in_snapshot($1, c.prev)
+                                 OR (pg_visible_in_snapshot($1, c.target) AND ($1, $2) <= (c.after_xid, c.after_id)))
+            THEN 'pending'
+            ELSE coalesce((SELECT CASE WHEN EXISTS (SELECT FROM outbox.outcomes AS o
+                                                     WHERE o.batch = h.id AND $2 = ANY (o.events)) THEN 'processed'
+                                       WHEN h.abandoned_at IS NOT NULL THEN 'pending'
+                                       WHEN h.marked_at IS NULL THEN 'processing'
+                                       ELSE 'dispatched' END::outbox.event_status
+                             FROM outbox.held_by($1, $2) AS h),
+                          'pending')
+       END
 $$;
 
 CREATE FUNCTION outbox.batch_at(pending_xid xid8, id uuid) RETURNS bigint
@@ -162,25 +168,21 @@ SELECT e.id, e.event_type, e.payload, e.queue, e.task, e.headers, e.priority, e.
            AND b.abandoned_at IS NULL
            AND NOT EXISTS (SELECT FROM outbox.outcomes AS o WHERE o.batch = b.id AND l.id = ANY (o.events))
         UNION ALL
-        -- Read by a claim (its place the cursor has passed): sent, and
-        -- processed once a worker reports it or a consumer acknowledges it.
+        -- Read by a claim: sent, and processed once a worker reports it or
+        -- a consumer acknowledges it. (One relation each: an ORDER BY id
+        -- LIMIT reads the primary keys in order.)
         SELECT l.*, 'dispatched'::outbox.event_status, l.deliveries + 1, outbox.batch_at(l.pending_xid, l.id)
-          FROM outbox.cursor AS c, outbox.log AS l
+          FROM outbox.log AS l
          WHERE l.status = 'pending'
            AND l.key_state IS DISTINCT FROM 'waiting'
-           AND (pg_visible_in_snapshot(l.pending_xid, c.prev)
-                OR (pg_visible_in_snapshot(l.pending_xid, c.target)
-                    AND (l.pending_xid, l.id) <= (c.after_xid, c.after_id)))
            AND outbox.state_at(l.pending_xid, l.id) = 'dispatched'
         UNION ALL
-        SELECT l.*, 'processed'::outbox.event_status, l.deliveries + (s.batch IS NOT NULL)::integer, s.batch
-          FROM outbox.cursor AS c, outbox.log AS l
-         CROSS JOIN LATERAL (SELECT outbox.batch_at(l.pending_xid, l.id) AS batch) AS s
+        SELECT l.*, 'processed'::outbox.event_status,
+               l.deliveries + (outbox.batch_at(l.pending_xid, l.id) IS NOT NULL)::integer,
+               outbox.batch_at(l.pending_xid, l.id)
+          FROM outbox.log AS l
          WHERE l.status = 'pending'
            AND l.key_state IS DISTINCT FROM 'waiting'
-           AND (pg_visible_in_snapshot(l.pending_xid, c.prev)
-                OR (pg_visible_in_snapshot(l.pending_xid, c.target)
-                    AND (l.pending_xid, l.id) <= (c.after_xid, c.after_id)))
            AND outbox.state_at(l.pending_xid, l.id) = 'processed'
         UNION ALL
         -- Read, but no batch holds it: a row a restore wrote with the

@@ -1,20 +1,21 @@
-//! What became of an event the claims have read, for the view
-//! `outbox.events` (sql/events.sql): `outbox.state_at(pending_xid, id)`
-//! and `outbox.batch_at(pending_xid, id)`, called once per row it reads.
+//! What became of an event in line, for the view `outbox.events`
+//! (sql/events.sql): `outbox.state_at(pending_xid, id)` and
+//! `outbox.batch_at(pending_xid, id)`, called once per row it reads.
 //!
-//! A statement reads the log mostly in place order, a hundred events a
-//! batch: each call site keeps, for the rest of its statement, the last
-//! batch it found (its page of a window, whether it was marked or
-//! abandoned, and the events it holds an outcome of), and asks
-//! `outbox.held_by()` only for a place outside that page. A row costs a
-//! comparison of its place, not an index probe.
+//! Each call site keeps, for the rest of its statement, where the claims
+//! have read up to (`outbox.cursor`: a place not read yet is pending) and
+//! the last batch it found (its page of a window, whether it was marked
+//! or abandoned, and the events it holds an outcome of), and asks
+//! `outbox.held_by()` only for a read place outside that page. A statement
+//! reads the log mostly in place order, a hundred events a batch: a row
+//! costs a comparison of its place, not an index probe.
 
 use std::collections::HashSet;
 use std::ffi::{c_char, CStr, CString};
 
 use pgrx::prelude::*;
 
-use outbox_core::place::{Page, Place, Snapshot};
+use outbox_core::place::{Cursor, Page, Place, Snapshot};
 
 /// The batch a call site found last, with what it needs to answer.
 struct Held {
@@ -29,6 +30,8 @@ struct Held {
 /// What a call site keeps for its statement (in `fn_extra`).
 #[derive(Default)]
 struct Site {
+    /// Where the claims have read up to, as the statement sees it.
+    cursor: Option<Cursor>,
     held: Option<Held>,
     /// The values of `outbox.event_status`: pending, processing,
     /// dispatched, processed.
@@ -45,7 +48,11 @@ struct Statement {
 thread_local! {
     static HELD_BY_PLAN: std::cell::Cell<pg_sys::SPIPlanPtr> = const { std::cell::Cell::new(std::ptr::null_mut()) };
     static OUTCOMES_PLAN: std::cell::Cell<pg_sys::SPIPlanPtr> = const { std::cell::Cell::new(std::ptr::null_mut()) };
+    static CURSOR_PLAN: std::cell::Cell<pg_sys::SPIPlanPtr> = const { std::cell::Cell::new(std::ptr::null_mut()) };
 }
+
+static CURSOR: Statement =
+    Statement { sql: include_str!("../sql/state/cursor.sql"), types: &[], plan: &CURSOR_PLAN };
 
 static HELD_BY: Statement = Statement {
     sql: include_str!("../sql/state/held_by.sql"),
@@ -60,9 +67,9 @@ static OUTCOMES_OF: Statement = Statement {
 };
 
 /// `outbox.state_at(pending_xid xid8, id uuid) RETURNS outbox.event_status`
-/// (STRICT): processed (an outcome), processing (its batch not marked),
-/// dispatched (marked), or pending (no batch holds its place, or the one
-/// that did was abandoned).
+/// (STRICT): pending (not read yet, no batch holds its place, or the one
+/// that did was abandoned), processed (an outcome), processing (its batch
+/// not marked), or dispatched (marked).
 ///
 /// # Safety
 /// Called by the function manager, as declared in sql/events.sql.
@@ -76,6 +83,9 @@ pub unsafe extern "C-unwind" fn outbox_state_at(fcinfo: pg_sys::FunctionCallInfo
             ["pending", "processing", "dispatched", "processed"]
                 .map(|label| pgrx::enum_helper::lookup_enum_by_label("outbox.event_status", label))
         });
+        if !site.cursor.get_or_insert_with(cursor).read(&place) {
+            return statuses[0];
+        }
         let status = match holding(site, &place) {
             None => 0,
             Some(held) => {
@@ -188,6 +198,29 @@ fn held_by(place: &Place) -> Option<Held> {
             })
         }
     })
+}
+
+/// Where the claims have read up to (sql/state/cursor.sql); with no
+/// cursor (an outbox being installed), nothing read.
+fn cursor() -> Cursor {
+    let nothing = Cursor { prev: Snapshot::parse("0:0:").expect("a snapshot"), target: None, after: None };
+    Spi::connect(|_| {
+        // SAFETY: as in held_by; the one row is read before the connection
+        // ends.
+        unsafe {
+            execute(&CURSOR, &[])?;
+            let row = Row::first()?;
+            Some(Cursor {
+                prev: Snapshot::parse(&row.text(1)?)?,
+                target: row.text(2).and_then(|target| Snapshot::parse(&target)),
+                after: match (row.text(3), row.uuid(4)) {
+                    (Some(xid), Some(id)) => Some((xid.parse().ok()?, id)),
+                    _ => None,
+                },
+            })
+        }
+    })
+    .unwrap_or(nothing)
 }
 
 /// The events batch `id` holds an outcome of (sql/state/outcomes_of.sql).

@@ -64,6 +64,26 @@ impl Page {
     }
 }
 
+/// Where the claims have read up to (`outbox.cursor`): every place of a
+/// transaction `prev` sees ended, and in the window being read (the
+/// transactions `target` sees ended) the places up to `after`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cursor {
+    pub prev: Snapshot,
+    pub target: Option<Snapshot>,
+    pub after: Option<Place>,
+}
+
+impl Cursor {
+    /// Whether a claim has read `place` (the complement of the view
+    /// `outbox.unread`).
+    pub fn read(&self, place: &Place) -> bool {
+        self.prev.sees(place.0)
+            || (self.target.as_ref().is_some_and(|target| target.sees(place.0))
+                && self.after.is_some_and(|after| *place <= after))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,5 +124,25 @@ mod tests {
         assert!(first.holds(&(102, id(0))));
         let after = Page { from: Some((102, id(7))), ..page };
         assert!(!after.holds(&(102, id(7))) && after.holds(&(102, id(8))));
+    }
+
+    #[test]
+    fn a_cursor_has_read_what_its_prev_saw_and_its_window_up_to_its_position() {
+        let prev = Snapshot::parse("100:103:101").unwrap();
+        let idle = Cursor { prev: prev.clone(), target: None, after: None };
+        assert!(idle.read(&(99, id(0))) && idle.read(&(102, id(0))));
+        assert!(!idle.read(&(101, id(0))) && !idle.read(&(103, id(0))));
+        let reading = Cursor {
+            prev: prev.clone(),
+            target: Some(Snapshot::parse("104:106:105").unwrap()),
+            after: Some((103, id(5))),
+        };
+        // 101 (behind, ended since) and 103 up to the position: read.
+        assert!(reading.read(&(101, id(255))) && reading.read(&(103, id(5))));
+        assert!(!reading.read(&(103, id(6))), "after the position");
+        assert!(!reading.read(&(104, id(0))), "beyond the position");
+        assert!(!reading.read(&(105, id(0))), "in progress for the target");
+        let begun = Cursor { prev, target: Some(Snapshot::parse("104:104:").unwrap()), after: None };
+        assert!(!begun.read(&(101, id(0))) && begun.read(&(100, id(0))));
     }
 }
