@@ -266,6 +266,171 @@ BEGIN
 END
 $$;
 
+-- Refuses a caller that is not the outbox's owner, naming the function
+-- it called (an invoker's statement on the log would be refused before it
+-- runs, in PostgreSQL's words, which name no owner).
+CREATE FUNCTION outbox.only_owner(caller text) RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT pg_has_role(current_user, outbox.owner(), 'USAGE') THEN
+        RAISE EXCEPTION '%: only the outbox''s owner (role %) may, not role %', caller, outbox.owner()::regrole,
+            current_user
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+END
+$$;
+
+-- The events outbox_resend() and outbox_discard() act on: those of
+-- outbox.events with `status` (or any of `statuses` when NULL) that the
+-- given filters name, oldest first, up to `max_events`: ids, and the
+-- positions of their rows. Only the filters given are written into the
+-- statement, so that it reads the indexes they allow (each status its
+-- own: sql/events.sql). Refuses, naming the argument and its limit, a call
+-- that names no event, a status the caller cannot act on, and a bound out
+-- of range.
+CREATE FUNCTION outbox.chosen(caller text, statuses outbox.event_status[], ids uuid[], queue text, task text,
+                              event_type text, status outbox.event_status, created_after timestamptz,
+                              created_before timestamptz, max_events integer)
+RETURNS TABLE (id uuid, generation smallint)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    filters text[] := '{}';
+BEGIN
+    IF num_nonnulls(ids, queue, task, event_type, status, created_after, created_before) = 0 THEN
+        RAISE EXCEPTION '%: name the events: ids, queue, task, event_type, status, created_after or created_before',
+            caller
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF status IS NOT NULL AND NOT status = ANY (statuses) THEN
+        RAISE EXCEPTION '%: status is %, it must be one of %', caller, status, array_to_string(statuses, ', ')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF max_events IS NULL OR max_events < 1 OR max_events > 100000 THEN
+        RAISE EXCEPTION '%: max_events is %, it must be 1 to 100000 (call again for more)', caller,
+            coalesce(max_events::text, 'null')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF ids IS NOT NULL THEN filters := array_append(filters, 'e.id = ANY ($1)'); END IF;
+    IF queue IS NOT NULL THEN filters := array_append(filters, 'e.queue = $2'); END IF;
+    IF task IS NOT NULL THEN filters := array_append(filters, 'coalesce(e.task, e.event_type) = $3'); END IF;
+    IF event_type IS NOT NULL THEN filters := array_append(filters, 'e.event_type = $4'); END IF;
+    IF created_after IS NOT NULL THEN filters := array_append(filters, 'e.created_at >= $6'); END IF;
+    IF created_before IS NOT NULL THEN filters := array_append(filters, 'e.created_at < $7'); END IF;
+    RETURN QUERY EXECUTE
+        'SELECT e.id, l.generation FROM outbox.events AS e JOIN outbox.log AS l ON l.id = e.id '
+        || 'WHERE e.status = ANY ($5) AND ' || array_to_string(array_append(filters, 'true'), ' AND ')
+        || ' ORDER BY e.created_at, e.id LIMIT $8'
+        USING ids, queue, task, event_type, CASE WHEN status IS NULL THEN statuses ELSE ARRAY[status] END,
+              created_after, created_before, max_events;
+END
+$$;
+
+-- Sends again up to `max_events` events already sent or dead-lettered
+-- (dispatched, processed, failed) that the filters name: each back in
+-- line now, with its retries reset and its sends counted, and a
+-- last_error that says who sent it again; one of a key whose key went on
+-- without it takes a new turn behind the key's events (as outbox_retry()),
+-- a head its key waits for is sent again as its head. The outbox's owner
+-- alone; logged. Returns how many; call again while it returns
+-- max_events. What is pending or processing is on its way already.
+CREATE FUNCTION @extschema@.outbox_resend(
+    ids            uuid[] DEFAULT NULL,
+    queue          text DEFAULT NULL,
+    task           text DEFAULT NULL,
+    event_type     text DEFAULT NULL,
+    status         outbox.event_status DEFAULT NULL,
+    created_after  timestamptz DEFAULT NULL,
+    created_before timestamptz DEFAULT NULL,
+    max_events     integer DEFAULT 1000
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    chosen record;
+    resent bigint := 0;
+BEGIN
+    PERFORM outbox.only_owner('outbox_resend');
+    -- One at a time, oldest first: those of a key take their new turns in
+    -- the order they were enqueued.
+    FOR chosen IN
+        SELECT c.id, c.generation
+          FROM outbox.chosen('outbox_resend', '{dispatched,processed,failed}', outbox_resend.ids, outbox_resend.queue, outbox_resend.task, outbox_resend.event_type,
+                             outbox_resend.status, outbox_resend.created_after, outbox_resend.created_before, outbox_resend.max_events) AS c
+    LOOP
+        UPDATE outbox.log AS e
+           SET status = 'pending',
+               retry_count = 0,
+               available_at = clock_timestamp(),
+               -- Out of its batch: its send counted, its place taken anew
+               -- (the trigger puts it in line as this transaction's).
+               deliveries = e.deliveries + (outbox.batch_of(e.pending_xid, e.id) IS NOT NULL)::integer,
+               pending_xid = NULL,
+               key_seq = CASE WHEN e.key_state IS NULL THEN NULL ELSE e.key_seq END,
+               last_error = format('sent again by outbox_resend() (role %s, %s)', current_user, now())
+         WHERE e.id = chosen.id
+           AND e.generation = chosen.generation;
+        resent := resent + 1;
+    END LOOP;
+    RAISE LOG 'outbox_resend: role % sent % events again (ids %, queue %, task %, event_type %, status %, created % to %)',
+        current_user, resent, ids, queue, task, event_type, status, created_after, created_before;
+    IF resent > 0 THEN
+        PERFORM @extschema@.outbox_wake();
+    END IF;
+    RETURN resent;
+END
+$$;
+
+COMMENT ON FUNCTION @extschema@.outbox_resend(uuid[], text, text, text, outbox.event_status, timestamptz, timestamptz, integer) IS
+    'Send again up to max_events events already sent or dead-lettered that the filters name (the outbox''s owner alone).';
+
+-- Deletes up to `max_events` events not sent yet, or dead-lettered
+-- (pending, failed), that the filters name: they are never sent. A key
+-- whose head goes passes to the event behind it within seconds (the
+-- dispatchers' sweep of keys). The outbox's owner alone; logged, since
+-- nothing of the events is left. Returns how many; call again while it
+-- returns max_events. What is processing is being pushed: not taken.
+CREATE FUNCTION @extschema@.outbox_discard(
+    ids            uuid[] DEFAULT NULL,
+    queue          text DEFAULT NULL,
+    task           text DEFAULT NULL,
+    event_type     text DEFAULT NULL,
+    status         outbox.event_status DEFAULT NULL,
+    created_after  timestamptz DEFAULT NULL,
+    created_before timestamptz DEFAULT NULL,
+    max_events     integer DEFAULT 1000
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    chosen record;
+    discarded bigint := 0;
+BEGIN
+    PERFORM outbox.only_owner('outbox_discard');
+    FOR chosen IN
+        SELECT c.id, c.generation
+          FROM outbox.chosen('outbox_discard', '{pending,failed}', outbox_discard.ids, outbox_discard.queue,
+                             outbox_discard.task, outbox_discard.event_type, outbox_discard.status,
+                             outbox_discard.created_after, outbox_discard.created_before,
+                             outbox_discard.max_events) AS c
+    LOOP
+        DELETE FROM outbox.log AS e WHERE e.id = chosen.id AND e.generation = chosen.generation;
+        discarded := discarded + 1;
+    END LOOP;
+    RAISE LOG 'outbox_discard: role % discarded % events (ids %, queue %, task %, event_type %, status %, created % to %)',
+        current_user, discarded, ids, queue, task, event_type, status, created_after, created_before;
+    RETURN discarded;
+END
+$$;
+
+COMMENT ON FUNCTION @extschema@.outbox_discard(uuid[], text, text, text, outbox.event_status, timestamptz, timestamptz, integer) IS
+    'Delete up to max_events events not sent yet, or dead-lettered, that the filters name (the outbox''s owner alone).';
+
 -- The events outbox.outcomes holds, estimated from the statistics: the
 -- rows each partition has, each holding as many events as the average
 -- width of `events` the last analyze found says (an array of n ids is
@@ -445,6 +610,8 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_inbox_claim(uuid, text),
     @extschema@.outbox_retry(uuid),
     @extschema@.outbox_retry_failed(interval),
+    @extschema@.outbox_resend(uuid[], text, text, text, outbox.event_status, timestamptz, timestamptz, integer),
+    @extschema@.outbox_discard(uuid[], text, text, text, outbox.event_status, timestamptz, timestamptz, integer),
     @extschema@.outbox_adopt(),
     @extschema@.outbox_wake(),
     @extschema@.outbox_workers(),

@@ -583,8 +583,11 @@ class Cluster:
         with self.connect(dbname=dbname) as conn:
             conn.execute(f"DO $$ BEGIN CREATE ROLE {role} LOGIN; "
                          "EXCEPTION WHEN duplicate_object THEN NULL; END $$")
-        with self.connect(dbname=dbname, user=self.owner) as conn:
-            for statement in documented_grants(documented):
+        for statement in documented_grants(documented):
+            # A role's membership is the superuser's to give (pg_monitor),
+            # an object's privileges its owner's.
+            grantor = self.owner if " ON " in statement else "postgres"
+            with self.connect(dbname=dbname, user=grantor) as conn:
                 conn.execute(statement.replace(f" TO {documented};", f" TO {role};"))
         return self.connect(dbname=dbname, user=role, **kwargs)
 
