@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from harness import ROOT, queued_ids, wait_until
+from standalone import dsn, library_only, run
 
 RESEND = "SELECT outbox_resend({})"
 DISCARD = "SELECT outbox_discard({})"
@@ -121,6 +122,7 @@ def runbook_statements():
     return sorted(set(found))
 
 
+@library_only("the runbook is the library's (CREATE EXTENSION, its workers); managed.md has the sidecar's")
 def test_every_runbook_command_runs_as_written(outbox):
     """Each statement of the runbook runs, as its owner would run it, on an
     outbox that has every kind of row (in a transaction rolled back)."""
@@ -139,3 +141,31 @@ def test_every_runbook_command_runs_as_written(outbox):
                     superuser.execute(statement)
                     superuser.rollback()
             conn.rollback()
+
+
+def test_the_command_resends_and_discards_by_filter_until_none_is_left(outbox, redis_server):
+    """`outbox-dispatch resend` and `discard`, as the outbox's owner; a
+    discard with --all calls again while a call takes --max-events (a
+    resend may not: what it sent is sent meanwhile, and would be again)."""
+    client = redis_server.client()
+    sent = [str(r[0]) for r in outbox.sql(
+        "SELECT outbox_enqueue('e', '{}', queue => 'q_cli') FROM generate_series(1, 5)")]
+    wait_until(lambda: sorted(queued_ids(client, "q_cli")) == sorted(sent), message="the first sends")
+    wait_until(lambda: outbox.value("SELECT count(*) FROM outbox.events WHERE status = 'dispatched'") == 5,
+               message="marked")
+    to = f"{dsn(outbox, outbox.owner, 'postgres')} sslmode=disable"
+    assert run("resend", "--dsn", to, "--queue", "q_cli", "--all").returncode == 2
+    resent = run("resend", "--dsn", to, "--queue", "q_cli", "--max-events", "5")
+    assert resent.returncode == 0, resent.stderr
+    assert resent.stdout.strip() == "outbox-dispatch: sent 5 events again"
+    wait_until(lambda: len(queued_ids(client, "q_cli")) == 10, message="sent again")
+    outbox.configure(enabled="off")
+    later = [str(r[0]) for r in outbox.sql(
+        "SELECT outbox_enqueue('e', '{}', queue => 'q_cli', delay => '1 hour') FROM generate_series(1, 5)")]
+    discarded = run("discard", "--dsn", to, "--id", later[0])
+    assert discarded.returncode == 0 and discarded.stdout.strip() == "outbox-dispatch: discarded 1 events"
+    discarded = run("discard", "--dsn", to, "--queue", "q_cli", "--status", "pending", "--max-events", "2", "--all")
+    assert discarded.returncode == 0 and discarded.stdout.strip() == "outbox-dispatch: discarded 4 events"
+    refused = run("discard", "--dsn", to, "--status", "dispatched", "--queue", "q_cli")
+    assert refused.returncode == 1 and "status is dispatched, it must be one of pending, failed" in refused.stderr
+    assert "--max-events" in run("resend", "--help").stdout

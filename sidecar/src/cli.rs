@@ -19,6 +19,7 @@ use outbox_core::guc::{Declared, Kind, Parsed, Unit};
 
 use crate::log::{Format, Level};
 use crate::private_file::{self, Rule};
+use crate::replay::{Filter, Replay};
 use crate::run::{RunConfig, OWN_SETTINGS};
 use crate::{connect, file, script};
 
@@ -26,8 +27,8 @@ use crate::{connect, file, script};
 const EXIT_STATUSES: &str = "\
 Exit status:
   0  done (run: stopped by SIGTERM or SIGINT, its last pushes marked)
-  1  failed: install refused or failed, its DSN or connection included
-     (the message says why); run: the dispatchers still busy at the
+  1  failed: install, resend or discard refused or failed, its DSN or
+     connection included (the message says why); run: the dispatchers still busy at the
      stop's deadline, or a thread or a pipe could not be made
   2  bad usage: an unknown command or option, a value out of range, a
      file refused, before anything was done; run: its DSN or
@@ -99,9 +100,58 @@ enum Verb {
     /// URL and files are the sidecar's own
     #[command(after_help = EXIT_STATUSES)]
     Run(Box<RunArgs>),
+    /// Sends again the events already sent or dead-lettered that the
+    /// filters name (outbox_resend(), the outbox's owner alone): at most
+    /// --max-events (what it sent may be sent again by a second call: the
+    /// dispatchers send it meanwhile)
+    #[command(after_help = EXIT_STATUSES)]
+    Resend(Box<ReplayArgs>),
+    /// Deletes the events not sent yet, or dead-lettered, that the filters
+    /// name: they are never sent (outbox_discard(), the outbox's owner
+    /// alone): at most --max-events a call, every one with --all
+    #[command(after_help = EXIT_STATUSES)]
+    Discard(Box<ReplayArgs>),
     /// Prints the version (as --version does)
     #[command(hide = true)]
     Version,
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    #[command(flatten)]
+    connection: Connection,
+    /// The schema of the functions (outbox_enqueue() ...)
+    #[arg(long, value_name = "NAME", default_value = "public")]
+    schema: String,
+    /// An event's id (again for more)
+    #[arg(long = "id", value_name = "UUID")]
+    ids: Vec<String>,
+    /// The events of this queue
+    #[arg(long, value_name = "NAME")]
+    queue: Option<String>,
+    /// The events of this task
+    #[arg(long, value_name = "NAME")]
+    task: Option<String>,
+    /// The events of this event type
+    #[arg(long, value_name = "NAME")]
+    event_type: Option<String>,
+    /// The events of this status: dispatched, processed or failed to send
+    /// again; pending or failed to discard
+    #[arg(long, value_name = "STATUS")]
+    status: Option<String>,
+    /// The events created at or after this time (a timestamp PostgreSQL
+    /// reads)
+    #[arg(long, value_name = "TIME")]
+    created_after: Option<String>,
+    /// The events created before this time
+    #[arg(long, value_name = "TIME")]
+    created_before: Option<String>,
+    /// The most events one call takes: 1 to 100000
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    max_events: i32,
+    /// discard: calls again while a call takes --max-events
+    #[arg(long)]
+    all: bool,
 }
 
 #[derive(Args)]
@@ -179,9 +229,25 @@ impl RunArgs {
 /// What the command line asks for.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Command {
-    Install { dsn: String, schema: String, ca_file: Option<PathBuf> },
-    Sql { schema: String, transaction: bool, from: Option<String> },
+    Install {
+        dsn: String,
+        schema: String,
+        ca_file: Option<PathBuf>,
+    },
+    Sql {
+        schema: String,
+        transaction: bool,
+        from: Option<String>,
+    },
     Run(RunConfig),
+    Replay {
+        replay: Replay,
+        dsn: String,
+        ca_file: Option<PathBuf>,
+        schema: String,
+        filter: Filter,
+        all: bool,
+    },
     Version,
 }
 
@@ -255,6 +321,10 @@ pub fn parse(args: &[String], env: Environment) -> Result<Invocation, Usage> {
             Command::Install { dsn, schema, ca_file }
         }
         Verb::Run(run) => resolve_run(*run, env, &mut warnings).map_err(&refused)?,
+        Verb::Resend(args) => resolve_replay(Replay::Resend, *args, env, &mut warnings).map_err(&refused)?,
+        Verb::Discard(args) => {
+            resolve_replay(Replay::Discard, *args, env, &mut warnings).map_err(&refused)?
+        }
     };
     Ok(Invocation { command, log, warnings })
 }
@@ -337,6 +407,37 @@ fn read_secret(path: &Path, what: &str) -> Result<String, String> {
         return Err(format!("{what} {}: empty", path.display()));
     }
     Ok(line.to_string())
+}
+
+fn resolve_replay(
+    replay: Replay,
+    args: ReplayArgs,
+    env: Environment,
+    warnings: &mut Vec<String>,
+) -> Result<Command, String> {
+    let verb = match replay {
+        Replay::Resend => "resend",
+        Replay::Discard => "discard",
+    };
+    if args.all && replay == Replay::Resend {
+        return Err(
+            "resend --all: what a call sends again is sent by the dispatchers meanwhile, and a second call \
+                    would send it again: call once a --max-events, with --created-before for the next"
+                .into(),
+        );
+    }
+    let Resolved { dsn, ca_file, .. } = args.connection.resolve(verb, env, warnings)?;
+    let filter = Filter {
+        ids: args.ids,
+        queue: args.queue,
+        task: args.task,
+        event_type: args.event_type,
+        status: args.status,
+        created_after: args.created_after,
+        created_before: args.created_before,
+        max_events: args.max_events,
+    };
+    Ok(Command::Replay { replay, dsn, ca_file, schema: args.schema, filter, all: args.all })
 }
 
 fn resolve_run(run: RunArgs, env: Environment, warnings: &mut Vec<String>) -> Result<Command, String> {

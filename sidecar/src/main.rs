@@ -1,7 +1,8 @@
 //! `outbox-dispatch`: outbox_dispatch where no background worker can be
 //! loaded (a managed PostgreSQL). `install` puts the schema and the SQL API
 //! into a database as its owner; `sql` prints the same script for a
-//! migration to run; `run` delivers its events.
+//! migration to run; `run` delivers its events; `resend` and `discard`
+//! act on the events a filter names.
 
 mod cli;
 mod connect;
@@ -12,6 +13,7 @@ mod listen;
 mod log;
 mod metrics;
 mod private_file;
+mod replay;
 mod run;
 mod script;
 mod store;
@@ -55,6 +57,17 @@ fn main() -> ExitCode {
                 Err(e) => {
                     eprintln!("outbox-dispatch: {e}");
                     return ExitCode::from(2);
+                }
+            }
+        }
+        Command::Replay { replay, dsn, ca_file, schema, filter, all } => {
+            let result = connect::connect(&dsn, ca_file.as_deref())
+                .and_then(|mut client| replay::replay(&mut client, replay, &schema, &filter, all));
+            match result {
+                Ok(n) => println!("outbox-dispatch: {}", replay.done(n)),
+                Err(e) => {
+                    eprintln!("outbox-dispatch: {e}");
+                    return ExitCode::FAILURE;
                 }
             }
         }
