@@ -23,7 +23,6 @@ use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 
 use crate::link::{Link, LinkError, Wait};
 
-use super::reports::ReportChannel;
 use super::{lost, protocol, Fault, FRAME_MAX, FRAME_OVERHEAD, MAX_BODY_BYTES, PUBLISH, REPORTS};
 use crate::sink::errors::broker_text;
 use crate::sink::{Condition, SinkError};
@@ -74,6 +73,26 @@ pub(super) struct Session {
     /// During a push: how long an alarm may pause it, at most (derived
     /// from the claim: no alarm moves it). `None`: no pause is waited for.
     pub(super) pause_until: Option<Instant>,
+}
+
+/// What channel 2 holds.
+#[derive(Default)]
+pub(super) struct ReportChannel {
+    pub(super) open: bool,
+    /// Report queues made sure of on it.
+    pub(super) queues: HashSet<String>,
+    /// Reports read and not yet acknowledged.
+    pub(super) held: Option<Held>,
+}
+
+/// Reports read on channel 2 and not yet acknowledged (reports.rs reads
+/// and acknowledges them; the connection drops them when the broker
+/// closes the channel).
+pub(super) struct Held {
+    pub(super) queue: String,
+    /// The delivery tag of the last of them.
+    pub(super) last_tag: u64,
+    pub(super) bodies: Vec<Vec<u8>>,
 }
 
 /// The broker's alarms, as this connection saw them.

@@ -7,7 +7,6 @@
 //! the connection, which hands what it read back (the broker does): once
 //! per loss, not once per failed recording.
 
-use std::collections::HashSet;
 use std::time::Instant;
 
 use amq_protocol::frame::AMQPFrame;
@@ -18,28 +17,11 @@ use crate::link::Wait;
 use crate::report;
 use crate::sink::SinkError;
 
-use super::connection::{method_name, Session};
+use super::connection::{method_name, Held, Session};
 use super::{protocol, Fault, QueueShape, REPORTS};
 
 /// `basic.get`s sent together when reading reports.
 const GETS_PER_TRIP: usize = 100;
-
-/// What channel 2 holds.
-#[derive(Default)]
-pub(super) struct ReportChannel {
-    pub(super) open: bool,
-    /// Report queues made sure of on it.
-    pub(super) queues: HashSet<String>,
-    /// Reports read and not yet acknowledged.
-    held: Option<Held>,
-}
-
-struct Held {
-    queue: String,
-    /// The delivery tag of the last of them.
-    last_tag: u64,
-    bodies: Vec<Vec<u8>>,
-}
 
 impl Session {
     pub(super) fn open_report_channel(
