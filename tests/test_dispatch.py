@@ -381,8 +381,12 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "lock_cursor.sql": ("", "", []),
         worker / "restore_turn.sql": ("", "", []),
         worker / "claim.sql": ("(int, int)", "(100, 0)", [("_pending_xid_idx",)]),
-        worker / "came_due.sql": ("(int)", "(100)", [("_due_idx",)]),
-        worker / "next_due.sql": ("(bigint[])", "('{}')", [("_due_idx",), ("batch_members_waiting_idx",)]),
+        worker / "came_due.sql": ("(int, float8)", "(100, '-Infinity')", [("_due_idx",)]),
+        worker / "next_due.sql": ("(bigint[], float8)", "('{}', '-Infinity')",
+                                  [("_due_idx",), ("batch_members_waiting_idx",)]),
+        worker / "due_bound.sql": ("", "", []),
+        worker / "due_floor.sql": ("(float8, float8)", "('-Infinity', 1e10)", [("_due_idx",)]),
+        worker / "in_line.sql": ("(float8)", "('-Infinity')", [("_due_idx",)]),
         worker / "mark_dispatched.sql": ("(bigint, int, bool)", "(1, 0, false)",
                                          [("batches_pkey",)]),
         worker / "mark_failed.sql": ("(uuid[], text[], text[], text[], float8[])",
@@ -465,6 +469,61 @@ def test_worker_queries_are_served_by_indexes(outbox):
             assert all(index in plan for index in indexes), plan
             assert not re.search(r"Seq Scan on (log|batches|outcomes)", plan), plan
             assert not re.search(r"on log_[02]", plan), plan
+
+
+def due_entries_read(pg):
+    """Entries the scans of events_due_idx (its partitions') have read."""
+    return pg.value("SELECT sum(idx_tup_read)::bigint FROM pg_stat_user_indexes "
+                    "WHERE schemaname = 'outbox' AND indexrelname LIKE '%due_idx'")
+
+
+def test_claims_under_a_pinned_xmin_do_not_reread_the_events_that_came_due(outbox, redis_server):
+    """A session holds a snapshot (an xmin) while 3000 delayed events come
+    due and go: their entries in events_due_idx stay, dead but not
+    removable. The claims that follow start their scan of the index above
+    them (sql/worker/due_bound.sql), not at its start: a claim per commit
+    does not read 3000 entries each."""
+    client = redis_server.client()
+    with outbox.connect() as pin:
+        pin.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        pin.execute("SELECT count(*) FROM pg_class")
+        outbox.sql("SELECT outbox_enqueue('later', '{}', queue => 'q_pinned', delay => '1 second') "
+                   "FROM generate_series(1, 3000)")
+        wait_until(lambda: outbox.count("dispatched") == 3000, timeout=60, message="the delayed events")
+        # The dispatcher's floor is raised once a second.
+        time.sleep(2)
+        before = due_entries_read(outbox)
+        for _ in range(20):
+            outbox.sql("SELECT outbox_enqueue('now', '{}', queue => 'q_pinned')")
+            time.sleep(0.1)
+        wait_until(lambda: client.llen("q_pinned") == 3020, message="the events of the trickle")
+        # Statistics are flushed at most once a second.
+        time.sleep(2)
+        read = due_entries_read(outbox) - before
+        pin.execute("COMMIT")
+    assert read < 3000, f"{read} entries read by the claims of 20 commits"
+
+
+def test_a_delayed_event_written_by_a_transaction_older_than_the_floor_is_sent(outbox, redis_server):
+    """A transaction that began before the dispatcher raised its floor and
+    writes only later (and one that holds its lock across the raise)
+    writes events out of line that fall due above the floor: each is
+    sent when due."""
+    client = redis_server.client()
+    with outbox.connect() as late, outbox.connect() as held:
+        late.execute("BEGIN")
+        late.execute("SELECT now()")
+        held.execute("BEGIN")
+        held.execute("SELECT outbox_enqueue('held', '{}', queue => 'q_floor', delay => '100 milliseconds')")
+        # Commits that wake the dispatcher, which raises its floor.
+        for _ in range(3):
+            outbox.sql("SELECT outbox_enqueue('now', '{}', queue => 'q_floor')")
+            time.sleep(1.1)
+        late.execute("INSERT INTO outbox.events (event_type, payload, queue, available_at) "
+                     "VALUES ('late', '{}', 'q_floor', clock_timestamp() + interval '100 milliseconds')")
+        late.execute("COMMIT")
+        held.execute("COMMIT")
+    wait_until(lambda: client.llen("q_floor") == 5, timeout=20, message="the late and the held events")
 
 
 def test_a_batch_s_outcomes_are_read_once_not_once_per_event(outbox):

@@ -253,7 +253,7 @@ def test_the_dispatchers_sleep_ends_at_the_next_batch_wait(subs):
     subs.configure(enabled="off")
     wait_until(lambda: subs.value("SELECT state FROM outbox.workers") == "paused", message="paused")
     next_due = (Path(__file__).resolve().parent.parent / "sql" / "worker" / "next_due.sql").read_text()
-    next_due = next_due.replace("$1::bigint[]", "'{}'::bigint[]")
+    next_due = next_due.replace("$1::bigint[]", "'{}'::bigint[]").replace("$2", "'-Infinity'")
     assert subs.value(next_due) is None
     subscribe(subs, "shop.idle", "loop.digest", batch_max=100, batch_wait="30 seconds")
     publish(subs, "shop.idle")

@@ -53,8 +53,9 @@ WITH passed AS (
        SET key_state = 'head',
            available_at = GREATEST(e.available_at, pg_catalog.now()),
            -- In line as if this transaction had enqueued it, or out of
-           -- line until due (a delayed event).
-           pending_xid = CASE WHEN e.available_at OPERATOR(pg_catalog.>) pg_catalog.now() THEN NULL
+           -- line until due (a delayed event): due after this moment,
+           -- not the transaction's start (sql/worker/due_bound.sql).
+           pending_xid = CASE WHEN e.available_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() THEN NULL
                               ELSE pg_catalog.pg_current_xact_id() END
       FROM next
      WHERE e.id OPERATOR(pg_catalog.=) next.id

@@ -7,7 +7,7 @@
 -- page that was full; the transactions the cursor's `prev` saw in progress
 -- that have ended since; those from `prev`'s xmax on that are visible
 -- now); events out of line whose time has come (came_due.sql, served by
--- events_due_idx); accumulated subscriptions whose batch is due by count,
+-- events_due_idx from $1: due_floor.sql); accumulated subscriptions whose batch is due by count,
 -- wait or end (flush_batches.sql; by size, it goes at its wait). The
 -- dispatcher's own poll claims whatever this misses.
 WITH c AS MATERIALIZED (
@@ -43,6 +43,7 @@ SELECT EXISTS (SELECT FROM c WHERE c.target IS NOT NULL)
                 WHERE e.pending_xid IS NULL
                   AND e.status = 'pending'
                   AND e.key_state IS DISTINCT FROM 'waiting'
+                  AND e.available_at >= pg_catalog.to_timestamp($1)
                   AND e.available_at <= pg_catalog.clock_timestamp())
     OR EXISTS (SELECT
                  FROM outbox.all_subscriptions AS s

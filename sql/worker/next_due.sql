@@ -1,6 +1,6 @@
 -- Seconds until the next thing falls due (NULL when nothing waits), so that
 -- the dispatcher sleeps no longer: the earliest event out of line (served by
--- events_due_idx), and per accumulated subscription the batch_wait of
+-- events_due_idx, from $2: due_floor.sql), and per accumulated subscription the batch_wait of
 -- its oldest member, or the moment a delayed member falls due (which may
 -- make batch_max), or at once for an ended one (batch_members_waiting_idx);
 -- not for the subscriptions in $1, whose last flush failed (the dispatcher
@@ -11,7 +11,8 @@ SELECT pg_catalog.date_part('epoch', LEAST(
        FROM outbox.log
       WHERE pending_xid IS NULL
         AND status = 'pending'
-        AND key_state IS DISTINCT FROM 'waiting'),
+        AND key_state IS DISTINCT FROM 'waiting'
+        AND available_at >= pg_catalog.to_timestamp($2)),
     (SELECT pg_catalog.min(due.at)
        FROM outbox.all_subscriptions AS s
       CROSS JOIN LATERAL (

@@ -14,11 +14,13 @@ use crate::report::Report;
 
 mod batches;
 mod claim;
+mod due;
 pub mod keys;
 pub mod sql;
 
 pub use batches::{Backoff, Flushed};
 pub use keys::{Head, Key, KeyPolicy};
+use due::DueFloor;
 use sql::{get, Arg, Db, DbError, Stmt, Tx};
 
 /// One claimed event.
@@ -201,6 +203,8 @@ pub struct Store<D> {
     deferred: Vec<Head>,
     /// Events that became their key's head since [`Store::take_key_turns`].
     key_turns: u64,
+    /// Where the scans of events out of line until due start.
+    due: DueFloor,
 }
 
 impl<D: Db> Store<D> {
@@ -221,6 +225,7 @@ impl<D: Db> Store<D> {
             key_policy,
             deferred: Vec::new(),
             key_turns: 0,
+            due: DueFloor::default(),
         }
     }
 
@@ -296,7 +301,12 @@ impl<D: Db> Store<D> {
         if !self.deferred.is_empty() {
             return Ok(true);
         }
-        let found = self.transaction(|tx, _| get::<bool>(&tx.run(Stmt::InLine, &[])?.rows[0], 0))?;
+        let mut due = self.due;
+        let found = self.transaction(|tx, _| {
+            due.raise(tx)?;
+            get::<bool>(&tx.run(Stmt::InLine, &[due.arg()])?.rows[0], 0)
+        })?;
+        self.due = due;
         Ok(found.flatten().unwrap_or(true))
     }
 
@@ -357,6 +367,7 @@ impl<D: Db> Store<D> {
         batch_budget: i64,
     ) -> Result<Claim, StoreError> {
         let mut backoff = std::mem::take(&mut self.flush_backoff);
+        let mut due = self.due;
         let acks = self.acks;
         let claimed = self.with_turns(|tx, dispatcher, turns| {
             let promoted = turns.promoted;
@@ -371,7 +382,8 @@ impl<D: Db> Store<D> {
                 // from a new one.
                 tx.durable_commit()?;
             }
-            let came_due = tx.run(Stmt::CameDue, &[count(SWEEP_BATCH)])?.touched;
+            due.raise(tx)?;
+            let came_due = tx.run(Stmt::CameDue, &[count(SWEEP_BATCH), due.arg()])?.touched;
             // Events this transaction put in line: its own snapshot may not
             // see them as ended, and the claim leaves them to the next one,
             // due at once.
@@ -383,7 +395,7 @@ impl<D: Db> Store<D> {
             let next_due = if taken.events.is_empty() && lined {
                 Some(Duration::ZERO)
             } else if taken.events.is_empty() {
-                let rows = tx.run(Stmt::NextDue, &[Arg::Int8Array(backoff.current())])?;
+                let rows = tx.run(Stmt::NextDue, &[Arg::Int8Array(backoff.current()), due.arg()])?;
                 let seconds = match rows.rows.first() {
                     Some(row) => get::<f64>(row, 0)?,
                     None => None,
@@ -395,6 +407,7 @@ impl<D: Db> Store<D> {
             Ok((flushed, taken, next_due))
         });
         self.flush_backoff = backoff;
+        self.due = due;
         let (flushed, taken, next_due) = match claimed? {
             Some(claimed) => claimed,
             None => return Ok(Claim::NoExtension),

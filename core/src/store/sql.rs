@@ -50,8 +50,10 @@ statements! {
     LockCursor = "worker/lock_cursor.sql" ();
     RestoreTurn = "worker/restore_turn.sql" ();
     Claim = "worker/claim.sql" (Int4, Int4);
-    CameDue = "worker/came_due.sql" (Int4);
-    NextDue = "worker/next_due.sql" (Int8Array);
+    CameDue = "worker/came_due.sql" (Int4, Float8);
+    NextDue = "worker/next_due.sql" (Int8Array, Float8);
+    DueBound = "worker/due_bound.sql" ();
+    DueFloor = "worker/due_floor.sql" (Float8, Float8);
     MarkDispatched = "worker/mark_dispatched.sql" (Int8, Int4, Bool);
     MarkFailed = "worker/mark_failed.sql" (UuidArray, TextArray, TextArray, TextArray, Float8Array);
     Release = "worker/release.sql" (UuidArray, TextArray);
@@ -75,7 +77,7 @@ statements! {
     Ack = "ack.sql" (Uuid, Uuid);
     SweepKeys = "worker/sweep_keys.sql" (Bool, Bool, Int4);
     PurgeInbox = "worker/purge_inbox.sql" (Float8, Int4);
-    InLine = "worker/in_line.sql" ();
+    InLine = "worker/in_line.sql" (Float8);
 }
 
 impl Stmt {
