@@ -9,6 +9,7 @@ leaves open to it."""
 import difflib
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -131,6 +132,41 @@ def test_a_default_of_repeatable_read_does_not_break_two_installs_at_once(server
         assert [p.returncode for p in procs] == [0, 0], outs
     finally:
         server.sql("ALTER ROLE owner IN DATABASE race_rr RESET default_transaction_isolation")
+
+
+def test_a_role_with_connect_only_holding_every_advisory_lock_holds_no_install_up(server):
+    """1.0.0's installs took turns on an advisory lock, which any role may
+    hold: one that held it made `install` wait for ever."""
+    fresh_database(server, "squatted")
+    squatter = psycopg.connect(host=str(server.dir), port=server.port, user="other", dbname="squatted",
+                               autocommit=True)
+    try:
+        squatter.execute("SELECT pg_advisory_lock(%s, n) FROM generate_series(0, 3000) AS n", (0x6f757462,))
+        squatter.execute("SELECT pg_advisory_lock(n) FROM generate_series(0, 1000) AS n")
+        result = run("install", "--dsn", dsn(server, "owner", "squatted"))
+        assert result.returncode == 0, result.stderr
+    finally:
+        squatter.close()
+
+
+def test_an_install_that_waits_for_a_lock_gives_up_and_names_who_holds_it(server):
+    """A session holding what the install needs (here another install's
+    schema, not committed): the install waits its lock_timeout, not for
+    ever, and names the session."""
+    fresh_database(server, "held")
+    holder = psycopg.connect(host=str(server.dir), port=server.port, user="owner", dbname="held",
+                             application_name="a long migration")
+    try:
+        holder.execute("CREATE SCHEMA outbox")
+        pid = holder.execute("SELECT pg_backend_pid()").fetchone()[0]
+        started = time.monotonic()
+        stderr = refused(server, "owner", "held", installs_nothing=False)
+        took = time.monotonic() - started
+        assert 9 < took < 30, took
+        assert "waited 10s for a lock" in stderr and f"pid {pid} (role owner, application 'a long migration'" in stderr
+    finally:
+        holder.close()
+    assert "outbox" not in schemas(server, "held")
 
 
 def test_a_schema_made_to_look_installed_by_another_role_is_refused(server):

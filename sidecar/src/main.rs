@@ -9,6 +9,7 @@ mod connect;
 mod file;
 mod host;
 mod install;
+mod lease;
 mod listen;
 mod log;
 mod metrics;
@@ -16,6 +17,7 @@ mod private_file;
 mod replay;
 mod run;
 mod script;
+mod status;
 mod store;
 
 use std::process::ExitCode;

@@ -15,7 +15,7 @@ use std::fmt;
 
 /// The files in the order they run: the extension's (src/lib.rs), with the
 /// library's functions (sql/standalone/host.sql) after the tables.
-const PARTS: [(&str, &str); 12] = [
+const PARTS: [(&str, &str); 14] = [
     HEAD,
     ("schema.sql", include_str!("../../sql/schema.sql")),
     SETTING_PLACE,
@@ -28,6 +28,7 @@ const PARTS: [(&str, &str); 12] = [
     ("rotation.sql", include_str!("../../sql/rotation.sql")),
     ("events.sql", include_str!("../../sql/events.sql")),
     ("api.sql", include_str!("../../sql/api.sql")),
+    LEASES,
     ("standalone/tail.sql", include_str!("../../sql/standalone/tail.sql")),
 ];
 
@@ -37,6 +38,7 @@ const SETTING_PLACE: (&str, &str) =
 const UUID_V7: (&str, &str) = ("standalone/uuid_v7.sql", include_str!("../../sql/standalone/uuid_v7.sql"));
 const WRITE_PATH: (&str, &str) =
     ("standalone/write_path.sql", include_str!("../../sql/standalone/write_path.sql"));
+const LEASES: (&str, &str) = ("standalone/leases.sql", include_str!("../../sql/standalone/leases.sql"));
 const UPDATE_FROM: (&str, &str) =
     ("standalone/update_from.sql", include_str!("../../sql/standalone/update_from.sql"));
 const UPDATE_END: (&str, &str) = ("standalone/update.sql", include_str!("../../sql/standalone/update.sql"));
@@ -50,7 +52,7 @@ const UPDATE_END: (&str, &str) = ("standalone/update.sql", include_str!("../../s
 /// (`sql/upgrade/`, but its regions only the extension may run), what
 /// changed of the library's functions in SQL (`sql/standalone/updates/`),
 /// and the install's own files that create or replace all they hold
-/// (`sql/standalone/write_path.sql`).
+/// (`sql/standalone/write_path.sql`) or are new (`leases.sql`).
 const UPDATES: [(&str, &[(&str, &str)]); 2] = [
     ("0.10.0", &[SETTING_PLACE, UUID_V7]),
     (
@@ -65,6 +67,7 @@ const UPDATES: [(&str, &[(&str, &str)]); 2] = [
                 include_str!("../../sql/standalone/updates/1.0.0--1.1.0.sql"),
             ),
             WRITE_PATH,
+            LEASES,
         ],
     ),
 ];
