@@ -258,6 +258,76 @@ def test_settings_the_database_gets_wrong_are_named_and_the_rest_flows(server, d
     assert 'invalid value for parameter "outbox.batch_size"' in sidecar.log()
 
 
+class Pgbouncer:
+    """Debian's pgbouncer in front of `pg`, in `mode` (transaction or
+    session), handing out free server sessions last used first, or oldest
+    first (`round_robin`); run as the postgres user (it refuses root)."""
+
+    def __init__(self, pg, mode, round_robin=False):
+        self.dir = Path(tempfile.mkdtemp(prefix="pgbouncer-"))
+        shutil.chown(self.dir, "postgres", "postgres")
+        self.port = free_port()
+        (self.dir / "users.txt").write_text('"owner" ""\n"writer" ""\n')
+        (self.dir / "pgbouncer.ini").write_text(f"""[databases]
+* = host={pg.dir} port={pg.port}
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {self.port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {self.dir}/users.txt
+pool_mode = {mode}
+server_round_robin = {int(round_robin)}
+default_pool_size = 20
+ignore_startup_parameters = extra_float_digits
+logfile = {self.dir}/pgbouncer.log
+pidfile = {self.dir}/pgbouncer.pid
+""")
+        as_postgres("pgbouncer", "-d", self.dir / "pgbouncer.ini")
+        wait_until(lambda: (self.dir / "pgbouncer.pid").exists(), message="pgbouncer started")
+
+    def dsn(self, user, dbname):
+        return f"host=127.0.0.1 port={self.port} user={user} dbname={dbname} sslmode=disable"
+
+    def close(self):
+        pid = int((self.dir / "pgbouncer.pid").read_text())
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), message="pgbouncer stopped")
+        shutil.rmtree(self.dir)
+
+
+@pytest.mark.parametrize("round_robin", [False, True])
+def test_a_pooler_in_transaction_mode_is_refused_naming_the_cause_and_the_fix(server, db, sidecars, round_robin):
+    """Through pgbouncer in transaction mode a sidecar's transactions run on
+    whichever server session is free: its settings, its LISTEN and the
+    lease of its number would be other clients'. It refuses to run, at
+    once, saying why and what to connect through instead, whichever free
+    session the pooler hands out first (the last used, or the oldest)."""
+    bouncer = Pgbouncer(server, "transaction", round_robin=round_robin)
+    try:
+        ids = enqueue(server, db, "q_pooled", 5)
+        sidecar = sidecars(server, db, "--dispatchers", "2", to=bouncer.dsn("owner", db))
+        assert sidecar.proc.wait(timeout=60) == 3, sidecar.log()
+        log = sidecar.log()
+        assert "pooler in transaction mode" in log and "pool_mode = session" in log, log
+        assert statuses(server, db) == {"pending": len(ids)}
+        assert workers(server, db) == []
+    finally:
+        bouncer.close()
+
+
+def test_a_pooler_in_session_mode_serves(server, db, redis_server, sidecars):
+    bouncer = Pgbouncer(server, "session")
+    try:
+        sidecars(server, db, "--dispatchers", "2", broker=redis_server.url, to=bouncer.dsn("owner", db))
+        ids = enqueue(server, db, "q_session", 5)
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_session")) == sorted(ids), timeout=60,
+                   message="5 events sent through the pooler", seen=lambda: workers(server, db))
+        serving(server, db, 2)
+    finally:
+        bouncer.close()
+
+
 def own_connections(pg, dbname):
     """The backends of the sidecar's connections that are no dispatcher's:
     its listener, its status rows' writer, its /metrics gauges'."""

@@ -13,6 +13,7 @@ mod lease;
 mod listen;
 mod log;
 mod metrics;
+mod pooler;
 mod private_file;
 mod replay;
 mod run;

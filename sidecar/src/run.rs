@@ -29,7 +29,7 @@ use crate::connect::{chain, pin_session, Connector};
 use crate::host::{Bell, Process, Sidecar, EXIT_NOT_INSTALLED, STOP_DRAIN};
 use crate::status::Board;
 use crate::store::{PgDb, Session, Watchdog};
-use crate::{lease, log, metrics, script};
+use crate::{lease, log, metrics, pooler, script};
 
 /// How long a connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -128,10 +128,16 @@ fn check_installed(client: &mut Client) -> Result<(), Check> {
     Ok(())
 }
 
-/// Connects to the database and checks it is one to serve.
+/// Connects to the database and checks it is one to serve, on a session
+/// of its own (no pooler in transaction mode between them).
 fn connect_checked(connector: &Connector) -> Result<Client, Check> {
     let mut client = connector.connect(CONNECT_TIMEOUT).map_err(Check::Failed)?;
     pin_session(&mut client).map_err(Check::Failed)?;
+    match pooler::refuse_pooled(&mut client, connector) {
+        Ok(()) => {}
+        Err(refusal @ pooler::Refusal::Pooled(_)) => return Err(Check::Refused(refusal.to_string())),
+        Err(failed) => return Err(Check::Failed(failed.to_string())),
+    }
     check_installed(&mut client)?;
     Ok(client)
 }
