@@ -197,7 +197,7 @@ def leases(pg, dbname):
     """{lease: backend pid} of the leases whose holder's session lives and
     that have not expired."""
     return dict(pg.sql("SELECT name, backend_pid FROM outbox.sidecar_leases "
-                       "WHERE coalesce(expires_at > now(), true) AND outbox.session_lives(backend_pid, backend_start)",
+                       "WHERE coalesce(expires_at > now(), true) AND outbox.session_lives(backend_pid, backend_role, backend_start)",
                        dbname=dbname))
 
 

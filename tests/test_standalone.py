@@ -648,6 +648,25 @@ def test_a_writer_cannot_run_its_operators_as_the_owner(app):
         app.sql(f"SELECT outbox_unsubscribe({sid})", dbname="app")
 
 
+def test_a_session_of_another_role_on_a_holders_pid_holds_no_lease(app):
+    """A lease is its holder's while the holder's session lives. The pid of
+    a holder gone may come back to any role's session, whose start an
+    owner without pg_read_all_stats cannot see: such a session is not the
+    holder, and the lease is free."""
+    with app.connect(dbname="app", user="other") as other:
+        pid = other.execute("SELECT pg_backend_pid()").fetchone()[0]
+        with app.connect(dbname="app", user="owner") as conn:
+            conn.execute("SET search_path = pg_catalog, pg_temp")
+            assert conn.execute("SELECT backend_start FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() == (None,)
+            conn.execute("INSERT INTO outbox.sidecar_leases (name, holder, backend_pid, backend_role, backend_start, "
+                         "taken_at) VALUES ('dispatcher 7', 'gone', %s, 'owner'::regrole, now() - interval '1 day', "
+                         "now() - interval '1 day')", (pid,))
+            try:
+                assert conn.execute("SELECT outbox.take_lease('dispatcher 7', 'next', NULL)").fetchone() == (None,)
+            finally:
+                conn.execute("DELETE FROM outbox.sidecar_leases")
+
+
 def test_the_settings_the_sql_side_reads_are_bounded_as_the_library_bounds_them(app):
     with app.connect(dbname="app", user="owner") as conn:
         with pytest.raises(psycopg.errors.InvalidParameterValue,

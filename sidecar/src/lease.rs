@@ -2,8 +2,9 @@
 //! rows only the outbox's owner may write, each taken, renewed and given
 //! back by a statement of its own on the dispatcher's own connection. A
 //! dispatcher's number is its own while its session lives; a turn
-//! (housekeeping, reports) is one dispatcher's until it expires, renewed
-//! as it is used: a dispatcher that cannot renew in time stops taking it.
+//! (housekeeping, reports) is one dispatcher's while its session lives
+//! and until it expires, renewed as it is used: a dispatcher that cannot
+//! renew in time stops taking it.
 
 use std::time::{Duration, Instant};
 
@@ -15,10 +16,13 @@ use crate::store::Session;
 
 /// The most dispatchers one database's sidecars may run together.
 pub const MAX_DISPATCHERS: i32 = 1000;
-/// How long a turn is held without being renewed.
-const TURN_LEASE: Duration = Duration::from_secs(30);
-/// A turn held for less than this longer is renewed as it is used.
-const RENEW_WITHIN: Duration = Duration::from_secs(20);
+/// How long a turn is held without being renewed: longer than a turn's
+/// use may take (a statement's deadline, `outbox.statement_timeout`, is a
+/// minute by default), so that no other dispatcher takes it meanwhile.
+const TURN_LEASE: Duration = Duration::from_secs(120);
+/// A turn held for less than this longer is renewed as it is used (after
+/// 20 seconds of use).
+const RENEW_WITHIN: Duration = Duration::from_secs(100);
 /// How long a lease statement may take.
 const STATEMENT: Duration = Duration::from_secs(5);
 /// A turn another dispatcher holds is asked for again after this.

@@ -39,7 +39,7 @@ const GAUGES_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Serves `/metrics` on `listener` until the process ends.
 pub fn serve(listener: TcpListener, process: Arc<Process>, connector: Connector) {
-    let mut gauges = Gauges { connector, client: None };
+    let mut gauges = Gauges { connector, client: None, late: None };
     for stream in listener.incoming() {
         if process.stopping() {
             return;
@@ -210,13 +210,26 @@ fn families(process: &Process, gauges: &mut Gauges) -> Families {
 struct Gauges {
     connector: Connector,
     client: Option<Client>,
+    /// A read that did not answer in time, still under way: no other is
+    /// started before it ends (a connection that hangs, scraped again and
+    /// again, must not cost a thread and a connection each time).
+    late: Option<mpsc::Receiver<Result<(Client, Families), String>>>,
 }
 
 impl Gauges {
     /// The gauges, read on a thread of their own and waited for
-    /// [`GAUGES_TIMEOUT`] at most: a connection that does not answer in
-    /// time is left with that thread, and the next scrape connects anew.
+    /// [`GAUGES_TIMEOUT`] at most: a read that does not answer in time is
+    /// left to end on its own, and the scrapes are served without the
+    /// gauges until it does.
     fn read(&mut self) -> Families {
+        if let Some(late) = &self.late {
+            match late.try_recv() {
+                Err(mpsc::TryRecvError::Empty) => return Vec::new(),
+                Ok(Ok((client, _))) => self.client = Some(client),
+                Ok(Err(_)) | Err(mpsc::TryRecvError::Disconnected) => {}
+            }
+            self.late = None;
+        }
         let (client, connector) = (self.client.take(), self.connector.clone());
         let (sent, answered) = mpsc::channel();
         let spawned = std::thread::Builder::new().name("gauges".into()).spawn(move || {
@@ -237,9 +250,11 @@ impl Gauges {
             }
             Err(_) => {
                 log::warning(&format!(
-                    "/metrics: the database's gauges took more than {}s: served without them",
+                    "/metrics: the database's gauges took more than {}s: served without them until that \
+                     read ends",
                     GAUGES_TIMEOUT.as_secs()
                 ));
+                self.late = Some(answered);
                 Vec::new()
             }
         }

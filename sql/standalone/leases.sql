@@ -9,9 +9,9 @@
 -- outbox's owner may write: no other role can take, hold or squat one.
 --
 -- A lease is its holder's while the holder's session lives (its backend:
--- pid and start, so that a pid used again is another session) and, for a
--- turn, until it expires: a holder that cannot renew in time stops acting
--- on it. Each is taken, renewed and given back by a statement of its own,
+-- pid, role and start, so that a pid used again is another session) and,
+-- for a turn, until it expires: a holder that cannot renew in time stops
+-- acting on it. Each is taken, renewed and given back by a statement of its own,
 -- never in a transaction kept open (which would hold back every vacuum).
 SET LOCAL search_path = pg_catalog, pg_temp;
 
@@ -20,6 +20,7 @@ CREATE UNLOGGED TABLE outbox.sidecar_leases (
     name          text PRIMARY KEY,
     holder        text NOT NULL,
     backend_pid   integer NOT NULL,
+    backend_role  oid NOT NULL,
     backend_start timestamptz NOT NULL,
     taken_at      timestamptz NOT NULL,
     expires_at    timestamptz
@@ -28,18 +29,20 @@ CREATE UNLOGGED TABLE outbox.sidecar_leases (
 COMMENT ON TABLE outbox.sidecar_leases IS
     'The sidecars'' leases (outbox-dispatch run): a dispatcher''s number (dispatcher N) while its session lives, a turn (housekeeping, reports) until it expires. The owner''s alone to write.';
 
--- Whether the session of backend pid, started at started, lives. Read
--- afresh, not from the statistics this transaction read already: a session
--- that took a lease since must not be missed. A session whose start this
--- role may not see (another role's, without pg_read_all_stats) lives.
-CREATE FUNCTION outbox.session_lives(pid integer, started timestamptz) RETURNS boolean
+-- Whether the session of backend pid, of role, started at started, lives.
+-- Read afresh, not from the statistics this transaction read already: a
+-- session that took a lease since must not be missed. A session of that
+-- role whose start this role may not see (a member's, without
+-- pg_read_all_stats) lives; one of another role never holds a lease (the
+-- pid of a holder gone, which a session of any role may get again).
+CREATE FUNCTION outbox.session_lives(pid integer, role oid, started timestamptz) RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     PERFORM pg_stat_clear_snapshot();
     RETURN EXISTS (SELECT FROM pg_stat_activity AS a
-                    WHERE a.pid = session_lives.pid
+                    WHERE a.pid = session_lives.pid AND a.usesysid = session_lives.role
                       AND (a.backend_start = session_lives.started OR a.backend_start IS NULL));
 END
 $$;
@@ -53,20 +56,21 @@ LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    started CONSTANT timestamptz := (SELECT a.backend_start FROM pg_stat_activity AS a
-                                      WHERE a.pid = pg_backend_pid());
+    me CONSTANT pg_stat_activity := (SELECT a FROM pg_stat_activity AS a WHERE a.pid = pg_backend_pid());
     held outbox.sidecar_leases;
 BEGIN
-    INSERT INTO outbox.sidecar_leases AS l (name, holder, backend_pid, backend_start, taken_at, expires_at)
-    VALUES (take_lease.name, take_lease.holder, pg_backend_pid(), started, now(), now() + ttl)
+    INSERT INTO outbox.sidecar_leases AS l (name, holder, backend_pid, backend_role, backend_start, taken_at,
+                                            expires_at)
+    VALUES (take_lease.name, take_lease.holder, pg_backend_pid(), me.usesysid, me.backend_start, now(), now() + ttl)
     ON CONFLICT ON CONSTRAINT sidecar_leases_pkey DO UPDATE
-       SET holder = excluded.holder, backend_pid = excluded.backend_pid, backend_start = excluded.backend_start,
+       SET holder = excluded.holder, backend_pid = excluded.backend_pid, backend_role = excluded.backend_role,
+           backend_start = excluded.backend_start,
            taken_at = CASE WHEN l.backend_pid = excluded.backend_pid AND l.backend_start = excluded.backend_start
                            THEN l.taken_at ELSE excluded.taken_at END,
            expires_at = excluded.expires_at
      WHERE (l.backend_pid = excluded.backend_pid AND l.backend_start = excluded.backend_start)
         OR l.expires_at <= now()
-        OR NOT outbox.session_lives(l.backend_pid, l.backend_start);
+        OR NOT outbox.session_lives(l.backend_pid, l.backend_role, l.backend_start);
     IF FOUND THEN
         RETURN NULL;
     END IF;
@@ -101,7 +105,7 @@ BEGIN
           FROM generate_series(0, most - 1) AS g(n)
           LEFT JOIN outbox.sidecar_leases AS l ON l.name = 'dispatcher ' || g.n
          WHERE l.name IS NULL OR l.backend_pid = pg_backend_pid()
-            OR NOT outbox.session_lives(l.backend_pid, l.backend_start)
+            OR NOT outbox.session_lives(l.backend_pid, l.backend_role, l.backend_start)
          ORDER BY g.n
     LOOP
         -- Another sidecar may take it first: then the next.
@@ -113,7 +117,7 @@ BEGIN
 END
 $$;
 
-REVOKE ALL ON FUNCTION outbox.session_lives(integer, timestamptz), outbox.take_lease(text, text, interval),
+REVOKE ALL ON FUNCTION outbox.session_lives(integer, oid, timestamptz), outbox.take_lease(text, text, interval),
     outbox.give_lease(text), outbox.take_dispatcher_number(text, integer) FROM PUBLIC;
 GRANT SELECT ON outbox.sidecar_leases TO pg_monitor;
 
