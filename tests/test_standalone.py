@@ -169,6 +169,35 @@ def test_an_install_that_waits_for_a_lock_gives_up_and_names_who_holds_it(server
     assert "outbox" not in schemas(server, "held")
 
 
+def test_what_an_install_that_waited_says_runs_nothing_of_the_database_owners(server):
+    """After a lock wait the install names the sessions holding locks, in a
+    query of its own after its transaction, whose search_path pin is gone:
+    the database's owner put its own || first in every session's path."""
+    server.sql("DROP DATABASE IF EXISTS owned_by_other WITH (FORCE)")
+    server.sql("CREATE DATABASE owned_by_other OWNER other")
+    server.sql("GRANT CREATE ON DATABASE owned_by_other TO owner", dbname="owned_by_other")
+    with server.connect(dbname="owned_by_other", user="other") as conn:
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+        conn.execute("CREATE SCHEMA evil")
+        conn.execute("GRANT USAGE ON SCHEMA evil TO PUBLIC")
+        conn.execute("CREATE TABLE evil.calls (by name)")
+        conn.execute("GRANT INSERT ON evil.calls TO PUBLIC")
+        conn.execute("CREATE FUNCTION evil.cat(a text, b text) RETURNS text LANGUAGE plpgsql AS "
+                     "$$ BEGIN INSERT INTO evil.calls VALUES (current_user); RETURN a OPERATOR(pg_catalog.||) b; END $$")
+        conn.execute("CREATE OPERATOR evil.|| (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.cat)")
+        conn.execute("ALTER DATABASE owned_by_other SET search_path = evil, pg_catalog")
+    server.sql("CREATE SCHEMA fns AUTHORIZATION owner", dbname="owned_by_other")
+    holder = psycopg.connect(host=str(server.dir), port=server.port, user="owner", dbname="owned_by_other")
+    try:
+        holder.execute("SET search_path = pg_catalog")
+        holder.execute("CREATE SCHEMA outbox")
+        stderr = refused(server, "owner", "owned_by_other", "--schema", "fns", installs_nothing=False)
+        assert "waited 10s for a lock" in stderr
+    finally:
+        holder.close()
+    assert server.sql("SELECT by FROM evil.calls", dbname="owned_by_other") == []
+
+
 def test_a_schema_made_to_look_installed_by_another_role_is_refused(server):
     fresh_database(server, "forged", owner="postgres")
     server.sql("GRANT CREATE ON DATABASE forged TO other, owner", dbname="forged")

@@ -97,14 +97,16 @@ fn sqlstate(e: &postgres::Error) -> Option<&str> {
 
 /// What an install that waited [`LOCK_WAIT`] for a lock says: the lock
 /// PostgreSQL names, and the sessions holding locks in the database
-/// (the one it waited for among them, unless it ended since).
+/// (the one it waited for among them, unless it ended since). Read after
+/// the install's transaction, whose search_path pin ended with it: every
+/// name is qualified, operators included.
 fn waited(client: &mut Client, error: &postgres::Error) -> String {
     let holders: Vec<String> = client
         .query(
             "SELECT pg_catalog.format('pid %s (role %s, application %L, %s)', a.pid, a.usename, \
                                       a.application_name, \
-                                      coalesce(a.state || ' since ' || a.state_change::pg_catalog.text, \
-                                               'a transaction this role may not see')) \
+                                      CASE WHEN a.state IS NULL THEN 'a transaction this role may not see' \
+                                           ELSE pg_catalog.format('%s since %s', a.state, a.state_change) END) \
                FROM pg_catalog.pg_stat_activity AS a \
               WHERE a.pid OPERATOR(pg_catalog.<>) pg_catalog.pg_backend_pid() \
                 AND a.pid OPERATOR(pg_catalog.=) ANY (SELECT l.pid FROM pg_catalog.pg_locks AS l \
