@@ -201,6 +201,29 @@ def leases(pg, dbname):
                        dbname=dbname))
 
 
+def test_a_turn_that_cannot_be_had_is_named_with_who_holds_the_leases(server, db, redis_server, sidecars):
+    """Only the owner's sessions may lock the leases: one that holds the
+    table (a migration, a DBA's transaction) keeps the turns from being
+    taken. The dispatcher says so, naming that session, in its row and its
+    log; events flow all the same, and the note goes once it ends."""
+    sidecar = sidecars(server, db, broker=redis_server.url)
+    serving(server, db)
+    locker = server.connect(dbname=db, user="owner", autocommit=False, application_name="a long migration")
+    try:
+        pid = locker.execute("SELECT pg_backend_pid()").fetchone()[0]
+        locker.execute("LOCK TABLE outbox.sidecar_leases IN ACCESS EXCLUSIVE MODE")
+        wait_until(lambda: f"role owner (pid {pid}, a long migration" in last_error(server, db), timeout=60,
+                   message="the session named", seen=lambda: workers(server, db))
+        assert "outbox.sidecar_leases" in sidecar.log() and f"pid {pid}" in sidecar.log()
+        ids = enqueue(server, db, "q_leases_locked", 5)
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_leases_locked")) == sorted(ids),
+                   message="5 of 5 sent")
+    finally:
+        locker.close()
+    wait_until(lambda: last_error(server, db) == "", timeout=60, message="the note gone",
+               seen=lambda: workers(server, db))
+
+
 def test_a_sidecar_whose_broker_is_down_gives_the_reports_turn_back(server, db, sidecars):
     """A dispatcher keeps the reports turn's lease from one look at the
     list to the next; one that stops looking (its broker is gone) gives it
