@@ -13,6 +13,7 @@ it can and counts what of it ran as someone else."""
 import psycopg
 import pytest
 
+from harness import documented_grants
 from resolution import faults, tokens
 from standalone import HOST, installed_cluster
 
@@ -53,12 +54,10 @@ def pg(redis_server):
         # An application's own schema, where it may create.
         for role in ("writer", "monitor"):
             pg.sql(f"CREATE SCHEMA {role}_own AUTHORIZATION {role}")
+        # What the docs grant an application and a consumer, no more.
         with pg.connect(user=OWNER) as conn:
-            conn.execute("GRANT USAGE ON SCHEMA outbox TO writer")
-            conn.execute("GRANT INSERT ON outbox.events, outbox.log TO writer")
-            conn.execute("GRANT EXECUTE ON FUNCTION outbox_enqueue(text, jsonb, text, text, jsonb, interval, integer, "
-                         "interval, jsonb, text), outbox_ack(uuid), outbox_skip(uuid), outbox_inbox_claim(uuid, text) "
-                         "TO writer")
+            for statement in documented_grants("app") + documented_grants("consumer"):
+                conn.execute(statement.replace(" TO app;", " TO writer;").replace(" TO consumer;", " TO writer;"))
         yield pg
 
 

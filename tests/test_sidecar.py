@@ -6,16 +6,20 @@ database that sets nonsense; then what must survive: a sidecar killed mid
 drain, a connection cut, three sidecars at once; then the happy paths."""
 
 import json
+import os
 import re
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psycopg
 import pytest
 
-from harness import Redis, SilentBroker, free_port, queued_ids, wait_until
+from harness import Redis, SilentBroker, as_postgres, free_port, queued_ids, wait_until
 from standalone import Sidecar, Standby, fresh_database, install, plain_server, samples, scrape
 
 
