@@ -144,7 +144,8 @@ def sql_ceiling(pg, batch):
     pg.sql("TRUNCATE outbox.log, outbox.batches, outbox.outcomes")
     load(pg, EVENTS)
     turn = (ROOT / "sql/worker/lock_cursor.sql").read_text()
-    claim = (ROOT / "sql/worker/claim.sql").read_text().replace("$1", str(batch)).replace("$2", "0")
+    claim = ((ROOT / "sql/worker/claim.sql").read_text()
+             .replace("$1", str(batch)).replace("$2", "0").replace("$3", str(8 << 20)))
     mark = (ROOT / "sql/worker/mark_dispatched.sql").read_text().replace("$1", "claimed.batch").replace("$2", "0")
     body = f"""
         DO $$

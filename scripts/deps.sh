@@ -21,6 +21,9 @@ packages=(redis-server rabbitmq-server libclang-dev clang openssl prometheus bin
 [[ "$PG" == 15 ]] && packages+=(postgresql-15 postgresql-server-dev-15 postgresql-contrib postgresql-15-pgq3)
 # The Debian package's test on a fresh Debian 12 (tests/test_package.py).
 [[ "$PG" == 15 ]] && packages+=(debootstrap)
+# The sidecar's refusal of a transaction-mode pooler (tests/test_sidecar.py
+# starts its own pgbouncer; the service the package brings is never run).
+packages+=(pgbouncer)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
@@ -29,6 +32,11 @@ if ((${#missing[@]})); then
     echo "deps: installing ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    if [[ " ${missing[*]} " == *" pgbouncer "* ]]; then
+        # Debian starts it where policy-rc.d lets it: stopped, and not again.
+        invoke-rc.d pgbouncer stop >/dev/null 2>&1 || true
+        update-rc.d pgbouncer disable >/dev/null 2>&1 || true
+    fi
 fi
 
 # PostgreSQL from a wheel: the package and where its installation sits in it.

@@ -637,15 +637,16 @@ class Cluster:
         """The value of `outbox.<name>` the dispatchers read."""
         return self.value(f"SHOW outbox.{name}")
 
-    def claim_as(self, dispatcher, limit):
-        """Claims up to `limit` events as dispatcher `dispatcher` would
-        (sql/worker/lock_cursor.sql, restore_turn.sql and lock_cursor.sql
-        again if it locked nothing, then claim.sql), and commits; returns
-        the batch's id and each event's send (what its message names), by
-        event id; (None, {}) when nothing was claimed."""
+    def claim_as(self, dispatcher, limit, bytes=1 << 30):
+        """Claims up to `limit` events (and `bytes` of their texts) as
+        dispatcher `dispatcher` would (sql/worker/lock_cursor.sql,
+        restore_turn.sql and lock_cursor.sql again if it locked nothing,
+        then claim.sql), and commits; returns the batch's id and each
+        event's send (what its message names), by event id; (None, {})
+        when nothing was claimed."""
         with self.connect(autocommit=False) as conn:
             self.take_turn(conn)
-            self.prepare_claim(conn)
+            self.prepare_claim(conn, bytes)
             rows = conn.execute(f"EXECUTE claim({int(limit)}, {int(dispatcher)})").fetchall()
             conn.commit()
         return rows[0][17], {str(r[0]): send_of(r[18], r[0]) for r in rows if r[0] is not None}
@@ -666,11 +667,13 @@ class Cluster:
         raise AssertionError(f"three claims held none of {sorted(wanted)[:3]}...")
 
     @staticmethod
-    def prepare_claim(conn):
+    def prepare_claim(conn, bytes=1 << 30):
         """Prepares sql/worker/claim.sql in `conn` as `claim(limit,
-        dispatcher)`, planned as a dispatcher plans it."""
+        dispatcher)`, planned as a dispatcher plans it, its bytes bounded
+        by `bytes` (by default outbox.max_batch_bytes's most, 1GB)."""
         conn.execute(DISPATCHER_PLANNER)
-        conn.execute(f"PREPARE claim(int, int) AS {(ROOT / 'sql' / 'worker' / 'claim.sql').read_text()}")
+        claim = (ROOT / "sql" / "worker" / "claim.sql").read_text().replace("$3", str(int(bytes)))
+        conn.execute(f"PREPARE claim(int, int) AS {claim}")
 
     @staticmethod
     def take_turn(conn):

@@ -380,7 +380,7 @@ def test_worker_queries_are_served_by_indexes(outbox):
         worker / "fail_batch.sql": ("(bigint, text, bigint)", "(1, 'x', 1048576)", [("batch_members_waiting_idx",)]),
         worker / "lock_cursor.sql": ("", "", []),
         worker / "restore_turn.sql": ("", "", []),
-        worker / "claim.sql": ("(int, int)", "(100, 0)", [("_pending_xid_idx",)]),
+        worker / "claim.sql": ("(int, int, bigint)", "(100, 0, 8388608)", [("_pending_xid_idx",)]),
         worker / "came_due.sql": ("(int, float8)", "(100, '-Infinity')", [("_due_idx",)]),
         worker / "next_due.sql": ("(bigint[], float8)", "('{}', '-Infinity')",
                                   [("_due_idx",), ("batch_members_waiting_idx",)]),
@@ -524,6 +524,36 @@ def test_a_delayed_event_written_by_a_transaction_older_than_the_floor_is_sent(o
         late.execute("COMMIT")
         held.execute("COMMIT")
     wait_until(lambda: client.llen("q_floor") == 5, timeout=20, message="the late and the held events")
+
+
+def test_a_claim_takes_what_its_bytes_allow_and_the_next_goes_on_in_order(outbox):
+    """A claim stops after the event that brings its texts (payload, args,
+    headers) past outbox.max_batch_bytes; the next claim goes on from
+    there, in the same window: a page cut for its bytes does not end its
+    window, whose later events would be taken as read. An event larger
+    than the bound comes alone."""
+    outbox.configure(enabled="off")
+    wait_until(lambda: outbox.value("SELECT bool_and(state = 'paused') FROM outbox.workers"),
+               message="the dispatchers paused")
+    with outbox.connect(autocommit=False) as conn:
+        # Each text is 998 bytes: {"p": "x…x"}.
+        ids = [str(r[0]) for r in conn.execute(
+            "SELECT outbox_enqueue('e', jsonb_build_object('p', repeat('x', 990)), queue => 'q_bytes') "
+            "FROM generate_series(1, 5)")]
+        conn.commit()
+    # Enqueued in order, in one transaction: the page's order is the ids'.
+    ids.sort()
+    taken = []
+    for bytes, expected in [(2500, 3), (2500, 2), (2500, 0)]:
+        _, sends = outbox.claim_as(0, 100, bytes=bytes)
+        assert len(sends) == expected, (bytes, sorted(sends))
+        taken += sorted(sends)
+    assert taken == ids
+    with outbox.connect() as conn:
+        big = str(conn.execute("SELECT outbox_enqueue('e', jsonb_build_object('p', repeat('x', 990)), "
+                               "queue => 'q_bytes') FROM generate_series(1, 2)").fetchall()[0][0])
+    batch, sends = outbox.claim_as(0, 100, bytes=10)
+    assert list(sends) == [big]
 
 
 def test_a_batch_s_outcomes_are_read_once_not_once_per_event(outbox):

@@ -6,16 +6,20 @@ database that sets nonsense; then what must survive: a sidecar killed mid
 drain, a connection cut, three sidecars at once; then the happy paths."""
 
 import json
+import os
 import re
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psycopg
 import pytest
 
-from harness import Redis, SilentBroker, free_port, queued_ids, wait_until
+from harness import Redis, SilentBroker, as_postgres, free_port, queued_ids, wait_until
 from standalone import Sidecar, Standby, fresh_database, install, plain_server, samples, scrape
 
 
@@ -150,52 +154,95 @@ def test_a_database_it_must_not_serve_is_refused_at_once(server, sidecars):
         server.sql(f"DROP DATABASE {name} WITH (FORCE)")
 
 
-def test_a_role_squatting_the_turns_is_named_and_events_flow_all_the_same(server, db, redis_server, sidecars):
-    """Any role that may connect can take any advisory lock: one holds the
-    turns (housekeeping, reports) before the sidecar starts. The sidecar
-    names it, in its log and in last_error, with what ends it; events flow
-    all the same; once it is gone the turns are the outbox's again."""
-    squatter = psycopg.connect(host=str(server.dir), port=server.port, user="other", dbname=db, autocommit=True)
+# Every advisory lock 1.0.0's sidecars took: the install's, the
+# dispatchers' numbers, the turns.
+LOCK_CLASS = 0x6f757462
+
+
+def hold_every_lock(pg, dbname, user="other"):
+    """A session of `user` holding every lock it may: advisory locks in the
+    ranges 1.0.0's sidecars used and beyond (a pair of int4 and a bigint),
+    and, in a transaction it keeps open, every table it may lock."""
+    squatter = psycopg.connect(host=str(pg.dir), port=pg.port, user=user, dbname=dbname, autocommit=True)
+    squatter.execute("SELECT pg_advisory_lock(%s, n) FROM generate_series(0, 3000) AS n", (LOCK_CLASS,))
+    squatter.execute("SELECT pg_advisory_lock(n) FROM generate_series(0, 1000) AS n")
+    squatter.execute("BEGIN")
+    for (table,) in squatter.execute(
+            "SELECT c.oid::regclass::text FROM pg_class AS c WHERE c.relkind IN ('r', 'p', 'v', 'm') "
+            "AND has_table_privilege(c.oid, 'SELECT')").fetchall():
+        squatter.execute("SAVEPOINT s")
+        try:
+            squatter.execute(f"LOCK TABLE {table} IN ACCESS SHARE MODE NOWAIT")
+        except psycopg.Error:
+            squatter.execute("ROLLBACK TO SAVEPOINT s")
+    return squatter
+
+
+def test_a_role_with_connect_only_holding_every_lock_it_may_stops_nothing(server, db, redis_server, sidecars):
+    """1.0.0's sidecars coordinated with advisory locks, which any role
+    may take: one that held the numbers left outbox.workers empty and 0 of
+    5 events sent in 30 s. The leases are rows only the owner writes: the
+    same role, holding every lock it may, stops nothing."""
+    squatter = hold_every_lock(server, db)
     try:
-        pid = squatter.execute("SELECT pg_backend_pid()").fetchone()[0]
-        squatter.execute("SELECT pg_advisory_lock(%s, 2000), pg_advisory_lock(%s, 2001)", (0x6f757462, 0x6f757462))
         sidecar = sidecars(server, db, broker=redis_server.url)
-        wait_until(lambda: all(f"the {turn} turn is held by role other (pid {pid})" in last_error(server, db)
-                               for turn in ("housekeeping", "reports")), timeout=60,
-                   message="the squatter named", seen=lambda: workers(server, db))
-        assert f"pg_terminate_backend({pid})" in last_error(server, db)
-        assert f"held by role other (pid {pid})" in sidecar.log()
-        ids = enqueue(server, db, "q_squat", 3)
-        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_squat")) == sorted(ids), message="events sent")
+        ids = enqueue(server, db, "q_squat", 5)
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_squat")) == sorted(ids), timeout=30,
+                   message="5 of 5 sent", seen=lambda: (workers(server, db), sidecar.log()[-2000:]))
+        serving(server, db)
+        wait_until(lambda: {"housekeeping", "reports"} <= set(leases(server, db)), message="the turns taken",
+                   seen=lambda: leases(server, db))
+        assert last_error(server, db) == ""
     finally:
         squatter.close()
+
+
+def leases(pg, dbname):
+    """{lease: backend pid} of the leases whose holder's session lives and
+    that have not expired."""
+    return dict(pg.sql("SELECT name, backend_pid FROM outbox.sidecar_leases "
+                       "WHERE coalesce(expires_at > now(), true) AND outbox.session_lives(backend_pid, backend_role, backend_start)",
+                       dbname=dbname))
+
+
+def test_a_turn_that_cannot_be_had_is_named_with_who_holds_the_leases(server, db, redis_server, sidecars):
+    """Only the owner's sessions may lock the leases: one that holds the
+    table (a migration, a DBA's transaction) keeps the turns from being
+    taken. The dispatcher says so, naming that session, in its row and its
+    log; events flow all the same, and the note goes once it ends."""
+    sidecar = sidecars(server, db, broker=redis_server.url)
+    serving(server, db)
+    locker = server.connect(dbname=db, user="owner", autocommit=False, application_name="a long migration")
+    try:
+        pid = locker.execute("SELECT pg_backend_pid()").fetchone()[0]
+        locker.execute("LOCK TABLE outbox.sidecar_leases IN ACCESS EXCLUSIVE MODE")
+        wait_until(lambda: f"role owner (pid {pid}, a long migration" in last_error(server, db), timeout=60,
+                   message="the session named", seen=lambda: workers(server, db))
+        assert "outbox.sidecar_leases" in sidecar.log() and f"pid {pid}" in sidecar.log()
+        ids = enqueue(server, db, "q_leases_locked", 5)
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_leases_locked")) == sorted(ids),
+                   message="5 of 5 sent")
+    finally:
+        locker.close()
     wait_until(lambda: last_error(server, db) == "", timeout=60, message="the note gone",
                seen=lambda: workers(server, db))
-    assert "the turns are the outbox's again" in sidecar.log()
-
-
-def turn_holders(pg, dbname, turn):
-    """Backends holding turn `turn`'s lock (0 housekeeping, 1 reports)."""
-    return pg.sql("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objid = %s "
-                  "AND objsubid = 2 AND granted AND database = (SELECT oid FROM pg_database WHERE datname = %s)",
-                  (0x6f757462, 2000 + turn, dbname), dbname=dbname)
 
 
 def test_a_sidecar_whose_broker_is_down_gives_the_reports_turn_back(server, db, sidecars):
-    """A sidecar keeps the reports turn's lock from one look at the list to
-    the next; one that stops looking (its broker is gone) gives it back
-    within seconds, for another sidecar to take: the reports of the
+    """A dispatcher keeps the reports turn's lease from one look at the
+    list to the next; one that stops looking (its broker is gone) gives it
+    back within seconds, for another sidecar to take: the reports of the
     database are never left to a sidecar that cannot read them."""
     first, second = Redis(), Redis()
     try:
         a = sidecars(server, db, broker=first.url)
-        wait_until(lambda: turn_holders(server, db, 1), message="the reports turn taken",
+        wait_until(lambda: "reports" in leases(server, db), message="the reports turn taken",
                    seen=lambda: (workers(server, db), a.log()))
         first.stop()
-        wait_until(lambda: not turn_holders(server, db, 1), timeout=30, message="the turn given back",
+        wait_until(lambda: "reports" not in leases(server, db), timeout=30, message="the turn given back",
                    seen=lambda: (workers(server, db), a.log()))
         sidecars(server, db, broker=second.url)
-        wait_until(lambda: turn_holders(server, db, 1), timeout=30, message="the turn taken by the second")
+        wait_until(lambda: "reports" in leases(server, db), timeout=30, message="the turn taken by the second")
         reports = f"outbox_dispatch.reports:{server.value('SELECT oid FROM pg_database WHERE datname = %s', (db,))}"
         second.client().rpush(reports, b"garbage")
         wait_until(lambda: second.client().llen(reports) == 0, timeout=30, message="the second sidecar collecting")
@@ -236,6 +283,168 @@ def test_settings_the_database_gets_wrong_are_named_and_the_rest_flows(server, d
                message="events sent")
     assert 'parameter "outbox.batch_size": "lots"' in last_error(server, db)
     assert 'invalid value for parameter "outbox.batch_size"' in sidecar.log()
+
+
+class Pgbouncer:
+    """Debian's pgbouncer in front of `pg`, in `mode` (transaction or
+    session), handing out free server sessions last used first, or oldest
+    first (`round_robin`); run as the postgres user (it refuses root)."""
+
+    def __init__(self, pg, mode, round_robin=False):
+        self.dir = Path(tempfile.mkdtemp(prefix="pgbouncer-"))
+        shutil.chown(self.dir, "postgres", "postgres")
+        self.port = free_port()
+        (self.dir / "users.txt").write_text('"owner" ""\n"writer" ""\n')
+        (self.dir / "pgbouncer.ini").write_text(f"""[databases]
+* = host={pg.dir} port={pg.port}
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {self.port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {self.dir}/users.txt
+pool_mode = {mode}
+server_round_robin = {int(round_robin)}
+default_pool_size = 20
+ignore_startup_parameters = extra_float_digits
+logfile = {self.dir}/pgbouncer.log
+pidfile = {self.dir}/pgbouncer.pid
+""")
+        as_postgres("pgbouncer", "-d", self.dir / "pgbouncer.ini")
+        wait_until(lambda: (self.dir / "pgbouncer.pid").exists(), message="pgbouncer started")
+
+    def dsn(self, user, dbname):
+        return f"host=127.0.0.1 port={self.port} user={user} dbname={dbname} sslmode=disable"
+
+    def close(self):
+        pid = int((self.dir / "pgbouncer.pid").read_text())
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), message="pgbouncer stopped")
+        shutil.rmtree(self.dir)
+
+
+@pytest.mark.parametrize("round_robin", [False, True])
+def test_a_pooler_in_transaction_mode_is_refused_naming_the_cause_and_the_fix(server, db, sidecars, round_robin):
+    """Through pgbouncer in transaction mode a sidecar's transactions run on
+    whichever server session is free: its settings, its LISTEN and the
+    lease of its number would be other clients'. It refuses to run, at
+    once, saying why and what to connect through instead, whichever free
+    session the pooler hands out first (the last used, or the oldest)."""
+    bouncer = Pgbouncer(server, "transaction", round_robin=round_robin)
+    try:
+        ids = enqueue(server, db, "q_pooled", 5)
+        sidecar = sidecars(server, db, "--dispatchers", "2", to=bouncer.dsn("owner", db))
+        assert sidecar.proc.wait(timeout=60) == 3, sidecar.log()
+        log = sidecar.log()
+        assert "pooler in transaction mode" in log and "pool_mode = session" in log, log
+        assert statuses(server, db) == {"pending": len(ids)}
+        assert workers(server, db) == []
+    finally:
+        bouncer.close()
+
+
+def test_a_pooler_in_session_mode_serves(server, db, redis_server, sidecars):
+    bouncer = Pgbouncer(server, "session")
+    try:
+        sidecars(server, db, "--dispatchers", "2", broker=redis_server.url, to=bouncer.dsn("owner", db))
+        ids = enqueue(server, db, "q_session", 5)
+        wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_session")) == sorted(ids), timeout=60,
+                   message="5 events sent through the pooler", seen=lambda: workers(server, db))
+        serving(server, db, 2)
+    finally:
+        bouncer.close()
+
+
+def own_connections(pg, dbname):
+    """The backends of the sidecar's connections that are no dispatcher's:
+    its listener, its status rows' writer, its /metrics gauges'."""
+    return [r[0] for r in pg.sql(
+        "SELECT pid FROM pg_stat_activity WHERE datname = %s AND application_name = 'outbox-dispatch' "
+        "AND pid NOT IN (SELECT pid FROM outbox.sidecar_workers WHERE pid IS NOT NULL)", (dbname,), dbname=dbname)]
+
+
+def drain_time(pg, dbname, client, queue, n=200):
+    """Seconds from the commit of `n` events to the last of them in Redis."""
+    enqueue(pg, dbname, queue, n)
+    started = time.monotonic()
+    wait_until(lambda: len(queued_ids(client, queue)) == n, timeout=60, message=f"{n} events sent to {queue}")
+    return time.monotonic() - started
+
+
+def test_a_control_connection_that_hangs_and_a_scrape_that_never_reads_cost_delivery_nothing(
+        server, db, redis_server, sidecars):
+    """1.0.0's dispatchers wrote their rows, and /metrics read the gauges,
+    on one shared connection under a lock: one that stopped answering held
+    every dispatcher up. Every connection that is no dispatcher's own
+    stopped (SIGSTOP), the status table locked by its owner, a scrape that
+    never reads its answer and one that waits for the gauges: delivery goes
+    on at its rate, and the scrapes are answered (the first without the
+    gauges, whose connection is stopped, the next on a new one)."""
+    port = free_port()
+    sidecars(server, db, "--metrics-listen", f"127.0.0.1:{port}", broker=redis_server.url)
+    serving(server, db)
+    assert scrape(port)[0].endswith("200 OK")
+    client = redis_server.client()
+    before = drain_time(server, db, client, "q_before")
+    stopped = own_connections(server, db)
+    assert len(stopped) == 3, stopped
+    locker = server.connect(dbname=db, user="owner", autocommit=False)
+    silent = socket.create_connection(("127.0.0.1", port))
+    try:
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        locker.execute("LOCK TABLE outbox.sidecar_workers IN ACCESS EXCLUSIVE MODE")
+        silent.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        scraped = {}
+        waiting = threading.Thread(target=lambda: scraped.update(answer=scrape(port)))
+        waiting.start()
+        during = drain_time(server, db, client, "q_during")
+        assert during < 3 * before + 2, (before, during)
+        waiting.join(timeout=30)
+        status, body = scraped["answer"]
+        assert status.endswith("200 OK") and "outbox_dispatched_total 400" in body
+        # The lock released, the rows' writer still stopped: another writes them.
+        locker.rollback()
+        wait_until(lambda: server.value("SELECT events_dispatched FROM outbox.workers", dbname=db) == 400,
+                   timeout=30, message="the rows written from a new connection")
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        locker.close()
+        silent.close()
+
+
+def peak_resident_bytes(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+@pytest.mark.parametrize("payload", ["repeat('a', 1000000)", "(SELECT string_agg(md5(i::text || n::text), '') "
+                                                            "FROM generate_series(1, 31250) AS i)"])
+def test_a_dispatcher_holds_what_max_batch_bytes_allows_not_a_batch_of_events(
+        server, db, redis_server, sidecars, payload):
+    """What a dispatcher holds is bounded by outbox.max_batch_bytes, not by
+    outbox.batch_size: 100 events of 1 MB each (compressible, whose stored
+    size is a fraction of their text, and not) drain with max_batch_bytes
+    64kB and the sidecar's peak resident memory grows by a few of them, not
+    by the 100 (1.0.0 claimed them at once: 300 MB and more)."""
+    set_setting(server, db, "outbox.max_batch_bytes", "64kB")
+    set_setting(server, db, "outbox.max_payload_bytes", "2MB")
+    sidecar = sidecars(server, db, broker=redis_server.url)
+    serving(server, db)
+    client = redis_server.client()
+    assert drain_time(server, db, client, "q_warm", 5) < 30
+    baseline = peak_resident_bytes(sidecar.proc.pid)
+    with server.connect(dbname=db, user="writer") as conn, conn.transaction():
+        conn.execute(f"SELECT outbox_enqueue('t.big', jsonb_build_object('blob', {payload}), queue => 'q_big') "
+                     "FROM generate_series(1, 100) AS n")
+    try:
+        wait_until(lambda: client.llen("q_big") == 100, timeout=120, message="100 large events sent",
+                   seen=lambda: (client.llen("q_big"), workers(server, db)))
+        grown = peak_resident_bytes(sidecar.proc.pid) - baseline
+        assert grown < 32 * 2**20, f"{grown / 2**20:.0f} MB"
+    finally:
+        client.delete("q_big")
 
 
 def test_metrics_answer_garbage_with_nothing_and_show_the_library_s_names(

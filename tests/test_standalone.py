@@ -9,6 +9,7 @@ leaves open to it."""
 import difflib
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -131,6 +132,70 @@ def test_a_default_of_repeatable_read_does_not_break_two_installs_at_once(server
         assert [p.returncode for p in procs] == [0, 0], outs
     finally:
         server.sql("ALTER ROLE owner IN DATABASE race_rr RESET default_transaction_isolation")
+
+
+def test_a_role_with_connect_only_holding_every_advisory_lock_holds_no_install_up(server):
+    """1.0.0's installs took turns on an advisory lock, which any role may
+    hold: one that held it made `install` wait for ever."""
+    fresh_database(server, "squatted")
+    squatter = psycopg.connect(host=str(server.dir), port=server.port, user="other", dbname="squatted",
+                               autocommit=True)
+    try:
+        squatter.execute("SELECT pg_advisory_lock(%s, n) FROM generate_series(0, 3000) AS n", (0x6f757462,))
+        squatter.execute("SELECT pg_advisory_lock(n) FROM generate_series(0, 1000) AS n")
+        result = run("install", "--dsn", dsn(server, "owner", "squatted"))
+        assert result.returncode == 0, result.stderr
+    finally:
+        squatter.close()
+
+
+def test_an_install_that_waits_for_a_lock_gives_up_and_names_who_holds_it(server):
+    """A session holding what the install needs (here another install's
+    schema, not committed): the install waits its lock_timeout, not for
+    ever, and names the session."""
+    fresh_database(server, "held")
+    holder = psycopg.connect(host=str(server.dir), port=server.port, user="owner", dbname="held",
+                             application_name="a long migration")
+    try:
+        holder.execute("CREATE SCHEMA outbox")
+        pid = holder.execute("SELECT pg_backend_pid()").fetchone()[0]
+        started = time.monotonic()
+        stderr = refused(server, "owner", "held", installs_nothing=False)
+        took = time.monotonic() - started
+        assert 9 < took < 30, took
+        assert "waited 10s for a lock" in stderr and f"pid {pid} (role owner, application 'a long migration'" in stderr
+    finally:
+        holder.close()
+    assert "outbox" not in schemas(server, "held")
+
+
+def test_what_an_install_that_waited_says_runs_nothing_of_the_database_owners(server):
+    """After a lock wait the install names the sessions holding locks, in a
+    query of its own after its transaction, whose search_path pin is gone:
+    the database's owner put its own || first in every session's path."""
+    server.sql("DROP DATABASE IF EXISTS owned_by_other WITH (FORCE)")
+    server.sql("CREATE DATABASE owned_by_other OWNER other")
+    server.sql("GRANT CREATE ON DATABASE owned_by_other TO owner", dbname="owned_by_other")
+    with server.connect(dbname="owned_by_other", user="other") as conn:
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+        conn.execute("CREATE SCHEMA evil")
+        conn.execute("GRANT USAGE ON SCHEMA evil TO PUBLIC")
+        conn.execute("CREATE TABLE evil.calls (by name)")
+        conn.execute("GRANT INSERT ON evil.calls TO PUBLIC")
+        conn.execute("CREATE FUNCTION evil.cat(a text, b text) RETURNS text LANGUAGE plpgsql AS "
+                     "$$ BEGIN INSERT INTO evil.calls VALUES (current_user); RETURN a OPERATOR(pg_catalog.||) b; END $$")
+        conn.execute("CREATE OPERATOR evil.|| (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.cat)")
+        conn.execute("ALTER DATABASE owned_by_other SET search_path = evil, pg_catalog")
+    server.sql("CREATE SCHEMA fns AUTHORIZATION owner", dbname="owned_by_other")
+    holder = psycopg.connect(host=str(server.dir), port=server.port, user="owner", dbname="owned_by_other")
+    try:
+        holder.execute("SET search_path = pg_catalog")
+        holder.execute("CREATE SCHEMA outbox")
+        stderr = refused(server, "owner", "owned_by_other", "--schema", "fns", installs_nothing=False)
+        assert "waited 10s for a lock" in stderr
+    finally:
+        holder.close()
+    assert server.sql("SELECT by FROM evil.calls", dbname="owned_by_other") == []
 
 
 def test_a_schema_made_to_look_installed_by_another_role_is_refused(server):
@@ -610,6 +675,25 @@ def test_a_writer_cannot_run_its_operators_as_the_owner(app):
         app.sql("DROP SCHEMA w CASCADE", dbname="app")
         app.sql("DELETE FROM outbox.settings", dbname="app")
         app.sql(f"SELECT outbox_unsubscribe({sid})", dbname="app")
+
+
+def test_a_session_of_another_role_on_a_holders_pid_holds_no_lease(app):
+    """A lease is its holder's while the holder's session lives. The pid of
+    a holder gone may come back to any role's session, whose start an
+    owner without pg_read_all_stats cannot see: such a session is not the
+    holder, and the lease is free."""
+    with app.connect(dbname="app", user="other") as other:
+        pid = other.execute("SELECT pg_backend_pid()").fetchone()[0]
+        with app.connect(dbname="app", user="owner") as conn:
+            conn.execute("SET search_path = pg_catalog, pg_temp")
+            assert conn.execute("SELECT backend_start FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() == (None,)
+            conn.execute("INSERT INTO outbox.sidecar_leases (name, holder, backend_pid, backend_role, backend_start, "
+                         "taken_at) VALUES ('dispatcher 7', 'gone', %s, 'owner'::regrole, now() - interval '1 day', "
+                         "now() - interval '1 day')", (pid,))
+            try:
+                assert conn.execute("SELECT outbox.take_lease('dispatcher 7', 'next', NULL)").fetchone() == (None,)
+            finally:
+                conn.execute("DELETE FROM outbox.sidecar_leases")
 
 
 def test_the_settings_the_sql_side_reads_are_bounded_as_the_library_bounds_them(app):

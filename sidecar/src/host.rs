@@ -2,49 +2,34 @@
 //! needs of the process it runs in ([`outbox_core::engine::Host`]), kept
 //! in memory and shown in `outbox.sidecar_workers` (`outbox.workers`).
 //!
-//! The threads of one process share its counters and its control
-//! connection, which holds the turns (session advisory locks, kept from
-//! one use to the next while the uses come, each use by one thread of the
-//! process at a time) and writes the status rows, never inside a
-//! dispatcher's transaction. Each thread waits with poll(2) on the
-//! broker's socket and its [`Bell`], which the process rings for a wake, a
-//! reload or a shutdown.
+//! The threads of one process share its counters and the board of status
+//! rows, which a thread of its own writes ([`crate::status`]): a dispatcher
+//! never waits on another's connection. Its turns (housekeeping, reports)
+//! are leases it takes on its own connection ([`crate::lease`]). Each
+//! thread waits with poll(2) on the broker's socket and its [`Bell`], which
+//! the process rings for a wake, a reload or a shutdown.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-use postgres::Client;
 
 use outbox_core::engine::{Held, Host, State, Turn};
 use outbox_core::link::{Interest, Interrupted, Wait, NAP};
 use outbox_core::metrics::{Counters, Shown, WakeSource};
 use outbox_core::sink::{BrokerConfig, Persistence};
 
-use crate::connect::Connector;
-use crate::store::PgDb;
+use crate::lease::Turns;
+use crate::status::{Board, WorkerRow};
+use crate::store::{PgDb, Session};
 
-/// The first key of every advisory lock of outbox_dispatch ("outb"); the
-/// install takes (KEY, 1).
-pub const LOCK_CLASS: i32 = 0x6f75_7462;
-/// The second key of dispatcher `n`'s lock: `DISPATCHER_LOCKS + n`.
-pub const DISPATCHER_LOCKS: i32 = 1000;
-/// The second key of a turn's lock: `TURN_LOCKS + turn`.
-const TURN_LOCKS: i32 = 2000;
 /// The status row is written at most this often, but for what shows at
 /// once (see [`Status::publish_when`]).
 const PUBLISH_EVERY: Duration = Duration::from_secs(1);
-/// A turn's lock held is confirmed (the control connection answers) at
-/// most this long before it is used; one another session holds is asked
-/// for again after this.
-const TURN_CHECK: Duration = Duration::from_secs(1);
-/// A turn's lock unused this long is given back.
-const TURN_IDLE: Duration = Duration::from_secs(2);
 
 /// How long a stop lets the push in flight finish, and its marks be
 /// written, before its broker operation is abandoned.
@@ -60,27 +45,21 @@ pub struct Process {
     stopping: AtomicBool,
     /// When the stop came.
     stopped_at: Mutex<Option<Instant>>,
-    /// `host:pid` of this process, in the status rows.
+    /// `host:pid` of this process, in the status rows and the leases.
     pub name: String,
-    control: Control,
-    /// Whether a thread of the process has the turn now.
-    turns: [AtomicBool; Turn::COUNT],
-    /// Each turn's lock, as the control connection holds it.
-    locks: Mutex<[TurnLock; Turn::COUNT]>,
+    board: Arc<Board>,
     /// Each dispatcher as the gauges count it, by number.
     shown: Mutex<HashMap<i32, Shown>>,
 }
 
 impl Process {
-    pub fn new(connector: Connector, name: String) -> Process {
+    pub fn new(board: Arc<Board>, name: String) -> Process {
         Process {
             counters: Counters::default(),
             stopping: AtomicBool::new(false),
             stopped_at: Mutex::new(None),
             name,
-            control: Control { connector, client: Mutex::new(Err(Instant::now())), made: AtomicU64::new(0) },
-            turns: std::array::from_fn(|_| AtomicBool::new(false)),
-            locks: Mutex::default(),
+            board,
             shown: Mutex::default(),
         }
     }
@@ -105,219 +84,6 @@ impl Process {
     /// The dispatchers of this process as the gauges count them.
     pub fn shown(&self) -> Vec<Shown> {
         self.shown.lock().unwrap_or_else(|e| e.into_inner()).values().copied().collect()
-    }
-
-    /// Runs `body` on the control connection; `None` when there is none
-    /// to be had or `body` failed (logged).
-    pub fn with_control<R>(&self, body: impl FnOnce(&mut Client) -> Result<R, String>) -> Option<R> {
-        self.control.with(body)
-    }
-
-    /// Whether the control connection `c` holds `turn`'s lock: kept from
-    /// one use to the next while they come (reports are looked for ten
-    /// times a second) and given back once unused for [`TURN_IDLE`]
-    /// ([`Process::release_idle_turns`]); confirmed when the connection
-    /// has not answered for [`TURN_CHECK`]. A lock held goes with its
-    /// session: a connection made again asks anew.
-    fn lock_turn(&self, c: &mut Client, turn: Turn) -> Result<bool, String> {
-        let connection = self.control.made.load(Ordering::SeqCst);
-        let now = Instant::now();
-        let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
-        let lock = &mut locks[turn as usize];
-        match lock.held {
-            Some(held) if held.on == connection => {
-                let mut answered = held.answered;
-                if now >= answered + TURN_CHECK {
-                    c.batch_execute("SELECT").map_err(|e| crate::connect::chain(&e))?;
-                    answered = now;
-                }
-                lock.held = Some(LockHeld { answered, used: now, ..held });
-                return Ok(true);
-            }
-            _ => lock.held = None,
-        }
-        if lock.refused_until.is_some_and(|until| now < until) {
-            return Ok(false);
-        }
-        let key = TURN_LOCKS + turn as i32;
-        let taken = c
-            .query_one("SELECT pg_catalog.pg_try_advisory_lock($1, $2)", &[&LOCK_CLASS, &key])
-            .map_err(|e| crate::connect::chain(&e))?
-            .get::<_, bool>(0);
-        *lock = match taken {
-            true => TurnLock {
-                held: Some(LockHeld { on: connection, answered: now, used: now }),
-                refused_until: None,
-                squatter: None,
-            },
-            false => TurnLock {
-                held: None,
-                refused_until: Some(now + TURN_CHECK),
-                squatter: squatters(c, key..=key)?
-                    .into_iter()
-                    .next()
-                    .map(|holder| format!("the {} turn is held by {holder}", turn.name())),
-            },
-        };
-        Ok(taken)
-    }
-
-    /// Gives back the locks of turns no thread of the process has used
-    /// for [`TURN_IDLE`]: a process that stops collecting (its broker is
-    /// down) or whose housekeeping is done lets another sidecar take them.
-    pub fn release_idle_turns(&self) {
-        let now = Instant::now();
-        let idle = |locks: &[TurnLock; Turn::COUNT], turn: Turn| {
-            locks[turn as usize].held.is_some_and(|held| now >= held.used + TURN_IDLE)
-        };
-        {
-            let locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
-            if !Turn::ALL.iter().any(|&turn| idle(&locks, turn)) {
-                return;
-            }
-        }
-        self.control.with(|c| {
-            let connection = self.control.made.load(Ordering::SeqCst);
-            let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
-            for turn in Turn::ALL {
-                // Not while a thread has the turn (it holds the flag).
-                if !idle(&locks, turn) || self.turns[turn as usize].swap(true, Ordering::SeqCst) {
-                    continue;
-                }
-                // Held on a connection since lost, it went with its session.
-                let released = match locks[turn as usize].held.take() {
-                    Some(held) if held.on == connection => c
-                        .execute(
-                            "SELECT pg_catalog.pg_advisory_unlock($1, $2)",
-                            &[&LOCK_CLASS, &(TURN_LOCKS + turn as i32)],
-                        )
-                        .map(drop)
-                        .map_err(|e| crate::connect::chain(&e)),
-                    _ => Ok(()),
-                };
-                self.turns[turn as usize].store(false, Ordering::SeqCst);
-                released?;
-            }
-            Ok(())
-        });
-    }
-
-    /// What holds a turn of this process back that is not the outbox's
-    /// (see [`squatters`]), one line per turn.
-    fn squatted(&self) -> Option<String> {
-        let locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
-        let lines: Vec<&str> = locks.iter().filter_map(|l| l.squatter.as_deref()).collect();
-        (!lines.is_empty()).then(|| lines.join("; "))
-    }
-}
-
-/// The sessions holding one of the advisory locks `keys` (with
-/// [`LOCK_CLASS`]) whose role is not a member of the outbox's owner, each
-/// as `role R (pid P), ...`. Any role that may connect can take any
-/// advisory lock, and hold a turn or a dispatcher's number forever: what
-/// it holds is named, for the database's administrator to end (the
-/// squatter is no dispatcher of ours: docs/guides/managed.md, "Privileges").
-pub fn squatters(c: &mut Client, keys: std::ops::RangeInclusive<i32>) -> Result<Vec<String>, String> {
-    let rows = c
-        .query(
-            "SELECT a.usename::pg_catalog.text, a.pid \
-               FROM pg_catalog.pg_locks AS l JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid \
-              WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 \
-                AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d \
-                                   WHERE d.datname = pg_catalog.current_database()) \
-                AND l.classid::pg_catalog.int8 = $1 AND l.objid::pg_catalog.int8 BETWEEN $2 AND $3 \
-                AND NOT pg_catalog.pg_has_role(a.usesysid, outbox.owner(), 'MEMBER') \
-              ORDER BY a.pid",
-            &[&i64::from(LOCK_CLASS), &i64::from(*keys.start()), &i64::from(*keys.end())],
-        )
-        .map_err(|e| crate::connect::chain(&e))?;
-    Ok(rows
-        .iter()
-        .map(|r| {
-            let (role, pid): (Option<String>, i32) = (r.get(0), r.get(1));
-            format!(
-                "role {} (pid {pid}), which is not the outbox's owner: end it with pg_terminate_backend({pid})",
-                role.as_deref().unwrap_or("?")
-            )
-        })
-        .collect())
-}
-
-/// A turn's lock the control connection holds.
-#[derive(Clone, Copy)]
-struct LockHeld {
-    /// The connection it is held on (which one of those made).
-    on: u64,
-    /// When that connection last answered.
-    answered: Instant,
-    /// When a thread last took the turn.
-    used: Instant,
-}
-
-/// A turn's advisory lock, as the control connection holds it.
-#[derive(Clone, Default)]
-struct TurnLock {
-    held: Option<LockHeld>,
-    /// Another session held it: not asked for again before this.
-    refused_until: Option<Instant>,
-    /// That session, when it is not the outbox's (see [`squatters`]).
-    squatter: Option<String>,
-}
-
-/// The control connection, made when first needed and again after it
-/// failed.
-struct Control {
-    connector: Connector,
-    /// The connection, or when to try making one again.
-    client: Mutex<Result<Client, Instant>>,
-    /// Connections made so far: the current one's number.
-    made: AtomicU64,
-}
-
-/// How long a statement of the control connection may run, and how soon a
-/// failed connect is tried again.
-const CONTROL_TIMEOUT: Duration = Duration::from_secs(10);
-const CONTROL_RETRY: Duration = Duration::from_secs(1);
-
-impl Control {
-    /// Runs `body` on the connection; `None` when there is none to be had
-    /// or the statement failed (logged).
-    fn with<R>(&self, body: impl FnOnce(&mut Client) -> Result<R, String>) -> Option<R> {
-        let mut guard = self.client.lock().unwrap_or_else(|e| e.into_inner());
-        let usable = matches!(&*guard, Ok(client) if !client.is_closed());
-        if !usable {
-            if matches!(&*guard, Err(retry_at) if Instant::now() < *retry_at) {
-                return None;
-            }
-            let connected = self.connector.connect(CONTROL_TIMEOUT).and_then(|mut c| {
-                crate::connect::pin_session(&mut c)?;
-                c.batch_execute(&format!("SET statement_timeout = {}", CONTROL_TIMEOUT.as_millis()))
-                    .map_err(|e| crate::connect::chain(&e))?;
-                Ok(c)
-            });
-            match connected {
-                Ok(client) => {
-                    *guard = Ok(client);
-                    self.made.fetch_add(1, Ordering::SeqCst);
-                }
-                Err(e) => {
-                    crate::log::warning(&format!(
-                        "the control connection failed: {e}; trying again in {}s",
-                        CONTROL_RETRY.as_secs()
-                    ));
-                    *guard = Err(Instant::now() + CONTROL_RETRY);
-                    return None;
-                }
-            }
-        }
-        let Ok(client) = &mut *guard else { return None };
-        match body(client) {
-            Ok(value) => Some(value),
-            Err(e) => {
-                crate::log::warning(&format!("the control connection: {e}"));
-                None
-            }
-        }
     }
 }
 
@@ -433,18 +199,29 @@ pub struct Sidecar {
     bell: Arc<Bell>,
     index: i32,
     database_oid: u32,
+    /// Its own connection, between the store's transactions.
+    session: Session,
+    /// Its turns' leases.
+    turns: RefCell<Turns>,
     /// Its row, which its broker operations' waits publish too.
     status: Rc<Status>,
     /// Settings the database gets wrong: `last_error` while no other
     /// error shows.
     refused: RefCell<Option<String>>,
-    /// A turn held by a session not the outbox's, as last shown: in
-    /// `last_error` after the above.
-    squatted: RefCell<Option<String>>,
+    /// Why a turn's lease could not be had, as last shown: in `last_error`
+    /// after the above.
+    unleased: RefCell<Option<String>>,
 }
 
 impl Sidecar {
-    pub fn new(process: Arc<Process>, bell: Arc<Bell>, index: i32, pid: i32, database_oid: u32) -> Sidecar {
+    pub fn new(
+        process: Arc<Process>,
+        bell: Arc<Bell>,
+        index: i32,
+        pid: i32,
+        database_oid: u32,
+        session: Session,
+    ) -> Sidecar {
         let row = Row {
             state: State::Starting,
             connected: false,
@@ -465,37 +242,49 @@ impl Sidecar {
             bell,
             index,
             database_oid,
+            session,
+            turns: RefCell::default(),
             status: Rc::new(status),
             refused: RefCell::new(None),
-            squatted: RefCell::new(None),
+            unleased: RefCell::new(None),
         }
     }
 
     /// What `last_error` shows while no error of a step does.
     fn standing(&self) -> Option<String> {
-        self.refused.borrow().clone().or_else(|| self.squatted.borrow().clone())
+        self.refused.borrow().clone().or_else(|| self.unleased.borrow().clone())
     }
 
-    /// Shows a turn held back by a session not the outbox's, or that it
-    /// no longer is: in the log as it changes, in `last_error` unless an
-    /// error of a step shows there.
-    fn show_squatted(&self) {
-        let now = self.process.squatted();
-        if *self.squatted.borrow() == now {
+    /// Shows why a turn's lease could not be had, or that it now can: in
+    /// the log as it changes, in `last_error` unless an error of a step
+    /// shows there.
+    fn show_unleased(&self, now: Option<String>) {
+        if *self.unleased.borrow() == now {
             return;
         }
         match &now {
             Some(why) => crate::log::warning(&format!("dispatcher {}: {why}", self.index)),
-            None => crate::log::info(&format!("dispatcher {}: the turns are the outbox's again", self.index)),
+            None => {
+                crate::log::info(&format!("dispatcher {}: its turns' leases are taken again", self.index))
+            }
         }
         let before = self.standing();
-        *self.squatted.borrow_mut() = now;
+        *self.unleased.borrow_mut() = now;
         let after = self.standing();
         self.update(|r| {
             if r.last_error == before {
                 r.last_error = after;
             }
         });
+    }
+
+    /// Gives back the turns it has not used for a while, for another
+    /// dispatcher to take.
+    pub fn give_back_idle_turns(&self) {
+        let given = self.turns.borrow_mut().give_back_idle(&self.session);
+        if let Err(e) = given {
+            self.show_unleased(Some(e.to_string()));
+        }
     }
 
     /// Sleeps until `timeout` passed, a wake, a reload or a shutdown;
@@ -556,41 +345,20 @@ impl Status {
         if !due {
             return;
         }
-        let persistence = row.persistence.map(|p| p.name());
-        let written = self.process.control.with(|c| {
-            c.execute(
-                "INSERT INTO outbox.sidecar_workers AS w \
-                        (worker, pid, host, state, connected, started_at, last_heartbeat, last_error, \
-                         events_dispatched, broker_persistence) \
-                 VALUES ($1, $2, $3, $4, $5, pg_catalog.now(), CASE WHEN $6 THEN pg_catalog.now() END, $7, $8, $9) \
-                 ON CONFLICT (worker) DO UPDATE \
-                    SET pid = excluded.pid, host = excluded.host, state = excluded.state, \
-                        connected = excluded.connected, \
-                        started_at = CASE WHEN w.pid OPERATOR(pg_catalog.=) excluded.pid \
-                                          THEN w.started_at ELSE excluded.started_at END, \
-                        last_heartbeat = coalesce(excluded.last_heartbeat, \
-                                                  CASE WHEN w.pid OPERATOR(pg_catalog.=) excluded.pid \
-                                                       THEN w.last_heartbeat END), \
-                        last_error = excluded.last_error, events_dispatched = excluded.events_dispatched, \
-                        broker_persistence = excluded.broker_persistence",
-                &[
-                    &self.index,
-                    &self.pid,
-                    &self.process.name,
-                    &row.state.name(),
-                    &row.connected,
-                    &row.heartbeat,
-                    &row.last_error,
-                    &(row.dispatched as i64),
-                    &persistence,
-                ],
-            )
-            .map_err(|e| crate::connect::chain(&e))
-        });
-        if written.is_some() {
-            self.row.borrow_mut().heartbeat = false;
-            *self.published.borrow_mut() = Some((row, Instant::now()));
-        }
+        self.process.board.post(
+            self.index,
+            WorkerRow {
+                pid: self.pid,
+                state: row.state.name(),
+                connected: row.connected,
+                last_error: row.last_error.clone(),
+                dispatched: row.dispatched as i64,
+                persistence: row.persistence.map(|p| p.name()),
+                heartbeat: row.heartbeat,
+            },
+        );
+        self.row.borrow_mut().heartbeat = false;
+        *self.published.borrow_mut() = Some((Row { heartbeat: false, ..row }, Instant::now()));
     }
 
     /// Changes the row; what shows at once is written at once.
@@ -612,20 +380,6 @@ impl Status {
 impl Drop for Status {
     fn drop(&mut self) {
         self.process.shown.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.index);
-    }
-}
-
-/// A turn a thread has: its flag in the process (the lock is the control connection's).
-struct TurnHeld {
-    process: Arc<Process>,
-    turn: Turn,
-}
-
-impl Drop for TurnHeld {
-    /// The turn goes back to the process; its lock stays with the control
-    /// connection, for the next use.
-    fn drop(&mut self) {
-        self.process.turns[self.turn as usize].store(false, Ordering::SeqCst);
     }
 }
 
@@ -723,14 +477,18 @@ impl Host for Sidecar {
     }
 
     fn take_turn(&self, turn: Turn) -> Option<Held> {
-        if self.process.turns[turn as usize].swap(true, Ordering::SeqCst) {
-            return None;
+        let holder = format!("dispatcher {} of {}", self.index, self.process.name);
+        let taken = self.turns.borrow_mut().take(&self.session, turn, &holder);
+        match taken {
+            Ok(taken) => {
+                self.show_unleased(None);
+                taken.then(|| Box::new(()) as Held)
+            }
+            Err(e) => {
+                self.show_unleased(Some(e.to_string()));
+                None
+            }
         }
-        // Held from here: dropped (a refusal, a panic), the flag goes back.
-        let held = TurnHeld { process: Arc::clone(&self.process), turn };
-        let taken = self.process.control.with(|c| self.process.lock_turn(c, turn));
-        self.show_squatted();
-        (taken == Some(true)).then(|| Box::new(held) as Held)
     }
 
     fn counters(&self) -> &Counters {

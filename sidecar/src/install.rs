@@ -56,9 +56,16 @@ impl From<ScriptError> for InstallError {
     }
 }
 
-/// Two installs at once take turns on this advisory lock (a pair of int4,
-/// apart from the extension's bigint locks): the second finds the first's.
-const INSTALL_LOCK: (i32, i32) = (0x6f75_7462, 1);
+/// How long the install waits for any one lock: a session that holds one
+/// it needs (a long transaction of the application, during an update)
+/// makes it fail, naming that session, rather than wait for ever, and
+/// rather than queue every writer behind its request.
+const LOCK_WAIT: &str = "10s";
+/// SQLSTATEs of a lock not granted in time; of a schema made by a
+/// concurrent install that committed first (outbox's row of pg_namespace).
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+const UNIQUE_VIOLATION: &str = "23505";
+const DUPLICATE_SCHEMA: &str = "42P06";
 
 /// Who else could plant an outbox_* function in the functions' schema ($1):
 /// the roles that may create there and the functions there that are not
@@ -66,8 +73,64 @@ const INSTALL_LOCK: (i32, i32) = (0x6f75_7462, 1);
 const OTHERS: &str = include_str!("../../sql/standalone/others.sql");
 
 /// Installs this release into the database `client` is connected to, its
-/// functions into `schema`; a no-op where it is installed already.
+/// functions into `schema`; a no-op where it is installed already. Two
+/// installs at once: the second waits for the first's schema, and finds
+/// it installed. A lock not granted within [`LOCK_WAIT`] ends it, naming
+/// the sessions that hold locks in the database.
 pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallError> {
+    match install_once(client, schema) {
+        Err(InstallError::Database(e))
+            if sqlstate(&e) == Some(UNIQUE_VIOLATION) || sqlstate(&e) == Some(DUPLICATE_SCHEMA) =>
+        {
+            install_once(client, schema)
+        }
+        Err(InstallError::Database(e)) if sqlstate(&e) == Some(LOCK_NOT_AVAILABLE) => {
+            Err(InstallError::Refused(waited(client, &e)))
+        }
+        done => done,
+    }
+}
+
+fn sqlstate(e: &postgres::Error) -> Option<&str> {
+    e.as_db_error().map(|db| db.code().code())
+}
+
+/// What an install that waited [`LOCK_WAIT`] for a lock says: the lock
+/// PostgreSQL names, and the sessions holding locks in the database
+/// (the one it waited for among them, unless it ended since). Read after
+/// the install's transaction, whose search_path pin ended with it: every
+/// name is qualified, operators included.
+fn waited(client: &mut Client, error: &postgres::Error) -> String {
+    let holders: Vec<String> = client
+        .query(
+            "SELECT pg_catalog.format('pid %s (role %s, application %L, %s)', a.pid, a.usename, \
+                                      a.application_name, \
+                                      CASE WHEN a.state IS NULL THEN 'a transaction this role may not see' \
+                                           ELSE pg_catalog.format('%s since %s', a.state, a.state_change) END) \
+               FROM pg_catalog.pg_stat_activity AS a \
+              WHERE a.pid OPERATOR(pg_catalog.<>) pg_catalog.pg_backend_pid() \
+                AND a.pid OPERATOR(pg_catalog.=) ANY (SELECT l.pid FROM pg_catalog.pg_locks AS l \
+                                                       WHERE l.granted AND l.locktype OPERATOR(pg_catalog.<>) 'virtualxid' \
+                                                         AND (l.database OPERATOR(pg_catalog.=) a.datid \
+                                                              OR l.locktype OPERATOR(pg_catalog.=) 'transactionid')) \
+                AND a.datname OPERATOR(pg_catalog.=) pg_catalog.current_database() \
+              ORDER BY a.xact_start NULLS LAST, a.pid",
+            &[],
+        )
+        .map(|rows| rows.iter().map(|r| r.get(0)).collect())
+        .unwrap_or_default();
+    let message = error.as_db_error().map_or_else(|| error.to_string(), |db| db.message().to_string());
+    let held = match holders.is_empty() {
+        true => "no session holds one now: run it again".to_string(),
+        false => format!(
+            "sessions holding locks in the database: {}; end them or run it again",
+            holders.join("; ")
+        ),
+    };
+    format!("the install waited {LOCK_WAIT} for a lock and gave up ({message}); {held}")
+}
+
+fn install_once(client: &mut Client, schema: &str) -> Result<Installed, InstallError> {
     let script = script::script(schema)?;
     // READ COMMITTED whatever the role's default: the checks after the lock
     // see what an install that held it committed.
@@ -83,9 +146,18 @@ pub fn install(client: &mut Client, schema: &str) -> Result<Installed, InstallEr
          SET LOCAL DateStyle = 'ISO, YMD'; \
          SET LOCAL IntervalStyle = postgres",
     )?;
+    tx.batch_execute(&format!(
+        "SET LOCAL lock_timeout = '{LOCK_WAIT}'; SET LOCAL application_name = 'outbox-dispatch install'"
+    ))?;
     refuse_a_role_the_database_chose(&mut tx)?;
-    tx.execute("SELECT pg_catalog.pg_advisory_xact_lock($1, $2)", &[&INSTALL_LOCK.0, &INSTALL_LOCK.1])?;
     if let Some(installed) = installed_version(&mut tx)? {
+        if installed == VERSION {
+            return Ok(Installed::Already);
+        }
+        // Two updates at once take turns on the outbox's own table, which
+        // only its owner may lock: the second reads the release again.
+        tx.batch_execute("LOCK TABLE outbox.installed IN SHARE ROW EXCLUSIVE MODE")?;
+        let installed: String = tx.query_one("SELECT version FROM outbox.installed", &[])?.get(0);
         if installed == VERSION {
             return Ok(Installed::Already);
         }

@@ -9,13 +9,16 @@ mod connect;
 mod file;
 mod host;
 mod install;
+mod lease;
 mod listen;
 mod log;
 mod metrics;
+mod pooler;
 mod private_file;
 mod replay;
 mod run;
 mod script;
+mod status;
 mod store;
 
 use std::process::ExitCode;

@@ -7,18 +7,23 @@
 //! own: a connection is served within [`TIMEOUT`] in all (its request read
 //! up to [`MOST_REQUEST_BYTES`], the answer written), and the lingering
 //! close after it within [`LINGER`], so that a client that sends garbage,
-//! too much, nothing or a byte at a time ties up nothing for long.
+//! too much, nothing or a byte at a time ties up nothing for long. The
+//! database's gauges are read on a connection of the endpoint's own, given
+//! up after [`GAUGES_TIMEOUT`]: a slow scrape, or a connection that does not
+//! answer, holds up no dispatcher.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
+
+use postgres::Client;
 
 use outbox_core::exposition::{self, Family, Sample};
 use outbox_core::guc::{self, Parsed};
 use outbox_core::metrics::{self, Shown};
 
-use crate::connect::chain;
+use crate::connect::{chain, pin_session, Connector};
 use crate::host::Process;
 use crate::log;
 
@@ -29,16 +34,19 @@ const LINGER_BYTES: u64 = 1 << 20;
 const LINGER: Duration = Duration::from_secs(1);
 /// How long a client has to send its request and read the answer.
 const TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the database's gauges may take to read (a connect included).
+const GAUGES_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Serves `/metrics` on `listener` until the process ends.
-pub fn serve(listener: TcpListener, process: Arc<Process>) {
+pub fn serve(listener: TcpListener, process: Arc<Process>, connector: Connector) {
+    let mut gauges = Gauges { connector, client: None, late: None };
     for stream in listener.incoming() {
         if process.stopping() {
             return;
         }
         match stream {
             Ok(stream) => {
-                if let Err(e) = answer(stream, &process) {
+                if let Err(e) = answer(stream, &process, &mut gauges) {
                     log::warning(&format!("/metrics: a request failed: {e}"));
                 }
             }
@@ -47,10 +55,10 @@ pub fn serve(listener: TcpListener, process: Arc<Process>) {
     }
 }
 
-fn answer(stream: TcpStream, process: &Process) -> std::io::Result<()> {
+fn answer(stream: TcpStream, process: &Process, gauges: &mut Gauges) -> std::io::Result<()> {
     let mut stream = Deadline { stream, until: Instant::now() + TIMEOUT };
     let (status, body) = match read_request(&mut stream)? {
-        Request::Metrics => ("200 OK", exposition::render(&families(process))),
+        Request::Metrics => ("200 OK", exposition::render(&families(process, gauges))),
         Request::Health => ("200 OK", "alive\n".to_string()),
         Request::Ready => readiness(&process.shown()),
         Request::NotFound => {
@@ -182,8 +190,8 @@ fn readiness(dispatchers: &[Shown]) -> (&'static str, String) {
 
 /// Everything a scrape shows: the process's own counters but those only
 /// the library's SQL functions count, its dispatchers' gauges, and the
-/// database's gauges when the control connection answers.
-fn families(process: &Process) -> Vec<(Family, Vec<Sample>)> {
+/// database's gauges when they are read in time.
+fn families(process: &Process, gauges: &mut Gauges) -> Families {
     let mut families: Vec<_> = process
         .counters
         .families()
@@ -194,24 +202,95 @@ fn families(process: &Process) -> Vec<(Family, Vec<Sample>)> {
         .filter(|(_, samples): &(Family, Vec<Sample>)| !samples.is_empty())
         .collect();
     families.extend(metrics::dispatcher_families(process.shown().into_iter()));
-    let gauges = process.with_control(|c| {
-        let retention = c
-            .query_one("SELECT outbox.setting('outbox.retention')", &[])
-            .map_err(|e| chain(&e))?
-            .get::<_, Option<String>>(0);
-        let declared = guc::declared("outbox.retention").expect("a declared setting");
-        let seconds = match retention.map(|v| declared.parse(&v)) {
-            Some(Ok(Parsed::Int(s))) => s,
-            _ => match declared.default() {
-                Parsed::Int(s) => s,
-                _ => 0,
-            },
-        };
-        let rows = c.query(metrics::GAUGES_SQL, &[&seconds]).map_err(|e| chain(&e))?;
-        metrics::database_families(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))))
-    });
-    families.extend(gauges.unwrap_or_default());
+    families.extend(gauges.read());
     families
+}
+
+/// The database's gauges, on the endpoint's own connection.
+struct Gauges {
+    connector: Connector,
+    client: Option<Client>,
+    /// A read that did not answer in time, still under way: no other is
+    /// started before it ends (a connection that hangs, scraped again and
+    /// again, must not cost a thread and a connection each time).
+    late: Option<mpsc::Receiver<Result<(Client, Families), String>>>,
+}
+
+impl Gauges {
+    /// The gauges, read on a thread of their own and waited for
+    /// [`GAUGES_TIMEOUT`] at most: a read that does not answer in time is
+    /// left to end on its own, and the scrapes are served without the
+    /// gauges until it does.
+    fn read(&mut self) -> Families {
+        if let Some(late) = &self.late {
+            match late.try_recv() {
+                Err(mpsc::TryRecvError::Empty) => return Vec::new(),
+                Ok(Ok((client, _))) => self.client = Some(client),
+                Ok(Err(_)) | Err(mpsc::TryRecvError::Disconnected) => {}
+            }
+            self.late = None;
+        }
+        let (client, connector) = (self.client.take(), self.connector.clone());
+        let (sent, answered) = mpsc::channel();
+        let spawned = std::thread::Builder::new().name("gauges".into()).spawn(move || {
+            let _ = sent.send(read_gauges(client, &connector));
+        });
+        if let Err(e) = spawned {
+            log::warning(&format!("/metrics: a thread for the database's gauges: {e}"));
+            return Vec::new();
+        }
+        match answered.recv_timeout(GAUGES_TIMEOUT) {
+            Ok(Ok((client, families))) => {
+                self.client = Some(client);
+                families
+            }
+            Ok(Err(why)) => {
+                log::warning(&format!("/metrics: the database's gauges: {why}"));
+                Vec::new()
+            }
+            Err(_) => {
+                log::warning(&format!(
+                    "/metrics: the database's gauges took more than {}s: served without them until that \
+                     read ends",
+                    GAUGES_TIMEOUT.as_secs()
+                ));
+                self.late = Some(answered);
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// Metric families and their samples.
+type Families = Vec<(Family, Vec<Sample>)>;
+
+/// The database's gauges on `client`, or on a new connection.
+fn read_gauges(client: Option<Client>, connector: &Connector) -> Result<(Client, Families), String> {
+    let mut c = match client.filter(|c| !c.is_closed()) {
+        Some(c) => c,
+        None => {
+            let mut c = connector.connect(GAUGES_TIMEOUT)?;
+            pin_session(&mut c)?;
+            c.batch_execute(&format!("SET statement_timeout = {}", GAUGES_TIMEOUT.as_millis()))
+                .map_err(|e| chain(&e))?;
+            c
+        }
+    };
+    let retention = c
+        .query_one("SELECT outbox.setting('outbox.retention')", &[])
+        .map_err(|e| chain(&e))?
+        .get::<_, Option<String>>(0);
+    let declared = guc::declared("outbox.retention").expect("a declared setting");
+    let seconds = match retention.map(|v| declared.parse(&v)) {
+        Some(Ok(Parsed::Int(s))) => s,
+        _ => match declared.default() {
+            Parsed::Int(s) => s,
+            _ => 0,
+        },
+    };
+    let rows = c.query(metrics::GAUGES_SQL, &[&seconds]).map_err(|e| chain(&e))?;
+    let families = metrics::database_families(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))))?;
+    Ok((c, families))
 }
 
 #[cfg(test)]

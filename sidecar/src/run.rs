@@ -8,8 +8,9 @@
 //! runs then is cancelled (its statements, its broker operations); SIGHUP
 //! reads the settings again. A thread whose connection fails connects
 //! again after a backoff with jitter, under the first dispatcher number
-//! free (a session advisory lock, which no two dispatchers of the database
-//! hold: the number tells whose claims a restart puts back in line).
+//! free (a lease its session holds, which no two dispatchers of the
+//! database hold: the number tells whose claims a restart puts back in
+//! line).
 
 use std::collections::HashMap;
 use std::net::TcpListener;
@@ -25,19 +26,20 @@ use outbox_core::engine::{self, Dispatcher, Host, Settings, State};
 use outbox_core::guc;
 
 use crate::connect::{chain, pin_session, Connector};
-use crate::host::{
-    squatters, Bell, Process, Sidecar, DISPATCHER_LOCKS, EXIT_NOT_INSTALLED, LOCK_CLASS, STOP_DRAIN,
-};
-use crate::store::{PgDb, Watchdog};
-use crate::{log, metrics, script};
+use crate::host::{Bell, Process, Sidecar, EXIT_NOT_INSTALLED, STOP_DRAIN};
+use crate::status::Board;
+use crate::store::{PgDb, Session, Watchdog};
+use crate::{lease, log, metrics, pooler, script};
 
-/// The most dispatchers one database's sidecars may run together.
-const MAX_DISPATCHERS: i32 = 1000;
 /// How long a connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a stop waits for the dispatchers to finish what they do, the
-/// [`STOP_DRAIN`] given to the pushes in flight included.
+/// [`STOP_DRAIN`] given to the pushes in flight included, and then for
+/// their last rows to be written.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long reading the settings again may take.
+const SETTINGS_TIMEOUT: Duration = Duration::from_secs(10);
 /// Reconnects to the database back off between these.
 const RECONNECT_MIN: Duration = Duration::from_secs(1);
 const RECONNECT_MAX: Duration = Duration::from_secs(30);
@@ -126,10 +128,16 @@ fn check_installed(client: &mut Client) -> Result<(), Check> {
     Ok(())
 }
 
-/// Connects to the database and checks it is one to serve.
+/// Connects to the database and checks it is one to serve, on a session
+/// of its own (no pooler in transaction mode between them).
 fn connect_checked(connector: &Connector) -> Result<Client, Check> {
     let mut client = connector.connect(CONNECT_TIMEOUT).map_err(Check::Failed)?;
     pin_session(&mut client).map_err(Check::Failed)?;
+    match pooler::refuse_pooled(&mut client, connector) {
+        Ok(()) => {}
+        Err(refusal @ pooler::Refusal::Pooled(_)) => return Err(Check::Refused(refusal.to_string())),
+        Err(failed) => return Err(Check::Failed(failed.to_string())),
+    }
     check_installed(&mut client)?;
     Ok(client)
 }
@@ -202,13 +210,14 @@ pub fn run(config: RunConfig) -> i32 {
             return 2;
         }
     };
-    let process =
-        Arc::new(Process::new(connector.clone(), format!("{}:{}", engine::hostname(), std::process::id())));
+    let name = format!("{}:{}", engine::hostname(), std::process::id());
+    let board = Board::start(connector.clone(), name.clone());
+    let process = Arc::new(Process::new(Arc::clone(&board), name));
     if let Some(listener) = listener {
-        let process = Arc::clone(&process);
+        let (process, connector) = (Arc::clone(&process), connector.clone());
         let _ = std::thread::Builder::new()
             .name("metrics".into())
-            .spawn(move || metrics::serve(listener, process));
+            .spawn(move || metrics::serve(listener, process, connector));
     }
     let config = Arc::new(config);
     let watchdogs: Arc<Mutex<HashMap<usize, Watchdog>>> = Arc::default();
@@ -264,7 +273,7 @@ pub fn run(config: RunConfig) -> i32 {
                 break;
             }
             None if threads.iter().all(JoinHandle::is_finished) => break,
-            None => {}
+            None => board.watch(),
         }
     }
     process.stop();
@@ -278,6 +287,7 @@ pub fn run(config: RunConfig) -> i32 {
     while Instant::now() < deadline && !threads.iter().all(JoinHandle::is_finished) {
         std::thread::sleep(Duration::from_millis(20));
     }
+    board.flush(Instant::now() + FLUSH_TIMEOUT);
     if threads.iter().all(JoinHandle::is_finished) {
         log::info("stopped");
         0
@@ -359,7 +369,8 @@ impl DispatcherThread {
             )
             .map_err(|e| chain(&e))?;
         let (oid, database, pid): (u32, String, i32) = (row.get(0), row.get(1), row.get(2));
-        let index = take_index(&mut client)?;
+        let holder = format!("thread {slot} of {}", process.name);
+        let index = lease::take_number(&mut client, &holder).map_err(|e| e.to_string())?;
         let (settings, invalid) = read_settings(&mut client, &config.own, oid)?;
         let blind = !client
             .query_one("SELECT pg_catalog.pg_has_role('pg_read_all_stats', 'USAGE')", &[])
@@ -375,13 +386,14 @@ impl DispatcherThread {
             })
             .into_iter()
             .collect();
-        let db = {
+        let session = {
             let connector = connector.clone();
-            PgDb::new(client, move |token| connector.cancel(token))
+            Session::new(client, move |token| connector.cancel(token))
         };
-        watchdogs.lock().unwrap_or_else(|e| e.into_inner()).insert(slot, db.watchdog());
+        watchdogs.lock().unwrap_or_else(|e| e.into_inner()).insert(slot, session.watchdog());
+        let db = PgDb::new(session.clone());
         let closed = db.closed();
-        let host = Sidecar::new(Arc::clone(process), Arc::clone(bell), index, pid, oid);
+        let host = Sidecar::new(Arc::clone(process), Arc::clone(bell), index, pid, oid, session.clone());
         let mut dispatcher = Dispatcher::new(index as usize, host, db, database, engine::origin(), settings);
         dispatcher.log_start();
         show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
@@ -395,18 +407,20 @@ impl DispatcherThread {
                 return Ok(());
             }
             if bell.take_reload() {
-                let read = process.with_control(|c| read_settings(c, &config.own, oid));
-                let failed_before = std::mem::replace(&mut reload_failed, read.is_none());
+                let read = session
+                    .run(SETTINGS_TIMEOUT, |c| Ok(read_settings(c, &config.own, oid)))
+                    .and_then(|read| read);
+                let failed_before = std::mem::replace(&mut reload_failed, read.is_err());
                 match read {
-                    Some((settings, invalid)) => {
+                    Ok((settings, invalid)) => {
                         dispatcher.reconfigure(settings);
                         show_invalid(dispatcher.host(), &[invalid, standing.clone()].concat());
                     }
-                    None => {
+                    Err(why) => {
                         if !failed_before {
                             log::warning(&format!(
-                                "dispatcher {index}: the settings could not be read: kept as they were, \
-                             read again at each step until they are"
+                                "dispatcher {index}: the settings could not be read ({why}): kept as they \
+                                 were, read again at each step until they are"
                             ));
                         }
                         bell.reload_later();
@@ -415,7 +429,7 @@ impl DispatcherThread {
             }
             let nap = dispatcher.step();
             dispatcher.host().publish();
-            process.release_idle_turns();
+            dispatcher.host().give_back_idle_turns();
             if closed.load(std::sync::atomic::Ordering::SeqCst) {
                 return Err(format!("dispatcher {index}: the connection to the database was lost"));
             }
@@ -434,30 +448,6 @@ fn show_invalid(host: &Sidecar, invalid: &[String]) {
         host.warning(why);
     }
     host.refuse_settings(Some(invalid.join("; ")).filter(|why| !why.is_empty()));
-}
-
-/// The first dispatcher number no session holds, held by this one until it
-/// ends.
-fn take_index(client: &mut Client) -> Result<i32, String> {
-    let row = client
-        .query_one(
-            "SELECT n FROM pg_catalog.generate_series(0, $2 - 1) AS n \
-              WHERE pg_catalog.pg_try_advisory_lock($1, $3 + n) LIMIT 1",
-            &[&LOCK_CLASS, &MAX_DISPATCHERS, &DISPATCHER_LOCKS],
-        )
-        .map_err(|e| chain(&e));
-    match row {
-        Ok(row) => Ok(row.get(0)),
-        Err(e) if e.contains("no rows") => {
-            let held = squatters(client, DISPATCHER_LOCKS..=DISPATCHER_LOCKS + MAX_DISPATCHERS - 1)?;
-            let squatted = match held.is_empty() {
-                true => String::new(),
-                false => format!("; numbers are held by {}", held.join(", ")),
-            };
-            Err(format!("{MAX_DISPATCHERS} dispatchers serve this database already{squatted}"))
-        }
-        Err(e) => Err(e),
-    }
 }
 
 /// Blocks the signals the main thread takes, in it and every thread it

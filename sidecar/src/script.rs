@@ -15,11 +15,12 @@ use std::fmt;
 
 /// The files in the order they run: the extension's (src/lib.rs), with the
 /// library's functions (sql/standalone/host.sql) after the tables.
-const PARTS: [(&str, &str); 12] = [
+const PARTS: [(&str, &str); 14] = [
     HEAD,
     ("schema.sql", include_str!("../../sql/schema.sql")),
     SETTING_PLACE,
     UUID_V7,
+    WRITE_PATH,
     ("standalone/host.sql", include_str!("../../sql/standalone/host.sql")),
     ("subscriptions.sql", include_str!("../../sql/subscriptions.sql")),
     ("keys.sql", include_str!("../../sql/keys.sql")),
@@ -27,6 +28,7 @@ const PARTS: [(&str, &str); 12] = [
     ("rotation.sql", include_str!("../../sql/rotation.sql")),
     ("events.sql", include_str!("../../sql/events.sql")),
     ("api.sql", include_str!("../../sql/api.sql")),
+    LEASES,
     ("standalone/tail.sql", include_str!("../../sql/standalone/tail.sql")),
 ];
 
@@ -34,6 +36,9 @@ const HEAD: (&str, &str) = ("standalone/head.sql", include_str!("../../sql/stand
 const SETTING_PLACE: (&str, &str) =
     ("standalone/setting_place.sql", include_str!("../../sql/standalone/setting_place.sql"));
 const UUID_V7: (&str, &str) = ("standalone/uuid_v7.sql", include_str!("../../sql/standalone/uuid_v7.sql"));
+const WRITE_PATH: (&str, &str) =
+    ("standalone/write_path.sql", include_str!("../../sql/standalone/write_path.sql"));
+const LEASES: (&str, &str) = ("standalone/leases.sql", include_str!("../../sql/standalone/leases.sql"));
 const UPDATE_FROM: (&str, &str) =
     ("standalone/update_from.sql", include_str!("../../sql/standalone/update_from.sql"));
 const UPDATE_END: (&str, &str) = ("standalone/update.sql", include_str!("../../sql/standalone/update.sql"));
@@ -44,8 +49,10 @@ const UPDATE_END: (&str, &str) = ("standalone/update.sql", include_str!("../../s
 /// new names) and in the ids before PostgreSQL 18 (ordered to the
 /// microsecond, not the millisecond): files that `CREATE OR REPLACE` their
 /// objects. From 1.0.0 on, a step is the extension's own update script
-/// (`sql/upgrade/`, but its regions only the extension may run) and what
-/// changed of the library's functions in SQL (`sql/standalone/updates/`).
+/// (`sql/upgrade/`, but its regions only the extension may run), what
+/// changed of the library's functions in SQL (`sql/standalone/updates/`),
+/// and the install's own files that create or replace all they hold
+/// (`sql/standalone/write_path.sql`) or are new (`leases.sql`).
 const UPDATES: [(&str, &[(&str, &str)]); 2] = [
     ("0.10.0", &[SETTING_PLACE, UUID_V7]),
     (
@@ -59,6 +66,8 @@ const UPDATES: [(&str, &[(&str, &str)]); 2] = [
                 "standalone/updates/1.0.0--1.1.0.sql",
                 include_str!("../../sql/standalone/updates/1.0.0--1.1.0.sql"),
             ),
+            WRITE_PATH,
+            LEASES,
         ],
     ),
 ];

@@ -3,7 +3,9 @@
 //! transaction's deadline is kept by a watchdog thread that cancels the
 //! statement running when it passes, as `statement_timeout` would.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -145,11 +147,58 @@ impl Watchdog {
     }
 }
 
+/// A dispatcher's connection: the store's transactions, and between them
+/// what its host asks of the database (its leases, its settings), each
+/// under a deadline its watchdog keeps. Its own: no other dispatcher waits
+/// on it.
+#[derive(Clone)]
+pub struct Session {
+    client: Rc<RefCell<Client>>,
+    watchdog: Watchdog,
+}
+
+impl Session {
+    /// `cancel` cancels what `client` runs (a new connection of its own).
+    pub fn new(client: Client, cancel: impl Fn(&CancelToken) + Send + 'static) -> Session {
+        let token = client.cancel_token();
+        Session { client: Rc::new(RefCell::new(client)), watchdog: Watchdog::new(move || cancel(&token)) }
+    }
+
+    /// Runs `body` between the store's transactions, cancelled once it has
+    /// run `deadline`.
+    pub fn run<R>(
+        &self,
+        deadline: Duration,
+        body: impl FnOnce(&mut Client) -> Result<R, postgres::Error>,
+    ) -> Result<R, String> {
+        let Ok(mut client) = self.client.try_borrow_mut() else {
+            return Err("the connection is in a transaction of the store".into());
+        };
+        self.watchdog.arm(Some(Instant::now() + deadline));
+        let result = body(&mut client);
+        self.watchdog.arm(None);
+        result.map_err(|e| crate::connect::chain(&e))
+    }
+
+    /// What cancels this connection's statement from another thread.
+    pub fn watchdog(&self) -> Watchdog {
+        self.watchdog.clone()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // The last of the clones: nothing is left to watch.
+        if Rc::strong_count(&self.client) == 1 {
+            self.watchdog.stop();
+        }
+    }
+}
+
 /// The store's host on one connection.
 pub struct PgDb {
-    client: Client,
+    session: Session,
     statements: HashMap<Stmt, Statement>,
-    watchdog: Watchdog,
     /// This release was found installed (looked for once, again after a
     /// failure).
     installed: bool,
@@ -158,21 +207,8 @@ pub struct PgDb {
 }
 
 impl PgDb {
-    /// `cancel` cancels what `client` runs (a new connection of its own).
-    pub fn new(client: Client, cancel: impl Fn(&CancelToken) + Send + 'static) -> PgDb {
-        let token = client.cancel_token();
-        PgDb {
-            client,
-            statements: HashMap::new(),
-            watchdog: Watchdog::new(move || cancel(&token)),
-            installed: false,
-            closed: Arc::default(),
-        }
-    }
-
-    /// What cancels this connection's statement from another thread.
-    pub fn watchdog(&self) -> Watchdog {
-        self.watchdog.clone()
+    pub fn new(session: Session) -> PgDb {
+        PgDb { session, statements: HashMap::new(), installed: false, closed: Arc::default() }
     }
 
     /// A flag set once the connection is found closed: a new one is needed.
@@ -205,12 +241,6 @@ impl PgDb {
     }
 }
 
-impl Drop for PgDb {
-    fn drop(&mut self) {
-        self.watchdog.stop();
-    }
-}
-
 impl Db for PgDb {
     fn transaction(
         &mut self,
@@ -218,10 +248,11 @@ impl Db for PgDb {
         body: &mut dyn FnMut(&mut dyn Tx) -> Result<(), DbError>,
     ) -> Result<bool, DbError> {
         let ends_at = Instant::now() + deadline;
-        self.watchdog.arm(Some(ends_at));
+        let watchdog = &self.session.watchdog;
+        let mut client = self.session.client.borrow_mut();
+        watchdog.arm(Some(ends_at));
         let result = (|| {
-            let mut tx = self
-                .client
+            let mut tx = client
                 .build_transaction()
                 .isolation_level(IsolationLevel::ReadCommitted)
                 .start()
@@ -232,18 +263,18 @@ impl Db for PgDb {
                     return Ok(false);
                 }
             }
-            let mut ptx = PgTx { tx, statements: &mut self.statements, ends_at, watchdog: &self.watchdog };
+            let mut ptx = PgTx { tx, statements: &mut self.statements, ends_at, watchdog };
             body(&mut ptx)?;
             // Disarmed first: a cancel during a synchronous commit's wait
             // for a standby would return before the standby has it.
-            self.watchdog.arm(None);
+            watchdog.arm(None);
             ptx.tx.commit().map_err(db_error)?;
             Ok(true)
         })();
-        self.watchdog.arm(None);
+        watchdog.arm(None);
         if result.is_err() {
             self.installed = false;
-            if self.client.is_closed() {
+            if client.is_closed() {
                 self.closed.store(true, Ordering::SeqCst);
             }
         }

@@ -1,8 +1,9 @@
 -- outbox_dispatch without the library: what the library's functions do,
 -- in SQL and PL/pgSQL, under the same names, for a server where
 -- shared_preload_libraries is closed (a managed service). Runs after
--- sql/schema.sql, sql/standalone/setting_place.sql and
--- sql/standalone/uuid_v7.sql in the script `outbox-dispatch sql` prints
+-- sql/schema.sql, sql/standalone/setting_place.sql,
+-- sql/standalone/uuid_v7.sql and sql/standalone/write_path.sql (the
+-- settings' readers and the insert triggers) in the script `outbox-dispatch sql` prints
 -- and `outbox-dispatch install` runs (sidecar/src/script.rs), as the
 -- owner, who needs no superuser. The statements the library runs from
 -- sql/ are included here as text (a dollar-quoted literal, put in by
@@ -29,76 +30,6 @@ CREATE TABLE outbox.settings (
 
 COMMENT ON TABLE outbox.settings IS
     'outbox.* settings of this database without the library (the owner''s to change): these, then ALTER DATABASE ... SET, then the defaults.';
-
--- The setting called name: its row in outbox.settings, else the database's
--- ALTER DATABASE ... SET, else NULL. Never the session's own SET.
--- SECURITY DEFINER: a writer's outbox_enqueue() reads the payload limit.
--- PL/pgSQL, whose plans a session keeps, and no SET clause: it runs on
--- every enqueue, so every name is qualified instead, operators included.
-CREATE FUNCTION outbox.setting(name text) RETURNS text
-LANGUAGE plpgsql STABLE SECURITY DEFINER PARALLEL SAFE
-AS $$
-DECLARE
-    value text;
-BEGIN
-    SELECT s.value INTO value FROM outbox.settings AS s WHERE s.name OPERATOR(pg_catalog.=) setting.name;
-    IF value IS NULL THEN
-        SELECT pg_catalog.substr(c, pg_catalog.length(setting.name) OPERATOR(pg_catalog.+) 2) INTO value
-          FROM pg_catalog.pg_db_role_setting AS d CROSS JOIN LATERAL pg_catalog.unnest(d.setconfig) AS c
-         WHERE d.setdatabase OPERATOR(pg_catalog.=) (SELECT o.oid FROM pg_catalog.pg_database AS o
-                                                       WHERE o.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
-           AND d.setrole OPERATOR(pg_catalog.=) 0
-           AND pg_catalog.starts_with(c, setting.name OPERATOR(pg_catalog.||) '=')
-         LIMIT 1;
-    END IF;
-    RETURN value;
-END
-$$;
-
--- The value of setting name given as value (NULL: its default), as the
--- library bounds it: bytes for a size, seconds for a time; an error that
--- names the setting and its limits when it is not. NULL for a setting the
--- SQL side does not read. One place for the bounds (src/config.rs), used
--- where a setting is written (the trigger below) and where it is read.
-CREATE FUNCTION outbox.setting_value(name text, value text) RETURNS bigint
-LANGUAGE plpgsql STABLE PARALLEL SAFE
-AS $$
-DECLARE
-    unit text;
-    default_ bigint;
-    least_ bigint;
-    most bigint;
-    amount pg_catalog.numeric;
-BEGIN
-    -- name, unit, default, least, most: one line each (no CASE name WHEN,
-    -- which finds = through the caller's search_path).
-    IF name OPERATOR(pg_catalog.=) 'outbox.max_payload_bytes' THEN
-        unit := 'bytes'; default_ := 1048576; least_ := 1; most := 2147483647;
-    ELSIF name OPERATOR(pg_catalog.=) 'outbox.report_timeout' THEN
-        unit := 'seconds'; default_ := 3600; least_ := 0; most := 2592000;
-    ELSIF name OPERATOR(pg_catalog.=) 'outbox.retention' THEN
-        unit := 'seconds'; default_ := 604800; least_ := 1; most := 315360000;
-    ELSE
-        RETURN NULL;
-    END IF;
-    IF value IS NULL THEN
-        RETURN default_;
-    END IF;
-    -- No exception block here, which would start a subtransaction on every
-    -- enqueue: a value PostgreSQL cannot parse raises its own error, and
-    -- outbox.check_setting() names the setting in it as it is written.
-    IF unit OPERATOR(pg_catalog.=) 'bytes' THEN
-        amount := pg_catalog.pg_size_bytes(value);
-    ELSE
-        amount := pg_catalog.date_part('epoch', value::pg_catalog.interval);
-    END IF;
-    IF amount OPERATOR(pg_catalog.<) least_ OR amount OPERATOR(pg_catalog.>) most THEN
-        RAISE EXCEPTION '% is "%": it must be from % to % % (a number is %)', name, value, least_, most, unit, unit
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    RETURN amount::pg_catalog.int8;
-END
-$$;
 
 -- What is written here is a setting that belongs here, and what the SQL
 -- side reads of it is checked as it is written.
@@ -141,11 +72,6 @@ CREATE TRIGGER settings_checked
     BEFORE INSERT OR UPDATE ON outbox.settings
     FOR EACH ROW EXECUTE FUNCTION outbox.check_setting();
 
-CREATE FUNCTION @extschema@.outbox_max_payload_bytes() RETURNS integer
-LANGUAGE sql STABLE PARALLEL SAFE
-AS $$
-SELECT outbox.setting_value('outbox.max_payload_bytes', outbox.setting('outbox.max_payload_bytes'))::pg_catalog.int4
-$$;
 -- outbox.report_timeout while reports are on (outbox.report_key not
 -- empty); NULL while they are off or it is 0.
 CREATE FUNCTION @extschema@.outbox_report_timeout() RETURNS interval
@@ -163,53 +89,11 @@ LANGUAGE sql VOLATILE PARALLEL UNSAFE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT pg_notify('outbox_dispatch_wake', '') $$;
 
--- Statement trigger on outbox.log: a NOTIFY on outbox.notify_channel when
--- the session asks for it (outbox.notify = on), not for the sidecar's own
--- inserts (outbox.dispatching = on, which it sets).
-CREATE FUNCTION @extschema@.outbox_events_inserted() RETURNS trigger
-LANGUAGE plpgsql
-AS $$
-DECLARE
-    channel text;
-BEGIN
-    -- No IS DISTINCT FROM: it finds = through the search_path, which is
-    -- the writer's even where this runs as the owner (a delivery inserted
-    -- by outbox_route()).
-    IF coalesce(pg_catalog.current_setting('outbox.notify', true), '') OPERATOR(pg_catalog.<>) 'on'
-       OR coalesce(pg_catalog.current_setting('outbox.dispatching', true), '') OPERATOR(pg_catalog.=) 'on' THEN
-        RETURN NULL;
-    END IF;
-    channel := coalesce(pg_catalog.current_setting('outbox.notify_channel', true), 'outbox_new');
-    IF pg_catalog.octet_length(channel) OPERATOR(pg_catalog.=) 0
-       OR pg_catalog.octet_length(channel) OPERATOR(pg_catalog.>) 63 THEN
-        RAISE EXCEPTION 'outbox.notify_channel is % bytes, it must be 1 to 63 bytes (or outbox.notify off)',
-            pg_catalog.octet_length(channel)
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    PERFORM pg_catalog.pg_notify(channel, '');
-    RETURN NULL;
-END
-$$;
-
 -- Nothing to drop: without the library nothing caches the subscriptions.
 CREATE FUNCTION @extschema@.outbox_subscriptions_changed() RETURNS trigger
 LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
 AS $$ BEGIN RETURN NULL; END $$;
-
--- 0 (routed to none) while no subscription is active, else NULL (the
--- routing trigger decides): an index probe per insert, as no cache holds
--- the answer. PL/pgSQL for its kept plan, every name qualified and no SET
--- clause (the default of every insert).
-CREATE FUNCTION @extschema@.outbox_routed_to_default() RETURNS integer
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER PARALLEL UNSAFE
-AS $$
-BEGIN
-    IF EXISTS (SELECT FROM outbox.all_subscriptions AS s WHERE s.unsubscribed_at IS NULL) THEN
-        RETURN NULL;
-    END IF;
-    RETURN 0;
-END
-$$;
 
 -- Subscriptions are the outbox owner's to make and end here: the library
 -- records the role calling and acts as the owner, which SQL cannot do in

@@ -14,13 +14,21 @@
 -- xmax up to `target`'s (fresh). Each range stops at $1 rows, however many
 -- events lie before it: no claim walks what an earlier one read.
 --
--- A page shorter than $1 ends its window: its `target` becomes the next
--- `prev`, and the next claim starts a window of its own. Returns the events
--- with the batch (none: one row of NULLs), in no order: the dispatcher
--- puts them in the page's (a sort here of rows this wide cost a tenth of a
--- drain). Functions and relations are
--- qualified; operators and types resolve in pg_catalog through the
--- search_path every dispatcher pins (src/worker/setup.rs).
+-- The page is cut after the event that brings it past $3 bytes (what the
+-- dispatcher reads of each: its payload, args and headers as text), so
+-- that a dispatcher holds what outbox.max_batch_bytes allows whatever
+-- outbox.batch_size says; an event larger than that comes alone. The cut
+-- is made on the stored sizes first, which cost nothing to read (no text
+-- is made of an event past it), then on the text, which compression may
+-- make many times larger.
+--
+-- A page shorter than $1 that nothing cut ends its window: its `target`
+-- becomes the next `prev`, and the next claim starts a window of its own.
+-- Returns the events with the batch (none: one row of NULLs), in no order:
+-- the dispatcher puts them in the page's (a sort here of rows this wide
+-- cost a tenth of a drain). Functions and relations are qualified;
+-- operators and types resolve in pg_catalog through the search_path every
+-- dispatcher pins (src/worker/setup.rs).
 WITH cursor AS MATERIALIZED (
     SELECT w.position, w.prev, w.target, w.after_xid, w.after_id,
            -- Positions as index bounds: after (after_xid, after_id), or
@@ -37,39 +45,72 @@ WITH cursor AS MATERIALIZED (
       FROM (SELECT c.position, c.prev, coalesce(c.target, pg_catalog.pg_current_snapshot()) AS target,
                    c.after_xid, c.after_id
               FROM outbox.cursor AS c) AS w
+), read AS (
+    -- Up to $1 events in line after the position, in order (the columns
+    -- the dispatcher reads: the windows copy each row), each with its
+    -- stored size, the page's up to it, and whether another follows.
+    SELECT p.*, pg_catalog.lead(p.id) OVER w IS NOT NULL AS more,
+           pg_catalog.pg_column_size(p.payload) + coalesce(pg_catalog.pg_column_size(p.args), 0)
+               + coalesce(pg_catalog.pg_column_size(p.headers), 0) AS stored,
+           pg_catalog.sum(pg_catalog.pg_column_size(p.payload) + coalesce(pg_catalog.pg_column_size(p.args), 0)
+                          + coalesce(pg_catalog.pg_column_size(p.headers), 0)) OVER w AS through
+      FROM (SELECT p.*
+              FROM ((SELECT e.id, e.pending_xid, e.event_type, e.payload, e.queue, e.task, e.headers, e.priority,
+                            e.retry_count, e.created_at, e.args, e.expires_at, e.key_state, e.ordering_key,
+                            e.subscription_id
+                       FROM cursor AS c
+                      CROSS JOIN LATERAL pg_catalog.unnest(c.behind) AS b(xid)
+                      CROSS JOIN LATERAL (
+                            SELECT e.*
+                              FROM outbox.log AS e
+                             WHERE e.status = 'pending'
+                               AND e.key_state IS DISTINCT FROM 'waiting'
+                               AND e.pending_xid = b.xid
+                               AND (e.pending_xid, e.id) > (c.read_xid, c.read_id)
+                             ORDER BY e.pending_xid, e.id
+                             LIMIT $1) AS e
+                      ORDER BY e.pending_xid, e.id
+                      LIMIT $1)
+                    UNION ALL
+                    (SELECT e.id, e.pending_xid, e.event_type, e.payload, e.queue, e.task, e.headers, e.priority,
+                            e.retry_count, e.created_at, e.args, e.expires_at, e.key_state, e.ordering_key,
+                            e.subscription_id
+                       FROM cursor AS c
+                      CROSS JOIN LATERAL (
+                            SELECT e.*
+                              FROM outbox.log AS e
+                             WHERE e.status = 'pending'
+                               AND e.key_state IS DISTINCT FROM 'waiting'
+                               AND (e.pending_xid, e.id) > (c.fresh_xid, c.fresh_id)
+                               AND e.pending_xid < pg_catalog.pg_snapshot_xmax(c.target)
+                               AND pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
+                             ORDER BY e.pending_xid, e.id
+                             LIMIT $1) AS e)) AS p
+             ORDER BY p.pending_xid, p.id
+             LIMIT $1) AS p
+    WINDOW w AS (ORDER BY p.pending_xid, p.id ROWS UNBOUNDED PRECEDING)
 ), page AS MATERIALIZED (
-    SELECT p.*
-      FROM ((SELECT e.*
-               FROM cursor AS c
-              CROSS JOIN LATERAL pg_catalog.unnest(c.behind) AS b(xid)
-              CROSS JOIN LATERAL (
-                    SELECT e.*
-                      FROM outbox.log AS e
-                     WHERE e.status = 'pending'
-                       AND e.key_state IS DISTINCT FROM 'waiting'
-                       AND e.pending_xid = b.xid
-                       AND (e.pending_xid, e.id) > (c.read_xid, c.read_id)
-                     ORDER BY e.pending_xid, e.id
-                     LIMIT $1) AS e
-              ORDER BY e.pending_xid, e.id
-              LIMIT $1)
-            UNION ALL
-            (SELECT e.*
-               FROM cursor AS c
-              CROSS JOIN LATERAL (
-                    SELECT e.*
-                      FROM outbox.log AS e
-                     WHERE e.status = 'pending'
-                       AND e.key_state IS DISTINCT FROM 'waiting'
-                       AND (e.pending_xid, e.id) > (c.fresh_xid, c.fresh_id)
-                       AND e.pending_xid < pg_catalog.pg_snapshot_xmax(c.target)
-                       AND pg_catalog.pg_visible_in_snapshot(e.pending_xid, c.target)
-                     ORDER BY e.pending_xid, e.id
-                     LIMIT $1) AS e)) AS p
-     ORDER BY p.pending_xid, p.id
-     LIMIT $1
+    -- The texts' cut, each text made once (OFFSET 0: the subquery is not
+    -- pulled up into this one), and never sorted (the ORDER BY is the
+    -- order `read` gives).
+    SELECT x.*
+      FROM (SELECT x.*,
+                   pg_catalog.octet_length(x.payload) + coalesce(pg_catalog.octet_length(x.args), 0)
+                       + coalesce(pg_catalog.octet_length(x.headers), 0) AS bytes,
+                   pg_catalog.sum(pg_catalog.octet_length(x.payload) + coalesce(pg_catalog.octet_length(x.args), 0)
+                                  + coalesce(pg_catalog.octet_length(x.headers), 0))
+                       OVER (ORDER BY x.pending_xid, x.id ROWS UNBOUNDED PRECEDING) AS through
+              FROM (SELECT r.id, r.pending_xid, r.event_type, r.payload::pg_catalog.text AS payload, r.queue,
+                           r.task, r.headers::pg_catalog.text AS headers, r.priority, r.retry_count, r.created_at,
+                           r.args::pg_catalog.text AS args, r.expires_at, r.key_state, r.ordering_key,
+                           r.subscription_id, r.more
+                      FROM read AS r
+                     WHERE r.through - r.stored < $3
+                     ORDER BY r.pending_xid, r.id
+                    OFFSET 0) AS x) AS x
+     WHERE x.through - x.bytes < $3
 ), last AS (
-    SELECT p.pending_xid, p.id, (SELECT pg_catalog.count(*) FROM page) AS events
+    SELECT p.pending_xid, p.id, p.more, (SELECT pg_catalog.count(*) FROM page) AS events
       FROM page AS p
      ORDER BY p.pending_xid DESC, p.id DESC
      LIMIT 1
@@ -80,7 +121,9 @@ WITH cursor AS MATERIALIZED (
       FROM cursor AS c, last
     RETURNING id, send, claimed_at
 ), ended AS (
-    SELECT coalesce((SELECT last.events FROM last), 0) < $1 AS ended
+    -- Short, and not for its bytes: nothing was read after its last.
+    SELECT coalesce((SELECT last.events FROM last), 0) < $1
+           AND NOT coalesce((SELECT last.more FROM last), false) AS ended
 ), moved AS (
     -- The new position, which replaces the one read (a claim that read
     -- nothing moves `prev` too: the transactions still running at its
@@ -99,15 +142,15 @@ WITH cursor AS MATERIALIZED (
 )
 SELECT p.id,
        p.event_type,
-       p.payload::pg_catalog.text,
+       p.payload,
        p.queue,
        coalesce(p.task, p.event_type) AS task,
-       p.headers::pg_catalog.text,
+       p.headers,
        p.priority,
        p.retry_count,
        p.created_at::pg_catalog.text,
        pg_catalog.date_part('epoch', p.created_at) AS created_epoch,
-       p.args::pg_catalog.text,
+       p.args,
        pg_catalog.to_char(pg_catalog.timezone('UTC', p.expires_at), 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"') AS expires,
        pg_catalog.date_part('epoch', p.expires_at) AS expires_epoch,
        p.pending_xid::pg_catalog.text,

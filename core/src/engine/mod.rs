@@ -16,7 +16,7 @@ use crate::backoff;
 use crate::broker_url;
 use crate::guc;
 use crate::metrics::{Counter, Counters, WakeSource};
-use crate::store::{Claim, Home, Outcome, Store, StoreError};
+use crate::store::{Bounds, Claim, Home, Outcome, Store, StoreError};
 use broker::Broker;
 pub use host::{Held, Host, State, Turn};
 use push::{Pushed, RetryPolicy};
@@ -471,8 +471,9 @@ impl<H: Host> Dispatcher<H> {
             // No later than the claim's own instant (its transaction's
             // start): the pause deadline counts from here.
             let claiming = Instant::now();
-            let claim =
-                self.store.settle_and_claim(&settled, self.settings.batch_size, self.settings.batch_budget);
+            let bounds =
+                Bounds { events: self.settings.batch_size, bytes: self.settings.broker.max_batch_bytes };
+            let claim = self.store.settle_and_claim(&settled, bounds, self.settings.batch_budget);
             let claim = match claim {
                 Ok(claim) => claim,
                 Err(e) => {
@@ -481,21 +482,21 @@ impl<H: Host> Dispatcher<H> {
                 }
             };
             nap = nap.min(account(self.host.counters(), &settled));
-            let (events, batch, next_due) = match claim {
+            let (events, batch, drained, next_due) = match claim {
                 Claim::NoExtension => {
                     self.store_recovered();
                     return self.leave_for_extension();
                 }
-                Claim::Claimed { flushed, events, batch, next_due } => {
+                Claim::Claimed { flushed, events, batch, drained, next_due } => {
                     self.host.counters().add(Counter::AccumulatedBatches, flushed.batches);
                     self.host.counters().add(Counter::AccumulatedEvents, flushed.events);
                     self.host.counters().add(Counter::DeadLetters, flushed.dead_lettered);
                     let failure = flushed.errors.first().map(|error| StoreError::Failed(error.clone()));
                     self.store_answered(failure.as_ref());
-                    (events, batch, next_due)
+                    (events, batch, drained, next_due)
                 }
             };
-            self.drained_at = (events.len() < self.settings.batch_size).then_some(claiming);
+            self.drained_at = drained.then_some(claiming);
             if events.is_empty() {
                 self.host.set_state(State::Idle);
                 let retry =

@@ -7,11 +7,23 @@ use super::sql::{get, take, Arg, DbError, Stmt, Tx};
 use super::{Batch, ClaimedEvent, Key, Position};
 use crate::report::send_of;
 
+/// How much one claim may take: events (`outbox.batch_size`), and bytes
+/// of what the dispatcher reads of them, their payloads, args and headers
+/// as text (`outbox.max_batch_bytes`; an event larger comes alone).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bounds {
+    pub events: usize,
+    pub bytes: usize,
+}
+
 /// What one claim took.
 pub struct Taken {
     pub events: Vec<ClaimedEvent>,
     /// The batch they make; `None` when nothing was claimed.
     pub batch: Option<Batch>,
+    /// It took every event in line: shorter than its bounds allow, and not
+    /// for its bytes.
+    pub drained: bool,
 }
 
 /// A column the statement always fills came back empty.
@@ -19,18 +31,23 @@ fn missing(column: &str) -> DbError {
     DbError::internal(format!("claim.sql returned no {column}"))
 }
 
-/// Claims up to `limit` events for `dispatcher`: waits for the claim
+/// Claims what `bounds` allow for `dispatcher`: waits for the claim
 /// before to commit, then reads with a snapshot taken after it.
-pub fn claim(tx: &mut dyn Tx, dispatcher: i32, limit: usize) -> Result<Taken, DbError> {
+pub fn claim(tx: &mut dyn Tx, dispatcher: i32, bounds: Bounds) -> Result<Taken, DbError> {
     if tx.run(Stmt::LockCursor, &[])?.touched == 0 {
         tx.run(Stmt::RestoreTurn, &[])?;
         tx.run(Stmt::LockCursor, &[])?;
     }
-    let args = [Arg::Int4(Some(limit.min(i32::MAX as usize) as i32)), Arg::Int4(Some(dispatcher))];
+    let args = [
+        Arg::Int4(Some(bounds.events.min(i32::MAX as usize) as i32)),
+        Arg::Int4(Some(dispatcher)),
+        Arg::Int8(Some(bounds.bytes.min(i64::MAX as usize) as i64)),
+    ];
     let table = tx.run(Stmt::Claim, &args)?.rows;
-    let mut taken = Taken { events: Vec::with_capacity(table.len()), batch: None };
+    let mut taken = Taken { events: Vec::with_capacity(table.len()), batch: None, drained: true };
     for mut row in table {
         let row = &mut row[..];
+        taken.drained = get::<bool>(row, 19)?.unwrap_or(true);
         let Some(id) = get::<Uuid>(row, 0)? else {
             continue;
         };

@@ -19,6 +19,7 @@ pub mod keys;
 pub mod sql;
 
 pub use batches::{Backoff, Flushed};
+pub use claim::Bounds;
 pub use keys::{Head, Key, KeyPolicy};
 use due::DueFloor;
 use sql::{get, Arg, Db, DbError, Stmt, Tx};
@@ -83,6 +84,8 @@ pub enum Claim {
         events: Vec<ClaimedEvent>,
         /// The claim's batch; `None` when nothing was claimed.
         batch: Option<Batch>,
+        /// The claim took every event in line.
+        drained: bool,
         /// Set when the claim found nothing: how long until the earliest
         /// delayed event falls due, if any waits.
         next_due: Option<Duration>,
@@ -357,13 +360,13 @@ impl<D: Db> Store<D> {
     /// Records `settled` (the previous push's outcome; may be empty), makes
     /// the batches of accumulated subscriptions that are due (members cut
     /// at `batch_budget` bytes each), puts in line the events whose time
-    /// has come, and claims up to `limit` events, in one transaction: a
+    /// has come, and claims what `bounds` allow, in one transaction: a
     /// dispatcher under load spends one transaction per batch, not two.
     /// Nothing is written to outbox.log after the claim (claim.sql).
     pub fn settle_and_claim(
         &mut self,
         settled: &Outcome,
-        limit: usize,
+        bounds: Bounds,
         batch_budget: i64,
     ) -> Result<Claim, StoreError> {
         let mut backoff = std::mem::take(&mut self.flush_backoff);
@@ -391,7 +394,7 @@ impl<D: Db> Store<D> {
                 || turns.promoted > promoted
                 || flushed.batches > 0
                 || !settled.released.is_empty();
-            let taken = claim::claim(tx, dispatcher, limit)?;
+            let taken = claim::claim(tx, dispatcher, bounds)?;
             let next_due = if taken.events.is_empty() && lined {
                 Some(Duration::ZERO)
             } else if taken.events.is_empty() {
@@ -412,7 +415,13 @@ impl<D: Db> Store<D> {
             Some(claimed) => claimed,
             None => return Ok(Claim::NoExtension),
         };
-        Ok(Claim::Claimed { flushed, events: taken.events, batch: taken.batch, next_due })
+        Ok(Claim::Claimed {
+            flushed,
+            events: taken.events,
+            batch: taken.batch,
+            drained: taken.drained,
+            next_due,
+        })
     }
 
     /// Records `settled` on its own, when no claim is to follow.

@@ -49,7 +49,7 @@ statements! {
     FailBatch = "worker/fail_batch.sql" (Int8, Text, Int8);
     LockCursor = "worker/lock_cursor.sql" ();
     RestoreTurn = "worker/restore_turn.sql" ();
-    Claim = "worker/claim.sql" (Int4, Int4);
+    Claim = "worker/claim.sql" (Int4, Int4, Int8);
     CameDue = "worker/came_due.sql" (Int4, Float8);
     NextDue = "worker/next_due.sql" (Int8Array, Float8);
     DueBound = "worker/due_bound.sql" ();

@@ -3,6 +3,9 @@
 -- extension's own update (sql/upgrade/outbox_dispatch--1.0.0--1.1.0.sql).
 SET LOCAL search_path = pg_catalog, pg_temp;
 
+-- Pinned, as every PL/pgSQL function a definer calls (the subscriptions'
+-- definer functions fire it).
+ALTER FUNCTION @extschema@.outbox_subscriptions_changed() SET search_path = pg_catalog, pg_temp;
 -- What awaits an acknowledgement now keeps awaiting it
 -- (sql/upgrade/outbox_dispatch--1.0.0--1.1.0.sql), by the database's
 -- outbox.ack_timeout.
