@@ -154,11 +154,18 @@ CREATE INDEX events_due_idx ON outbox.log (available_at, id)
 -- Nor does an event the rotation moves to the current generation (it
 -- keeps its place: outbox.moving, sql/rotation.sql), nor, for the same
 -- reason, the triggers that take a key's turn and route an event.
+--
+-- An event goes out of line due after the moment it is written, and its
+-- transaction holds a shared advisory lock (1869968482, 1600419173: 'outb',
+-- '_due') until it ends: the dispatchers start their scans of
+-- events_due_idx no lower than its start while it is open
+-- (sql/worker/due_bound.sql), and above the entries a pinned xmin keeps.
 CREATE FUNCTION @extschema@.outbox_pending_again() RETURNS trigger
 LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
     IF NEW.available_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(1869968482, 1600419173);
         NEW.pending_xid := NULL;
     ELSE
         NEW.pending_xid := pg_catalog.pg_current_xact_id();
@@ -348,7 +355,12 @@ CREATE TABLE outbox.batches (
     -- what it sent is sent again unless acknowledged within the setting.
     -- One marked while they were off awaits none, whatever the setting
     -- becomes.
-    awaits_ack   boolean NOT NULL DEFAULT false
+    awaits_ack   boolean NOT NULL DEFAULT false,
+    -- The transactions its window read behind (in progress at `prev`,
+    -- ended at `target`) whose events it read, but for its last event's:
+    -- those whose last event in line it read before its own last (NULL
+    -- for none). outbox.held_by() finds their events' page by them.
+    read_past    pg_catalog.xid8[]
 )
 WITH (fillfactor = 50);
 
@@ -357,6 +369,12 @@ COMMENT ON TABLE outbox.batches IS
 
 -- The batch of an event: those whose last position is at or after it.
 CREATE INDEX batches_to_idx ON outbox.batches (to_xid, to_id);
+-- The batch of an event of a transaction that ran while others were
+-- claimed, on a page that reads past its end: walked from the event's
+-- place, batches_to_idx would pass every page claimed meanwhile
+-- (outbox.held_by()). Searched at every lookup: no pending list.
+CREATE INDEX batches_read_past_idx ON outbox.batches USING gin (read_past) WITH (fastupdate = off)
+    WHERE read_past IS NOT NULL;
 -- Claims not marked yet: the stuck sweeper, a restarted dispatcher.
 CREATE INDEX batches_unmarked_idx ON outbox.batches (claimed_at, dispatcher)
     WHERE marked_at IS NULL AND abandoned_at IS NULL;
@@ -506,21 +524,47 @@ RETURN pg_catalog.encode(
 -- The batch that read an event in line at ($1, $2): the page of a window
 -- that holds its place (the first batch whose last place is at or after
 -- it, of the window that read its transaction). No row: none yet (or
--- out of line). Plain SQL with every name qualified and no SET clause, so
--- that a caller inlines it (outbox.batch_of(), and the library's
--- outbox.state_at() when a place is not the last batch's it found).
-CREATE FUNCTION outbox.held_by(xid xid8, event uuid)
-RETURNS TABLE (id bigint, from_xid xid8, from_id uuid, to_xid xid8, to_id uuid, prev pg_snapshot,
-               target pg_snapshot, marked_at timestamptz, abandoned_at timestamptz)
+-- out of line). A page that ends in its transaction, or one that read
+-- past its transaction's end (batches_read_past_idx), is found at once;
+-- else batches_to_idx is walked from its place (a page claimed before
+-- 1.1.0, which did not say what it read past; none yet), where it passes
+-- every page claimed while a transaction behind ran. Plain SQL with every
+-- name qualified and no SET clause, so that a caller inlines it
+-- (outbox.batch_of(), and the library's outbox.state_at() when a place is
+-- not the last batch's it found).
+CREATE FUNCTION outbox.held_by(xid pg_catalog.xid8, event pg_catalog.uuid)
+RETURNS TABLE (id pg_catalog.int8, from_xid pg_catalog.xid8, from_id pg_catalog.uuid, to_xid pg_catalog.xid8,
+               to_id pg_catalog.uuid, prev pg_catalog.pg_snapshot, target pg_catalog.pg_snapshot,
+               marked_at pg_catalog.timestamptz, abandoned_at pg_catalog.timestamptz)
 LANGUAGE sql STABLE ROWS 1
 AS $$
-SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
-  FROM outbox.batches AS b
- WHERE (b.to_xid, b.to_id) OPERATOR(pg_catalog.>=) ($1, $2)
-   AND pg_catalog.pg_visible_in_snapshot($1, b.target)
-   AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
-   AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
- ORDER BY b.to_xid, b.to_id
+SELECT h.id, h.from_xid, h.from_id, h.to_xid, h.to_id, h.prev, h.target, h.marked_at, h.abandoned_at
+  FROM ((SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
+           FROM outbox.batches AS b
+          WHERE b.to_xid OPERATOR(pg_catalog.=) $1
+            AND b.to_id OPERATOR(pg_catalog.>=) $2
+          ORDER BY b.to_id
+          LIMIT 1)
+        UNION ALL
+        -- (One page at most reads past a transaction's end. Its id looked
+        -- up in full, not to its first: no plan walks batches_to_idx for it.)
+        (SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
+           FROM outbox.batches AS b
+          WHERE b.id OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT r.id
+                                                         FROM outbox.batches AS r
+                                                        WHERE r.read_past OPERATOR(pg_catalog.@>) ARRAY[$1])))
+        UNION ALL
+        (SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
+           FROM outbox.batches AS b
+          WHERE (b.to_xid, b.to_id) OPERATOR(pg_catalog.>=) ($1, $2)
+            AND pg_catalog.pg_visible_in_snapshot($1, b.target)
+            AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
+            AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
+          ORDER BY b.to_xid, b.to_id
+          LIMIT 1)) AS h
+ WHERE pg_catalog.pg_visible_in_snapshot($1, h.target)
+   AND NOT pg_catalog.pg_visible_in_snapshot($1, h.prev)
+   AND ((h.from_xid, h.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
  LIMIT 1
 $$;
 

@@ -478,15 +478,16 @@ def due_entries_read(pg):
 
 
 def test_claims_under_a_pinned_xmin_do_not_reread_the_events_that_came_due(outbox, redis_server):
-    """A session holds a snapshot (an xmin) while 3000 delayed events come
-    due and go: their entries in events_due_idx stay, dead but not
-    removable. The claims that follow start their scan of the index above
-    them (sql/worker/due_bound.sql), not at its start: a claim per commit
-    does not read 3000 entries each."""
+    """A session idle in its transaction after an enqueue (as a request
+    that enqueued, then waits on a call) holds its xmin while 3000 delayed
+    events come due and go: their entries in events_due_idx stay, dead but
+    not removable. The claims that follow start their scan of the index
+    above them (sql/worker/due_bound.sql), not at its start: a claim per
+    commit does not read 3000 entries each."""
     client = redis_server.client()
     with outbox.connect() as pin:
         pin.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        pin.execute("SELECT count(*) FROM pg_class")
+        pin.execute("SELECT outbox_enqueue('pin', '{}', queue => 'q_pin')")
         outbox.sql("SELECT outbox_enqueue('later', '{}', queue => 'q_pinned', delay => '1 second') "
                    "FROM generate_series(1, 3000)")
         wait_until(lambda: outbox.count("dispatched") == 3000, timeout=60, message="the delayed events")
@@ -554,6 +555,43 @@ def test_a_claim_takes_what_its_bytes_allow_and_the_next_goes_on_in_order(outbox
                                "queue => 'q_bytes') FROM generate_series(1, 2)").fetchall()[0][0])
     batch, sends = outbox.claim_as(0, 100, bytes=10)
     assert list(sends) == [big]
+
+
+def test_the_batch_of_a_long_transaction_s_event_is_found_without_walking_those_claimed_meanwhile(outbox,
+                                                                                                    redis_server):
+    """A transaction that stays open while 1,000 batches are claimed (one
+    event each) has its events read by the window after it ends, on a page
+    that goes on to later ones: finding their batch (the view, a report, an
+    acknowledgement) reads that page, not every page claimed meanwhile,
+    which the walk from its place in batches_to_idx passes first."""
+    def pause():
+        outbox.configure(enabled="off")
+        wait_until(lambda: outbox.value("SELECT bool_and(state = 'paused') FROM outbox.workers"),
+                   message="the dispatchers paused")
+
+    pause()
+    outbox.configure(enabled="on", batch_size=1)
+    with outbox.connect() as long:
+        long.execute("BEGIN")
+        long.execute("SELECT outbox_enqueue('long', '{}', queue => 'q_long') FROM generate_series(1, 3)")
+        outbox.sql("SELECT outbox_enqueue('short', '{}', queue => 'q_long') FROM generate_series(1, 1000)")
+        wait_until(lambda: outbox.count("dispatched") == 1000, timeout=60, message="the short events")
+        pause()
+        long.execute("COMMIT")
+    outbox.sql("SELECT outbox_enqueue('after', '{}', queue => 'q_long') FROM generate_series(1, 3)")
+    outbox.configure(enabled="on", batch_size=100)
+    wait_until(lambda: outbox.count("dispatched") == 1006, message="the long transaction's events")
+    assert outbox.value("SELECT count(*) FROM outbox.batches") == 1001
+    plan = outbox.value("EXPLAIN (ANALYZE, FORMAT JSON) SELECT h.id FROM outbox.log AS e, "
+                        "outbox.held_by(e.pending_xid, e.id) AS h WHERE e.event_type = 'long'")
+
+    def passed(node):
+        """Batches read and passed over, in all of the plan's nodes."""
+        own = node.get("Relation Name") == "batches" or node.get("Index Name", "").startswith("batches")
+        return (own * node.get("Rows Removed by Filter", 0) * node.get("Actual Loops", 1)
+                + sum(passed(child) for child in node.get("Plans", [])))
+    assert passed(plan[0]["Plan"]) < 100, plan
+    assert outbox.value("SELECT count(DISTINCT batch) FROM outbox.events WHERE event_type = 'long'") == 1
 
 
 def test_a_batch_s_outcomes_are_read_once_not_once_per_event(outbox):

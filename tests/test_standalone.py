@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from harness import PG_BIN, as_postgres, wait_until
-from standalone import BIN, dsn, fresh_database, install, plain_server, run
+from standalone import BIN, dsn, fresh_database, install, library_only, plain_server, run
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -622,6 +622,7 @@ def test_a_bad_setting_is_refused_naming_it(app):
     assert app.value("SELECT count(*) FROM outbox.settings", dbname="app") == 0
 
 
+@library_only("reads the settings the library registers, in a server that loads it")
 def test_every_setting_of_the_library_has_its_place_without_it(app, cluster):
     """The names outbox.settings takes are the library's: each of its
     settings is the database's, the sidecar's, the launcher's, a session's

@@ -52,11 +52,10 @@ WITH passed AS (
     UPDATE outbox.log AS e
        SET key_state = 'head',
            available_at = GREATEST(e.available_at, pg_catalog.now()),
-           -- In line as if this transaction had enqueued it, or out of
-           -- line until due (a delayed event): due after this moment,
-           -- not the transaction's start (sql/worker/due_bound.sql).
-           pending_xid = CASE WHEN e.available_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() THEN NULL
-                              ELSE pg_catalog.pg_current_xact_id() END
+           -- In line as if this transaction had enqueued it, or, a
+           -- delayed event, out of line until due: events_pending_again
+           -- says which (sql/schema.sql), as for any event made pending.
+           pending_xid = pg_catalog.pg_current_xact_id()
       FROM next
      WHERE e.id OPERATOR(pg_catalog.=) next.id
        AND e.key_state OPERATOR(pg_catalog.=) 'waiting'

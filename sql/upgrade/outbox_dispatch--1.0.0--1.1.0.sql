@@ -15,6 +15,15 @@ SET LOCAL search_path = pg_catalog, pg_temp;
 ALTER TABLE outbox.batches ADD COLUMN awaits_ack boolean NOT NULL DEFAULT false;
 CREATE INDEX batches_unacked_idx ON outbox.batches (marked_at)
     WHERE settled_at IS NULL AND awaits_ack;
+
+-- What a page read past (the transactions behind whose last events it read
+-- before its own last): outbox.held_by() finds the page of such an event
+-- at once. Pages claimed before the update say nothing; held_by() walks
+-- batches_to_idx for theirs, as 1.0.0 did.
+ALTER TABLE outbox.batches ADD COLUMN read_past pg_catalog.xid8[];
+CREATE INDEX batches_read_past_idx ON outbox.batches USING gin (read_past) WITH (fastupdate = off)
+    WHERE read_past IS NOT NULL;
+
 -- extension only: begin
 -- What awaits an acknowledgement now (the setting above 0 where the
 -- update runs) keeps awaiting it; the sidecar's own update reads the
@@ -367,21 +376,47 @@ ALTER TABLE outbox.log VALIDATE CONSTRAINT events_status_written;
 -- The batch that read an event in line at ($1, $2): the page of a window
 -- that holds its place (the first batch whose last place is at or after
 -- it, of the window that read its transaction). No row: none yet (or
--- out of line). Plain SQL with every name qualified and no SET clause, so
--- that a caller inlines it (outbox.batch_of(), and the library's
--- outbox.state_at() when a place is not the last batch's it found).
-CREATE FUNCTION outbox.held_by(xid xid8, event uuid)
-RETURNS TABLE (id bigint, from_xid xid8, from_id uuid, to_xid xid8, to_id uuid, prev pg_snapshot,
-               target pg_snapshot, marked_at timestamptz, abandoned_at timestamptz)
+-- out of line). A page that ends in its transaction, or one that read
+-- past its transaction's end (batches_read_past_idx), is found at once;
+-- else batches_to_idx is walked from its place (a page claimed before
+-- 1.1.0, which did not say what it read past; none yet), where it passes
+-- every page claimed while a transaction behind ran. Plain SQL with every
+-- name qualified and no SET clause, so that a caller inlines it
+-- (outbox.batch_of(), and the library's outbox.state_at() when a place is
+-- not the last batch's it found).
+CREATE FUNCTION outbox.held_by(xid pg_catalog.xid8, event pg_catalog.uuid)
+RETURNS TABLE (id pg_catalog.int8, from_xid pg_catalog.xid8, from_id pg_catalog.uuid, to_xid pg_catalog.xid8,
+               to_id pg_catalog.uuid, prev pg_catalog.pg_snapshot, target pg_catalog.pg_snapshot,
+               marked_at pg_catalog.timestamptz, abandoned_at pg_catalog.timestamptz)
 LANGUAGE sql STABLE ROWS 1
 AS $$
-SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
-  FROM outbox.batches AS b
- WHERE (b.to_xid, b.to_id) OPERATOR(pg_catalog.>=) ($1, $2)
-   AND pg_catalog.pg_visible_in_snapshot($1, b.target)
-   AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
-   AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
- ORDER BY b.to_xid, b.to_id
+SELECT h.id, h.from_xid, h.from_id, h.to_xid, h.to_id, h.prev, h.target, h.marked_at, h.abandoned_at
+  FROM ((SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
+           FROM outbox.batches AS b
+          WHERE b.to_xid OPERATOR(pg_catalog.=) $1
+            AND b.to_id OPERATOR(pg_catalog.>=) $2
+          ORDER BY b.to_id
+          LIMIT 1)
+        UNION ALL
+        -- (One page at most reads past a transaction's end. Its id looked
+        -- up in full, not to its first: no plan walks batches_to_idx for it.)
+        (SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
+           FROM outbox.batches AS b
+          WHERE b.id OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT r.id
+                                                         FROM outbox.batches AS r
+                                                        WHERE r.read_past OPERATOR(pg_catalog.@>) ARRAY[$1])))
+        UNION ALL
+        (SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
+           FROM outbox.batches AS b
+          WHERE (b.to_xid, b.to_id) OPERATOR(pg_catalog.>=) ($1, $2)
+            AND pg_catalog.pg_visible_in_snapshot($1, b.target)
+            AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
+            AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
+          ORDER BY b.to_xid, b.to_id
+          LIMIT 1)) AS h
+ WHERE pg_catalog.pg_visible_in_snapshot($1, h.target)
+   AND NOT pg_catalog.pg_visible_in_snapshot($1, h.prev)
+   AND ((h.from_xid, h.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
  LIMIT 1
 $$;
 
@@ -392,6 +427,24 @@ LANGUAGE sql STABLE STRICT SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 SELECT h.id FROM outbox.held_by($1, $2) AS h WHERE $3 OR h.abandoned_at IS NULL
+$$;
+
+-- An event written out of line says so to the dispatchers until its
+-- transaction ends (a shared advisory lock): their scans of
+-- events_due_idx start above what a pinned xmin keeps there
+-- (sql/worker/due_bound.sql).
+CREATE OR REPLACE FUNCTION @extschema@.outbox_pending_again() RETURNS trigger
+LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+    IF NEW.available_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(1869968482, 1600419173);
+        NEW.pending_xid := NULL;
+    ELSE
+        NEW.pending_xid := pg_catalog.pg_current_xact_id();
+    END IF;
+    RETURN NEW;
+END
 $$;
 
 -- An update through the view writes every column: only one that changes

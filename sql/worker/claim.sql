@@ -115,9 +115,16 @@ WITH cursor AS MATERIALIZED (
      ORDER BY p.pending_xid DESC, p.id DESC
      LIMIT 1
 ), batch AS (
-    INSERT INTO outbox.batches (send, dispatcher, claimed_at, prev, target, from_xid, from_id, to_xid, to_id, events)
+    INSERT INTO outbox.batches (send, dispatcher, claimed_at, prev, target, from_xid, from_id, to_xid, to_id, events,
+                                read_past)
     SELECT pg_catalog.gen_random_uuid(), $2, pg_catalog.now(), c.prev, c.target, c.after_xid, c.after_id,
-           last.pending_xid, last.id, last.events
+           last.pending_xid, last.id, last.events,
+           -- The transactions behind it read the last events of before
+           -- its own last (outbox.held_by()).
+           (SELECT pg_catalog.array_agg(DISTINCT p.pending_xid)
+              FROM page AS p
+             WHERE p.pending_xid < pg_catalog.pg_snapshot_xmax(c.prev)
+               AND p.pending_xid < last.pending_xid)
       FROM cursor AS c, last
     RETURNING id, send, claimed_at
 ), ended AS (

@@ -99,5 +99,28 @@ BEGIN
 END
 $$;
 
+-- A key's new head delayed goes out of line through events_pending_again
+-- (sql/keys/pass.sql), which tells the dispatchers' due floor.
+-- Passes on the key of head, its lock taken: src/keys.rs pass_now. Wakes
+-- the sidecars at commit for a new head. Returns whether it let its key go.
+CREATE OR REPLACE FUNCTION outbox.pass_key(head uuid, ordering_key text, subscription bigint,
+                                failed boolean, dispatched boolean) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    passed bigint;
+    promoted bigint;
+BEGIN
+    EXECUTE @include keys/lock.sql@ USING ARRAY[ordering_key], ARRAY[subscription], true;
+    EXECUTE @include keys/pass.sql@ INTO passed, promoted
+        USING ARRAY[head], ARRAY[]::text[], ARRAY[]::bigint[], failed, dispatched;
+    IF promoted > 0 THEN
+        PERFORM @extschema@.outbox_wake();
+    END IF;
+    RETURN passed > 0;
+END
+$$;
+
 -- The extension's schema again, for the files that follow.
 SET LOCAL search_path = @extschema@;
