@@ -65,9 +65,11 @@ install-dev: deps
 	$(STALE_SCRIPTS) ! -name 'outbox_dispatch--0.8.0.sql' -delete
 
 # The sidecar's command (managed PostgreSQL: docs/guides/managed.md), which the
-# integration tests run.
+# integration tests run; and the scripts it prints, which the Python package
+# in the source tree installs the outbox from (outbox_dispatch.install).
 sidecar: deps
 	cargo build -p outbox-dispatch
+	python3 scripts/package_sql.py target/debug/outbox-dispatch python/src/outbox_dispatch/standalone
 
 unit: deps
 	cargo test -p outbox_core -p outbox-dispatch

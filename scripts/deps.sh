@@ -24,6 +24,8 @@ packages=(redis-server rabbitmq-server libclang-dev clang openssl prometheus bin
 # The sidecar's refusal of a transaction-mode pooler (tests/test_sidecar.py
 # starts its own pgbouncer; the service the package brings is never run).
 packages+=(pgbouncer)
+# The Django admin's test in a real browser (tests/test_django.py).
+packages+=(chromium chromium-driver)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")

@@ -262,7 +262,7 @@ def check_healthy(conn: Any) -> None:
     caught): its commit would roll back the effects and the claim, and the
     task would be reported processed all the same."""
     if type(conn).__module__.startswith("django"):
-        from django.db import transaction  # type: ignore[import-untyped]
+        from django.db import transaction
 
         if transaction.get_rollback(using=conn.alias):
             raise RuntimeError("once: the task's transaction is marked for rollback: its effects are not made")
