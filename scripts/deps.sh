@@ -26,6 +26,9 @@ packages=(redis-server rabbitmq-server libclang-dev clang openssl prometheus bin
 packages+=(pgbouncer)
 # The Django admin's test in a real browser (tests/test_django.py).
 packages+=(chromium chromium-driver)
+# The aarch64 command of the Python package's wheels, run under emulation
+# (tests/test_package.py).
+packages+=(qemu-user-static libc6-arm64-cross)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
