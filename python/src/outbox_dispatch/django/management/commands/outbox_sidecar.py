@@ -49,25 +49,32 @@ def _command() -> str:
 
 def dsn(settings: Mapping[str, Any]) -> str:
     """A libpq connection string of Django's database settings (NAME,
-    USER, PASSWORD, HOST, PORT, and OPTIONS' libpq keys such as sslmode),
-    each value quoted."""
+    USER, PASSWORD, HOST, PORT, and the libpq keywords of OPTIONS, such as
+    sslmode or service; not Django's own, such as pool), each value
+    quoted; what is empty is left to libpq's defaults, as Django leaves
+    it."""
     options = settings.get("OPTIONS") or {}
     keys: Dict[str, Any] = {
-        "host": settings.get("HOST") or "localhost",
+        "host": settings.get("HOST"),
         "port": settings.get("PORT"),
         "dbname": settings.get("NAME"),
         "user": settings.get("USER"),
         "password": settings.get("PASSWORD"),
         **{k: v for k, v in options.items() if k in _LIBPQ_OPTIONS},
     }
-    if options.get("service") is not None:
-        raise CommandError("outbox_sidecar: OPTIONS' service is libpq's file, which outbox-dispatch does not read: "
-                           "give the database's settings")
     return " ".join(f"{key}={_quote(value)}" for key, value in keys.items() if value not in (None, ""))
 
 
-#: The OPTIONS Django passes on to libpq that outbox-dispatch reads.
-_LIBPQ_OPTIONS = ("sslmode", "connect_timeout", "application_name", "options", "target_session_attrs")
+#: libpq's keywords (PostgreSQL 17's, which outbox-dispatch reads as libpq
+#: does) but those Django's own settings give.
+_LIBPQ_OPTIONS = (
+    "hostaddr", "passfile", "channel_binding", "connect_timeout", "client_encoding", "options", "application_name",
+    "fallback_application_name", "keepalives", "keepalives_idle", "keepalives_interval", "keepalives_count",
+    "tcp_user_timeout", "gssencmode", "sslmode", "sslnegotiation", "sslcompression", "sslcert", "sslkey",
+    "sslpassword", "sslcertmode", "sslrootcert", "sslcrl", "sslcrldir", "sslsni", "requirepeer", "require_auth",
+    "ssl_min_protocol_version", "ssl_max_protocol_version", "krbsrvname", "gsslib", "gssdelegation",
+    "target_session_attrs", "load_balance_hosts", "service",
+)
 
 
 def _quote(value: Any) -> str:
