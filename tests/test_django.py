@@ -102,6 +102,8 @@ def test_migrate_updates_an_outbox_of_1_0_0_and_refuses_a_schema_open_to_others(
     project = Project(server, "shop_old", tmp_path / "old")
     migrated = project.manage("migrate", "outbox_dispatch")
     assert "outbox_dispatch: updated outbox_dispatch 1.0.0 to 1.1.0" in migrated.stdout, migrated.stdout
+    # The app's migrations say what its models are: none to make.
+    assert "No changes detected" in project.manage("makemigrations", "--check", "--dry-run", "outbox_dispatch").stdout
     assert server.value("SELECT version FROM outbox.installed", dbname="shop_old") == "1.1.0"
 
     fresh_database(server, "shop_open")

@@ -26,59 +26,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import functools
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Tuple, TypeVar, Union
 
 from outbox_dispatch import inbox
 from outbox_dispatch.call import in_autocommit_async
-from outbox_dispatch.producer import ENQUEUE, Event, Seconds, producer_span, published, sent, task_name_of
+from outbox_dispatch.producer import ENQUEUE, Event, enqueued, producer_span, published, sent, with_connection
 
 R = TypeVar("R")
 
 __all__ = ["claim", "enqueue", "once", "publish"]
 
 
-async def enqueue(
-    conn: Any,
-    task: Any,
-    args: Sequence[Any] = (),
-    kwargs: Optional[Mapping[str, Any]] = None,
-    *,
-    queue: Optional[str] = None,
-    countdown: Optional[Seconds] = None,
-    eta: Optional[dt.datetime] = None,
-    expires: Optional[Union[Seconds, dt.datetime]] = None,
-    priority: Optional[int] = None,
-    headers: Optional[Mapping[str, Any]] = None,
-    event_type: Optional[str] = None,
-    ordering_key: Optional[str] = None,
-    allow_autocommit: bool = False,
-) -> uuid.UUID:
+@with_connection(enqueued)
+async def enqueue(conn: Any, *args: Any, **kwargs: Any) -> uuid.UUID:
     """:func:`outbox_dispatch.enqueue` on an asynchronous connection."""
-    task_name = task_name_of(task)
-    return await _send(conn, Event("enqueue", event_type or task_name, task_name, args, kwargs, queue, countdown,
-                                   eta, expires, priority, headers, ordering_key, allow_autocommit))
+    return await _send(conn, enqueued(*args, **kwargs))
 
 
-async def publish(
-    conn: Any,
-    event_type: str,
-    payload: Optional[Mapping[str, Any]] = None,
-    *,
-    queue: Optional[str] = None,
-    countdown: Optional[Seconds] = None,
-    eta: Optional[dt.datetime] = None,
-    expires: Optional[Union[Seconds, dt.datetime]] = None,
-    priority: Optional[int] = None,
-    headers: Optional[Mapping[str, Any]] = None,
-    ordering_key: Optional[str] = None,
-    allow_autocommit: bool = False,
-) -> uuid.UUID:
+@with_connection(published)
+async def publish(conn: Any, *args: Any, **kwargs: Any) -> uuid.UUID:
     """:func:`outbox_dispatch.publish` on an asynchronous connection."""
-    return await _send(conn, published(event_type, payload, queue, countdown, eta, expires, priority, headers,
-                                       ordering_key, allow_autocommit))
+    return await _send(conn, published(*args, **kwargs))
 
 
 async def _send(conn: Any, event: Event) -> uuid.UUID:

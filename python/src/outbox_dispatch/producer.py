@@ -12,11 +12,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import inspect
 import json
 import uuid
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from outbox_dispatch.call import AutocommitError, Call, in_autocommit, refuse_asynchronous
+
+if TYPE_CHECKING:
+    from typing_extensions import Concatenate, ParamSpec
+
+    P = ParamSpec("P")
 
 #: Seconds, a timedelta, or (for ``expires``) an absolute datetime, as Celery takes them.
 Seconds = Union[int, float, dt.timedelta]
@@ -33,8 +39,27 @@ ENQUEUE = Call(
 )
 
 
-def enqueue(
-    conn: Any,
+R = TypeVar("R")
+
+
+def with_connection(build: Callable[P, Event]) -> Callable[[Callable[..., R]], Callable[Concatenate[Any, P], R]]:
+    """``call(conn, *args, **kwargs)``, which sends ``build(*args,
+    **kwargs)`` on ``conn``, with ``conn`` and ``build``'s parameters as its
+    own: for type checkers, and for ``help()``. One list of parameters for
+    the synchronous and the awaited calls."""
+
+    def decorate(call: Callable[..., R]) -> Callable[Concatenate[Any, P], R]:
+        built = inspect.signature(build)
+        conn = inspect.Parameter("conn", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Any")
+        call.__signature__ = built.replace(  # type: ignore[attr-defined]
+            parameters=[conn, *built.parameters.values()], return_annotation=inspect.signature(call).return_annotation
+        )
+        return call
+
+    return decorate
+
+
+def enqueued(
     task: Any,
     args: Sequence[Any] = (),
     kwargs: Optional[Mapping[str, Any]] = None,
@@ -48,7 +73,15 @@ def enqueue(
     event_type: Optional[str] = None,
     ordering_key: Optional[str] = None,
     allow_autocommit: bool = False,
-) -> uuid.UUID:
+) -> Event:
+    """The :class:`Event` of :func:`enqueue`: its arguments but ``conn``."""
+    task_name = task_name_of(task)
+    return Event("enqueue", event_type or task_name, task_name, args, kwargs, queue, countdown, eta, expires,
+                 priority, headers, ordering_key, allow_autocommit)
+
+
+@with_connection(enqueued)
+def enqueue(conn: Any, *args: Any, **kwargs: Any) -> uuid.UUID:
     """Enqueue ``task`` in the transaction of ``conn``; returns the event id,
     which is also the Celery task id.
 
@@ -77,13 +110,10 @@ def enqueue(
     becomes of the work it belongs to: :class:`AutocommitError`, unless
     ``allow_autocommit=True`` says that is meant.
     """
-    task_name = task_name_of(task)
-    return _send(conn, Event("enqueue", event_type or task_name, task_name, args, kwargs, queue, countdown, eta,
-                             expires, priority, headers, ordering_key, allow_autocommit))
+    return _send(conn, enqueued(*args, **kwargs))
 
 
-def publish(
-    conn: Any,
+def published(
     event_type: str,
     payload: Optional[Mapping[str, Any]] = None,
     *,
@@ -95,7 +125,16 @@ def publish(
     headers: Optional[Mapping[str, Any]] = None,
     ordering_key: Optional[str] = None,
     allow_autocommit: bool = False,
-) -> uuid.UUID:
+) -> Event:
+    """The :class:`Event` of :func:`publish`: its arguments but ``conn``."""
+    if not isinstance(event_type, str) or not event_type:
+        raise TypeError(f"publish: event_type must be a non-empty string, not {event_type!r}")
+    return Event("publish", event_type, None, (), payload, queue, countdown, eta, expires, priority, headers,
+                 ordering_key, allow_autocommit)
+
+
+@with_connection(published)
+def publish(conn: Any, *args: Any, **kwargs: Any) -> uuid.UUID:
     """Publish ``event_type`` in the transaction of ``conn``, for every task
     subscribed to it (``outbox_subscribe()``); returns the event id.
 
@@ -108,8 +147,7 @@ def publish(
     them, win); with ``ordering_key``, each subscribed task gets the events
     of that key one at a time, in order.
     """
-    return _send(conn, published(event_type, payload, queue, countdown, eta, expires, priority, headers,
-                                 ordering_key, allow_autocommit))
+    return _send(conn, published(*args, **kwargs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,25 +243,6 @@ def producer_span(queue: Optional[str]) -> Iterator[Any]:
     with tracer.start_as_current_span(f"send {queue}" if queue else "send", kind=trace.SpanKind.PRODUCER,
                                       attributes=attributes) as span:
         yield span
-
-
-def published(
-    event_type: str,
-    payload: Optional[Mapping[str, Any]],
-    queue: Optional[str],
-    countdown: Optional[Seconds],
-    eta: Optional[dt.datetime],
-    expires: Optional[Union[Seconds, dt.datetime]],
-    priority: Optional[int],
-    headers: Optional[Mapping[str, Any]],
-    ordering_key: Optional[str],
-    allow_autocommit: bool,
-) -> Event:
-    """The :class:`Event` of :func:`publish`."""
-    if not isinstance(event_type, str) or not event_type:
-        raise TypeError(f"publish: event_type must be a non-empty string, not {event_type!r}")
-    return Event("publish", event_type, None, (), payload, queue, countdown, eta, expires, priority, headers,
-                 ordering_key, allow_autocommit)
 
 
 def task_name_of(task: Any) -> str:

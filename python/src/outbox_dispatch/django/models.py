@@ -12,60 +12,54 @@ from django.db import models
 STATUSES = [(s, s) for s in ("pending", "processing", "dispatched", "processed", "failed")]
 
 
-class Event(models.Model):
+class Written(models.Model):
+    """The columns an event and a dead letter share."""
+
     id = models.UUIDField(primary_key=True)
     event_type = models.TextField()
     payload = models.JSONField()
     queue = models.TextField()
-    task = models.TextField(null=True)
     headers = models.JSONField(null=True)
-    priority = models.SmallIntegerField()
-    status = models.TextField(choices=STATUSES)
     retry_count = models.IntegerField()
     created_at = models.DateTimeField()
-    available_at = models.DateTimeField()
     last_error = models.TextField(null=True)
     args = models.JSONField(null=True)
-    expires_at = models.DateTimeField(null=True)
     event_id = models.UUIDField(null=True)
     subscription_id = models.BigIntegerField(null=True)
     deliveries = models.IntegerField()
     ordering_key = models.TextField(null=True)
+
+    class Meta:
+        abstract = True
+        # UUIDv7: in the order they were made, newest first.
+        ordering = ["-id"]
+
+
+class Event(Written):
+    task = models.TextField(null=True)
+    priority = models.SmallIntegerField()
+    status = models.TextField(choices=STATUSES)
+    available_at = models.DateTimeField()
+    expires_at = models.DateTimeField(null=True)
     key_state = models.TextField(null=True)
     batch = models.BigIntegerField(null=True)
 
-    class Meta:
+    class Meta(Written.Meta):
         managed = False
         db_table = 'outbox"."events'
-        # UUIDv7: in the order they were made, newest first.
-        ordering = ["-id"]
         verbose_name = "event"
 
     def __str__(self) -> str:
         return f"{self.event_type} {self.id}"
 
 
-class DeadLetter(models.Model):
-    id = models.UUIDField(primary_key=True)
-    event_type = models.TextField()
-    queue = models.TextField()
+class DeadLetter(Written):
     task = models.TextField()
-    payload = models.JSONField()
-    headers = models.JSONField(null=True)
-    retry_count = models.IntegerField()
-    last_error = models.TextField(null=True)
-    created_at = models.DateTimeField()
-    deliveries = models.IntegerField()
-    args = models.JSONField(null=True)
-    event_id = models.UUIDField(null=True)
-    subscription_id = models.BigIntegerField(null=True)
-    ordering_key = models.TextField(null=True)
     holds_key = models.BooleanField()
 
-    class Meta:
+    class Meta(Written.Meta):
         managed = False
         db_table = 'outbox"."dead_letters'
-        ordering = ["-id"]
         verbose_name = "dead letter"
 
     def __str__(self) -> str:
