@@ -20,10 +20,11 @@ the command quotes wherever the schema goes: the reader puts the quoted
 name of the schema it installs into in place of the quoted placeholder,
 as the command would have."""
 
+import os
 import re
-import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,24 +39,29 @@ def printed(command, *args):
 def main(command, directory):
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.sql"):
-        stale.unlink()
     install = printed(command)
     if install.returncode != 0:
         sys.exit(f"package_sql.py: {command} sql: {install.stderr.strip()}")
-    (out / "install.sql").write_text(install.stdout)
+    scripts = {"install.sql": install.stdout,
+               "others.sql": (ROOT / "sql" / "standalone" / "others.sql").read_text()}
     releases = sorted({m.group(1) for p in (ROOT / "sql" / "upgrade").glob("outbox_dispatch--*--*.sql")
                        if (m := re.match(r"outbox_dispatch--(.+)--.+\.sql$", p.name))})
-    updates = 0
     for release in releases:
         update = printed(command, "--update-from", release)
         if update.returncode == 0:
-            (out / f"update-from-{release}.sql").write_text(update.stdout)
-            updates += 1
-    if updates == 0:
+            scripts[f"update-from-{release}.sql"] = update.stdout
+    if len(scripts) == 2:
         sys.exit(f"package_sql.py: {command} updates none of {', '.join(releases)}")
-    shutil.copyfile(ROOT / "sql" / "standalone" / "others.sql", out / "others.sql")
-
+    # Each file replaced whole (a build reading the directory meanwhile
+    # finds the old or the new), then those of no release any more removed.
+    for name, text in scripts.items():
+        with tempfile.NamedTemporaryFile("w", dir=out, suffix=".tmp", delete=False) as written:
+            written.write(text)
+        os.chmod(written.name, 0o644)
+        os.replace(written.name, out / name)
+    for stale in out.glob("*.sql"):
+        if stale.name not in scripts:
+            stale.unlink()
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, VENV_BIN, CeleryWorker, free_port, wait_until
-from standalone import BIN, fresh_database, plain_server
+from harness import ROOT, VENV_BIN, CeleryWorker, Cluster, free_port, wait_until
+from standalone import BIN, fresh_database, library_only, plain_server
 
 QUEUE = "q_django"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -43,9 +43,9 @@ def server():
 
 class Project:
     """`django-admin startproject shop` with outbox_dispatch.django
-    installed, connected as `owner` to database `dbname` of `pg`."""
+    installed, connected as `user` to database `dbname` of `pg`."""
 
-    def __init__(self, pg, dbname, root):
+    def __init__(self, pg, dbname, root, user="owner"):
         self.pg, self.dbname, self.root = pg, dbname, root
         root.mkdir()
         subprocess.run([VENV_BIN / "django-admin", "startproject", "shop", root], check=True)
@@ -54,7 +54,7 @@ class Project:
 INSTALLED_APPS += ["outbox_dispatch.django"]
 ALLOWED_HOSTS = ["testserver", "127.0.0.1", "localhost"]
 DATABASES = {{"default": {{
-    "ENGINE": "django.db.backends.postgresql", "NAME": {dbname!r}, "USER": "owner",
+    "ENGINE": "django.db.backends.postgresql", "NAME": {dbname!r}, "USER": {user!r},
     "PASSWORD": os.environ.get("SHOP_DB_PASSWORD", ""), "HOST": {str(pg.dir)!r}, "PORT": {pg.port},
     "OPTIONS": {{"sslmode": "disable"}},
 }}}}
@@ -112,6 +112,26 @@ def test_migrate_updates_an_outbox_of_1_0_0_and_refuses_a_schema_open_to_others(
     assert refused.returncode != 0
     assert 'schema "public" is open to others: other may create in it' in refused.stderr, refused.stderr[-2000:]
     assert server.value("SELECT to_regnamespace('outbox') IS NULL", dbname="shop_open")
+
+
+@library_only("CREATE EXTENSION needs the library installed into the server")
+def test_migrate_creates_the_extension_where_the_library_is_loaded(scripts, redis_server, tmp_path):
+    """A server that preloads the library: the operation creates the
+    extension (no script), and a second migration of it finds it there."""
+    pg = Cluster(redis_server.url)
+    try:
+        pg.sql("CREATE DATABASE shop_library")
+        project = Project(pg, "shop_library", tmp_path / "library", user="postgres")
+        migrated = project.manage("migrate", "outbox_dispatch")
+        assert "outbox_dispatch: created the extension outbox_dispatch 1.1.0" in migrated.stdout, migrated.stdout
+        assert pg.value("SELECT extversion FROM pg_extension WHERE extname = 'outbox_dispatch'",
+                        dbname="shop_library") == "1.1.0"
+        assert pg.value("SELECT to_regclass('outbox.installed') IS NULL", dbname="shop_library")
+        project.manage("migrate", "outbox_dispatch", "zero", check=False)  # not reversed: refused
+        assert pg.value("SELECT count(*) FROM pg_extension WHERE extname = 'outbox_dispatch'",
+                        dbname="shop_library") == 1
+    finally:
+        pg.close()
 
 
 def test_a_django_project_installs_enqueues_delivers_and_retries_a_dead_letter_in_the_admin(

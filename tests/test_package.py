@@ -361,7 +361,7 @@ def test_the_command_wheel_is_manylinux_and_delivers(redis_server, packages, tmp
         names = {n for n in package.namelist() if ".dist-info/" not in n}
     assert names == {"outbox_dispatch_cli/__init__.py", "outbox_dispatch_cli/__main__.py",
                      "outbox_dispatch_cli/py.typed", f"outbox_dispatch_cli-{VERSION}.data/scripts/outbox-dispatch"}, names
-    assert re.search(r"-py3-none-manylinux_2_17_\w+\.", wheel.name), wheel.name
+    assert re.search(r"-py3-none-(manylinux2014_\w+\.)?manylinux_2_17_\w+\.whl$", wheel.name), wheel.name
     assert "Classifier: Operating System :: POSIX :: Linux" in wheel_metadata(wheel).splitlines()
     assert_wheel_licences(wheel)
     venv, command = installed(wheel, tmp_path)

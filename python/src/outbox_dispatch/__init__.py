@@ -10,6 +10,10 @@
   outcome of every task that came from the outbox back to the database.
 - :mod:`outbox_dispatch.inbox`: ``once`` makes a task's writes to the
   database happen once per message, however often it is delivered.
+- :mod:`outbox_dispatch.aio`: the same, awaited, on asynchronous
+  connections (psycopg, asyncpg, SQLAlchemy's asyncio).
+- :mod:`outbox_dispatch.django`: the Django app (``manage.py migrate``
+  installs the outbox; the admin; management commands).
 """
 
 from outbox_dispatch.call import AutocommitError
