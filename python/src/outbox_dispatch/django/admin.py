@@ -34,7 +34,8 @@ class EstimatedCountPaginator(Paginator):
 
     @cached_property
     def count(self) -> int:
-        queryset = self.object_list
+        # Unordered: a count stops at its LIMIT, where a sort reads everything.
+        queryset = self.object_list.order_by()
         query, params = queryset.query.sql_with_params()
         with connections[queryset.db].cursor() as cursor:
             cursor.execute(f"SELECT count(*) FROM ({query} LIMIT {EXACT_UP_TO + 1}) AS listed", params)
