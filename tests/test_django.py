@@ -165,10 +165,12 @@ except RolledBack:
 with transaction.atomic():
     failing = enqueue("loop.billing", kwargs={{"fail_first": "loop.billing"}}, queue={QUEUE!r})
     ok = enqueue("loop.ok", args=("django",), queue={QUEUE!r})
-print(json.dumps({{"refused": refused, "dropped": str(dropped), "failing": str(failing), "ok": str(ok)}}))
+    delayed = enqueue("loop.ok", args=("never",), queue={QUEUE!r}, countdown=3600)
+print(json.dumps({{"refused": refused, "dropped": str(dropped), "failing": str(failing), "ok": str(ok),
+                  "delayed": str(delayed)}}))
 """)
     assert ids["refused"] is True
-    assert server.value("SELECT count(*) FROM outbox.events", dbname="shop") == 2
+    assert server.value("SELECT count(*) FROM outbox.events", dbname="shop") == 3
 
     client = redis_server.client()
     worker = CeleryWorker(redis_server.url, queues=(QUEUE,), app="loop_app")
@@ -211,6 +213,20 @@ for page in ("event", "deadletter", "blockedkey"):
 print(json.dumps(seen))
 """)
         assert pages == {"event": [200, []], "deadletter": [200, []], "blockedkey": [200, []]}, pages
+        # The discard action on the events' list: the delayed event is gone,
+        # the one sent is left.
+        said = project.shell(f"""
+import json
+from django.contrib.auth.models import User
+from django.test import Client
+client = Client()
+client.force_login(User.objects.get(username="admin"))
+answer = client.post("/admin/outbox_dispatch/event/", {{"action": "discard_events",
+                     "_selected_action": [{ids['delayed']!r}, {ids['ok']!r}]}}, follow=True)
+print(json.dumps([answer.status_code, answer.content.decode()]))
+""")
+        assert said[0] == 200 and "1 discarded; 1 neither pending nor failed, left as they are" in said[1], said
+        assert server.value("SELECT count(*) FROM outbox.events WHERE id = %s", (ids["delayed"],), dbname="shop") == 0
 
         retried_in_browser(project, ids["failing"], tmp_path)
         wait_until(lambda: server.value("SELECT status::text FROM outbox.events WHERE id = %s", (ids["failing"],),

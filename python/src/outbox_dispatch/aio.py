@@ -2,8 +2,9 @@
 ``AsyncConnection`` (or ``AsyncCursor``), an asyncpg connection (or a
 pool's), SQLAlchemy's ``AsyncConnection`` or ``AsyncSession``.
 
-:func:`enqueue`, :func:`publish` and :func:`claim` are those of
-:mod:`outbox_dispatch` and :mod:`outbox_dispatch.inbox`, with the same
+:func:`enqueue`, :func:`publish`, :func:`claim`, :func:`resend` and
+:func:`discard` are those of :mod:`outbox_dispatch` and
+:mod:`outbox_dispatch.inbox`, with the same
 arguments and checks, in the caller's transaction: a connection that would
 commit the event (or the claim) by itself is refused
 (:class:`~outbox_dispatch.AutocommitError`): psycopg's in ``autocommit``
@@ -31,12 +32,13 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Tuple, TypeVar, Union
 
 from outbox_dispatch import inbox
-from outbox_dispatch.call import in_autocommit_async
-from outbox_dispatch.producer import ENQUEUE, Event, enqueued, producer_span, published, sent, with_connection
+from outbox_dispatch.call import in_autocommit_async, refuse_synchronous, with_connection
+from outbox_dispatch.producer import ENQUEUE, Event, enqueued, producer_span, published, sent
+from outbox_dispatch.replay import DISCARD, RESEND, chosen
 
 R = TypeVar("R")
 
-__all__ = ["claim", "enqueue", "once", "publish"]
+__all__ = ["claim", "discard", "enqueue", "once", "publish", "resend"]
 
 
 @with_connection(enqueued)
@@ -63,6 +65,20 @@ async def claim(conn: Any, message_id: Union[str, uuid.UUID], consumer: str = ""
     inbox.check_consumer(consumer)
     inbox.refuse_autocommit(await in_autocommit_async(conn, "claim"))
     return bool(await inbox.CLAIM.scalar_async(conn, (str(message_id), consumer), "claim"))
+
+
+@with_connection(chosen)
+async def resend(conn: Any, *args: Any, **kwargs: Any) -> int:
+    """:func:`outbox_dispatch.resend` on an asynchronous connection."""
+    refuse_synchronous(conn, "resend")
+    return int(await RESEND.scalar_async(conn, chosen(*args, **kwargs), "resend"))
+
+
+@with_connection(chosen)
+async def discard(conn: Any, *args: Any, **kwargs: Any) -> int:
+    """:func:`outbox_dispatch.discard` on an asynchronous connection."""
+    refuse_synchronous(conn, "discard")
+    return int(await DISCARD.scalar_async(conn, chosen(*args, **kwargs), "discard"))
 
 
 def once(

@@ -8,7 +8,12 @@ or a SQLAlchemy ``AsyncConnection`` or ``AsyncSession``."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, TypeVar
+
+if TYPE_CHECKING:
+    from typing_extensions import Concatenate, ParamSpec
+
+    P = ParamSpec("P")
 
 
 class Call:
@@ -79,6 +84,27 @@ class Call:
 def _texts(values: Sequence[Any]) -> List[Optional[str]]:
     """Each value as text, as PostgreSQL reads a literal (None: NULL)."""
     return [None if value is None else str(value) for value in values]
+
+
+R = TypeVar("R")
+
+
+def with_connection(build: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[Concatenate[Any, P], R]]:
+    """``call(conn, *args, **kwargs)``, which runs what ``build(*args,
+    **kwargs)`` makes of its arguments on ``conn``, with ``conn`` and
+    ``build``'s parameters as its own: for type checkers, and for
+    ``help()``. One list of parameters for the synchronous and the awaited
+    calls."""
+
+    def decorate(call: Callable[..., R]) -> Callable[Concatenate[Any, P], R]:
+        built = inspect.signature(build)
+        conn = inspect.Parameter("conn", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Any")
+        call.__signature__ = built.replace(  # type: ignore[attr-defined]
+            parameters=[conn, *built.parameters.values()], return_annotation=inspect.signature(call).return_annotation
+        )
+        return call
+
+    return decorate
 
 
 def asynchronous(conn: Any) -> bool:

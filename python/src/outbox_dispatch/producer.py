@@ -12,17 +12,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
-import inspect
 import json
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
-from outbox_dispatch.call import AutocommitError, Call, in_autocommit, refuse_asynchronous
-
-if TYPE_CHECKING:
-    from typing_extensions import Concatenate, ParamSpec
-
-    P = ParamSpec("P")
+from outbox_dispatch.call import AutocommitError, Call, in_autocommit, refuse_asynchronous, with_connection
 
 #: Seconds, a timedelta, or (for ``expires``) an absolute datetime, as Celery takes them.
 Seconds = Union[int, float, dt.timedelta]
@@ -37,26 +31,6 @@ ENQUEUE = Call(
     "expires => CAST({7} AS interval), args => CAST({8} AS jsonb), ordering_key => {9})",
     ("event_type", "payload", "queue", "task", "headers", "delay", "priority", "expires", "args", "ordering_key"),
 )
-
-
-R = TypeVar("R")
-
-
-def with_connection(build: Callable[P, Event]) -> Callable[[Callable[..., R]], Callable[Concatenate[Any, P], R]]:
-    """``call(conn, *args, **kwargs)``, which sends ``build(*args,
-    **kwargs)`` on ``conn``, with ``conn`` and ``build``'s parameters as its
-    own: for type checkers, and for ``help()``. One list of parameters for
-    the synchronous and the awaited calls."""
-
-    def decorate(call: Callable[..., R]) -> Callable[Concatenate[Any, P], R]:
-        built = inspect.signature(build)
-        conn = inspect.Parameter("conn", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Any")
-        call.__signature__ = built.replace(  # type: ignore[attr-defined]
-            parameters=[conn, *built.parameters.values()], return_annotation=inspect.signature(call).return_annotation
-        )
-        return call
-
-    return decorate
 
 
 def enqueued(

@@ -1,6 +1,7 @@
 """The admin of the outbox: events, dead letters and blocked keys, with
-filters by status and the retry action (``outbox_retry(id)``: a failed
-event back in line, its retries reset).
+filters by status and the actions retry (``outbox_retry(id)``: a failed
+event back in line, its retries reset) and discard (``outbox_discard()``:
+a pending or failed event deleted, never sent; the outbox's owner alone).
 
 The outbox's tables grow to millions of rows: no page counts them all.
 The paginator counts the rows of the page's query up to
@@ -21,6 +22,7 @@ from django.db import connections, transaction
 from django.utils.functional import cached_property
 
 from outbox_dispatch.django.models import BlockedKey, DeadLetter, Event
+from outbox_dispatch.replay import discard
 
 
 #: The most rows a list counts; past them, the planner's estimate.
@@ -71,6 +73,10 @@ class OutboxAdmin(admin.ModelAdmin):
         """Retrying is changing the outbox: the permission to change events."""
         return bool(request.user.has_perm("outbox_dispatch.change_event"))
 
+    def has_discard_permission(self, request: Any) -> bool:
+        """Discarding deletes events: the permission to delete them."""
+        return bool(request.user.has_perm("outbox_dispatch.delete_event"))
+
 
 def retried(modeladmin: OutboxAdmin, request: Any, ids: list[Any]) -> None:
     """``outbox_retry(id)`` for each id in one transaction; says how many
@@ -83,6 +89,29 @@ def retried(modeladmin: OutboxAdmin, request: Any, ids: list[Any]) -> None:
     skipped = len(ids) - done
     modeladmin.message_user(request, f"{done} sent again" + (f"; {skipped} not failed, left as they are"
                                                               if skipped else ""), messages.SUCCESS)
+
+
+def discarded(modeladmin: OutboxAdmin, request: Any, ids: list[Any]) -> None:
+    """``outbox_discard(ids)`` for the selected events in one transaction,
+    :data:`DISCARDED_AT_ONCE` a call; says how many were deleted (pending or
+    failed: what is being sent or was sent is left)."""
+    db = modeladmin.model.objects.db
+    with transaction.atomic(using=db):
+        done = sum(discard(connections[db], ids=ids[i:i + DISCARDED_AT_ONCE], max_events=DISCARDED_AT_ONCE)
+                   for i in range(0, len(ids), DISCARDED_AT_ONCE))
+    left = len(ids) - done
+    modeladmin.message_user(request, f"{done} discarded" + (f"; {left} neither pending nor failed, left as they are"
+                                                            if left else ""), messages.SUCCESS)
+
+
+#: The events one outbox_discard() call takes (its max_events).
+DISCARDED_AT_ONCE = 1000
+
+
+@admin.action(description="Discard the selected pending or failed events: they are never sent",
+              permissions=["discard"])
+def discard_events(modeladmin: OutboxAdmin, request: Any, queryset: Any) -> None:
+    discarded(modeladmin, request, list(queryset.values_list("id", flat=True)))
 
 
 @admin.action(description="Retry the selected failed events", permissions=["retry"])
@@ -100,7 +129,7 @@ class EventAdmin(OutboxAdmin):
     list_display = ("id", "event_type", "task", "queue", "status", "retry_count", "created_at", "ordering_key")
     list_filter = ("status",)
     search_fields = ("=id", "=event_type")
-    actions = [retry_events]
+    actions = [retry_events, discard_events]
 
 
 @admin.register(DeadLetter)
@@ -108,7 +137,7 @@ class DeadLetterAdmin(OutboxAdmin):
     list_display = ("id", "task", "queue", "retry_count", "deliveries", "last_error", "created_at", "holds_key")
     list_filter = ("holds_key",)
     search_fields = ("=id", "=task")
-    actions = [retry_events]
+    actions = [retry_events, discard_events]
 
 
 @admin.register(BlockedKey)
