@@ -65,14 +65,16 @@ install-dev: deps
 	$(STALE_SCRIPTS) ! -name 'outbox_dispatch--0.8.0.sql' -delete
 
 # The sidecar's command (managed PostgreSQL: docs/guides/managed.md), which the
-# integration tests run.
+# integration tests run; and the scripts it prints, which the Python package
+# in the source tree installs the outbox from (outbox_dispatch.install).
 sidecar: deps
 	cargo build -p outbox-dispatch
+	python3 scripts/package_sql.py target/debug/outbox-dispatch python/src/outbox_dispatch/standalone
 
 unit: deps
 	cargo test -p outbox_core -p outbox-dispatch
 	$(PYTHON) -m pytest -q python/tests
-	cd python && ../$(PYTHON) -m mypy src
+	cd python && ../$(PYTHON) -m mypy src cli/src
 
 integration: install-dev sidecar
 	PG_BIN=$(PG_BIN) $(PYTHON) -m pytest -v --durations=15 tests $(PYTEST_ARGS)
@@ -92,8 +94,10 @@ test: unit integration $(if $(filter sidecar,$(MODES)),integration-sidecar)
 
 # Into dist/ (DIST_DIR), for the PostgreSQL major of PG (or PG_CONFIG): the Debian
 # package postgresql-<major>-outbox-dispatch_<version>_<arch>.deb, an archive
-# for other systems, and the Python package's source distribution and wheel,
-# which carries the outbox-dispatch command (docs/getting-started/install.md).
+# for other systems, the Python package's source distribution and wheel (pure
+# Python), and the outbox-dispatch command's (outbox-dispatch-cli: manylinux
+# wheels, x86_64 and, where Rust has its library, aarch64)
+# (docs/getting-started/install.md).
 # One major per run: make package PG=16, PG=18, PG_CONFIG=... for 17.
 package: deps
 	PG_CONFIG=$(PG_CONFIG) FEATURES="$(FEATURES)" ./scripts/package.sh

@@ -24,6 +24,11 @@ packages=(redis-server rabbitmq-server libclang-dev clang openssl prometheus bin
 # The sidecar's refusal of a transaction-mode pooler (tests/test_sidecar.py
 # starts its own pgbouncer; the service the package brings is never run).
 packages+=(pgbouncer)
+# The Django admin's test in a real browser (tests/test_django.py).
+packages+=(chromium chromium-driver)
+# The aarch64 command of the Python package's wheels, run under emulation
+# (tests/test_package.py).
+packages+=(qemu-user-static libc6-arm64-cross)
 missing=()
 for pkg in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")

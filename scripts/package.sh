@@ -9,10 +9,12 @@
 # - outbox_dispatch-<version>-pg<major>-<arch>.tar.gz, the same files with
 #   install.sh, which copies them where the target server's pg_config says
 #   and refuses a server of another major (any other Linux);
-# - the Python package: its source distribution and a wheel for this
-#   platform, which carries the outbox-dispatch command (sidecar/) beside the
-#   package, both checked as an index would take them, and both carrying
-#   the licence and the notices of the crates the command links.
+# - the Python package outbox-dispatch, pure Python: its source
+#   distribution and its wheel (py3-none-any);
+# - the command outbox-dispatch (sidecar/) as the distribution
+#   outbox-dispatch-cli: its manylinux wheels and its source distribution,
+#   carrying the licence and the notices of the crates the command links;
+#   all of them checked as an index would take them.
 #
 # Every artefact has the version of Cargo.toml, and the release's files
 # must all say the same (tests/test_release.py states where). Each is
@@ -109,30 +111,84 @@ INSTALL
 chmod 755 "$root/install.sh"
 tar -C "$staging" -czf "$staging/out/$archive.tar.gz" "$archive"
 
-# The Python package: the source distribution (maturin's, with the Rust
-# sources the command builds from and the SQL they include) and this
-# platform's wheel, each with the notices of what the command links.
-trap 'rm -rf "$staging" python/THIRD-PARTY' EXIT
-python3 scripts/notices.py outbox-dispatch --every-platform > python/THIRD-PARTY
-.venv/bin/python -m build --sdist --outdir "$staging/out" python >/dev/null
+# The command's wheels (python/cli/, maturin): manylinux_2_17, linked by
+# zig (the PyPI package ziglang) against that glibc whatever this machine's
+# is, for x86_64, and for aarch64 where Rust's standard library for it is
+# installed (`rustup target add aarch64-unknown-linux-gnu`); and its source
+# distribution, with the Rust sources the command builds from and the SQL
+# they include. Each with the licence and the notices of what the command
+# links.
+trap 'rm -rf "$staging" python/cli/THIRD-PARTY' EXIT
+python3 scripts/notices.py outbox-dispatch --every-platform > python/cli/THIRD-PARTY
 wheel_profile=release
 [[ "${PACKAGE_PROFILE:-release}" == dev ]] && wheel_profile=dev
-(cd python && ../.venv/bin/maturin build --quiet --profile "$wheel_profile" --out "$staging/out" >/dev/null)
-python_package=("$staging"/out/outbox_dispatch-"$version".tar.gz "$staging"/out/outbox_dispatch-"$version"-py3-none-*.whl)
-if ((${#python_package[@]} != 2)); then
-    echo "package.sh: expected the source distribution and one wheel, built ${python_package[*]##*/}" >&2
+targets=(x86_64-unknown-linux-gnu)
+if rustup target list --installed 2>/dev/null | grep -qx aarch64-unknown-linux-gnu; then
+    targets+=(aarch64-unknown-linux-gnu)
+else
+    echo "package.sh: no aarch64 wheel of the command: Rust's standard library for aarch64-unknown-linux-gnu is not installed" >&2
+fi
+for target in "${targets[@]}"; do
+    (cd python/cli && PATH="$PWD/../../.venv/bin:$PATH" ../../.venv/bin/maturin build --quiet --profile "$wheel_profile" \
+        --zig --compatibility manylinux_2_17 --target "$target" --out "$staging/out" >/dev/null)
+done
+.venv/bin/python -m build --sdist --outdir "$staging/out" python/cli >/dev/null
+cli=("$staging"/out/outbox_dispatch_cli-"$version"-py3-none-manylinux*.whl)
+if ((${#cli[@]} != ${#targets[@]})); then
+    echo "package.sh: expected a wheel of the command per target (${targets[*]}), built ${cli[*]##*/}" >&2
     exit 1
 fi
+# The command a wheel carries, at $staging/cli/outbox-dispatch.
+command_of() {
+    .venv/bin/python -c 'import sys, zipfile; open(sys.argv[3], "wb").write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' \
+        "$1" "outbox_dispatch_cli-$version.data/scripts/outbox-dispatch" "$staging/cli/outbox-dispatch"
+    chmod 755 "$staging/cli/outbox-dispatch"
+}
+mkdir -p "$staging/cli"
+# No symbol of a C library newer than manylinux_2_17's (maturin checks it
+# too), in each wheel's command.
+for wheel in "${cli[@]}"; do
+    command_of "$wheel"
+    glibc=$(objdump -T "$staging/cli/outbox-dispatch" \
+        | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -uV | tail -1)
+    if [[ "$(printf '%s\n' "$glibc" 2.17 | sort -V | tail -1)" != 2.17 ]]; then
+        echo "package.sh: ${wheel##*/}'s command needs glibc $glibc, newer than manylinux_2_17's" >&2
+        exit 1
+    fi
+done
+
+# The Python package, pure Python: its source distribution and the wheel
+# built from it (hatchling), with the outbox's scripts as this build's
+# command prints them (scripts/package_sql.py; the x86_64 wheel's command
+# runs here).
+command_of "$(printf '%s\n' "${cli[@]}" | grep x86_64)"
+python3 scripts/package_sql.py "$staging/cli/outbox-dispatch" python/src/outbox_dispatch/standalone
+.venv/bin/python -m build --outdir "$staging/out" python >/dev/null
+python_package=("$staging"/out/outbox_dispatch-"$version".tar.gz "$staging"/out/outbox_dispatch-"$version"-py3-none-any.whl
+    "$staging"/out/outbox_dispatch_cli-"$version".tar.gz "${cli[@]}")
+for built in "${python_package[@]}"; do
+    [[ -f "$built" ]] || { echo "package.sh: ${built##*/} was not built" >&2; exit 1; }
+done
 .venv/bin/python -m twine check --strict "${python_package[@]}" >/dev/null
-# maturin leaves out a license file it does not find, without a word.
+# A build leaves out a file it does not find, without a word: the licences,
+# and the pure package's scripts.
 .venv/bin/python - "$version" "${python_package[@]}" <<'CARRIED'
 import sys, tarfile, zipfile
-version, sdist, wheel = sys.argv[1:]
-carried = {*tarfile.open(sdist).getnames(), *zipfile.ZipFile(wheel).namelist()}
-wanted = {f"outbox_dispatch-{version}/{name}" for name in ("LICENSE", "THIRD-PARTY")} | \
-    {f"outbox_dispatch-{version}.dist-info/licenses/{name}" for name in ("LICENSE", "THIRD-PARTY")}
-if not wanted <= carried:
-    sys.exit(f"package.sh: the Python package lacks {sorted(wanted - carried)}")
+version, *built = sys.argv[1:]
+def names(path):
+    return set(tarfile.open(path).getnames() if path.endswith(".tar.gz") else zipfile.ZipFile(path).namelist())
+for path in built:
+    dist = "outbox_dispatch_cli" if "/outbox_dispatch_cli-" in path else "outbox_dispatch"
+    licences = ("LICENSE", "THIRD-PARTY") if dist == "outbox_dispatch_cli" else ("LICENSE",)
+    top = f"{dist}-{version}"
+    wanted = {f"{top}/{n}" for n in licences} if path.endswith(".tar.gz") else \
+        {f"{top}.dist-info/licenses/{n}" for n in licences}
+    if dist == "outbox_dispatch":
+        scripts = ("install.sql", "others.sql")
+        prefix = f"{top}/src/" if path.endswith(".tar.gz") else ""
+        wanted |= {f"{prefix}outbox_dispatch/standalone/{n}" for n in scripts}
+    if not wanted <= names(path):
+        sys.exit(f"package.sh: {path.rsplit('/', 1)[-1]} lacks {sorted(wanted - names(path))}")
 CARRIED
 
 # All built: into DIST_DIR, each in place of its namesake.

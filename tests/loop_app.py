@@ -3,6 +3,8 @@ and of the bench's full loop: stock Celery 5 with outbox_dispatch.celery
 imported, nothing else changed. Tasks note what they saw in Redis keys
 named after their task id, for the tests to check."""
 
+import asyncio
+import functools
 import json
 import os
 import random
@@ -166,3 +168,64 @@ def effect(self, n, fail_first=False, hold=0.3, conn=None):
     if fail_first and self.request.retries == 0:
         raise self.retry(exc=RuntimeError("the first run fails after its write"), countdown=0.1)
     return n
+
+
+@functools.lru_cache(maxsize=None)
+def async_effect(using):
+    """The body of loop.effect_async under outbox_dispatch.aio.once, on what
+    `using` names: a callable opening a psycopg AsyncConnection or an
+    asyncpg connection, a pool of either, or a SQLAlchemy
+    async_sessionmaker. The pools and the engine are made in the loop
+    that runs them (asyncio.run() per task): a pool is bound to its loop."""
+    import asyncpg
+    import psycopg
+    import psycopg_pool
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+    from sqlalchemy.pool import NullPool
+
+    from outbox_dispatch.aio import once as once_async
+
+    dsn = os.environ["OUTBOX_TEST_DSN"]
+    params = dict(part.split("=", 1) for part in dsn.split())
+    asyncpg_params = {"host": params["host"], "port": int(params["port"]), "user": params["user"],
+                      "database": params["dbname"]}
+    engine = create_async_engine(f"postgresql+asyncpg://{params['user']}@/{params['dbname']}?host={params['host']}"
+                                 f"&port={params['port']}", poolclass=NullPool)
+
+    async def write(task, n, conn=None, session=None):
+        if session is not None:
+            await session.execute(text("INSERT INTO effects (event, n) VALUES (CAST(:event AS uuid), :n)"),
+                                  {"event": task.request.id, "n": n})
+        elif type(conn).__module__.startswith("asyncpg"):
+            await conn.execute("INSERT INTO effects (event, n) VALUES ($1::uuid, $2)", task.request.id, n)
+        else:
+            await conn.execute("INSERT INTO effects (event, n) VALUES (%s, %s)", (task.request.id, n))
+        await asyncio.sleep(0.3)  # a duplicate running at the same time waits for this one
+        return n
+
+    if using == "psycopg":
+        return once_async(functools.partial(psycopg.AsyncConnection.connect, dsn))(write)
+    if using == "asyncpg":
+        return once_async(functools.partial(asyncpg.connect, **asyncpg_params))(write)
+    if using == "sqlalchemy":
+        return once_async(async_sessionmaker(engine))(write)
+
+    async def pooled(task, n):
+        if using == "psycopg_pool":
+            pool = psycopg_pool.AsyncConnectionPool(dsn, min_size=1, max_size=1, open=False)
+            await pool.open()
+        else:
+            pool = await asyncpg.create_pool(min_size=1, max_size=1, **asyncpg_params)
+        try:
+            return await once_async(pool)(write)(task, n)
+        finally:
+            await pool.close()
+
+    return pooled
+
+
+@app.task(name="loop.effect_async", bind=True)
+def effect_async(self, n, using):
+    """Effects once with an async body (tests/test_async.py)."""
+    return asyncio.run(async_effect(using)(self, n))

@@ -1,7 +1,10 @@
 """`make package`: a Debian package that apt installs into Debian's
 PostgreSQL, where the core dispatch tests then run; an archive that
-installs on a server without Rust; and the Python package's source
-distribution and wheel, which carries the outbox-dispatch command."""
+installs on a server without Rust; the Python package, pure Python (its
+source distribution and its wheel for any platform), which a fresh venv
+without Rust installs and enqueues with; and the outbox-dispatch command's
+distribution (outbox-dispatch-cli: manylinux wheels and the source
+distribution they build from)."""
 
 import contextlib
 import os
@@ -36,8 +39,10 @@ EXTENSION_FILES = {"outbox_dispatch.control", f"outbox_dispatch--{VERSION}.sql",
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory):
     """`make package` (of the debug builds, into a directory of the
-    tests', not dist/): the Debian package, the archive, the source
-    distribution and the wheel."""
+    tests', not dist/): the Debian package, the archive, the Python
+    package's source distribution and wheel, the command's source
+    distribution and its wheel for this machine (and the aarch64 one, when
+    built: "cli-aarch64")."""
     out = tmp_path_factory.mktemp("dist")
     built = subprocess.run(["./scripts/package.sh"], cwd=ROOT,
                            # Relative, as make package's dist/ is.
@@ -46,11 +51,15 @@ def packages(tmp_path_factory):
                            check=True, capture_output=True, text=True)
     files = [(ROOT / line).resolve() for line in built.stdout.split()]
     assert {f.parent for f in files} == {out.resolve()}, files
-    kinds = {".deb": "deb", f"-pg{MAJOR}-{os.uname().machine}.tar.gz": "archive",
-             f"-{VERSION}.tar.gz": "sdist", ".whl": "wheel"}
-    found = {kind: [f for f in files if f.name.endswith(end)] for end, kind in kinds.items()}
-    assert all(len(f) == 1 for f in found.values()), files
-    return {kind: f[0] for kind, f in found.items()}
+    kinds = {"deb": r".*\.deb", "archive": rf".*-pg{MAJOR}-{os.uname().machine}\.tar\.gz",
+             "sdist": rf"outbox_dispatch-{VERSION}\.tar\.gz", "wheel": rf"outbox_dispatch-{VERSION}-py3-none-any\.whl",
+             "cli-sdist": rf"outbox_dispatch_cli-{VERSION}\.tar\.gz",
+             "cli": rf"outbox_dispatch_cli-{VERSION}-py3-none-manylinux.*_{os.uname().machine}\.whl",
+             "cli-aarch64": rf"outbox_dispatch_cli-{VERSION}-py3-none-manylinux.*_aarch64\.whl"}
+    found = {kind: [f for f in files if re.fullmatch(pattern, f.name)] for kind, pattern in kinds.items()}
+    assert all(len(f) == 1 for k, f in found.items() if k != "cli-aarch64"), files
+    assert len(files) == sum(len(f) for f in found.values()), files
+    return {kind: f[0] for kind, f in found.items() if f}
 
 
 def pg_config(option):
@@ -181,11 +190,20 @@ def test_the_debian_package_installs_with_apt_and_the_core_tests_pass_on_it(redi
         assert not (libdir / "outbox_dispatch.so").exists() and not list(extdir.glob("outbox_dispatch*"))
 
 
-def installed(wheel, tmp_path):
-    """`wheel` installed into a fresh venv, without the index: the venv,
-    and its outbox-dispatch command, which says this version."""
-    venv = tmp_path / "venv"
+def fresh_venv(tmp_path, name="venv"):
+    """A fresh venv, and an environment whose PATH has its bin and the
+    system's alone: no Rust (cargo and rustc are in ~/.cargo/bin)."""
+    venv = tmp_path / name
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    env = dict(os.environ, PATH=f"{venv / 'bin'}:/usr/local/bin:/usr/bin:/bin")
+    assert shutil.which("cargo", path=env["PATH"]) is None and shutil.which("rustc", path=env["PATH"]) is None
+    return venv, env
+
+
+def installed(wheel, tmp_path):
+    """The command's `wheel` installed into a fresh venv, without the index:
+    the venv, and its outbox-dispatch command, which says this version."""
+    venv, _ = fresh_venv(tmp_path)
     subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-deps", "--no-index", wheel], check=True)
     command = venv / "bin" / "outbox-dispatch"
     assert subprocess.run([command, "--version"], check=True, capture_output=True,
@@ -193,34 +211,123 @@ def installed(wheel, tmp_path):
     return venv, command
 
 
-def assert_licences(read, metadata):
-    """The project's licence and the notices of the crates the command
-    links (not the extension's), each declared a License-File (PEP 639);
-    `read(name)` reads a file the distribution carries."""
+def assert_licences(read, metadata, notices=True):
+    """The project's licence and (`notices`) the notices of the crates the
+    command links (not the extension's), each declared a License-File (PEP
+    639); `read(name)` reads a file the distribution carries."""
     assert read("LICENSE") == (ROOT / "LICENSE").read_text()
-    notices = read("THIRD-PARTY")
-    assert notices.startswith("Third-party software in outbox-dispatch: "), notices[:200]
-    assert "\nrustls " in notices and "\npgrx " not in notices
-    assert {"License-File: LICENSE", "License-File: THIRD-PARTY"} <= set(metadata.splitlines()), metadata
+    assert "License-File: LICENSE" in metadata.splitlines(), metadata
+    if notices:
+        text = read("THIRD-PARTY")
+        assert text.startswith("Third-party software in outbox-dispatch: "), text[:200]
+        assert "\nrustls " in text and "\npgrx " not in text
+        assert "License-File: THIRD-PARTY" in metadata.splitlines(), metadata
 
 
-def assert_wheel_licences(wheel):
-    info = f"outbox_dispatch-{VERSION}.dist-info"
-    with zipfile.ZipFile(wheel) as python_package:
-        assert_licences(lambda name: python_package.read(f"{info}/licenses/{name}").decode(),
-                        python_package.read(f"{info}/METADATA").decode())
+def wheel_metadata(wheel):
+    dist = wheel.name.split("-")[0]
+    with zipfile.ZipFile(wheel) as package:
+        return package.read(f"{dist}-{VERSION}.dist-info/METADATA").decode()
 
 
-def test_the_source_distribution_builds_the_package_and_the_command(packages, tmp_path):
-    """Where no wheel fits, pip builds one from the source distribution: it
-    holds the Python package, the command's Rust sources (the vendored,
-    patched codec too) and the SQL they include, and nothing else of the
-    repository."""
-    sdist = packages["sdist"]
-    assert sdist.name == f"outbox_dispatch-{VERSION}.tar.gz"
+def assert_wheel_licences(wheel, notices=True):
+    info = f"{wheel.name.split('-')[0]}-{VERSION}.dist-info"
+    with zipfile.ZipFile(wheel) as package:
+        assert_licences(lambda name: package.read(f"{info}/licenses/{name}").decode(),
+                        package.read(f"{info}/METADATA").decode(), notices)
+
+
+def test_the_python_package_is_pure_python_and_says_what_it_needs(packages):
+    """One wheel for every platform: the package's modules, the outbox's
+    scripts (for the Django app) and no command; its metadata as an index
+    shows it, the Python it needs and each extra's."""
+    wheel = packages["wheel"]
+    with zipfile.ZipFile(wheel) as package:
+        names = set(package.namelist())
+        tag = package.read(f"outbox_dispatch-{VERSION}.dist-info/WHEEL").decode()
+    assert {"outbox_dispatch/__init__.py", "outbox_dispatch/aio.py", "outbox_dispatch/celery.py",
+            "outbox_dispatch/exporter.py", "outbox_dispatch/inbox.py", "outbox_dispatch/py.typed",
+            "outbox_dispatch/django/admin.py", "outbox_dispatch/django/migrations/0001_initial.py",
+            "outbox_dispatch/standalone/install.sql", "outbox_dispatch/standalone/others.sql",
+            "outbox_dispatch/standalone/update-from-1.0.0.sql"} <= names, sorted(names)
+    assert not [n for n in names if ".data/" in n or n.endswith((".so", ".pyd"))], sorted(names)
+    assert "Root-Is-Purelib: true" in tag and "Tag: py3-none-any" in tag, tag
+    assert_wheel_licences(wheel, notices=False)
+    metadata = wheel_metadata(wheel).splitlines()
+    for line in ("Requires-Python: >=3.9", "Classifier: Operating System :: OS Independent",
+                 "Classifier: Framework :: Django", "Classifier: Typing :: Typed",
+                 f"Requires-Dist: outbox-dispatch-cli=={VERSION}; extra == 'cli'",
+                 "Requires-Dist: psycopg<4,>=3.3.9; extra == 'exporter'",
+                 "Requires-Dist: django>=4.2; extra == 'django'"):
+        assert line in metadata or line.replace("'", '"') in metadata, (line, metadata)
+    with tarfile.open(packages["sdist"]) as tar:
+        root = f"outbox_dispatch-{VERSION}"
+        tops = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 1}
+        assert_licences(lambda name: tar.extractfile(f"{root}/{name}").read().decode(),
+                        tar.extractfile(f"{root}/PKG-INFO").read().decode(), notices=False)
+    assert tops == {"src", "README.md", "LICENSE", "PKG-INFO", "pyproject.toml", ".gitignore"}, tops
+
+
+def test_a_fresh_venv_without_rust_installs_the_package_and_enqueues(packages, tmp_path):
+    """pip install of the wheel (psycopg from the index) where no Rust is:
+    the outbox installed into a server without the library by the
+    package's own scripts, and an event enqueued in a transaction, the one
+    rolled back gone. The source distribution builds the same wheel there."""
+    venv, env = fresh_venv(tmp_path)
+    subprocess.run([venv / "bin" / "pip", "install", "-q", packages["wheel"], "psycopg[binary]>=3.1"], env=env,
+                   check=True)
+    with plain_server() as pg:
+        fresh_database(pg, "pure")
+        program = f"""
+import psycopg, outbox_dispatch
+from outbox_dispatch.install import install
+assert outbox_dispatch.__version__ == {VERSION!r}
+with psycopg.connect({dsn(pg, "owner", "pure")!r}) as conn:
+    print(install(conn.cursor()))
+    conn.commit()
+    outbox_dispatch.enqueue(conn, "tests.dropped")
+    conn.rollback()
+    print(outbox_dispatch.enqueue(conn, "tests.kept", args=(1,), queue="q_pure"))
+"""
+        ran = subprocess.run([venv / "bin" / "python", "-c", program], env=env, cwd=tmp_path, capture_output=True,
+                             text=True)
+        assert ran.returncode == 0, ran.stderr
+        said, event_id = ran.stdout.split("\n")[:2]
+        assert said == f"installed outbox_dispatch {VERSION}"
+        assert pg.sql("SELECT id::text, task, queue FROM outbox.events", dbname="pure") == [
+            (event_id, "tests.kept", "q_pure")]
+    built = subprocess.run([venv / "bin" / "pip", "wheel", "-q", "--no-deps", "-w", tmp_path / "built",
+                            packages["sdist"]], env=env, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    [rebuilt] = (tmp_path / "built").glob("*.whl")
+    with zipfile.ZipFile(rebuilt) as again, zipfile.ZipFile(packages["wheel"]) as first:
+        assert rebuilt.name == packages["wheel"].name and set(again.namelist()) == set(first.namelist())
+
+
+def test_the_cli_extra_brings_the_command(packages, tmp_path):
+    """`pip install 'outbox-dispatch[cli]'` (here from the built files):
+    the command's wheel comes with it; find_bin() and `python -m
+    outbox_dispatch_cli` find the command."""
+    venv, env = fresh_venv(tmp_path)
+    subprocess.run([venv / "bin" / "pip", "install", "-q", "--no-index", "--find-links", packages["cli"].parent,
+                    f"{packages['wheel']}[cli]"], env=env, check=True)
+    found = subprocess.run([venv / "bin" / "python", "-c", "import outbox_dispatch_cli; print(outbox_dispatch_cli.find_bin())"],
+                           env=env, cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+    assert found == str(venv / "bin" / "outbox-dispatch")
+    assert subprocess.run([venv / "bin" / "python", "-m", "outbox_dispatch_cli", "--version"], env=env,
+                          cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip() == (
+        f"outbox-dispatch {VERSION}")
+
+
+def test_the_command_source_distribution_builds_the_command(packages, tmp_path):
+    """Where no wheel fits, pip builds one from the command's source
+    distribution: it holds the finder, the command's Rust sources (the
+    vendored, patched codec too) and the SQL they include, and nothing else
+    of the repository."""
+    sdist = packages["cli-sdist"]
     with tarfile.open(sdist) as tar:
         tops = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 2}
-        root = f"outbox_dispatch-{VERSION}"
+        root = f"outbox_dispatch_cli-{VERSION}"
         assert_licences(lambda name: tar.extractfile(f"{root}/{name}").read().decode(),
                         tar.extractfile(f"{root}/PKG-INFO").read().decode())
     assert tops == {"core", "sidecar", "sql", "src", "vendor"}, tops
@@ -238,20 +345,27 @@ def test_the_source_distribution_builds_the_package_and_the_command(packages, tm
     assert "CREATE TABLE outbox.log" in script and "CREATE TABLE outbox.installed" in script
 
 
-def test_the_wheel_brings_the_package_and_the_command(redis_server, packages, tmp_path):
-    """`pip install outbox-dispatch` on a machine without Rust: the Python
-    package and the `outbox-dispatch` command, which installs the outbox
-    into a server without the library and delivers from it."""
-    wheel = packages["wheel"]
-    with zipfile.ZipFile(wheel) as python_package:
-        assert {"outbox_dispatch/__init__.py", "outbox_dispatch/celery.py", "outbox_dispatch/producer.py",
-                "outbox_dispatch/report.py", "outbox_dispatch/py.typed",
-                f"outbox_dispatch-{VERSION}.data/scripts/outbox-dispatch"} <= set(python_package.namelist())
-    assert "-py3-none-" in wheel.name and not wheel.name.endswith("-any.whl"), wheel.name
+def glibc_needed(command):
+    """The newest glibc symbol version `command` uses."""
+    symbols = subprocess.run(["objdump", "-T", command], check=True, capture_output=True, text=True).stdout
+    return max(tuple(map(int, v.split("."))) for v in re.findall(r"GLIBC_([\d.]+)", symbols))
+
+
+def test_the_command_wheel_is_manylinux_and_delivers(redis_server, packages, tmp_path):
+    """`pip install outbox-dispatch-cli` on a machine without Rust: the
+    command alone (and its finder), for glibc 2.17 and later, which
+    installs the outbox into a server without the library and delivers
+    from it."""
+    wheel = packages["cli"]
+    with zipfile.ZipFile(wheel) as package:
+        names = {n for n in package.namelist() if ".dist-info/" not in n}
+    assert names == {"outbox_dispatch_cli/__init__.py", "outbox_dispatch_cli/__main__.py",
+                     "outbox_dispatch_cli/py.typed", f"outbox_dispatch_cli-{VERSION}.data/scripts/outbox-dispatch"}, names
+    assert re.search(r"-py3-none-(manylinux2014_\w+\.)?manylinux_2_17_\w+\.whl$", wheel.name), wheel.name
+    assert "Classifier: Operating System :: POSIX :: Linux" in wheel_metadata(wheel).splitlines()
     assert_wheel_licences(wheel)
     venv, command = installed(wheel, tmp_path)
-    assert subprocess.run([venv / "bin" / "python", "-c", "import outbox_dispatch; print(outbox_dispatch.__version__)"],
-                          check=True, capture_output=True, text=True, cwd=tmp_path).stdout.strip() == VERSION
+    assert glibc_needed(command) <= (2, 17)
 
     with plain_server() as pg:
         fresh_database(pg, "wheel")
@@ -266,6 +380,32 @@ def test_the_wheel_brings_the_package_and_the_command(redis_server, packages, tm
         finally:
             sidecar.terminate()
             assert sidecar.wait(timeout=30) == 0, sidecar.stderr.read()
+
+
+QEMU = "/usr/bin/qemu-aarch64-static"
+ARM64_LIBC = "/usr/aarch64-linux-gnu"
+
+
+@pytest.mark.skipif(not Path(QEMU).exists() or not Path(ARM64_LIBC).is_dir(),
+                    reason="needs Debian's qemu-user-static and libc6-arm64-cross (scripts/deps.sh)")
+def test_the_aarch64_wheel_carries_a_command_for_aarch64(packages, tmp_path):
+    """Built where Rust's library for aarch64 is installed (make package
+    says when it is not): an aarch64 command for glibc 2.17, which answers
+    under emulation."""
+    if "cli-aarch64" not in packages:
+        pytest.skip("make package built no aarch64 wheel: Rust's library for aarch64-unknown-linux-gnu is missing")
+    wheel = packages["cli-aarch64"]
+    command = tmp_path / "outbox-dispatch"
+    with zipfile.ZipFile(wheel) as package:
+        command.write_bytes(package.read(f"outbox_dispatch_cli-{VERSION}.data/scripts/outbox-dispatch"))
+    command.chmod(0o755)
+    header = subprocess.run(["readelf", "-h", command], check=True, capture_output=True, text=True).stdout
+    assert re.search(r"Machine:\s+AArch64", header), header
+    assert glibc_needed(command) <= (2, 17)
+    assert_wheel_licences(wheel)
+    answered = subprocess.run([QEMU, "-L", ARM64_LIBC, command, "--version"], capture_output=True, text=True,
+                              timeout=60)
+    assert answered.stdout.strip() == f"outbox-dispatch {VERSION}", answered.stderr
 
 
 def debian_mirror():

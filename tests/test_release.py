@@ -1,6 +1,6 @@
 """One version, said the same everywhere a release states it, and one
 update chain that reaches it: the crates, the control file's default (the
-crate's, through pgrx), the Python package, PGXN's META.json and the
+crate's, through pgrx), the Python package and the command's, PGXN's META.json and the
 CHANGELOG; the update scripts from 0.8.0, whose install script the tests
 keep, to the current version."""
 
@@ -17,7 +17,12 @@ BASELINE = "0.8.0"
 def test_every_artefact_states_the_crates_version():
     assert re.fullmatch(r"\d+\.\d+\.\d+", VERSION)
     assert tomllib.loads((ROOT / "sidecar" / "Cargo.toml").read_text())["package"]["version"] == VERSION
-    assert tomllib.loads((ROOT / "python" / "pyproject.toml").read_text())["project"]["version"] == VERSION
+    python = tomllib.loads((ROOT / "python" / "pyproject.toml").read_text())["project"]
+    assert python["version"] == VERSION
+    # The command's distribution, and the extra that brings the same release of it.
+    assert tomllib.loads((ROOT / "python" / "cli" / "pyproject.toml").read_text())["project"]["version"] == VERSION
+    assert python["optional-dependencies"]["cli"] == [f"outbox-dispatch-cli=={VERSION}"]
+    assert (ROOT / "python" / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
     init = (ROOT / "python" / "src" / "outbox_dispatch" / "__init__.py").read_text()
     assert re.search(r'^__version__ = "([^"]+)"$', init, re.M).group(1) == VERSION
     assert "default_version = '@CARGO_VERSION@'" in (ROOT / "outbox_dispatch.control").read_text()

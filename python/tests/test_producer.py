@@ -127,3 +127,15 @@ def test_publish_refuses_what_it_cannot_send():
         publish(Recorder(), "order.created", {"x": object()})
     with pytest.raises(ValueError, match="publish: give countdown or eta, not both"):
         publish(Recorder(), "order.created", countdown=1, eta=dt.datetime.now())
+
+
+def test_asyncpg_gets_every_argument_as_text_cast_by_the_statement():
+    """asyncpg types a parameter as the server infers it: each is sent as
+    text, and the statement's casts make it what outbox_enqueue() takes
+    (priority among them, which DB-API drivers send as a number)."""
+    from outbox_dispatch.producer import ENQUEUE
+
+    assert "priority => CAST($7::pg_catalog.text AS integer)" in ENQUEUE.numbered_sql
+    assert "delay => CAST($6::pg_catalog.text AS interval)" in ENQUEUE.numbered_sql
+    assert "ordering_key => $10::pg_catalog.text" in ENQUEUE.numbered_sql
+    assert ENQUEUE.format_sql.count("%s") == ENQUEUE.numbered_sql.count("::pg_catalog.text") == 10

@@ -10,10 +10,17 @@
   outcome of every task that came from the outbox back to the database.
 - :mod:`outbox_dispatch.inbox`: ``once`` makes a task's writes to the
   database happen once per message, however often it is delivered.
+- :func:`resend` and :func:`discard`: events sent again, or deleted, by
+  filter (``outbox_resend()``, ``outbox_discard()``), as the outbox's owner.
+- :mod:`outbox_dispatch.aio`: the same, awaited, on asynchronous
+  connections (psycopg, asyncpg, SQLAlchemy's asyncio).
+- :mod:`outbox_dispatch.django`: the Django app (``manage.py migrate``
+  installs the outbox; the admin; management commands).
 """
 
 from outbox_dispatch.call import AutocommitError
 from outbox_dispatch.producer import enqueue, publish
+from outbox_dispatch.replay import discard, resend
 
-__all__ = ["AutocommitError", "enqueue", "publish"]
+__all__ = ["AutocommitError", "discard", "enqueue", "publish", "resend"]
 __version__ = "1.1.0"

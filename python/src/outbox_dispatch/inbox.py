@@ -13,12 +13,12 @@ import contextlib
 import functools
 import time
 import uuid
-from typing import Any, Callable, Iterator, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, TypeVar, Union
 
-from outbox_dispatch.call import AutocommitError, Call, in_autocommit
+from outbox_dispatch.call import AutocommitError, Call, in_autocommit, refuse_asynchronous
 
 # Types qualified: a worker's search_path may hold a domain of the same name.
-_CLAIM = Call(
+CLAIM = Call(
     "SELECT outbox_inbox_claim(id => CAST({0} AS pg_catalog.uuid), consumer => CAST({1} AS pg_catalog.text))",
     ("id", "consumer"),
 )
@@ -39,14 +39,23 @@ def claim(conn: Any, message_id: Union[str, uuid.UUID], consumer: str = "") -> b
     transaction holds and has not ended. A connection in autocommit mode
     would commit the claim apart from the effects it guards:
     :class:`~outbox_dispatch.AutocommitError`."""
+    refuse_asynchronous(conn, "claim")
+    check_consumer(consumer)
+    refuse_autocommit(in_autocommit(conn))
+    return bool(CLAIM.scalar(conn, (str(message_id), consumer), "claim"))
+
+
+def check_consumer(consumer: Any) -> None:
     if not isinstance(consumer, str):
         raise TypeError(f"claim: consumer must be a string, not {type(consumer).__name__}")
-    if in_autocommit(conn):
+
+
+def refuse_autocommit(autocommit: bool) -> None:
+    if autocommit:
         raise AutocommitError(
             "claim: the connection is in autocommit mode: the claim would commit on its own, apart from the "
             "effects it guards. Claim inside the transaction that makes them."
         )
-    return bool(_CLAIM.scalar(conn, (str(message_id), consumer), "claim"))
 
 
 def once(
@@ -94,13 +103,7 @@ def once(
     def decorate(body: Callable[..., R]) -> Callable[..., Optional[R]]:
         @functools.wraps(body)
         def run(task: Any, *args: Any, **kwargs: Any) -> Optional[R]:
-            name = consumer if consumer is not None else task.name
-            message = _message_id(task)
-            # Set by this run alone (a message's headers become request
-            # attributes too).
-            setattr(task.request, DUPLICATE_ATTRIBUTE, False)
-            if _keyword_of(using) in kwargs:
-                raise TypeError(f"once: the task was given {_keyword_of(using)!r} itself, which once() passes")
+            name, message = start(task, using, consumer, kwargs)
             for attempt in range(CLAIM_ATTEMPTS):
                 claimed = False
                 try:
@@ -112,24 +115,21 @@ def once(
                             try:
                                 result = body(task, *args, **kwargs)
                             except Exception as e:
-                                if not _ends_the_task(e):
+                                if not ends_the_task(e):
                                     raise
                                 ended = e
                             else:
-                                _check_healthy(conn)
+                                check_healthy(conn)
                                 return result
                     if not claimed:
                         # A duplicate, its transaction over: what the first
                         # run left undone is found out of it.
-                        _skip(task, message, outcome_wait)
+                        skip(task, message, outcome_wait)
                         return None
                     # Committed: the task ended on purpose (self.replace()).
                     raise ended
                 except Exception as e:
-                    # At repeatable read or serializable, a claim another
-                    # transaction committed after this one's snapshot is a
-                    # serialization failure: a new transaction sees it.
-                    if claimed or attempt + 1 == CLAIM_ATTEMPTS or not _serialization_failure(e):
+                    if not claims_again(e, claimed, attempt):
                         raise
             raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -142,7 +142,27 @@ def once(
 CLAIM_ATTEMPTS = 3
 
 
-def _skip(task: Any, message: str, wait: float) -> None:
+def start(task: Any, using: Any, consumer: Optional[str], kwargs: Dict[str, Any]) -> Tuple[str, str]:
+    """The consumer and the message of a run of ``task`` (its request
+    marked as no duplicate, by this run alone: a message's headers become
+    request attributes too), once the task's own arguments are checked."""
+    name = consumer if consumer is not None else task.name
+    message = message_id_of(task)
+    setattr(task.request, DUPLICATE_ATTRIBUTE, False)
+    if keyword_of(using) in kwargs:
+        raise TypeError(f"once: the task was given {keyword_of(using)!r} itself, which once() passes")
+    return name, message
+
+
+def claims_again(error: BaseException, claimed: bool, attempt: int) -> bool:
+    """Whether attempt number ``attempt``, which raised ``error``, is tried
+    again in a new transaction: at repeatable read or serializable, a claim
+    another transaction committed after this one's snapshot is a
+    serialization failure, which a new transaction sees past."""
+    return not claimed and attempt + 1 < CLAIM_ATTEMPTS and _serialization_failure(error)
+
+
+def skip(task: Any, message: str, wait: float) -> None:
     """Marks the request of a skipped duplicate: its report says so. When
     the first run is known to have finished (:func:`_first_run_finished`),
     Celery leaves its outcome as it is: the duplicate stores no result (with
@@ -194,7 +214,7 @@ def _ignores_result(task: Any) -> bool:
     return bool(get_actual_ignore_result(task, task.request))
 
 
-def _keyword_of(using: Any) -> Optional[str]:
+def keyword_of(using: Any) -> Optional[str]:
     """The keyword the body gets its connection as, for ``using``."""
     if isinstance(using, str):
         return None
@@ -203,7 +223,7 @@ def _keyword_of(using: Any) -> Optional[str]:
     return "conn"
 
 
-def _ends_the_task(error: BaseException) -> bool:
+def ends_the_task(error: BaseException) -> bool:
     """Celery's ``Ignore``, which ``self.replace()`` raises once the
     replacement is sent: the body's work is done, its writes commit."""
     try:
@@ -225,7 +245,7 @@ def _serialization_failure(error: BaseException) -> bool:
     return False
 
 
-def _message_id(task: Any) -> str:
+def message_id_of(task: Any) -> str:
     """The task id, which must be a UUID (the outbox's ids are)."""
     task_id = getattr(task.request, "id", None)
     try:
@@ -237,27 +257,36 @@ def _message_id(task: Any) -> str:
         ) from None
 
 
-def _check_healthy(conn: Any) -> None:
+def check_healthy(conn: Any) -> None:
     """Raises if the transaction failed inside the body (an error the body
     caught): its commit would roll back the effects and the claim, and the
     task would be reported processed all the same."""
     if type(conn).__module__.startswith("django"):
-        from django.db import transaction  # type: ignore[import-untyped]
+        from django.db import transaction
 
         if transaction.get_rollback(using=conn.alias):
             raise RuntimeError("once: the task's transaction is marked for rollback: its effects are not made")
         conn = conn.connection
     elif type(conn).__module__.startswith("sqlalchemy"):
         conn = conn.connection().connection.dbapi_connection
+    check_driver_healthy(conn)
+
+
+def check_driver_healthy(conn: Any) -> None:
+    """:func:`check_healthy` of a psycopg (3 or 2) connection, which keeps
+    its transaction's status."""
     info = getattr(conn, "info", None)
     status = getattr(info, "transaction_status", None)
     if status is None and hasattr(conn, "get_transaction_status"):  # psycopg2
         status = conn.get_transaction_status()
     if status is not None and int(status) >= _IN_ERROR:
-        raise RuntimeError(
-            "once: the task's transaction failed (a database error caught inside the task): its effects and its "
-            "claim would be rolled back at the commit"
-        )
+        raise RuntimeError(TRANSACTION_FAILED)
+
+
+TRANSACTION_FAILED = (
+    "once: the task's transaction failed (a database error caught inside the task): its effects and its claim "
+    "would be rolled back at the commit"
+)
 
 
 #: libpq's transaction status of a failed transaction (then unknown: 4).
@@ -269,7 +298,7 @@ def _transaction(using: Any) -> Iterator[Tuple[Any, Optional[str]]]:
     """A transaction on what ``using`` names, committed when the block ends
     and rolled back when it raises; yields the connection to claim on and
     the keyword the body gets it as (None: Django's, not passed)."""
-    keyword = _keyword_of(using)
+    keyword = keyword_of(using)
     if isinstance(using, str):
         from django.db import connections, transaction
 

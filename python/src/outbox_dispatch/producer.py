@@ -10,12 +10,13 @@ the caller's transaction commits, and nothing at all if it rolls back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import uuid
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
-from outbox_dispatch.call import AutocommitError, Call, in_autocommit
+from outbox_dispatch.call import AutocommitError, Call, in_autocommit, refuse_asynchronous, with_connection
 
 #: Seconds, a timedelta, or (for ``expires``) an absolute datetime, as Celery takes them.
 Seconds = Union[int, float, dt.timedelta]
@@ -24,16 +25,15 @@ Seconds = Union[int, float, dt.timedelta]
 # outbox_enqueue resolves through the connection's search_path: the
 # extension's schema (public by default) must be on it.
 # CAST rather than "::": SQLAlchemy would read ":name::type" as no parameter.
-_ENQUEUE = Call(
+ENQUEUE = Call(
     "SELECT outbox_enqueue(event_type => {0}, payload => CAST({1} AS jsonb), queue => {2}, task => {3}, "
-    "headers => CAST({4} AS jsonb), delay => CAST({5} AS interval), priority => {6}, "
+    "headers => CAST({4} AS jsonb), delay => CAST({5} AS interval), priority => CAST({6} AS integer), "
     "expires => CAST({7} AS interval), args => CAST({8} AS jsonb), ordering_key => {9})",
     ("event_type", "payload", "queue", "task", "headers", "delay", "priority", "expires", "args", "ordering_key"),
 )
 
 
-def enqueue(
-    conn: Any,
+def enqueued(
     task: Any,
     args: Sequence[Any] = (),
     kwargs: Optional[Mapping[str, Any]] = None,
@@ -47,7 +47,15 @@ def enqueue(
     event_type: Optional[str] = None,
     ordering_key: Optional[str] = None,
     allow_autocommit: bool = False,
-) -> uuid.UUID:
+) -> Event:
+    """The :class:`Event` of :func:`enqueue`: its arguments but ``conn``."""
+    task_name = task_name_of(task)
+    return Event("enqueue", event_type or task_name, task_name, args, kwargs, queue, countdown, eta, expires,
+                 priority, headers, ordering_key, allow_autocommit)
+
+
+@with_connection(enqueued)
+def enqueue(conn: Any, *args: Any, **kwargs: Any) -> uuid.UUID:
     """Enqueue ``task`` in the transaction of ``conn``; returns the event id,
     which is also the Celery task id.
 
@@ -76,14 +84,10 @@ def enqueue(
     becomes of the work it belongs to: :class:`AutocommitError`, unless
     ``allow_autocommit=True`` says that is meant.
     """
-    task_name = _task_name(task)
-    return _send(conn, "enqueue", event_type or task_name, task_name, args, kwargs, queue=queue,
-                 countdown=countdown, eta=eta, expires=expires, priority=priority, headers=headers,
-                 ordering_key=ordering_key, allow_autocommit=allow_autocommit)
+    return _send(conn, enqueued(*args, **kwargs))
 
 
-def publish(
-    conn: Any,
+def published(
     event_type: str,
     payload: Optional[Mapping[str, Any]] = None,
     *,
@@ -95,7 +99,16 @@ def publish(
     headers: Optional[Mapping[str, Any]] = None,
     ordering_key: Optional[str] = None,
     allow_autocommit: bool = False,
-) -> uuid.UUID:
+) -> Event:
+    """The :class:`Event` of :func:`publish`: its arguments but ``conn``."""
+    if not isinstance(event_type, str) or not event_type:
+        raise TypeError(f"publish: event_type must be a non-empty string, not {event_type!r}")
+    return Event("publish", event_type, None, (), payload, queue, countdown, eta, expires, priority, headers,
+                 ordering_key, allow_autocommit)
+
+
+@with_connection(published)
+def publish(conn: Any, *args: Any, **kwargs: Any) -> uuid.UUID:
     """Publish ``event_type`` in the transaction of ``conn``, for every task
     subscribed to it (``outbox_subscribe()``); returns the event id.
 
@@ -108,63 +121,84 @@ def publish(
     them, win); with ``ordering_key``, each subscribed task gets the events
     of that key one at a time, in order.
     """
-    if not isinstance(event_type, str) or not event_type:
-        raise TypeError(f"publish: event_type must be a non-empty string, not {event_type!r}")
-    return _send(conn, "publish", event_type, None, (), payload, queue=queue, countdown=countdown, eta=eta,
-                 expires=expires, priority=priority, headers=headers, ordering_key=ordering_key,
-                 allow_autocommit=allow_autocommit)
+    return _send(conn, published(*args, **kwargs))
 
 
-def _send(
-    conn: Any,
-    caller: str,
-    event_type: str,
-    task: Optional[str],
-    args: Sequence[Any],
-    kwargs: Optional[Mapping[str, Any]],
-    *,
-    queue: Optional[str],
-    countdown: Optional[Seconds],
-    eta: Optional[dt.datetime],
-    expires: Optional[Union[Seconds, dt.datetime]],
-    priority: Optional[int],
-    headers: Optional[Mapping[str, Any]],
-    ordering_key: Optional[str],
-    allow_autocommit: bool,
-) -> uuid.UUID:
-    if countdown is not None and eta is not None:
-        raise ValueError(f"{caller}: give countdown or eta, not both")
-    if ordering_key is not None and not isinstance(ordering_key, str):
-        raise TypeError(f"{caller}: ordering_key must be a string or None, not {type(ordering_key).__name__}")
-    if not allow_autocommit and in_autocommit(conn):
-        raise AutocommitError(
-            f"{caller}: the connection is in autocommit mode: the event would be committed at once, whatever "
-            "becomes of the work it belongs to. Call it inside a transaction (conn.transaction(), "
-            "transaction.atomic(), session.begin(), autocommit off), or pass allow_autocommit=True if that "
-            "is meant."
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What :func:`enqueue` or :func:`publish` (``caller``) was asked to put
+    into ``outbox.events``, and its checks, whatever the connection."""
+
+    caller: str
+    event_type: str
+    task: Optional[str]
+    args: Sequence[Any]
+    kwargs: Optional[Mapping[str, Any]]
+    queue: Optional[str]
+    countdown: Optional[Seconds]
+    eta: Optional[dt.datetime]
+    expires: Optional[Union[Seconds, dt.datetime]]
+    priority: Optional[int]
+    headers: Optional[Mapping[str, Any]]
+    ordering_key: Optional[str]
+    allow_autocommit: bool
+
+    def check(self) -> None:
+        """What is refused before the connection is used."""
+        if self.countdown is not None and self.eta is not None:
+            raise ValueError(f"{self.caller}: give countdown or eta, not both")
+        if self.ordering_key is not None and not isinstance(self.ordering_key, str):
+            raise TypeError(
+                f"{self.caller}: ordering_key must be a string or None, not {type(self.ordering_key).__name__}"
+            )
+
+    def refuse_autocommit(self, autocommit: bool) -> None:
+        """Raises :class:`AutocommitError` for a connection in autocommit
+        mode, unless the caller said it is meant."""
+        if autocommit and not self.allow_autocommit:
+            raise AutocommitError(
+                f"{self.caller}: the connection is in autocommit mode: the event would be committed at once, "
+                "whatever becomes of the work it belongs to. Call it inside a transaction (conn.transaction(), "
+                "transaction.atomic(), session.begin(), autocommit off), or pass allow_autocommit=True if that "
+                "is meant."
+            )
+
+    def parameters(self) -> Tuple[Any, ...]:
+        """outbox_enqueue()'s arguments (ENQUEUE's names), the trace context
+        in the headers: inside :func:`producer_span`."""
+        now = dt.datetime.now(dt.timezone.utc)
+        return (
+            self.event_type,
+            _dumps(dict(self.kwargs or {}), "kwargs" if self.task else "payload", self.caller),
+            self.queue,
+            self.task,
+            _dumps(_headers(self.headers), "headers", self.caller),
+            _interval(_delay(self.countdown, self.eta, now)),
+            0 if self.priority is None else self.priority,
+            _interval(_until(self.expires, now)),
+            _dumps(list(self.args), "args", self.caller) if self.args else None,
+            self.ordering_key,
         )
-    now = dt.datetime.now(dt.timezone.utc)
-    with _producer_span(queue) as span:
-        parameters: Tuple[Any, ...] = (
-            event_type,
-            _dumps(dict(kwargs or {}), "kwargs" if task else "payload", caller),
-            queue,
-            task,
-            _dumps(_headers(headers), "headers", caller),
-            _interval(_delay(countdown, eta, now)),
-            0 if priority is None else priority,
-            _interval(_until(expires, now)),
-            _dumps(list(args), "args", caller) if args else None,
-            ordering_key,
-        )
-        event_id = _run(conn, parameters, caller)
-        if span is not None:
-            span.set_attribute("messaging.message.id", str(event_id))
+
+
+def _send(conn: Any, event: Event) -> uuid.UUID:
+    refuse_asynchronous(conn, event.caller)
+    event.check()
+    event.refuse_autocommit(in_autocommit(conn))
+    with producer_span(event.queue) as span:
+        return sent(span, ENQUEUE.scalar(conn, event.parameters(), event.caller))
+
+
+def sent(span: Any, value: Any) -> uuid.UUID:
+    """The event id outbox_enqueue() returned, on the producer's span."""
+    event_id = value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+    if span is not None:
+        span.set_attribute("messaging.message.id", str(event_id))
     return event_id
 
 
 @contextlib.contextmanager
-def _producer_span(queue: Optional[str]) -> Iterator[Any]:
+def producer_span(queue: Optional[str]) -> Iterator[Any]:
     """With OpenTelemetry, a PRODUCER span around the enqueue, as the
     messaging semantic conventions name it (``send {queue}``; the queue
     left to ``outbox.default_queue`` is not known here: ``send``). The trace
@@ -185,7 +219,7 @@ def _producer_span(queue: Optional[str]) -> Iterator[Any]:
         yield span
 
 
-def _task_name(task: Any) -> str:
+def task_name_of(task: Any) -> str:
     name = task if isinstance(task, str) else getattr(task, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"enqueue: task must be a Celery task or a task name, not {type(task).__name__}")
@@ -273,7 +307,3 @@ def _dumps(value: Any, what: str, caller: str) -> Optional[str]:
     except TypeError as e:
         raise TypeError(f"{caller}: {what} cannot be sent as JSON: {e}") from None
 
-
-def _run(conn: Any, parameters: Tuple[Any, ...], caller: str) -> uuid.UUID:
-    value = _ENQUEUE.scalar(conn, parameters, caller)
-    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
