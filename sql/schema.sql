@@ -521,17 +521,30 @@ RETURN pg_catalog.encode(
         pg_catalog.uuid_send(send) OPERATOR(pg_catalog.||) pg_catalog.uuid_send(event)), 1, 16),
     'hex')::pg_catalog.uuid;
 
+-- The page that read past the end of transaction $1's events in line (a
+-- transaction its window read behind: outbox.batches.read_past), if any:
+-- one at most. GIN is read by bitmap alone, which the dispatchers turn
+-- off for their sessions (src/worker/setup.rs): on here, for this query,
+-- which has no LIMIT for the planner to walk another index to.
+CREATE FUNCTION outbox.read_past(xid pg_catalog.xid8) RETURNS pg_catalog.int8
+LANGUAGE sql STABLE STRICT
+SET search_path = pg_catalog, pg_temp
+SET enable_bitmapscan = on
+AS $$
+SELECT b.id FROM outbox.batches AS b WHERE b.read_past @> ARRAY[$1]
+$$;
+
 -- The batch that read an event in line at ($1, $2): the page of a window
 -- that holds its place (the first batch whose last place is at or after
 -- it, of the window that read its transaction). No row: none yet (or
--- out of line). A page that ends in its transaction, or one that read
--- past its transaction's end (batches_read_past_idx), is found at once;
--- else batches_to_idx is walked from its place (a page claimed before
--- 1.1.0, which did not say what it read past; none yet), where it passes
--- every page claimed while a transaction behind ran. Plain SQL with every
--- name qualified and no SET clause, so that a caller inlines it
--- (outbox.batch_of(), and the library's outbox.state_at() when a place is
--- not the last batch's it found).
+-- out of line). Looked for among the first pages from its place in
+-- batches_to_idx (where it is, but for the event of a transaction that
+-- ran while many others were claimed), then as the page that read past
+-- its transaction's end (outbox.read_past()), then walked for (a page
+-- claimed before 1.1.0, which did not say what it read past; none yet).
+-- Plain SQL with every name qualified and no SET clause, so that a
+-- caller inlines it (outbox.batch_of(), and the library's
+-- outbox.state_at() when a place is not the last batch's it found).
 CREATE FUNCTION outbox.held_by(xid pg_catalog.xid8, event pg_catalog.uuid)
 RETURNS TABLE (id pg_catalog.int8, from_xid pg_catalog.xid8, from_id pg_catalog.uuid, to_xid pg_catalog.xid8,
                to_id pg_catalog.uuid, prev pg_catalog.pg_snapshot, target pg_catalog.pg_snapshot,
@@ -540,19 +553,24 @@ LANGUAGE sql STABLE ROWS 1
 AS $$
 SELECT h.id, h.from_xid, h.from_id, h.to_xid, h.to_id, h.prev, h.target, h.marked_at, h.abandoned_at
   FROM ((SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
-           FROM outbox.batches AS b
-          WHERE b.to_xid OPERATOR(pg_catalog.=) $1
-            AND b.to_id OPERATOR(pg_catalog.>=) $2
-          ORDER BY b.to_id
+           FROM (SELECT c.*
+                   FROM outbox.batches AS c
+                  WHERE (c.to_xid, c.to_id) OPERATOR(pg_catalog.>=) ($1, $2)
+                  ORDER BY c.to_xid, c.to_id
+                  LIMIT 16) AS b
+          WHERE pg_catalog.pg_visible_in_snapshot($1, b.target)
+            AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
+            AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
+          ORDER BY b.to_xid, b.to_id
           LIMIT 1)
         UNION ALL
-        -- (One page at most reads past a transaction's end. Its id looked
-        -- up in full, not to its first: no plan walks batches_to_idx for it.)
         (SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
            FROM outbox.batches AS b
-          WHERE b.id OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT r.id
-                                                         FROM outbox.batches AS r
-                                                        WHERE r.read_past OPERATOR(pg_catalog.@>) ARRAY[$1])))
+          WHERE b.id OPERATOR(pg_catalog.=) outbox.read_past($1)
+            AND (b.to_xid, b.to_id) OPERATOR(pg_catalog.>=) ($1, $2)
+            AND pg_catalog.pg_visible_in_snapshot($1, b.target)
+            AND NOT pg_catalog.pg_visible_in_snapshot($1, b.prev)
+            AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE)
         UNION ALL
         (SELECT b.id, b.from_xid, b.from_id, b.to_xid, b.to_id, b.prev, b.target, b.marked_at, b.abandoned_at
            FROM outbox.batches AS b
@@ -562,9 +580,6 @@ SELECT h.id, h.from_xid, h.from_id, h.to_xid, h.to_id, h.prev, h.target, h.marke
             AND ((b.from_xid, b.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
           ORDER BY b.to_xid, b.to_id
           LIMIT 1)) AS h
- WHERE pg_catalog.pg_visible_in_snapshot($1, h.target)
-   AND NOT pg_catalog.pg_visible_in_snapshot($1, h.prev)
-   AND ((h.from_xid, h.from_id) OPERATOR(pg_catalog.<) ($1, $2)) IS NOT FALSE
  LIMIT 1
 $$;
 
