@@ -393,7 +393,12 @@ COMMENT ON FUNCTION @extschema@.outbox_resend(uuid[], text, text, text, outbox.e
 -- whose head goes passes to the event behind it within seconds (the
 -- dispatchers' sweep of keys). The outbox's owner alone; logged, since
 -- nothing of the events is left. Returns how many; call again while it
--- returns max_events. What is processing is being pushed: not taken.
+-- returns max_events. What is processing is being pushed: not taken. A
+-- claim reads the events it takes without writing them: the discard takes
+-- the claims' turn first (outbox.claim_turn, as sql/worker/lock_cursor.sql
+-- does), so that what it reads next is after every claim that committed,
+-- and no claim runs until its transaction ends; in READ COMMITTED alone,
+-- where each statement reads what committed before it.
 CREATE FUNCTION @extschema@.outbox_discard(
     ids            uuid[] DEFAULT NULL,
     queue          text DEFAULT NULL,
@@ -412,6 +417,12 @@ DECLARE
     discarded bigint := 0;
 BEGIN
     PERFORM outbox.only_owner('outbox_discard');
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'outbox_discard: the transaction is %, it must be read committed', current_setting('transaction_isolation')
+            USING ERRCODE = 'invalid_transaction_state',
+                  HINT = 'A snapshot taken before a claim committed would delete an event being pushed.';
+    END IF;
+    PERFORM FROM outbox.claim_turn FOR UPDATE;
     FOR chosen IN
         SELECT c.id, c.generation
           FROM outbox.chosen('outbox_discard', '{pending,failed}', outbox_discard.ids, outbox_discard.queue,

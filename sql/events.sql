@@ -110,16 +110,19 @@ SELECT e.*
 COMMENT ON VIEW outbox.unread IS
     'Events in line that no claim has read yet (outbox.cursor), as outbox.log holds them.';
 
--- A write to a column of outbox.events that says what became of the event
--- (called by the rules below, which evaluate it only then).
+-- A write to a column of outbox.events that the outbox keeps: what became
+-- of the event, or, in an update, its place in line and its key's turn
+-- (called by the rules below, which evaluate it only then). A role granted
+-- UPDATE on the view (operators: docs/operations/security.md) edits what an
+-- event carries, never the order it goes in.
 CREATE FUNCTION outbox.refuse_derived(column_ text) RETURNS integer
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    RAISE EXCEPTION 'cannot write column "%" of view "outbox.events": it says what became of the event', column_
+    RAISE EXCEPTION 'cannot write column "%" of view "outbox.events": the outbox keeps it (what became of the event, its place in line, its key''s turn)', column_
         USING ERRCODE = 'feature_not_supported',
-              HINT = 'outbox_retry() sends a dead letter again; outbox.log holds what was written of an event.';
+              HINT = 'outbox_retry() and outbox_resend() send an event again, outbox_skip() passes its key on; outbox.log holds what was written of an event.';
 END
 $$;
 
@@ -208,7 +211,9 @@ COMMENT ON VIEW outbox.events IS
 -- sql/api.sql, once the last is set),
 -- constraints and triggers, which see the writer as current_user. The
 -- columns that say what became of the event (status, deliveries, batch)
--- are not written, and a write that sets one is refused.
+-- are not written, and a write that sets one is refused; so is an update
+-- of its place in line or its key's turn (pending_xid, ordering_key,
+-- key_seq, key_state), which the owner writes in outbox.log.
 CREATE RULE events_insert AS ON INSERT TO outbox.events DO INSTEAD
 INSERT INTO outbox.log (id, event_type, payload, queue, task, headers, priority, retry_count, created_at,
                         available_at, last_error, args, expires_at, event_id, subscription_id, routed_to,
@@ -232,6 +237,11 @@ UPDATE outbox.log AS l
        retry_count = CASE WHEN NEW.status IS DISTINCT FROM OLD.status THEN outbox.refuse_derived('status')
                           WHEN NEW.deliveries IS DISTINCT FROM OLD.deliveries THEN outbox.refuse_derived('deliveries')
                           WHEN NEW.batch IS DISTINCT FROM OLD.batch THEN outbox.refuse_derived('batch')
+                          WHEN NEW.pending_xid IS DISTINCT FROM OLD.pending_xid THEN outbox.refuse_derived('pending_xid')
+                          WHEN NEW.ordering_key IS DISTINCT FROM OLD.ordering_key
+                              THEN outbox.refuse_derived('ordering_key')
+                          WHEN NEW.key_seq IS DISTINCT FROM OLD.key_seq THEN outbox.refuse_derived('key_seq')
+                          WHEN NEW.key_state IS DISTINCT FROM OLD.key_state THEN outbox.refuse_derived('key_state')
                           ELSE NEW.retry_count END,
        created_at = NEW.created_at, available_at = NEW.available_at, last_error = NEW.last_error,
        args = NEW.args, expires_at = NEW.expires_at, event_id = NEW.event_id,

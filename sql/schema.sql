@@ -156,20 +156,29 @@ CREATE INDEX events_due_idx ON outbox.log (available_at, id)
 -- reason, the triggers that take a key's turn and route an event.
 --
 -- An event goes out of line due after the moment it is written, and its
--- transaction holds a shared advisory lock (1869968482, 1600419173: 'outb',
--- '_due') until it ends: the dispatchers start their scans of
--- events_due_idx no lower than its start while it is open
+-- transaction holds a shared advisory lock (1869968482: 'outb', and a hash
+-- of its transaction id) until it ends: the dispatchers start their scans
+-- of events_due_idx no lower than its start while it is open
 -- (sql/worker/due_bound.sql), and above the entries a pinned xmin keeps.
+-- The lock is tried, never waited for: any role may take an advisory lock,
+-- and one that holds this one (no code of ours takes it but for its own
+-- transaction) only has the event go in line at once, with a warning,
+-- rather than hold up the writer, or a dispatcher backing off.
 CREATE FUNCTION @extschema@.outbox_pending_again() RETURNS trigger
 LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
     IF NEW.available_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() THEN
-        PERFORM pg_catalog.pg_advisory_xact_lock_shared(1869968482, 1600419173);
-        NEW.pending_xid := NULL;
-    ELSE
-        NEW.pending_xid := pg_catalog.pg_current_xact_id();
+        IF pg_catalog.pg_try_advisory_xact_lock_shared(
+               1869968482, pg_catalog.hashtext(pg_catalog.pg_current_xact_id()::pg_catalog.text)) THEN
+            NEW.pending_xid := NULL;
+            RETURN NEW;
+        END IF;
+        RAISE WARNING 'outbox: event % goes in line now, not at %: another session holds the advisory lock (1869968482, %) by which this transaction would say that it delays an event',
+            NEW.id, NEW.available_at, pg_catalog.hashtext(pg_catalog.pg_current_xact_id()::pg_catalog.text)
+            USING HINT = 'Revoke CONNECT from PUBLIC on the outbox''s database (docs/operations/security.md).';
     END IF;
+    NEW.pending_xid := pg_catalog.pg_current_xact_id();
     RETURN NEW;
 END
 $$;
@@ -180,14 +189,22 @@ CREATE TRIGGER events_pending_again
                             OR NEW.available_at > pg_catalog.clock_timestamp())
                        AND pg_catalog.current_setting('outbox.moving', true) IS DISTINCT FROM 'on')
     EXECUTE FUNCTION @extschema@.outbox_pending_again();
--- An update that changes one of these: one that leaves them as they were
--- (an edit of its payload through outbox.events, whose rule writes every
--- column) leaves the event where it is.
+-- An update that sets the status (a retry, a release, a DBA's UPDATE
+-- ... SET status = 'pending', which sends an event again).
 CREATE TRIGGER events_pending_again_updated
-    BEFORE UPDATE OF status, available_at, pending_xid ON outbox.log
+    BEFORE UPDATE OF status ON outbox.log
     FOR EACH ROW WHEN (NEW.status = 'pending'
-                       AND (OLD.status IS DISTINCT FROM NEW.status
-                            OR OLD.available_at IS DISTINCT FROM NEW.available_at
+                       AND (NEW.pending_xid IS DISTINCT FROM pg_catalog.pg_current_xact_id()
+                            OR NEW.available_at > pg_catalog.clock_timestamp())
+                       AND pg_catalog.current_setting('outbox.moving', true) IS DISTINCT FROM 'on')
+    EXECUTE FUNCTION @extschema@.outbox_pending_again();
+-- An update that moves when it falls due or its place: one that leaves
+-- them as they were (an edit of its payload through outbox.events, whose
+-- rule writes every column but the status) leaves the event where it is.
+CREATE TRIGGER events_pending_again_moved
+    BEFORE UPDATE OF available_at, pending_xid ON outbox.log
+    FOR EACH ROW WHEN (NEW.status = 'pending'
+                       AND (OLD.available_at IS DISTINCT FROM NEW.available_at
                             OR OLD.pending_xid IS DISTINCT FROM NEW.pending_xid)
                        AND (NEW.pending_xid IS DISTINCT FROM pg_catalog.pg_current_xact_id()
                             OR NEW.available_at > pg_catalog.clock_timestamp())
@@ -197,6 +214,7 @@ CREATE TRIGGER events_pending_again_updated
 -- subscriber applying the rows of another server's history).
 ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again;
 ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again_updated;
+ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again_moved;
 
 -- The triggers of outbox.log that fire always, also where triggers are
 -- off for replication (events_from_writers in sql/keys.sql; without the
@@ -213,7 +231,7 @@ ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again_updated;
 CREATE FUNCTION outbox.always_firing() RETURNS SETOF name
 LANGUAGE sql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT unnest('{events_pending_again,events_pending_again_updated,events_from_writers,events_moving_refused}'::name[]) $$;
+AS $$ SELECT unnest('{events_pending_again,events_pending_again_updated,events_pending_again_moved,events_from_writers,events_moving_refused}'::name[]) $$;
 
 CREATE FUNCTION outbox.triggers_off() RETURNS TABLE (generation smallint, disabled boolean, pages bigint)
 LANGUAGE sql STABLE
@@ -618,6 +636,17 @@ $$;
 
 -- (The view outbox.events, which derives it a set of rows at a time: sql/events.sql.)
 
+-- Whether the batch that sent an event awaits acknowledgements, as they
+-- were when it was marked (batches.awaits_ack): what pg_dump keeps of
+-- what was sent (below), whatever outbox.ack_timeout says now.
+CREATE FUNCTION outbox.awaits_ack(pending_xid xid8, id uuid) RETURNS boolean
+LANGUAGE sql STABLE STRICT SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT coalesce((SELECT b.awaits_ack FROM outbox.batches AS b WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_of($1, $2)),
+                false)
+$$;
+
 -- extension only: begin (what pg_dump keeps; sql/standalone/ goes without)
 -- (One call per statement: each rewrites the extension's catalog row.)
 DO $$
@@ -629,9 +658,8 @@ BEGIN
             'WHERE status OPERATOR(pg_catalog.<>) ''pending'' '
             'OR outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
             'ANY (ARRAY[''pending'', ''processing'']::outbox.event_status[]) '
-            'OR (coalesce(pg_catalog.current_setting(''outbox.ack_timeout'', true), '''') OPERATOR(pg_catalog.<>) ''0'' '
-            'AND outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
-            '''dispatched''::outbox.event_status)');
+            'OR (outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+            '''dispatched''::outbox.event_status AND outbox.awaits_ack(pending_xid, id))');
     END LOOP;
 END
 $$;

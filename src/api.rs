@@ -95,8 +95,9 @@ fn acknowledge(id: pgrx::Uuid, send: Option<pgrx::Uuid>) -> bool {
     .unwrap_or_else(|e| error!("outbox_ack: {e}"));
     if unnamed {
         warning!(
-            "outbox_ack: event {id} was sent more than once and is not acknowledged: name the send \
-             (outbox_ack(id, send), send from the message's outbox_send header)"
+            "outbox_ack: event {id} is not acknowledged without its send: it was sent more than once, \
+             or its push is not recorded yet; name the send (outbox_ack(id, send), send from the \
+             message's outbox_send header)"
         );
     }
     if acked {

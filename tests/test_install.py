@@ -349,6 +349,41 @@ def test_a_database_updated_step_by_step_equals_a_fresh_install(redis_server):
         pg.close()
 
 
+def test_the_update_from_1_0_0_takes_back_updates_of_the_table_from_every_role_but_the_owner(redis_server):
+    """1.0.0's docs granted operators UPDATE on outbox.log, which writes an
+    event's place in line and its key's turn: the update revokes it, on the
+    table and on any of its columns, from every role but the owner, naming
+    each; the view's UPDATE and the writers' INSERT stay."""
+    pg = Cluster(redis_server.url)
+    try:
+        pg.configure(enabled="off")
+        pg.sql("CREATE DATABASE granted")
+        pg.sql("CREATE EXTENSION outbox_dispatch VERSION '1.0.0'", dbname="granted")
+        pg.sql("""
+            CREATE ROLE granted_app; CREATE ROLE granted_ops; CREATE ROLE granted_column;
+            GRANT USAGE ON SCHEMA outbox TO granted_app, granted_ops, granted_column;
+            GRANT INSERT ON outbox.events, outbox.log TO granted_app;
+            GRANT SELECT, UPDATE ON outbox.events, outbox.log TO granted_ops;
+            GRANT UPDATE (key_seq) ON outbox.log TO granted_column;
+            """, dbname="granted")
+        warnings = []
+        with pg.connect(dbname="granted") as conn:
+            conn.add_notice_handler(lambda notice: warnings.append(notice.message_primary))
+            conn.execute(f"ALTER EXTENSION outbox_dispatch UPDATE TO '{CURRENT}'")
+        assert pg.sql("""
+            SELECT has_table_privilege('granted_ops', 'outbox.log', 'UPDATE'),
+                   has_column_privilege('granted_column', 'outbox.log', 'key_seq', 'UPDATE'),
+                   has_table_privilege('granted_ops', 'outbox.events', 'UPDATE'),
+                   has_table_privilege('granted_ops', 'outbox.log', 'SELECT'),
+                   has_table_privilege('granted_app', 'outbox.log', 'INSERT')""", dbname="granted") == [
+            (False, False, True, True, True)]
+        revoked = sorted(w for w in warnings if "revoked" in w)
+        assert revoked == ["outbox_dispatch 1.1.0: UPDATE on outbox.log revoked from granted_column",
+                           "outbox_dispatch 1.1.0: UPDATE on outbox.log revoked from granted_ops"], warnings
+    finally:
+        pg.close()
+
+
 def test_the_update_carries_grants_row_security_and_publications_to_the_partitioned_log(redis_server):
     """0.10.0 makes outbox.log anew, partitioned by generation: what a DBA
     granted on 0.9.0's table (columns too), its row-level security and

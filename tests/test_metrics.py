@@ -93,6 +93,7 @@ def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
         "outbox_dispatched": "counter", "outbox_retries": "counter", "outbox_dead_letters": "counter",
         "outbox_stuck_rescued": "counter", "outbox_unacked_resent": "counter", "outbox_unacked_failed": "counter",
         "outbox_acked": "counter", "outbox_task_failures": "counter", "outbox_expired": "counter",
+        "outbox_refused": "counter", "outbox_strays_relined": "counter",
         "outbox_reports_ignored": "counter", "outbox_broker_master_changes": "counter",
         "outbox_broker_unavailable_seconds": "counter",
         "outbox_purged": "counter", "outbox_batches": "counter", "outbox_push_failures": "counter",

@@ -217,7 +217,7 @@ def test_a_copied_head_makes_no_second_head(keyed):
     assert [r[2] for r in states] == ["head", "waiting", "waiting"], states
     assert states[0][0] == head and len({r[3] for r in states}) == 3, states
     with pytest.raises(psycopg.errors.UniqueViolation, match=r"log_\d_key_head_idx"):
-        keyed.sql("UPDATE outbox.events SET key_state = 'head' WHERE id = %s", (last,))
+        keyed.sql("UPDATE outbox.log SET key_state = 'head' WHERE id = %s", (last,))
 
 
 # --- Rows that bring their own turn (dispatch paused: the states stay as

@@ -136,9 +136,11 @@ def test_an_abandoned_claim_sends_again_neither_what_was_acknowledged_nor_a_coun
     wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
     ids = [str(r[0]) for r in outbox.sql(
         "SELECT outbox_enqueue('stuck', '{}', queue => 'q_abandoned') FROM generate_series(1, 3)")]
-    batch, _ = outbox.claim_enqueued(7, ids)
+    batch, sends = outbox.claim_enqueued(7, ids)
     acked = ids[0]
-    assert outbox.value("SELECT outbox_ack(%s)", (acked,)) is True
+    # Its id alone proves no receipt while the push is not recorded: refused.
+    assert outbox.value("SELECT outbox_ack(%s)", (acked,)) is False
+    assert outbox.value("SELECT outbox_ack(%s, %s)", (acked, sends[acked])) is True
     outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '1 minute' WHERE id = %s", (batch,))
     outbox.configure(enabled="on")
     client = redis_server.client()
@@ -148,6 +150,34 @@ def test_an_abandoned_claim_sends_again_neither_what_was_acknowledged_nor_a_coun
     rows = dict(outbox.sql("SELECT id::text, status::text FROM outbox.events WHERE queue = 'q_abandoned'"))
     assert rows == {acked: "processed", ids[1]: "dispatched", ids[2]: "dispatched"}, rows
     assert outbox.value("SELECT max(deliveries) FROM outbox.events WHERE queue = 'q_abandoned'") == 1
+
+
+def test_an_acknowledgement_by_id_alone_waits_for_the_push_to_be_recorded(outbox, redis_server):
+    """outbox_ack(id) names no send: a consumer that guesses an id would
+    acknowledge what no broker holds. While the batch that holds the event
+    is claimed and not marked (the push may not have happened), it is
+    refused with a warning, as it is again after that claim is given back
+    and the event claimed anew (its key would pass on before the re-send);
+    once the dispatcher records the send, it is taken."""
+    outbox.configure(ack_timeout="1h", processing_timeout="2s", sweep_interval="1s", broker_timeout="200ms",
+                     max_payload_bytes="10kB", enabled="off")
+    wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
+    (event,) = [str(r[0]) for r in outbox.sql(
+        "SELECT outbox_enqueue('guessed', '{}', queue => 'q_guessed', ordering_key => 'guessed')")]
+    batch, _ = outbox.claim_enqueued(7, [event])
+    warnings = []
+    with outbox.connect() as conn:
+        conn.add_notice_handler(lambda d: warnings.append(d.message_primary))
+        assert conn.execute("SELECT outbox_ack(%s)", (event,)).fetchone()[0] is False
+    assert any("its push is not recorded yet" in w for w in warnings), warnings
+    assert outbox.value("SELECT status::text FROM outbox.events WHERE id = %s", (event,)) == "processing"
+    outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '1 minute' WHERE id = %s", (batch,))
+    outbox.configure(enabled="on")
+    client = redis_server.client()
+    wait_until(lambda: event in queued_ids(client, "q_guessed"), message="the event sent")
+    wait_until(lambda: outbox.value("SELECT status::text FROM outbox.events WHERE id = %s", (event,))
+               == "dispatched", message="its send recorded")
+    assert outbox.value("SELECT outbox_ack(%s)", (event,)) is True
 
 
 def test_an_acknowledgement_the_stuck_sweeper_races_is_never_undone(outbox, redis_server):

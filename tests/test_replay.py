@@ -5,6 +5,7 @@ named, and logged. The hostile cases first: each role class of the docs
 refused, a call that names no event, a status they cannot act on."""
 
 import re
+import threading
 import time
 from collections import Counter
 
@@ -105,6 +106,33 @@ def test_discard_deletes_what_is_not_sent_and_passes_a_key_on(outbox, redis_serv
     wait_until(lambda: queued_ids(client, "q_discard") == [behind], timeout=30,
                message="the key's next event sent once its head was discarded")
     assert "outbox_discard: role postgres discarded 3 events" in outbox.log_text()
+
+
+def test_a_discard_that_races_a_claim_takes_nothing_the_claim_holds(outbox, redis_server):
+    """A claim reads events without writing them: a discard whose snapshot
+    was taken before the claim committed would delete an event being
+    pushed. It waits for the claims' turn; the event, claimed meanwhile, is
+    processing, not taken, and is sent."""
+    outbox.configure(processing_timeout="2s", sweep_interval="1s", broker_timeout="200ms", max_payload_bytes="10kB",
+                     enabled="off")
+    wait_until(lambda: outbox.value("SELECT state FROM outbox.workers") == "paused", message="the pause")
+    (event,) = [str(r[0]) for r in outbox.sql("SELECT outbox_enqueue('raced', '{}', queue => 'q_raced_discard')")]
+    discarded = {}
+    with outbox.connect(autocommit=False) as claim:
+        outbox.take_turn(claim)
+        outbox.prepare_claim(claim)
+        assert [str(r[0]) for r in claim.execute("EXECUTE claim(100, 7)").fetchall()] == [event]
+        racing = threading.Thread(target=lambda: discarded.update(
+            n=outbox.value("SELECT outbox_discard(ids => ARRAY[%s]::uuid[])", (event,))))
+        racing.start()
+        time.sleep(1)
+        claim.commit()
+        racing.join(timeout=30)
+    assert discarded == {"n": 0}
+    assert outbox.value("SELECT status::text FROM outbox.events WHERE id = %s", (event,)) == "processing"
+    outbox.sql("UPDATE outbox.batches SET claimed_at = now() - interval '1 minute' WHERE dispatcher = 7")
+    outbox.configure(enabled="on")
+    wait_until(lambda: event in queued_ids(redis_server.client(), "q_raced_discard"), message="the event sent")
 
 
 def runbook_statements(host):

@@ -13,7 +13,8 @@ it can and counts what of it ran as someone else."""
 import psycopg
 import pytest
 
-from harness import documented_grants
+from harness import decode, documented_grants, queued_ids, wait_until
+from outbox_dispatch import report
 from resolution import faults, tokens
 from standalone import HOST, installed_cluster
 
@@ -51,6 +52,7 @@ def pg(redis_server):
         pg.sql("CREATE ROLE writer LOGIN")
         pg.sql("CREATE ROLE monitor LOGIN IN ROLE pg_monitor")
         pg.sql("CREATE ROLE other LOGIN")
+        pg.sql("CREATE ROLE ops LOGIN")
         # An application's own schema, where it may create.
         for role in ("writer", "monitor"):
             pg.sql(f"CREATE SCHEMA {role}_own AUTHORIZATION {role}")
@@ -58,6 +60,8 @@ def pg(redis_server):
         with pg.connect(user=OWNER) as conn:
             for statement in documented_grants("app") + documented_grants("consumer"):
                 conn.execute(statement.replace(" TO app;", " TO writer;").replace(" TO consumer;", " TO writer;"))
+            for statement in documented_grants("ops"):
+                conn.execute(statement)
         yield pg
 
 
@@ -300,3 +304,89 @@ def test_a_role_with_connect_only_cannot_hold_a_key_up(pg):
         with pg.connect(user="writer") as conn:
             conn.execute("SET lock_timeout = '2s'")
             conn.execute("SELECT outbox_enqueue('hostile.keyed', '{}', ordering_key => 'order-42')")
+
+
+def test_a_role_with_connect_only_holds_up_no_delayed_event(pg, redis_server):
+    """A transaction that puts an event out of line says so to the
+    dispatchers' due floor by an advisory lock (1869968482, a hash of its
+    transaction id: sql/worker/due_bound.sql), which any role may take. A
+    role with CONNECT only takes 1.1.0's first shared number and those of
+    the next transactions, and keeps them: a writer's delayed enqueue does
+    not wait for them (it goes in line at once, with a warning, where its
+    own is held), and every event is delivered."""
+    client = redis_server.client()
+    with pg.connect(user="other", autocommit=False) as squatter:
+        squatter.execute("SELECT pg_advisory_lock(1869968482, 1600419173)")
+        squatter.execute("SELECT pg_advisory_lock(1869968482, hashtext((pg_current_xact_id()::text::bigint + n)::text)) "
+                         "FROM generate_series(1, 200) AS n")
+        squatter.commit()
+        warnings = []
+        with pg.connect(user="writer") as conn:
+            conn.add_notice_handler(lambda d: warnings.append(d.message_primary))
+            conn.execute("SET lock_timeout = '2s'")
+            ids = [str(conn.execute("SELECT outbox_enqueue('hostile.squatted', '{}', queue => 'q_squatted', "
+                                    "delay => '1 second')").fetchone()[0]) for _ in range(60)]
+        assert any("goes in line now" in w and "1869968482" in w for w in warnings), warnings[:3]
+        wait_until(lambda: sorted(set(queued_ids(client, "q_squatted"))) == sorted(ids), timeout=30,
+                   message="every delayed event, the locks held")
+
+
+def test_an_acknowledgement_left_open_holds_up_no_report_nor_send(pg, redis_server):
+    """A consumer acknowledges in its own transaction (as the inbox does) and
+    keeps it open: the dispatchers still take the workers' reports of that
+    batch and settle it, and go on sending."""
+    client = redis_server.client()
+    pg.configure(ack_timeout="1h")
+    try:
+        with pg.connect(user="writer") as conn:
+            with conn.transaction():
+                first, second = [str(conn.execute("SELECT outbox_enqueue('hostile.open', '{}', queue => 'q_open')")
+                                     .fetchone()[0]) for _ in range(2)]
+        wait_until(lambda: sorted(queued_ids(client, "q_open")) == sorted([first, second]), message="both sent")
+        wait_until(lambda: pg.value("SELECT count(*) FROM outbox.events WHERE status = 'dispatched' "
+                                    "AND queue = 'q_open'") == 2, message="both dispatched")
+        sends = {m["headers"]["id"]: m["headers"]["outbox_send"]
+                 for m in (decode(raw)[0] for raw in client.lrange("q_open", 0, -1))}
+        with pg.connect(user="writer", autocommit=False) as consumer:
+            assert consumer.execute("SELECT outbox_ack(%s, %s)", (first, sends[first])).fetchone()[0] is True
+            # The workers' reports of both: the batch is then settled, an
+            # update of the row the acknowledgement holds.
+            client.rpush(pg.report_list(), report.processed(first, sends[first]),
+                         report.processed(second, sends[second]))
+            with pg.connect(user="writer") as conn:
+                third = str(conn.execute("SELECT outbox_enqueue('hostile.open', '{}', queue => 'q_open')")
+                            .fetchone()[0])
+            wait_until(lambda: third in queued_ids(client, "q_open"), timeout=15,
+                       message="a send while the acknowledgement is open")
+            wait_until(lambda: pg.value("SELECT status::text FROM outbox.events WHERE id = %s", (second,))
+                       == "processed", timeout=15, message="the report taken while the acknowledgement is open")
+            consumer.commit()
+        assert pg.value("SELECT status::text FROM outbox.events WHERE id = %s", (first,)) == "processed"
+    finally:
+        pg.configure(ack_timeout="0")
+
+
+@pytest.mark.parametrize("column, value", [("key_seq", "1"), ("key_state", "'head'"), ("ordering_key", "'other'"),
+                                           ("pending_xid", "'3'")])
+def test_an_operator_edits_what_an_event_carries_never_its_place(pg, column, value):
+    """Operators are granted UPDATE on outbox.events (the docs' ops): they
+    may edit what an event carries, not its place in line nor its key's
+    turn, which would send it before an event of its key committed
+    earlier."""
+    pg.configure(enabled="off")
+    try:
+        with pg.connect(user="writer") as conn:
+            head, last = [str(conn.execute("SELECT outbox_enqueue('hostile.turn', '{}', ordering_key => 'turned')")
+                              .fetchone()[0]) for _ in range(2)]
+        before = pg.sql("SELECT id::text, key_seq, key_state, pending_xid::text, ordering_key FROM outbox.log "
+                        "WHERE ordering_key = 'turned' ORDER BY key_seq")
+        with pg.connect(user="ops") as conn:
+            with pytest.raises(psycopg.errors.FeatureNotSupported, match=f'cannot write column "{column}"'):
+                conn.execute(f"UPDATE outbox.events SET {column} = {value} WHERE id = %s", (last,))
+            conn.execute("UPDATE outbox.events SET payload = '{\"edited\": true}' WHERE id = %s", (last,))
+        assert pg.sql("SELECT id::text, key_seq, key_state, pending_xid::text, ordering_key FROM outbox.log "
+                      "WHERE ordering_key = 'turned' ORDER BY key_seq") == before
+        assert [r[0] for r in before] == [head, last] and [r[2] for r in before] == ["head", "waiting"]
+    finally:
+        pg.sql("DELETE FROM outbox.log WHERE ordering_key = 'turned'")
+        pg.configure(enabled="on")

@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from harness import queued_ids, wait_until
+from standalone import library_only
 
 RETENTION = "2 seconds"
 
@@ -103,6 +104,8 @@ def acknowledged_unseeing_the_move(rotating, event):
     rotate_until(rotating, ("truncated",), aged=True, acks=True)
 
 
+@library_only("the library registers outbox.moving as a superuser's setting; without it, "
+              "test_standalone.py::test_a_writer_cannot_choose_its_place_in_line_with_outbox_moving")
 def test_a_non_superuser_cannot_make_the_insert_triggers_pass_its_rows(rotating):
     """outbox.moving, which the rotation sets while it moves events, is for
     superusers only: a writer that set it would insert rows that take no
@@ -221,6 +224,35 @@ def test_an_event_put_in_another_generation_under_a_taken_id_moves_on_with_a_new
     assert letters["e"] == (taken, "real")
     assert letters["forged"][0] != taken
     assert letters["forged"][1] == f"moved to generation {now} with a new id: {taken} was taken there"
+
+
+def test_a_writer_that_copies_an_older_events_id_has_its_event_refused_unsent(rotating, redis_server):
+    """A writer that learned the id of an event still waiting in an older
+    generation (delayed an hour) writes one of its own under that id: the
+    current generation's primary key does not see the other. Its event is
+    dead-lettered unsent (a consumer's inbox, keyed by the task id, would
+    have dropped the other's task as run); the other stays, and goes when
+    due."""
+    client = redis_server.client()
+    victim = rotating.value("SELECT outbox_enqueue('victim', '{}', queue => 'q_copied', delay => '1 hour')")
+    rotate_until(rotating, ("advanced",), aged=True)
+    assert rotating.value("SELECT generation FROM outbox.log WHERE id = %s", (victim,)) != current(rotating)
+    with rotating.connect_as("copier", "app") as writer:
+        writer.execute("INSERT INTO outbox.events (id, event_type, payload, queue) "
+                       "VALUES (%s, 'copy', '{}', 'q_copied')", (victim,))
+    wait_until(lambda: rotating.value("SELECT count(*) FROM outbox.dead_letters WHERE event_type = 'copy'") == 1,
+               message="the copy refused")
+    assert rotating.value("SELECT last_error FROM outbox.dead_letters WHERE event_type = 'copy'").startswith(
+        f"its id {victim} names an event written before it in another generation")
+    assert client.llen("q_copied") == 0
+    assert rotating.sql("SELECT event_type, status::text FROM outbox.events WHERE id = %s ORDER BY 1", (victim,)) \
+        == [("copy", "failed"), ("victim", "pending")]
+    # An id of its own, made by outbox_uuid_v7() once its generation began,
+    # is not looked up; one a writer makes (version 4) is, and goes.
+    with rotating.connect_as("copier", "app") as writer:
+        writer.execute("INSERT INTO outbox.events (id, event_type, payload, queue) "
+                       "VALUES (gen_random_uuid(), 'own', '{}', 'q_copied')")
+    wait_until(lambda: client.llen("q_copied") == 1, message="a writer's own id sent")
 
 
 def test_an_acknowledged_event_moved_under_a_new_id_stays_processed(rotating, redis_server):

@@ -929,6 +929,10 @@ def test_an_outbox_that_1_0_0_installed_is_updated_keeping_its_events_and_then_e
                       "SELECT outbox_enqueue('earlier', '{}', queue => 'q_earlier', ordering_key => 'k') "
                       "FROM generate_series(1, 2)").fetchall()]]
         conn.execute("INSERT INTO outbox.settings VALUES ('outbox.retention', '2d')")
+        # 1.0.0's documented grants: writers INSERT, operators UPDATE on the table.
+        conn.execute("GRANT USAGE ON SCHEMA outbox TO writer, monitor")
+        conn.execute("GRANT INSERT ON outbox.events, outbox.log TO writer")
+        conn.execute("GRANT SELECT, UPDATE ON outbox.events, outbox.log TO monitor")
         before = conn.execute("SELECT id, status::text, key_state FROM outbox.events ORDER BY id").fetchall()
     updated = run("install", "--dsn", dsn(server, "owner", "at_1_0_0"))
     assert updated.returncode == 0, updated.stderr
@@ -937,6 +941,14 @@ def test_an_outbox_that_1_0_0_installed_is_updated_keeping_its_events_and_then_e
         assert conn.execute("SELECT id, status::text, key_state FROM outbox.events ORDER BY id").fetchall() == before
         assert sorted(r[0] for r in before) == sorted(events)
         assert conn.execute("SELECT value FROM outbox.settings WHERE name = 'outbox.retention'").fetchone()[0] == "2d"
+        # An UPDATE of the table writes an event's place and its key's turn:
+        # the owner's alone now; the view's stays.
+        assert conn.execute("SELECT has_table_privilege('monitor', 'outbox.log', 'UPDATE'), "
+                            "has_table_privilege('monitor', 'outbox.events', 'UPDATE'), "
+                            "has_table_privilege('writer', 'outbox.log', 'INSERT')").fetchone() == (False, True, True)
+        conn.execute("REVOKE ALL ON outbox.events, outbox.log, outbox.unread, outbox.batches, outbox.outcomes, "
+                     "outbox.cursor FROM writer, monitor")
+        conn.execute("REVOKE ALL ON SCHEMA outbox FROM writer, monitor")
     fresh_database(server, "fresh_1_1")
     assert run("install", "--dsn", dsn(server, "owner", "fresh_1_1")).returncode == 0
     fresh, dump = schema_dump(server, "fresh_1_1"), schema_dump(server, "at_1_0_0")

@@ -235,9 +235,11 @@ def test_events_set_pending_by_hand_or_restored_are_put_in_line(outbox, redis_se
         wait_until(lambda: passed in queued_ids(client, "q_hand"), message="the first send")
         # A DBA sends a dispatched event again by hand (an UPDATE that
         # leaves its status, place and due time as they were does not).
-        conn.execute("UPDATE outbox.log SET status = 'pending' WHERE id = %s", (passed,))
-        conn.execute("UPDATE outbox.events SET payload = '{\"again\": true}' WHERE id = %s", (passed,))
-        conn.execute("UPDATE outbox.log SET pending_xid = NULL WHERE id = %s", (passed,))
+        # (One transaction: the dispatchers would send it again after each.)
+        with conn.transaction():
+            conn.execute("UPDATE outbox.log SET status = 'pending' WHERE id = %s", (passed,))
+            conn.execute("UPDATE outbox.events SET payload = '{\"again\": true}' WHERE id = %s", (passed,))
+            conn.execute("UPDATE outbox.log SET pending_xid = NULL WHERE id = %s", (passed,))
         wait_until(lambda: queued_ids(client, "q_hand").count(passed) == 2, message="the send by hand")
         # A DBA hurries an event delayed by an hour.
         delayed = str(conn.execute("SELECT outbox_enqueue('e', '{}', queue => 'q_hand', delay => '1 hour')")
@@ -249,10 +251,11 @@ def test_events_set_pending_by_hand_or_restored_are_put_in_line(outbox, redis_se
         restored = conn.execute("INSERT INTO outbox.events (event_type, queue, pending_xid) "
                                 "VALUES ('restored', 'q_hand', '3') RETURNING id::text").fetchone()[0]
         wait_until(lambda: restored in queued_ids(client, "q_hand"), message="the restored event")
-        # Nor can an UPDATE set it behind the claim.
+        # Nor can an UPDATE of the table set it behind the claim (the view
+        # refuses the column).
         moved = str(conn.execute("SELECT outbox_enqueue('e', '{}', queue => 'q_hand', delay => '1 hour')")
                     .fetchone()[0])
-        conn.execute("UPDATE outbox.events SET pending_xid = '3' WHERE id = %s", (moved,))
+        conn.execute("UPDATE outbox.log SET pending_xid = '3' WHERE id = %s", (moved,))
     assert outbox.value("SELECT count(*) FROM outbox.events WHERE pending_xid = '3'") == 0
 
 

@@ -38,6 +38,8 @@ named! {
         TaskFailures = "outbox_task_failures"
             => "Events whose Celery task failed, or that a worker refused, as reported by outbox_dispatch.celery.",
         Expired = "outbox_expired" => "Events not sent because they expired first.",
+        Refused = "outbox_refused"
+            => "Events not sent because their id copies an earlier event's (a writer's reuse of another's task id).",
         MasterChanges = "outbox_broker_master_changes"
             => "Reconnects that found the Redis master at another address than before (a failover).",
         Purged = "outbox_purged" => "Finished events truncated with their generation, outbox.retention after it ended.",

@@ -149,7 +149,7 @@ REVOKE ALL ON FUNCTION outbox.writers_take_turns() FROM PUBLIC;
 CREATE FUNCTION outbox.always_firing() RETURNS SETOF name
 LANGUAGE sql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT unnest('{events_pending_again,events_pending_again_updated,events_from_writers,events_moving_refused}'::name[]) $$;
+AS $$ SELECT unnest('{events_pending_again,events_pending_again_updated,events_pending_again_moved,events_from_writers,events_moving_refused}'::name[]) $$;
 
 CREATE FUNCTION outbox.triggers_off() RETURNS TABLE (generation smallint, disabled boolean, pages bigint)
 LANGUAGE sql STABLE
@@ -453,11 +453,16 @@ LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
     IF NEW.available_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() THEN
-        PERFORM pg_catalog.pg_advisory_xact_lock_shared(1869968482, 1600419173);
-        NEW.pending_xid := NULL;
-    ELSE
-        NEW.pending_xid := pg_catalog.pg_current_xact_id();
+        IF pg_catalog.pg_try_advisory_xact_lock_shared(
+               1869968482, pg_catalog.hashtext(pg_catalog.pg_current_xact_id()::pg_catalog.text)) THEN
+            NEW.pending_xid := NULL;
+            RETURN NEW;
+        END IF;
+        RAISE WARNING 'outbox: event % goes in line now, not at %: another session holds the advisory lock (1869968482, %) by which this transaction would say that it delays an event',
+            NEW.id, NEW.available_at, pg_catalog.hashtext(pg_catalog.pg_current_xact_id()::pg_catalog.text)
+            USING HINT = 'Revoke CONNECT from PUBLIC on the outbox''s database (docs/operations/security.md).';
     END IF;
+    NEW.pending_xid := pg_catalog.pg_current_xact_id();
     RETURN NEW;
 END
 $$;
@@ -472,14 +477,22 @@ CREATE TRIGGER events_pending_again
                             OR NEW.available_at > pg_catalog.clock_timestamp())
                        AND pg_catalog.current_setting('outbox.moving', true) IS DISTINCT FROM 'on')
     EXECUTE FUNCTION @extschema@.outbox_pending_again();
--- An update that changes one of these: one that leaves them as they were
--- (an edit of its payload through outbox.events, whose rule writes every
--- column) leaves the event where it is.
+-- An update that sets the status (a retry, a release, a DBA's UPDATE
+-- ... SET status = 'pending', which sends an event again).
 CREATE TRIGGER events_pending_again_updated
-    BEFORE UPDATE OF status, available_at, pending_xid ON outbox.log
+    BEFORE UPDATE OF status ON outbox.log
     FOR EACH ROW WHEN (NEW.status = 'pending'
-                       AND (OLD.status IS DISTINCT FROM NEW.status
-                            OR OLD.available_at IS DISTINCT FROM NEW.available_at
+                       AND (NEW.pending_xid IS DISTINCT FROM pg_catalog.pg_current_xact_id()
+                            OR NEW.available_at > pg_catalog.clock_timestamp())
+                       AND pg_catalog.current_setting('outbox.moving', true) IS DISTINCT FROM 'on')
+    EXECUTE FUNCTION @extschema@.outbox_pending_again();
+-- An update that moves when it falls due or its place: one that leaves
+-- them as they were (an edit of its payload through outbox.events, whose
+-- rule writes every column but the status) leaves the event where it is.
+CREATE TRIGGER events_pending_again_moved
+    BEFORE UPDATE OF available_at, pending_xid ON outbox.log
+    FOR EACH ROW WHEN (NEW.status = 'pending'
+                       AND (OLD.available_at IS DISTINCT FROM NEW.available_at
                             OR OLD.pending_xid IS DISTINCT FROM NEW.pending_xid)
                        AND (NEW.pending_xid IS DISTINCT FROM pg_catalog.pg_current_xact_id()
                             OR NEW.available_at > pg_catalog.clock_timestamp())
@@ -489,6 +502,7 @@ CREATE TRIGGER events_pending_again_updated
 -- subscriber applying the rows of another server's history).
 ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again;
 ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again_updated;
+ALTER TABLE outbox.log ENABLE ALWAYS TRIGGER events_pending_again_moved;
 
 -- What became of the event at ($1, $2), a place in line the claims have
 -- read or not: pending (not read yet, no batch holds it, or its batch was
@@ -584,16 +598,19 @@ SELECT e.*
 COMMENT ON VIEW outbox.unread IS
     'Events in line that no claim has read yet (outbox.cursor), as outbox.log holds them.';
 
--- A write to a column of outbox.events that says what became of the event
--- (called by the rules below, which evaluate it only then).
+-- A write to a column of outbox.events that the outbox keeps: what became
+-- of the event, or, in an update, its place in line and its key's turn
+-- (called by the rules below, which evaluate it only then). A role granted
+-- UPDATE on the view (operators: docs/operations/security.md) edits what an
+-- event carries, never the order it goes in.
 CREATE FUNCTION outbox.refuse_derived(column_ text) RETURNS integer
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    RAISE EXCEPTION 'cannot write column "%" of view "outbox.events": it says what became of the event', column_
+    RAISE EXCEPTION 'cannot write column "%" of view "outbox.events": the outbox keeps it (what became of the event, its place in line, its key''s turn)', column_
         USING ERRCODE = 'feature_not_supported',
-              HINT = 'outbox_retry() sends a dead letter again; outbox.log holds what was written of an event.';
+              HINT = 'outbox_retry() and outbox_resend() send an event again, outbox_skip() passes its key on; outbox.log holds what was written of an event.';
 END
 $$;
 
@@ -682,7 +699,9 @@ COMMENT ON VIEW outbox.events IS
 -- sql/api.sql, once the last is set),
 -- constraints and triggers, which see the writer as current_user. The
 -- columns that say what became of the event (status, deliveries, batch)
--- are not written, and a write that sets one is refused.
+-- are not written, and a write that sets one is refused; so is an update
+-- of its place in line or its key's turn (pending_xid, ordering_key,
+-- key_seq, key_state), which the owner writes in outbox.log.
 CREATE RULE events_insert AS ON INSERT TO outbox.events DO INSTEAD
 INSERT INTO outbox.log (id, event_type, payload, queue, task, headers, priority, retry_count, created_at,
                         available_at, last_error, args, expires_at, event_id, subscription_id, routed_to,
@@ -706,6 +725,11 @@ UPDATE outbox.log AS l
        retry_count = CASE WHEN NEW.status IS DISTINCT FROM OLD.status THEN outbox.refuse_derived('status')
                           WHEN NEW.deliveries IS DISTINCT FROM OLD.deliveries THEN outbox.refuse_derived('deliveries')
                           WHEN NEW.batch IS DISTINCT FROM OLD.batch THEN outbox.refuse_derived('batch')
+                          WHEN NEW.pending_xid IS DISTINCT FROM OLD.pending_xid THEN outbox.refuse_derived('pending_xid')
+                          WHEN NEW.ordering_key IS DISTINCT FROM OLD.ordering_key
+                              THEN outbox.refuse_derived('ordering_key')
+                          WHEN NEW.key_seq IS DISTINCT FROM OLD.key_seq THEN outbox.refuse_derived('key_seq')
+                          WHEN NEW.key_state IS DISTINCT FROM OLD.key_state THEN outbox.refuse_derived('key_state')
                           ELSE NEW.retry_count END,
        created_at = NEW.created_at, available_at = NEW.available_at, last_error = NEW.last_error,
        args = NEW.args, expires_at = NEW.expires_at, event_id = NEW.event_id,
@@ -982,7 +1006,12 @@ COMMENT ON FUNCTION @extschema@.outbox_resend(uuid[], text, text, text, outbox.e
 -- whose head goes passes to the event behind it within seconds (the
 -- dispatchers' sweep of keys). The outbox's owner alone; logged, since
 -- nothing of the events is left. Returns how many; call again while it
--- returns max_events. What is processing is being pushed: not taken.
+-- returns max_events. What is processing is being pushed: not taken. A
+-- claim reads the events it takes without writing them: the discard takes
+-- the claims' turn first (outbox.claim_turn, as sql/worker/lock_cursor.sql
+-- does), so that what it reads next is after every claim that committed,
+-- and no claim runs until its transaction ends; in READ COMMITTED alone,
+-- where each statement reads what committed before it.
 CREATE FUNCTION @extschema@.outbox_discard(
     ids            uuid[] DEFAULT NULL,
     queue          text DEFAULT NULL,
@@ -1001,6 +1030,12 @@ DECLARE
     discarded bigint := 0;
 BEGIN
     PERFORM outbox.only_owner('outbox_discard');
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'outbox_discard: the transaction is %, it must be read committed', current_setting('transaction_isolation')
+            USING ERRCODE = 'invalid_transaction_state',
+                  HINT = 'A snapshot taken before a claim committed would delete an event being pushed.';
+    END IF;
+    PERFORM FROM outbox.claim_turn FOR UPDATE;
     FOR chosen IN
         SELECT c.id, c.generation
           FROM outbox.chosen('outbox_discard', '{pending,failed}', outbox_discard.ids, outbox_discard.queue,
@@ -1024,6 +1059,66 @@ REVOKE ALL ON FUNCTION
     @extschema@.outbox_resend(uuid[], text, text, text, outbox.event_status, timestamptz, timestamptz, integer),
     @extschema@.outbox_discard(uuid[], text, text, text, outbox.event_status, timestamptz, timestamptz, integer)
     FROM PUBLIC;
+
+-- Whether the batch that sent an event awaits acknowledgements
+-- (sql/schema.sql): what pg_dump keeps of what was sent, whatever
+-- outbox.ack_timeout says when it runs.
+CREATE FUNCTION outbox.awaits_ack(pending_xid xid8, id uuid) RETURNS boolean
+LANGUAGE sql STABLE STRICT SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+SELECT coalesce((SELECT b.awaits_ack FROM outbox.batches AS b WHERE b.id OPERATOR(pg_catalog.=) outbox.batch_of($1, $2)),
+                false)
+$$;
+-- extension only: begin
+DO $$
+DECLARE
+    partition_ pg_catalog.regclass;
+BEGIN
+    FOR partition_ IN SELECT p.relid FROM pg_catalog.pg_partition_tree('outbox.log') AS p WHERE p.isleaf LOOP
+        PERFORM pg_catalog.pg_extension_config_dump(partition_,
+            'WHERE status OPERATOR(pg_catalog.<>) ''pending'' '
+            'OR outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+            'ANY (ARRAY[''pending'', ''processing'']::outbox.event_status[]) '
+            'OR (outbox.event_status(status, pending_xid, id, key_state) OPERATOR(pg_catalog.=) '
+            '''dispatched''::outbox.event_status AND outbox.awaits_ack(pending_xid, id))');
+    END LOOP;
+END
+$$;
+-- extension only: end
+
+-- 1.0.0's docs granted operators UPDATE on outbox.log; 1.1.0's grant them
+-- UPDATE on outbox.events, which edits what an event carries and refuses
+-- its place in line and its key's turn (sql/events.sql). An UPDATE of the
+-- table writes those: no role but the owner keeps it, each one named in a
+-- WARNING (docs/operations/upgrades.md). INSERT stays: a row a writer
+-- inserts takes its turn afresh (sql/keys.sql) and one that copies an id
+-- is refused unsent (sql/worker/reused.sql).
+DO $$
+DECLARE
+    held record;
+BEGIN
+    FOR held IN
+        SELECT DISTINCT c.oid::pg_catalog.regclass AS relation, g.grantee
+          FROM pg_catalog.pg_class AS c
+          LEFT JOIN pg_catalog.pg_attribute AS a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+         CROSS JOIN LATERAL (SELECT x.grantee, x.privilege_type FROM pg_catalog.aclexplode(c.relacl) AS x
+                             UNION ALL
+                             SELECT x.grantee, x.privilege_type FROM pg_catalog.aclexplode(a.attacl) AS x) AS g
+         WHERE c.oid IN (SELECT p.relid FROM pg_catalog.pg_partition_tree('outbox.log') AS p)
+           AND g.privilege_type = 'UPDATE'
+           AND g.grantee <> c.relowner
+         ORDER BY 1, 2
+    LOOP
+        EXECUTE pg_catalog.format('REVOKE UPDATE ON %s FROM %s', held.relation,
+                                  CASE WHEN held.grantee = 0 THEN 'PUBLIC'
+                                       ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(held.grantee)) END);
+        RAISE WARNING 'outbox_dispatch 1.1.0: UPDATE on % revoked from %', held.relation,
+            CASE WHEN held.grantee = 0 THEN 'PUBLIC' ELSE pg_catalog.pg_get_userbyid(held.grantee)::pg_catalog.text END
+            USING HINT = 'Grant UPDATE on outbox.events instead (docs/operations/security.md).';
+    END LOOP;
+END
+$$;
 
 -- The extension's schema again, for what follows (as after an install).
 SET LOCAL search_path = @extschema@;

@@ -24,13 +24,13 @@ WITH hit AS (
       JOIN outbox.batches AS b ON b.id = outbox.batch_of(e.pending_xid, e.id)
                               AND (outbox.send_of(b.send, e.id) = r.send
                                    OR (b.dispatcher = -1 AND r.outcome = 'processed'))
-     -- Held for the moment, as outbox_ack() holds it: a sweeper that
-     -- settles or abandons the batch (and puts its events back in line)
-     -- either sees this outcome or has done so, and then this finds it
-     -- settled or abandoned.
+     -- Held for the moment, as outbox_ack() holds it (FOR KEY SHARE): a
+     -- sweeper that settles or abandons the batch (and puts its events
+     -- back in line) either sees this outcome or has done so, and then
+     -- this finds it settled or abandoned.
      WHERE b.settled_at IS NULL
        AND b.abandoned_at IS NULL
-       FOR SHARE OF b
+       FOR KEY SHARE OF b
 ), recorded AS MATERIALIZED (
     -- What the hit batches have recorded, read once, into a hash below
     -- (settle_reported.sql; a lookup per report would read every outcome

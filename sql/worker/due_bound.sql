@@ -7,7 +7,8 @@
 --
 -- An event goes out of line only due after the moment it is written, and
 -- its transaction holds from then until it ends a shared advisory lock
--- (1869968482, 1600419173) that says so (outbox_pending_again(),
+-- (1869968482, a hash of its transaction id) that says so
+-- (outbox_pending_again(),
 -- sql/schema.sql, which every write that makes an event pending goes
 -- through; the rotation's move keeps the due time it had, above the
 -- floor). So the only
@@ -18,7 +19,10 @@
 -- shows them). A transaction that ended before this statement read
 -- pg_locks is seen by the next statement's snapshot. A session idle in
 -- its transaction after an enqueue holds nothing here unless it delayed
--- an event. Functions and relations are qualified; operators resolve in
+-- an event. Any role may take such a lock: one that holds one only brings
+-- the floor down to its start (-infinity while idle), as a long
+-- transaction that delays an event does. Functions and relations are
+-- qualified; operators resolve in
 -- pg_catalog through the search_path every dispatcher pins.
 SELECT pg_catalog.date_part('epoch', LEAST(pg_catalog.clock_timestamp(), pg_catalog.min(
            CASE WHEN l.virtualtransaction LIKE '-1/%' THEN '-infinity'
@@ -27,7 +31,6 @@ SELECT pg_catalog.date_part('epoch', LEAST(pg_catalog.clock_timestamp(), pg_cata
   LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
  WHERE l.locktype = 'advisory'
    AND l.classid = 1869968482
-   AND l.objid = 1600419173
    AND l.objsubid = 2
    AND l.granted
    AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d

@@ -74,8 +74,8 @@ impl<H: Host> Wait for ShowingPauses<'_, H> {
     }
 }
 
-/// Encodes and pushes `events`, claimed as `batch`; an expired event
-/// is not sent but failed. When the broker fails part way, what its
+/// Encodes and pushes `events`, claimed as `batch`; an expired event,
+/// or one the claim refused, is not sent but failed. When the broker fails part way, what its
 /// earlier round trips confirmed stays dispatched, and the rest goes back
 /// to pending, no retry spent. A broker that pauses publishing (an alarm)
 /// is waited for until `pause_until` at the latest, an instant the claim
@@ -101,6 +101,11 @@ pub fn push<H: Host>(
     let tags = uuid::Uuid::new_v4().as_u128();
 
     for (i, event) in events.iter().enumerate() {
+        if let Some(why) = &event.refused {
+            outcome.failures.push(policy.failure(event, why.clone(), false));
+            counters.add(Counter::Refused, 1);
+            continue;
+        }
         if let Some((expires, _)) = event.expires.as_ref().filter(|(_, at)| *at <= now) {
             outcome.failures.push(policy.failure(
                 event,

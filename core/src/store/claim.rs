@@ -78,6 +78,8 @@ pub fn claim(tx: &mut dyn Tx, dispatcher: i32, bounds: Bounds) -> Result<Taken, 
             send: send_of(get::<Uuid>(row, 18)?.unwrap_or(Uuid::nil()), id),
             position,
             head,
+            generation: get::<i64>(row, 20)?.ok_or_else(|| missing("generation"))? as i16,
+            refused: None,
         });
     }
     // The page's order, (pending_xid, id): the order they are pushed in.

@@ -15,6 +15,7 @@ use crate::report::Report;
 mod batches;
 mod claim;
 mod due;
+mod ids;
 pub mod keys;
 pub mod sql;
 
@@ -49,6 +50,11 @@ pub struct ClaimedEvent {
     pub position: Position,
     /// Its key, when it is its key's head.
     pub head: Option<Key>,
+    /// The partition of outbox.log it is in.
+    pub generation: i16,
+    /// Why it must not be sent, if it must not (core/src/store/ids.rs):
+    /// it is dead-lettered unsent.
+    pub refused: Option<String>,
 }
 
 /// An event's place in line: the transaction that put it there
@@ -394,7 +400,8 @@ impl<D: Db> Store<D> {
                 || turns.promoted > promoted
                 || flushed.batches > 0
                 || !settled.released.is_empty();
-            let taken = claim::claim(tx, dispatcher, bounds)?;
+            let mut taken = claim::claim(tx, dispatcher, bounds)?;
+            ids::refuse_copies(tx, &mut taken.events)?;
             let next_due = if taken.events.is_empty() && lined {
                 Some(Duration::ZERO)
             } else if taken.events.is_empty() {

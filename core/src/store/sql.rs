@@ -78,6 +78,8 @@ statements! {
     SweepKeys = "worker/sweep_keys.sql" (Bool, Bool, Int4);
     PurgeInbox = "worker/purge_inbox.sql" (Float8, Int4);
     InLine = "worker/in_line.sql" (Float8);
+    GenerationsBegan = "worker/generations_began.sql" ();
+    Reused = "worker/reused.sql" (UuidArray, Int8Array, TextArray);
 }
 
 impl Stmt {

@@ -34,7 +34,7 @@ BEGIN
     EXECUTE @include ack_lock.sql@ USING id;
     EXECUTE @include ack.sql@ INTO acked, head, key_, subscription, unnamed USING id, send;
     IF unnamed THEN
-        RAISE WARNING 'outbox_ack: event % was sent more than once and is not acknowledged: name the send (outbox_ack(id, send), send from the message''s outbox_send header)', id;
+        RAISE WARNING 'outbox_ack: event % is not acknowledged without its send: it was sent more than once, or its push is not recorded yet; name the send (outbox_ack(id, send), send from the message''s outbox_send header)', id;
     END IF;
     IF NOT coalesce(acked, false) THEN
         RETURN false;
