@@ -12,6 +12,15 @@ batch 100, no Celery):
   30-second window (p50, p99, max), the table's dead tuples at the end of
   each window, and the shared buffers one claim touches on average
   (pg_stat_statements);
+- beside it, BENCH_PINNED_DELAYED [a tenth of the rate] events a second
+  enqueued with a delay of a second (they wait out of line in
+  events_due_idx, then come due): the shared buffers each call of the
+  statements that read that index touches (came_due.sql, in_line.sql,
+  next_due.sql), and every one of them sent;
+- a long transaction's event: a session enqueues one as the steady rate
+  starts and commits it as it ends, a claim after every batch of the run;
+  the time and buffers a read of its status through outbox.events takes
+  (outbox.batch_at(), outbox.held_by());
 - a backlog: BENCH_PINNED_BACKLOG [100000] events committed while the
   dispatchers are paused, then drained.
 
@@ -36,6 +45,11 @@ from harness import CLAIM_STATEMENT, Cluster, Redis, wait_until  # noqa: E402
 SECONDS = int(os.environ.get("BENCH_PINNED_SECONDS", 600))
 BACKLOG = int(os.environ.get("BENCH_PINNED_BACKLOG", 100_000))
 WAL_EVENTS = int(os.environ.get("BENCH_PINNED_WAL_EVENTS", 20_000))
+DELAYED = int(os.environ.get("BENCH_PINNED_DELAYED", max(1, RATE // 10)))
+# The statements that read events_due_idx, by a line each alone has.
+DUE_STATEMENTS = {"came_due": "%FROM due%WHERE e.id = due.id%",
+                  "in_line": "%SELECT EXISTS (SELECT FROM c WHERE c.target IS NOT NULL)%",
+                  "next_due": "%s.id <> ALL ($1::bigint[])%"}
 WINDOW = 30
 PRODUCERS = 4
 CONF = {**SERVER_CONF, "shared_preload_libraries": "'outbox_dispatch,pg_stat_statements'",
@@ -82,8 +96,10 @@ def wal_per_event(pg, redis):
     return {"plain_insert": plain, "enqueue": enqueue, "dispatch": dispatch}
 
 
-def steady(pg, redis):
-    """Per-window latency, dead tuples and buffers per claim at RATE/s."""
+def steady(pg, redis, pinned):
+    """Per-window latency, dead tuples and buffers per claim at RATE/s;
+    pinned, the status of a long transaction's event (which pins the
+    horizon itself)."""
     pg.sql("SELECT pg_stat_statements_reset()")
     total = RATE // PRODUCERS * PRODUCERS * SECONDS
     results = multiprocessing.Queue()
@@ -102,6 +118,24 @@ def steady(pg, redis):
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    delayed_ids = []
+
+    def delay():
+        with pg.connect() as conn:
+            for i in range(DELAYED * SECONDS):
+                pause = started + i / DELAYED - time.time()
+                if pause > 0:
+                    time.sleep(pause)
+                delayed_ids.append(conn.execute("SELECT outbox_enqueue('bench', %s::jsonb, queue => 'bench_delayed', "
+                                                "delay => '1 second')", (PAYLOAD,)).fetchone()[0])
+
+    delaying = threading.Thread(target=delay)
+    delaying.start()
+    # A long transaction's event, committed as the run ends.
+    if pinned:
+        long_running = pg.connect(autocommit=False)
+        long_event = str(long_running.execute("SELECT outbox_enqueue('bench', %s::jsonb, queue => 'bench_long')",
+                                              (PAYLOAD,)).fetchone()[0])
     times = {"committed": {}, "arrived": {}}
     for _ in range(PRODUCERS + 1):
         kind, part = results.get(timeout=SECONDS + 300)
@@ -109,6 +143,16 @@ def steady(pg, redis):
     stop.set()
     for p in procs + [consumer]:
         p.join()
+    delaying.join()
+    wait_until(lambda: redis.client().llen("bench_delayed") == len(delayed_ids), timeout=120,
+               message="every delayed event")
+    lookup = None
+    if pinned:
+        long_running.commit()
+        long_running.close()
+        wait_until(lambda: redis.client().llen("bench_long") == 1, timeout=60, message="the long transaction's event")
+        lookup = pg.sql("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT status FROM outbox.events WHERE id = %s",
+                        (long_event,))[0][0][0]
     committed, arrived = times["committed"], times["arrived"]
     windows = {}
     for event, at in committed.items():
@@ -127,7 +171,15 @@ def steady(pg, redis):
     steady_p99 = settled[min(len(settled) - 1, int(0.99 * len(settled)))] if settled else None
     calls, blocks = pg.sql("SELECT sum(calls), sum(shared_blks_hit + shared_blks_read) FROM pg_stat_statements "
                            "WHERE query LIKE %s", (CLAIM_STATEMENT,))[0]
-    return {"windows": rows, "steady_p99": steady_p99, "events": len(committed), "missing": len(committed) - len(arrived.keys() & committed.keys()),
+    due = {}
+    for name, pattern in DUE_STATEMENTS.items():
+        due_calls, due_blocks = pg.sql("SELECT sum(calls), sum(shared_blks_hit + shared_blks_read) "
+                                       "FROM pg_stat_statements WHERE query LIKE %s", (pattern,))[0]
+        due[name] = float(due_blocks) / float(due_calls) if due_calls else None
+    return {"due_blocks_per_call": due, "delayed": len(delayed_ids),
+            "long_event": lookup and {"ms": lookup["Execution Time"],
+                                      "blocks": lookup["Plan"]["Shared Hit Blocks"] + lookup["Plan"]["Shared Read Blocks"]},
+            "windows": rows, "steady_p99": steady_p99, "events": len(committed), "missing": len(committed) - len(arrived.keys() & committed.keys()),
             "achieved_rate": len(committed) / SECONDS, "blocks_per_claim": float(blocks) / float(calls),
             "dead_tuples_end": dead_tuples(pg)}
 
@@ -160,7 +212,7 @@ def run(redis, pinned):
             pin.execute("SELECT pg_current_xact_id()")
         r = {"wal": wal_per_event(pg, redis)}
         log(f"  WAL per event: {r['wal']}")
-        r["steady"] = steady(pg, redis)
+        r["steady"] = steady(pg, redis, pinned)
         worst = max(w["p99"] or 0 for w in r["steady"]["windows"])
         log(f"  steady: worst window p99 {worst:.1f} ms, {r['steady']['blocks_per_claim']:.1f} buffers per claim, "
             f"{r['steady']['dead_tuples_end']:,} dead tuples")
@@ -187,7 +239,8 @@ def write_report(r):
         "",
         f"Machine: {r['machine']}. Two dispatchers, batch 100, autovacuum on, fsync on; {RATE:,} one-event "
         f"transactions per second from {PRODUCERS} producers for {SECONDS} s; \"pinned\": a session idle in a "
-        "transaction holding an xid from before the first event to the end.",
+        "transaction holding an xid from before the first event to the end, and another that enqueues an event as "
+        "the steady rate starts and commits as it ends.",
         "",
         "| | unpinned | pinned |",
         "|---|---|---|",
@@ -203,6 +256,11 @@ def write_report(r):
         f"| WAL per event: enqueue + dispatch | {un['wal']['enqueue']:.0f} + {un['wal']['dispatch']:.0f} B | "
         f"{pi['wal']['enqueue']:.0f} + {pi['wal']['dispatch']:.0f} B |",
         f"| WAL per plain INSERT of the same row | {un['wal']['plain_insert']:.0f} B | {pi['wal']['plain_insert']:.0f} B |",
+        f"| delayed events sent (1 s delay, {DELAYED:,}/s) | {un['steady']['delayed']:,} | {pi['steady']['delayed']:,} |",
+        *[f"| shared buffers per {name}.sql call | {un['steady']['due_blocks_per_call'][name] or 0:.1f} | "
+          f"{pi['steady']['due_blocks_per_call'][name] or 0:.1f} |" for name in DUE_STATEMENTS],
+        f"| status of the pinning transaction's event through outbox.events, once sent | – | "
+        f"{pi['steady']['long_event']['ms']:.2f} ms, {pi['steady']['long_event']['blocks']} buffers |",
         "",
         f"Steady p99 pinned / unpinned: {pi['steady']['steady_p99'] / un['steady']['steady_p99']:.2f}× (goal: "
         f"within 2×, no max above 1 s). Worst ratio of pinned to unpinned p99 in the same window: {ratio:.2f}×, "
