@@ -193,12 +193,14 @@ class SidecarCluster(Cluster):
         there were, with `replace`), the sidecar's own on its command line:
         a SIGHUP, or a restart when these changed."""
         settings = {k: v for k, v in settings.items() if k not in LIBRARY_ONLY_SETTINGS}
-        own = {k: str(v) for k, v in settings.items() if k in SIDECAR_OPTIONS or k == "workers"}
+        # redis_url is broker_url's former name: one option, given once.
+        own = {("broker_url" if k == "redis_url" else k): str(v) for k, v in settings.items()
+               if k in SIDECAR_OPTIONS or k == "workers"}
         with self.connect(user="owner") as conn, conn.transaction():
             if replace:
                 conn.execute("DELETE FROM outbox.settings")
             for name, value in settings.items():
-                if name not in own:
+                if name not in SIDECAR_OPTIONS and name != "workers":
                     conn.execute("INSERT INTO outbox.settings (name, value) VALUES (%s, %s) "
                                  "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
                                  (f"outbox.{name}", str(value)))

@@ -494,6 +494,8 @@ def test_reload_changes_batch_size_and_redis_url(outbox, redis_server):
         batches_before = outbox.metric("outbox_batches_total")
         outbox.configure(enabled="on", batch_size=7)
         wait_until(lambda: outbox.count("dispatched") == 21, message="21 dispatched")
+        # (The sidecar publishes its counters after each step.)
+        wait_until(lambda: outbox.metric("outbox_batches_total") - batches_before >= 3, message="three batches")
         assert outbox.metric("outbox_batches_total") - batches_before == 3
 
         reloads = outbox.log_text().count("reloaded its settings")
