@@ -191,9 +191,10 @@ COMMENT ON FUNCTION @extschema@.outbox_adopt() IS
     'In a copy of a database (CREATE DATABASE ... TEMPLATE): send the events it holds from here.';
 
 -- A failed event back to pending, its retries reset. Returns whether it was
--- failed.
+-- failed. As the owner (a role granted it, operators, has no privilege on
+-- outbox.log, whose updates write an event's place and its key's turn).
 CREATE FUNCTION @extschema@.outbox_retry(id uuid) RETURNS boolean
-LANGUAGE plpgsql VOLATILE
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
@@ -221,9 +222,10 @@ END
 $$;
 
 -- Every failed event (created at least older_than ago, when given) back to
--- pending, retries reset, as outbox_retry() does. Returns how many.
+-- pending, retries reset, as outbox_retry() does. Returns how many. As
+-- the owner, as outbox_retry().
 CREATE FUNCTION @extschema@.outbox_retry_failed(older_than interval DEFAULT NULL) RETURNS bigint
-LANGUAGE plpgsql VOLATILE
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -394,11 +396,14 @@ COMMENT ON FUNCTION @extschema@.outbox_resend(uuid[], text, text, text, outbox.e
 -- dispatchers' sweep of keys). The outbox's owner alone; logged, since
 -- nothing of the events is left. Returns how many; call again while it
 -- returns max_events. What is processing is being pushed: not taken. A
--- claim reads the events it takes without writing them: the discard takes
--- the claims' turn first (outbox.claim_turn, as sql/worker/lock_cursor.sql
--- does), so that what it reads next is after every claim that committed,
--- and no claim runs until its transaction ends; in READ COMMITTED alone,
--- where each statement reads what committed before it.
+-- claim reads the events it takes without writing them: the discard locks
+-- the rows it chose (SKIP LOCKED: one another session holds is left for
+-- the next call), then takes the claims' turn (outbox.claim_turn, as
+-- sql/worker/lock_cursor.sql does; rows, then the turn, the order a
+-- dispatcher takes them in), so that its delete reads what every claim
+-- that committed took, and deletes only what is still pending or failed.
+-- In READ COMMITTED alone, where each statement reads what committed
+-- before it. No claim runs until its transaction ends.
 CREATE FUNCTION @extschema@.outbox_discard(
     ids            uuid[] DEFAULT NULL,
     queue          text DEFAULT NULL,
@@ -413,8 +418,9 @@ LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    chosen record;
-    discarded bigint := 0;
+    locked_ids uuid[];
+    locked_generations smallint[];
+    discarded bigint;
 BEGIN
     PERFORM outbox.only_owner('outbox_discard');
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -422,17 +428,25 @@ BEGIN
             USING ERRCODE = 'invalid_transaction_state',
                   HINT = 'A snapshot taken before a claim committed would delete an event being pushed.';
     END IF;
+    SELECT array_agg(l.id), array_agg(l.generation)
+      INTO locked_ids, locked_generations
+      FROM (SELECT l.id, l.generation
+              FROM outbox.chosen('outbox_discard', '{pending,failed}', outbox_discard.ids, outbox_discard.queue,
+                                 outbox_discard.task, outbox_discard.event_type, outbox_discard.status,
+                                 outbox_discard.created_after, outbox_discard.created_before,
+                                 outbox_discard.max_events) AS c
+              JOIN outbox.log AS l ON l.id = c.id AND l.generation = c.generation
+               FOR UPDATE OF l SKIP LOCKED) AS l;
     PERFORM FROM outbox.claim_turn FOR UPDATE;
-    FOR chosen IN
-        SELECT c.id, c.generation
-          FROM outbox.chosen('outbox_discard', '{pending,failed}', outbox_discard.ids, outbox_discard.queue,
-                             outbox_discard.task, outbox_discard.event_type, outbox_discard.status,
-                             outbox_discard.created_after, outbox_discard.created_before,
-                             outbox_discard.max_events) AS c
-    LOOP
-        DELETE FROM outbox.log AS e WHERE e.id = chosen.id AND e.generation = chosen.generation;
-        discarded := discarded + 1;
-    END LOOP;
+    WITH gone AS (
+        DELETE FROM outbox.log AS e
+         USING unnest(locked_ids, locked_generations) AS k(id, generation)
+         WHERE e.id = k.id
+           AND e.generation = k.generation
+           AND outbox.event_status(e.status, e.pending_xid, e.id, e.key_state) IN ('pending', 'failed')
+        RETURNING e.id
+    )
+    SELECT count(*) INTO discarded FROM gone;
     RAISE LOG 'outbox_discard: role % discarded % events (ids %, queue %, task %, event_type %, status %, created % to %)',
         current_user, discarded, ids, queue, task, event_type, status, created_after, created_before;
     RETURN discarded;

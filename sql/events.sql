@@ -211,9 +211,15 @@ COMMENT ON VIEW outbox.events IS
 -- sql/api.sql, once the last is set),
 -- constraints and triggers, which see the writer as current_user. The
 -- columns that say what became of the event (status, deliveries, batch)
--- are not written, and a write that sets one is refused; so is an update
--- of its place in line or its key's turn (pending_xid, ordering_key,
--- key_seq, key_state), which the owner writes in outbox.log.
+-- are not written, and a write that sets one is refused. An update edits
+-- what the event carries (event_type, payload, queue, task, headers,
+-- priority, args, retry_count, last_error, expires_at; available_at while
+-- it is not sent) and refuses the rest: its id, its place in line and its
+-- key's turn (pending_xid, ordering_key, key_seq, key_state,
+-- subscription_id), what routed it (event_id, routed_to) and when it was
+-- made, which the owner writes in outbox.log. A column the outbox writes
+-- too is written only where the update changes it: the row it finds
+-- after waiting for another's update keeps what that one wrote.
 CREATE RULE events_insert AS ON INSERT TO outbox.events DO INSTEAD
 INSERT INTO outbox.log (id, event_type, payload, queue, task, headers, priority, retry_count, created_at,
                         available_at, last_error, args, expires_at, event_id, subscription_id, routed_to,
@@ -233,8 +239,9 @@ RETURNING log.id, log.event_type, log.payload, log.queue, log.task, log.headers,
 CREATE RULE events_update AS ON UPDATE TO outbox.events DO INSTEAD
 UPDATE outbox.log AS l
    SET event_type = NEW.event_type, payload = NEW.payload, queue = NEW.queue, task = NEW.task,
-       headers = NEW.headers, priority = NEW.priority,
-       retry_count = CASE WHEN NEW.status IS DISTINCT FROM OLD.status THEN outbox.refuse_derived('status')
+       headers = NEW.headers, priority = NEW.priority, args = NEW.args,
+       retry_count = CASE WHEN NEW.id IS DISTINCT FROM OLD.id THEN outbox.refuse_derived('id')
+                          WHEN NEW.status IS DISTINCT FROM OLD.status THEN outbox.refuse_derived('status')
                           WHEN NEW.deliveries IS DISTINCT FROM OLD.deliveries THEN outbox.refuse_derived('deliveries')
                           WHEN NEW.batch IS DISTINCT FROM OLD.batch THEN outbox.refuse_derived('batch')
                           WHEN NEW.pending_xid IS DISTINCT FROM OLD.pending_xid THEN outbox.refuse_derived('pending_xid')
@@ -242,11 +249,22 @@ UPDATE outbox.log AS l
                               THEN outbox.refuse_derived('ordering_key')
                           WHEN NEW.key_seq IS DISTINCT FROM OLD.key_seq THEN outbox.refuse_derived('key_seq')
                           WHEN NEW.key_state IS DISTINCT FROM OLD.key_state THEN outbox.refuse_derived('key_state')
-                          ELSE NEW.retry_count END,
-       created_at = NEW.created_at, available_at = NEW.available_at, last_error = NEW.last_error,
-       args = NEW.args, expires_at = NEW.expires_at, event_id = NEW.event_id,
-       subscription_id = NEW.subscription_id, routed_to = NEW.routed_to, pending_xid = NEW.pending_xid,
-       ordering_key = NEW.ordering_key, key_seq = NEW.key_seq, key_state = NEW.key_state
+                          WHEN NEW.subscription_id IS DISTINCT FROM OLD.subscription_id
+                              THEN outbox.refuse_derived('subscription_id')
+                          WHEN NEW.event_id IS DISTINCT FROM OLD.event_id THEN outbox.refuse_derived('event_id')
+                          WHEN NEW.routed_to IS DISTINCT FROM OLD.routed_to THEN outbox.refuse_derived('routed_to')
+                          WHEN NEW.created_at IS DISTINCT FROM OLD.created_at THEN outbox.refuse_derived('created_at')
+                          WHEN NEW.available_at IS DISTINCT FROM OLD.available_at
+                               AND OLD.status IN ('processing', 'dispatched', 'processed')
+                              THEN outbox.refuse_derived('available_at')
+                          WHEN NEW.retry_count IS DISTINCT FROM OLD.retry_count THEN NEW.retry_count
+                          ELSE l.retry_count END,
+       available_at = CASE WHEN NEW.available_at IS DISTINCT FROM OLD.available_at THEN NEW.available_at
+                           ELSE l.available_at END,
+       last_error = CASE WHEN NEW.last_error IS DISTINCT FROM OLD.last_error THEN NEW.last_error
+                         ELSE l.last_error END,
+       expires_at = CASE WHEN NEW.expires_at IS DISTINCT FROM OLD.expires_at THEN NEW.expires_at
+                         ELSE l.expires_at END
  WHERE l.id = OLD.id
 RETURNING l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority,
           outbox.event_status(l.status, l.pending_xid, l.id, l.key_state), l.retry_count, l.created_at,

@@ -156,26 +156,40 @@ CREATE INDEX events_due_idx ON outbox.log (available_at, id)
 -- reason, the triggers that take a key's turn and route an event.
 --
 -- An event goes out of line due after the moment it is written, and its
--- transaction holds a shared advisory lock (1869968482: 'outb', and a hash
--- of its transaction id) until it ends: the dispatchers start their scans
--- of events_due_idx no lower than its start while it is open
+-- transaction holds a shared advisory lock (1869968482: 'outb', and a
+-- number drawn at random, once a transaction: outbox_due.locked_by says
+-- which transaction took it) until it ends: the dispatchers start their
+-- scans of events_due_idx no lower than its start while it is open
 -- (sql/worker/due_bound.sql), and above the entries a pinned xmin keeps.
--- The lock is tried, never waited for: any role may take an advisory lock,
--- and one that holds this one (no code of ours takes it but for its own
--- transaction) only has the event go in line at once, with a warning,
--- rather than hold up the writer, or a dispatcher backing off.
+-- The lock is tried, never waited for, and drawn again where another
+-- session holds it: any role may take an advisory lock, but no role can
+-- hold the 2^31 numbers, nor foresee the one drawn; where three draws all
+-- fail, the event goes in line at once, with a warning, rather than hold
+-- up the writer, or a dispatcher backing off.
 CREATE FUNCTION @extschema@.outbox_pending_again() RETURNS trigger
 LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
     IF NEW.available_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() THEN
-        IF pg_catalog.pg_try_advisory_xact_lock_shared(
-               1869968482, pg_catalog.hashtext(pg_catalog.pg_current_xact_id()::pg_catalog.text)) THEN
+        IF coalesce(pg_catalog.current_setting('outbox_due.locked_by', true), '') OPERATOR(pg_catalog.<>)
+               pg_catalog.pg_current_xact_id()::pg_catalog.text THEN
+            FOR attempt IN 1..3 LOOP
+                IF pg_catalog.pg_try_advisory_xact_lock_shared(
+                       1869968482,
+                       (pg_catalog.random() OPERATOR(pg_catalog.*) 2147483647::pg_catalog.float8)::pg_catalog.int4) THEN
+                    PERFORM pg_catalog.set_config('outbox_due.locked_by',
+                                                  pg_catalog.pg_current_xact_id()::pg_catalog.text, true);
+                    EXIT;
+                END IF;
+            END LOOP;
+        END IF;
+        IF pg_catalog.current_setting('outbox_due.locked_by', true) OPERATOR(pg_catalog.=)
+               pg_catalog.pg_current_xact_id()::pg_catalog.text THEN
             NEW.pending_xid := NULL;
             RETURN NEW;
         END IF;
-        RAISE WARNING 'outbox: event % goes in line now, not at %: another session holds the advisory lock (1869968482, %) by which this transaction would say that it delays an event',
-            NEW.id, NEW.available_at, pg_catalog.hashtext(pg_catalog.pg_current_xact_id()::pg_catalog.text)
+        RAISE WARNING 'outbox: event % goes in line now, not at %: other sessions hold the advisory locks (1869968482, n) by which this transaction would say that it delays an event',
+            NEW.id, NEW.available_at
             USING HINT = 'Revoke CONNECT from PUBLIC on the outbox''s database (docs/operations/security.md).';
     END IF;
     NEW.pending_xid := pg_catalog.pg_current_xact_id();

@@ -134,6 +134,43 @@ def test_migrate_creates_the_extension_where_the_library_is_loaded(scripts, redi
         pg.close()
 
 
+def test_the_admin_pages_a_long_list_from_its_newest_rows_as_the_whole_list_would(server, scripts, tmp_path):
+    """The events' list reads the newest rows of the log first, widening
+    the window until it holds the page (outbox_dispatch.django.admin,
+    windows made small here): each page, filtered or not, is the whole
+    list's, and a page beyond the widest window is read from the whole
+    list; the count is exact below its bound."""
+    fresh_database(server, "long")
+    project = Project(server, "long", tmp_path / "long")
+    project.manage("migrate")
+    with server.connect(dbname="long", user="owner") as conn:
+        # Dead letters older than everything else, then events in line.
+        conn.execute("INSERT INTO outbox.log (event_type, queue, status, last_error) "
+                     "SELECT 'old', 'q', 'failed', 'dead' FROM generate_series(1, 30)")
+        conn.execute("SELECT outbox_enqueue('new', '{}', queue => 'q') FROM generate_series(1, 500)")
+    seen = project.shell("""
+import json
+from django.contrib import admin
+from outbox_dispatch.django import admin as outbox_admin
+from outbox_dispatch.django.models import Event
+outbox_admin.WINDOWS = (10, 100)
+listed = {}
+for status in (None, "pending", "failed"):
+    events = Event.objects.all() if status is None else Event.objects.filter(status=status)
+    paginator = outbox_admin.EstimatedCountPaginator(events, 25)
+    everything = [str(i) for i in events.values_list("id", flat=True)]
+    listed[str(status)] = {"count": [paginator.count, len(everything)],
+                           "pages": [[str(e.id) for e in paginator.page(n)] == everything[(n - 1) * 25:n * 25]
+                                     for n in range(1, paginator.num_pages + 1)],
+                           "held": outbox_admin.newest(events, 50)[1]}
+print(json.dumps(listed))
+""")
+    assert seen["None"] == {"count": [530, 530], "pages": [True] * 22, "held": True}, seen
+    assert seen["pending"] == {"count": [500, 500], "pages": [True] * 20, "held": True}, seen
+    # Older than the widest window: read from the whole list.
+    assert seen["failed"] == {"count": [30, 30], "pages": [True] * 2, "held": False}, seen
+
+
 def test_a_django_project_installs_enqueues_delivers_and_retries_a_dead_letter_in_the_admin(
         server, scripts, redis_server, tmp_path):
     fresh_database(server, "shop")

@@ -361,24 +361,33 @@ def test_the_update_from_1_0_0_takes_back_updates_of_the_table_from_every_role_b
         pg.sql("CREATE EXTENSION outbox_dispatch VERSION '1.0.0'", dbname="granted")
         pg.sql("""
             CREATE ROLE granted_app; CREATE ROLE granted_ops; CREATE ROLE granted_column;
-            GRANT USAGE ON SCHEMA outbox TO granted_app, granted_ops, granted_column;
+            CREATE ROLE "Granted Lead"; CREATE ROLE granted_by_lead;
+            GRANT USAGE ON SCHEMA outbox TO granted_app, granted_ops, granted_column, "Granted Lead";
             GRANT INSERT ON outbox.events, outbox.log TO granted_app;
             GRANT SELECT, UPDATE ON outbox.events, outbox.log TO granted_ops;
             GRANT UPDATE (key_seq) ON outbox.log TO granted_column;
+            GRANT UPDATE ON outbox.log TO "Granted Lead" WITH GRANT OPTION;
+            SET ROLE "Granted Lead";
+            GRANT UPDATE ON outbox.log TO granted_by_lead;
+            RESET ROLE;
             """, dbname="granted")
         warnings = []
         with pg.connect(dbname="granted") as conn:
             conn.add_notice_handler(lambda notice: warnings.append(notice.message_primary))
             conn.execute(f"ALTER EXTENSION outbox_dispatch UPDATE TO '{CURRENT}'")
         assert pg.sql("""
-            SELECT has_table_privilege('granted_ops', 'outbox.log', 'UPDATE'),
+            SELECT has_table_privilege('Granted Lead', 'outbox.log', 'UPDATE')
+                OR has_table_privilege('granted_by_lead', 'outbox.log', 'UPDATE'),
+                   has_table_privilege('granted_ops', 'outbox.log', 'UPDATE'),
                    has_column_privilege('granted_column', 'outbox.log', 'key_seq', 'UPDATE'),
                    has_table_privilege('granted_ops', 'outbox.events', 'UPDATE'),
                    has_table_privilege('granted_ops', 'outbox.log', 'SELECT'),
                    has_table_privilege('granted_app', 'outbox.log', 'INSERT')""", dbname="granted") == [
-            (False, False, True, True, True)]
+            (False, False, False, True, True, True)]
         revoked = sorted(w for w in warnings if "revoked" in w)
-        assert revoked == ["outbox_dispatch 1.1.0: UPDATE on outbox.log revoked from granted_column",
+        assert revoked == ["outbox_dispatch 1.1.0: UPDATE on outbox.log revoked from Granted Lead",
+                           "outbox_dispatch 1.1.0: UPDATE on outbox.log revoked from granted_by_lead",
+                           "outbox_dispatch 1.1.0: UPDATE on outbox.log revoked from granted_column",
                            "outbox_dispatch 1.1.0: UPDATE on outbox.log revoked from granted_ops"], warnings
     finally:
         pg.close()

@@ -192,8 +192,9 @@ def test_an_event_needed_again_after_the_drain_is_moved_not_truncated(rotating, 
     wait_until(lambda: event in queued_ids(client, "q_rot_again"), message="the event sent")
     rotate_to_oldest(rotating)
     assert rotate(rotating) == ("moved", 0)
-    # A DBA sends it again tomorrow, after the drain and before the truncation.
-    rotating.sql("UPDATE outbox.events SET available_at = now() + interval '1 day' WHERE id = %s", (event,))
+    # A DBA sends it again tomorrow, after the drain and before the truncation
+    # (in the table: the view refuses to move an event sent).
+    rotating.sql("UPDATE outbox.log SET available_at = now() + interval '1 day' WHERE id = %s", (event,))
     assert rotate(rotating) == ("moved", 1)
     rotate_until(rotating, ("truncated",), aged=True)
     assert kept(rotating, [event])[event][0] == "pending"

@@ -453,13 +453,25 @@ LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
     IF NEW.available_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() THEN
-        IF pg_catalog.pg_try_advisory_xact_lock_shared(
-               1869968482, pg_catalog.hashtext(pg_catalog.pg_current_xact_id()::pg_catalog.text)) THEN
+        IF coalesce(pg_catalog.current_setting('outbox_due.locked_by', true), '') OPERATOR(pg_catalog.<>)
+               pg_catalog.pg_current_xact_id()::pg_catalog.text THEN
+            FOR attempt IN 1..3 LOOP
+                IF pg_catalog.pg_try_advisory_xact_lock_shared(
+                       1869968482,
+                       (pg_catalog.random() OPERATOR(pg_catalog.*) 2147483647::pg_catalog.float8)::pg_catalog.int4) THEN
+                    PERFORM pg_catalog.set_config('outbox_due.locked_by',
+                                                  pg_catalog.pg_current_xact_id()::pg_catalog.text, true);
+                    EXIT;
+                END IF;
+            END LOOP;
+        END IF;
+        IF pg_catalog.current_setting('outbox_due.locked_by', true) OPERATOR(pg_catalog.=)
+               pg_catalog.pg_current_xact_id()::pg_catalog.text THEN
             NEW.pending_xid := NULL;
             RETURN NEW;
         END IF;
-        RAISE WARNING 'outbox: event % goes in line now, not at %: another session holds the advisory lock (1869968482, %) by which this transaction would say that it delays an event',
-            NEW.id, NEW.available_at, pg_catalog.hashtext(pg_catalog.pg_current_xact_id()::pg_catalog.text)
+        RAISE WARNING 'outbox: event % goes in line now, not at %: other sessions hold the advisory locks (1869968482, n) by which this transaction would say that it delays an event',
+            NEW.id, NEW.available_at
             USING HINT = 'Revoke CONNECT from PUBLIC on the outbox''s database (docs/operations/security.md).';
     END IF;
     NEW.pending_xid := pg_catalog.pg_current_xact_id();
@@ -699,9 +711,15 @@ COMMENT ON VIEW outbox.events IS
 -- sql/api.sql, once the last is set),
 -- constraints and triggers, which see the writer as current_user. The
 -- columns that say what became of the event (status, deliveries, batch)
--- are not written, and a write that sets one is refused; so is an update
--- of its place in line or its key's turn (pending_xid, ordering_key,
--- key_seq, key_state), which the owner writes in outbox.log.
+-- are not written, and a write that sets one is refused. An update edits
+-- what the event carries (event_type, payload, queue, task, headers,
+-- priority, args, retry_count, last_error, expires_at; available_at while
+-- it is not sent) and refuses the rest: its id, its place in line and its
+-- key's turn (pending_xid, ordering_key, key_seq, key_state,
+-- subscription_id), what routed it (event_id, routed_to) and when it was
+-- made, which the owner writes in outbox.log. A column the outbox writes
+-- too is written only where the update changes it: the row it finds
+-- after waiting for another's update keeps what that one wrote.
 CREATE RULE events_insert AS ON INSERT TO outbox.events DO INSTEAD
 INSERT INTO outbox.log (id, event_type, payload, queue, task, headers, priority, retry_count, created_at,
                         available_at, last_error, args, expires_at, event_id, subscription_id, routed_to,
@@ -721,8 +739,9 @@ RETURNING log.id, log.event_type, log.payload, log.queue, log.task, log.headers,
 CREATE RULE events_update AS ON UPDATE TO outbox.events DO INSTEAD
 UPDATE outbox.log AS l
    SET event_type = NEW.event_type, payload = NEW.payload, queue = NEW.queue, task = NEW.task,
-       headers = NEW.headers, priority = NEW.priority,
-       retry_count = CASE WHEN NEW.status IS DISTINCT FROM OLD.status THEN outbox.refuse_derived('status')
+       headers = NEW.headers, priority = NEW.priority, args = NEW.args,
+       retry_count = CASE WHEN NEW.id IS DISTINCT FROM OLD.id THEN outbox.refuse_derived('id')
+                          WHEN NEW.status IS DISTINCT FROM OLD.status THEN outbox.refuse_derived('status')
                           WHEN NEW.deliveries IS DISTINCT FROM OLD.deliveries THEN outbox.refuse_derived('deliveries')
                           WHEN NEW.batch IS DISTINCT FROM OLD.batch THEN outbox.refuse_derived('batch')
                           WHEN NEW.pending_xid IS DISTINCT FROM OLD.pending_xid THEN outbox.refuse_derived('pending_xid')
@@ -730,11 +749,22 @@ UPDATE outbox.log AS l
                               THEN outbox.refuse_derived('ordering_key')
                           WHEN NEW.key_seq IS DISTINCT FROM OLD.key_seq THEN outbox.refuse_derived('key_seq')
                           WHEN NEW.key_state IS DISTINCT FROM OLD.key_state THEN outbox.refuse_derived('key_state')
-                          ELSE NEW.retry_count END,
-       created_at = NEW.created_at, available_at = NEW.available_at, last_error = NEW.last_error,
-       args = NEW.args, expires_at = NEW.expires_at, event_id = NEW.event_id,
-       subscription_id = NEW.subscription_id, routed_to = NEW.routed_to, pending_xid = NEW.pending_xid,
-       ordering_key = NEW.ordering_key, key_seq = NEW.key_seq, key_state = NEW.key_state
+                          WHEN NEW.subscription_id IS DISTINCT FROM OLD.subscription_id
+                              THEN outbox.refuse_derived('subscription_id')
+                          WHEN NEW.event_id IS DISTINCT FROM OLD.event_id THEN outbox.refuse_derived('event_id')
+                          WHEN NEW.routed_to IS DISTINCT FROM OLD.routed_to THEN outbox.refuse_derived('routed_to')
+                          WHEN NEW.created_at IS DISTINCT FROM OLD.created_at THEN outbox.refuse_derived('created_at')
+                          WHEN NEW.available_at IS DISTINCT FROM OLD.available_at
+                               AND OLD.status IN ('processing', 'dispatched', 'processed')
+                              THEN outbox.refuse_derived('available_at')
+                          WHEN NEW.retry_count IS DISTINCT FROM OLD.retry_count THEN NEW.retry_count
+                          ELSE l.retry_count END,
+       available_at = CASE WHEN NEW.available_at IS DISTINCT FROM OLD.available_at THEN NEW.available_at
+                           ELSE l.available_at END,
+       last_error = CASE WHEN NEW.last_error IS DISTINCT FROM OLD.last_error THEN NEW.last_error
+                         ELSE l.last_error END,
+       expires_at = CASE WHEN NEW.expires_at IS DISTINCT FROM OLD.expires_at THEN NEW.expires_at
+                         ELSE l.expires_at END
  WHERE l.id = OLD.id
 RETURNING l.id, l.event_type, l.payload, l.queue, l.task, l.headers, l.priority,
           outbox.event_status(l.status, l.pending_xid, l.id, l.key_state), l.retry_count, l.created_at,
@@ -1007,11 +1037,14 @@ COMMENT ON FUNCTION @extschema@.outbox_resend(uuid[], text, text, text, outbox.e
 -- dispatchers' sweep of keys). The outbox's owner alone; logged, since
 -- nothing of the events is left. Returns how many; call again while it
 -- returns max_events. What is processing is being pushed: not taken. A
--- claim reads the events it takes without writing them: the discard takes
--- the claims' turn first (outbox.claim_turn, as sql/worker/lock_cursor.sql
--- does), so that what it reads next is after every claim that committed,
--- and no claim runs until its transaction ends; in READ COMMITTED alone,
--- where each statement reads what committed before it.
+-- claim reads the events it takes without writing them: the discard locks
+-- the rows it chose (SKIP LOCKED: one another session holds is left for
+-- the next call), then takes the claims' turn (outbox.claim_turn, as
+-- sql/worker/lock_cursor.sql does; rows, then the turn, the order a
+-- dispatcher takes them in), so that its delete reads what every claim
+-- that committed took, and deletes only what is still pending or failed.
+-- In READ COMMITTED alone, where each statement reads what committed
+-- before it. No claim runs until its transaction ends.
 CREATE FUNCTION @extschema@.outbox_discard(
     ids            uuid[] DEFAULT NULL,
     queue          text DEFAULT NULL,
@@ -1026,8 +1059,9 @@ LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    chosen record;
-    discarded bigint := 0;
+    locked_ids uuid[];
+    locked_generations smallint[];
+    discarded bigint;
 BEGIN
     PERFORM outbox.only_owner('outbox_discard');
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -1035,17 +1069,25 @@ BEGIN
             USING ERRCODE = 'invalid_transaction_state',
                   HINT = 'A snapshot taken before a claim committed would delete an event being pushed.';
     END IF;
+    SELECT array_agg(l.id), array_agg(l.generation)
+      INTO locked_ids, locked_generations
+      FROM (SELECT l.id, l.generation
+              FROM outbox.chosen('outbox_discard', '{pending,failed}', outbox_discard.ids, outbox_discard.queue,
+                                 outbox_discard.task, outbox_discard.event_type, outbox_discard.status,
+                                 outbox_discard.created_after, outbox_discard.created_before,
+                                 outbox_discard.max_events) AS c
+              JOIN outbox.log AS l ON l.id = c.id AND l.generation = c.generation
+               FOR UPDATE OF l SKIP LOCKED) AS l;
     PERFORM FROM outbox.claim_turn FOR UPDATE;
-    FOR chosen IN
-        SELECT c.id, c.generation
-          FROM outbox.chosen('outbox_discard', '{pending,failed}', outbox_discard.ids, outbox_discard.queue,
-                             outbox_discard.task, outbox_discard.event_type, outbox_discard.status,
-                             outbox_discard.created_after, outbox_discard.created_before,
-                             outbox_discard.max_events) AS c
-    LOOP
-        DELETE FROM outbox.log AS e WHERE e.id = chosen.id AND e.generation = chosen.generation;
-        discarded := discarded + 1;
-    END LOOP;
+    WITH gone AS (
+        DELETE FROM outbox.log AS e
+         USING unnest(locked_ids, locked_generations) AS k(id, generation)
+         WHERE e.id = k.id
+           AND e.generation = k.generation
+           AND outbox.event_status(e.status, e.pending_xid, e.id, e.key_state) IN ('pending', 'failed')
+        RETURNING e.id
+    )
+    SELECT count(*) INTO discarded FROM gone;
     RAISE LOG 'outbox_discard: role % discarded % events (ids %, queue %, task %, event_type %, status %, created % to %)',
         current_user, discarded, ids, queue, task, event_type, status, created_after, created_before;
     RETURN discarded;
@@ -1091,34 +1133,45 @@ $$;
 -- UPDATE on outbox.events, which edits what an event carries and refuses
 -- its place in line and its key's turn (sql/events.sql). An UPDATE of the
 -- table writes those: no role but the owner keeps it, each one named in a
--- WARNING (docs/operations/upgrades.md). INSERT stays: a row a writer
--- inserts takes its turn afresh (sql/keys.sql) and one that copies an id
--- is refused unsent (sql/worker/reused.sql).
+-- WARNING (docs/operations/upgrades.md). Every such grant comes from the
+-- owner's (a superuser's GRANT is recorded as the owner's): revoking those
+-- with CASCADE takes what their holders granted on. INSERT stays: a row a
+-- writer inserts takes its turn afresh (sql/keys.sql) and one that copies
+-- an id is refused unsent (sql/worker/reused.sql).
 DO $$
 DECLARE
     held record;
 BEGIN
     FOR held IN
-        SELECT DISTINCT c.oid::pg_catalog.regclass AS relation, g.grantee
+        SELECT c.oid::pg_catalog.regclass AS relation, g.grantee, pg_catalog.bool_or(g.grantor = c.relowner) AS owners
           FROM pg_catalog.pg_class AS c
           LEFT JOIN pg_catalog.pg_attribute AS a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
-         CROSS JOIN LATERAL (SELECT x.grantee, x.privilege_type FROM pg_catalog.aclexplode(c.relacl) AS x
+         CROSS JOIN LATERAL (SELECT x.grantee, x.grantor, x.privilege_type FROM pg_catalog.aclexplode(c.relacl) AS x
                              UNION ALL
-                             SELECT x.grantee, x.privilege_type FROM pg_catalog.aclexplode(a.attacl) AS x) AS g
+                             SELECT x.grantee, x.grantor, x.privilege_type
+                               FROM pg_catalog.aclexplode(a.attacl) AS x) AS g
          WHERE c.oid IN (SELECT p.relid FROM pg_catalog.pg_partition_tree('outbox.log') AS p)
            AND g.privilege_type = 'UPDATE'
            AND g.grantee <> c.relowner
+         GROUP BY 1, 2
          ORDER BY 1, 2
     LOOP
-        EXECUTE pg_catalog.format('REVOKE UPDATE ON %s FROM %s', held.relation,
-                                  CASE WHEN held.grantee = 0 THEN 'PUBLIC'
-                                       ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(held.grantee)) END);
         RAISE WARNING 'outbox_dispatch 1.1.0: UPDATE on % revoked from %', held.relation,
             CASE WHEN held.grantee = 0 THEN 'PUBLIC' ELSE pg_catalog.pg_get_userbyid(held.grantee)::pg_catalog.text END
             USING HINT = 'Grant UPDATE on outbox.events instead (docs/operations/security.md).';
+        IF held.owners THEN
+            EXECUTE pg_catalog.format('REVOKE UPDATE ON %s FROM %s CASCADE', held.relation,
+                                      CASE WHEN held.grantee = 0 THEN 'PUBLIC'
+                                           ELSE pg_catalog.quote_ident(pg_catalog.pg_get_userbyid(held.grantee)) END);
+        END IF;
     END LOOP;
 END
 $$;
+
+-- Operators retry dead letters without a privilege on outbox.log (the
+-- update above revokes theirs): the retries run as the owner.
+ALTER FUNCTION @extschema@.outbox_retry(uuid) SECURITY DEFINER;
+ALTER FUNCTION @extschema@.outbox_retry_failed(interval) SECURITY DEFINER;
 
 -- The extension's schema again, for what follows (as after an install).
 SET LOCAL search_path = @extschema@;

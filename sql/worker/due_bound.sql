@@ -7,8 +7,7 @@
 --
 -- An event goes out of line only due after the moment it is written, and
 -- its transaction holds from then until it ends a shared advisory lock
--- (1869968482, a hash of its transaction id) that says so
--- (outbox_pending_again(),
+-- (1869968482, a number it drew) that says so (outbox_pending_again(),
 -- sql/schema.sql, which every write that makes an event pending goes
 -- through; the rotation's move keeps the due time it had, above the
 -- floor). So the only

@@ -670,6 +670,10 @@ fn mark(
         turns.dispatched(Some(head.clone()));
     }
     let failures = &outcome.failures;
+    let leaving: Vec<_> = failures.iter().map(|f| f.id).chain(outcome.released.iter().map(|(id, _)| *id)).collect();
+    if !leaving.is_empty() {
+        tx.run(Stmt::LockEvents, &[Arg::UuidArray(leaving)])?;
+    }
     if !failures.is_empty() {
         let status = |f: &Failure| if f.dead { "failed" } else { "pending" }.to_string();
         let args = [

@@ -55,6 +55,7 @@ statements! {
     DueBound = "worker/due_bound.sql" ();
     DueFloor = "worker/due_floor.sql" (Float8, Float8);
     MarkDispatched = "worker/mark_dispatched.sql" (Int8, Int4, Bool);
+    LockEvents = "worker/lock_events.sql" (UuidArray);
     MarkFailed = "worker/mark_failed.sql" (UuidArray, TextArray, TextArray, TextArray, Float8Array);
     Release = "worker/release.sql" (UuidArray, TextArray);
     Abandon = "worker/abandon.sql" (Int4, Float8, Int4);

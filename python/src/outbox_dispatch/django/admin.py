@@ -8,8 +8,17 @@ The paginator counts the rows of the page's query up to
 :data:`EXACT_UP_TO` (``count(*)`` over the query with a ``LIMIT``), and
 past that takes the planner's estimate (``EXPLAIN``);
 ``show_full_result_count`` is off, facets are never counted, and the lists
-are in id order (UUIDv7, the order the events were made: an index scan),
-newest first, not sorted by a column."""
+are in id order (UUIDv7, the order the events were made), newest first,
+not sorted by a column.
+
+``outbox.events`` is a union of one branch per kind of row, each read
+through its own index: PostgreSQL cannot read such a union in id order,
+and a page of it sorts every row its filter keeps. So a list of events
+reads the newest rows first: the ids above a floor (the
+:data:`WINDOWS`-th newest row of ``outbox.log``, a walk of its primary
+keys), a filter each branch takes into its own scan, widening the window
+tenfold until it holds the page; only a page beyond the widest window
+reads the whole list."""
 
 from __future__ import annotations
 
@@ -28,11 +37,37 @@ from outbox_dispatch.replay import discard
 #: The most rows a list counts; past them, the planner's estimate.
 EXACT_UP_TO = 10_000
 
+#: The newest rows of ``outbox.log`` a list of events reads first, in turn
+#: until one holds what is asked for (see above).
+WINDOWS = (1_000, 10_000, 100_000, 1_000_000)
+
+
+def newest(queryset: Any, rows: int) -> tuple[Any, bool]:
+    """The part of ``queryset`` (newest first) that holds its first
+    ``rows`` rows, read from the newest rows of ``outbox.log`` (the ids
+    above a floor), and whether it holds them: ``(queryset, True)`` where
+    its order is not the ids' or the log is shorter than a window; the
+    widest window's part and ``False`` when even that holds fewer."""
+    if list(queryset.query.order_by or queryset.model._meta.ordering) != ["-id"]:
+        return queryset, True
+    part = queryset
+    with connections[queryset.db].cursor() as cursor:
+        for window in WINDOWS:
+            cursor.execute("SELECT l.id FROM outbox.log AS l ORDER BY l.id DESC OFFSET %s LIMIT 1", [window - 1])
+            floor = cursor.fetchone()
+            if floor is None:
+                return queryset, True
+            part = queryset.filter(id__gte=floor[0])
+            if part.order_by()[:rows].count() >= rows:
+                return part, True
+    return part, False
+
 
 class EstimatedCountPaginator(Paginator):
     """Pages whose count is exact up to :data:`EXACT_UP_TO` rows and the
     planner's estimate past them: the last pages' numbers of a long list
-    are approximate."""
+    are approximate. A list newest first reads its newest rows first
+    (:func:`newest`)."""
 
     @cached_property
     def count(self) -> int:
@@ -49,6 +84,15 @@ class EstimatedCountPaginator(Paginator):
         if isinstance(plan, str):
             plan = json.loads(plan)
         return max(counted, int(plan[0]["Plan"]["Plan Rows"]))
+
+    def page(self, number: Any) -> Any:
+        number = self.validate_number(number)
+        bottom = (number - 1) * self.per_page
+        top = bottom + self.per_page
+        if top + self.orphans >= self.count:
+            top = self.count
+        part, held = newest(self.object_list, top)
+        return self._get_page((part if held else self.object_list)[bottom:top], number, self)
 
 
 class OutboxAdmin(admin.ModelAdmin):
