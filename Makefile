@@ -112,7 +112,8 @@ stop:
 # full loop through a Celery worker; then dispatch under a pinned xmin
 # against the same without; several databases; per-key order; Redis and
 # RabbitMQ side by side; WAL per event of each path beside a plain INSERT
-# and PgQ; enqueue without the library beside with it (release build;
+# and PgQ; reading outbox.events, and the Django admin's list of it at 10M
+# rows; enqueue without the library beside with it (release build;
 # about an hour; sizes: BENCH_* variables, see bench/*.py).
 bench: install
 	.venv/bin/pip install -q -r bench/requirements.txt
@@ -124,6 +125,7 @@ bench: install
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/brokers.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/wal.py
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/table.py
+	PG_BIN=$(PG_BIN) $(PYTHON) bench/admin.py
 	cargo build --release -p outbox-dispatch
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/standalone.py
 
