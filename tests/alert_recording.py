@@ -1,12 +1,16 @@
-"""Recorded scrapes for the alert rules' tests: the exporter scraped
-through real faults, and the series Prometheus would have stored from it.
+"""Recorded scrapes for the alert rules' tests: each host's scrape target
+(the exporter of the library's databases, the sidecar's own /metrics)
+scraped through real faults, and the series Prometheus would have stored
+from it.
 
-`record()` starts a cluster, Redis and the exporter with the harness,
-enqueues an event every few seconds, and makes the faults of `PHASES` one
-after another (Redis stopped, the dispatchers paused, the database
-stopped, the exporter stopped), scraping `/metrics` every `INTERVAL`
-seconds as Prometheus would. It writes what each scrape got (None when it
-failed) and when each phase began, as gzipped JSON lines.
+`record()` starts a cluster of the suite's mode (OUTBOX_HOST: the library
+and the exporter, or the sidecar) and Redis with the harness, enqueues an
+event every few seconds, and makes the faults of `PHASES` one after
+another (Redis stopped, the dispatchers paused, the database stopped, the
+scrape target stopped: the exporter, or the sidecar), scraping `/metrics`
+every `INTERVAL` seconds as Prometheus would. It writes what each scrape
+got (None when it failed) and when each phase began, as gzipped JSON
+lines.
 `record_alarm()` does the same with RabbitMQ as the broker and the faults
 of `ALARM_PHASES`: a memory alarm of a minute, then one of eight, with the
 default settings (recorded so: each blocked push was refused at once and
@@ -16,17 +20,21 @@ contrib/prometheus/outbox_alerts_test.yml models). Run them again when the
 metrics change:
 
     PG_BIN=/usr/lib/postgresql/15/bin .venv/bin/python tests/alert_recording.py tests/fixtures/outage.jsonl.gz
+    OUTBOX_HOST=sidecar PG_BIN=/usr/lib/postgresql/15/bin .venv/bin/python tests/alert_recording.py \
+        tests/fixtures/outage-sidecar.jsonl.gz
     PG_BIN=/usr/lib/postgresql/15/bin .venv/bin/python tests/alert_recording.py --alarm tests/fixtures/alarm.jsonl.gz
 
 `promtool_input()` turns a recording into `promtool test rules` input
 series: each sample labelled with the scrape's job and instance, `up`
 for each scrape, and a staleness marker where a series stops, as
-Prometheus stores a target's scrapes.
+Prometheus stores a target's scrapes; `promtool_on()` runs the alert
+rules on them.
 """
 
 import contextlib
 import gzip
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -34,11 +42,12 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import Cluster, RabbitMQ, Redis, free_port, wait_until
+from harness import Cluster, RabbitMQ, Redis, exporter, wait_until
+from standalone import HOST, SidecarCluster, new_cluster
 
 #: Seconds between scrapes (Prometheus's default scrape_interval).
 INTERVAL = 15
@@ -123,14 +132,63 @@ def notation(values: List[Optional[float]]) -> List[str]:
     return out
 
 
+# --- promtool -------------------------------------------------------------------
+
+#: The alert rules.
+RULES = Path(__file__).resolve().parent.parent / "contrib" / "prometheus" / "outbox_alerts.yml"
+
+#: The labels of an alert on database postgres of the recorded target.
+TARGET = {"database": "postgres", "job": JOB, "instance": INSTANCE}
+
+
+def alert_annotations(rules):
+    """Each alert's annotations, as the rule file writes them (the file is
+    YAML; its annotations are one line each)."""
+    alerts, current = {}, None
+    for line in rules.splitlines():
+        if m := re.match(r"\s*- alert: (\w+)", line):
+            current = alerts.setdefault(m[1], {})
+        elif current is not None and (m := re.match(r'\s+(summary|description|runbook_url): "(.*)"$', line)):
+            current[m[1]] = m[2].replace('\\"', '"')
+    return alerts
+
+
+def firing(alert, value="", **labels):
+    """An alert as promtool expects it firing: its labels, and its
+    annotations as the rule file writes them, filled in."""
+    database = labels.get("database", "")
+    return {"exp_labels": labels, "exp_annotations": {
+        k: v.replace("{{ $labels.database }}", database).replace("{{ $value | humanize }}", value)
+        for k, v in alert_annotations(RULES.read_text())[alert].items()}}
+
+
+def promtool_on(recording, tmp_path, expected):
+    """promtool test rules on `recording`: at each time of `expected` (a
+    phase and minutes into it), the alerts given fire, and every other
+    alert of the rule file is silent."""
+    alerts = alert_annotations(RULES.read_text())
+    tests = []
+    for (phase, minutes), fired in expected.items():
+        when = f"{recording.phases[phase] * recording.interval + round(minutes * 60)}s"
+        tests += [{"eval_time": when, "alertname": alert, "exp_alerts": fired.get(alert, [])} for alert in alerts]
+    suite = {"rule_files": [str(RULES)], "evaluation_interval": f"{recording.interval}s",
+             "tests": [{"interval": f"{recording.interval}s", "input_series": promtool_input(recording),
+                        "alert_rule_test": tests}]}
+    (tmp_path / "recorded_test.yml").write_text(json.dumps(suite))
+    tested = subprocess.run(["promtool", "test", "rules", "recorded_test.yml"], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout[-6000:] + tested.stderr[-6000:]
+
+
 # --- Recording ----------------------------------------------------------------
 
 
 def record(path: Path) -> None:
+    """The outage of `PHASES` on the suite's mode's host (OUTBOX_HOST)."""
     redis_server = Redis()
-    pg = Cluster(redis_server.url)
+    pg = new_cluster(redis_server.url)
     try:
-        with observed(pg) as (exporter, url):
+        with (sidecar_observed(pg) if HOST == "sidecar" else observed(pg)) as (stop_target, url):
             faults = {
                 "broker down": redis_server.stop,
                 "broker back": redis_server.start,
@@ -138,7 +196,7 @@ def record(path: Path) -> None:
                 "resumed": lambda: pg.configure(enabled="on"),
                 "database down": pg.stop,
                 "database back": pg.start,
-                "exporter down": lambda: (exporter.terminate(), exporter.wait(timeout=30)),
+                "exporter down": stop_target,
             }
             scrape_through(path, url, PHASES, faults)
     finally:
@@ -165,23 +223,40 @@ def record_alarm(path: Path, **settings: str) -> None:
 
 
 @contextlib.contextmanager
-def observed(pg: Cluster) -> Iterator[Tuple[subprocess.Popen, str]]:
-    """The extension and the exporter's role in `pg`, the exporter (and
-    its URL), and an event enqueued every few seconds meanwhile."""
-    exporter = None
+def observed(pg: Cluster) -> Iterator[Tuple[Callable[[], None], str]]:
+    """The extension and the exporter's role in `pg`, the exporter (what
+    stops it, and its URL), and an event enqueued every few seconds
+    meanwhile."""
+    proc = None
     stop = threading.Event()
     try:
         pg.sql("CREATE EXTENSION outbox_dispatch")
         pg.sql("DO $$ BEGIN CREATE ROLE outbox_metrics LOGIN IN ROLE pg_monitor; "
                "EXCEPTION WHEN duplicate_object THEN NULL; END $$")
-        exporter, url = start_exporter(pg)
+        proc, url = exporter(f"host={pg.dir} port={pg.port} user=outbox_metrics dbname=postgres", timeout=5)
         threading.Thread(target=produce, args=(pg, stop), daemon=True).start()
-        yield exporter, url
+        yield lambda: (proc.terminate(), proc.wait(timeout=30)), url
     finally:
         stop.set()
-        if exporter is not None and exporter.poll() is None:
-            exporter.terminate()
-            exporter.wait(timeout=30)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def sidecar_observed(pg: SidecarCluster) -> Iterator[Tuple[Callable[[], None], str]]:
+    """The outbox installed in `pg` (a SidecarCluster) and its sidecar
+    running, what stops the sidecar, the URL of its /metrics, and an
+    event enqueued every few seconds meanwhile."""
+    stop = threading.Event()
+    try:
+        pg.install()
+        url = f"http://127.0.0.1:{pg.metrics_port}/metrics"
+        wait_until(lambda: fetch(url) is not None, timeout=30, message="the sidecar to answer")
+        threading.Thread(target=produce, args=(pg, stop), daemon=True).start()
+        yield lambda: pg.configure(workers=0), url
+    finally:
+        stop.set()
 
 
 def scrape_through(path: Path, url: str, phases: Tuple[Tuple[str, int], ...], faults: Dict[str, Any]) -> None:
@@ -201,16 +276,6 @@ def scrape_through(path: Path, url: str, phases: Tuple[Tuple[str, int], ...], fa
                 out.write(json.dumps({"scrape": scrape, "text": fetch(url)}) + "\n")
                 out.flush()
                 scrape += 1
-
-
-def start_exporter(pg: Cluster) -> Tuple[subprocess.Popen, str]:
-    port = free_port()
-    dsn = f"host={pg.dir} port={pg.port} user=outbox_metrics dbname=postgres"
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_dispatch.exporter", "--listen", f"127.0.0.1:{port}",
-                             "--dsn", dsn], stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/metrics"
-    wait_until(lambda: fetch(url) is not None, timeout=30, message="the exporter to answer")
-    return proc, url
 
 
 def fetch(url: str) -> Optional[str]:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -57,6 +58,33 @@ def wait_until(condition, timeout=30.0, interval=0.05, message="condition", seen
             found = f"; found {seen()}" if seen else ""
             raise AssertionError(f"timed out after {timeout}s waiting for {message}{found}")
         time.sleep(interval)
+
+
+def fetch(url, timeout=30):
+    """The body of a GET of `url`."""
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def exporter(*dsns, timeout=2):
+    """`python -m outbox_dispatch.exporter` serving the databases of `dsns`,
+    once it answers: (its process, its /metrics URL)."""
+    port = free_port()
+    args = [sys.executable, "-m", "outbox_dispatch.exporter", "--listen", f"127.0.0.1:{port}",
+            "--timeout", str(timeout)]
+    for dsn in dsns:
+        args += ["--dsn", dsn]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def answers():
+        try:
+            return fetch(url, timeout=10)
+        except OSError:
+            return None
+
+    wait_until(answers, timeout=30, message="the exporter to answer")
+    return proc, url
 
 
 class SilentBroker:
@@ -708,6 +736,16 @@ class Cluster:
         the next tests' dispatchers find nothing due that was moved back."""
         self.sql("UPDATE outbox.generations SET started_at = CASE WHEN started_at IS NOT NULL THEN now() END, "
                  "ended_at = CASE WHEN ended_at IS NOT NULL THEN now() END")
+
+    def exposition(self):
+        """What Prometheus scrapes of this host: the exporter
+        (`python -m outbox_dispatch.exporter`) serving database postgres."""
+        proc, url = exporter(f"host={self.dir} port={self.port} user=postgres dbname=postgres")
+        try:
+            return fetch(url)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
 
     def metric(self, name, **labels):
         """The value of one sample of outbox.metrics."""

@@ -241,17 +241,25 @@ class SidecarCluster(Cluster):
             self.sidecar.close()
             self.sidecar = None
 
-    def metric(self, name, **labels):
-        """The value of one sample of the sidecar's /metrics; None when it
-        shows none."""
-        series = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+    def exposition(self):
+        """What Prometheus scrapes of this host: the sidecar's /metrics, once
+        the database answered it (outbox_up 1)."""
+        up = 'outbox_up{database="postgres"}'
 
         def scraped():
             try:
-                return samples(scrape(self.metrics_port)[1])
+                text = scrape(self.metrics_port)[1]
             except OSError:  # not listening yet: a sidecar just started
                 return None
-        return wait_until(scraped, message="the sidecar's /metrics").get(series)
+            return text if samples(text).get(up) == 1 else None
+        return wait_until(scraped, message="the sidecar's /metrics with the database up")
+
+    def metric(self, name, **labels):
+        """The value of one sample of the sidecar's /metrics (of database
+        postgres); None when it shows none."""
+        labels = {"database": "postgres", **labels}
+        series = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        return samples(self.exposition()).get(series)
 
     def report_list(self, dbname="postgres"):
         key, oid = self.sql("SELECT coalesce(outbox.setting('outbox.report_key'), 'outbox_dispatch.reports'), oid "

@@ -1,24 +1,30 @@
 """Observability: shared-memory counters and histograms, outbox.metrics,
-outbox_metrics_prometheus(), outbox.workers and outbox.status. (Reconnects,
+outbox_metrics_prometheus(), outbox.workers and outbox.status, and what
+each host serves Prometheus (the exporter over the library's, the
+sidecar's /metrics), read by the alert rules. (Reconnects,
 dead letters and stuck events are counted in test_reliability.py, where
 those faults are made.)"""
 
 import re
+import subprocess
 import time
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from alert_recording import INTERVAL, Recording, firing, promtool_on
 from harness import Cluster, wait_until
+from standalone import library_only
 
 METRICS_PAGE = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "metrics.md").read_text()
 
 
 def histogram(pg, name):
-    """(buckets as [(le, cumulative)], sum, count) from outbox.metrics."""
-    rows = pg.sql("SELECT labels->>'le', value FROM outbox.metrics WHERE name = %s ORDER BY value, "
-                  "(labels->>'le') = '+Inf'", (f"{name}_bucket",))
-    return rows, pg.metric(f"{name}_sum"), pg.metric(f"{name}_count")
+    """(buckets as [(le, cumulative)], sum, count) as the host serves them."""
+    [family] = [f for f in text_string_to_metric_families(pg.exposition()) if f.name == name]
+    buckets = [(s.labels["le"], s.value) for s in family.samples if s.name == f"{name}_bucket"]
+    totals = {s.name: s.value for s in family.samples}
+    return buckets, totals[f"{name}_sum"], totals[f"{name}_count"]
 
 
 def test_dispatching_n_events_moves_the_counters_by_n(outbox):
@@ -52,6 +58,7 @@ def test_counters_survive_a_dispatcher_restart(outbox):
     assert outbox.metric("outbox_dispatched_total") >= before >= 10
 
 
+@library_only("counters in the server's shared memory")
 def test_counters_reset_when_the_server_restarts(redis_server):
     pg = Cluster(redis_server.url)
     try:
@@ -65,6 +72,7 @@ def test_counters_reset_when_the_server_restarts(redis_server):
         pg.close()
 
 
+@library_only("a commit wakes the dispatchers through their latches, with no NOTIFY")
 def test_wakeups_are_counted_by_source(outbox):
     outbox.wait_idle()
     commit = outbox.metric("outbox_wakeups_total", source="commit")
@@ -85,9 +93,13 @@ def test_wakeups_are_counted_by_source(outbox):
 
 
 def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
+    """What Prometheus scrapes of the host (the exporter over
+    outbox_metrics_prometheus(), or the sidecar's /metrics): the same
+    families, each sample labelled with its database, and outbox_up, on
+    which the dashboard's database picker and the alert rules rely."""
     outbox.sql("SELECT outbox_enqueue('m', '{}', queue => 'q_prom')")
     wait_until(lambda: outbox.count("dispatched") == 1, message="one dispatched")
-    text = outbox.value("SELECT outbox_metrics_prometheus()")
+    text = outbox.exposition()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     expected = {
         "outbox_dispatched": "counter", "outbox_retries": "counter", "outbox_dead_letters": "counter",
@@ -106,9 +118,17 @@ def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
         "outbox_oldest_transaction_seconds": "gauge", "outbox_events_dead_tuples": "gauge",
         "outbox_key_turns": "counter", "outbox_inbox_duplicates": "counter", "outbox_events_waiting": "gauge", "outbox_keys_waiting": "gauge",
         "outbox_keys_dead_lettered": "gauge", "outbox_key_head_seconds": "gauge",
+        "outbox_up": "gauge", "outbox_scrape_duration_seconds": "gauge",
     }
     assert {name: f.type for name, f in families.items()} == expected
     assert all(f.documentation for f in families.values())
+    unlabelled = [s for f in families.values() for s in f.samples if s.labels.get("database") != "postgres"]
+    assert unlabelled == []
+    assert [(s.name, s.value) for s in families["outbox_up"].samples] == [("outbox_up", 1)]
+    # The two families each host's scrape target adds itself, in its own
+    # code, say the same.
+    assert families["outbox_up"].documentation == "Whether the database answered the last scrape (1) or not (0)."
+    assert families["outbox_scrape_duration_seconds"].documentation == "How long the last scrape of the database took."
     # Either broker may be behind them: the texts name "the broker", except
     # where only Redis applies (its Sentinel's master).
     assert [name for name, f in families.items()
@@ -122,6 +142,26 @@ def test_prometheus_text_parses_and_every_metric_is_documented(outbox):
     assert events == {"pending": 0, "processing": 0, "dispatched": 1, "processed": 0, "failed": 0}
     estimated = {s.labels["status"]: s.value for s in families["outbox_events_estimated"].samples}
     assert estimated == {"pending": 0, "processing": 0, "dispatched": 0, "processed": 0, "failed": 0}
+
+
+def test_the_alert_rules_read_what_the_host_serves(outbox, tmp_path):
+    """promtool on a scrape of the host (the exporter over the library, or
+    the sidecar's /metrics): `promtool check metrics` finds nothing to
+    say; served ten minutes, a healthy outbox fires no alert (not
+    OutboxExporterDown, which a sidecar without outbox_up set off); its
+    scrape target down three minutes, OutboxExporterDown fires."""
+    outbox.sql("SELECT outbox_enqueue('m', '{}', queue => 'q_rules')")
+    wait_until(lambda: outbox.count("dispatched") == 1, message="one dispatched")
+    text = outbox.exposition()
+    checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert checked.returncode == 0 and checked.stdout + checked.stderr == "", checked.stdout + checked.stderr
+    scrapes = 10 * 60 // INTERVAL
+    served = Recording(INTERVAL, [text] * scrapes + [None] * (3 * 60 // INTERVAL),
+                       {"served": 0, "target down": scrapes})
+    promtool_on(served, tmp_path, {
+        ("served", 9.75): {},
+        ("target down", 2.75): {"OutboxExporterDown": [firing("OutboxExporterDown", "1", severity="critical")]},
+    })
 
 
 def test_a_scrape_writes_nothing_and_runs_in_a_parallel_query(outbox):

@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,16 +23,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from alert_recording import INSTANCE, JOB, Recording, promtool_input
-from harness import free_port, wait_until
+from alert_recording import TARGET, Recording, firing, promtool_on
+from harness import exporter, fetch, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRIB = ROOT / "contrib"
-
-
-def fetch(url, timeout=30):
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read().decode()
 
 
 @pytest.fixture
@@ -41,25 +35,6 @@ def monitor(outbox):
     outbox.sql("DO $$ BEGIN CREATE ROLE outbox_metrics LOGIN IN ROLE pg_monitor; "
                "EXCEPTION WHEN duplicate_object THEN NULL; END $$")
     return outbox
-
-
-def exporter(pg, *dsns, timeout=2):
-    port = free_port()
-    args = [sys.executable, "-m", "outbox_dispatch.exporter", "--listen", f"127.0.0.1:{port}",
-            "--timeout", str(timeout)]
-    for dsn in dsns:
-        args += ["--dsn", dsn]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}/metrics"
-
-    def answers():
-        try:
-            return fetch(url, timeout=10)
-        except OSError:
-            return None
-
-    wait_until(answers, timeout=30, message="the exporter to answer")
-    return proc, url
 
 
 def dsn(pg, dbname="postgres", port=None):
@@ -71,7 +46,7 @@ def families(text):
 
 
 def test_prometheus_scrapes_the_exporter_as_a_pg_monitor_role(monitor, redis_server):
-    proc, url = exporter(monitor, dsn(monitor))
+    proc, url = exporter(dsn(monitor))
     work = Path(tempfile.mkdtemp(prefix="outbox-prometheus-"))
     prometheus = None
     try:
@@ -131,7 +106,7 @@ def test_a_database_that_cannot_answer_is_down_and_the_others_are_served(monitor
     nowhere.close()
     monitor.sql("DROP DATABASE IF EXISTS plain")
     monitor.sql("CREATE DATABASE plain")
-    proc, url = exporter(monitor, dsn(monitor), dead, dsn(monitor, "plain"), timeout=2)
+    proc, url = exporter(dsn(monitor), dead, dsn(monitor, "plain"), timeout=2)
     try:
         started = time.monotonic()
         scraped = families(fetch(url))
@@ -168,7 +143,7 @@ def test_a_database_that_stops_answering_is_down_within_the_deadline_and_nothing
 
     threading.Thread(target=accept, daemon=True).start()
     host, port = silent.getsockname()
-    proc, url = exporter(monitor, dsn(monitor), f"host={host} port={port} user=outbox_metrics dbname=postgres",
+    proc, url = exporter(dsn(monitor), f"host={host} port={port} user=outbox_metrics dbname=postgres",
                          timeout=2)
     ours, theirs = f"postgres@{monitor.dir}:{monitor.port}", f"postgres@{host}:{port}"
     stopped = []
@@ -243,7 +218,7 @@ def test_clients_that_give_up_early_share_one_query_and_leave_the_connection_ope
     closes nothing: the query ends when the lock is released, on the same
     connection, which the next scrape uses again."""
     monitor.sql("ALTER ROLE outbox_metrics SET log_statement = 'all'")
-    proc, url = exporter(monitor, dsn(monitor), timeout=5)
+    proc, url = exporter(dsn(monitor), timeout=5)
     try:
         assert scrape_with(url, "10")[0] == [1]
         [[backend]] = monitor.sql("SELECT pid FROM pg_stat_activity "
@@ -280,7 +255,7 @@ def test_slow_clients_hold_no_thread_for_long_and_too_many_are_turned_away(monit
     and then (slowloris) fill the exporter's requests: a ninth is answered
     503 at once. Each is cut off 5 s after it connected, however steadily
     it trickles; then Prometheus's scrapes are served again."""
-    proc, url = exporter(monitor, dsn(monitor), timeout=2)
+    proc, url = exporter(dsn(monitor), timeout=2)
     port = urllib.parse.urlparse(url).port
     slow = []
     try:
@@ -331,45 +306,19 @@ def test_the_alert_rules_pass_promtool():
 
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-RULES = CONTRIB / "prometheus" / "outbox_alerts.yml"
-TARGET = {"database": "postgres", "job": JOB, "instance": INSTANCE}
 
 
-def firing(alert, value="", **labels):
-    """An alert as promtool expects it firing: its labels, and its
-    annotations as the rule file writes them, filled in."""
-    database = labels.get("database", "")
-    return {"exp_labels": labels, "exp_annotations": {
-        k: v.replace("{{ $labels.database }}", database).replace("{{ $value | humanize }}", value)
-        for k, v in alert_annotations(RULES.read_text())[alert].items()}}
-
-
-def promtool_on(recording, tmp_path, expected):
-    """promtool test rules on `recording`: at each time of `expected` (a
-    phase and minutes into it), the alerts given fire, and every other
-    alert of the rule file is silent."""
-    alerts = alert_annotations(RULES.read_text())
-    tests = []
-    for (phase, minutes), fired in expected.items():
-        when = f"{recording.phases[phase] * recording.interval + round(minutes * 60)}s"
-        tests += [{"eval_time": when, "alertname": alert, "exp_alerts": fired.get(alert, [])} for alert in alerts]
-    suite = {"rule_files": [str(RULES)], "evaluation_interval": f"{recording.interval}s",
-             "tests": [{"interval": f"{recording.interval}s", "input_series": promtool_input(recording),
-                        "alert_rule_test": tests}]}
-    (tmp_path / "recorded_test.yml").write_text(json.dumps(suite))
-    tested = subprocess.run(["promtool", "test", "rules", "recorded_test.yml"], cwd=tmp_path,
-                            capture_output=True, text=True)
-    assert tested.returncode == 0 and "SUCCESS" in tested.stdout, tested.stdout[-6000:] + tested.stderr[-6000:]
-
-
-def test_the_alerts_on_a_recorded_outage_fire_while_it_lasts_and_not_while_paused(tmp_path):
-    """promtool on what the exporter served through real faults
-    (tests/alert_recording.py made the recording): Redis stopped for six
-    minutes, then the dispatchers paused, the database stopped, the
-    exporter stopped. The broker's alerts fire during the outage and are
-    silent after it and while paused; the database's and the exporter's
-    fire while they are down; a healthy outbox fires none."""
-    promtool_on(Recording.load(FIXTURES / "outage.jsonl.gz"), tmp_path, {
+@pytest.mark.parametrize("host, recorded", [("library", "outage.jsonl.gz"), ("sidecar", "outage-sidecar.jsonl.gz")])
+def test_the_alerts_on_a_recorded_outage_fire_while_it_lasts_and_not_while_paused(tmp_path, host, recorded):
+    """promtool on what each host's scrape target served through real
+    faults (tests/alert_recording.py made the recordings: the exporter of
+    the library's database, and the sidecar's /metrics): Redis stopped for
+    six minutes, then the dispatchers paused, the database stopped, the
+    scrape target (the exporter, the sidecar) stopped. On either host the
+    same alerts fire: the broker's during the outage, silent after it and
+    while paused; the database's and the exporter's while they are down;
+    a healthy outbox fires none."""
+    promtool_on(Recording.load(FIXTURES / recorded), tmp_path, {
         ("healthy", 1.75): {},
         ("broker down", 5): {"OutboxBrokerUnavailable": [firing("OutboxBrokerUnavailable", severity="warning",
                                                                 **TARGET)],
@@ -419,20 +368,8 @@ def test_the_alerts_on_a_recorded_rabbitmq_alarm_fire_while_it_blocks_publishing
     promtool_on(recording, tmp_path, expected)
 
 
-def alert_annotations(rules):
-    """Each alert's annotations, as the rule file writes them (the file is
-    YAML; its annotations are one line each)."""
-    alerts, current = {}, None
-    for line in rules.splitlines():
-        if m := re.match(r"\s*- alert: (\w+)", line):
-            current = alerts.setdefault(m[1], {})
-        elif current is not None and (m := re.match(r'\s+(summary|description|runbook_url): "(.*)"$', line)):
-            current[m[1]] = m[2].replace('\\"', '"')
-    return alerts
-
-
 def test_the_dashboard_and_the_rules_ask_only_for_exported_metrics(monitor):
-    proc, url = exporter(monitor, dsn(monitor))
+    proc, url = exporter(dsn(monitor))
     try:
         exported = set()
         for family in text_string_to_metric_families(fetch(url)):
@@ -452,3 +389,16 @@ def test_the_dashboard_and_the_rules_ask_only_for_exported_metrics(monitor):
     assert [title for title in panels if "Redis" in title] == [], "either broker may be behind the panels"
     for topic in ("sent", "Lag", "latency", "status", "Dispatchers", "Broker"):
         assert any(topic.lower() in title.lower() for title in panels), topic
+
+
+def test_the_dashboard_s_rates_take_grafana_s_rate_interval():
+    """Every range the dashboard asks for is $__rate_interval: at least
+    four scrape intervals of the data source, whatever its scrape
+    interval is, where a fixed window shorter than two scrapes draws
+    nothing; per-minute panels scale a rate."""
+    dashboard = json.loads((CONTRIB / "grafana" / "outbox.json").read_text())
+    expressions = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    ranges = {r for e in expressions for r in re.findall(r"\[([^\]]*)\]", e)}
+    assert ranges == {"$__rate_interval"}, ranges
+    per_minute = [t["expr"] for p in dashboard["panels"] if "per minute" in p["title"] for t in p["targets"]]
+    assert per_minute and all("(60 * rate(" in e for e in per_minute), per_minute

@@ -378,8 +378,9 @@ def test_a_control_connection_that_hangs_and_a_scrape_that_never_reads_cost_deli
     every dispatcher up. Every connection that is no dispatcher's own
     stopped (SIGSTOP), the status table locked by its owner, a scrape that
     never reads its answer and one that waits for the gauges: delivery goes
-    on at its rate, and the scrapes are answered (the first without the
-    gauges, whose connection is stopped, the next on a new one)."""
+    on at its rate, and the scrapes are answered (the database down,
+    outbox_up 0, while the gauges' connection is stopped; up, and the
+    counters with it, once it answers again)."""
     port = free_port()
     sidecars(server, db, "--metrics-listen", f"127.0.0.1:{port}", broker=redis_server.url)
     serving(server, db)
@@ -402,7 +403,9 @@ def test_a_control_connection_that_hangs_and_a_scrape_that_never_reads_cost_deli
         assert during < 3 * before + 2, (before, during)
         waiting.join(timeout=30)
         status, body = scraped["answer"]
-        assert status.endswith("200 OK") and "outbox_dispatched_total 400" in body
+        served = samples(body)
+        assert status.endswith("200 OK") and served[f'outbox_up{{database="{db}"}}'] == 0, served
+        assert [s for s in served if not s.startswith(("outbox_up{", "outbox_scrape_duration_seconds{"))] == []
         # The lock released, the rows' writer still stopped: another writes them.
         locker.rollback()
         wait_until(lambda: server.value("SELECT events_dispatched FROM outbox.workers", dbname=db) == 400,
@@ -412,6 +415,8 @@ def test_a_control_connection_that_hangs_and_a_scrape_that_never_reads_cost_deli
             os.kill(pid, signal.SIGCONT)
         locker.close()
         silent.close()
+    wait_until(lambda: samples(scrape(port)[1]).get(f'outbox_dispatched_total{{database="{db}"}}') == 400,
+               timeout=30, message="the counters served, the database answering again")
 
 
 def peak_resident_bytes(pid):
@@ -463,8 +468,11 @@ def test_metrics_answer_garbage_with_nothing_and_show_the_library_s_names(
 
     ids = enqueue(server, db, "q_metrics", 5)
     wait_until(lambda: sorted(queued_ids(redis_server.client(), "q_metrics")) == sorted(ids), message="sent")
-    found = samples(scrape(port)[1])
-    assert found["outbox_dispatched_total"] == 5
+    # Each sample labelled with its database, as the exporter labels the
+    # library's.
+    found = {re.sub(rf'database="{db}",?', "", series).replace("{}", ""): value
+             for series, value in samples(scrape(port)[1]).items()}
+    assert found["outbox_dispatched_total"] == 5 and found["outbox_up"] == 1
     assert found["outbox_workers_running"] == 1 and found["outbox_workers_connected"] == 1
     assert found['outbox_events{status="dispatched"}'] == 5
     # The library's names, but for what only its SQL functions count:
@@ -472,7 +480,8 @@ def test_metrics_answer_garbage_with_nothing_and_show_the_library_s_names(
     assert 'outbox_acked_total{source="celery"}' in found and 'outbox_acked_total{source="sql"}' not in found
     library = {r[0] for r in cluster.sql("SELECT DISTINCT name FROM outbox.metrics")}
     names = {re.sub(r"\{.*", "", series) for series in found}
-    assert names == library - {"outbox_inbox_duplicates_total"}, (names ^ library)
+    exporter_own = {"outbox_up", "outbox_scrape_duration_seconds"}
+    assert names == library - {"outbox_inbox_duplicates_total"} | exporter_own, (names ^ library)
 
 
 def answer(port, path):

@@ -1,16 +1,21 @@
 //! `/metrics` (`--metrics-listen`): the Prometheus text exposition of the
 //! process's counters and histograms, its dispatchers' gauges and the
-//! database's gauges, under the names `outbox.metrics` has with the
-//! library; beside it `/healthz` (the process answers) and `/readyz` (a
-//! dispatcher holds a number, on a connection to the database, with its
-//! broker connected: 503 otherwise). Plain HTTP/1.1, one request per connection, on a thread of its
-//! own: a connection is served within [`TIMEOUT`] in all (its request read
-//! up to [`MOST_REQUEST_BYTES`], the answer written), and the lingering
-//! close after it within [`LINGER`], so that a client that sends garbage,
-//! too much, nothing or a byte at a time ties up nothing for long. The
-//! database's gauges are read on a connection of the endpoint's own, given
-//! up after [`GAUGES_TIMEOUT`]: a slow scrape, or a connection that does not
-//! answer, holds up no dispatcher.
+//! database's gauges, as the exporter (`python -m outbox_dispatch.exporter`)
+//! serves the library's: the same families, each sample labelled
+//! `database`, and `outbox_up` and `outbox_scrape_duration_seconds` for the
+//! database, so that the dashboard and the alert rules of `contrib/` work
+//! unchanged on either host. A scrape the database does not answer in time
+//! shows `outbox_up` 0 and nothing else of it, as the exporter's does.
+//! Beside it `/healthz` (the process answers) and `/readyz` (a dispatcher
+//! holds a number, on a connection to the database, with its broker
+//! connected: 503 otherwise). Plain HTTP/1.1, one request per connection,
+//! on a thread of its own: a connection is served within [`TIMEOUT`] in
+//! all (its request read up to [`MOST_REQUEST_BYTES`], the answer
+//! written), and the lingering close after it within [`LINGER`], so that a
+//! client that sends garbage, too much, nothing or a byte at a time ties up
+//! nothing for long. The database's gauges are read on a connection of the
+//! endpoint's own, given up after [`GAUGES_TIMEOUT`]: a slow scrape, or a
+//! connection that does not answer, holds up no dispatcher.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -19,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use postgres::Client;
 
-use outbox_core::exposition::{self, Family, Sample};
+use outbox_core::exposition::{self, Family, Kind, Sample};
 use outbox_core::guc::{self, Parsed};
 use outbox_core::metrics::{self, Shown};
 
@@ -39,6 +44,7 @@ const GAUGES_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Serves `/metrics` on `listener` until the process ends.
 pub fn serve(listener: TcpListener, process: Arc<Process>, connector: Connector) {
+    let database = connector.database().to_string();
     let mut gauges = Gauges { connector, client: None, late: None };
     for stream in listener.incoming() {
         if process.stopping() {
@@ -46,7 +52,7 @@ pub fn serve(listener: TcpListener, process: Arc<Process>, connector: Connector)
         }
         match stream {
             Ok(stream) => {
-                if let Err(e) = answer(stream, &process, &mut gauges) {
+                if let Err(e) = answer(stream, &process, &database, &mut gauges) {
                     log::warning(&format!("/metrics: a request failed: {e}"));
                 }
             }
@@ -55,10 +61,10 @@ pub fn serve(listener: TcpListener, process: Arc<Process>, connector: Connector)
     }
 }
 
-fn answer(stream: TcpStream, process: &Process, gauges: &mut Gauges) -> std::io::Result<()> {
+fn answer(stream: TcpStream, process: &Process, database: &str, gauges: &mut Gauges) -> std::io::Result<()> {
     let mut stream = Deadline { stream, until: Instant::now() + TIMEOUT };
     let (status, body) = match read_request(&mut stream)? {
-        Request::Metrics => ("200 OK", exposition::render(&families(process, gauges))),
+        Request::Metrics => ("200 OK", exposition::render(&scrape(process, database, gauges))),
         Request::Health => ("200 OK", "alive\n".to_string()),
         Request::Ready => readiness(&process.shown()),
         Request::NotFound => {
@@ -188,22 +194,74 @@ fn readiness(dispatchers: &[Shown]) -> (&'static str, String) {
     }
 }
 
-/// Everything a scrape shows: the process's own counters but those only
-/// the library's SQL functions count, its dispatchers' gauges, and the
-/// database's gauges when they are read in time.
-fn families(process: &Process, gauges: &mut Gauges) -> Families {
-    let mut families: Vec<_> = process
+/// Everything a scrape shows, each sample labelled `database`: when the
+/// database's gauges are read in time, the process's counters, its
+/// dispatchers' gauges and the database's; then whether they were
+/// ([`target_families`]).
+fn scrape(process: &Process, database: &str, gauges: &mut Gauges) -> Families {
+    let started = Instant::now();
+    let read = gauges.read();
+    let answered = read.is_some();
+    let mut families = read.map_or_else(Vec::new, |read| served(process, read));
+    families.extend(target_families(answered, started.elapsed()));
+    labelled(families, database)
+}
+
+/// The process's counters, its dispatchers' gauges and the database's
+/// gauges `read`. A family only the library's SQL functions count
+/// (`outbox_ack()`'s acknowledgements, `outbox_inbox_claim()`'s
+/// duplicates) keeps its HELP and TYPE, without those samples: a host
+/// without the library cannot count them, and shows none rather than a
+/// zero.
+fn served(process: &Process, read: Families) -> Families {
+    let mut families: Families = process
         .counters
         .families()
         .into_iter()
         .map(|(family, samples)| {
             (family, samples.into_iter().filter(|s| !metrics::counted_in_sql(s)).collect())
         })
-        .filter(|(_, samples): &(Family, Vec<Sample>)| !samples.is_empty())
         .collect();
     families.extend(metrics::dispatcher_families(process.shown().into_iter()));
-    families.extend(gauges.read());
+    families.extend(read);
     families
+}
+
+/// The families the exporter adds for each database it scrapes, with the
+/// same names and help: whether the database answered, and how long
+/// asking it took.
+fn target_families(answered: bool, took: Duration) -> Families {
+    let up = Family {
+        name: "outbox_up",
+        help: "Whether the database answered the last scrape (1) or not (0).",
+        kind: Kind::Gauge,
+    };
+    let duration = Family {
+        name: "outbox_scrape_duration_seconds",
+        help: "How long the last scrape of the database took.",
+        kind: Kind::Gauge,
+    };
+    vec![
+        (up, vec![Sample::new(up.name, f64::from(u8::from(answered)))]),
+        (duration, vec![Sample::new(duration.name, took.as_secs_f64())]),
+    ]
+}
+
+/// `families` with `database` as the first label of every sample.
+fn labelled(families: Families, database: &str) -> Families {
+    families
+        .into_iter()
+        .map(|(family, samples)| {
+            let samples = samples
+                .into_iter()
+                .map(|mut s| {
+                    s.labels.insert(0, ("database", database.to_string()));
+                    s
+                })
+                .collect();
+            (family, samples)
+        })
+        .collect()
 }
 
 /// The database's gauges, on the endpoint's own connection.
@@ -218,13 +276,13 @@ struct Gauges {
 
 impl Gauges {
     /// The gauges, read on a thread of their own and waited for
-    /// [`GAUGES_TIMEOUT`] at most: a read that does not answer in time is
-    /// left to end on its own, and the scrapes are served without the
-    /// gauges until it does.
-    fn read(&mut self) -> Families {
+    /// [`GAUGES_TIMEOUT`] at most; `None` when they are not had in time. A
+    /// read that does not answer in time is left to end on its own, and
+    /// the scrapes until it does are served without the database.
+    fn read(&mut self) -> Option<Families> {
         if let Some(late) = &self.late {
             match late.try_recv() {
-                Err(mpsc::TryRecvError::Empty) => return Vec::new(),
+                Err(mpsc::TryRecvError::Empty) => return None,
                 Ok(Ok((client, _))) => self.client = Some(client),
                 Ok(Err(_)) | Err(mpsc::TryRecvError::Disconnected) => {}
             }
@@ -237,25 +295,25 @@ impl Gauges {
         });
         if let Err(e) = spawned {
             log::warning(&format!("/metrics: a thread for the database's gauges: {e}"));
-            return Vec::new();
+            return None;
         }
         match answered.recv_timeout(GAUGES_TIMEOUT) {
             Ok(Ok((client, families))) => {
                 self.client = Some(client);
-                families
+                Some(families)
             }
             Ok(Err(why)) => {
                 log::warning(&format!("/metrics: the database's gauges: {why}"));
-                Vec::new()
+                None
             }
             Err(_) => {
                 log::warning(&format!(
-                    "/metrics: the database's gauges took more than {}s: served without them until that \
-                     read ends",
+                    "/metrics: the database's gauges took more than {}s: served as down (outbox_up 0) until \
+                     that read ends",
                     GAUGES_TIMEOUT.as_secs()
                 ));
                 self.late = Some(answered);
-                Vec::new()
+                None
             }
         }
     }
@@ -320,6 +378,26 @@ mod tests {
     fn a_request_too_long_is_bad_without_being_read_whole() {
         let mut endless = std::io::repeat(b'a');
         assert_eq!(read_request(&mut endless).unwrap(), Request::Bad);
+    }
+
+    #[test]
+    fn every_sample_names_its_database_first_and_whether_it_answered() {
+        let counter = Family { name: "outbox_x", help: "X.", kind: Kind::Counter };
+        let read = vec![(counter, vec![Sample::new("outbox_x_total", 2.0).label("reason", "timeout")])];
+        let mut families = read;
+        families.extend(target_families(true, Duration::from_millis(250)));
+        assert_eq!(
+            exposition::render(&labelled(families, "app \"1\"")),
+            "# HELP outbox_x_total X.\n# TYPE outbox_x_total counter\n\
+             outbox_x_total{database=\"app \\\"1\\\"\",reason=\"timeout\"} 2\n\
+             # HELP outbox_up Whether the database answered the last scrape (1) or not (0).\n\
+             # TYPE outbox_up gauge\noutbox_up{database=\"app \\\"1\\\"\"} 1\n\
+             # HELP outbox_scrape_duration_seconds How long the last scrape of the database took.\n\
+             # TYPE outbox_scrape_duration_seconds gauge\n\
+             outbox_scrape_duration_seconds{database=\"app \\\"1\\\"\"} 0.25\n"
+        );
+        let [(_, up), _] = &target_families(false, Duration::ZERO)[..] else { panic!("two families") };
+        assert_eq!(up, &vec![Sample::new("outbox_up", 0.0)]);
     }
 
     #[test]

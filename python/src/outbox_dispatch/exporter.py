@@ -245,9 +245,9 @@ def merge(scraped: Sequence[Tuple[str, Optional[str], float]]) -> str:
     out: List[str] = []
     for head, samples in families.values():
         out += head + samples
-    out += gauge("outbox_up", "Whether the database answered the exporter's last scrape (1) or not (0).",
+    out += gauge("outbox_up", "Whether the database answered the last scrape (1) or not (0).",
                  [(database, 0.0 if text is None else 1.0) for database, text, _ in scraped])
-    out += gauge("outbox_scrape_duration_seconds", "How long the exporter's last scrape of the database took.",
+    out += gauge("outbox_scrape_duration_seconds", "How long the last scrape of the database took.",
                  [(database, took) for database, _, took in scraped])
     return "\n".join(out) + "\n"
 

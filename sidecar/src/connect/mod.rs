@@ -115,6 +115,12 @@ impl Connector {
         Ok(Connector { options: Arc::new(options), tls })
     }
 
+    /// The database it connects to: the DSN's `dbname`, its service's or
+    /// `PGDATABASE`, else the user's name, as libpq resolves it.
+    pub fn database(&self) -> &str {
+        &self.options.dbname
+    }
+
     /// A new connection to the first host that answers as
     /// `target_session_attrs` asks (a primary unless it says otherwise:
     /// the sidecar writes), each attempt given up after `timeout` (or the
