@@ -358,10 +358,9 @@ def test_an_acknowledgement_left_open_holds_up_no_report_nor_send(pg, redis_serv
             with pg.connect(user="writer") as conn:
                 third = str(conn.execute("SELECT outbox_enqueue('hostile.open', '{}', queue => 'q_open')")
                             .fetchone()[0])
-            wait_until(lambda: third in queued_ids(client, "q_open"), timeout=15,
-                       message="a send while the acknowledgement is open")
+            wait_until(lambda: third in queued_ids(client, "q_open"), message="a send while the acknowledgement is open")
             wait_until(lambda: pg.value("SELECT status::text FROM outbox.events WHERE id = %s", (second,))
-                       == "processed", timeout=15, message="the report taken while the acknowledgement is open")
+                       == "processed", message="the report taken while the acknowledgement is open")
             consumer.commit()
         assert pg.value("SELECT status::text FROM outbox.events WHERE id = %s", (first,)) == "processed"
     finally:
