@@ -378,6 +378,50 @@ def test_a_tombstone_when_asked(ob, kafka):
     assert values == {b"gone": None, b"kept": b"null"}
 
 
+def test_a_subscriptions_deliveries_carry_the_events_own_id(ob, kafka):
+    # A plain subscription's deliveries are one event: each record says so
+    # in `id` (what consumers dedupe on), whose delivery it is in
+    # outbox_subscription_id, and its own id (outbox_ack's) beside them.
+    fanned = topic(kafka, "fanned")
+    subs = [ob.value("SELECT outbox_subscribe('kafka.fanned', %s, queue => %s)", (task, fanned))
+            for task in ("billing", "search")]
+    try:
+        event = ob.value("SELECT outbox_enqueue('kafka.fanned', '{\"order\": 7}')")
+        deliveries = dict(ob.sql("SELECT subscription_id, delivery_id FROM outbox.deliveries WHERE event_id = %s",
+                                 (event,)))
+        wait_until(lambda: len(kafka.records(fanned)) == 2, message="both deliveries")
+        records = kafka.records(fanned)
+        assert [r["headers"]["id"].decode() for r in records] == [str(event)] * 2
+        assert sorted(int(r["headers"]["outbox_subscription_id"]) for r in records) == sorted(subs)
+        for record in records:
+            subscription = int(record["headers"]["outbox_subscription_id"])
+            assert record["headers"]["outbox_delivery_id"].decode() == str(deliveries[subscription])
+            assert json.loads(record["value"]) == {"order": 7}
+    finally:
+        for sub in subs:
+            ob.sql("SELECT outbox_unsubscribe(%s)", (sub,))
+
+
+def test_an_accumulated_subscriptions_batch_is_a_record_of_its_members(ob, kafka):
+    batched = topic(kafka, "batched")
+    digest = ob.value("SELECT outbox_subscribe('kafka.batched', 'digest', queue => %s, batch_max => 3)", (batched,))
+    try:
+        members = [ob.value("SELECT outbox_enqueue('kafka.batched', jsonb_build_object('n', %s::int))", (n,))
+                   for n in range(3)]
+        wait_until(lambda: len(kafka.records(batched)) == 1, message="the batch")
+        [batch] = kafka.records(batched)
+        value = json.loads(batch["value"])
+        assert value != {}, "the batch went out without its members"
+        assert [m["id"] for m in value] == [str(m) for m in members]
+        assert [m["payload"] for m in value] == [{"n": n} for n in range(3)]
+        assert {m["event_type"] for m in value} == {"kafka.batched"}
+        assert int(batch["headers"]["outbox_subscription_id"]) == digest
+        assert batch["headers"]["id"].decode() == str(ob.value(
+            "SELECT DISTINCT delivery_id FROM outbox.deliveries WHERE subscription_id = %s", (digest,)))
+    finally:
+        ob.sql("SELECT outbox_unsubscribe(%s)", (digest,))
+
+
 @pytest.mark.parametrize("mechanism", ["scram-sha-512", "scram-sha-256", "plain"])
 def test_sasl_is_spoken_and_a_refusal_is_clear(redis_server, mechanism):
     # tansu 0.6 with --authentication takes no user: its own `user create`

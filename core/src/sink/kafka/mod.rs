@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use kafka_protocol::messages::ApiVersionsRequest;
 
-pub use record::{Event, Record};
+pub use record::{Event, Record, Routing};
 pub use route::Topics;
 pub use sasl::Mechanism;
 
