@@ -38,6 +38,10 @@ pub static BROKER_PASSWORD_FILE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_password_file")));
 pub static BROKER_TLS_CA_FILE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_tls_ca_file")));
+pub static BROKER_TLS_CERT_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_tls_cert_file")));
+pub static BROKER_TLS_KEY_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_tls_key_file")));
 pub static DEFAULT_QUEUE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.default_queue")));
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.batch_size"));
@@ -167,7 +171,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// docs/reference/settings.md is checked against them
 /// (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 47] = [
+const DECLARATIONS: [Declaration; 49] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -182,6 +186,10 @@ const DECLARATIONS: [Declaration; 47] = [
         c"File holding the broker password (first line); keeps it out of outbox.broker_url and the server log."),
     Declaration(c"outbox.broker_tls_ca_file", Sighup, NONE, Text(&BROKER_TLS_CA_FILE),
         c"PEM file of the certificate authorities trusted for rediss://, amqps:// and kafkas:// URLs; empty: the system's."),
+    Declaration(c"outbox.broker_tls_cert_file", Sighup, NONE, Text(&BROKER_TLS_CERT_FILE),
+        c"PEM file of the client certificate (its chain) sent to a TLS broker that asks for one; with outbox.broker_tls_key_file."),
+    Declaration(c"outbox.broker_tls_key_file", Sighup, NONE, Text(&BROKER_TLS_KEY_FILE),
+        c"PEM file of the private key of outbox.broker_tls_cert_file (unencrypted)."),
     Declaration(c"outbox.redis_sentinel_master", Sighup, NONE, Text(&REDIS_SENTINEL_MASTER),
         c"For sentinel:// URLs: the name of the master at the sentinels (kombu's master_name)."),
     Declaration(c"outbox.redis_sentinel_password_file", Sighup, SECRET, Text(&REDIS_SENTINEL_PASSWORD_FILE),

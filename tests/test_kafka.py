@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from kafka.partitioner.default import murmur2
 
-from harness import Kafka, wait_until
+from harness import Kafka, TlsTerminator, free_port, make_tls_files, wait_until
 from standalone import HOST, installed_cluster, new_cluster
 
 
@@ -456,3 +456,39 @@ def test_sasl_is_spoken_and_a_refusal_is_clear(redis_server, mechanism):
         broker.close()
         if directory:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_kafkas_presents_the_client_certificate_asked_for(redis_server):
+    # tansu serves no TLS handshake, let alone asks for a client's
+    # certificate: a TLS terminator that requires one (as Aiven, Strimzi's
+    # `tls` authentication and MSK's mTLS do) stands in front of it, and
+    # tansu advertises the terminator as its address.
+    tls = make_tls_files()
+    terminator = TlsTerminator(tls, target_port=free_port())
+    broker = Kafka(advertised_port=terminator.port)
+    terminator.target_port = broker.port
+    pg = None
+    try:
+        name = f"mtls-{os.urandom(3).hex()}"
+        broker.create_topic(name, 2)
+        pg = new_cluster(redis_server.url, broker_url=f"kafkas://127.0.0.1:{terminator.port}",
+                         broker_tls_ca_file=str(tls / "ca.pem"), kafka_topic="{queue}",
+                         reconnect_delay_min="200ms", reconnect_delay_max="1s")
+        pg.install()
+        ids = enqueue(pg, 5, name)
+        wait_until(lambda: terminator.refused >= 1 and "cannot connect" in last_error(pg),
+                   message="no certificate, no connection", seen=lambda: last_error(pg))
+        assert statuses(pg, ids) == {"pending": 5}
+        pg.configure(broker_tls_cert_file=str(tls / "client.pem"))
+        wait_until(lambda: "outbox.broker_tls_key_file" in last_error(pg), message="a certificate without its key",
+                   seen=lambda: last_error(pg))
+        pg.configure(broker_tls_key_file=str(tls / "client.key"))
+        wait_until(lambda: statuses(pg, ids) == {"dispatched": 5}, message="delivered with the certificate",
+                   seen=lambda: last_error(pg))
+        assert pg.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0") == 0
+    finally:
+        if pg:
+            pg.close()
+        broker.close()
+        terminator.close()
+        shutil.rmtree(tls, ignore_errors=True)

@@ -208,6 +208,12 @@ struct RunArgs {
     /// As outbox.broker_tls_ca_file [env: OUTBOX_BROKER_TLS_CA_FILE]
     #[arg(long, value_name = "PATH")]
     broker_tls_ca_file: Option<String>,
+    /// As outbox.broker_tls_cert_file [env: OUTBOX_BROKER_TLS_CERT_FILE]
+    #[arg(long, value_name = "PATH")]
+    broker_tls_cert_file: Option<String>,
+    /// As outbox.broker_tls_key_file [env: OUTBOX_BROKER_TLS_KEY_FILE]
+    #[arg(long, value_name = "PATH")]
+    broker_tls_key_file: Option<String>,
     /// As outbox.redis_sentinel_password_file
     /// [env: OUTBOX_SENTINEL_PASSWORD_FILE]
     #[arg(long, value_name = "PATH")]
@@ -220,6 +226,8 @@ impl RunArgs {
         match option {
             "--broker-password-file" => self.broker_password_file.clone(),
             "--broker-tls-ca-file" => self.broker_tls_ca_file.clone(),
+            "--broker-tls-cert-file" => self.broker_tls_cert_file.clone(),
+            "--broker-tls-key-file" => self.broker_tls_key_file.clone(),
             "--sentinel-password-file" => self.sentinel_password_file.clone(),
             _ => None,
         }
@@ -708,6 +716,7 @@ mod tests {
         assert_eq!(own["outbox.broker_url"], "redis://env");
         assert_eq!(own["outbox.broker_password_file"], "file:broker_password_file");
         assert_eq!(own["outbox.broker_tls_ca_file"], "file:broker_tls_ca_file");
+        assert_eq!(own["outbox.broker_tls_cert_file"], "file:broker_tls_cert_file");
         assert_eq!(own["outbox.redis_sentinel_password_file"], "file:sentinel_password_file");
         assert!(command("run --config=/nonexistent/x.toml", &none).unwrap_err().contains("--config"));
         assert!(command("run --dsn x --config", &none).unwrap_err().contains("--config needs a value"));

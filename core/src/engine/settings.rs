@@ -169,6 +169,8 @@ impl Settings {
             url,
             timeout: v.millis("outbox.broker_timeout"),
             tls_ca_file: v.path("outbox.broker_tls_ca_file"),
+            tls_cert_file: v.path("outbox.broker_tls_cert_file"),
+            tls_key_file: v.path("outbox.broker_tls_key_file"),
             password_file: v.path("outbox.broker_password_file"),
             max_batch_bytes: v.int("outbox.max_batch_bytes").max(1) as usize * 1024,
             sentinel_master: v.text("outbox.redis_sentinel_master"),

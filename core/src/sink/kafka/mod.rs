@@ -164,7 +164,7 @@ impl KafkaSink {
         waiter: &mut dyn Wait,
         deadline: Instant,
     ) -> Result<Conn, SinkError> {
-        let tls = self.url.tls.then(|| tls_config(self.config.tls_ca_file.as_deref())).transpose()?;
+        let tls = self.url.tls.then(|| tls_config(&self.config)).transpose()?;
         let mut conn = Conn::open(host, port, tls, waiter, deadline)?;
         if let Some((user, password)) = &self.user {
             conn.authenticate(self.config.kafka.mechanism, user, password, waiter, deadline).map_err(
