@@ -111,7 +111,9 @@ pub static KAFKA_TOPIC: GucSetting<Option<CString>> =
 pub static KAFKA_TOMBSTONES: GucSetting<bool> =
     GucSetting::<bool>::new(guc::flag_default("outbox.kafka_tombstones"));
 pub static KAFKA_SASL_MECHANISM: GucSetting<SaslMechanism> =
-    GucSetting::<SaslMechanism>::new(SaslMechanism::Plain);
+    GucSetting::<SaslMechanism>::new(SaslMechanism::ScramSha512);
+pub static KAFKA_SASL_PLAIN_CLEARTEXT: GucSetting<bool> =
+    GucSetting::<bool>::new(guc::flag_default("outbox.kafka_sasl_plain_cleartext"));
 
 /// `outbox.key_on_failure`: what a dead-lettered head does to its key.
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -137,12 +139,12 @@ pub enum AmqpQueueType {
 /// authenticates.
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
 pub enum SaslMechanism {
-    #[name = c"plain"]
-    Plain,
-    #[name = c"scram-sha-256"]
-    ScramSha256,
     #[name = c"scram-sha-512"]
     ScramSha512,
+    #[name = c"scram-sha-256"]
+    ScramSha256,
+    #[name = c"plain"]
+    Plain,
 }
 
 /// The kind of a setting and its storage (whose default is the static's,
@@ -171,7 +173,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// docs/reference/settings.md is checked against them
 /// (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 49] = [
+const DECLARATIONS: [Declaration; 50] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -263,7 +265,9 @@ const DECLARATIONS: [Declaration; 49] = [
     Declaration(c"outbox.kafka_tombstones", Sighup, NONE, Bool(&KAFKA_TOMBSTONES),
         c"Kafka: an event with an ordering_key and a null payload is sent as a tombstone (a record without a value)."),
     Declaration(c"outbox.kafka_sasl_mechanism", Sighup, NONE, Mechanism(&KAFKA_SASL_MECHANISM),
-        c"Kafka: how the user named in outbox.broker_url authenticates: plain, scram-sha-256 or scram-sha-512."),
+        c"Kafka: how the user named in outbox.broker_url authenticates: scram-sha-512, scram-sha-256 or plain."),
+    Declaration(c"outbox.kafka_sasl_plain_cleartext", Sighup, NONE, Bool(&KAFKA_SASL_PLAIN_CLEARTEXT),
+        c"Kafka: SASL PLAIN may send the password over kafka:// in clear text; off refuses it (use kafkas:// or SCRAM)."),
     Declaration(c"outbox.redis_timeout", Sighup, NONE, Int(&REDIS_TIMEOUT_MS),
         c"Deprecated: the former name of outbox.broker_timeout, read while that is at its default."),
     Declaration(c"outbox.redis_password_file", Sighup, SECRET, Text(&REDIS_PASSWORD_FILE),

@@ -191,6 +191,7 @@ impl Settings {
             kafka: KafkaShape {
                 topic: v.text("outbox.kafka_topic"),
                 mechanism: Mechanism::ALL[v.choice("outbox.kafka_sasl_mechanism")],
+                plain_cleartext: v.flag("outbox.kafka_sasl_plain_cleartext"),
                 tombstones: v.flag("outbox.kafka_tombstones"),
             },
         };

@@ -39,6 +39,9 @@ pub struct KafkaShape {
     pub topic: String,
     /// `outbox.kafka_sasl_mechanism`, when the URL names a user.
     pub mechanism: Mechanism,
+    /// `outbox.kafka_sasl_plain_cleartext`: PLAIN may send the password
+    /// over `kafka://`, without TLS.
+    pub plain_cleartext: bool,
     /// `outbox.kafka_tombstones`: a keyed event with a `null` payload is
     /// sent as a tombstone.
     pub tombstones: bool,
@@ -48,7 +51,8 @@ impl Default for KafkaShape {
     fn default() -> KafkaShape {
         KafkaShape {
             topic: "outbox.event.{event_type}".into(),
-            mechanism: Mechanism::Plain,
+            mechanism: Mechanism::ScramSha512,
+            plain_cleartext: false,
             tombstones: false,
         }
     }
@@ -83,6 +87,15 @@ pub struct KafkaSink {
 impl KafkaSink {
     pub fn new(config: &BrokerConfig, url: BrokerUrl) -> Result<KafkaSink, SinkError> {
         let topics = Topics::parse(&config.kafka.topic).map_err(SinkError::InvalidConfig)?;
+        let cleartext = url.username.is_some() && config.kafka.mechanism == Mechanism::Plain && !url.tls;
+        if cleartext && !config.kafka.plain_cleartext {
+            return Err(SinkError::InvalidConfig(
+                "SASL PLAIN over kafka:// would send the broker's password in clear text: connect with \
+                 kafkas://, or take scram-sha-512 (outbox.kafka_sasl_mechanism), or allow it with \
+                 outbox.kafka_sasl_plain_cleartext = on"
+                    .into(),
+            ));
+        }
         Ok(KafkaSink {
             display_url: url.display(),
             config: config.clone(),
