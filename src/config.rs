@@ -114,6 +114,8 @@ pub static KAFKA_SASL_MECHANISM: GucSetting<SaslMechanism> =
     GucSetting::<SaslMechanism>::new(SaslMechanism::ScramSha512);
 pub static KAFKA_SASL_PLAIN_CLEARTEXT: GucSetting<bool> =
     GucSetting::<bool>::new(guc::flag_default("outbox.kafka_sasl_plain_cleartext"));
+pub static KAFKA_REQUEST_TIMEOUT_MS: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.kafka_request_timeout"));
 
 /// `outbox.key_on_failure`: what a dead-lettered head does to its key.
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -173,7 +175,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// docs/reference/settings.md is checked against them
 /// (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 50] = [
+const DECLARATIONS: [Declaration; 51] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -268,6 +270,8 @@ const DECLARATIONS: [Declaration; 50] = [
         c"Kafka: how the user named in outbox.broker_url authenticates: scram-sha-512, scram-sha-256 or plain."),
     Declaration(c"outbox.kafka_sasl_plain_cleartext", Sighup, NONE, Bool(&KAFKA_SASL_PLAIN_CLEARTEXT),
         c"Kafka: SASL PLAIN may send the password over kafka:// in clear text; off refuses it (use kafkas:// or SCRAM)."),
+    Declaration(c"outbox.kafka_request_timeout", Sighup, NONE, Int(&KAFKA_REQUEST_TIMEOUT_MS),
+        c"Kafka: how long the broker may take to answer a produce request (acks=all waiting for its replicas)."),
     Declaration(c"outbox.redis_timeout", Sighup, NONE, Int(&REDIS_TIMEOUT_MS),
         c"Deprecated: the former name of outbox.broker_timeout, read while that is at its default."),
     Declaration(c"outbox.redis_password_file", Sighup, SECRET, Text(&REDIS_PASSWORD_FILE),

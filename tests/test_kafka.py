@@ -500,3 +500,54 @@ def test_kafkas_presents_the_client_certificate_asked_for(redis_server):
         broker.close()
         terminator.close()
         shutil.rmtree(tls, ignore_errors=True)
+
+
+def test_a_slow_acks_all_is_waited_for_as_kafka_request_timeout_says(ob, kafka):
+    # Replicas slow to confirm (acks=all) hold the answer: the broker may
+    # take outbox.kafka_request_timeout, whatever outbox.broker_timeout is.
+    # The broker frozen for 4 s after a produce request went stands for
+    # them: the answer then comes, and nothing is given up or sent twice.
+    name = topic(kafka, "slow", partitions=1)
+    ob.configure(broker_timeout="1s", kafka_request_timeout="20s", heartbeat_interval="1h")
+    first = enqueue(ob, 1, name)
+    wait_until(lambda: statuses(ob, first) == {"dispatched": 1}, message="the topic's metadata known")
+    timeouts = ob.metric("outbox_reconnects_total", reason="timeout")
+    kafka.freeze()
+    try:
+        ids = enqueue(ob, 20, name)
+        wait_until(lambda: statuses(ob, ids) == {"processing": 20}, message="the push in flight")
+        time.sleep(4)
+    finally:
+        kafka.freeze(False)
+    wait_until(lambda: statuses(ob, ids) == {"dispatched": 20}, message="the answer waited for",
+               seen=lambda: last_error(ob))
+    assert ob.metric("outbox_reconnects_total", reason="timeout") == timeouts
+    assert Counter(kafka.ids(name)) == Counter(first + ids), "an answer given up on: sent twice"
+
+
+def test_sigterm_ends_a_wait_for_a_produce_answer_within_seconds(ob, kafka):
+    # The answer may take outbox.kafka_request_timeout (ten minutes here);
+    # a SIGTERM ends the wait at once (the sidecar lets a push in flight
+    # finish for 5 s first), and the events go back in line unspent.
+    name = topic(kafka, "stopped", partitions=1)
+    ob.configure(kafka_request_timeout="10min", heartbeat_interval="1h")
+    first = enqueue(ob, 1, name)
+    wait_until(lambda: statuses(ob, first) == {"dispatched": 1}, message="the topic's metadata known")
+    kafka.freeze()
+    try:
+        ids = enqueue(ob, 5, name)
+        wait_until(lambda: statuses(ob, ids) == {"processing": 5}, message="the push in flight")
+        time.sleep(1)
+        pid = dispatcher_pid(ob)
+        started = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: gone(pid), timeout=30, message="the dispatcher gone")
+        assert time.monotonic() - started < 8
+    finally:
+        kafka.freeze(False)
+        if HOST == "sidecar":
+            # A sidecar again (the server restarts a background worker):
+            # a change of its own settings starts one.
+            ob.configure(workers=2)
+    wait_until(lambda: statuses(ob, ids) == {"dispatched": 5}, timeout=60, message="the events sent after the stop")
+    assert ob.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0") == 0

@@ -94,7 +94,7 @@ const fn choice(name: &'static str, names: &'static [&'static str]) -> Declared 
 
 /// Every setting, one line each.
 #[rustfmt::skip]
-pub const DECLARED: [Declared; 50] = [
+pub const DECLARED: [Declared; 51] = [
     int("outbox.workers", 1, 0, MAX_WORKERS, Unit::None),
     text("outbox.database", c"postgres"),
     flag("outbox.enabled", true),
@@ -142,6 +142,7 @@ pub const DECLARED: [Declared; 50] = [
     flag("outbox.kafka_tombstones", false),
     choice("outbox.kafka_sasl_mechanism", &["scram-sha-512", "scram-sha-256", "plain"]),
     flag("outbox.kafka_sasl_plain_cleartext", false),
+    int("outbox.kafka_request_timeout", 30_000, 100, 600_000, Unit::Ms),
     // The former names of [`RENAMED`]'s settings, as they were.
     int("outbox.redis_timeout", 5_000, 100, 600_000, Unit::Ms),
     text("outbox.redis_password_file", c""),

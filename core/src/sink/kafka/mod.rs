@@ -15,7 +15,7 @@ mod sasl;
 mod wire;
 
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kafka_protocol::messages::ApiVersionsRequest;
 
@@ -45,6 +45,9 @@ pub struct KafkaShape {
     /// `outbox.kafka_tombstones`: a keyed event with a `null` payload is
     /// sent as a tombstone.
     pub tombstones: bool,
+    /// `outbox.kafka_request_timeout`: how long a produce request's answer
+    /// may take (the broker's own deadline for `acks=all`, and ours).
+    pub request_timeout: Duration,
 }
 
 impl Default for KafkaShape {
@@ -54,6 +57,7 @@ impl Default for KafkaShape {
             mechanism: Mechanism::ScramSha512,
             plain_cleartext: false,
             tombstones: false,
+            request_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -203,7 +207,21 @@ impl KafkaSink {
     /// The deadline of one step of a push that must be done by `until`: a
     /// timeout from now, or `until`; a timeout when that has passed.
     fn step(&self, until: Instant) -> Result<Instant, SinkError> {
-        let deadline = (Instant::now() + self.config.timeout).min(until);
+        self.due(Instant::now() + self.config.timeout, until)
+    }
+
+    /// The deadline of the answer to a produce request sent at `sent`, in
+    /// a push that must be done by `until`: the broker may hold it
+    /// `outbox.kafka_request_timeout` (`acks=all` waiting for the
+    /// replicas), and its way back takes up to a timeout; and a timeout
+    /// after the answer before it, as for any step.
+    fn answer_due(&self, sent: Instant, until: Instant) -> Result<Instant, SinkError> {
+        let held = sent + self.config.kafka.request_timeout + self.config.timeout;
+        self.due(held.max(Instant::now() + self.config.timeout), until)
+    }
+
+    fn due(&self, deadline: Instant, until: Instant) -> Result<Instant, SinkError> {
+        let deadline = deadline.min(until);
         if Instant::now() >= deadline {
             return Err(SinkError::Timeout);
         }
@@ -232,8 +250,10 @@ impl KafkaSink {
     /// record, in order. A connection that fails part way loses only what
     /// it had not answered, and the session with it. The push as a whole
     /// takes less than `outbox.processing_timeout`'s floor counts for it: a
-    /// timeout, and one per `outbox.max_batch_bytes` of records; what is not
-    /// sent by then goes back to pending, unsent.
+    /// timeout, one per `outbox.max_batch_bytes` of records, and
+    /// `outbox.kafka_request_timeout` (the requests in flight wait for
+    /// their replicas together); what is not sent by then goes back to
+    /// pending, unsent.
     pub fn push(&mut self, batches: &[KeyBatch<Record>], waiter: &mut dyn Wait) -> Pushed {
         let total = batches.iter().map(|b| b.messages.len()).sum();
         let mut deliveries = vec![Delivery::Unsent; total];
@@ -244,8 +264,9 @@ impl KafkaSink {
         let trips = bytes.div_ceil(self.config.max_batch_bytes.max(1)).max(1);
         // A timeout fewer than the floor counts, for the claim before the
         // push and the marks after it.
-        let until =
-            Instant::now() + self.config.timeout.saturating_mul(1 + trips.min(u32::MAX as usize) as u32);
+        let until = Instant::now()
+            + self.config.timeout.saturating_mul(1 + trips.min(u32::MAX as usize) as u32)
+            + self.config.kafka.request_timeout;
         let mut alone = std::mem::take(&mut self.alone);
         let failure =
             produce::produce(self, &mut session, &mut alone, batches, &mut deliveries, waiter, until).err();
