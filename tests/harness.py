@@ -120,14 +120,16 @@ def as_postgres(*args, **kwargs):
 
 class Redis:
     """A redis-server on a free port. `password` sets `requirepass`; `tls`, a
-    directory with server.pem, server.key and ca.pem, makes the port TLS-only.
-    The test client follows both."""
+    directory with server.pem, server.key and ca.pem, makes the port TLS-only,
+    and `client_certificates` has it require one its CA signed of every
+    client. The test client follows them (client.pem, client.key)."""
 
-    def __init__(self, *extra_args, password=None, tls=None):
+    def __init__(self, *extra_args, password=None, tls=None, client_certificates=False):
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="outbox-redis-")
         self.password = password
         self.tls = tls
+        self.client_certificates = client_certificates
         self.extra_args = list(extra_args) + (["--requirepass", password] if password else [])
         self.proc = None
         self.start()
@@ -138,7 +140,8 @@ class Redis:
 
     def start(self):
         if self.tls:
-            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
+            ports = ["--port", "0", "--tls-port", str(self.port),
+                     "--tls-auth-clients", "yes" if self.client_certificates else "no",
                      "--tls-cert-file", str(self.tls / "server.pem"), "--tls-key-file", str(self.tls / "server.key"),
                      "--tls-ca-cert-file", str(self.tls / "ca.pem")]
         else:
@@ -163,6 +166,8 @@ class Redis:
 
     def client(self):
         tls = {"ssl": True, "ssl_ca_certs": str(self.tls / "ca.pem")} if self.tls else {}
+        if self.client_certificates:
+            tls.update(ssl_certfile=str(self.tls / "client.pem"), ssl_keyfile=str(self.tls / "client.key"))
         return redis_lib.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10, **tls)
 
     def close(self):
