@@ -38,6 +38,10 @@ pub static BROKER_PASSWORD_FILE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_password_file")));
 pub static BROKER_TLS_CA_FILE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_tls_ca_file")));
+pub static BROKER_TLS_CERT_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_tls_cert_file")));
+pub static BROKER_TLS_KEY_FILE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.broker_tls_key_file")));
 pub static DEFAULT_QUEUE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(guc::text_default("outbox.default_queue")));
 pub static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(guc::int_default("outbox.batch_size"));
@@ -107,7 +111,11 @@ pub static KAFKA_TOPIC: GucSetting<Option<CString>> =
 pub static KAFKA_TOMBSTONES: GucSetting<bool> =
     GucSetting::<bool>::new(guc::flag_default("outbox.kafka_tombstones"));
 pub static KAFKA_SASL_MECHANISM: GucSetting<SaslMechanism> =
-    GucSetting::<SaslMechanism>::new(SaslMechanism::Plain);
+    GucSetting::<SaslMechanism>::new(SaslMechanism::ScramSha512);
+pub static KAFKA_SASL_PLAIN_CLEARTEXT: GucSetting<bool> =
+    GucSetting::<bool>::new(guc::flag_default("outbox.kafka_sasl_plain_cleartext"));
+pub static KAFKA_REQUEST_TIMEOUT_MS: GucSetting<i32> =
+    GucSetting::<i32>::new(guc::int_default("outbox.kafka_request_timeout"));
 
 /// `outbox.key_on_failure`: what a dead-lettered head does to its key.
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -133,12 +141,12 @@ pub enum AmqpQueueType {
 /// authenticates.
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
 pub enum SaslMechanism {
-    #[name = c"plain"]
-    Plain,
-    #[name = c"scram-sha-256"]
-    ScramSha256,
     #[name = c"scram-sha-512"]
     ScramSha512,
+    #[name = c"scram-sha-256"]
+    ScramSha256,
+    #[name = c"plain"]
+    Plain,
 }
 
 /// The kind of a setting and its storage (whose default is the static's,
@@ -167,7 +175,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// docs/reference/settings.md is checked against them
 /// (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 47] = [
+const DECLARATIONS: [Declaration; 51] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -182,6 +190,10 @@ const DECLARATIONS: [Declaration; 47] = [
         c"File holding the broker password (first line); keeps it out of outbox.broker_url and the server log."),
     Declaration(c"outbox.broker_tls_ca_file", Sighup, NONE, Text(&BROKER_TLS_CA_FILE),
         c"PEM file of the certificate authorities trusted for rediss://, amqps:// and kafkas:// URLs; empty: the system's."),
+    Declaration(c"outbox.broker_tls_cert_file", Sighup, NONE, Text(&BROKER_TLS_CERT_FILE),
+        c"PEM file of the client certificate (its chain) sent to a TLS broker that asks for one; with outbox.broker_tls_key_file."),
+    Declaration(c"outbox.broker_tls_key_file", Sighup, NONE, Text(&BROKER_TLS_KEY_FILE),
+        c"PEM file of the private key of outbox.broker_tls_cert_file (unencrypted)."),
     Declaration(c"outbox.redis_sentinel_master", Sighup, NONE, Text(&REDIS_SENTINEL_MASTER),
         c"For sentinel:// URLs: the name of the master at the sentinels (kombu's master_name)."),
     Declaration(c"outbox.redis_sentinel_password_file", Sighup, SECRET, Text(&REDIS_SENTINEL_PASSWORD_FILE),
@@ -255,7 +267,11 @@ const DECLARATIONS: [Declaration; 47] = [
     Declaration(c"outbox.kafka_tombstones", Sighup, NONE, Bool(&KAFKA_TOMBSTONES),
         c"Kafka: an event with an ordering_key and a null payload is sent as a tombstone (a record without a value)."),
     Declaration(c"outbox.kafka_sasl_mechanism", Sighup, NONE, Mechanism(&KAFKA_SASL_MECHANISM),
-        c"Kafka: how the user named in outbox.broker_url authenticates: plain, scram-sha-256 or scram-sha-512."),
+        c"Kafka: how the user named in outbox.broker_url authenticates: scram-sha-512, scram-sha-256 or plain."),
+    Declaration(c"outbox.kafka_sasl_plain_cleartext", Sighup, NONE, Bool(&KAFKA_SASL_PLAIN_CLEARTEXT),
+        c"Kafka: SASL PLAIN may send the password over kafka:// in clear text; off refuses it (use kafkas:// or SCRAM)."),
+    Declaration(c"outbox.kafka_request_timeout", Sighup, NONE, Int(&KAFKA_REQUEST_TIMEOUT_MS),
+        c"Kafka: how long the broker may take to answer a produce request (acks=all waiting for its replicas)."),
     Declaration(c"outbox.redis_timeout", Sighup, NONE, Int(&REDIS_TIMEOUT_MS),
         c"Deprecated: the former name of outbox.broker_timeout, read while that is at its default."),
     Declaration(c"outbox.redis_password_file", Sighup, SECRET, Text(&REDIS_PASSWORD_FILE),

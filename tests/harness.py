@@ -115,7 +115,8 @@ class SilentBroker:
 
 def make_tls_files():
     """A directory with a CA (ca.pem), a server certificate it signed for
-    127.0.0.1 (server.pem, server.key), and a second CA that signed nothing
+    127.0.0.1 (server.pem, server.key), a client certificate it signed
+    (client.pem, client.key), and a second CA that signed nothing
     (other-ca.pem)."""
     directory = Path(tempfile.mkdtemp(prefix="outbox-tls-"))
     os.chmod(directory, 0o755)
@@ -131,6 +132,10 @@ def make_tls_files():
             "-keyout", "server.key", "-out", "server.csr")
     openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
             "-days", "2", "-extfile", "san.ext", "-out", "server.pem")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=outbox client",
+            "-keyout", "client.key", "-out", "client.csr")
+    openssl("x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-out", "client.pem")
     for f in directory.iterdir():
         f.chmod(0o644)
     return directory
@@ -143,14 +148,16 @@ def as_postgres(*args, **kwargs):
 
 class Redis:
     """A redis-server on a free port. `password` sets `requirepass`; `tls`, a
-    directory with server.pem, server.key and ca.pem, makes the port TLS-only.
-    The test client follows both."""
+    directory with server.pem, server.key and ca.pem, makes the port TLS-only,
+    and `client_certificates` has it require one its CA signed of every
+    client. The test client follows them (client.pem, client.key)."""
 
-    def __init__(self, *extra_args, password=None, tls=None):
+    def __init__(self, *extra_args, password=None, tls=None, client_certificates=False):
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="outbox-redis-")
         self.password = password
         self.tls = tls
+        self.client_certificates = client_certificates
         self.extra_args = list(extra_args) + (["--requirepass", password] if password else [])
         self.proc = None
         self.start()
@@ -161,7 +168,8 @@ class Redis:
 
     def start(self):
         if self.tls:
-            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no",
+            ports = ["--port", "0", "--tls-port", str(self.port),
+                     "--tls-auth-clients", "yes" if self.client_certificates else "no",
                      "--tls-cert-file", str(self.tls / "server.pem"), "--tls-key-file", str(self.tls / "server.key"),
                      "--tls-ca-cert-file", str(self.tls / "ca.pem")]
         else:
@@ -186,6 +194,8 @@ class Redis:
 
     def client(self):
         tls = {"ssl": True, "ssl_ca_certs": str(self.tls / "ca.pem")} if self.tls else {}
+        if self.client_certificates:
+            tls.update(ssl_certfile=str(self.tls / "client.pem"), ssl_keyfile=str(self.tls / "client.key"))
         return redis_lib.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10, **tls)
 
     def close(self):
@@ -431,9 +441,10 @@ class Kafka:
 
     BIN = Path(os.environ.get("TANSU") or shutil.which("tansu") or Path.home() / ".cargo/bin/tansu")
 
-    def __init__(self, authentication=False):
+    def __init__(self, authentication=False, advertised_port=None):
         self.port = free_port()
         self.authentication = authentication
+        self.advertised_port = advertised_port or self.port
         self.proc = None
         self.start()
 
@@ -447,7 +458,8 @@ class Kafka:
 
     def start(self):
         listener = f"tcp://{self.address}"
-        args = [self.BIN, "broker", "--listener-url", listener, "--advertised-listener-url", listener,
+        advertised = f"tcp://127.0.0.1:{self.advertised_port}"
+        args = [self.BIN, "broker", "--listener-url", listener, "--advertised-listener-url", advertised,
                 "--storage-engine", "memory://tansu/", "--cluster-id", f"outbox-{self.port}"]
         if self.authentication:
             args.append("--authentication")
@@ -506,6 +518,61 @@ class Kafka:
         if self.proc:
             self.freeze(False)
             self.kill()
+
+
+class TlsTerminator:
+    """TLS on a free port, in front of `target_port` on loopback: the
+    server certificate of `tls` (make_tls_files), and a client certificate
+    its CA signed required of every client. Counts the handshakes refused."""
+
+    def __init__(self, tls, target_port):
+        import ssl
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(tls / "server.pem", tls / "server.key")
+        self.context.load_verify_locations(tls / "ca.pem")
+        self.context.verify_mode = ssl.CERT_REQUIRED
+        self.target_port, self.refused = target_port, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._terminate, args=(conn,), daemon=True).start()
+
+    def _terminate(self, conn):
+        try:
+            tls = self.context.wrap_socket(conn, server_side=True)
+        except OSError:
+            self.refused += 1
+            conn.close()
+            return
+        target = socket.create_connection(("127.0.0.1", self.target_port))
+        for source, sink in ((tls, target), (target, tls)):
+            threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source, sink):
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self):
+        self.sock.close()
 
 
 def send_of(batch_send, event):

@@ -141,6 +141,9 @@ SIDECAR_OPTIONS = {
     "broker_password_file": "--broker-password-file",
     "redis_password_file": "--broker-password-file",
     "broker_tls_ca_file": "--broker-tls-ca-file",
+    "broker_tls_cert_file": "--broker-tls-cert-file",
+    "broker_tls_key_file": "--broker-tls-key-file",
+    "kafka_sasl_plain_cleartext": "--kafka-sasl-plain-cleartext",
     "redis_tls_ca_file": "--broker-tls-ca-file",
     "redis_sentinel_password_file": "--sentinel-password-file",
 }

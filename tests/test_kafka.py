@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from kafka.partitioner.default import murmur2
 
-from harness import Kafka, wait_until
+from harness import Kafka, TlsTerminator, free_port, make_tls_files, wait_until
 from standalone import HOST, installed_cluster, new_cluster
 
 
@@ -378,13 +378,59 @@ def test_a_tombstone_when_asked(ob, kafka):
     assert values == {b"gone": None, b"kept": b"null"}
 
 
-@pytest.mark.parametrize("mechanism", ["scram-sha-512", "scram-sha-256", "plain"])
+def test_a_subscriptions_deliveries_carry_the_events_own_id(ob, kafka):
+    # A plain subscription's deliveries are one event: each record says so
+    # in `id` (what consumers dedupe on), whose delivery it is in
+    # outbox_subscription_id, and its own id (outbox_ack's) beside them.
+    fanned = topic(kafka, "fanned")
+    subs = [ob.value("SELECT outbox_subscribe('kafka.fanned', %s, queue => %s)", (task, fanned))
+            for task in ("billing", "search")]
+    try:
+        event = ob.value("SELECT outbox_enqueue('kafka.fanned', '{\"order\": 7}')")
+        deliveries = dict(ob.sql("SELECT subscription_id, delivery_id FROM outbox.deliveries WHERE event_id = %s",
+                                 (event,)))
+        wait_until(lambda: len(kafka.records(fanned)) == 2, message="both deliveries")
+        records = kafka.records(fanned)
+        assert [r["headers"]["id"].decode() for r in records] == [str(event)] * 2
+        assert sorted(int(r["headers"]["outbox_subscription_id"]) for r in records) == sorted(subs)
+        for record in records:
+            subscription = int(record["headers"]["outbox_subscription_id"])
+            assert record["headers"]["outbox_delivery_id"].decode() == str(deliveries[subscription])
+            assert json.loads(record["value"]) == {"order": 7}
+    finally:
+        for sub in subs:
+            ob.sql("SELECT outbox_unsubscribe(%s)", (sub,))
+
+
+def test_an_accumulated_subscriptions_batch_is_a_record_of_its_members(ob, kafka):
+    batched = topic(kafka, "batched")
+    digest = ob.value("SELECT outbox_subscribe('kafka.batched', 'digest', queue => %s, batch_max => 3)", (batched,))
+    try:
+        members = [ob.value("SELECT outbox_enqueue('kafka.batched', jsonb_build_object('n', %s::int))", (n,))
+                   for n in range(3)]
+        wait_until(lambda: len(kafka.records(batched)) == 1, message="the batch")
+        [batch] = kafka.records(batched)
+        value = json.loads(batch["value"])
+        assert value != {}, "the batch went out without its members"
+        assert [m["id"] for m in value] == [str(m) for m in members]
+        assert [m["payload"] for m in value] == [{"n": n} for n in range(3)]
+        assert {m["event_type"] for m in value} == {"kafka.batched"}
+        assert int(batch["headers"]["outbox_subscription_id"]) == digest
+        assert batch["headers"]["id"].decode() == str(ob.value(
+            "SELECT DISTINCT delivery_id FROM outbox.deliveries WHERE subscription_id = %s", (digest,)))
+    finally:
+        ob.sql("SELECT outbox_unsubscribe(%s)", (digest,))
+
+
+@pytest.mark.parametrize("mechanism", [None, "scram-sha-256", "plain"])
 def test_sasl_is_spoken_and_a_refusal_is_clear(redis_server, mechanism):
     # tansu 0.6 with --authentication takes no user: its own `user create`
     # must authenticate first, and its memory storage forgets users made
     # before. So every login here is refused; that it is refused for the
     # credentials (not the protocol) is what this shows, with the SCRAM
     # exchange itself checked against RFC 7677's (core, sink::kafka::sasl).
+    # No mechanism named: SCRAM-SHA-512. PLAIN over kafka:// would send the
+    # password in clear text: refused unless a setting allows it.
     broker = Kafka(authentication=True)
     pg, directory = None, None
     try:
@@ -393,11 +439,17 @@ def test_sasl_is_spoken_and_a_refusal_is_clear(redis_server, mechanism):
         secret = directory / "password"
         secret.write_text("Wr0ng-pw\n")
         secret.chmod(0o644)
+        chosen = {"kafka_sasl_mechanism": mechanism} if mechanism else {}
         pg = new_cluster(redis_server.url, broker_url=f"kafka://outbox@{broker.address}", kafka_topic="{queue}",
-                         kafka_sasl_mechanism=mechanism, broker_password_file=str(secret),
-                         reconnect_delay_min="200ms", reconnect_delay_max="1s")
+                         broker_password_file=str(secret), reconnect_delay_min="200ms", reconnect_delay_max="1s",
+                         **chosen)
         pg.install()
         ids = enqueue(pg, 5, "secured")
+        if mechanism == "plain":
+            wait_until(lambda: "outbox.kafka_sasl_plain_cleartext" in last_error(pg),
+                       message="PLAIN in clear text refused", seen=lambda: last_error(pg))
+            assert "clear text" in last_error(pg)
+            pg.configure(kafka_sasl_plain_cleartext="on")
         # tansu answers a SCRAM login of an unknown user at its last step
         # (e=unknown-user), and hangs up on PLAIN.
         refused = "cannot connect to the broker" if mechanism == "plain" else "refused the SCRAM authentication"
@@ -412,3 +464,90 @@ def test_sasl_is_spoken_and_a_refusal_is_clear(redis_server, mechanism):
         broker.close()
         if directory:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_kafkas_presents_the_client_certificate_asked_for(redis_server):
+    # tansu serves no TLS handshake, let alone asks for a client's
+    # certificate: a TLS terminator that requires one (as Aiven, Strimzi's
+    # `tls` authentication and MSK's mTLS do) stands in front of it, and
+    # tansu advertises the terminator as its address.
+    tls = make_tls_files()
+    terminator = TlsTerminator(tls, target_port=free_port())
+    broker = Kafka(advertised_port=terminator.port)
+    terminator.target_port = broker.port
+    pg = None
+    try:
+        name = f"mtls-{os.urandom(3).hex()}"
+        broker.create_topic(name, 2)
+        pg = new_cluster(redis_server.url, broker_url=f"kafkas://127.0.0.1:{terminator.port}",
+                         broker_tls_ca_file=str(tls / "ca.pem"), kafka_topic="{queue}",
+                         reconnect_delay_min="200ms", reconnect_delay_max="1s")
+        pg.install()
+        ids = enqueue(pg, 5, name)
+        wait_until(lambda: terminator.refused >= 1 and "cannot connect" in last_error(pg),
+                   message="no certificate, no connection", seen=lambda: last_error(pg))
+        assert statuses(pg, ids) == {"pending": 5}
+        pg.configure(broker_tls_cert_file=str(tls / "client.pem"))
+        wait_until(lambda: "outbox.broker_tls_key_file" in last_error(pg), message="a certificate without its key",
+                   seen=lambda: last_error(pg))
+        pg.configure(broker_tls_key_file=str(tls / "client.key"))
+        wait_until(lambda: statuses(pg, ids) == {"dispatched": 5}, message="delivered with the certificate",
+                   seen=lambda: last_error(pg))
+        assert pg.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0") == 0
+    finally:
+        if pg:
+            pg.close()
+        broker.close()
+        terminator.close()
+        shutil.rmtree(tls, ignore_errors=True)
+
+
+def test_a_slow_acks_all_is_waited_for_as_kafka_request_timeout_says(ob, kafka):
+    # Replicas slow to confirm (acks=all) hold the answer: the broker may
+    # take outbox.kafka_request_timeout, whatever outbox.broker_timeout is.
+    # The broker frozen for 4 s after a produce request went stands for
+    # them: the answer then comes, and nothing is given up or sent twice.
+    name = topic(kafka, "slow", partitions=1)
+    ob.configure(broker_timeout="1s", kafka_request_timeout="20s", heartbeat_interval="1h")
+    first = enqueue(ob, 1, name)
+    wait_until(lambda: statuses(ob, first) == {"dispatched": 1}, message="the topic's metadata known")
+    timeouts = ob.metric("outbox_reconnects_total", reason="timeout")
+    kafka.freeze()
+    try:
+        ids = enqueue(ob, 20, name)
+        wait_until(lambda: statuses(ob, ids) == {"processing": 20}, message="the push in flight")
+        time.sleep(4)
+    finally:
+        kafka.freeze(False)
+    wait_until(lambda: statuses(ob, ids) == {"dispatched": 20}, message="the answer waited for",
+               seen=lambda: last_error(ob))
+    assert ob.metric("outbox_reconnects_total", reason="timeout") == timeouts
+    assert Counter(kafka.ids(name)) == Counter(first + ids), "an answer given up on: sent twice"
+
+
+def test_sigterm_ends_a_wait_for_a_produce_answer_within_seconds(ob, kafka):
+    # The answer may take outbox.kafka_request_timeout (ten minutes here);
+    # a SIGTERM ends the wait at once (the sidecar lets a push in flight
+    # finish for 5 s first), and the events go back in line unspent.
+    name = topic(kafka, "stopped", partitions=1)
+    ob.configure(kafka_request_timeout="10min", heartbeat_interval="1h")
+    first = enqueue(ob, 1, name)
+    wait_until(lambda: statuses(ob, first) == {"dispatched": 1}, message="the topic's metadata known")
+    kafka.freeze()
+    try:
+        ids = enqueue(ob, 5, name)
+        wait_until(lambda: statuses(ob, ids) == {"processing": 5}, message="the push in flight")
+        time.sleep(1)
+        pid = dispatcher_pid(ob)
+        started = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: gone(pid), timeout=30, message="the dispatcher gone")
+        assert time.monotonic() - started < 8
+    finally:
+        kafka.freeze(False)
+        if HOST == "sidecar":
+            # A sidecar again (the server restarts a background worker):
+            # a change of its own settings starts one.
+            ob.configure(workers=2)
+    wait_until(lambda: statuses(ob, ids) == {"dispatched": 5}, timeout=60, message="the events sent after the stop")
+    assert ob.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0") == 0

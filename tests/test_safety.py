@@ -298,6 +298,22 @@ def test_tls_with_a_trusted_ca_delivers_and_an_untrusted_one_is_refused(outbox, 
     wait_until(lambda: queued_ids(tls_redis.client(), "q_tls") == [str(event_id)], message="delivery over TLS")
 
 
+def test_tls_presents_the_client_certificate_a_broker_asks_for(outbox, tls_files):
+    server = Redis(tls=tls_files, client_certificates=True)
+    try:
+        outbox.configure(redis_url=server.url, broker_tls_ca_file=str(tls_files / "ca.pem"),
+                         reconnect_delay_min="200ms", reconnect_delay_max="500ms")
+        event_id = outbox.value("SELECT outbox_enqueue('mtls', '{}', queue => 'q_mtls')")
+        wait_until(lambda: "cannot connect" in (outbox.value("SELECT last_error FROM outbox.workers") or ""),
+                   message="no certificate, no connection")
+        outbox.configure(broker_tls_cert_file=str(tls_files / "client.pem"),
+                         broker_tls_key_file=str(tls_files / "client.key"))
+        wait_until(lambda: queued_ids(server.client(), "q_mtls") == [str(event_id)],
+                   message="delivery with the client certificate")
+    finally:
+        server.close()
+
+
 # -- bad settings ---------------------------------------------------------------
 
 def reconnect_lines(pg):

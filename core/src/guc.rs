@@ -94,7 +94,7 @@ const fn choice(name: &'static str, names: &'static [&'static str]) -> Declared 
 
 /// Every setting, one line each.
 #[rustfmt::skip]
-pub const DECLARED: [Declared; 47] = [
+pub const DECLARED: [Declared; 51] = [
     int("outbox.workers", 1, 0, MAX_WORKERS, Unit::None),
     text("outbox.database", c"postgres"),
     flag("outbox.enabled", true),
@@ -102,6 +102,8 @@ pub const DECLARED: [Declared; 47] = [
     text("outbox.redis_url", c"redis://127.0.0.1:6379/0"),
     text("outbox.broker_password_file", c""),
     text("outbox.broker_tls_ca_file", c""),
+    text("outbox.broker_tls_cert_file", c""),
+    text("outbox.broker_tls_key_file", c""),
     text("outbox.redis_sentinel_master", c""),
     text("outbox.redis_sentinel_password_file", c""),
     int("outbox.redis_wait_replicas", -1, -1, 16, Unit::None),
@@ -138,7 +140,9 @@ pub const DECLARED: [Declared; 47] = [
     choice("outbox.key_on_failure", &["block", "continue"]),
     text("outbox.kafka_topic", c"outbox.event.{event_type}"),
     flag("outbox.kafka_tombstones", false),
-    choice("outbox.kafka_sasl_mechanism", &["plain", "scram-sha-256", "scram-sha-512"]),
+    choice("outbox.kafka_sasl_mechanism", &["scram-sha-512", "scram-sha-256", "plain"]),
+    flag("outbox.kafka_sasl_plain_cleartext", false),
+    int("outbox.kafka_request_timeout", 30_000, 100, 600_000, Unit::Ms),
     // The former names of [`RENAMED`]'s settings, as they were.
     int("outbox.redis_timeout", 5_000, 100, 600_000, Unit::Ms),
     text("outbox.redis_password_file", c""),

@@ -208,6 +208,17 @@ struct RunArgs {
     /// As outbox.broker_tls_ca_file [env: OUTBOX_BROKER_TLS_CA_FILE]
     #[arg(long, value_name = "PATH")]
     broker_tls_ca_file: Option<String>,
+    /// As outbox.broker_tls_cert_file [env: OUTBOX_BROKER_TLS_CERT_FILE]
+    #[arg(long, value_name = "PATH")]
+    broker_tls_cert_file: Option<String>,
+    /// As outbox.broker_tls_key_file [env: OUTBOX_BROKER_TLS_KEY_FILE]
+    #[arg(long, value_name = "PATH")]
+    broker_tls_key_file: Option<String>,
+    /// As outbox.kafka_sasl_plain_cleartext: on lets SASL PLAIN send the
+    /// password over kafka:// in clear text [env:
+    /// OUTBOX_KAFKA_SASL_PLAIN_CLEARTEXT]
+    #[arg(long, value_name = "on|off")]
+    kafka_sasl_plain_cleartext: Option<String>,
     /// As outbox.redis_sentinel_password_file
     /// [env: OUTBOX_SENTINEL_PASSWORD_FILE]
     #[arg(long, value_name = "PATH")]
@@ -220,6 +231,9 @@ impl RunArgs {
         match option {
             "--broker-password-file" => self.broker_password_file.clone(),
             "--broker-tls-ca-file" => self.broker_tls_ca_file.clone(),
+            "--broker-tls-cert-file" => self.broker_tls_cert_file.clone(),
+            "--broker-tls-key-file" => self.broker_tls_key_file.clone(),
+            "--kafka-sasl-plain-cleartext" => self.kafka_sasl_plain_cleartext.clone(),
             "--sentinel-password-file" => self.sentinel_password_file.clone(),
             _ => None,
         }
@@ -708,6 +722,8 @@ mod tests {
         assert_eq!(own["outbox.broker_url"], "redis://env");
         assert_eq!(own["outbox.broker_password_file"], "file:broker_password_file");
         assert_eq!(own["outbox.broker_tls_ca_file"], "file:broker_tls_ca_file");
+        assert_eq!(own["outbox.broker_tls_cert_file"], "file:broker_tls_cert_file");
+        assert_eq!(own["outbox.kafka_sasl_plain_cleartext"], "file:kafka_sasl_plain_cleartext");
         assert_eq!(own["outbox.redis_sentinel_password_file"], "file:sentinel_password_file");
         assert!(command("run --config=/nonexistent/x.toml", &none).unwrap_err().contains("--config"));
         assert!(command("run --dsn x --config", &none).unwrap_err().contains("--config needs a value"));

@@ -16,7 +16,7 @@ use outbox_core::broker_url::BrokerUrl;
 use crate::private_file::{self, Rule};
 
 /// Every key a file may hold: each an `OUTBOX_*` variable in lower case.
-pub const KEYS: [&str; 11] = [
+pub const KEYS: [&str; 14] = [
     "dsn",
     "dsn_file",
     "tls_ca_file",
@@ -24,6 +24,9 @@ pub const KEYS: [&str; 11] = [
     "broker_url_file",
     "broker_password_file",
     "broker_tls_ca_file",
+    "broker_tls_cert_file",
+    "broker_tls_key_file",
+    "kafka_sasl_plain_cleartext",
     "sentinel_password_file",
     "dispatchers",
     "poll_interval",

@@ -62,10 +62,17 @@ pub struct RunConfig {
 
 /// Settings the sidecar's configuration holds, never the database: their
 /// option, environment variable and setting.
-pub const OWN_SETTINGS: [(&str, &str, &str); 4] = [
+pub const OWN_SETTINGS: [(&str, &str, &str); 7] = [
     ("--broker-url", "OUTBOX_BROKER_URL", "outbox.broker_url"),
     ("--broker-password-file", "OUTBOX_BROKER_PASSWORD_FILE", "outbox.broker_password_file"),
     ("--broker-tls-ca-file", "OUTBOX_BROKER_TLS_CA_FILE", "outbox.broker_tls_ca_file"),
+    ("--broker-tls-cert-file", "OUTBOX_BROKER_TLS_CERT_FILE", "outbox.broker_tls_cert_file"),
+    ("--broker-tls-key-file", "OUTBOX_BROKER_TLS_KEY_FILE", "outbox.broker_tls_key_file"),
+    (
+        "--kafka-sasl-plain-cleartext",
+        "OUTBOX_KAFKA_SASL_PLAIN_CLEARTEXT",
+        "outbox.kafka_sasl_plain_cleartext",
+    ),
     ("--sentinel-password-file", "OUTBOX_SENTINEL_PASSWORD_FILE", "outbox.redis_sentinel_password_file"),
 ];
 

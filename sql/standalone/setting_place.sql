@@ -17,7 +17,8 @@ AS $$
 SELECT CASE
     WHEN name = ANY (ARRAY['outbox.broker_url', 'outbox.redis_url', 'outbox.broker_password_file',
                            'outbox.redis_password_file', 'outbox.redis_sentinel_password_file',
-                           'outbox.broker_tls_ca_file', 'outbox.redis_tls_ca_file']) THEN 'sidecar'
+                           'outbox.broker_tls_ca_file', 'outbox.redis_tls_ca_file', 'outbox.broker_tls_cert_file',
+                           'outbox.broker_tls_key_file', 'outbox.kafka_sasl_plain_cleartext']) THEN 'sidecar'
     WHEN name = ANY (ARRAY['outbox.workers', 'outbox.database']) THEN 'library'
     WHEN name = ANY (ARRAY['outbox.default_queue', 'outbox.notify', 'outbox.notify_channel']) THEN 'session'
     WHEN name = 'outbox.moving' THEN 'internal'
@@ -32,7 +33,7 @@ SELECT CASE
                            'outbox.report_timeout', 'outbox.max_payload_bytes', 'outbox.inbox_retention',
                            'outbox.amqp_queue_type', 'outbox.amqp_max_priority', 'outbox.key_on_failure',
                            'outbox.kafka_topic', 'outbox.kafka_tombstones', 'outbox.kafka_sasl_mechanism',
-                           'outbox.redis_timeout'])
+                           'outbox.kafka_request_timeout', 'outbox.redis_timeout'])
         THEN 'database'
 END
 $$;

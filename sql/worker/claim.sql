@@ -57,7 +57,7 @@ WITH cursor AS MATERIALIZED (
       FROM (SELECT p.*
               FROM ((SELECT e.id, e.pending_xid, e.event_type, e.payload, e.queue, e.task, e.headers, e.priority,
                             e.retry_count, e.created_at, e.args, e.expires_at, e.key_state, e.ordering_key,
-                            e.subscription_id, e.generation
+                            e.subscription_id, e.event_id, e.generation
                        FROM cursor AS c
                       CROSS JOIN LATERAL pg_catalog.unnest(c.behind) AS b(xid)
                       CROSS JOIN LATERAL (
@@ -74,7 +74,7 @@ WITH cursor AS MATERIALIZED (
                     UNION ALL
                     (SELECT e.id, e.pending_xid, e.event_type, e.payload, e.queue, e.task, e.headers, e.priority,
                             e.retry_count, e.created_at, e.args, e.expires_at, e.key_state, e.ordering_key,
-                            e.subscription_id, e.generation
+                            e.subscription_id, e.event_id, e.generation
                        FROM cursor AS c
                       CROSS JOIN LATERAL (
                             SELECT e.*
@@ -103,7 +103,7 @@ WITH cursor AS MATERIALIZED (
               FROM (SELECT r.id, r.pending_xid, r.event_type, r.payload::pg_catalog.text AS payload, r.queue,
                            r.task, r.headers::pg_catalog.text AS headers, r.priority, r.retry_count, r.created_at,
                            r.args::pg_catalog.text AS args, r.expires_at, r.key_state, r.ordering_key,
-                           r.subscription_id, r.generation, r.more
+                           r.subscription_id, r.event_id, r.generation, r.more
                       FROM read AS r
                      WHERE r.through - r.stored < $3
                      ORDER BY r.pending_xid, r.id
@@ -169,7 +169,8 @@ SELECT p.id,
        -- (outbox_core::report::send_of, as outbox.send_of()).
        batch.send,
        (SELECT ended.ended FROM ended) AS ended,
-       p.generation
+       p.generation,
+       p.event_id
   FROM (SELECT 1) AS one
   LEFT JOIN page AS p ON true
   LEFT JOIN batch ON true

@@ -11,7 +11,7 @@ use crate::backoff;
 use crate::celery::{self, TaskMessage};
 use crate::link::{Interest, Interrupted, Wait};
 use crate::metrics::{Counter, Counters, PushFailure};
-use crate::sink::{Condition, Delivery, Event, KeyBatch, Outgoing, Record, Sink, SinkError};
+use crate::sink::{Condition, Delivery, Event, KeyBatch, Outgoing, Record, Routing, Sink, SinkError};
 use crate::store::{Batch, ClaimedEvent, Failure, Head, Outcome};
 
 /// How the dispatcher treats one event's failure.
@@ -240,6 +240,12 @@ fn record(sink: &Sink, event: &ClaimedEvent) -> Result<(String, Record), String>
             event_type: &event.event_type,
             payload: &event.payload,
             headers: event.headers.as_deref(),
+            routing: match (event.subscription, event.event_id, event.args.as_deref()) {
+                (0, ..) => Routing::Direct,
+                (subscription, Some(event), _) => Routing::Delivery { event, subscription },
+                (subscription, None, Some(args)) => Routing::Batch { subscription, args },
+                (_, None, None) => return Err("a subscription's batch without its members".into()),
+            },
         },
         kafka.tombstones(),
     )?;

@@ -169,6 +169,8 @@ impl Settings {
             url,
             timeout: v.millis("outbox.broker_timeout"),
             tls_ca_file: v.path("outbox.broker_tls_ca_file"),
+            tls_cert_file: v.path("outbox.broker_tls_cert_file"),
+            tls_key_file: v.path("outbox.broker_tls_key_file"),
             password_file: v.path("outbox.broker_password_file"),
             max_batch_bytes: v.int("outbox.max_batch_bytes").max(1) as usize * 1024,
             sentinel_master: v.text("outbox.redis_sentinel_master"),
@@ -189,7 +191,9 @@ impl Settings {
             kafka: KafkaShape {
                 topic: v.text("outbox.kafka_topic"),
                 mechanism: Mechanism::ALL[v.choice("outbox.kafka_sasl_mechanism")],
+                plain_cleartext: v.flag("outbox.kafka_sasl_plain_cleartext"),
                 tombstones: v.flag("outbox.kafka_tombstones"),
+                request_timeout: v.millis("outbox.kafka_request_timeout"),
             },
         };
         // No Celery worker reads Kafka, so none reports back: a head is
@@ -265,14 +269,19 @@ fn message_bytes(max_payload_bytes: usize) -> usize {
 /// The longest a claim may stay in processing while its dispatcher is
 /// alive: a connect (a timeout per RabbitMQ node the URL lists), and one
 /// timeout per round trip of a batch of the largest messages, with a
-/// margin of one more. A shorter `outbox.processing_timeout` would let the
-/// sweeper hand a live claim to another dispatcher and send its events
-/// twice.
+/// margin of one more, and for Kafka its request timeout. A shorter
+/// `outbox.processing_timeout` would let the sweeper hand a live claim to
+/// another dispatcher and send its events twice.
 fn longest_push(broker: &BrokerConfig, batch_size: usize, max_payload_bytes: usize) -> Duration {
     let message = message_bytes(max_payload_bytes);
     let round_trips = batch_size.saturating_mul(message).div_ceil(broker.max_batch_bytes.max(1));
     let connect = if broker.url.starts_with("amqp") { broker.url.split(';').count() } else { 1 };
-    let seconds = broker.timeout.as_secs_f64() * ((round_trips + connect) as f64 + 1.0);
+    // Kafka's produce requests in flight wait for their replicas together,
+    // up to its own request timeout.
+    let replicas =
+        if broker.url.starts_with("kafka") { broker.kafka.request_timeout } else { Duration::ZERO };
+    let seconds =
+        broker.timeout.as_secs_f64() * ((round_trips + connect) as f64 + 1.0) + replicas.as_secs_f64();
     Duration::from_secs(seconds.ceil() as u64)
 }
 
@@ -325,6 +334,21 @@ mod tests {
         assert_eq!(s.processing_timeout_set, Some(Duration::from_secs(1)));
         assert!(s.processing_timeout > Duration::from_secs(1));
         assert_eq!(s.pause_limit, Duration::ZERO);
+    }
+
+    #[test]
+    fn kafka_waits_for_its_replicas_by_its_own_timeout() {
+        let (s, _) = read(&[("outbox.broker_url", "kafka://k:9092")]);
+        assert_eq!(s.broker.kafka.request_timeout, Duration::from_secs(30));
+        assert_eq!(s.broker.kafka.mechanism, Mechanism::ScramSha512);
+        assert!(!s.broker.kafka.plain_cleartext);
+        let (redis, _) = read(&[]);
+        assert_eq!(
+            longest_push(&s.broker, 100, 1024 * 1024),
+            longest_push(&redis.broker, 100, 1024 * 1024) + Duration::from_secs(30)
+        );
+        let (s, _) = read(&[("outbox.broker_url", "kafka://k"), ("outbox.kafka_request_timeout", "2min")]);
+        assert_eq!(s.broker.kafka.request_timeout, Duration::from_secs(120));
     }
 
     #[test]

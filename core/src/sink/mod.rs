@@ -23,7 +23,7 @@ use crate::link::Wait;
 
 pub use amqp::{AmqpSink, QueueKind, QueueShape};
 pub use errors::{Condition, Reason, SinkError};
-pub use kafka::{Event, KafkaShape, KafkaSink, Mechanism, Record, Topics};
+pub use kafka::{Event, KafkaShape, KafkaSink, Mechanism, Record, Routing, Topics};
 pub use keys::{Keys, KOMBU_PRIORITY_STEPS, KOMBU_SEPARATOR};
 pub use redis::RedisSink;
 
@@ -39,6 +39,10 @@ pub struct BrokerConfig {
     /// PEM file of the certificate authorities trusted for `rediss://` and `amqps://`;
     /// `None`: the system's. The server's certificate is verified either way.
     pub tls_ca_file: Option<PathBuf>,
+    /// PEM files of the client's own certificate (its chain) and key, sent
+    /// to a TLS broker that asks for one; `None`: none.
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
     /// File holding the password, which then stays out of the URL (and so
     /// out of the server log, where PostgreSQL prints a changed setting).
     pub password_file: Option<PathBuf>,
@@ -76,6 +80,8 @@ impl BrokerConfig {
             url: url.into(),
             timeout,
             tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             password_file: None,
             max_batch_bytes,
             sentinel_master: String::new(),
@@ -341,6 +347,22 @@ impl Outgoing {
 
 /// TLS for `rediss://` and `amqps://`: the authorities of
 /// `outbox.broker_tls_ca_file`, or the system's.
-fn tls_config(ca_file: Option<&std::path::Path>) -> Result<std::sync::Arc<rustls::ClientConfig>, SinkError> {
-    crate::tls::client_config("outbox.broker_tls_ca_file", ca_file).map_err(SinkError::InvalidConfig)
+fn tls_config(config: &BrokerConfig) -> Result<std::sync::Arc<rustls::ClientConfig>, SinkError> {
+    let identity =
+        match (&config.tls_cert_file, &config.tls_key_file) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => Some(
+                crate::tls::Identity::read(
+                    ("outbox.broker_tls_cert_file", cert),
+                    ("outbox.broker_tls_key_file", key),
+                )
+                .map_err(SinkError::InvalidConfig)?,
+            ),
+            _ => return Err(SinkError::InvalidConfig(
+                "outbox.broker_tls_cert_file and outbox.broker_tls_key_file go together: set both or neither"
+                    .into(),
+            )),
+        };
+    crate::tls::client_config("outbox.broker_tls_ca_file", config.tls_ca_file.as_deref(), identity)
+        .map_err(SinkError::InvalidConfig)
 }

@@ -139,7 +139,7 @@ impl RedisSink {
             Some(path) => Some(password_from_file("outbox.broker_password_file", path)?),
             None => self.url.password.clone(),
         };
-        let tls = self.url.tls.then(|| tls_config(self.config.tls_ca_file.as_deref())).transpose()?;
+        let tls = self.url.tls.then(|| tls_config(&self.config)).transpose()?;
         let (host, port) = match &mut self.url.endpoints {
             Endpoints::Direct(host, port) => (host.clone(), *port),
             Endpoints::Sentinels(sentinels) => ask_sentinels(sentinels, &self.config, waiter, deadline)?,

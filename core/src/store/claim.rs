@@ -55,10 +55,9 @@ pub fn claim(tx: &mut dyn Tx, dispatcher: i32, bounds: Bounds) -> Result<Taken, 
             taken.batch = Some(Batch { id: get::<i64>(row, 17)?.ok_or_else(|| missing("batch"))? });
         }
         let position: Position = take::<String>(row, 13)?.ok_or_else(|| missing("position"))?;
+        let subscription = get::<i64>(row, 16)?.unwrap_or(0);
         let head = match (get::<bool>(row, 14)?, take::<String>(row, 15)?) {
-            (Some(true), Some(ordering_key)) => {
-                Some(Key { ordering_key, subscription: get::<i64>(row, 16)?.unwrap_or(0) })
-            }
+            (Some(true), Some(ordering_key)) => Some(Key { ordering_key, subscription }),
             _ => None,
         };
         let expires = take::<String>(row, 11)?.zip(get::<f64>(row, 12)?);
@@ -78,6 +77,8 @@ pub fn claim(tx: &mut dyn Tx, dispatcher: i32, bounds: Bounds) -> Result<Taken, 
             send: send_of(get::<Uuid>(row, 18)?.unwrap_or(Uuid::nil()), id),
             position,
             head,
+            subscription,
+            event_id: get::<Uuid>(row, 21)?,
             generation: get::<i64>(row, 20)?.ok_or_else(|| missing("generation"))? as i16,
             refused: None,
         });

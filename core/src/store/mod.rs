@@ -50,6 +50,11 @@ pub struct ClaimedEvent {
     pub position: Position,
     /// Its key, when it is its key's head.
     pub head: Option<Key>,
+    /// The subscription whose delivery or batch it is (0: none).
+    pub subscription: i64,
+    /// On a subscription's delivery: the event it delivers. A batch has
+    /// none (its members are in `args`).
+    pub event_id: Option<Uuid>,
     /// The partition of outbox.log it is in.
     pub generation: i16,
     /// Why it must not be sent, if it must not (core/src/store/ids.rs):

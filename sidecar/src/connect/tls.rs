@@ -7,11 +7,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-use rustls::client::{ResolvesClientCert, WebPkiServerVerifier};
+use rustls::client::WebPkiServerVerifier;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
-use rustls::sign::CertifiedKey;
 use rustls::{CertificateError, DigitallySignedStruct, SignatureScheme};
+
+use outbox_core::tls::Identity;
 
 use super::options::{ClientCert, Options, Roots, SslMode};
 use crate::private_file::{self, Rule};
@@ -45,8 +46,8 @@ pub fn client_config(options: &Options, roots_named: &str) -> Result<Arc<rustls:
         None => builder.with_no_client_auth(),
         Some(ClientCert { cert, key }) => {
             let (chain, key) = client_cert(cert, key)?;
-            let signer = provider_key(key).map_err(|e| format!("sslkey: {e}"))?;
-            builder.with_client_cert_resolver(Arc::new(OwnCert(Arc::new(CertifiedKey::new(chain, signer)))))
+            let identity = Identity::of(chain, key).map_err(|e| format!("sslkey: {e}"))?;
+            builder.with_client_cert_resolver(identity.resolver)
         }
     };
     config.enable_sni = options.sni;
@@ -79,28 +80,6 @@ fn client_cert(
         format!("sslkey {}: no usable private key in it (PEM, unencrypted): {e}", key.display())
     })?;
     Ok((chain, key))
-}
-
-/// The signing key of a private key, as ring loads it.
-fn provider_key(key: PrivateKeyDer<'static>) -> Result<Arc<dyn rustls::sign::SigningKey>, rustls::Error> {
-    rustls::crypto::ring::default_provider().key_provider.load_private_key(key)
-}
-
-/// The client's certificate, sent whenever the server asks for one. As
-/// libpq's, it is not parsed here: the server judges it (PostgreSQL's
-/// documentation makes X.509 v1 certificates, which rustls's own resolver
-/// refuses to load).
-#[derive(Debug)]
-struct OwnCert(Arc<CertifiedKey>);
-
-impl ResolvesClientCert for OwnCert {
-    fn resolve(&self, _hints: &[&[u8]], _schemes: &[SignatureScheme]) -> Option<Arc<CertifiedKey>> {
-        Some(Arc::clone(&self.0))
-    }
-
-    fn has_certs(&self) -> bool {
-        true
-    }
 }
 
 /// `sslmode=verify-ca`: the chain is verified, the server's name is not.

@@ -213,7 +213,7 @@ impl AmqpSink {
         };
         let user = self.url.username.clone().unwrap_or_else(|| "guest".into());
         let password = password.unwrap_or_else(|| "guest".into());
-        let tls = self.url.tls.then(|| tls_config(self.config.tls_ca_file.as_deref())).transpose()?;
+        let tls = self.url.tls.then(|| tls_config(&self.config)).transpose()?;
         let Endpoints::Amqp(nodes) = &self.url.endpoints else { unreachable!("an AMQP sink has AMQP nodes") };
         let mut failure = SinkError::Connect("no node".into());
         for turn in 0..nodes.len() {

@@ -15,11 +15,11 @@ mod sasl;
 mod wire;
 
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kafka_protocol::messages::ApiVersionsRequest;
 
-pub use record::{Event, Record};
+pub use record::{Event, Record, Routing};
 pub use route::Topics;
 pub use sasl::Mechanism;
 
@@ -39,17 +39,25 @@ pub struct KafkaShape {
     pub topic: String,
     /// `outbox.kafka_sasl_mechanism`, when the URL names a user.
     pub mechanism: Mechanism,
+    /// `outbox.kafka_sasl_plain_cleartext`: PLAIN may send the password
+    /// over `kafka://`, without TLS.
+    pub plain_cleartext: bool,
     /// `outbox.kafka_tombstones`: a keyed event with a `null` payload is
     /// sent as a tombstone.
     pub tombstones: bool,
+    /// `outbox.kafka_request_timeout`: how long a produce request's answer
+    /// may take (the broker's own deadline for `acks=all`, and ours).
+    pub request_timeout: Duration,
 }
 
 impl Default for KafkaShape {
     fn default() -> KafkaShape {
         KafkaShape {
             topic: "outbox.event.{event_type}".into(),
-            mechanism: Mechanism::Plain,
+            mechanism: Mechanism::ScramSha512,
+            plain_cleartext: false,
             tombstones: false,
+            request_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -83,6 +91,15 @@ pub struct KafkaSink {
 impl KafkaSink {
     pub fn new(config: &BrokerConfig, url: BrokerUrl) -> Result<KafkaSink, SinkError> {
         let topics = Topics::parse(&config.kafka.topic).map_err(SinkError::InvalidConfig)?;
+        let cleartext = url.username.is_some() && config.kafka.mechanism == Mechanism::Plain && !url.tls;
+        if cleartext && !config.kafka.plain_cleartext {
+            return Err(SinkError::InvalidConfig(
+                "SASL PLAIN over kafka:// would send the broker's password in clear text: connect with \
+                 kafkas://, or take scram-sha-512 (outbox.kafka_sasl_mechanism), or allow it with \
+                 outbox.kafka_sasl_plain_cleartext = on"
+                    .into(),
+            ));
+        }
         Ok(KafkaSink {
             display_url: url.display(),
             config: config.clone(),
@@ -164,7 +181,7 @@ impl KafkaSink {
         waiter: &mut dyn Wait,
         deadline: Instant,
     ) -> Result<Conn, SinkError> {
-        let tls = self.url.tls.then(|| tls_config(self.config.tls_ca_file.as_deref())).transpose()?;
+        let tls = self.url.tls.then(|| tls_config(&self.config)).transpose()?;
         let mut conn = Conn::open(host, port, tls, waiter, deadline)?;
         if let Some((user, password)) = &self.user {
             conn.authenticate(self.config.kafka.mechanism, user, password, waiter, deadline).map_err(
@@ -190,7 +207,21 @@ impl KafkaSink {
     /// The deadline of one step of a push that must be done by `until`: a
     /// timeout from now, or `until`; a timeout when that has passed.
     fn step(&self, until: Instant) -> Result<Instant, SinkError> {
-        let deadline = (Instant::now() + self.config.timeout).min(until);
+        self.due(Instant::now() + self.config.timeout, until)
+    }
+
+    /// The deadline of the answer to a produce request sent at `sent`, in
+    /// a push that must be done by `until`: the broker may hold it
+    /// `outbox.kafka_request_timeout` (`acks=all` waiting for the
+    /// replicas), and its way back takes up to a timeout; and a timeout
+    /// after the answer before it, as for any step.
+    fn answer_due(&self, sent: Instant, until: Instant) -> Result<Instant, SinkError> {
+        let held = sent + self.config.kafka.request_timeout + self.config.timeout;
+        self.due(held.max(Instant::now() + self.config.timeout), until)
+    }
+
+    fn due(&self, deadline: Instant, until: Instant) -> Result<Instant, SinkError> {
+        let deadline = deadline.min(until);
         if Instant::now() >= deadline {
             return Err(SinkError::Timeout);
         }
@@ -219,8 +250,10 @@ impl KafkaSink {
     /// record, in order. A connection that fails part way loses only what
     /// it had not answered, and the session with it. The push as a whole
     /// takes less than `outbox.processing_timeout`'s floor counts for it: a
-    /// timeout, and one per `outbox.max_batch_bytes` of records; what is not
-    /// sent by then goes back to pending, unsent.
+    /// timeout, one per `outbox.max_batch_bytes` of records, and
+    /// `outbox.kafka_request_timeout` (the requests in flight wait for
+    /// their replicas together); what is not sent by then goes back to
+    /// pending, unsent.
     pub fn push(&mut self, batches: &[KeyBatch<Record>], waiter: &mut dyn Wait) -> Pushed {
         let total = batches.iter().map(|b| b.messages.len()).sum();
         let mut deliveries = vec![Delivery::Unsent; total];
@@ -231,8 +264,9 @@ impl KafkaSink {
         let trips = bytes.div_ceil(self.config.max_batch_bytes.max(1)).max(1);
         // A timeout fewer than the floor counts, for the claim before the
         // push and the marks after it.
-        let until =
-            Instant::now() + self.config.timeout.saturating_mul(1 + trips.min(u32::MAX as usize) as u32);
+        let until = Instant::now()
+            + self.config.timeout.saturating_mul(1 + trips.min(u32::MAX as usize) as u32)
+            + self.config.kafka.request_timeout;
         let mut alone = std::mem::take(&mut self.alone);
         let failure =
             produce::produce(self, &mut session, &mut alone, batches, &mut deliveries, waiter, until).err();

@@ -303,7 +303,7 @@ impl Leader<'_> {
         }
         let version = self.session.leaders[&leader].versions.of(ApiKey::Produce)?;
         let mut failed_runs = vec![false; self.runs.len()];
-        let mut in_flight: VecDeque<(i32, &[Chunk])> = VecDeque::new();
+        let mut in_flight: VecDeque<(i32, &[Chunk], Instant)> = VecDeque::new();
         let mut next = 0;
         while next < requests.len() || !in_flight.is_empty() {
             if next < requests.len() && in_flight.len() < IN_FLIGHT {
@@ -313,13 +313,15 @@ impl Leader<'_> {
                 let Some(request) = self.request(chunks, &failed_runs) else { continue };
                 let conn = self.session.leaders.get_mut(&leader).expect("opened");
                 let correlation = conn.send(&request, version, waiter, deadline)?;
-                in_flight.push_back((correlation, chunks));
+                in_flight.push_back((correlation, chunks, Instant::now()));
                 continue;
             }
-            // A broker answers a connection's requests one after another:
-            // each answer is due a timeout after the one before it came.
-            let (correlation, chunks) = in_flight.pop_front().expect("a request in flight");
-            let deadline = self.sink.step(until)?;
+            // A broker answers a connection's requests one after another,
+            // each once its replicas have it: an answer is due a request
+            // timeout after its request went, or a timeout after the
+            // answer before it came.
+            let (correlation, chunks, sent) = in_flight.pop_front().expect("a request in flight");
+            let deadline = self.sink.answer_due(sent, until)?;
             let conn = self.session.leaders.get_mut(&leader).expect("opened");
             let answer = conn.receive::<ProduceRequest>(correlation, version, waiter, deadline)?;
             self.settle(chunks, &answer, deliveries, &mut failed_runs)?;
@@ -381,9 +383,9 @@ impl Leader<'_> {
             });
             topics[slot].partition_data.push(data);
         }
-        // The broker's own deadline for replication (`acks=all`), three
-        // quarters of ours, so that its REQUEST_TIMED_OUT comes in time.
-        let timeout = (self.sink.config.timeout.as_millis() * 3 / 4).min(i32::MAX as u128) as i32;
+        // The broker's own deadline for replication (`acks=all`): ours
+        // leaves its REQUEST_TIMED_OUT a timeout to come back in.
+        let timeout = self.sink.config.kafka.request_timeout.as_millis().min(i32::MAX as u128) as i32;
         (!topics.is_empty()).then(|| {
             ProduceRequest::default()
                 .with_transactional_id(None)

@@ -1,7 +1,11 @@
 //! An event as a Kafka record, as Debezium's outbox event router makes
 //! it: the key is the event's `ordering_key` (its id when it has none),
 //! the value its payload as given, and the headers its id (`id`), its type
-//! (`eventType`) and the event's own headers (`traceparent`, …).
+//! (`eventType`) and the event's own headers (`traceparent`, …). A
+//! subscription's delivery is its event's record, `id` the event's own
+//! (what consumers dedupe on), with its subscription and its own id beside
+//! it; an accumulated subscription's batch is one record whose value is the
+//! list of its members.
 
 use bytes::Bytes;
 use serde_json::Value;
@@ -16,12 +20,31 @@ pub struct Record {
     pub headers: Vec<(String, Bytes)>,
 }
 
-/// The headers every record carries, which an event's own cannot replace.
+/// The headers records carry, which an event's own cannot replace.
 pub const ID_HEADER: &str = "id";
 pub const TYPE_HEADER: &str = "eventType";
+pub const SUBSCRIPTION_HEADER: &str = "outbox_subscription_id";
+pub const DELIVERY_HEADER: &str = "outbox_delivery_id";
+/// What a delivery's headers name its event by for Celery; `id` says it
+/// on a record.
+const EVENT_HEADER: &str = "outbox_event_id";
+const RESERVED: [&str; 5] = [ID_HEADER, TYPE_HEADER, SUBSCRIPTION_HEADER, DELIVERY_HEADER, EVENT_HEADER];
+
+/// What a subscription made of an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing<'a> {
+    /// Nothing: the event as it was enqueued.
+    Direct,
+    /// A plain subscription's delivery of `event`.
+    Delivery { event: Uuid, subscription: i64 },
+    /// An accumulated subscription's batch: `args` (a JSON array's text)
+    /// holds one argument, the list of its members.
+    Batch { subscription: i64, args: &'a str },
+}
 
 /// What an event is made of, as far as Kafka is concerned.
 pub struct Event<'a> {
+    /// The row's id: the event's, a delivery's or a batch's.
     pub id: Uuid,
     pub ordering_key: Option<&'a str>,
     pub event_type: &'a str,
@@ -29,6 +52,7 @@ pub struct Event<'a> {
     pub payload: &'a str,
     /// The event's own headers, a JSON object's text, if any.
     pub headers: Option<&'a str>,
+    pub routing: Routing<'a>,
 }
 
 impl Record {
@@ -43,17 +67,34 @@ impl Record {
             None => Bytes::from(event.id.to_string()),
         };
         let tombstone = tombstones && event.ordering_key.is_some() && event.payload.trim() == "null";
-        let value = (!tombstone).then(|| Bytes::copy_from_slice(event.payload.as_bytes()));
+        let value = match event.routing {
+            Routing::Batch { args, .. } => Some(Bytes::from(members(args)?)),
+            _ => (!tombstone).then(|| Bytes::copy_from_slice(event.payload.as_bytes())),
+        };
+        let id = match event.routing {
+            Routing::Delivery { event, .. } => event,
+            _ => event.id,
+        };
         let mut headers = vec![
-            (ID_HEADER.to_string(), Bytes::from(event.id.to_string())),
+            (ID_HEADER.to_string(), Bytes::from(id.to_string())),
             (TYPE_HEADER.to_string(), Bytes::copy_from_slice(event.event_type.as_bytes())),
         ];
+        match event.routing {
+            Routing::Direct => {}
+            Routing::Delivery { subscription, .. } => {
+                headers.push((SUBSCRIPTION_HEADER.to_string(), Bytes::from(subscription.to_string())));
+                headers.push((DELIVERY_HEADER.to_string(), Bytes::from(event.id.to_string())));
+            }
+            Routing::Batch { subscription, .. } => {
+                headers.push((SUBSCRIPTION_HEADER.to_string(), Bytes::from(subscription.to_string())));
+            }
+        }
         if let Some(text) = event.headers {
             let Ok(Value::Object(own)) = serde_json::from_str::<Value>(text) else {
                 return Err("headers must be a JSON object".into());
             };
             for (name, value) in own {
-                if name == ID_HEADER || name == TYPE_HEADER {
+                if RESERVED.contains(&name.as_str()) {
                     continue;
                 }
                 let value = match value {
@@ -76,12 +117,33 @@ impl Record {
     }
 }
 
+/// The list of a batch's members, oldest first (each `{"id",
+/// "event_type", "payload"}`, and `"args"` when it has them), from its
+/// arguments: the one argument a Celery task of the batch is called with.
+fn members(args: &str) -> Result<String, String> {
+    match serde_json::from_str::<Value>(args) {
+        Ok(Value::Array(mut args)) if args.len() == 1 && args[0].is_array() => Ok(args.remove(0).to_string()),
+        _ => Err("a batch's args must be one argument, the list of its members".into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn event<'a>(key: Option<&'a str>, payload: &'a str, headers: Option<&'a str>) -> Event<'a> {
-        Event { id: Uuid::from_u128(7), ordering_key: key, event_type: "order_paid", payload, headers }
+        Event {
+            id: Uuid::from_u128(7),
+            ordering_key: key,
+            event_type: "order_paid",
+            payload,
+            headers,
+            routing: Routing::Direct,
+        }
+    }
+
+    fn named(record: &Record) -> Vec<(&str, &[u8])> {
+        record.headers.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()
     }
 
     #[test]
@@ -93,9 +155,8 @@ mod tests {
         .unwrap();
         assert_eq!(&record.key[..], b"order-1");
         assert_eq!(record.value.as_deref(), Some(&br#"{"n": 1}"#[..]));
-        let headers: Vec<(&str, &[u8])> = record.headers.iter().map(|(n, v)| (n.as_str(), &v[..])).collect();
         assert_eq!(
-            headers,
+            named(&record),
             [
                 ("id", &b"00000000-0000-0000-0000-000000000007"[..]),
                 ("eventType", b"order_paid"),
@@ -110,8 +171,9 @@ mod tests {
 
     #[test]
     fn the_protocol_headers_cannot_be_forged() {
-        let record =
-            Record::of(&event(None, "{}", Some(r#"{"id": "evil", "eventType": "evil"}"#)), false).unwrap();
+        let forged = r#"{"id": "evil", "eventType": "evil", "outbox_subscription_id": "evil",
+                         "outbox_delivery_id": "evil", "outbox_event_id": "evil"}"#;
+        let record = Record::of(&event(None, "{}", Some(forged)), false).unwrap();
         assert_eq!(record.headers.len(), 2);
         assert!(record.headers.iter().all(|(_, v)| &v[..] != b"evil"));
         let error = Record::of(&event(None, "{}", Some("[1]")), false).unwrap_err();
@@ -123,5 +185,53 @@ mod tests {
         assert_eq!(Record::of(&event(Some("k"), "null", None), true).unwrap().value, None);
         assert!(Record::of(&event(Some("k"), "null", None), false).unwrap().value.is_some());
         assert!(Record::of(&event(None, "null", None), true).unwrap().value.is_some());
+    }
+
+    #[test]
+    fn a_delivery_says_its_events_id_and_its_subscriptions() {
+        let routing = Routing::Delivery { event: Uuid::from_u128(1), subscription: 42 };
+        let own =
+            r#"{"outbox_event_id": "00000000-0000-0000-0000-000000000001", "outbox_subscription_id": 42}"#;
+        let record =
+            Record::of(&Event { routing, ..event(Some("k"), r#"{"n": 1}"#, Some(own)) }, false).unwrap();
+        assert_eq!(
+            named(&record),
+            [
+                ("id", &b"00000000-0000-0000-0000-000000000001"[..]),
+                ("eventType", b"order_paid"),
+                ("outbox_subscription_id", b"42"),
+                ("outbox_delivery_id", b"00000000-0000-0000-0000-000000000007"),
+            ]
+        );
+        assert_eq!(record.value.as_deref(), Some(&br#"{"n": 1}"#[..]));
+    }
+
+    #[test]
+    fn a_batch_is_one_record_of_its_members() {
+        let args = r#"[[{"id": "a", "payload": {"n": 1}}, {"id": "b", "payload": null}]]"#;
+        let routing = Routing::Batch { subscription: 9, args };
+        let record = Record::of(
+            &Event { routing, ..event(None, "{}", Some(r#"{"outbox_subscription_id": 9}"#)) },
+            true,
+        )
+        .unwrap();
+        let value: Value = serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
+        assert_eq!(
+            value,
+            serde_json::json!([{"id": "a", "payload": {"n": 1}}, {"id": "b", "payload": null}])
+        );
+        assert_eq!(
+            named(&record),
+            [
+                ("id", &b"00000000-0000-0000-0000-000000000007"[..]),
+                ("eventType", b"order_paid"),
+                ("outbox_subscription_id", b"9"),
+            ]
+        );
+        for args in ["[]", "[1]", "{}", "[[1], [2]]", "nope"] {
+            let routing = Routing::Batch { subscription: 9, args };
+            let error = Record::of(&Event { routing, ..event(None, "{}", None) }, false).unwrap_err();
+            assert!(error.contains("list of its members"), "{args}: {error}");
+        }
     }
 }

@@ -9,11 +9,11 @@ use ring::{digest, hmac, pbkdf2};
 
 crate::named! {
     /// `outbox.kafka_sasl_mechanism`: how a user named in the URL
-    /// authenticates.
+    /// authenticates; the first is the default.
     pub enum Mechanism {
-        Plain = "PLAIN",
-        ScramSha256 = "SCRAM-SHA-256",
         ScramSha512 = "SCRAM-SHA-512",
+        ScramSha256 = "SCRAM-SHA-256",
+        Plain = "PLAIN",
     }
 }
 
@@ -163,6 +163,17 @@ mod tests {
         }
         let scram = Scram::new(Mechanism::ScramSha512, "u", "p", nonce);
         assert!(scram.verify(b"e=invalid-proof\n").unwrap_err().contains("invalid-proof\\n"));
+    }
+
+    #[test]
+    fn the_mechanisms_are_the_settings_choices_in_its_order() {
+        let Some(crate::guc::Declared { kind: crate::guc::Kind::Choice(names), .. }) =
+            crate::guc::declared("outbox.kafka_sasl_mechanism")
+        else {
+            panic!("outbox.kafka_sasl_mechanism is a choice")
+        };
+        let ours: Vec<String> = Mechanism::ALL.iter().map(|m| m.name().to_lowercase()).collect();
+        assert_eq!(ours, *names);
     }
 
     #[test]
