@@ -760,7 +760,10 @@ def test_an_idle_sidecar_polls_without_writing(server, db, redis_server, sidecar
     before, xid = server.value(claims, dbname=db), server.value("SELECT pg_current_xact_id()::text::bigint")
     time.sleep(3)
     assert server.value(claims, dbname=db) - before <= 1
-    assert server.value("SELECT pg_current_xact_id()::text::bigint") - xid <= 3
+    # 150 polls: a write each would take 150 transaction ids. A few are the
+    # leases' (a turn unused 2 s is given back, housekeeping takes its
+    # turn), more on a loaded machine, whose slower steps hold turns longer.
+    assert server.value("SELECT pg_current_xact_id()::text::bigint") - xid <= 15
     # Anyone may NOTIFY the channels it listens on: a forged wake costs a
     # read-only look, not a claim.
     with server.connect(dbname=db, user="writer") as conn:
