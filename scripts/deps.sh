@@ -48,6 +48,7 @@ if ((${#missing[@]})); then
 fi
 
 # PostgreSQL from a wheel: the package and where its installation sits in it.
+# None carries 17, nor does Debian 12 (docs/getting-started/postgresql-versions.md).
 wheel_for() {
     case "$1" in
         16) echo "pgserver==0.1.4 pgserver/pginstall" ;;
@@ -58,6 +59,8 @@ if [[ ! -x "$PG_CONFIG" ]]; then
     read -r requirement inside <<<"$(wheel_for "$PG")"
     if [[ -z "${requirement:-}" || "$PG_CONFIG" != "$DEPS_DIR/pg$PG/bin/pg_config" ]]; then
         echo "deps: no pg_config at $PG_CONFIG (PG=$PG); set PG_CONFIG to an installed PostgreSQL 15, 16 or 18" >&2
+        [[ "$PG" == 17 ]] && echo "deps: PostgreSQL 17 is neither built nor tested here: no registry this" \
+            "project builds from carries it (docs/getting-started/postgresql-versions.md)" >&2
         exit 1
     fi
     echo "deps: installing PostgreSQL $PG ($requirement) under $DEPS_DIR"
