@@ -60,18 +60,20 @@ class HeldDrain:
         self.pg, self.dbname = pg, dbname
         self.gate = pg.connect(autocommit=False, dbname=dbname)
         self.gate.execute("LOCK TABLE outbox.batches IN SHARE MODE")
-        self.begun = begin() if begin is not None else None
-        deadline = time.monotonic() + timeout
-        while not (self.waiting(MARK_STATEMENT) and until()):
-            wait_until(lambda: self.waiting() > 0, timeout=max(deadline - time.monotonic(), 1),
-                       message="a dispatcher's statement waiting for outbox.batches")
-            if self.waiting(MARK_STATEMENT) and until():
-                break
-            if time.monotonic() > deadline:
-                self.release()
-                raise AssertionError(f"timed out after {timeout}s holding the drain: {until.__doc__ or until}")
-            self.gate.commit()
-            self.gate.execute("LOCK TABLE outbox.batches IN SHARE MODE")
+        try:
+            self.begun = begin() if begin is not None else None
+            deadline = time.monotonic() + timeout
+            while not (self.waiting(MARK_STATEMENT) and until()):
+                wait_until(lambda: self.waiting() > 0, timeout=max(deadline - time.monotonic(), 1),
+                           message="a dispatcher's statement waiting for outbox.batches")
+                if self.waiting(MARK_STATEMENT) and until():
+                    break
+                assert time.monotonic() < deadline, f"timed out after {timeout}s holding the drain"
+                self.gate.commit()
+                self.gate.execute("LOCK TABLE outbox.batches IN SHARE MODE")
+        except BaseException:
+            self.release()
+            raise
 
     def waiting(self, statement="%"):
         """How many sessions wait for the lock, running `statement` (LIKE)."""
