@@ -57,14 +57,14 @@ class HeldDrain:
     it returns is `begun`."""
 
     def __init__(self, pg, until, dbname, timeout, begin=None):
-        self.pg, self.dbname = pg, dbname
         self.gate = pg.connect(autocommit=False, dbname=dbname)
         self.gate.execute("LOCK TABLE outbox.batches IN SHARE MODE")
+        self.watch = pg.connect(dbname=dbname)
         try:
             self.begun = begin() if begin is not None else None
             deadline = time.monotonic() + timeout
             while not (self.waiting(MARK_STATEMENT) and until()):
-                wait_until(lambda: self.waiting() > 0, timeout=max(deadline - time.monotonic(), 1),
+                wait_until(lambda: self.waiting() > 0, timeout=max(deadline - time.monotonic(), 1), interval=0.01,
                            message="a dispatcher's statement waiting for outbox.batches")
                 if self.waiting(MARK_STATEMENT) and until():
                     break
@@ -77,15 +77,16 @@ class HeldDrain:
 
     def waiting(self, statement="%"):
         """How many sessions wait for the lock, running `statement` (LIKE)."""
-        return self.pg.value("SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid) "
-                             "WHERE l.relation = 'outbox.batches'::regclass AND NOT l.granted "
-                             "AND a.query LIKE %s", (statement,), dbname=self.dbname)
+        return self.watch.execute("SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid) "
+                                  "WHERE l.relation = 'outbox.batches'::regclass AND NOT l.granted "
+                                  "AND a.query LIKE %s", (statement,)).fetchone()[0]
 
     def release(self):
         """Lets the drain go on (again: nothing). The lock may be gone
         already, with a server the test stopped or crashed."""
-        with contextlib.suppress(psycopg.Error):
-            self.gate.close()
+        for conn in (self.gate, self.watch):
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
 
 
 @contextlib.contextmanager

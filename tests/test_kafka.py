@@ -259,8 +259,8 @@ def test_a_broker_killed_and_restarted_mid_drain_marks_only_what_it_acknowledged
     with ob.connect() as conn:
         conn.execute("SELECT outbox_enqueue('r', jsonb_build_object('n', g), queue => %s) "
                      "FROM generate_series(1, 10000) g", (name,))
-    # Killed while a pushed batch's mark waits, 200 events or more marked.
-    with drain_held(ob, until=lambda: ob.count("dispatched") >= 200, begin=lambda: ob.configure(enabled="on")):
+    # Killed while a pushed batch's mark waits, 40 events or more marked.
+    with drain_held(ob, until=lambda: ob.count("dispatched") >= 40, begin=lambda: ob.configure(enabled="on")):
         kafka.kill()
     try:
         # The dispatchers wait while the broker comes back without the
