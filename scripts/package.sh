@@ -28,8 +28,17 @@ cd "$(dirname "$0")/.."
 PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
 DIST_DIR=${DIST_DIR:-dist}
 major=$("$PG_CONFIG" --version | sed -E 's/^PostgreSQL ([0-9]+).*/\1/')
+# pgrx builds against it without a registration (`cargo pgrx init`).
+export PGRX_PG_CONFIG_PATH=$PG_CONFIG
+# Beside the build toolchain (scripts/toolchain.sh) and the venv's
+# packaging/requirements.txt: binutils' objdump reads the C library's
+# versions the library and the command need.
+command -v objdump >/dev/null || {
+    echo "package.sh: objdump is missing (Debian: binutils)" >&2
+    exit 1
+}
 FEATURES=${FEATURES:---no-default-features --features pg$major}
-.venv/bin/python -m pytest -q -p no:cacheprovider tests/test_release.py >/dev/null || {
+.venv/bin/python -m pytest -q -p no:cacheprovider --noconftest tests/test_release.py >/dev/null || {
     echo "package.sh: the release's files do not agree (.venv/bin/python -m pytest tests/test_release.py)" >&2
     exit 1
 }

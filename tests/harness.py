@@ -5,6 +5,7 @@ worker. Every service gets a fresh directory under /tmp and a free port, so
 leftovers of an earlier run never get in the way."""
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +38,66 @@ CLAIM_STATEMENT = "%(SELECT ended.ended FROM ended) AS ended%"
 # The planner's switches every dispatcher sets (src/worker/setup.rs), for
 # a test that plans or runs the dispatchers' statements itself.
 DISPATCHER_PLANNER = "SET enable_bitmapscan = off; SET enable_sort = off; SET jit = off"
+
+
+# A pushed batch's mark (sql/worker/mark_dispatched.sql) in pg_stat_activity,
+# by its leading comment.
+MARK_STATEMENT = "-- Batch $1, claimed by%"
+
+
+class HeldDrain:
+    """The dispatchers' drain held at a known point, for a test that acts
+    mid-drain rather than racing the drain's speed: a batch pushed to the
+    broker, its mark waiting. A session of the superuser's locks
+    outbox.batches against writers (SHARE MODE); each time a dispatcher's
+    statement waits for it (a claim, a sweeper, a mark), the lock goes and
+    is taken again, until `until()` holds while a mark waits. Meanwhile
+    nothing is claimed, marked or swept; the broker has what was pushed.
+    `begin()`, called once the lock is first held, sets the drain going
+    (enables the dispatchers, starts a sidecar): none of it passes by; what
+    it returns is `begun`."""
+
+    def __init__(self, pg, until, dbname, timeout, begin=None):
+        self.gate = pg.connect(autocommit=False, dbname=dbname)
+        self.gate.execute("LOCK TABLE outbox.batches IN SHARE MODE")
+        self.watch = pg.connect(dbname=dbname)
+        try:
+            self.begun = begin() if begin is not None else None
+            deadline = time.monotonic() + timeout
+            while not (self.waiting(MARK_STATEMENT) and until()):
+                wait_until(lambda: self.waiting() > 0, timeout=max(deadline - time.monotonic(), 1), interval=0.01,
+                           message="a dispatcher's statement waiting for outbox.batches")
+                if self.waiting(MARK_STATEMENT) and until():
+                    break
+                assert time.monotonic() < deadline, f"timed out after {timeout}s holding the drain"
+                self.gate.commit()
+                self.gate.execute("LOCK TABLE outbox.batches IN SHARE MODE")
+        except BaseException:
+            self.release()
+            raise
+
+    def waiting(self, statement="%"):
+        """How many sessions wait for the lock, running `statement` (LIKE)."""
+        return self.watch.execute("SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid) "
+                                  "WHERE l.relation = 'outbox.batches'::regclass AND NOT l.granted "
+                                  "AND a.query LIKE %s", (statement,)).fetchone()[0]
+
+    def release(self):
+        """Lets the drain go on (again: nothing). The lock may be gone
+        already, with a server the test stopped or crashed."""
+        for conn in (self.gate, self.watch):
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
+
+@contextlib.contextmanager
+def drain_held(pg, until=lambda: True, dbname="postgres", timeout=120, begin=None):
+    """Holds the drain (HeldDrain) for the block; it goes on after."""
+    held = HeldDrain(pg, until, dbname, timeout, begin)
+    try:
+        yield held
+    finally:
+        held.release()
 
 
 def free_port():

@@ -82,10 +82,13 @@ class Sidecar:
         with open(self.log_file.name) as f:
             return f.read()
 
-    def stop(self, sig=signal.SIGTERM, timeout=30):
-        """Sends `sig`; (exit status, seconds it took)."""
+    def stop(self, sig=signal.SIGTERM, timeout=30, meanwhile=None):
+        """Sends `sig`, then calls `meanwhile()` (when given); (exit
+        status, seconds it took)."""
         started = time.monotonic()
         self.proc.send_signal(sig)
+        if meanwhile is not None:
+            meanwhile()
         status = self.proc.wait(timeout=timeout)
         return status, time.monotonic() - started
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from harness import DISPATCHER_PLANNER, Cluster, decode, queued_ids, wait_until
+from harness import DISPATCHER_PLANNER, Cluster, decode, drain_held, queued_ids, wait_until
 from standalone import library_only, new_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,9 +270,9 @@ def test_a_reload_during_a_push_takes_effect_before_the_backlog_is_drained(redis
         pg.configure(enabled="off")
         wait_until(lambda: pg.value("SELECT state FROM outbox.workers") == "paused", message="paused")
         pg.sql("SELECT outbox_enqueue('backlog', '{}', queue => 'q_backlog') FROM generate_series(1, 60000)")
-        pg.configure(enabled="on")
-        wait_until(lambda: client.llen("q_backlog") > 0, message="the drain under way")
-        client.execute_command("CLIENT", "PAUSE", 2000, "WRITE")
+        # Redis paused while a pushed batch's mark waits: the next push waits on it.
+        with drain_held(pg, until=lambda: client.llen("q_backlog") > 0, begin=lambda: pg.configure(enabled="on")):
+            client.execute_command("CLIENT", "PAUSE", 2000, "WRITE")
         if reload == "sent to all":
             pg.configure(enabled="off")
         else:

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 import redis as redis_lib
 
-from harness import CeleryWorker, decode, wait_until
+from harness import CeleryWorker, decode, drain_held, wait_until
 from standalone import library_only, new_cluster
 from outbox_dispatch.inbox import once
 
@@ -315,9 +315,7 @@ def test_a_server_crash_mid_drain_sends_duplicates_and_the_effects_happen_once(r
     """The crash test of tests/test_reliability.py, with tasks that write:
     the marks lost in the crash send events again (counted in the queue),
     and each event's effect is made once. The crash comes while a pushed
-    batch waits to be marked, for certain: a session holds outbox.batches
-    against writers and lets through what waits for it until a claim has
-    gone through."""
+    batch waits to be marked, for certain (harness.drain_held)."""
     # Its own report list: the shared cluster's dispatchers read theirs on
     # the same Redis (clusters sharing a Redis need distinct keys).
     pg = new_cluster(redis_server.url, enabled="off", batch_size=200, report_key="inbox_crash.reports")
@@ -330,28 +328,8 @@ def test_a_server_crash_mid_drain_sends_duplicates_and_the_effects_happen_once(r
         with pg.connect() as conn:
             conn.execute("SELECT outbox_enqueue('effect', jsonb_build_object('n', n, 'hold', 0), queue => %s, "
                          "task => 'loop.effect') FROM generate_series(1, 3000) AS n", (QUEUE,))
-
-        def waiting(statement="%"):
-            return pg.value("SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid) "
-                            "WHERE l.relation = 'outbox.batches'::regclass AND NOT l.granted "
-                            "AND a.query LIKE %s", (statement,))
-
-        gate = pg.connect(autocommit=False)
-        gate.execute("LOCK TABLE outbox.batches IN SHARE MODE")
-        pg.configure(enabled="on")
-        # What waits for the batches (a sweeper, a claim) is granted as the
-        # lock goes, before the gate asks for it again: once a claim has
-        # gone through and pushed, its mark waits.
-        while True:
-            wait_until(lambda: waiting() > 0 or client.llen(QUEUE) > 0, message="a statement waiting")
-            if client.llen(QUEUE) > 0:
-                break
-            gate.commit()
-            gate.execute("LOCK TABLE outbox.batches IN SHARE MODE")
-        wait_until(lambda: waiting("-- Batch $1, claimed by%") > 0, message="a pushed batch's mark waiting")
-        pg.stop("immediate")
-        with contextlib.suppress(psycopg.Error):
-            gate.close()
+        with drain_held(pg, begin=lambda: pg.configure(enabled="on")):
+            pg.stop("immediate")
         pg.start()
         wait_until(lambda: pg.count("dispatched") == 3000, timeout=180, message="every event after recovery")
         sent = client.llen(QUEUE)

@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from kafka.partitioner.default import murmur2
 
-from harness import Kafka, TlsTerminator, free_port, make_tls_files, wait_until
+from harness import Kafka, TlsTerminator, drain_held, free_port, make_tls_files, wait_until
 from standalone import HOST, installed_cluster, new_cluster
 
 
@@ -259,17 +259,19 @@ def test_a_broker_killed_and_restarted_mid_drain_marks_only_what_it_acknowledged
     with ob.connect() as conn:
         conn.execute("SELECT outbox_enqueue('r', jsonb_build_object('n', g), queue => %s) "
                      "FROM generate_series(1, 10000) g", (name,))
-    ob.configure(enabled="on")
-    wait_until(lambda: ob.count("dispatched") >= 200, message="the drain under way")
-    kafka.kill()
+    # Killed while a pushed batch's mark waits, 40 events or more marked.
+    with drain_held(ob, until=lambda: ob.count("dispatched") >= 40, begin=lambda: ob.configure(enabled="on")):
+        kafka.kill()
     try:
-        acknowledged_before = {str(r[0]) for r in ob.sql("SELECT id FROM outbox.events WHERE status = 'dispatched'")}
         # The dispatchers wait while the broker comes back without the
         # topic (memory storage), which would otherwise be their events'
         # own fault for a moment: a topic that does not exist.
         ob.configure(enabled="off")
         wait_until(lambda: ob.value("SELECT bool_and(state = 'paused') FROM outbox.workers"),
                    message="the dispatchers paused")
+        # What the killed broker acknowledged: marked since, as the mark
+        # held at the kill was; nothing after it.
+        acknowledged_before = {str(r[0]) for r in ob.sql("SELECT id FROM outbox.events WHERE status = 'dispatched'")}
     finally:
         kafka.start()
     assert len(acknowledged_before) < 10000
@@ -294,16 +296,18 @@ def test_dispatchers_killed_mid_drain_lose_nothing_and_keep_key_order(ob, kafka)
                          "ordering_key => 'k' || (g %% 40)) FROM generate_series(%s::int, %s::int) g",
                          (name, start, start + 499))
             conn.commit()
-    ob.configure(enabled="on")
-    wait_until(lambda: ob.count("dispatched") >= 400, message="the drain under way")
+    # Killed while a pushed batch's mark waits, 400 events or more marked.
+    with drain_held(ob, until=lambda: ob.count("dispatched") >= 400, begin=lambda: ob.configure(enabled="on")):
+        if HOST == "sidecar":
+            ob.sidecar.proc.kill()
+            ob.sidecar.proc.wait()
+        else:
+            # The server takes a killed worker for a crash: it restarts
+            # (and ends the session that held the drain).
+            [pid] = ob.dispatcher_pids()
+            os.kill(pid, signal.SIGKILL)
     if HOST == "sidecar":
-        ob.sidecar.proc.kill()
-        ob.sidecar.proc.wait()
         ob.configure(workers=2)
-    else:
-        # The server takes a killed worker for a crash: it restarts.
-        [pid] = ob.dispatcher_pids()
-        os.kill(pid, signal.SIGKILL)
 
     def dispatched():
         try:

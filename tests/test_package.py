@@ -425,7 +425,8 @@ def fresh_debian(root):
     PostgreSQL) that starts no service; a function that runs a command in
     it, with /proc and a /dev/shm of its own mounted in a mount namespace of
     the command's, gone when the last process in it is (whatever ends this
-    test)."""
+    test), and `binds` (this machine's path, the path in it) mounted there
+    read-only."""
     subprocess.run(["debootstrap", "--variant=minbase", "bookworm", root, debian_mirror()],
                    check=True, capture_output=True)
     (root / "usr/sbin/policy-rc.d").write_text("#!/bin/sh\nexit 101\n")
@@ -433,9 +434,13 @@ def fresh_debian(root):
     shutil.copy("/etc/resolv.conf", root / "etc/resolv.conf")
     enter = 'mount -t proc proc "$0/proc" && mount -t tmpfs shm "$0/dev/shm" && exec chroot "$0" "$@"'
 
-    def inside(*command, **kw):
-        return subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", enter, root,
-                               *command], capture_output=True, text=True, **kw)
+    def inside(*command, binds=(), **kw):
+        mounts = []
+        for outside, within in binds:
+            (root / within.lstrip("/")).mkdir(parents=True, exist_ok=True)
+            mounts.append(f'mount --bind {outside} "$0{within}" && mount -o remount,bind,ro "$0{within}" && ')
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                               "".join(mounts) + enter, root, *command], capture_output=True, text=True, **kw)
 
     try:
         yield inside
@@ -444,20 +449,43 @@ def fresh_debian(root):
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.skipif(MAJOR != "15" or not debian_postgresql() or shutil.which("debootstrap") is None
-                    or debian_mirror() is None,
-                    reason="needs Debian 12's own PostgreSQL (15), debootstrap and a Debian archive")
-def test_a_fresh_debian_installs_the_package_with_apt_and_runs_the_quick_start(redis_server, packages, tmp_path):
+FRESH_DEBIAN = pytest.mark.skipif(
+    MAJOR != "15" or not debian_postgresql() or shutil.which("debootstrap") is None or debian_mirror() is None,
+    reason="needs Debian 12's own PostgreSQL (15), debootstrap and a Debian archive")
+
+
+@pytest.fixture(scope="module")
+def debian(tmp_path_factory):
+    """One fresh Debian 12 (fresh_debian()) for this module's tests: its
+    root, and the function that runs a command in it."""
+    root = tmp_path_factory.mktemp("fresh") / "debian"
+    with fresh_debian(root) as inside:
+        assert inside("apt-get", "update", "-q").returncode == 0
+        yield root, inside
+
+
+def running_in(root):
+    """The processes whose root is `root`: what runs in the fresh Debian."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and os.readlink(proc / "root") == str(root):
+                found.append((proc.name, (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+    return found
+
+
+@FRESH_DEBIAN
+def test_a_fresh_debian_installs_the_package_with_apt_and_runs_the_quick_start(redis_server, packages, debian):
     """The quick start on a Debian 12 that has nothing but its base system:
     `apt install ./<package>.deb` brings PostgreSQL with it; no Rust; the
     server preloads the library, CREATE EXTENSION, and a committed event
-    reaches this machine's Redis while a rolled-back one does not."""
+    reaches this machine's Redis while a rolled-back one does not. `apt
+    purge` takes the package away again."""
     deb = packages["deb"]
-    root = tmp_path / "debian"
-    with fresh_debian(root) as inside:
-        shutil.copy(deb, root / "tmp" / deb.name)
-        assert inside("sh", "-c", "command -v cargo || command -v rustc").returncode != 0, "Rust in the base system"
-        assert inside("apt-get", "update", "-q").returncode == 0
+    root, inside = debian
+    shutil.copy(deb, root / "tmp" / deb.name)
+    assert inside("sh", "-c", "command -v cargo || command -v rustc").returncode != 0, "Rust in the base system"
+    try:
         installed = inside("apt-get", "install", "-y", "-q", "--no-install-recommends", f"/tmp/{deb.name}",
                            env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
         assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
@@ -493,3 +521,67 @@ def test_a_fresh_debian_installs_the_package_with_apt_and_runs_the_quick_start(r
         finally:
             inside(*as_postgres, f"{bin_dir}/pg_ctl", "-D", "/tmp/data", "-m", "fast", "stop")
             redis_server.client().delete("q_fresh")
+    finally:
+        purged = inside("apt-get", "purge", "-y", "-q", f"postgresql-{MAJOR}-outbox-dispatch",
+                        env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+        shutil.rmtree(root / "tmp/data", ignore_errors=True)
+    assert purged.returncode == 0, purged.stderr
+    assert not list((root / f"usr/share/postgresql/{MAJOR}/extension").glob("outbox_dispatch*"))
+
+
+def debian_packages(inside):
+    listed = inside("dpkg-query", "-W", "-f", "${db:Status-Status} ${Package}\n")
+    assert listed.returncode == 0, listed.stderr
+    return {line.split()[1] for line in listed.stdout.splitlines() if line.startswith("installed ")}
+
+
+@FRESH_DEBIAN
+def test_make_install_on_a_fresh_debian_needs_the_build_toolchain_alone(debian):
+    """`make install` from a fresh copy of the sources (the files a clone
+    has) on a Debian 12 with the build toolchain alone: the Debian packages
+    scripts/toolchain.sh names, and Rust and cargo-pgrx (this machine's,
+    mounted read-only: no Rust comes from Debian), as a user who is not
+    root and may write PostgreSQL's library and extension directories.
+    It installs the extension's files and nothing else: no package (no
+    redis, rabbitmq or prometheus), nothing of it left running, so no port
+    listening. (The release profile without its link-time optimisation,
+    for the test's time: what is checked is what the install needs.)"""
+    root, inside = debian
+    apt = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    inside("apt-get", "purge", "-y", "-q", f"postgresql-{MAJOR}-outbox-dispatch", env=apt)
+    toolchain = subprocess.run([ROOT / "scripts" / "toolchain.sh", "packages"], env=dict(os.environ, PG=MAJOR),
+                               check=True, capture_output=True, text=True).stdout.split()
+    got = inside("apt-get", "install", "-y", "-q", "--no-install-recommends", *toolchain, env=apt)
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    # Cargo fetches the crates from their registry as this machine does,
+    # trusting what it trusts (as its resolver, fresh_debian()).
+    (root / "etc/ssl/certs").mkdir(parents=True, exist_ok=True)
+    shutil.copy("/etc/ssl/certs/ca-certificates.crt", root / "etc/ssl/certs/ca-certificates.crt")
+    before = debian_packages(inside)
+
+    home = root / "home/builder"
+    assert inside("useradd", "--create-home", "builder").returncode == 0
+    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, tracked):
+        if (ROOT / name).is_file():
+            (home / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, home / "src" / name)
+    libdir, extdir = f"/usr/lib/postgresql/{MAJOR}/lib", f"/usr/share/postgresql/{MAJOR}/extension"
+    assert inside("chown", "-R", "builder:", "/home/builder", libdir, extdir).returncode == 0
+
+    sysroot = subprocess.run(["rustc", "--print", "sysroot"], check=True, capture_output=True, text=True).stdout.strip()
+    pgrx = Path(shutil.which("cargo-pgrx")).parent
+    build = inside("runuser", "-u", "builder", "--", "env", "-i", "HOME=/home/builder",
+                   "PATH=/opt/rust/bin:/opt/cargo-pgrx:/usr/bin:/bin", "CARGO_PROFILE_RELEASE_LTO=false",
+                   "CARGO_PROFILE_RELEASE_OPT_LEVEL=0", "CARGO_PROFILE_RELEASE_CODEGEN_UNITS=64",
+                   "make", "-C", "/home/builder/src", "install",
+                   binds=[(sysroot, "/opt/rust"), (str(pgrx), "/opt/cargo-pgrx")], timeout=3600)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-5000:]
+
+    assert {p.name for p in (root / extdir.lstrip("/")).glob("outbox_dispatch*")} == EXTENSION_FILES
+    assert (root / libdir.lstrip("/") / "outbox_dispatch.so").is_file()
+    after = debian_packages(inside)
+    assert after == before, f"installed by make install: {sorted(after - before)}"
+    assert not after & {"redis-server", "rabbitmq-server", "prometheus"}
+    assert running_in(root) == [], "left running: nothing of make install may run, nor listen"

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from harness import Redis, queued_ids, wait_until
+from harness import Redis, drain_held, queued_ids, wait_until
 from standalone import HOST, new_cluster
 
 
@@ -42,10 +42,11 @@ def test_safety_poll_delivers_events_committed_without_a_wake(outbox, redis_serv
 def test_terminated_dispatcher_restarts_and_delivers_everything(outbox, redis_server):
     outbox.configure(enabled="off", batch_size=100)
     load(outbox, 20000, "q_term")
-    outbox.configure(enabled="on")
-    wait_until(lambda: outbox.count("dispatched") >= 2000, message="the drain to be under way")
-    [pid] = outbox.dispatcher_pids()
-    outbox.sql("SELECT pg_terminate_backend(%s)", (pid,))
+    # Terminated while a pushed batch's mark waits, 2,000 events or more marked.
+    with drain_held(outbox, until=lambda: outbox.count("dispatched") >= 2000,
+                    begin=lambda: outbox.configure(enabled="on")):
+        [pid] = outbox.dispatcher_pids()
+        outbox.sql("SELECT pg_terminate_backend(%s)", (pid,))
     wait_until(lambda: outbox.dispatcher_pids() not in ([], [pid]), timeout=60, message="a restarted dispatcher")
     wait_until(lambda: outbox.count("dispatched") == 20000, timeout=180, message="every event dispatched")
     seen = Counter(queued_ids(redis_server.client(), "q_term"))
@@ -296,9 +297,9 @@ def test_server_crash_mid_drain_loses_nothing(redis_server):
         load(pg, 20000, "q_crash")
         client = redis_server.client()
         client.delete("q_crash")
-        pg.configure(enabled="on")
-        wait_until(lambda: client.llen("q_crash") >= 2000, message="the drain to be under way")
-        pg.stop("immediate")
+        # Crashed while a pushed batch's mark waits, 2,000 events or more sent.
+        with drain_held(pg, until=lambda: client.llen("q_crash") >= 2000, begin=lambda: pg.configure(enabled="on")):
+            pg.stop("immediate")
         pg.start()
         assert pg.value("SELECT count(*) FROM outbox.events") == 20000
         wait_until(lambda: pg.count("dispatched") == 20000, timeout=180, message="every event after recovery")

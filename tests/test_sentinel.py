@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from harness import CeleryWorker, Cluster, SentinelGroup, decode, wait_until
+from harness import CeleryWorker, Cluster, SentinelGroup, decode, drain_held, wait_until
 from outbox_dispatch import enqueue
 
 # Failovers are the broker's side alone: .ci/run runs them under its first
@@ -42,17 +42,19 @@ def ids_in(client, key):
     return [decode(m)[0]["headers"]["id"] for m in client.lrange(key, 0, -1)]
 
 
-def drain_through(pg, group, failure):
+def drain_through(pg, group, failure, aftermath=lambda: None):
     """Enqueues EVENTS, lets them drain, runs `failure` once a tenth are
-    dispatched; returns the event ids."""
+    in Redis, the drain held there (harness.drain_held), then `aftermath`
+    as it goes on; returns the event ids."""
     pg.sql("CREATE EXTENSION outbox_dispatch")
     events = {str(r[0]) for r in pg.sql(
         f"SELECT outbox_enqueue('ha', '{{}}', queue => '{QUEUE}') FROM generate_series(1, {EVENTS})")}
-    pg.configure(enabled="on")
     # Read in Redis, not counted through outbox.events, whose status is
     # derived row by row: the count would come after the drain.
-    wait_until(lambda: group.master_client().llen(QUEUE) >= EVENTS // 10, timeout=120, message="a tenth dispatched")
-    failure()
+    with drain_held(pg, until=lambda: group.master_client().llen(QUEUE) >= EVENTS // 10,
+                    begin=lambda: pg.configure(enabled="on")):
+        failure()
+    aftermath()
     wait_until(lambda: pg.count("dispatched") == EVENTS, timeout=180,
                message=f"every event dispatched ({pg.sql('SELECT status, count(*) FROM outbox.events GROUP BY 1')}, "
                        f"{pg.sql('SELECT state, last_error FROM outbox.workers')})")
@@ -96,17 +98,19 @@ def test_a_killed_master_loses_nothing_and_fails_nothing(group):
     try:
         old = group.master
 
-        def kill_and_restart():
+        def kill():
             old.proc.send_signal(signal.SIGKILL)
             old.proc.wait()
             old.proc = None
+
+        def restart():
             wait_until(lambda: all(group.master_port(i) != old.port for i in range(3)), timeout=60,
                        message="the sentinels' failover")
             # The old server comes back (with its data: see SentinelGroup) and
             # the sentinels make it the new master's replica: WAIT is met again.
             old.start()
 
-        events = drain_through(pg, group, kill_and_restart)
+        events = drain_through(pg, group, kill, restart)
         check_nothing_lost(pg, group, events)
     finally:
         pg.close()

@@ -19,7 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from harness import Redis, SilentBroker, as_postgres, free_port, queued_ids, wait_until
+from harness import Redis, SilentBroker, as_postgres, drain_held, free_port, queued_ids, wait_until
 from standalone import Sidecar, Standby, fresh_database, install, plain_server, samples, scrape
 
 
@@ -591,10 +591,11 @@ def test_a_sidecar_killed_mid_drain_loses_nothing_and_sends_no_rolled_back_event
         rolled_back = [str(r[0]) for r in conn.execute(
             "SELECT outbox_enqueue('t.run', '{}', queue => 'q_kill') FROM generate_series(1, 100)").fetchall()]
         conn.rollback()
-    first = sidecars(server, db, broker=redis_server.url)
-    wait_until(lambda: redis_server.client().llen("q_kill") >= 1000, timeout=60, message="a drain under way")
-    first.proc.kill()
-    first.proc.wait()
+    # Killed while a pushed batch's mark waits, 1,000 events or more sent.
+    with drain_held(server, until=lambda: redis_server.client().llen("q_kill") >= 1000, dbname=db,
+                    begin=lambda: sidecars(server, db, broker=redis_server.url)) as held:
+        held.begun.proc.kill()
+        held.begun.proc.wait()
     sidecars(server, db, broker=redis_server.url)
     wait_until(lambda: set(queued_ids(redis_server.client(), "q_kill")) >= set(committed), timeout=120,
                message="every committed event sent")
@@ -677,9 +678,12 @@ def test_a_multi_host_dsn_follows_the_promoted_primary(redis_server, sidecars):
 def test_sigterm_mid_drain_is_prompt_and_what_was_claimed_goes_again(server, db, redis_server, sidecars):
     set_setting(server, db, "outbox.batch_size", "100")
     ids = enqueue(server, db, "q_term", 20_000)
-    sidecar = sidecars(server, db, broker=redis_server.url)
-    wait_until(lambda: redis_server.client().llen("q_term") >= 500, timeout=60, message="a drain under way")
-    status, took = sidecar.stop()
+    # Stopped while a pushed batch's mark waits, 500 events or more sent;
+    # the mark goes on as the stop begins.
+    with drain_held(server, until=lambda: redis_server.client().llen("q_term") >= 500, dbname=db,
+                    begin=lambda: sidecars(server, db, broker=redis_server.url)) as held:
+        sidecar = held.begun
+        status, took = sidecar.stop(meanwhile=held.release)
     assert status == 0 and took < 10, (status, took)
     assert "stopped" in sidecar.log()
     assert server.value("SELECT state FROM outbox.workers", dbname=db) == "stopped"
@@ -695,12 +699,12 @@ def test_sigterm_mid_drain_marks_every_push_it_made_before_it_exits(server, db, 
     set_setting(server, db, "outbox.batch_size", "100")
     ids = enqueue(server, db, "q_marked", 20_000)
     for _ in range(3):
-        sidecar = sidecars(server, db, broker=redis_server.url)
         seen = redis_server.client().llen("q_marked")
-        # Under way (or, on a fast machine, done: then there is nothing to check but the end).
-        wait_until(lambda: redis_server.client().llen("q_marked") >= min(seen + 500, len(ids)), timeout=60,
-                   message="a drain under way")
-        status, took = sidecar.stop()
+        # Stopped while a pushed batch's mark waits, 500 events or more
+        # sent by this one; the mark goes on as the stop begins.
+        with drain_held(server, until=lambda: redis_server.client().llen("q_marked") >= seen + 500, dbname=db,
+                        begin=lambda: sidecars(server, db, broker=redis_server.url)) as held:
+            status, took = held.begun.stop(meanwhile=held.release)
         assert status == 0 and took < 10, (status, took)
         sent = set(queued_ids(redis_server.client(), "q_marked"))
         rows = dict(server.sql("SELECT id::text, status FROM outbox.events WHERE queue = 'q_marked'", dbname=db))
