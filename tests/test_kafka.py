@@ -186,7 +186,10 @@ def test_a_garbage_peer_costs_bounded_memory_and_a_prompt_shutdown(ob, kafka):
         started = time.monotonic()
         os.kill(pid, signal.SIGTERM)
         wait_until(lambda: gone(pid), timeout=30, message="the dispatcher gone")
-        assert time.monotonic() - started < 5
+        # The sidecar lets a broker operation in flight finish for 5 s
+        # (sidecar/src/host.rs, STOP_DRAIN: a push whose answers come is
+        # marked), then abandons it.
+        assert time.monotonic() - started < (5 if HOST == "library" else 7)
     finally:
         peer.close()
 
