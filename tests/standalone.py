@@ -5,6 +5,7 @@ mode (OUTBOX_HOST=sidecar), where the tests of the dispatcher run against
 `outbox-dispatch run` on such a server."""
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -263,9 +264,12 @@ class SidecarCluster(Cluster):
     def metric(self, name, **labels):
         """The value of one sample of the sidecar's /metrics (of database
         postgres); None when it shows none."""
-        labels = {"database": "postgres", **labels}
-        series = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-        return samples(self.exposition()).get(series)
+        labels = {"database": "postgres", **{k: str(v) for k, v in labels.items()}}
+        for series, value in samples(self.exposition()).items():
+            named, _, written = series.partition("{")
+            if named == name and dict(re.findall(r'(\w+)="([^"]*)"', written)) == labels:
+                return value
+        return None
 
     def report_list(self, dbname="postgres"):
         key, oid = self.sql("SELECT coalesce(outbox.setting('outbox.report_key'), 'outbox_dispatch.reports'), oid "
