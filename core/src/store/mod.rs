@@ -21,8 +21,8 @@ pub mod sql;
 
 pub use batches::{Backoff, Flushed};
 pub use claim::Bounds;
-pub use keys::{Head, Key, KeyPolicy};
 use due::DueFloor;
+pub use keys::{Head, Key, KeyPolicy};
 use sql::{get, Arg, Db, DbError, Stmt, Tx};
 
 /// One claimed event.
@@ -675,7 +675,8 @@ fn mark(
         turns.dispatched(Some(head.clone()));
     }
     let failures = &outcome.failures;
-    let leaving: Vec<_> = failures.iter().map(|f| f.id).chain(outcome.released.iter().map(|(id, _)| *id)).collect();
+    let leaving: Vec<_> =
+        failures.iter().map(|f| f.id).chain(outcome.released.iter().map(|(id, _)| *id)).collect();
     if !leaving.is_empty() {
         tx.run(Stmt::LockEvents, &[Arg::UuidArray(leaving)])?;
     }
