@@ -388,4 +388,6 @@ def test_status_does_not_walk_what_a_window_still_open_has_read(outbox):
     outbox.sql("SELECT outbox_enqueue('later', '{}', queue => 'q_open')")
     assert outbox.sql("SELECT count FROM outbox.status WHERE status = 'pending'") == [(1,)]
     with outbox.connect() as conn:
-        assert buffers(conn, "TABLE outbox.status") < 200
+        # A walk of the 5,000 read would cost thousands; what earlier tests
+        # left in the shared cluster (batches, outcomes) some hundreds.
+        assert buffers(conn, "TABLE outbox.status") < 400
