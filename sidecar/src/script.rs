@@ -52,7 +52,8 @@ const UPDATE_END: (&str, &str) = ("standalone/update.sql", include_str!("../../s
 /// (`sql/upgrade/`, but its regions only the extension may run), what
 /// changed of the library's functions in SQL (`sql/standalone/updates/`),
 /// and the install's own files that create or replace all they hold
-/// (`sql/standalone/write_path.sql`) or are new (`leases.sql`).
+/// (`sql/standalone/setting_place.sql`, which 1.1.0's new settings changed,
+/// and `write_path.sql`) or are new (`leases.sql`).
 const UPDATES: [(&str, &[(&str, &str)]); 2] = [
     ("0.10.0", &[SETTING_PLACE, UUID_V7]),
     (
@@ -66,6 +67,7 @@ const UPDATES: [(&str, &[(&str, &str)]); 2] = [
                 "standalone/updates/1.0.0--1.1.0.sql",
                 include_str!("../../sql/standalone/updates/1.0.0--1.1.0.sql"),
             ),
+            SETTING_PLACE,
             WRITE_PATH,
             LEASES,
         ],
@@ -254,7 +256,7 @@ mod tests {
                 assert!(from_first.contains(&header) && from_last.contains(&header), "{file}");
             }
         }
-        assert!(!from_last.contains("-- sql/standalone/setting_place.sql\n"));
+        assert!(!from_last.contains("-- sql/standalone/uuid_v7.sql\n"));
         for absent in ["@extschema@", "@include", "@version@", "@from@", "\\echo", "pg_extension_config_dump"]
         {
             assert!(!from_first.contains(absent), "{absent} is left in the update");
