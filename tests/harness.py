@@ -688,6 +688,7 @@ class Cluster:
         shutil.chown(self.dir, "postgres", "postgres")
         self.data = self.dir / "data"
         self.port = free_port()
+        self.report_key_default = f"outbox_dispatch.reports.{self.port}"
         as_postgres(PG_BIN / "initdb", "-D", self.data, "-U", "postgres", "--auth=trust",
                     "--no-sync", "-E", "UTF8", "--locale=C")
         conf = {
@@ -701,6 +702,10 @@ class Cluster:
             "log_line_prefix": "'%m [%p] '",
             "outbox.redis_url": f"'{redis_url}'",
             "outbox.database": "'postgres'",
+            # The clusters share one Redis, and database postgres has the
+            # same OID in each: a key of their own, or one's dispatchers
+            # take another's reports as stale (docs/reference/settings.md).
+            "outbox.report_key": f"'{self.report_key_default}'",
         }
         if preload:
             conf["shared_preload_libraries"] = "'outbox_dispatch'"

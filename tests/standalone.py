@@ -178,7 +178,7 @@ class SidecarCluster(Cluster):
         # As docs/guides/managed.md asks: the rotation sees every transaction.
         self.sql("GRANT pg_read_all_stats TO owner")
         self.metrics_port = free_port()
-        self.base = {"broker_url": redis_url, "workers": 1, **settings}
+        self.base = {"broker_url": redis_url, "workers": 1, "report_key": self.report_key_default, **settings}
         self.own = {}
         self.sidecar = None
         self.earlier_logs = ""

@@ -104,7 +104,7 @@ def test_an_idle_dispatcher_claims_nothing_between_wakes(outbox, redis_server):
     """Reports on, a dispatcher looks at the report list ten times a second;
     only a wake, the poll or housekeeping makes it claim, not those looks:
     an empty claim writes a position and takes a transaction id."""
-    outbox.configure(poll_interval="60s", report_key="outbox_dispatch.reports")
+    outbox.configure(poll_interval="60s")
     wait_until(lambda: outbox.value("SELECT bool_and(state = 'idle') FROM outbox.workers"),
                message="idle dispatchers")
     time.sleep(1)
