@@ -40,5 +40,5 @@ def outbox(cluster, redis_server):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "broker_only: what it tests is the broker's side alone (a cluster, a restart, an alarm): "
-        ".ci/run runs it under its first PostgreSQL version only")
+        "markers", "broker_only: what it tests is the broker's side alone (a cluster, a restart, an alarm, "
+        "a peer's faults, Kafka's protocol): .ci/run runs it under its first PostgreSQL version only")

@@ -17,6 +17,11 @@ import pytest
 
 from harness import Cluster, Redis, queued_ids, wait_until
 
+# A misbehaving broker is the broker's side alone (the dispatcher's
+# statements are the same on every PostgreSQL): .ci/run runs these under its
+# first PostgreSQL version only.
+pytestmark = pytest.mark.broker_only
+
 # The dispatcher's own bound (core/src/resp.rs Limits: 64 KiB a reply, 17 MiB
 # for the report read) plus what a PostgreSQL backend uses anyway.
 RSS_BOUND_KB = 160 * 1024

@@ -27,6 +27,11 @@ from kafka.partitioner.default import murmur2
 from harness import Kafka, TlsTerminator, drain_held, free_port, make_tls_files, wait_until
 from standalone import HOST, installed_cluster, new_cluster
 
+# Kafka's protocol and its faults are the broker's side (the claim and the
+# mark are the ones every sink uses, tested on each PostgreSQL version):
+# .ci/run runs these under its first PostgreSQL version only.
+pytestmark = pytest.mark.broker_only
+
 
 @pytest.fixture(scope="module")
 def kafka():
