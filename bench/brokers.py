@@ -7,7 +7,8 @@ brokers.json.
 - The drain: BENCH_BROKER_EVENTS [100000] pending events, one dispatcher,
   batch 1000, to a Redis list, to a durable RabbitMQ queue (classic, and
   quorum), every message confirmed, and to a Kafka topic of 3 partitions
-  (acks=all, idempotent); the median of BENCH_ROUNDS [3] runs of each, in
+  (acks=all, idempotent) once per outbox.kafka_compression (none, lz4,
+  zstd); the median of BENCH_ROUNDS [3] runs of each, in
   alternation.
 - The full loop through a stock prefork Celery worker (2 processes) on each
   broker, with outbox_dispatch.celery reporting over the same broker:
@@ -32,6 +33,8 @@ EVENTS = int(os.environ.get("BENCH_BROKER_EVENTS", 100_000))
 LOOP_EVENTS = int(os.environ.get("BENCH_BROKER_LOOP", 20_000))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 BATCH = 1000
+# outbox.kafka_compression's values, each drained to its own topic.
+CODECS = ("none", "lz4", "zstd")
 RESULTS = ROOT / "bench" / "results"
 SERVER_CONF = {"fsync": "on", "shared_buffers": "'512MB'", "max_wal_size": "'4GB'", "checkpoint_timeout": "'15min'"}
 
@@ -135,8 +138,9 @@ def full_loop(pg, url, notes, consuming):
 def main():
     RESULTS.mkdir(exist_ok=True)
     redis, rabbit, kafka = Redis("--loglevel", "warning"), RabbitMQ(), Kafka()
-    kafka.create_topic("bench_kafka", 3)
-    r = {"drain": {"redis": [], "classic": [], "quorum": [], "kafka": []}, "loop": {}}
+    for codec in CODECS:
+        kafka.create_topic(f"bench_kafka_{codec}", 3)
+    r = {"drain": {"redis": [], "classic": [], "quorum": [], **{f"kafka_{c}": [] for c in CODECS}}, "loop": {}}
     try:
         pg = Cluster(redis.url, server_conf=SERVER_CONF, batch_size=BATCH, enabled="off")
         # One connection watches the queue's depth (a passive declaration
@@ -157,13 +161,15 @@ def main():
                     rate = drain(pg, rabbit.url, lambda q=queue: watch(q), queue, amqp_queue_type=kind)
                     r["drain"][kind].append(rate)
                     log(f"round {round_ + 1}: RabbitMQ, {kind} queue, {rate:,.0f} events/s")
-                acknowledged = Acknowledged(pg)
-                try:
-                    rate = drain(pg, kafka.url, acknowledged, "bench_kafka", kafka_topic="{queue}")
-                finally:
-                    acknowledged.close()
-                r["drain"]["kafka"].append(rate)
-                log(f"round {round_ + 1}: Kafka, {rate:,.0f} events/s")
+                for codec in CODECS:
+                    acknowledged = Acknowledged(pg)
+                    try:
+                        rate = drain(pg, kafka.url, acknowledged, f"bench_kafka_{codec}", kafka_topic="{queue}",
+                                     kafka_compression=codec)
+                    finally:
+                        acknowledged.close()
+                    r["drain"][f"kafka_{codec}"].append(rate)
+                    log(f"round {round_ + 1}: Kafka, {codec}, {rate:,.0f} events/s")
             pg.sql("ALTER SYSTEM SET autovacuum = on")
             redis.client().flushall()
             r["loop"]["redis"] = full_loop(pg, redis.url, redis.url,
@@ -192,14 +198,16 @@ def main():
         "holds every message. On RabbitMQ every message is persistent, published `mandatory` to a durable queue "
         "and confirmed before its event counts as dispatched; on Kafka every record is acknowledged by its "
         "partition's leader (`acks=all`, the idempotent producer) before its event counts as dispatched, and "
-        "the dispatchers' count of those (`outbox_dispatched_total`) is watched. The median of "
+        "the dispatchers' count of those (`outbox_dispatched_total`) is watched, once per "
+        "`outbox.kafka_compression`. The median of "
         f"{ROUNDS} runs, brokers in alternation.", "",
         "| broker | events/s | of Redis's |",
         "|---|---|---|",
         f"| Redis list | {median['redis']:,.0f} | 100% |",
         f"| RabbitMQ, classic queue | {median['classic']:,.0f} | {median['classic'] / median['redis']:.0%} |",
         f"| RabbitMQ, quorum queue | {median['quorum']:,.0f} | {median['quorum'] / median['redis']:.0%} |",
-        f"| Kafka topic, 3 partitions | {median['kafka']:,.0f} | {median['kafka'] / median['redis']:.0%} |", "",
+        *(f"| Kafka topic, 3 partitions, compression {codec} | {median[f'kafka_{codec}']:,.0f} | "
+          f"{median[f'kafka_{codec}'] / median['redis']:.0%} |" for codec in CODECS), "",
         "## Full loop", "",
         f"{LOOP_EVENTS:,} events for a no-op task, through a stock Celery worker (prefork, 2 processes, prefetch "
         "100) on the same broker, with `outbox_dispatch.celery` reporting each outcome over it.", "",

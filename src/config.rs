@@ -116,6 +116,8 @@ pub static KAFKA_SASL_PLAIN_CLEARTEXT: GucSetting<bool> =
     GucSetting::<bool>::new(guc::flag_default("outbox.kafka_sasl_plain_cleartext"));
 pub static KAFKA_REQUEST_TIMEOUT_MS: GucSetting<i32> =
     GucSetting::<i32>::new(guc::int_default("outbox.kafka_request_timeout"));
+pub static KAFKA_COMPRESSION: GucSetting<KafkaCompression> =
+    GucSetting::<KafkaCompression>::new(KafkaCompression::None);
 
 /// `outbox.key_on_failure`: what a dead-lettered head does to its key.
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -149,6 +151,17 @@ pub enum SaslMechanism {
     Plain,
 }
 
+/// `outbox.kafka_compression`: the codec of the record batches produced.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum KafkaCompression {
+    #[name = c"none"]
+    None,
+    #[name = c"lz4"]
+    Lz4,
+    #[name = c"zstd"]
+    Zstd,
+}
+
 /// The kind of a setting and its storage (whose default is the static's,
 /// taken from `outbox_core::guc`, as are the ranges and units).
 enum Value {
@@ -160,13 +173,14 @@ enum Value {
     OnFailure(&'static GucSetting<KeyOnFailure>),
     QueueType(&'static GucSetting<AmqpQueueType>),
     Mechanism(&'static GucSetting<SaslMechanism>),
+    Codec(&'static GucSetting<KafkaCompression>),
 }
 
 /// One setting: name, context, flags, value, description.
 struct Declaration(&'static CStr, GucContext, GucFlags, Value, &'static CStr);
 
 use GucContext::{Postmaster, Sighup, Suset, Userset};
-use Value::{Bool, Databases, Int, Mechanism, OnFailure, QueueType, Text};
+use Value::{Bool, Codec, Databases, Int, Mechanism, OnFailure, QueueType, Text};
 
 const NONE: GucFlags = GucFlags::empty();
 const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
@@ -175,7 +189,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// docs/reference/settings.md is checked against them
 /// (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 51] = [
+const DECLARATIONS: [Declaration; 52] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -272,6 +286,8 @@ const DECLARATIONS: [Declaration; 51] = [
         c"Kafka: SASL PLAIN may send the password over kafka:// in clear text; off refuses it (use kafkas:// or SCRAM)."),
     Declaration(c"outbox.kafka_request_timeout", Sighup, NONE, Int(&KAFKA_REQUEST_TIMEOUT_MS),
         c"Kafka: how long the broker may take to answer a produce request (acks=all waiting for its replicas)."),
+    Declaration(c"outbox.kafka_compression", Sighup, NONE, Codec(&KAFKA_COMPRESSION),
+        c"Kafka: the codec of the record batches produced: none, lz4 or zstd (zstd needs Kafka 2.1 or later)."),
     Declaration(c"outbox.redis_timeout", Sighup, NONE, Int(&REDIS_TIMEOUT_MS),
         c"Deprecated: the former name of outbox.broker_timeout, read while that is at its default."),
     Declaration(c"outbox.redis_password_file", Sighup, SECRET, Text(&REDIS_PASSWORD_FILE),
@@ -307,6 +323,7 @@ pub fn register(preloading: bool) {
             Mechanism(setting) => {
                 GucRegistry::define_enum_guc(name, description, c"", setting, context, flags)
             }
+            Codec(setting) => GucRegistry::define_enum_guc(name, description, c"", setting, context, flags),
             // SAFETY: a check hook that only parses the value.
             Databases(setting) => unsafe {
                 GucRegistry::define_string_guc_with_hooks(

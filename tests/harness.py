@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -570,6 +571,30 @@ class Kafka:
                     for m in consumer]
         finally:
             consumer.close()
+
+    def codecs(self, topic, partitions):
+        """The compression of each record batch of `topic` as the broker
+        keeps it (Kafka's codes: 0 none, 3 lz4, 4 zstd), read with a Fetch
+        of its own: a consumer decompresses without saying."""
+        from kafka.protocol.fetch import FetchRequest_v4, FetchResponse_v4
+        from kafka.record import MemoryRecords
+        request = FetchRequest_v4(replica_id=-1, max_wait_time=100, min_bytes=0, max_bytes=64 << 20,
+                                  isolation_level=0, topics=[(topic, [(p, 0, 64 << 20) for p in range(partitions)])])
+        client_id = b"outbox-tests"
+        body = struct.pack(">hhih", 1, 4, 1, len(client_id)) + client_id + request.encode()
+        with socket.create_connection(("127.0.0.1", self.port), timeout=20) as sock:
+            sock.sendall(struct.pack(">i", len(body)) + body)
+            answer = sock.makefile("rb")
+            [size] = struct.unpack(">i", answer.read(4))
+            data = answer.read(size)
+        codecs = []
+        for _name, answers in FetchResponse_v4.decode(data[4:]).topics:
+            for partition in answers:
+                assert partition[1] == 0, f"Fetch of {topic}[{partition[0]}]: error {partition[1]}"
+                records = MemoryRecords(partition[-1])
+                while (batch := records.next_batch()) is not None:
+                    codecs.append(batch.compression_type)
+        return codecs
 
     def ids(self, topic):
         """The `id` header of every record of `topic`."""

@@ -199,6 +199,48 @@ def test_a_garbage_peer_costs_bounded_memory_and_a_prompt_shutdown(ob, kafka):
         peer.close()
 
 
+def test_zstd_is_refused_by_name_where_the_broker_predates_it(ob, kafka):
+    # A broker whose Produce stops at version 6 (Kafka 2.0) refuses zstd
+    # batches (KIP-110). The setting is refused before a record goes, the
+    # error naming it; no event moves or spends a retry.
+    ranges = [(0, 3, 6), (3, 0, 7), (22, 0, 1)]
+    body = struct.pack(">ihi", 0, 0, len(ranges)) + b"".join(struct.pack(">hhh", *r) for r in ranges)
+    peer = GarbagePeer(struct.pack(">i", len(body)) + body)
+    try:
+        ob.configure(broker_url=f"kafka://127.0.0.1:{peer.port}", kafka_compression="zstd")
+        ids = enqueue(ob, 3, "celery")
+        wait_until(lambda: "outbox.kafka_compression = zstd" in last_error(ob), message="zstd refused",
+                   seen=lambda: last_error(ob))
+        assert "up to version 6" in last_error(ob)
+        # lz4 is older than any Produce this client speaks: the same broker
+        # is taken on (and then found mute).
+        ob.configure(kafka_compression="lz4")
+        wait_until(lambda: last_error(ob) and "kafka_compression" not in last_error(ob),
+                   message="lz4 taken on", seen=lambda: last_error(ob))
+        assert statuses(ob, ids) == {"pending": 3}
+        assert ob.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0") == 0
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("codec,code", [("lz4", 3), ("zstd", 4)])
+def test_batches_go_compressed_as_outbox_kafka_compression_says(ob, kafka, codec, code):
+    ob.configure(kafka_compression=codec, batch_size="100")
+    name = topic(kafka, codec)
+    keys = [f"k{i}" for i in range(7)]
+    ids = enqueue(ob, 300, name, keys=keys)
+    wait_until(lambda: statuses(ob, ids) == {"dispatched": 300}, message=f"the {codec} drain")
+    records = kafka.records(name)
+    assert sorted(r["headers"]["id"].decode() for r in records) == sorted(ids)
+    by_key = defaultdict(list)
+    for r in sorted(records, key=lambda r: (r["partition"], r["offset"])):
+        by_key[r["key"]].append(json.loads(r["value"])["n"])
+    assert all(ns == sorted(ns) for ns in by_key.values()) and len(by_key) == len(keys)
+    codecs = kafka.codecs(name, 3)
+    assert codecs and set(codecs) == {code}, codecs
+    assert ob.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0") == 0
+
+
 def test_an_unknown_topic_is_its_events_fault_and_others_flow(ob, kafka):
     ob.configure(max_retries="2", retry_backoff="100ms")
     good = topic(kafka, "good")

@@ -94,7 +94,7 @@ const fn choice(name: &'static str, names: &'static [&'static str]) -> Declared 
 
 /// Every setting, one line each.
 #[rustfmt::skip]
-pub const DECLARED: [Declared; 51] = [
+pub const DECLARED: [Declared; 52] = [
     int("outbox.workers", 1, 0, MAX_WORKERS, Unit::None),
     text("outbox.database", c"postgres"),
     flag("outbox.enabled", true),
@@ -143,6 +143,7 @@ pub const DECLARED: [Declared; 51] = [
     choice("outbox.kafka_sasl_mechanism", &["scram-sha-512", "scram-sha-256", "plain"]),
     flag("outbox.kafka_sasl_plain_cleartext", false),
     int("outbox.kafka_request_timeout", 30_000, 100, 600_000, Unit::Ms),
+    choice("outbox.kafka_compression", &["none", "lz4", "zstd"]),
     // The former names of [`RENAMED`]'s settings, as they were.
     int("outbox.redis_timeout", 5_000, 100, 600_000, Unit::Ms),
     text("outbox.redis_password_file", c""),

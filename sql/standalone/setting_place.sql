@@ -33,7 +33,8 @@ SELECT CASE
                            'outbox.report_timeout', 'outbox.max_payload_bytes', 'outbox.inbox_retention',
                            'outbox.amqp_queue_type', 'outbox.amqp_max_priority', 'outbox.key_on_failure',
                            'outbox.kafka_topic', 'outbox.kafka_tombstones', 'outbox.kafka_sasl_mechanism',
-                           'outbox.kafka_request_timeout', 'outbox.redis_timeout'])
+                           'outbox.kafka_request_timeout', 'outbox.kafka_compression',
+                           'outbox.redis_timeout'])
         THEN 'database'
 END
 $$;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::broker_url::BrokerUrl;
 use crate::guc::{self, Invalid, Parsed};
-use crate::sink::{BrokerConfig, KafkaShape, Mechanism, QueueKind, QueueShape, KOMBU_SEPARATOR};
+use crate::sink::{BrokerConfig, Compression, KafkaShape, Mechanism, QueueKind, QueueShape, KOMBU_SEPARATOR};
 use crate::store::KeyPolicy;
 
 /// What a dispatcher needs of the settings, read at start and after each
@@ -194,6 +194,8 @@ impl Settings {
                 plain_cleartext: v.flag("outbox.kafka_sasl_plain_cleartext"),
                 tombstones: v.flag("outbox.kafka_tombstones"),
                 request_timeout: v.millis("outbox.kafka_request_timeout"),
+                compression: [Compression::None, Compression::Lz4, Compression::Zstd]
+                    [v.choice("outbox.kafka_compression")],
             },
         };
         // No Celery worker reads Kafka, so none reports back: a head is

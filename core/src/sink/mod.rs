@@ -23,7 +23,7 @@ use crate::link::Wait;
 
 pub use amqp::{AmqpSink, QueueKind, QueueShape};
 pub use errors::{Condition, Reason, SinkError};
-pub use kafka::{Event, KafkaShape, KafkaSink, Mechanism, Record, Routing, Topics};
+pub use kafka::{Compression, Event, KafkaShape, KafkaSink, Mechanism, Record, Routing, Topics};
 pub use keys::{Keys, KOMBU_PRIORITY_STEPS, KOMBU_SEPARATOR};
 pub use redis::RedisSink;
 

@@ -17,8 +17,9 @@ mod wire;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use kafka_protocol::messages::ApiVersionsRequest;
+use kafka_protocol::messages::{ApiKey, ApiVersionsRequest};
 
+pub use kafka_protocol::records::Compression;
 pub use record::{Event, Record, Routing};
 pub use route::Topics;
 pub use sasl::Mechanism;
@@ -48,6 +49,8 @@ pub struct KafkaShape {
     /// `outbox.kafka_request_timeout`: how long a produce request's answer
     /// may take (the broker's own deadline for `acks=all`, and ours).
     pub request_timeout: Duration,
+    /// `outbox.kafka_compression`: the codec of the record batches.
+    pub compression: Compression,
 }
 
 impl Default for KafkaShape {
@@ -58,6 +61,7 @@ impl Default for KafkaShape {
             plain_cleartext: false,
             tombstones: false,
             request_timeout: Duration::from_secs(30),
+            compression: Compression::None,
         }
     }
 }
@@ -183,6 +187,7 @@ impl KafkaSink {
     ) -> Result<Conn, SinkError> {
         let tls = self.url.tls.then(|| tls_config(&self.config)).transpose()?;
         let mut conn = Conn::open(host, port, tls, waiter, deadline)?;
+        produce::codec_spoken(self.config.kafka.compression, conn.versions.of(ApiKey::Produce)?)?;
         if let Some((user, password)) = &self.user {
             conn.authenticate(self.config.kafka.mechanism, user, password, waiter, deadline).map_err(
                 |e| match e {

@@ -45,6 +45,23 @@ const BATCH_MAX: usize = 1024 * 1024 - 1024;
 /// closing the connection. A record larger than this is refused here.
 pub const REQUEST_MAX: usize = 64 * 1024 * 1024;
 
+/// The first version of Produce whose record batches may be zstd's
+/// (KIP-110, Kafka 2.1): a broker refuses zstd in an older one.
+const ZSTD_SINCE: i16 = 7;
+
+/// Whether a connection whose Produce is at `version` takes record batches
+/// of `compression`; a setting it cannot take is refused before anything
+/// is sent, naming it.
+pub fn codec_spoken(compression: Compression, version: i16) -> Result<(), SinkError> {
+    if compression == Compression::Zstd && version < ZSTD_SINCE {
+        return Err(SinkError::InvalidConfig(format!(
+            "outbox.kafka_compression = zstd needs Produce version {ZSTD_SINCE} (Kafka 2.1 or later), and \
+             the broker speaks up to version {version}: take lz4 or none"
+        )));
+    }
+    Ok(())
+}
+
 /// The idempotent producer: its id and epoch, and the next sequence number
 /// of each partition.
 pub struct Producer {
@@ -370,8 +387,10 @@ impl Leader<'_> {
                 })
                 .collect();
             let mut bytes = BytesMut::new();
-            let options = RecordEncodeOptions { version: 2, compression: Compression::None };
-            RecordBatchEncoder::encode(&mut bytes, &batch, &options).expect("an uncompressed batch encodes");
+            let options = RecordEncodeOptions { version: 2, compression: self.sink.config.kafka.compression };
+            // Encoding writes to memory; lz4 and zstd fail only where
+            // memory does, which aborts first.
+            RecordBatchEncoder::encode(&mut bytes, &batch, &options).expect("a record batch encodes");
             let data =
                 PartitionProduceData::default().with_index(run.partition).with_records(Some(bytes.freeze()));
             let slot = *topic_of.entry(run.topic.as_str()).or_insert_with(|| {
@@ -462,6 +481,15 @@ impl Leader<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zstd_is_refused_where_produce_is_older_than_kip_110() {
+        let refused = codec_spoken(Compression::Zstd, 6).unwrap_err().to_string();
+        assert!(refused.contains("outbox.kafka_compression") && refused.contains("version 6"), "{refused}");
+        codec_spoken(Compression::Zstd, 7).unwrap();
+        codec_spoken(Compression::Lz4, 3).unwrap();
+        codec_spoken(Compression::None, 3).unwrap();
+    }
 
     #[test]
     fn sequences_wrap_as_kafkas_do() {
