@@ -149,6 +149,32 @@ def exporter(*dsns, timeout=2):
     return proc, url
 
 
+class Listener:
+    """A server on a free loopback port: each connection it accepts is
+    given to `talk(conn)` on a thread of its own, until `close()`."""
+
+    def __init__(self, talk):
+        self.talk = talk
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.talk, args=(conn,), daemon=True).start()
+
+    def close(self):
+        self.closed.set()
+        self.sock.close()
+
+
 class SilentBroker:
     """Accepts connections and never says a word (a proxy whose backend is gone)."""
 

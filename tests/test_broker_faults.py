@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import Cluster, Redis, queued_ids, wait_until
+from harness import Cluster, Listener, Redis, queued_ids, wait_until
 
 # A misbehaving broker is the broker's side alone (the dispatcher's
 # statements are the same on every PostgreSQL): .ci/run runs these under its
@@ -33,26 +33,13 @@ class FakeRedis:
 
     def __init__(self, mode):
         self.mode = mode
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.closed = threading.Event()
         self.pushes = 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.listener = Listener(self._serve)
+        self.port, self.closed = self.listener.port, self.listener.closed
 
     @property
     def url(self):
         return f"redis://127.0.0.1:{self.port}/0"
-
-    def _accept(self):
-        while not self.closed.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     @staticmethod
     def _commands(buf):
@@ -131,8 +118,7 @@ class FakeRedis:
                 time.sleep(pause)
 
     def close(self):
-        self.closed.set()
-        self.sock.close()
+        self.listener.close()
 
 
 def rss_kb(pid):

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import struct
 import tempfile
 import threading
@@ -24,7 +23,7 @@ import psycopg
 import pytest
 from kafka.partitioner.default import murmur2
 
-from harness import Kafka, TlsTerminator, drain_held, free_port, make_tls_files, wait_until
+from harness import Kafka, Listener, TlsTerminator, drain_held, free_port, make_tls_files, wait_until
 from standalone import HOST, installed_cluster, new_cluster
 
 # Kafka's protocol and its faults are the broker's side (the claim and the
@@ -104,27 +103,15 @@ class GarbagePeer:
 
     def __init__(self, reply, tail=b"", pause=0.0):
         self.reply, self.tail, self.pause, self.sent = reply, tail, pause, 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.stop = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+        self.listener = Listener(self._talk)
+        self.port = self.listener.port
 
     def _talk(self, conn):
         try:
             conn.recv(65536)
             conn.sendall(self.reply)
             self.sent += len(self.reply)
-            while self.tail and not self.stop.is_set():
+            while self.tail and not self.listener.closed.is_set():
                 conn.sendall(self.tail)
                 self.sent += len(self.tail)
                 time.sleep(self.pause)
@@ -134,8 +121,7 @@ class GarbagePeer:
             conn.close()
 
     def close(self):
-        self.stop.set()
-        self.sock.close()
+        self.listener.close()
 
 
 def dispatcher_pid(pg):

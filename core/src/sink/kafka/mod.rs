@@ -67,7 +67,8 @@ impl Default for KafkaShape {
 }
 
 /// A connection's worth of state: the bootstrap connection, the leaders'
-/// connections, what the metadata said, the producer.
+/// connections, what the metadata said, the producer (kept by the sink
+/// between sessions).
 struct Session {
     bootstrap: Conn,
     leaders: HashMap<i32, Conn>,
@@ -90,6 +91,10 @@ pub struct KafkaSink {
     /// delivered, so that only that record pays for it. Kept across
     /// connections: a push that fails otherwise must not forget them.
     alone: HashSet<(String, i32)>,
+    /// The producer of the last session, for the next: one producer id per
+    /// sink, its epoch bumped for each session after the first, so that
+    /// the broker refuses what an ended session left on its way.
+    producer: Option<Producer>,
 }
 
 impl KafkaSink {
@@ -114,6 +119,7 @@ impl KafkaSink {
             first_server: 0,
             user: None,
             alone: HashSet::new(),
+            producer: None,
         })
     }
 
@@ -139,15 +145,30 @@ impl KafkaSink {
     }
 
     pub fn disconnect(&mut self) {
-        self.session = None;
+        self.end();
+    }
+
+    /// Ends the session, its producer kept for the next one.
+    fn end(&mut self) {
+        if let Some(session) = self.session.take() {
+            self.keep(session.producer);
+        }
+    }
+
+    /// Keeps `producer` for the next session, which goes under its next
+    /// epoch: whatever this one left unanswered may still arrive.
+    fn keep(&mut self, mut producer: Producer) {
+        producer.stale = true;
+        self.producer = Some(producer);
     }
 
     /// Connects to the first bootstrap server that takes the connection,
     /// in the URL's order from the last one that took one: TCP, TLS, the
     /// versions, SASL when the URL names a user, and a producer id
-    /// (InitProducerId), each server within one timeout.
+    /// (InitProducerId) or the last session's under its next epoch, each
+    /// server within one timeout.
     pub fn connect(&mut self, waiter: &mut dyn Wait) -> Result<Persistence, SinkError> {
-        self.session = None;
+        self.end();
         let password = match &self.config.password_file {
             Some(path) => Some(password_from_file("outbox.broker_password_file", path)?),
             None => self.url.password.clone(),
@@ -200,12 +221,19 @@ impl KafkaSink {
     }
 
     fn start(
-        &self,
+        &mut self,
         mut bootstrap: Conn,
         waiter: &mut dyn Wait,
         deadline: Instant,
     ) -> Result<Session, SinkError> {
-        let producer = Producer::fresh(&mut bootstrap, waiter, deadline)?;
+        let mut producer = match self.producer.take() {
+            Some(kept) => kept,
+            None => Producer::fresh(&mut bootstrap, waiter, deadline)?,
+        };
+        if let Err(e) = producer.renew(&mut bootstrap, waiter, deadline) {
+            self.producer = Some(producer);
+            return Err(e);
+        }
         Ok(Session { bootstrap, leaders: HashMap::new(), cluster: Cluster::default(), producer })
     }
 
@@ -246,7 +274,7 @@ impl KafkaSink {
                 conn.call(&ApiVersionsRequest::default(), 0, waiter, deadline).map(drop)
             });
         if result.is_err() {
-            self.session = None;
+            self.end();
         }
         result
     }
@@ -285,7 +313,9 @@ impl KafkaSink {
                     | SinkError::Connect(_)
             )
         );
-        if !lost {
+        if lost {
+            self.keep(session.producer);
+        } else {
             self.session = Some(session);
         }
         Pushed { deliveries, failure }

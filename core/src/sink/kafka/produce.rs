@@ -6,9 +6,12 @@
 //! Sequence numbers are kept per partition from the producer id given at
 //! connect: the broker refuses a batch out of order, so a partition's
 //! records are never written out of order with several requests in flight.
-//! When a batch fails, the partition's later batches are not sent (or, sent
-//! already, refused as out of order): they go back to pending as unsent,
-//! and the next push starts with a fresh producer id, its sequences at 0.
+//! Requests whose answers were lost with their connection are sent again,
+//! unchanged, on a new one: the broker keeps what it had once. When a
+//! batch is refused, the partition's later batches are not sent, or, sent
+//! already, are refused as out of order (or written, by a broker that keeps
+//! no state for the producer id): they go back to pending as unsent, and
+//! the next push starts with a fresh producer id, its sequences at 0.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
@@ -33,6 +36,15 @@ use crate::sink::{Condition, Delivery, KeyBatch, SinkError};
 /// Requests on a connection awaiting their answers, at most: what Kafka's
 /// idempotent producer keeps in order (`max.in.flight.requests.per.connection`).
 const IN_FLIGHT: usize = 5;
+
+/// How many times one leader's unanswered requests are sent again in one
+/// push, each on a new connection: a lost answer is most often a
+/// connection the broker or the network closed, and rarely twice.
+const RESENDS: usize = 3;
+
+/// The pause before a new connection sends them again: Kafka's own
+/// `retry.backoff.ms`.
+const RESEND_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The most bytes of records in one record batch: Kafka's default
 /// `message.max.bytes` (a batch is one message to the broker), less room
@@ -62,14 +74,27 @@ pub fn codec_spoken(compression: Compression, version: i16) -> Result<(), SinkEr
     Ok(())
 }
 
+/// The answers after which the producer takes a fresh id rather than its
+/// next epoch: the broker forgot it (`UNKNOWN_PRODUCER_ID`), knows a later
+/// epoch of it (`INVALID_PRODUCER_EPOCH`), or takes no epoch of an
+/// idempotent producer but the one it gave (`PRODUCER_FENCED`, which
+/// Kafka sends only to transactional producers and some brokers to any).
+const FORGOTTEN: [ResponseError; 3] =
+    [ResponseError::UnknownProducerId, ResponseError::InvalidProducerEpoch, ResponseError::ProducerFenced];
+
 /// The idempotent producer: its id and epoch, and the next sequence number
-/// of each partition.
+/// of each partition. One per sink, kept across its connections, as
+/// Kafka's own producer keeps it (`TransactionManager`).
 pub struct Producer {
     id: i64,
     epoch: i16,
     sequences: HashMap<(String, i32), i32>,
-    /// A batch failed: the next push takes a fresh id.
+    /// A batch failed, or a connection ended with requests unanswered:
+    /// the next push goes under the next epoch.
     pub stale: bool,
+    /// The broker refused the id or its epoch ([`FORGOTTEN`]): the next
+    /// push takes a fresh one.
+    pub forgotten: bool,
 }
 
 impl Producer {
@@ -92,11 +117,36 @@ impl Producer {
                 epoch: answer.producer_epoch,
                 sequences: HashMap::new(),
                 stale: false,
+                forgotten: false,
             }),
             Some(error) => Err(SinkError::Connect(format!(
                 "the broker gave no producer id: {error} (an ACL must allow IdempotentWrite on the cluster)"
             ))),
         }
+    }
+
+    /// Goes on after `stale` with this id under its next
+    /// epoch, its sequences at 0 again (KIP-360: an idempotent producer
+    /// bumps its epoch itself, and the broker then refuses the old epoch's
+    /// writes still on their way, `INVALID_PRODUCER_EPOCH`); or a fresh id
+    /// when the broker forgot this one or its epochs are spent.
+    pub fn renew(
+        &mut self,
+        conn: &mut Conn,
+        waiter: &mut dyn Wait,
+        deadline: Instant,
+    ) -> Result<(), SinkError> {
+        if !self.stale {
+            return Ok(());
+        }
+        if self.forgotten || self.epoch == i16::MAX {
+            *self = Producer::fresh(conn, waiter, deadline)?;
+            return Ok(());
+        }
+        self.epoch += 1;
+        self.sequences.clear();
+        self.stale = false;
+        Ok(())
     }
 
     /// The first of `n` sequence numbers of `partition` of `topic`.
@@ -142,9 +192,7 @@ pub fn produce(
     waiter: &mut dyn Wait,
     until: Instant,
 ) -> Result<(), SinkError> {
-    if session.producer.stale {
-        session.producer = Producer::fresh(&mut session.bootstrap, waiter, sink.step(until)?)?;
-    }
+    session.producer.renew(&mut session.bootstrap, waiter, sink.step(until)?)?;
     let states = session.cluster.states(
         &mut session.bootstrap,
         batches.iter().map(|b| b.key.as_str()),
@@ -298,50 +346,157 @@ struct Leader<'a> {
     alone: &'a mut HashSet<(String, i32)>,
 }
 
-impl Leader<'_> {
+/// A produce request sent and not yet answered: its correlation id on its
+/// connection, its batches, when it went, and the request itself, to be
+/// sent again as it is.
+struct Sent<'r> {
+    correlation: i32,
+    chunks: &'r [Chunk],
+    at: Instant,
+    request: ProduceRequest,
+}
+
+impl<'r> Leader<'_> {
     /// Sends `requests` to `leader`, up to [`IN_FLIGHT`] unanswered, each
     /// answer due a timeout after the one before it (and by `until`), and
     /// records what each answer says. A request is built as it goes, without
-    /// the batches of partitions that failed meanwhile.
+    /// the batches of partitions that failed meanwhile. A connection lost,
+    /// or an answer not come in time, with requests unanswered: they are
+    /// sent again on a new connection, as they were (the same producer id,
+    /// epoch and sequences: the broker drops what it has already), up to
+    /// [`RESENDS`] times, as Kafka's own producer retries them.
     fn send(
         mut self,
         leader: i32,
-        requests: &[Vec<Chunk>],
+        requests: &'r [Vec<Chunk>],
         deliveries: &mut [Delivery],
         waiter: &mut dyn Wait,
         until: Instant,
     ) -> Result<(), SinkError> {
         if !self.session.leaders.contains_key(&leader) {
-            let (host, port) = self.session.cluster.address(leader).ok_or_else(|| {
-                SinkError::ConnectionLost(format!("the metadata names leader {leader} but not its address"))
-            })?;
-            let conn = self.sink.open(&host, port, waiter, self.sink.step(until)?)?;
-            self.session.leaders.insert(leader, conn);
+            self.connect(leader, waiter, until)?;
         }
         let version = self.session.leaders[&leader].versions.of(ApiKey::Produce)?;
         let mut failed_runs = vec![false; self.runs.len()];
-        let mut in_flight: VecDeque<(i32, &[Chunk], Instant)> = VecDeque::new();
+        let mut in_flight: VecDeque<Sent<'r>> = VecDeque::new();
         let mut next = 0;
+        let mut resends = 0;
         while next < requests.len() || !in_flight.is_empty() {
-            if next < requests.len() && in_flight.len() < IN_FLIGHT {
-                let chunks = &requests[next];
+            let turn = if next < requests.len() && in_flight.len() < IN_FLIGHT {
                 next += 1;
-                let deadline = self.sink.step(until)?;
-                let Some(request) = self.request(chunks, &failed_runs) else { continue };
-                let conn = self.session.leaders.get_mut(&leader).expect("opened");
-                let correlation = conn.send(&request, version, waiter, deadline)?;
-                in_flight.push_back((correlation, chunks, Instant::now()));
-                continue;
+                self.dispatch(
+                    leader,
+                    version,
+                    &requests[next - 1],
+                    &failed_runs,
+                    &mut in_flight,
+                    waiter,
+                    until,
+                )
+            } else {
+                self.answer(leader, version, &mut in_flight, deliveries, &mut failed_runs, waiter, until)
+            };
+            match turn {
+                Err(SinkError::ConnectionLost(_) | SinkError::Timeout)
+                    if resends < RESENDS && !in_flight.is_empty() && Instant::now() < until =>
+                {
+                    resends += 1;
+                    self.resend(leader, version, &mut in_flight, waiter, until)?;
+                }
+                turn => turn?,
             }
-            // A broker answers a connection's requests one after another,
-            // each once its replicas have it: an answer is due a request
-            // timeout after its request went, or a timeout after the
-            // answer before it came.
-            let (correlation, chunks, sent) = in_flight.pop_front().expect("a request in flight");
-            let deadline = self.sink.answer_due(sent, until)?;
-            let conn = self.session.leaders.get_mut(&leader).expect("opened");
-            let answer = conn.receive::<ProduceRequest>(correlation, version, waiter, deadline)?;
-            self.settle(chunks, &answer, deliveries, &mut failed_runs)?;
+        }
+        Ok(())
+    }
+
+    /// A connection to `leader`, authenticated, in place of any before it.
+    fn connect(&mut self, leader: i32, waiter: &mut dyn Wait, until: Instant) -> Result<(), SinkError> {
+        self.session.leaders.remove(&leader);
+        let (host, port) = self.session.cluster.address(leader).ok_or_else(|| {
+            SinkError::ConnectionLost(format!("the metadata names leader {leader} but not its address"))
+        })?;
+        let conn = self.sink.open(&host, port, waiter, self.sink.step(until)?)?;
+        self.session.leaders.insert(leader, conn);
+        Ok(())
+    }
+
+    /// Builds and sends the request of `chunks`, if any of its partitions
+    /// has not failed.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &mut self,
+        leader: i32,
+        version: i16,
+        chunks: &'r [Chunk],
+        failed_runs: &[bool],
+        in_flight: &mut VecDeque<Sent<'r>>,
+        waiter: &mut dyn Wait,
+        until: Instant,
+    ) -> Result<(), SinkError> {
+        let deadline = self.sink.step(until)?;
+        let Some(request) = self.request(chunks, failed_runs) else { return Ok(()) };
+        let conn = self.session.leaders.get_mut(&leader).expect("opened");
+        // Sent or not, it is in flight: a connection lost as it goes sends
+        // it again.
+        let sent = conn.send(&request, version, waiter, deadline);
+        in_flight.push_back(Sent {
+            correlation: *sent.as_ref().unwrap_or(&-1),
+            chunks,
+            at: Instant::now(),
+            request,
+        });
+        sent.map(drop)
+    }
+
+    /// Waits for the oldest request's answer, and records what it says.
+    #[allow(clippy::too_many_arguments)]
+    fn answer(
+        &mut self,
+        leader: i32,
+        version: i16,
+        in_flight: &mut VecDeque<Sent<'r>>,
+        deliveries: &mut [Delivery],
+        failed_runs: &mut [bool],
+        waiter: &mut dyn Wait,
+        until: Instant,
+    ) -> Result<(), SinkError> {
+        // A broker answers a connection's requests one after another,
+        // each once its replicas have it: an answer is due a request
+        // timeout after its request went, or a timeout after the
+        // answer before it came.
+        let oldest = in_flight.front().expect("a request in flight");
+        let deadline = self.sink.answer_due(oldest.at, until)?;
+        let conn = self.session.leaders.get_mut(&leader).expect("opened");
+        let answer = conn.receive::<ProduceRequest>(oldest.correlation, version, waiter, deadline)?;
+        let sent = in_flight.pop_front().expect("a request in flight");
+        self.settle(sent.chunks, &answer, deliveries, failed_runs)
+    }
+
+    /// A new connection to `leader`, after [`RESEND_BACKOFF`], and every
+    /// request still in flight sent on it again, in order, unchanged.
+    fn resend(
+        &mut self,
+        leader: i32,
+        version: i16,
+        in_flight: &mut VecDeque<Sent<'r>>,
+        waiter: &mut dyn Wait,
+        until: Instant,
+    ) -> Result<(), SinkError> {
+        self.session.leaders.remove(&leader);
+        let backoff = (Instant::now() + RESEND_BACKOFF).min(until);
+        while Instant::now() < backoff {
+            waiter.wait(None, backoff).map_err(|_| SinkError::Interrupted)?;
+        }
+        self.connect(leader, waiter, until)?;
+        let conn = self.session.leaders.get_mut(&leader).expect("opened");
+        if conn.versions.of(ApiKey::Produce)? != version {
+            return Err(SinkError::ConnectionLost(
+                "the leader came back speaking another version of Produce".into(),
+            ));
+        }
+        for sent in in_flight.iter_mut() {
+            sent.correlation = conn.send(&sent.request, version, waiter, self.sink.step(until)?)?;
+            sent.at = Instant::now();
         }
         Ok(())
     }
@@ -454,6 +609,9 @@ impl Leader<'_> {
             }
             failed_runs[chunk.run] = true;
             self.session.producer.stale = true;
+            if FORGOTTEN.iter().any(|e| e.code() == code) {
+                self.session.producer.forgotten = true;
+            }
             let error = format!(
                 "{}: {}[{}]{}",
                 failed(code).unwrap_or_default(),

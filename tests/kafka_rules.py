@@ -1,0 +1,194 @@
+"""A scripted Kafka broker that keeps Kafka's rules where tansu is lenient:
+the idempotent producer's, as Kafka's documentation (KIP-98, KIP-360) and
+its `ProducerStateManager` state them. For the tests that count what a
+strict broker holds after a fault; tansu stays for the full loop.
+
+It speaks Kafka's wire protocol through kafka-python's own request and
+response classes, at the oldest versions the dispatcher still speaks
+(ApiVersions 0, Metadata 1, Produce 3, InitProducerId 0), one node that
+leads every partition. Per producer id and partition it keeps the epoch
+and the last five batches' sequences (Kafka's
+`ProducerStateEntry.NUM_BATCHES_TO_RETAIN`):
+
+- a batch that repeats one of those five is a duplicate: not appended, and
+  answered as written, at the offset it was written at;
+- a sequence that does not follow the last is out of order
+  (`OUT_OF_ORDER_SEQUENCE_NUMBER`); a producer id the partition has no
+  state for may start anywhere;
+- an epoch below the partition's is fenced (`INVALID_PRODUCER_EPOCH`);
+  a higher one starts again at sequence 0.
+
+Faults are scripted: `lose_answers` produce requests are appended and
+their answers lost, the connection closed instead (a broker that wrote
+and then died, or a network that dropped the answer); with `hold` =
+(topic, seconds), the writes to that topic of the first producer id and
+epoch that writes to it wait that long before they are appended (a
+request stuck on its way, or in a slow disk's queue)."""
+
+import struct
+import threading
+import time
+from collections import deque
+from io import BytesIO
+
+from kafka.protocol.api_versions import ApiVersionsResponse_v0
+from kafka.protocol.init_producer_id import InitProducerIdRequest_v0, InitProducerIdResponse_v0
+from kafka.protocol.metadata import MetadataRequest_v1, MetadataResponse_v1
+from kafka.protocol.produce import ProduceRequest_v3, ProduceResponse_v3
+from kafka.record import MemoryRecords
+
+from harness import Listener
+
+# Kafka's error codes (its `Errors` table).
+NONE, UNKNOWN_TOPIC_OR_PARTITION, OUT_OF_ORDER_SEQUENCE_NUMBER, INVALID_PRODUCER_EPOCH = 0, 3, 45, 47
+# The last batches a partition keeps per producer id.
+RETAINED = 5
+NODE = 1
+APIS = {0: (3, 3), 3: (1, 1), 18: (0, 0), 22: (0, 0)}
+
+
+class ProducerState:
+    """One producer id's state in one partition."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+        self.batches = deque(maxlen=RETAINED)  # (first sequence, last sequence, base offset)
+
+
+class Partition:
+    def __init__(self):
+        self.records = []  # dicts of offset, key, id (the record's `id` header), producer id
+        self.producers = {}
+
+    def append(self, batch):
+        """Kafka's checks of one record batch, then the append: (error code, base offset)."""
+        pid, epoch, first = batch.producer_id, batch.producer_epoch, batch.base_sequence
+        records = list(batch)
+        last = first + len(records) - 1
+        state = self.producers.get(pid)
+        if state is not None:
+            if epoch < state.epoch:
+                return INVALID_PRODUCER_EPOCH, -1
+            if epoch > state.epoch:
+                if first != 0:
+                    return OUT_OF_ORDER_SEQUENCE_NUMBER, -1
+                state = self.producers[pid] = ProducerState(epoch)
+            else:
+                for seen_first, seen_last, offset in state.batches:
+                    if (seen_first, seen_last) == (first, last):
+                        return NONE, offset
+                if state.batches and first != state.batches[-1][1] + 1:
+                    return OUT_OF_ORDER_SEQUENCE_NUMBER, -1
+        else:
+            state = self.producers[pid] = ProducerState(epoch)
+        base = len(self.records)
+        for i, record in enumerate(records):
+            headers = dict(record.headers)
+            self.records.append(dict(offset=base + i, key=record.key, id=headers["id"].decode(), producer_id=pid,
+                                     epoch=epoch))
+        state.batches.append((first, last, base))
+        return NONE, base
+
+
+class StrictKafka:
+    """The broker, on a free loopback port: `create_topic`, then point
+    `url` at it; `log(topic)` is what it holds, partition by partition."""
+
+    def __init__(self):
+        self.listener = Listener(self._serve)
+        self.port = self.listener.port
+        self.lock = threading.Lock()
+        self.topics = {}
+        self.next_producer_id = 1000
+        self.lose_answers = 0
+        self.answers_lost = 0
+        self.hold = None
+        self.held = {}  # topic: the (producer id, epoch) whose writes wait
+        self.fenced = 0
+        self.producer_ids = 0
+
+    @property
+    def url(self):
+        return f"kafka://127.0.0.1:{self.port}"
+
+    def create_topic(self, name, partitions=3):
+        with self.lock:
+            self.topics[name] = [Partition() for _ in range(partitions)]
+
+    def log(self, topic):
+        with self.lock:
+            return [list(p.records) for p in self.topics[topic]]
+
+    def close(self):
+        self.listener.close()
+
+    def _serve(self, conn):
+        stream = conn.makefile("rb")
+        try:
+            while header := stream.read(4):
+                body = BytesIO(stream.read(struct.unpack(">i", header)[0]))
+                api, version, correlation, client_len = struct.unpack(">hhih", body.read(10))
+                body.read(max(client_len, 0))
+                answer = self._answer(api, version, body)
+                if answer is None:
+                    return
+                frame = struct.pack(">i", correlation) + answer.encode()
+                conn.sendall(struct.pack(">i", len(frame)) + frame)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _answer(self, api, version, body):
+        """The response to one request; None to close the connection instead."""
+        low, high = APIS.get(api, (0, -1))
+        assert low <= version <= high, f"API {api} version {version}: not offered"
+        if api == 18:
+            return ApiVersionsResponse_v0(error_code=NONE, api_versions=[(k, lo, hi) for k, (lo, hi) in APIS.items()])
+        if api == 22:
+            InitProducerIdRequest_v0.decode(body)
+            with self.lock:
+                self.next_producer_id += 1
+                self.producer_ids += 1
+                return InitProducerIdResponse_v0(throttle_time_ms=0, error_code=NONE,
+                                                 producer_id=self.next_producer_id, producer_epoch=0)
+        if api == 3:
+            request = MetadataRequest_v1.decode(body)
+            with self.lock:
+                names = request.topics if request.topics is not None else list(self.topics)
+                topics = [(NONE, name, False, [(NONE, p, NODE, [NODE], [NODE])
+                                               for p in range(len(self.topics[name]))])
+                          if name in self.topics else (UNKNOWN_TOPIC_OR_PARTITION, name, False, [])
+                          for name in names]
+            return MetadataResponse_v1(brokers=[(NODE, "127.0.0.1", self.port, None)], controller_id=NODE,
+                                       topics=topics)
+        request = ProduceRequest_v3.decode(body)
+        if self.hold:
+            topic, seconds = self.hold
+            for name, partitions in request.topics:
+                for _, data in partitions:
+                    batch = MemoryRecords(data).next_batch()
+                    writer = self.held.setdefault(name, (batch.producer_id, batch.producer_epoch))
+                    if name == topic and writer == (batch.producer_id, batch.producer_epoch):
+                        time.sleep(seconds)
+                        break
+        answers = []
+        with self.lock:
+            for name, partitions in request.topics:
+                answered = []
+                for index, data in partitions:
+                    if name not in self.topics or index >= len(self.topics[name]):
+                        answered.append((index, UNKNOWN_TOPIC_OR_PARTITION, -1, -1))
+                        continue
+                    records = MemoryRecords(data)
+                    code, offset = NONE, -1
+                    while (batch := records.next_batch()) is not None and code == NONE:
+                        code, offset = self.topics[name][index].append(batch)
+                    self.fenced += code == INVALID_PRODUCER_EPOCH
+                    answered.append((index, code, offset, -1))
+                answers.append((name, answered))
+            if self.answers_lost < self.lose_answers:
+                self.answers_lost += 1
+                return None
+        return ProduceResponse_v3(topics=answers, throttle_time_ms=0)
+
