@@ -118,6 +118,8 @@ pub static KAFKA_REQUEST_TIMEOUT_MS: GucSetting<i32> =
     GucSetting::<i32>::new(guc::int_default("outbox.kafka_request_timeout"));
 pub static KAFKA_COMPRESSION: GucSetting<KafkaCompression> =
     GucSetting::<KafkaCompression>::new(KafkaCompression::None);
+pub static KAFKA_KEY_FORMAT: GucSetting<KafkaKeyFormat> =
+    GucSetting::<KafkaKeyFormat>::new(KafkaKeyFormat::String);
 
 /// `outbox.key_on_failure`: what a dead-lettered head does to its key.
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -162,6 +164,15 @@ pub enum KafkaCompression {
     Zstd,
 }
 
+/// `outbox.kafka_key_format`: the bytes of a record's key.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum KafkaKeyFormat {
+    #[name = c"string"]
+    String,
+    #[name = c"json"]
+    Json,
+}
+
 /// The kind of a setting and its storage (whose default is the static's,
 /// taken from `outbox_core::guc`, as are the ranges and units).
 enum Value {
@@ -174,13 +185,14 @@ enum Value {
     QueueType(&'static GucSetting<AmqpQueueType>),
     Mechanism(&'static GucSetting<SaslMechanism>),
     Codec(&'static GucSetting<KafkaCompression>),
+    KeyFormat(&'static GucSetting<KafkaKeyFormat>),
 }
 
 /// One setting: name, context, flags, value, description.
 struct Declaration(&'static CStr, GucContext, GucFlags, Value, &'static CStr);
 
 use GucContext::{Postmaster, Sighup, Suset, Userset};
-use Value::{Bool, Codec, Databases, Int, Mechanism, OnFailure, QueueType, Text};
+use Value::{Bool, Codec, Databases, Int, KeyFormat, Mechanism, OnFailure, QueueType, Text};
 
 const NONE: GucFlags = GucFlags::empty();
 const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
@@ -189,7 +201,7 @@ const SECRET: GucFlags = GucFlags::SUPERUSER_ONLY;
 /// docs/reference/settings.md is checked against them
 /// (tests/test_settings.py).
 #[rustfmt::skip]
-const DECLARATIONS: [Declaration; 52] = [
+const DECLARATIONS: [Declaration; 53] = [
     Declaration(c"outbox.workers", Sighup, NONE, Int(&WORKERS),
         c"Dispatchers per database served (each takes a max_worker_processes slot, as does the launcher)."),
     Declaration(c"outbox.database", Sighup, NONE, Databases(&DATABASE),
@@ -288,6 +300,8 @@ const DECLARATIONS: [Declaration; 52] = [
         c"Kafka: how long the broker may take to answer a produce request (acks=all waiting for its replicas)."),
     Declaration(c"outbox.kafka_compression", Sighup, NONE, Codec(&KAFKA_COMPRESSION),
         c"Kafka: the codec of the record batches produced: none, lz4 or zstd (zstd needs Kafka 2.1 or later)."),
+    Declaration(c"outbox.kafka_key_format", Sighup, NONE, KeyFormat(&KAFKA_KEY_FORMAT),
+        c"Kafka: a record's key as Kafka Connect's StringConverter writes it (string) or JsonConverter without schemas (json)."),
     Declaration(c"outbox.redis_timeout", Sighup, NONE, Int(&REDIS_TIMEOUT_MS),
         c"Deprecated: the former name of outbox.broker_timeout, read while that is at its default."),
     Declaration(c"outbox.redis_password_file", Sighup, SECRET, Text(&REDIS_PASSWORD_FILE),
@@ -324,6 +338,9 @@ pub fn register(preloading: bool) {
                 GucRegistry::define_enum_guc(name, description, c"", setting, context, flags)
             }
             Codec(setting) => GucRegistry::define_enum_guc(name, description, c"", setting, context, flags),
+            KeyFormat(setting) => {
+                GucRegistry::define_enum_guc(name, description, c"", setting, context, flags)
+            }
             // SAFETY: a check hook that only parses the value.
             Databases(setting) => unsafe {
                 GucRegistry::define_string_guc_with_hooks(

@@ -94,7 +94,7 @@ const fn choice(name: &'static str, names: &'static [&'static str]) -> Declared 
 
 /// Every setting, one line each.
 #[rustfmt::skip]
-pub const DECLARED: [Declared; 52] = [
+pub const DECLARED: [Declared; 53] = [
     int("outbox.workers", 1, 0, MAX_WORKERS, Unit::None),
     text("outbox.database", c"postgres"),
     flag("outbox.enabled", true),
@@ -144,6 +144,7 @@ pub const DECLARED: [Declared; 52] = [
     flag("outbox.kafka_sasl_plain_cleartext", false),
     int("outbox.kafka_request_timeout", 30_000, 100, 600_000, Unit::Ms),
     choice("outbox.kafka_compression", &["none", "lz4", "zstd"]),
+    choice("outbox.kafka_key_format", &["string", "json"]),
     // The former names of [`RENAMED`]'s settings, as they were.
     int("outbox.redis_timeout", 5_000, 100, 600_000, Unit::Ms),
     text("outbox.redis_password_file", c""),

@@ -34,7 +34,7 @@ SELECT CASE
                            'outbox.amqp_queue_type', 'outbox.amqp_max_priority', 'outbox.key_on_failure',
                            'outbox.kafka_topic', 'outbox.kafka_tombstones', 'outbox.kafka_sasl_mechanism',
                            'outbox.kafka_request_timeout', 'outbox.kafka_compression',
-                           'outbox.redis_timeout'])
+                           'outbox.kafka_key_format', 'outbox.redis_timeout'])
         THEN 'database'
 END
 $$;

@@ -247,7 +247,7 @@ fn record(sink: &Sink, event: &ClaimedEvent) -> Result<(String, Record), String>
                 (_, None, None) => return Err("a subscription's batch without its members".into()),
             },
         },
-        kafka.tombstones(),
+        kafka.form(),
     )?;
     Ok((topic, record))
 }

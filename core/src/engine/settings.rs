@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use crate::broker_url::BrokerUrl;
 use crate::guc::{self, Invalid, Parsed};
-use crate::sink::{BrokerConfig, Compression, KafkaShape, Mechanism, QueueKind, QueueShape, KOMBU_SEPARATOR};
+use crate::sink::{
+    BrokerConfig, Compression, Form, KafkaShape, KeyForm, Mechanism, QueueKind, QueueShape, KOMBU_SEPARATOR,
+};
 use crate::store::KeyPolicy;
 
 /// What a dispatcher needs of the settings, read at start and after each
@@ -192,7 +194,10 @@ impl Settings {
                 topic: v.text("outbox.kafka_topic"),
                 mechanism: Mechanism::ALL[v.choice("outbox.kafka_sasl_mechanism")],
                 plain_cleartext: v.flag("outbox.kafka_sasl_plain_cleartext"),
-                tombstones: v.flag("outbox.kafka_tombstones"),
+                form: Form {
+                    tombstones: v.flag("outbox.kafka_tombstones"),
+                    key: KeyForm::ALL[v.choice("outbox.kafka_key_format")],
+                },
                 request_timeout: v.millis("outbox.kafka_request_timeout"),
                 compression: [Compression::None, Compression::Lz4, Compression::Zstd]
                     [v.choice("outbox.kafka_compression")],

@@ -23,7 +23,9 @@ use crate::link::Wait;
 
 pub use amqp::{AmqpSink, QueueKind, QueueShape};
 pub use errors::{Condition, Reason, SinkError};
-pub use kafka::{Compression, Event, KafkaShape, KafkaSink, Mechanism, Record, Routing, Topics};
+pub use kafka::{
+    Compression, Event, Form, KafkaShape, KafkaSink, KeyForm, Mechanism, Record, Routing, Topics,
+};
 pub use keys::{Keys, KOMBU_PRIORITY_STEPS, KOMBU_SEPARATOR};
 pub use redis::RedisSink;
 

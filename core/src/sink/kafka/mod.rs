@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use kafka_protocol::messages::{ApiKey, ApiVersionsRequest};
 
 pub use kafka_protocol::records::Compression;
-pub use record::{Event, Record, Routing};
+pub use record::{Event, Form, KeyForm, Record, Routing};
 pub use route::Topics;
 pub use sasl::Mechanism;
 
@@ -43,9 +43,8 @@ pub struct KafkaShape {
     /// `outbox.kafka_sasl_plain_cleartext`: PLAIN may send the password
     /// over `kafka://`, without TLS.
     pub plain_cleartext: bool,
-    /// `outbox.kafka_tombstones`: a keyed event with a `null` payload is
-    /// sent as a tombstone.
-    pub tombstones: bool,
+    /// `outbox.kafka_tombstones` and `outbox.kafka_key_format`.
+    pub form: Form,
     /// `outbox.kafka_request_timeout`: how long a produce request's answer
     /// may take (the broker's own deadline for `acks=all`, and ours).
     pub request_timeout: Duration,
@@ -59,7 +58,7 @@ impl Default for KafkaShape {
             topic: "outbox.event.{event_type}".into(),
             mechanism: Mechanism::ScramSha512,
             plain_cleartext: false,
-            tombstones: false,
+            form: Form::default(),
             request_timeout: Duration::from_secs(30),
             compression: Compression::None,
         }
@@ -128,8 +127,8 @@ impl KafkaSink {
         self.topics.topic(event_type, queue).map_err(|e| e.to_string())
     }
 
-    pub fn tombstones(&self) -> bool {
-        self.config.kafka.tombstones
+    pub fn form(&self) -> Form {
+        self.config.kafka.form
     }
 
     pub fn master(&self) -> Option<&str> {

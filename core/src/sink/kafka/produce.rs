@@ -592,13 +592,16 @@ impl<'r> Leader<'_> {
                 // order; not the record's doing, and not known delivered.
                 continue;
             }
-            let (code, message) = answers.remove(&(run.topic.as_str(), run.partition)).ok_or_else(|| {
-                SinkError::ConnectionLost(format!(
+            let Some((code, message)) = answers.remove(&(run.topic.as_str(), run.partition)) else {
+                // Whether the broker wrote it is not known: what follows
+                // goes under the next epoch.
+                self.session.producer.stale = true;
+                return Err(SinkError::ConnectionLost(format!(
                     "Kafka protocol error: the produce answer left out {}[{}]",
                     broker_text(&run.topic),
                     run.partition
-                ))
-            })?;
+                )));
+            };
             let key = (run.topic.clone(), run.partition);
             if code == 0 || code == ResponseError::DuplicateSequenceNumber.code() {
                 if members.len() == 1 {

@@ -42,6 +42,41 @@ pub enum Routing<'a> {
     Batch { subscription: i64, args: &'a str },
 }
 
+/// How events become records, beyond what they hold: `outbox.kafka_*`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Form {
+    /// `outbox.kafka_tombstones`: a keyed event with a `null` payload is
+    /// sent as a tombstone.
+    pub tombstones: bool,
+    /// `outbox.kafka_key_format`.
+    pub key: KeyForm,
+}
+
+/// The bytes of a record's key (`outbox.kafka_key_format`), as the Kafka
+/// Connect converter a Debezium connector is configured with writes a
+/// string key: the partition is the hash of those bytes, so a key lands
+/// where that connector's records of the same key do only in its form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyForm {
+    /// The key's UTF-8 bytes: `StringConverter`'s.
+    #[default]
+    String,
+    /// The key as a JSON string (`"order-1"`): `JsonConverter`'s with
+    /// `schemas.enable=false`.
+    Json,
+}
+
+impl KeyForm {
+    pub const ALL: [KeyForm; 2] = [KeyForm::String, KeyForm::Json];
+
+    fn bytes(self, key: &str) -> Bytes {
+        match self {
+            KeyForm::String => Bytes::copy_from_slice(key.as_bytes()),
+            KeyForm::Json => Bytes::from(Value::from(key).to_string()),
+        }
+    }
+}
+
 /// What an event is made of, as far as Kafka is concerned.
 pub struct Event<'a> {
     /// The row's id: the event's, a delivery's or a batch's.
@@ -56,17 +91,17 @@ pub struct Event<'a> {
 }
 
 impl Record {
-    /// The record of `event`. With `tombstones`, a keyed event whose
+    /// The record of `event`, its key as `form` says. With `form.tombstones`, a keyed event whose
     /// payload is JSON `null` becomes a tombstone (a null value: what a
     /// compacted topic deletes its key by), as Debezium's
     /// `route.tombstone.on.empty.payload` does. The error is the event's own
     /// fault (headers that are not a JSON object).
-    pub fn of(event: &Event<'_>, tombstones: bool) -> Result<Record, String> {
+    pub fn of(event: &Event<'_>, form: Form) -> Result<Record, String> {
         let key = match event.ordering_key {
-            Some(key) => Bytes::copy_from_slice(key.as_bytes()),
-            None => Bytes::from(event.id.to_string()),
+            Some(key) => form.key.bytes(key),
+            None => form.key.bytes(&event.id.to_string()),
         };
-        let tombstone = tombstones && event.ordering_key.is_some() && event.payload.trim() == "null";
+        let tombstone = form.tombstones && event.ordering_key.is_some() && event.payload.trim() == "null";
         let value = match event.routing {
             Routing::Batch { args, .. } => Some(Bytes::from(members(args)?)),
             _ => (!tombstone).then(|| Bytes::copy_from_slice(event.payload.as_bytes())),
@@ -142,6 +177,21 @@ mod tests {
         }
     }
 
+    const PLAIN: Form = Form { tombstones: false, key: KeyForm::String };
+    const TOMBSTONES: Form = Form { tombstones: true, key: KeyForm::String };
+
+    #[test]
+    fn a_json_key_is_what_jsonconverter_writes() {
+        let json = Form { key: KeyForm::Json, ..PLAIN };
+        assert_eq!(&Record::of(&event(Some("order-1"), "{}", None), json).unwrap().key[..], br#""order-1""#);
+        assert_eq!(
+            &Record::of(&event(Some("a\"b\u{e9}"), "{}", None), json).unwrap().key[..],
+            "\"a\\\"b\u{e9}\"".as_bytes()
+        );
+        let unkeyed = Record::of(&event(None, "{}", None), json).unwrap();
+        assert_eq!(&unkeyed.key[..], br#""00000000-0000-0000-0000-000000000007""#);
+    }
+
     fn named(record: &Record) -> Vec<(&str, &[u8])> {
         record.headers.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()
     }
@@ -150,7 +200,7 @@ mod tests {
     fn a_record_carries_what_debeziums_router_would() {
         let record = Record::of(
             &event(Some("order-1"), r#"{"n": 1}"#, Some(r#"{"traceparent": "00-a-b-01", "n": 2}"#)),
-            false,
+            PLAIN,
         )
         .unwrap();
         assert_eq!(&record.key[..], b"order-1");
@@ -165,7 +215,7 @@ mod tests {
             ]
         );
         // Without an ordering key, the id is the key: spread evenly.
-        let record = Record::of(&event(None, "{}", None), false).unwrap();
+        let record = Record::of(&event(None, "{}", None), PLAIN).unwrap();
         assert_eq!(&record.key[..], b"00000000-0000-0000-0000-000000000007");
     }
 
@@ -173,18 +223,18 @@ mod tests {
     fn the_protocol_headers_cannot_be_forged() {
         let forged = r#"{"id": "evil", "eventType": "evil", "outbox_subscription_id": "evil",
                          "outbox_delivery_id": "evil", "outbox_event_id": "evil"}"#;
-        let record = Record::of(&event(None, "{}", Some(forged)), false).unwrap();
+        let record = Record::of(&event(None, "{}", Some(forged)), PLAIN).unwrap();
         assert_eq!(record.headers.len(), 2);
         assert!(record.headers.iter().all(|(_, v)| &v[..] != b"evil"));
-        let error = Record::of(&event(None, "{}", Some("[1]")), false).unwrap_err();
+        let error = Record::of(&event(None, "{}", Some("[1]")), PLAIN).unwrap_err();
         assert_eq!(error, "headers must be a JSON object");
     }
 
     #[test]
     fn a_null_payload_with_a_key_is_a_tombstone_when_asked() {
-        assert_eq!(Record::of(&event(Some("k"), "null", None), true).unwrap().value, None);
-        assert!(Record::of(&event(Some("k"), "null", None), false).unwrap().value.is_some());
-        assert!(Record::of(&event(None, "null", None), true).unwrap().value.is_some());
+        assert_eq!(Record::of(&event(Some("k"), "null", None), TOMBSTONES).unwrap().value, None);
+        assert!(Record::of(&event(Some("k"), "null", None), PLAIN).unwrap().value.is_some());
+        assert!(Record::of(&event(None, "null", None), TOMBSTONES).unwrap().value.is_some());
     }
 
     #[test]
@@ -193,7 +243,7 @@ mod tests {
         let own =
             r#"{"outbox_event_id": "00000000-0000-0000-0000-000000000001", "outbox_subscription_id": 42}"#;
         let record =
-            Record::of(&Event { routing, ..event(Some("k"), r#"{"n": 1}"#, Some(own)) }, false).unwrap();
+            Record::of(&Event { routing, ..event(Some("k"), r#"{"n": 1}"#, Some(own)) }, PLAIN).unwrap();
         assert_eq!(
             named(&record),
             [
@@ -212,7 +262,7 @@ mod tests {
         let routing = Routing::Batch { subscription: 9, args };
         let record = Record::of(
             &Event { routing, ..event(None, "{}", Some(r#"{"outbox_subscription_id": 9}"#)) },
-            true,
+            TOMBSTONES,
         )
         .unwrap();
         let value: Value = serde_json::from_slice(record.value.as_deref().unwrap()).unwrap();
@@ -230,7 +280,7 @@ mod tests {
         );
         for args in ["[]", "[1]", "{}", "[[1], [2]]", "nope"] {
             let routing = Routing::Batch { subscription: 9, args };
-            let error = Record::of(&Event { routing, ..event(None, "{}", None) }, false).unwrap_err();
+            let error = Record::of(&Event { routing, ..event(None, "{}", None) }, PLAIN).unwrap_err();
             assert!(error.contains("list of its members"), "{args}: {error}");
         }
     }
