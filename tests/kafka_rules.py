@@ -18,12 +18,18 @@ and the last five batches' sequences (Kafka's
 - an epoch below the partition's is fenced (`INVALID_PRODUCER_EPOCH`);
   a higher one starts again at sequence 0.
 
-Faults are scripted: `lose_answers` produce requests are appended and
-their answers lost, the connection closed instead (a broker that wrote
-and then died, or a network that dropped the answer); with `hold` =
+Faults are scripted, by the produce requests' count from 1 (`produced`):
+those in `lose` are appended and their answers lost, the connection
+closed instead (a broker that wrote and then died, or a network that
+dropped the answer), and those in `omit` are appended and answered
+without their last partition (a broken broker); with `hold` =
 (topic, seconds), the writes to that topic of the first producer id and
 epoch that writes to it wait that long before they are appended (a
-request stuck on its way, or in a slow disk's queue)."""
+request stuck on its way, or in a slow disk's queue). A quota is
+scripted too: with `throttle_ms`, every produce answer says so
+(`throttle_time_ms`), and a produce request that comes on that connection
+before the time is up is counted in `early` (Kafka's broker, since
+KIP-219, mutes the connection instead)."""
 
 import struct
 import threading
@@ -100,9 +106,13 @@ class StrictKafka:
         self.lock = threading.Lock()
         self.topics = {}
         self.next_producer_id = 1000
-        self.lose_answers = 0
+        self.produced = 0
+        self.lose = set()
+        self.omit = set()
         self.answers_lost = 0
         self.hold = None
+        self.throttle_ms = 0
+        self.early = 0
         self.held = {}  # topic: the (producer id, epoch) whose writes wait
         self.fenced = 0
         self.producer_ids = 0
@@ -124,15 +134,20 @@ class StrictKafka:
 
     def _serve(self, conn):
         stream = conn.makefile("rb")
+        quiet_until = 0.0
         try:
             while header := stream.read(4):
                 body = BytesIO(stream.read(struct.unpack(">i", header)[0]))
                 api, version, correlation, client_len = struct.unpack(">hhih", body.read(10))
                 body.read(max(client_len, 0))
+                if api == 0 and time.monotonic() < quiet_until:
+                    self.early += 1
                 answer = self._answer(api, version, body)
                 if answer is None:
                     return
                 frame = struct.pack(">i", correlation) + answer.encode()
+                if api == 0:
+                    quiet_until = time.monotonic() + self.throttle_ms / 1000
                 conn.sendall(struct.pack(">i", len(frame)) + frame)
         except OSError:
             pass
@@ -174,6 +189,7 @@ class StrictKafka:
                         break
         answers = []
         with self.lock:
+            self.produced += 1
             for name, partitions in request.topics:
                 answered = []
                 for index, data in partitions:
@@ -187,8 +203,10 @@ class StrictKafka:
                     self.fenced += code == INVALID_PRODUCER_EPOCH
                     answered.append((index, code, offset, -1))
                 answers.append((name, answered))
-            if self.answers_lost < self.lose_answers:
+            if self.produced in self.lose:
                 self.answers_lost += 1
                 return None
-        return ProduceResponse_v3(topics=answers, throttle_time_ms=0)
+            if self.produced in self.omit:
+                answers[-1][1].pop()
+        return ProduceResponse_v3(topics=answers, throttle_time_ms=self.throttle_ms)
 

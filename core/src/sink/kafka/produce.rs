@@ -214,7 +214,7 @@ pub fn produce(
         let mine: Vec<usize> = (0..runs.len()).filter(|&r| runs[r].leader == leader).collect();
         let rounds = chunks_of(&runs, &mine, &records, budget.min(BATCH_MAX), alone);
         let requests = requests_of(rounds, &runs, &records, budget);
-        let sent = Leader { sink, session, runs: &runs, records: &records, alone: &mut *alone }
+        let sent = Leader { sink, session, runs: &runs, records: &records, alone: &mut *alone, broken: None }
             .send(leader, &requests, deliveries, waiter, until);
         match sent {
             Ok(()) => {}
@@ -344,6 +344,9 @@ struct Leader<'a> {
     runs: &'a [Run],
     records: &'a [&'a Record],
     alone: &'a mut HashSet<(String, i32)>,
+    /// An answer that broke the protocol without losing the connection:
+    /// the push's failure once the requests in flight are answered.
+    broken: Option<SinkError>,
 }
 
 /// A produce request sent and not yet answered: its correlation id on its
@@ -406,7 +409,7 @@ impl<'r> Leader<'_> {
                 turn => turn?,
             }
         }
-        Ok(())
+        self.broken.map_or(Ok(()), Err)
     }
 
     /// A connection to `leader`, authenticated, in place of any before it.
@@ -421,7 +424,7 @@ impl<'r> Leader<'_> {
     }
 
     /// Builds and sends the request of `chunks`, if any of its partitions
-    /// has not failed.
+    /// has not failed, once the broker's throttle of the connection is over.
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &mut self,
@@ -433,6 +436,7 @@ impl<'r> Leader<'_> {
         waiter: &mut dyn Wait,
         until: Instant,
     ) -> Result<(), SinkError> {
+        self.session.leaders.get_mut(&leader).expect("opened").quiet(waiter, until)?;
         let deadline = self.sink.step(until)?;
         let Some(request) = self.request(chunks, failed_runs) else { return Ok(()) };
         let conn = self.session.leaders.get_mut(&leader).expect("opened");
@@ -468,8 +472,10 @@ impl<'r> Leader<'_> {
         let deadline = self.sink.answer_due(oldest.at, until)?;
         let conn = self.session.leaders.get_mut(&leader).expect("opened");
         let answer = conn.receive::<ProduceRequest>(oldest.correlation, version, waiter, deadline)?;
+        conn.throttled(answer.throttle_time_ms);
         let sent = in_flight.pop_front().expect("a request in flight");
-        self.settle(sent.chunks, &answer, deliveries, failed_runs)
+        self.settle(sent.chunks, &answer, deliveries, failed_runs);
+        Ok(())
     }
 
     /// A new connection to `leader`, after [`RESEND_BACKOFF`], and every
@@ -576,7 +582,7 @@ impl<'r> Leader<'_> {
         answer: &ProduceResponse,
         deliveries: &mut [Delivery],
         failed_runs: &mut [bool],
-    ) -> Result<(), SinkError> {
+    ) {
         let mut answers: HashMap<(&str, i32), (i16, Option<String>)> = HashMap::new();
         for topic in &answer.responses {
             for partition in &topic.partition_responses {
@@ -593,14 +599,20 @@ impl<'r> Leader<'_> {
                 continue;
             }
             let Some((code, message)) = answers.remove(&(run.topic.as_str(), run.partition)) else {
-                // Whether the broker wrote it is not known: what follows
-                // goes under the next epoch.
+                // Whether the broker wrote it is not known: the partition's
+                // records go back to pending, what follows goes under the
+                // next epoch, and the connection goes after the push (not
+                // sent again: an answer came, and said nothing of it).
+                failed_runs[chunk.run] = true;
                 self.session.producer.stale = true;
-                return Err(SinkError::ConnectionLost(format!(
-                    "Kafka protocol error: the produce answer left out {}[{}]",
-                    broker_text(&run.topic),
-                    run.partition
-                )));
+                self.broken.get_or_insert_with(|| {
+                    SinkError::ConnectionLost(format!(
+                        "Kafka protocol error: the produce answer left out {}[{}]",
+                        broker_text(&run.topic),
+                        run.partition
+                    ))
+                });
+                continue;
             };
             let key = (run.topic.clone(), run.partition);
             if code == 0 || code == ResponseError::DuplicateSequenceNumber.code() {
@@ -635,7 +647,6 @@ impl<'r> Leader<'_> {
                 fault => members.iter().for_each(|&m| deliveries[m] = fault.verdict(&error)),
             }
         }
-        Ok(())
     }
 }
 

@@ -4,7 +4,7 @@
 //! PostgreSQL). The versions spoken are agreed at connect (ApiVersions),
 //! and SASL is done there too.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use kafka_protocol::messages::{
@@ -83,6 +83,9 @@ pub struct Conn {
     inbox: Vec<u8>,
     next_correlation: i32,
     pub versions: Versions,
+    /// The broker asked for no request before this (an answer's
+    /// `throttle_time_ms`: a quota; KIP-219).
+    quiet_until: Option<Instant>,
 }
 
 impl Conn {
@@ -97,7 +100,13 @@ impl Conn {
     ) -> Result<Conn, SinkError> {
         let link =
             Link::connect(host, port, tls, waiter, deadline).map_err(|e| SinkError::from_link(e, false))?;
-        let mut conn = Conn { link, inbox: Vec::new(), next_correlation: 0, versions: Versions::default() };
+        let mut conn = Conn {
+            link,
+            inbox: Vec::new(),
+            next_correlation: 0,
+            versions: Versions::default(),
+            quiet_until: None,
+        };
         // Version 0 of ApiVersions: every broker since Kafka 0.10 answers it.
         let offered = conn.call(&ApiVersionsRequest::default(), 0, waiter, deadline).map_err(connecting)?;
         if let Some(error) = failed(offered.error_code) {
@@ -196,6 +205,28 @@ impl Conn {
         let frame = encode(request, version, correlation).map_err(SinkError::InvalidConfig)?;
         self.link.send(&frame, waiter, deadline).map_err(|e| SinkError::from_link(e, true))?;
         Ok(correlation)
+    }
+
+    /// The broker throttles this connection for `ms` from now (an answer's
+    /// `throttle_time_ms`).
+    pub fn throttled(&mut self, ms: i32) {
+        if ms > 0 {
+            self.quiet_until = Some(Instant::now() + Duration::from_millis(ms as u64));
+        }
+    }
+
+    /// Waits until the broker's throttle is over, on the latch, by
+    /// `deadline`: Kafka's clients send nothing to a broker meanwhile.
+    pub fn quiet(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(), SinkError> {
+        let Some(until) = self.quiet_until else { return Ok(()) };
+        while Instant::now() < until {
+            if Instant::now() >= deadline {
+                return Err(SinkError::Timeout);
+            }
+            waiter.wait(None, until.min(deadline)).map_err(|_| SinkError::Interrupted)?;
+        }
+        self.quiet_until = None;
+        Ok(())
     }
 
     /// Receives the response to the request sent as `correlation`: the
