@@ -11,7 +11,8 @@
 //! batch is refused, the partition's later batches are not sent, or, sent
 //! already, are refused as out of order (or written, by a broker that keeps
 //! no state for the producer id): they go back to pending as unsent, and
-//! the next push starts with a fresh producer id, its sequences at 0.
+//! the next push goes under the producer id's next epoch, its sequences at
+//! 0 (see [`Producer::renew`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
@@ -125,10 +126,10 @@ impl Producer {
         }
     }
 
-    /// Goes on after `stale` with this id under its next
-    /// epoch, its sequences at 0 again (KIP-360: an idempotent producer
-    /// bumps its epoch itself, and the broker then refuses the old epoch's
-    /// writes still on their way, `INVALID_PRODUCER_EPOCH`); or a fresh id
+    /// Goes on after `stale` with this id under its next epoch, its
+    /// sequences at 0 again (KIP-360: an idempotent producer bumps its
+    /// epoch itself, and the broker then refuses the old epoch's writes
+    /// still on their way, `INVALID_PRODUCER_EPOCH`); or with a fresh id
     /// when the broker forgot this one or its epochs are spent.
     pub fn renew(
         &mut self,
