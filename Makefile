@@ -102,7 +102,7 @@ integration: install-dev sidecar
 # leaves it out (.ci/run runs it under its first PostgreSQL version).
 MODES ?= library sidecar
 SIDECAR_SUITE = tests/test_amqp.py tests/test_celery_loop.py tests/test_dispatch.py tests/test_inbox.py \
-	tests/test_kafka.py tests/test_metrics.py tests/test_order.py tests/test_reliability.py tests/test_subscriptions.py
+	tests/test_kafka.py tests/test_kafka_producer.py tests/test_metrics.py tests/test_order.py tests/test_reliability.py tests/test_subscriptions.py
 
 integration-sidecar: integration
 	OUTBOX_HOST=sidecar PG_BIN=$(PG_BIN) $(PYTHON) -m pytest -v --durations=15 $(SIDECAR_SUITE) $(PYTEST_ARGS)
