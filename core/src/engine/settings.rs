@@ -359,6 +359,23 @@ mod tests {
     }
 
     #[test]
+    fn kafkas_choices_are_read_by_name() {
+        let (s, _) = read(&[("outbox.broker_url", "kafka://k")]);
+        assert_eq!(s.broker.kafka.compression, Compression::None);
+        assert_eq!(s.broker.kafka.form, Form::default());
+        for (name, codec) in
+            [("lz4", Compression::Lz4), ("zstd", Compression::Zstd), ("none", Compression::None)]
+        {
+            let (s, _) = read(&[("outbox.broker_url", "kafka://k"), ("outbox.kafka_compression", name)]);
+            assert_eq!(s.broker.kafka.compression, codec, "{name}");
+        }
+        for (name, key) in [("json", KeyForm::Json), ("string", KeyForm::String)] {
+            let (s, _) = read(&[("outbox.broker_url", "kafka://k"), ("outbox.kafka_key_format", name)]);
+            assert_eq!(s.broker.kafka.form.key, key, "{name}");
+        }
+    }
+
+    #[test]
     fn a_former_name_is_read_while_the_new_one_is_at_its_default() {
         let (s, _) = read(&[("outbox.redis_timeout", "9s"), ("outbox.redis_tls_ca_file", "/ca.pem")]);
         assert_eq!(s.broker.timeout, Duration::from_secs(9));

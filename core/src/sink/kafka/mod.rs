@@ -143,12 +143,8 @@ impl KafkaSink {
         self.session.is_some()
     }
 
-    pub fn disconnect(&mut self) {
-        self.end();
-    }
-
     /// Ends the session, its producer kept for the next one.
-    fn end(&mut self) {
+    pub fn disconnect(&mut self) {
         if let Some(session) = self.session.take() {
             self.keep(session.producer);
         }
@@ -167,7 +163,7 @@ impl KafkaSink {
     /// (InitProducerId) or the last session's under its next epoch, each
     /// server within one timeout.
     pub fn connect(&mut self, waiter: &mut dyn Wait) -> Result<Persistence, SinkError> {
-        self.end();
+        self.disconnect();
         let password = match &self.config.password_file {
             Some(path) => Some(password_from_file("outbox.broker_password_file", path)?),
             None => self.url.password.clone(),
@@ -273,7 +269,7 @@ impl KafkaSink {
                 conn.call(&ApiVersionsRequest::default(), 0, waiter, deadline).map(drop)
             });
         if result.is_err() {
-            self.end();
+            self.disconnect();
         }
         result
     }

@@ -413,9 +413,8 @@ impl<'r> Leader<'_> {
         self.broken.map_or(Ok(()), Err)
     }
 
-    /// A connection to `leader`, authenticated, in place of any before it.
+    /// A connection to `leader`, authenticated.
     fn connect(&mut self, leader: i32, waiter: &mut dyn Wait, until: Instant) -> Result<(), SinkError> {
-        self.session.leaders.remove(&leader);
         let (host, port) = self.session.cluster.address(leader).ok_or_else(|| {
             SinkError::ConnectionLost(format!("the metadata names leader {leader} but not its address"))
         })?;
@@ -479,8 +478,9 @@ impl<'r> Leader<'_> {
         Ok(())
     }
 
-    /// A new connection to `leader`, after [`RESEND_BACKOFF`], and every
-    /// request still in flight sent on it again, in order, unchanged.
+    /// The old connection to `leader` closed, a new one after
+    /// [`RESEND_BACKOFF`], and every request still in flight sent on it
+    /// again, in order, unchanged.
     fn resend(
         &mut self,
         leader: i32,

@@ -91,11 +91,12 @@ pub struct Event<'a> {
 }
 
 impl Record {
-    /// The record of `event`, its key as `form` says. With `form.tombstones`, a keyed event whose
-    /// payload is JSON `null` becomes a tombstone (a null value: what a
-    /// compacted topic deletes its key by), as Debezium's
-    /// `route.tombstone.on.empty.payload` does. The error is the event's own
-    /// fault (headers that are not a JSON object).
+    /// The record of `event`, its key as `form.key` says. With
+    /// `form.tombstones`, a keyed event whose payload is JSON `null`
+    /// becomes a tombstone (a null value: what a compacted topic deletes
+    /// its key by), as Debezium's `route.tombstone.on.empty.payload` does.
+    /// The error is the event's own fault (headers that are not a JSON
+    /// object).
     pub fn of(event: &Event<'_>, form: Form) -> Result<Record, String> {
         let key = match event.ordering_key {
             Some(key) => form.key.bytes(key),
