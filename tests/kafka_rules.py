@@ -12,9 +12,11 @@ and the last five batches' sequences (Kafka's
 
 - a batch that repeats one of those five is a duplicate: not appended, and
   answered as written, at the offset it was written at;
-- a sequence that does not follow the last is out of order
-  (`OUT_OF_ORDER_SEQUENCE_NUMBER`); a producer id the partition has no
-  state for may start anywhere;
+- a sequence that does not follow the last (wrapping to 0 after the
+  largest int32) is out of order (`OUT_OF_ORDER_SEQUENCE_NUMBER`); a
+  producer id the partition has no state for may start anywhere;
+- a partition's records must be exactly one record batch
+  (`INVALID_RECORD` otherwise, as Kafka refuses since Produce v3);
 - an epoch below the partition's is fenced (`INVALID_PRODUCER_EPOCH`);
   a higher one starts again at sequence 0.
 
@@ -46,7 +48,9 @@ from kafka.record import MemoryRecords
 from harness import Listener
 
 # Kafka's error codes (its `Errors` table).
-NONE, UNKNOWN_TOPIC_OR_PARTITION, OUT_OF_ORDER_SEQUENCE_NUMBER, INVALID_PRODUCER_EPOCH = 0, 3, 45, 47
+NONE, UNKNOWN_TOPIC_OR_PARTITION, OUT_OF_ORDER_SEQUENCE_NUMBER, INVALID_PRODUCER_EPOCH, INVALID_RECORD = 0, 3, 45, 47, 87
+# Sequence numbers wrap to 0 after the largest int32.
+SEQUENCES = 2 ** 31
 # The last batches a partition keeps per producer id.
 RETAINED = 5
 NODE = 1
@@ -70,7 +74,7 @@ class Partition:
         """Kafka's checks of one record batch, then the append: (error code, base offset)."""
         pid, epoch, first = batch.producer_id, batch.producer_epoch, batch.base_sequence
         records = list(batch)
-        last = first + len(records) - 1
+        last = (first + len(records) - 1) % SEQUENCES
         state = self.producers.get(pid)
         if state is not None:
             if epoch < state.epoch:
@@ -83,7 +87,7 @@ class Partition:
                 for seen_first, seen_last, offset in state.batches:
                     if (seen_first, seen_last) == (first, last):
                         return NONE, offset
-                if state.batches and first != state.batches[-1][1] + 1:
+                if state.batches and first != (state.batches[-1][1] + 1) % SEQUENCES:
                     return OUT_OF_ORDER_SEQUENCE_NUMBER, -1
         else:
             state = self.producers[pid] = ProducerState(epoch)
@@ -115,7 +119,6 @@ class StrictKafka:
         self.early = 0
         self.held = {}  # topic: the (producer id, epoch) whose writes wait
         self.fenced = 0
-        self.producer_ids = 0
 
     @property
     def url(self):
@@ -164,7 +167,6 @@ class StrictKafka:
             InitProducerIdRequest_v0.decode(body)
             with self.lock:
                 self.next_producer_id += 1
-                self.producer_ids += 1
                 return InitProducerIdResponse_v0(throttle_time_ms=0, error_code=NONE,
                                                  producer_id=self.next_producer_id, producer_epoch=0)
         if api == 3:
@@ -197,9 +199,15 @@ class StrictKafka:
                         answered.append((index, UNKNOWN_TOPIC_OR_PARTITION, -1, -1))
                         continue
                     records = MemoryRecords(data)
-                    code, offset = NONE, -1
-                    while (batch := records.next_batch()) is not None and code == NONE:
-                        code, offset = self.topics[name][index].append(batch)
+                    batches = []
+                    while (batch := records.next_batch()) is not None:
+                        batches.append(batch)
+                    # Since Produce v3, exactly one record batch per
+                    # partition (Kafka's LogValidator).
+                    if len(batches) != 1:
+                        answered.append((index, INVALID_RECORD, -1, -1))
+                        continue
+                    code, offset = self.topics[name][index].append(batches[0])
                     self.fenced += code == INVALID_PRODUCER_EPOCH
                     answered.append((index, code, offset, -1))
                 answers.append((name, answered))
