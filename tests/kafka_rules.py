@@ -5,8 +5,12 @@ strict broker holds after a fault; tansu stays for the full loop.
 
 It speaks Kafka's wire protocol through kafka-python's own request and
 response classes, at the oldest versions the dispatcher still speaks
-(ApiVersions 0, Metadata 1, Produce 3, InitProducerId 0), one node that
-leads every partition. Per producer id and partition it keeps the epoch
+(ApiVersions 0, Metadata 1, Produce 3, InitProducerId 0), as two nodes
+(1 and 2, each on a port of its own) of which node 1 leads every
+partition until `leaders` says otherwise. A node answers a produce to a
+partition it does not lead with `NOT_LEADER_OR_FOLLOWER`, writing
+nothing; the nodes share the partitions' logs and producer state, as
+replicas do. Per producer id and partition it keeps the epoch
 and the last five batches' sequences (Kafka's
 `ProducerStateEntry.NUM_BATCHES_TO_RETAIN`):
 
@@ -31,7 +35,20 @@ request stuck on its way, or in a slow disk's queue). A quota is
 scripted too: with `throttle_ms`, every produce answer says so
 (`throttle_time_ms`), and a produce request that comes on that connection
 before the time is up is counted in `early` (Kafka's broker, since
-KIP-219, mutes the connection instead)."""
+KIP-219, mutes the connection instead).
+
+Faults of a cluster, for the producer's retries inside its connection:
+`moves` = {produce count: {(topic, partition): node}} moves leaders once
+that many produce requests were answered; `sick` = {topic: error code}
+answers every batch of a topic with that code, writing nothing
+(`NOT_ENOUGH_REPLICAS`: a replica down under `min.insync.replicas`);
+`appended_then_refused` = {topic: n} writes the next n batches of a
+topic and answers them `NOT_ENOUGH_REPLICAS_AFTER_APPEND` (a follower
+lost after the write); `ack_delay` holds every produce answer that many
+seconds (`acks=all` waiting for a slow follower); and `idle` closes a
+connection that sent nothing for that many seconds (Kafka's
+`connections.max.idle.ms`). Each record's append time (monotonic) is in
+its `at`; `producer_ids` counts the ids given."""
 
 import struct
 import threading
@@ -48,12 +65,14 @@ from kafka.record import MemoryRecords
 from harness import Listener
 
 # Kafka's error codes (its `Errors` table).
-NONE, UNKNOWN_TOPIC_OR_PARTITION, OUT_OF_ORDER_SEQUENCE_NUMBER, INVALID_PRODUCER_EPOCH, INVALID_RECORD = 0, 3, 45, 47, 87
+NONE, UNKNOWN_TOPIC_OR_PARTITION, NOT_LEADER_OR_FOLLOWER = 0, 3, 6
+NOT_ENOUGH_REPLICAS, NOT_ENOUGH_REPLICAS_AFTER_APPEND = 19, 20
+OUT_OF_ORDER_SEQUENCE_NUMBER, INVALID_PRODUCER_EPOCH, INVALID_RECORD = 45, 47, 87
 # Sequence numbers wrap to 0 after the largest int32.
 SEQUENCES = 2 ** 31
 # The last batches a partition keeps per producer id.
 RETAINED = 5
-NODE = 1
+NODES = (1, 2)
 APIS = {0: (3, 3), 3: (1, 1), 18: (0, 0), 22: (0, 0)}
 
 
@@ -95,7 +114,7 @@ class Partition:
         for i, record in enumerate(records):
             headers = dict(record.headers)
             self.records.append(dict(offset=base + i, key=record.key, id=headers["id"].decode(), producer_id=pid,
-                                     epoch=epoch))
+                                     epoch=epoch, at=time.monotonic()))
         state.batches.append((first, last, base))
         return NONE, base
 
@@ -105,8 +124,8 @@ class StrictKafka:
     `url` at it; `log(topic)` is what it holds, partition by partition."""
 
     def __init__(self):
-        self.listener = Listener(self._serve)
-        self.port = self.listener.port
+        self.listeners = {node: Listener(lambda conn, node=node: self._serve(conn, node)) for node in NODES}
+        self.port = self.listeners[NODES[0]].port
         self.lock = threading.Lock()
         self.topics = {}
         self.next_producer_id = 1000
@@ -119,6 +138,13 @@ class StrictKafka:
         self.early = 0
         self.held = {}  # topic: the (producer id, epoch) whose writes wait
         self.fenced = 0
+        self.leaders = {}  # (topic, partition): node; node 1 otherwise
+        self.moves = {}
+        self.sick = {}
+        self.appended_then_refused = {}
+        self.ack_delay = 0.0
+        self.idle = None
+        self.producer_ids = 0
 
     @property
     def url(self):
@@ -132,20 +158,28 @@ class StrictKafka:
         with self.lock:
             return [list(p.records) for p in self.topics[topic]]
 
-    def close(self):
-        self.listener.close()
+    def leader(self, topic, partition):
+        return self.leaders.get((topic, partition), NODES[0])
 
-    def _serve(self, conn):
+    def close(self):
+        for listener in self.listeners.values():
+            listener.close()
+
+    def _serve(self, conn, node):
         stream = conn.makefile("rb")
         quiet_until = 0.0
         try:
-            while header := stream.read(4):
+            while True:
+                conn.settimeout(self.idle)
+                if not (header := stream.read(4)):
+                    break
+                conn.settimeout(None)
                 body = BytesIO(stream.read(struct.unpack(">i", header)[0]))
                 api, version, correlation, client_len = struct.unpack(">hhih", body.read(10))
                 body.read(max(client_len, 0))
                 if api == 0 and time.monotonic() < quiet_until:
                     self.early += 1
-                answer = self._answer(api, version, body)
+                answer = self._answer(api, version, body, node)
                 if answer is None:
                     return
                 frame = struct.pack(">i", correlation) + answer.encode()
@@ -157,7 +191,7 @@ class StrictKafka:
         finally:
             conn.close()
 
-    def _answer(self, api, version, body):
+    def _answer(self, api, version, body, node):
         """The response to one request; None to close the connection instead."""
         low, high = APIS.get(api, (0, -1))
         assert low <= version <= high, f"API {api} version {version}: not offered"
@@ -167,18 +201,19 @@ class StrictKafka:
             InitProducerIdRequest_v0.decode(body)
             with self.lock:
                 self.next_producer_id += 1
+                self.producer_ids += 1
                 return InitProducerIdResponse_v0(throttle_time_ms=0, error_code=NONE,
                                                  producer_id=self.next_producer_id, producer_epoch=0)
         if api == 3:
             request = MetadataRequest_v1.decode(body)
             with self.lock:
                 names = request.topics if request.topics is not None else list(self.topics)
-                topics = [(NONE, name, False, [(NONE, p, NODE, [NODE], [NODE])
+                topics = [(NONE, name, False, [(NONE, p, self.leader(name, p), list(NODES), list(NODES))
                                                for p in range(len(self.topics[name]))])
                           if name in self.topics else (UNKNOWN_TOPIC_OR_PARTITION, name, False, [])
                           for name in names]
-            return MetadataResponse_v1(brokers=[(NODE, "127.0.0.1", self.port, None)], controller_id=NODE,
-                                       topics=topics)
+            brokers = [(n, "127.0.0.1", listener.port, None) for n, listener in self.listeners.items()]
+            return MetadataResponse_v1(brokers=brokers, controller_id=NODES[0], topics=topics)
         request = ProduceRequest_v3.decode(body)
         if self.hold:
             topic, seconds = self.hold
@@ -198,6 +233,12 @@ class StrictKafka:
                     if name not in self.topics or index >= len(self.topics[name]):
                         answered.append((index, UNKNOWN_TOPIC_OR_PARTITION, -1, -1))
                         continue
+                    if self.leader(name, index) != node:
+                        answered.append((index, NOT_LEADER_OR_FOLLOWER, -1, -1))
+                        continue
+                    if name in self.sick:
+                        answered.append((index, self.sick[name], -1, -1))
+                        continue
                     records = MemoryRecords(data)
                     batches = []
                     while (batch := records.next_batch()) is not None:
@@ -207,8 +248,14 @@ class StrictKafka:
                     if len(batches) != 1:
                         answered.append((index, INVALID_RECORD, -1, -1))
                         continue
-                    code, offset = self.topics[name][index].append(batches[0])
+                    partition = self.topics[name][index]
+                    held = len(partition.records)
+                    code, offset = partition.append(batches[0])
                     self.fenced += code == INVALID_PRODUCER_EPOCH
+                    written = len(partition.records) > held
+                    if written and self.appended_then_refused.get(name, 0) > 0:
+                        self.appended_then_refused[name] -= 1
+                        code = NOT_ENOUGH_REPLICAS_AFTER_APPEND
                     answered.append((index, code, offset, -1))
                 answers.append((name, answered))
             if self.produced in self.lose:
@@ -216,5 +263,7 @@ class StrictKafka:
                 return None
             if self.produced in self.omit:
                 answers[-1][1].pop()
+            self.leaders.update(self.moves.pop(self.produced, {}))
+        time.sleep(self.ack_delay)
         return ProduceResponse_v3(topics=answers, throttle_time_ms=self.throttle_ms)
 

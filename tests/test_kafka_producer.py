@@ -11,7 +11,7 @@ import time
 import pytest
 
 from harness import wait_until
-from kafka_rules import StrictKafka
+from kafka_rules import NOT_ENOUGH_REPLICAS, StrictKafka
 from standalone import installed_cluster
 
 # The producer's rules are the sink's, the same in both hosts and on every
@@ -60,6 +60,20 @@ def several_in_flight(pg):
 def dispatched(pg, ids):
     return pg.value("SELECT count(*) FROM outbox.events WHERE id = ANY(%s::uuid[]) AND status = 'dispatched'",
                     (ids,))
+
+
+def reconnects(pg):
+    return pg.value("SELECT coalesce(sum(value), 0) FROM outbox.metrics WHERE name = 'outbox_reconnects_total'")
+
+
+def spent(pg):
+    """Events that spent a retry, or went to the dead letter."""
+    return pg.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0 OR status = 'failed'")
+
+
+def writers(log):
+    """The (producer id, epoch) pairs that wrote `log`."""
+    return {(r["producer_id"], r["epoch"]) for partition in log for r in partition}
 
 
 def exactly_once_in_key_order(log, ids):
@@ -161,3 +175,114 @@ def test_a_throttled_connection_sends_nothing_until_the_throttle_is_over(ob, str
     assert strict.early == 0
     exactly_once_in_key_order(strict.log("quota"), ids)
     assert ob.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0") == 0
+
+
+def test_a_leader_that_moves_is_followed_inside_the_connection(ob, strict):
+    # Two of the topic's three partitions move to node 2 mid-push (a
+    # rolling restart): node 1 answers NOT_LEADER_OR_FOLLOWER, writing
+    # nothing. The dispatcher asks for metadata again and sends the same
+    # batches, under the same producer id, epoch and sequences, to node 2;
+    # the session, its other connections and the third partition go on.
+    strict.create_topic("moving", 3)
+    keys, pad = several_in_flight(ob)
+    before = reconnects(ob)
+    strict.moves = {strict.produced + 4: {("moving", 0): 2, ("moving", 1): 2}}
+    ids = enqueue(ob, 300, "moving", keys, pad)
+    wait_until(lambda: dispatched(ob, ids) == 300, message="every event dispatched")
+    assert not strict.moves, "the leaders moved mid-drain"
+    log = strict.log("moving")
+    exactly_once_in_key_order(log, ids)
+    assert spent(ob) == 0
+    assert reconnects(ob) == before
+    assert len(writers(log)) == 1, writers(log)
+
+
+def test_a_batch_written_and_then_refused_is_sent_again_under_its_sequence(ob, strict):
+    # The leader writes two batches and answers them
+    # NOT_ENOUGH_REPLICAS_AFTER_APPEND (a follower lost after the write),
+    # with more of their partition's in flight behind them. Kafka's
+    # producer sends such a batch again under its own sequence, and the
+    # broker, which has it, answers the copy as a duplicate. Under a new
+    # sequence or epoch it would be written twice.
+    strict.create_topic("appended", 3)
+    keys, pad = several_in_flight(ob)
+    strict.appended_then_refused = {"appended": 2}
+    before = reconnects(ob)
+    ids = enqueue(ob, 300, "appended", keys, pad)
+    wait_until(lambda: dispatched(ob, ids) == 300, message="every event dispatched")
+    assert strict.appended_then_refused == {"appended": 0}
+    log = strict.log("appended")
+    exactly_once_in_key_order(log, ids)
+    assert spent(ob) == 0
+    assert reconnects(ob) == before
+    assert len(writers(log)) == 1, writers(log)
+
+
+def test_a_topic_short_of_replicas_never_slows_another(ob, strict):
+    # Topic "sick" has a replica down under min.insync.replicas: every
+    # batch to it is refused NOT_ENOUGH_REPLICAS for 4 s. Meanwhile one
+    # event a tenth of a second goes to topic "healthy". Its events reach
+    # the broker as fast as when "sick" is well, however long the
+    # reconnect delay: the session is not dropped, and the sick topic's
+    # events wait out of line, no retry spent, until it heals.
+    strict.create_topic("sick", 3)
+    strict.create_topic("healthy", 1)
+    ob.configure(reconnect_delay_min="5s", reconnect_delay_max="10s")
+    before = reconnects(ob)
+    strict.sick = {"sick": NOT_ENOUGH_REPLICAS}
+    committed = {}
+    try:
+        sick = enqueue(ob, 100, "sick", [f"s{i}" for i in range(20)])
+        for i in range(40):
+            [event] = enqueue(ob, 1, "healthy", [f"h{i}"])
+            committed[event] = time.monotonic()
+            time.sleep(0.1)
+        wait_until(lambda: dispatched(ob, list(committed)) == 40, timeout=30, message="the healthy topic drained")
+        assert dispatched(ob, sick) == 0
+    finally:
+        strict.sick = {}
+    waits = sorted(r["at"] - committed[r["id"]] for r in strict.log("healthy")[0])
+    assert len(waits) == 40 and waits[-1] < 1.5, waits
+    wait_until(lambda: dispatched(ob, sick) == 100, timeout=90, message="the sick topic drained once healed")
+    exactly_once_in_key_order(strict.log("sick"), sick)
+    assert spent(ob) == 0
+    assert reconnects(ob) == before
+    assert ob.metric("outbox_broker_refusals_total", condition="not_enough_replicas") > 0
+
+
+def test_a_slow_acks_all_is_waited_for_and_not_written_again(ob, strict):
+    # Every answer waits 2.5 s for the in-sync replicas, longer than
+    # outbox.broker_timeout (1 s) and well within
+    # outbox.kafka_request_timeout (30 s): the dispatcher waits for it,
+    # as Kafka's producer waits request.timeout.ms, and writes nothing twice.
+    strict.create_topic("slow", 3)
+    ob.configure(batch_size="50", broker_timeout="1s")
+    before = reconnects(ob)
+    strict.ack_delay = 2.5
+    try:
+        ids = enqueue(ob, 100, "slow", [f"k{i}" for i in range(50)])
+        wait_until(lambda: dispatched(ob, ids) == 100, timeout=60, message="every event dispatched")
+    finally:
+        strict.ack_delay = 0.0
+    exactly_once_in_key_order(strict.log("slow"), ids)
+    assert spent(ob) == 0
+    assert reconnects(ob) == before
+
+
+def test_connections_the_broker_closes_when_idle_lose_nothing(ob, strict):
+    # The broker closes a connection that sent nothing for half a second
+    # (connections.max.idle.ms): between bursts, every one the dispatcher
+    # holds is gone. Each burst still arrives once, and no retry is spent.
+    strict.create_topic("idle", 3)
+    ob.configure(heartbeat_interval="30s")
+    strict.idle = 0.5
+    ids = []
+    try:
+        for _ in range(3):
+            ids += enqueue(ob, 20, "idle", [f"k{i}" for i in range(20)])
+            wait_until(lambda: dispatched(ob, ids) == len(ids), timeout=30, message="the burst dispatched")
+            time.sleep(1.5)
+    finally:
+        strict.idle = None
+    exactly_once_in_key_order(strict.log("idle"), ids)
+    assert spent(ob) == 0

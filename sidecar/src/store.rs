@@ -38,6 +38,7 @@ fn pg_type(t: Type) -> PgType {
         Type::Uuid => PgType::UUID,
         Type::Int8Array => PgType::INT8_ARRAY,
         Type::Float8Array => PgType::FLOAT8_ARRAY,
+        Type::BoolArray => PgType::BOOL_ARRAY,
         Type::TextArray => PgType::TEXT_ARRAY,
         Type::UuidArray => PgType::UUID_ARRAY,
     }
@@ -54,6 +55,7 @@ fn param(arg: &Arg) -> &(dyn ToSql + Sync) {
         Arg::Uuid(u) => u,
         Arg::Int8Array(a) => a,
         Arg::Float8Array(a) => a,
+        Arg::BoolArray(a) => a,
         Arg::TextArray(a) => a,
         Arg::UuidArray(a) => a,
     }

@@ -1,5 +1,6 @@
 -- Events $1 of a batch this transaction holds (mark_dispatched.sql), read
--- at positions ($1, $2), failed for a reason of their own ($4). Each goes
+-- at positions ($1, $2), failed for a reason of their own ($4), or refused
+-- by part of the broker for a while ($6 false: no retry spent). Each goes
 -- out of line until its backoff ($5 milliseconds) has passed, or to the
 -- dead letter when it has no retries left; $3 says which. Only those still
 -- in line where the claim read them. Returns the heads of keys among the
@@ -9,14 +10,14 @@
 WITH marked AS (
     UPDATE outbox.log AS e
        SET status = f.status::outbox.event_status,
-           retry_count = e.retry_count + 1,
+           retry_count = e.retry_count + f.spent::pg_catalog.int4,
            last_error = f.error,
            available_at = pg_catalog.clock_timestamp() + f.delay_ms * interval '1 millisecond',
        -- Out of the batch, which did not send it: back in line when due,
        -- or never (a dead letter).
        pending_xid = NULL
-      FROM unnest($1::uuid[], $2::xid8[], $3::text[], $4::text[], $5::float8[])
-           AS f(id, pending_xid, status, error, delay_ms)
+      FROM unnest($1::uuid[], $2::xid8[], $3::text[], $4::text[], $5::float8[], $6::bool[])
+           AS f(id, pending_xid, status, error, delay_ms, spent)
      WHERE e.id = f.id
        AND e.pending_xid = f.pending_xid
        AND e.status = 'pending'

@@ -69,6 +69,7 @@ fn pg_type(t: Type) -> PgOid {
         Type::Uuid => PgBuiltInOids::UUIDOID,
         Type::Int8Array => PgBuiltInOids::INT8ARRAYOID,
         Type::Float8Array => PgBuiltInOids::FLOAT8ARRAYOID,
+        Type::BoolArray => PgBuiltInOids::BOOLARRAYOID,
         Type::TextArray => PgBuiltInOids::TEXTARRAYOID,
         Type::UuidArray => PgBuiltInOids::UUIDARRAYOID,
     })
@@ -89,6 +90,7 @@ fn datum(arg: &Arg) -> DatumWithOid<'static> {
         Arg::Uuid(u) => u.map(pg_uuid).into(),
         Arg::Int8Array(a) => a.clone().into(),
         Arg::Float8Array(a) => a.clone().into(),
+        Arg::BoolArray(a) => a.clone().into(),
         Arg::TextArray(a) => a.clone().into(),
         Arg::UuidArray(a) => a.iter().copied().map(pg_uuid).collect::<Vec<_>>().into(),
     }

@@ -29,7 +29,7 @@ impl RetryPolicy {
         } else {
             backoff::retry_delay(self.backoff, failures as u32, backoff::random_unit())
         };
-        Failure { id: event.id, position: event.position.clone(), dead, error, delay }
+        Failure { id: event.id, position: event.position.clone(), dead, error, delay, spent: true }
     }
 }
 
@@ -166,6 +166,21 @@ pub fn push<H: Host>(
                 counters.push_failed(PushFailure::Refused, 1);
                 outcome.released.push((event.id, event.position.clone()));
                 failure.get_or_insert_with(|| sink.refusal(condition, error));
+            }
+            // Refused where the rest of the connection goes on (a Kafka
+            // partition short of replicas): out of line until the broker
+            // may take it, no retry spent, the session kept.
+            Delivery::Deferred(condition, error, delay) => {
+                counters.push_failed(PushFailure::Refused, 1);
+                counters.refused(condition);
+                outcome.failures.push(Failure {
+                    id: event.id,
+                    position: event.position.clone(),
+                    dead: false,
+                    error: format!("{}: {error}", sink.kind()),
+                    delay,
+                    spent: false,
+                });
             }
             Delivery::Unsent => {
                 unsent += 1;

@@ -123,6 +123,11 @@ pub enum Delivery {
     /// The broker answered a condition of its own, and the reply: not
     /// delivered, and not the message's fault.
     Refused(Condition, String),
+    /// Refused for a condition of the broker's in part of it only (a Kafka
+    /// partition whose replicas are short), where the rest of the
+    /// connection goes on: back in line after the delay, not the
+    /// message's fault, and no failure of the push.
+    Deferred(Condition, String, Duration),
     /// Its round trip failed, or never ran after an earlier one failed:
     /// not known to be delivered, and not the message's fault.
     Unsent,

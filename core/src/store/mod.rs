@@ -142,6 +142,10 @@ pub struct Failure {
     pub dead: bool,
     pub error: String,
     pub delay: Duration,
+    /// A retry spent: the event's fault, or its destination's. Not: the
+    /// broker refused part of a push for a condition of its own (see
+    /// [`crate::sink::Delivery::Deferred`]).
+    pub spent: bool,
 }
 
 /// A statement failed; its transaction was rolled back.
@@ -688,6 +692,7 @@ fn mark(
             Arg::texts(failures.iter().map(status)),
             Arg::texts(failures.iter().map(|f| f.error.clone())),
             Arg::Float8Array(failures.iter().map(|f| f.delay.as_secs_f64() * 1000.0).collect()),
+            Arg::BoolArray(failures.iter().map(|f| f.spent).collect()),
         ];
         for row in tx.run(Stmt::MarkFailed, &args)?.rows {
             turns.failed(keys::head_of(&row, 0)?);

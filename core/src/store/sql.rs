@@ -56,7 +56,7 @@ statements! {
     DueFloor = "worker/due_floor.sql" (Float8, Float8);
     MarkDispatched = "worker/mark_dispatched.sql" (Int8, Int4, Bool);
     LockEvents = "worker/lock_events.sql" (UuidArray);
-    MarkFailed = "worker/mark_failed.sql" (UuidArray, TextArray, TextArray, TextArray, Float8Array);
+    MarkFailed = "worker/mark_failed.sql" (UuidArray, TextArray, TextArray, TextArray, Float8Array, BoolArray);
     Release = "worker/release.sql" (UuidArray, TextArray);
     Abandon = "worker/abandon.sql" (Int4, Float8, Int4);
     RelineAbandoned = "worker/reline_abandoned.sql" (Int8Array);
@@ -103,6 +103,7 @@ pub enum Type {
     Uuid,
     Int8Array,
     Float8Array,
+    BoolArray,
     TextArray,
     UuidArray,
 }
@@ -119,6 +120,7 @@ pub enum Arg {
     Uuid(Option<Uuid>),
     Int8Array(Vec<i64>),
     Float8Array(Vec<f64>),
+    BoolArray(Vec<bool>),
     /// Elements may be NULL.
     TextArray(Vec<Option<String>>),
     UuidArray(Vec<Uuid>),

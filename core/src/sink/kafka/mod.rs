@@ -14,7 +14,7 @@ mod route;
 mod sasl;
 mod wire;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kafka_protocol::messages::{ApiKey, ApiVersionsRequest};
@@ -30,7 +30,7 @@ use super::{tls_config, BrokerConfig, Delivery, KeyBatch, Persistence, Pushed, S
 use crate::broker_url::{BrokerUrl, Endpoints};
 use crate::link::Wait;
 use metadata::Cluster;
-use produce::Producer;
+use produce::{Partitions, Producer};
 use wire::Conn;
 
 /// How events become Kafka records: `outbox.kafka_*`.
@@ -85,11 +85,10 @@ pub struct KafkaSink {
     node: Option<String>,
     first_server: usize,
     user: Option<(String, String)>,
-    /// Partitions whose last batch of several records was refused for one
-    /// record's size or form: their records go one per batch until one is
-    /// delivered, so that only that record pays for it. Kept across
-    /// connections: a push that fails otherwise must not forget them.
-    alone: HashSet<(String, i32)>,
+    /// What pushes learnt of partitions (those whose records go one per
+    /// batch, those resting after refusals). Kept across connections: a
+    /// push that fails otherwise must not forget them.
+    partitions: Partitions,
     /// The producer of the last session, for the next: one producer id per
     /// sink, its epoch bumped for each session after the first, so that
     /// the broker refuses what an ended session left on its way.
@@ -117,7 +116,7 @@ impl KafkaSink {
             node: None,
             first_server: 0,
             user: None,
-            alone: HashSet::new(),
+            partitions: Partitions::default(),
             producer: None,
         })
     }
@@ -295,10 +294,11 @@ impl KafkaSink {
         let until = Instant::now()
             + self.config.timeout.saturating_mul(1 + trips.min(u32::MAX as usize) as u32)
             + self.config.kafka.request_timeout;
-        let mut alone = std::mem::take(&mut self.alone);
+        let mut partitions = std::mem::take(&mut self.partitions);
         let failure =
-            produce::produce(self, &mut session, &mut alone, batches, &mut deliveries, waiter, until).err();
-        self.alone = alone;
+            produce::produce(self, &mut session, &mut partitions, batches, &mut deliveries, waiter, until)
+                .err();
+        self.partitions = partitions;
         let lost = matches!(
             failure,
             Some(

@@ -6,17 +6,20 @@
 //! Sequence numbers are kept per partition from the producer id given at
 //! connect: the broker refuses a batch out of order, so a partition's
 //! records are never written out of order with several requests in flight.
+//! A batch's sequence numbers are fixed when it is cut, so that a batch
+//! sent again is the same batch to the broker, which keeps one copy.
 //! Requests whose answers were lost with their connection are sent again,
-//! unchanged, on a new one: the broker keeps what it had once. When a
-//! batch is refused, the partition's later batches are not sent, or, sent
-//! already, are refused as out of order (or written, by a broker that keeps
-//! no state for the producer id): they go back to pending as unsent, and
-//! the next push goes under the producer id's next epoch, its sequences at
-//! 0 (see [`Producer::renew`]).
+//! unchanged, on a new one. When a batch is refused, the partition's later
+//! batches are not sent, or, sent already, are refused as out of order:
+//! for a condition of the broker's they are all sent again from the
+//! refused one, inside the connection ([`produce`]); otherwise, or once
+//! the retries are spent, they go back to pending, and the next push goes
+//! under the producer id's next epoch, its sequences at 0 (see
+//! [`Producer::renew`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use kafka_protocol::indexmap::IndexMap;
@@ -43,9 +46,21 @@ const IN_FLIGHT: usize = 5;
 /// connection the broker or the network closed, and rarely twice.
 const RESENDS: usize = 3;
 
-/// The pause before a new connection sends them again: Kafka's own
-/// `retry.backoff.ms`.
-const RESEND_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+/// How many times a push sends a partition's refused batches again after
+/// the first refusal (see [`produce`]): enough for a leader's election,
+/// few enough that a partition that stays sick holds the push a fraction of
+/// a second.
+const RETRIES: u32 = 2;
+
+/// The pause before requests or batches are sent again: Kafka's own
+/// `retry.backoff.ms`, doubled for each retry of a batch (KIP-580).
+const RETRY_BACKOFF: Duration = Duration::from_millis(100);
+
+/// A partition's first rest after a push gave up on it, doubled for each
+/// in a row up to [`REST_MAX`]: its records wait out of line meanwhile, so
+/// that a sick partition costs the pushes of the others nothing.
+const REST_FIRST: Duration = Duration::from_secs(1);
+const REST_MAX: Duration = Duration::from_secs(30);
 
 /// The most bytes of records in one record batch: Kafka's default
 /// `message.max.bytes` (a batch is one message to the broker), less room
@@ -165,29 +180,138 @@ fn next_sequence(sequence: i32, n: usize) -> i32 {
     ((i64::from(sequence) + n as i64) % (i64::from(i32::MAX) + 1)) as i32
 }
 
-/// One partition's records in one push, in order: their places among the
-/// push's messages.
+/// What the sink remembers of partitions across pushes and connections.
+#[derive(Default)]
+pub struct Partitions {
+    /// Those whose last batch of several records was refused for one
+    /// record's size or form: their records go one per batch until one is
+    /// delivered, so that only that record pays for it.
+    alone: HashSet<(String, i32)>,
+    /// Those the broker kept refusing for a condition of its own, after
+    /// the push's retries: their records are deferred at once, unsent,
+    /// until the rest is over.
+    resting: HashMap<(String, i32), Rest>,
+}
+
+/// A partition's rest after refusals: until when, the how manieth in a
+/// row, and the refusal that began it.
+struct Rest {
+    until: Instant,
+    strikes: u32,
+    condition: Condition,
+    error: String,
+}
+
+impl Partitions {
+    /// The rest of `partition` of `topic` after a push gave up on it for
+    /// `condition`: [`REST_FIRST`], doubled for each rest in a row, at
+    /// most [`REST_MAX`].
+    fn rest(&mut self, topic: &str, partition: i32, condition: Condition, error: &str) -> Duration {
+        let strikes = self.resting.get(&(topic.to_string(), partition)).map_or(0, |r| r.strikes + 1);
+        let rest = REST_FIRST.saturating_mul(1 << strikes.min(8)).min(REST_MAX);
+        let until = Instant::now() + rest;
+        let error = error.to_string();
+        self.resting.insert((topic.to_string(), partition), Rest { until, strikes, condition, error });
+        rest
+    }
+
+    /// What becomes of a record of a partition still resting: deferred
+    /// for the rest of it.
+    fn resting(&self, topic: &str, partition: i32) -> Option<Delivery> {
+        let rest = self.resting.get(&(topic.to_string(), partition))?;
+        let left = rest.until.checked_duration_since(Instant::now()).filter(|d| !d.is_zero())?;
+        Some(Delivery::Deferred(
+            rest.condition,
+            format!("{} (resting {:.1}s more)", rest.error, left.as_secs_f64()),
+            left,
+        ))
+    }
+
+    /// A batch of `partition` of `topic` was written: its rest is over,
+    /// and a single record written ends its records' going one by one.
+    fn written(&mut self, topic: &str, partition: i32, records: usize) {
+        let key = (topic.to_string(), partition);
+        self.resting.remove(&key);
+        if records == 1 {
+            self.alone.remove(&key);
+        }
+    }
+}
+
+/// One partition's records in one push, in order (their places among the
+/// push's messages), cut into record batches whose sequence numbers are
+/// fixed once taken: a batch sent again is the same batch to the broker.
 struct Run {
     topic: String,
     partition: i32,
     leader: i32,
     members: Vec<usize>,
+    chunks: Vec<Chunk>,
+    /// The first chunk not answered yet.
+    from: usize,
 }
 
-/// One record batch: some of a run's members.
+/// One record batch: some of a run's members, and the sequence number of
+/// the first.
 struct Chunk {
-    run: usize,
     members: Range<usize>,
+    first: i32,
+}
+
+/// A chunk of a run, as a request carries it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Part {
+    run: usize,
+    chunk: usize,
+}
+
+/// A run's chunk refused for a condition of the broker's: the run is sent
+/// again from it, or deferred.
+struct Refusal {
+    chunk: usize,
+    code: i16,
+    condition: Condition,
+    error: String,
+}
+
+/// How the producer goes on before batches are sent again.
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Renewal {
+    /// Under the same id, epoch and sequences: the broker keeps one copy
+    /// of what it has (a moved leader, too few replicas, a timeout).
+    Same,
+    /// Under the next epoch, sequences from 0: the broker's sequence of the
+    /// partition is not ours (`OUT_OF_ORDER_SEQUENCE_NUMBER`).
+    Epoch,
+    /// Under a fresh id: the broker forgot this one ([`FORGOTTEN`]).
+    Fresh,
+}
+
+impl Renewal {
+    fn of(code: i16) -> Renewal {
+        if FORGOTTEN.iter().any(|e| e.code() == code) {
+            Renewal::Fresh
+        } else if code == ResponseError::OutOfOrderSequenceNumber.code() {
+            Renewal::Epoch
+        } else {
+            Renewal::Same
+        }
+    }
 }
 
 /// Produces `batches` (`key`: the topic), writing what became of each
-/// record in `deliveries`, every step done by `until`. `alone` names the
-/// partitions whose records go one per batch (see [`KafkaSink`]).
+/// record in `deliveries`, every step done by `until`. A partition's batch
+/// refused for a condition of the broker's is sent again, with the
+/// partition's batches behind it, after [`RETRY_BACKOFF`] (doubled each
+/// time) and a metadata refresh, to the partition's leader then, up to
+/// [`RETRIES`] times, as Kafka's own producer retries a batch; the other
+/// partitions are done meanwhile. After that its records are deferred
+/// and the partition rests (see [`Partitions`]).
 #[allow(clippy::too_many_arguments)]
 pub fn produce(
     sink: &KafkaSink,
     session: &mut Session,
-    alone: &mut HashSet<(String, i32)>,
+    partitions: &mut Partitions,
     batches: &[KeyBatch<Record>],
     deliveries: &mut [Delivery],
     waiter: &mut dyn Wait,
@@ -201,44 +325,188 @@ pub fn produce(
         sink.step(until)?,
     )?;
     let records: Vec<&Record> = batches.iter().flat_map(|b| &b.messages).collect();
-    let runs = runs_of(batches, &states, &records, deliveries);
-
-    let mut leaders: Vec<i32> = Vec::new();
-    for run in &runs {
-        if !leaders.contains(&run.leader) {
-            leaders.push(run.leader);
-        }
-    }
     let budget = sink.config.max_batch_bytes.clamp(1, REQUEST_MAX);
+    let mut runs = runs_of(batches, &states, &records, partitions, deliveries);
+    for run in &mut runs {
+        let one_by_one = partitions.alone.contains(&(run.topic.clone(), run.partition));
+        run.chunks = cut(&run.members, &records, budget.min(BATCH_MAX), one_by_one)
+            .into_iter()
+            .map(|members| Chunk { members, first: 0 })
+            .collect();
+    }
+    let mut going: Vec<usize> = (0..runs.len()).collect();
+    sequence(&mut session.producer, &mut runs, &going);
+
     let mut failure = None;
-    for leader in leaders {
-        let mine: Vec<usize> = (0..runs.len()).filter(|&r| runs[r].leader == leader).collect();
-        let rounds = chunks_of(&runs, &mine, &records, budget.min(BATCH_MAX), alone);
-        let requests = requests_of(rounds, &runs, &records, budget);
-        let sent = Leader { sink, session, runs: &runs, records: &records, alone: &mut *alone, broken: None }
-            .send(leader, &requests, deliveries, waiter, until);
-        match sent {
-            Ok(()) => {}
-            Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
-            // A leader not reached or not answered in time: its records stay
-            // unsent, the other leaders' go on; the session goes after the
-            // push (KafkaSink::push).
-            Err(e) => {
-                session.producer.stale = true;
-                failure.get_or_insert(e);
+    for retry in 0..=RETRIES {
+        let mut refusals: Vec<Option<Refusal>> = runs.iter().map(|_| None).collect();
+        let mut leaders: Vec<i32> = Vec::new();
+        for &r in &going {
+            if !leaders.contains(&runs[r].leader) {
+                leaders.push(runs[r].leader);
             }
+        }
+        for leader in leaders {
+            let mine: Vec<usize> = going.iter().copied().filter(|&r| runs[r].leader == leader).collect();
+            let requests = requests_of(rounds_of(&runs, &mine), &runs, &records, budget);
+            let sent = Leader {
+                sink,
+                session: &mut *session,
+                runs: &runs,
+                records: &records,
+                partitions: &mut *partitions,
+                refusals: &mut refusals,
+                broken: None,
+            }
+            .send(leader, &requests, deliveries, waiter, until);
+            match sent {
+                Ok(()) => {}
+                Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
+                // A leader not reached or not answered in time: its records stay
+                // unsent, the other leaders' go on; the session goes after the
+                // push (KafkaSink::push).
+                Err(e) => {
+                    session.producer.stale = true;
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        going = (0..runs.len()).filter(|&r| refusals[r].is_some()).collect();
+        if going.is_empty() {
+            break;
+        }
+        for &r in &going {
+            runs[r].from = refusals[r].as_ref().expect("refused").chunk;
+        }
+        let backoff = RETRY_BACKOFF.saturating_mul(1 << retry);
+        let mut again = retry < RETRIES && failure.is_none() && Instant::now() + backoff < until;
+        if again {
+            pause(waiter, backoff, until)?;
+            match again_after(sink, session, &mut runs, &going, &refusals, waiter, until) {
+                Ok(lost) => {
+                    for &r in &lost {
+                        defer(&runs[r], LEADER_LOST, partitions, deliveries);
+                    }
+                    going.retain(|r| !lost.contains(r));
+                }
+                Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
+                Err(e) => {
+                    failure.get_or_insert(e);
+                    again = false;
+                }
+            }
+        }
+        if !again {
+            // Given up: what the broker has of these runs is not known, so
+            // the next push goes under the next epoch (or a fresh id).
+            session.producer.stale = true;
+            for &r in &going {
+                let refusal = refusals[r].as_ref().expect("refused");
+                if Renewal::of(refusal.code) == Renewal::Fresh {
+                    session.producer.forgotten = true;
+                }
+                defer(&runs[r], (refusal.condition, &refusal.error), partitions, deliveries);
+            }
+            break;
         }
     }
     failure.map_or(Ok(()), Err)
 }
 
+/// Why a run is deferred when its partition has no leader after a refresh.
+const LEADER_LOST: (Condition, &str) =
+    (Condition::LeaderMoved, "LEADER_NOT_AVAILABLE: no leader after a refresh");
+
+/// Before the runs `going` are sent again: the producer renewed as their
+/// refusals need (and their sequences taken again when it changed), and
+/// their leaders as the metadata, asked again, names them now. Returns the
+/// runs whose partitions have no leader now (their `leader` set to -1).
+#[allow(clippy::too_many_arguments)]
+fn again_after(
+    sink: &KafkaSink,
+    session: &mut Session,
+    runs: &mut [Run],
+    going: &[usize],
+    refusals: &[Option<Refusal>],
+    waiter: &mut dyn Wait,
+    until: Instant,
+) -> Result<Vec<usize>, SinkError> {
+    let renewal = going.iter().map(|&r| Renewal::of(refusals[r].as_ref().expect("refused").code)).max();
+    match renewal {
+        Some(Renewal::Fresh) => {
+            session.producer = Producer::fresh(&mut session.bootstrap, waiter, sink.step(until)?)?;
+        }
+        Some(Renewal::Epoch) => {
+            session.producer.stale = true;
+            session.producer.renew(&mut session.bootstrap, waiter, sink.step(until)?)?;
+        }
+        _ => {}
+    }
+    if renewal > Some(Renewal::Same) {
+        sequence(&mut session.producer, runs, going);
+    }
+    let states = session.cluster.states(
+        &mut session.bootstrap,
+        going.iter().map(|&r| runs[r].topic.as_str()),
+        waiter,
+        sink.step(until)?,
+    )?;
+    let mut lost = Vec::new();
+    for &r in going {
+        let run = &mut runs[r];
+        run.leader = match &states[&run.topic] {
+            TopicState::Known(leaders) => {
+                leaders.get(run.partition as usize).copied().flatten().unwrap_or(-1)
+            }
+            TopicState::Failed(..) => -1,
+        };
+        if run.leader < 0 {
+            lost.push(r);
+        }
+    }
+    Ok(lost)
+}
+
+/// The sequence numbers of the runs `which`, from their first chunk not
+/// answered yet, taken from `producer`.
+fn sequence(producer: &mut Producer, runs: &mut [Run], which: &[usize]) {
+    for &r in which {
+        let run = &mut runs[r];
+        for chunk in &mut run.chunks[run.from..] {
+            chunk.first = producer.take(&run.topic, run.partition, chunk.members.len());
+        }
+    }
+}
+
+/// The records of `run` not answered yet deferred for `why`, and its
+/// partition resting.
+fn defer(run: &Run, why: (Condition, &str), partitions: &mut Partitions, deliveries: &mut [Delivery]) {
+    let (condition, error) = why;
+    let rest = partitions.rest(&run.topic, run.partition, condition, error);
+    for chunk in &run.chunks[run.from..] {
+        for &m in &run.members[chunk.members.clone()] {
+            deliveries[m] = Delivery::Deferred(condition, error.to_string(), rest);
+        }
+    }
+}
+
+/// Waits `pause` on the latch, or until `until`.
+fn pause(waiter: &mut dyn Wait, pause: Duration, until: Instant) -> Result<(), SinkError> {
+    let end = (Instant::now() + pause).min(until);
+    while Instant::now() < end {
+        waiter.wait(None, end).map_err(|_| SinkError::Interrupted)?;
+    }
+    Ok(())
+}
+
 /// Each record to its partition, in runs per partition; a record whose
-/// topic failed, whose partition has no leader now, or that no request
-/// could carry, gets its verdict at once.
+/// topic failed, whose partition has no leader now or is resting, or that
+/// no request could carry, gets its verdict at once.
 fn runs_of(
     batches: &[KeyBatch<Record>],
     states: &HashMap<String, TopicState>,
     records: &[&Record],
+    partitions: &mut Partitions,
     deliveries: &mut [Delivery],
 ) -> Vec<Run> {
     let mut runs: Vec<Run> = Vec::new();
@@ -263,13 +531,28 @@ fn runs_of(
                 continue;
             }
             let partition = route::partition(&records[here].key, leaders.len()) as i32;
-            let Some(leader) = leaders[partition as usize] else {
-                let error = format!("LEADER_NOT_AVAILABLE: no leader for {}[{partition}]", batch.key);
-                deliveries[here] = Delivery::Refused(Condition::LeaderMoved, error);
-                continue;
+            let leader = match (partitions.resting(&batch.key, partition), leaders[partition as usize]) {
+                (Some(deferred), _) => {
+                    deliveries[here] = deferred;
+                    continue;
+                }
+                (None, Some(leader)) => leader,
+                (None, None) => {
+                    let error = format!("LEADER_NOT_AVAILABLE: no leader for {}[{partition}]", batch.key);
+                    let rest = partitions.rest(&batch.key, partition, Condition::LeaderMoved, &error);
+                    deliveries[here] = Delivery::Deferred(Condition::LeaderMoved, error, rest);
+                    continue;
+                }
             };
             let run = *run_of.entry((b, partition)).or_insert_with(|| {
-                runs.push(Run { topic: batch.key.clone(), partition, leader, members: Vec::new() });
+                runs.push(Run {
+                    topic: batch.key.clone(),
+                    partition,
+                    leader,
+                    members: Vec::new(),
+                    chunks: Vec::new(),
+                    from: 0,
+                });
                 runs.len() - 1
             });
             runs[run].members.push(here);
@@ -278,36 +561,34 @@ fn runs_of(
     runs
 }
 
-/// The record batches of `mine` (runs of one leader), each at most
-/// `budget` bytes (or one record, which may be larger; one record only in
-/// the partitions `alone` names), by rounds: the first batch of every run,
-/// then the second, …
-fn chunks_of(
-    runs: &[Run],
-    mine: &[usize],
-    records: &[&Record],
-    budget: usize,
-    alone: &HashSet<(String, i32)>,
-) -> Vec<Vec<Chunk>> {
-    let mut rounds: Vec<Vec<Chunk>> = Vec::new();
-    for &r in mine {
-        let run = &runs[r];
-        let one_by_one = alone.contains(&(run.topic.clone(), run.partition));
-        let (mut start, mut round) = (0, 0);
-        while start < run.members.len() {
-            let mut bytes = records[run.members[start]].size();
-            let mut end = start + 1;
-            while !one_by_one && end < run.members.len() && bytes + records[run.members[end]].size() <= budget
-            {
-                bytes += records[run.members[end]].size();
-                end += 1;
-            }
+/// A run's record batches, each at most `budget` bytes (or one record,
+/// which may be larger; one record each when `one_by_one`).
+fn cut(members: &[usize], records: &[&Record], budget: usize, one_by_one: bool) -> Vec<Range<usize>> {
+    let mut chunks = Vec::new();
+    let mut start = 0;
+    while start < members.len() {
+        let mut bytes = records[members[start]].size();
+        let mut end = start + 1;
+        while !one_by_one && end < members.len() && bytes + records[members[end]].size() <= budget {
+            bytes += records[members[end]].size();
+            end += 1;
+        }
+        chunks.push(start..end);
+        start = end;
+    }
+    chunks
+}
+
+/// The chunks not answered yet of `mine` (runs of one leader), by rounds:
+/// the first of every run, then the second, …
+fn rounds_of(runs: &[Run], mine: &[usize]) -> Vec<Vec<Part>> {
+    let mut rounds: Vec<Vec<Part>> = Vec::new();
+    for &run in mine {
+        for (round, chunk) in (runs[run].from..runs[run].chunks.len()).enumerate() {
             if rounds.len() == round {
                 rounds.push(Vec::new());
             }
-            rounds[round].push(Chunk { run: r, members: start..end });
-            start = end;
-            round += 1;
+            rounds[round].push(Part { run, chunk });
         }
     }
     rounds
@@ -316,22 +597,23 @@ fn chunks_of(
 /// The rounds as produce requests of at most `budget` bytes each (or one
 /// batch): a round in several requests where it is larger, in order, so a
 /// partition's batches still go first to last.
-fn requests_of(rounds: Vec<Vec<Chunk>>, runs: &[Run], records: &[&Record], budget: usize) -> Vec<Vec<Chunk>> {
-    let size = |chunk: &Chunk| -> usize {
-        runs[chunk.run].members[chunk.members.clone()].iter().map(|&m| records[m].size()).sum()
+fn requests_of(rounds: Vec<Vec<Part>>, runs: &[Run], records: &[&Record], budget: usize) -> Vec<Vec<Part>> {
+    let size = |part: &Part| -> usize {
+        let run = &runs[part.run];
+        run.members[run.chunks[part.chunk].members.clone()].iter().map(|&m| records[m].size()).sum()
     };
-    let mut requests: Vec<Vec<Chunk>> = Vec::new();
+    let mut requests: Vec<Vec<Part>> = Vec::new();
     for round in rounds {
         let mut bytes = 0;
         let mut request = Vec::new();
-        for chunk in round {
-            let chunk_bytes = size(&chunk);
-            if !request.is_empty() && bytes + chunk_bytes > budget {
+        for part in round {
+            let part_bytes = size(&part);
+            if !request.is_empty() && bytes + part_bytes > budget {
                 requests.push(std::mem::take(&mut request));
                 bytes = 0;
             }
-            bytes += chunk_bytes;
-            request.push(chunk);
+            bytes += part_bytes;
+            request.push(part);
         }
         requests.push(request);
     }
@@ -344,7 +626,9 @@ struct Leader<'a> {
     session: &'a mut Session,
     runs: &'a [Run],
     records: &'a [&'a Record],
-    alone: &'a mut HashSet<(String, i32)>,
+    partitions: &'a mut Partitions,
+    /// Each run's chunk refused for a condition of the broker's, if one was.
+    refusals: &'a mut [Option<Refusal>],
     /// An answer that broke the protocol without losing the connection:
     /// the push's failure once the requests in flight are answered.
     broken: Option<SinkError>,
@@ -355,7 +639,7 @@ struct Leader<'a> {
 /// sent again as it is.
 struct Sent<'r> {
     correlation: i32,
-    chunks: &'r [Chunk],
+    parts: &'r [Part],
     at: Instant,
     request: ProduceRequest,
 }
@@ -372,7 +656,7 @@ impl<'r> Leader<'_> {
     fn send(
         mut self,
         leader: i32,
-        requests: &'r [Vec<Chunk>],
+        requests: &'r [Vec<Part>],
         deliveries: &mut [Delivery],
         waiter: &mut dyn Wait,
         until: Instant,
@@ -405,6 +689,7 @@ impl<'r> Leader<'_> {
                     if resends < RESENDS && !in_flight.is_empty() && Instant::now() < until =>
                 {
                     resends += 1;
+                    pause(waiter, RETRY_BACKOFF, until)?;
                     self.resend(leader, version, &mut in_flight, waiter, until)?;
                 }
                 turn => turn?,
@@ -430,7 +715,7 @@ impl<'r> Leader<'_> {
         &mut self,
         leader: i32,
         version: i16,
-        chunks: &'r [Chunk],
+        parts: &'r [Part],
         failed_runs: &[bool],
         in_flight: &mut VecDeque<Sent<'r>>,
         waiter: &mut dyn Wait,
@@ -438,14 +723,14 @@ impl<'r> Leader<'_> {
     ) -> Result<(), SinkError> {
         self.session.leaders.get_mut(&leader).expect("opened").quiet(waiter, until)?;
         let deadline = self.sink.step(until)?;
-        let Some(request) = self.request(chunks, failed_runs) else { return Ok(()) };
+        let Some(request) = self.request(parts, failed_runs) else { return Ok(()) };
         let conn = self.session.leaders.get_mut(&leader).expect("opened");
         // Sent or not, it is in flight: a connection lost as it goes sends
         // it again.
         let sent = conn.send(&request, version, waiter, deadline);
         in_flight.push_back(Sent {
             correlation: *sent.as_ref().unwrap_or(&-1),
-            chunks,
+            parts,
             at: Instant::now(),
             request,
         });
@@ -474,13 +759,12 @@ impl<'r> Leader<'_> {
         let answer = conn.receive::<ProduceRequest>(oldest.correlation, version, waiter, deadline)?;
         conn.throttled(answer.throttle_time_ms);
         let sent = in_flight.pop_front().expect("a request in flight");
-        self.settle(sent.chunks, &answer, deliveries, failed_runs);
+        self.settle(sent.parts, &answer, deliveries, failed_runs);
         Ok(())
     }
 
-    /// The old connection to `leader` closed, a new one after
-    /// [`RESEND_BACKOFF`], and every request still in flight sent on it
-    /// again, in order, unchanged.
+    /// The old connection to `leader` closed, a new one, and every request
+    /// still in flight sent on it again, in order, unchanged.
     fn resend(
         &mut self,
         leader: i32,
@@ -490,10 +774,6 @@ impl<'r> Leader<'_> {
         until: Instant,
     ) -> Result<(), SinkError> {
         self.session.leaders.remove(&leader);
-        let backoff = (Instant::now() + RESEND_BACKOFF).min(until);
-        while Instant::now() < backoff {
-            waiter.wait(None, backoff).map_err(|_| SinkError::Interrupted)?;
-        }
         self.connect(leader, waiter, until)?;
         let conn = self.session.leaders.get_mut(&leader).expect("opened");
         if conn.versions.of(ApiKey::Produce)? != version {
@@ -511,17 +791,17 @@ impl<'r> Leader<'_> {
     /// One produce request: a record batch per chunk of a partition that has
     /// not failed, with the next sequence numbers of its partition; `None`
     /// when no chunk is left.
-    fn request(&mut self, chunks: &[Chunk], failed_runs: &[bool]) -> Option<ProduceRequest> {
-        let producer = &mut self.session.producer;
+    fn request(&self, parts: &[Part], failed_runs: &[bool]) -> Option<ProduceRequest> {
+        let producer = &self.session.producer;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as i64);
         let mut topics: Vec<TopicProduceData> = Vec::new();
         let mut topic_of: HashMap<&str, usize> = HashMap::new();
-        for chunk in chunks.iter().filter(|c| !failed_runs[c.run]) {
-            let run = &self.runs[chunk.run];
+        for part in parts.iter().filter(|p| !failed_runs[p.run]) {
+            let run = &self.runs[part.run];
+            let chunk = &run.chunks[part.chunk];
             let members = &run.members[chunk.members.clone()];
-            let first = producer.take(&run.topic, run.partition, members.len());
             let batch: Vec<kafka_protocol::records::Record> = members
                 .iter()
                 .enumerate()
@@ -536,7 +816,7 @@ impl<'r> Leader<'_> {
                         producer_epoch: producer.epoch,
                         timestamp_type: TimestampType::Creation,
                         offset: i as i64,
-                        sequence: next_sequence(first, i),
+                        sequence: next_sequence(chunk.first, i),
                         timestamp: now,
                         key: Some(record.key.clone()),
                         value: record.value.clone(),
@@ -579,7 +859,7 @@ impl<'r> Leader<'_> {
     /// What the answer to one request says of each of its batches.
     fn settle(
         &mut self,
-        chunks: &[Chunk],
+        parts: &[Part],
         answer: &ProduceResponse,
         deliveries: &mut [Delivery],
         failed_runs: &mut [bool],
@@ -591,10 +871,10 @@ impl<'r> Leader<'_> {
                 answers.insert((topic.name.0.as_str(), partition.index), (partition.error_code, message));
             }
         }
-        for chunk in chunks {
-            let run = &self.runs[chunk.run];
-            let members = &run.members[chunk.members.clone()];
-            if failed_runs[chunk.run] {
+        for part in parts {
+            let run = &self.runs[part.run];
+            let members = &run.members[run.chunks[part.chunk].members.clone()];
+            if failed_runs[part.run] {
                 // Behind a batch that failed: not sent, or refused as out of
                 // order; not the record's doing, and not known delivered.
                 continue;
@@ -604,7 +884,7 @@ impl<'r> Leader<'_> {
                 // records go back to pending, what follows goes under the
                 // next epoch, and the connection goes after the push (not
                 // sent again: an answer came, and said nothing of it).
-                failed_runs[chunk.run] = true;
+                failed_runs[part.run] = true;
                 self.session.producer.stale = true;
                 self.broken.get_or_insert_with(|| {
                     SinkError::ConnectionLost(format!(
@@ -615,19 +895,12 @@ impl<'r> Leader<'_> {
                 });
                 continue;
             };
-            let key = (run.topic.clone(), run.partition);
             if code == 0 || code == ResponseError::DuplicateSequenceNumber.code() {
-                if members.len() == 1 {
-                    self.alone.remove(&key);
-                }
+                self.partitions.written(&run.topic, run.partition, members.len());
                 members.iter().for_each(|&m| deliveries[m] = Delivery::Delivered);
                 continue;
             }
-            failed_runs[chunk.run] = true;
-            self.session.producer.stale = true;
-            if FORGOTTEN.iter().any(|e| e.code() == code) {
-                self.session.producer.forgotten = true;
-            }
+            failed_runs[part.run] = true;
             let error = format!(
                 "{}: {}[{}]{}",
                 failed(code).unwrap_or_default(),
@@ -636,16 +909,23 @@ impl<'r> Leader<'_> {
                 message.map(|m| format!(": {}", broker_text(&m))).unwrap_or_default()
             );
             match Fault::of(code) {
+                // The broker's: sent again, from this batch (produce).
+                Fault::Broker(condition) => {
+                    if condition == Condition::LeaderMoved {
+                        self.session.cluster.forget(&run.topic);
+                    }
+                    self.refusals[part.run] = Some(Refusal { chunk: part.chunk, code, condition, error });
+                }
                 // One record of several may be the cause: they go back to
                 // pending and then one per batch, so that only it pays.
                 Fault::Message { split: true } if members.len() > 1 => {
-                    self.alone.insert(key);
+                    self.session.producer.stale = true;
+                    self.partitions.alone.insert((run.topic.clone(), run.partition));
                 }
-                fault @ Fault::Broker(_) => {
-                    self.session.cluster.forget(&run.topic);
+                fault => {
+                    self.session.producer.stale = true;
                     members.iter().for_each(|&m| deliveries[m] = fault.verdict(&error));
                 }
-                fault => members.iter().for_each(|&m| deliveries[m] = fault.verdict(&error)),
             }
         }
     }
@@ -671,12 +951,13 @@ mod tests {
         assert_eq!(next_sequence(i32::MAX - 1, 3), 1);
     }
 
-    fn run(topic: &str, members: std::ops::Range<usize>) -> Run {
-        Run { topic: topic.into(), partition: 0, leader: 1, members: members.collect() }
+    fn run(topic: &str, members: std::ops::Range<usize>, chunks: Vec<Range<usize>>) -> Run {
+        let chunks = chunks.into_iter().map(|members| Chunk { members, first: 0 }).collect();
+        Run { topic: topic.into(), partition: 0, leader: 1, members: members.collect(), chunks, from: 0 }
     }
 
-    fn shape(requests: &[Vec<Chunk>]) -> Vec<Vec<(usize, Range<usize>)>> {
-        requests.iter().map(|r| r.iter().map(|c| (c.run, c.members.clone())).collect()).collect()
+    fn shape(requests: &[Vec<Part>]) -> Vec<Vec<(usize, usize)>> {
+        requests.iter().map(|r| r.iter().map(|p| (p.run, p.chunk)).collect()).collect()
     }
 
     #[test]
@@ -684,19 +965,48 @@ mod tests {
         let record = Record { key: "k".into(), value: Some(vec![b'x'; 75].into()), headers: Vec::new() };
         assert_eq!(record.size(), 100);
         let records = vec![&record; 6];
-        let runs = [run("t", 0..5), run("u", 5..6)];
-        let none = HashSet::new();
-        let rounds = chunks_of(&runs, &[0, 1], &records, 250, &none);
-        let by_round: Vec<Vec<(usize, Range<usize>)>> =
-            rounds.iter().map(|r| r.iter().map(|c| (c.run, c.members.clone())).collect()).collect();
-        assert_eq!(by_round, vec![vec![(0, 0..2), (1, 0..1)], vec![(0, 2..4)], vec![(0, 4..5)]]);
+        assert_eq!(cut(&[0, 1, 2, 3, 4], &records, 250, false), vec![0..2, 2..4, 4..5]);
+        assert_eq!(cut(&[0, 1, 2], &records, 250, true), vec![0..1, 1..2, 2..3]);
+        let mut runs =
+            [run("t", 0..5, vec![0..2, 2..4, 4..5]), run("u", 5..6, cut(&[5], &records, 250, false))];
+        let rounds = rounds_of(&runs, &[0, 1]);
+        assert_eq!(shape(&rounds), vec![vec![(0, 0), (1, 0)], vec![(0, 1)], vec![(0, 2)]]);
         // A request budget below a round: the round in two, in order.
         let requests = requests_of(rounds, &runs, &records, 250);
-        assert_eq!(
-            shape(&requests),
-            vec![vec![(0, 0..2)], vec![(1, 0..1)], vec![(0, 2..4)], vec![(0, 4..5)]]
-        );
-        let alone = HashSet::from([("t".to_string(), 0)]);
-        assert_eq!(chunks_of(&runs, &[0], &records, 250, &alone).len(), 5);
+        assert_eq!(shape(&requests), vec![vec![(0, 0)], vec![(1, 0)], vec![(0, 1)], vec![(0, 2)]]);
+        // Sent again from a refused chunk: that chunk and those behind it.
+        runs[0].from = 1;
+        assert_eq!(shape(&rounds_of(&runs, &[0])), vec![vec![(0, 1)], vec![(0, 2)]]);
+    }
+
+    #[test]
+    fn a_refusal_renews_the_producer_as_its_code_needs() {
+        assert_eq!(Renewal::of(ResponseError::NotLeaderOrFollower.code()), Renewal::Same);
+        assert_eq!(Renewal::of(ResponseError::NotEnoughReplicasAfterAppend.code()), Renewal::Same);
+        assert_eq!(Renewal::of(ResponseError::RequestTimedOut.code()), Renewal::Same);
+        assert_eq!(Renewal::of(ResponseError::OutOfOrderSequenceNumber.code()), Renewal::Epoch);
+        for forgotten in FORGOTTEN {
+            assert_eq!(Renewal::of(forgotten.code()), Renewal::Fresh);
+        }
+        assert!(Renewal::Same < Renewal::Epoch && Renewal::Epoch < Renewal::Fresh);
+    }
+
+    #[test]
+    fn a_partition_rests_longer_each_time_in_a_row_and_not_once_written() {
+        let mut partitions = Partitions::default();
+        let rests: Vec<Duration> = (0..7)
+            .map(|_| partitions.rest("t", 0, Condition::NotEnoughReplicas, "NOT_ENOUGH_REPLICAS"))
+            .collect();
+        assert_eq!(rests[..3], [REST_FIRST, REST_FIRST * 2, REST_FIRST * 4]);
+        assert_eq!(rests[6], REST_MAX);
+        let Some(Delivery::Deferred(Condition::NotEnoughReplicas, why, left)) = partitions.resting("t", 0)
+        else {
+            panic!("resting")
+        };
+        assert!(why.starts_with("NOT_ENOUGH_REPLICAS") && left <= REST_MAX, "{why}");
+        assert!(partitions.resting("t", 1).is_none());
+        partitions.written("t", 0, 3);
+        assert!(partitions.resting("t", 0).is_none());
+        assert_eq!(partitions.rest("t", 0, Condition::LeaderMoved, "moved"), REST_FIRST);
     }
 }
