@@ -47,7 +47,11 @@ topic and answers them `NOT_ENOUGH_REPLICAS_AFTER_APPEND` (a follower
 lost after the write); `ack_delay` holds every produce answer that many
 seconds (`acks=all` waiting for a slow follower); and `idle` closes a
 connection that sent nothing for that many seconds (Kafka's
-`connections.max.idle.ms`). Each record's append time (monotonic) is in
+`connections.max.idle.ms`). SASL PLAIN is offered (any user and
+password); with `session_ms`, an authenticated connection's session
+lasts that long (SaslAuthenticate v1's `session_lifetime_ms`, KIP-368),
+and a request on it after that closes it instead, counted in `expired`,
+as Kafka's broker closes it. Each record's append time (monotonic) is in
 its `at`; `producer_ids` counts the ids given."""
 
 import struct
@@ -60,6 +64,8 @@ from kafka.protocol.api_versions import ApiVersionsResponse_v0
 from kafka.protocol.init_producer_id import InitProducerIdRequest_v0, InitProducerIdResponse_v0
 from kafka.protocol.metadata import MetadataRequest_v1, MetadataResponse_v1
 from kafka.protocol.produce import ProduceRequest_v3, ProduceResponse_v3
+from kafka.protocol.sasl_authenticate import SaslAuthenticateRequest_v1, SaslAuthenticateResponse_v1
+from kafka.protocol.sasl_handshake import SaslHandshakeRequest_v1, SaslHandshakeResponse_v1
 from kafka.record import MemoryRecords
 
 from harness import Listener
@@ -73,7 +79,8 @@ SEQUENCES = 2 ** 31
 # The last batches a partition keeps per producer id.
 RETAINED = 5
 NODES = (1, 2)
-APIS = {0: (3, 3), 3: (1, 1), 18: (0, 0), 22: (0, 0)}
+APIS = {0: (3, 3), 3: (1, 1), 17: (1, 1), 18: (0, 0), 22: (0, 0), 36: (1, 1)}
+SASL = (17, 36)
 
 
 class ProducerState:
@@ -145,6 +152,8 @@ class StrictKafka:
         self.ack_delay = 0.0
         self.idle = None
         self.producer_ids = 0
+        self.session_ms = None
+        self.expired = 0
 
     @property
     def url(self):
@@ -168,6 +177,7 @@ class StrictKafka:
     def _serve(self, conn, node):
         stream = conn.makefile("rb")
         quiet_until = 0.0
+        session_ends = None
         try:
             while True:
                 conn.settimeout(self.idle)
@@ -179,6 +189,11 @@ class StrictKafka:
                 body.read(max(client_len, 0))
                 if api == 0 and time.monotonic() < quiet_until:
                     self.early += 1
+                if api not in SASL and session_ends is not None and time.monotonic() > session_ends:
+                    self.expired += 1
+                    return
+                if api == 36 and self.session_ms:
+                    session_ends = time.monotonic() + self.session_ms / 1000
                 answer = self._answer(api, version, body, node)
                 if answer is None:
                     return
@@ -197,6 +212,13 @@ class StrictKafka:
         assert low <= version <= high, f"API {api} version {version}: not offered"
         if api == 18:
             return ApiVersionsResponse_v0(error_code=NONE, api_versions=[(k, lo, hi) for k, (lo, hi) in APIS.items()])
+        if api == 17:
+            SaslHandshakeRequest_v1.decode(body)
+            return SaslHandshakeResponse_v1(error_code=NONE, enabled_mechanisms=["PLAIN"])
+        if api == 36:
+            SaslAuthenticateRequest_v1.decode(body)
+            return SaslAuthenticateResponse_v1(error_code=NONE, error_message=None, auth_bytes=b"",
+                                               session_lifetime_ms=self.session_ms or 0)
         if api == 22:
             InitProducerIdRequest_v0.decode(body)
             with self.lock:

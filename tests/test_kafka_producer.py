@@ -286,3 +286,29 @@ def test_connections_the_broker_closes_when_idle_lose_nothing(ob, strict):
         strict.idle = None
     exactly_once_in_key_order(strict.log("idle"), ids)
     assert spent(ob) == 0
+
+
+def test_a_sasl_session_is_renewed_before_the_broker_ends_it(ob, strict):
+    # The broker grants each authenticated connection a 2 s session
+    # (KIP-368) and closes one used after it ends. The dispatcher replaces
+    # its connections most of the way through (a new one authenticates
+    # anew), so that none is used past its session: nothing is sent on a
+    # connection the broker is about to close, and no reconnect is needed.
+    strict.create_topic("sessions", 3)
+    strict.session_ms, strict.expired = 2000, 0
+    try:
+        ob.configure(broker_url=strict.url.replace("kafka://", "kafka://user:secret@"),
+                     kafka_sasl_mechanism="plain", kafka_sasl_plain_cleartext="on", heartbeat_interval="1s")
+        ob.wait_idle()
+        before = reconnects(ob)
+        ids = []
+        for _ in range(6):
+            ids += enqueue(ob, 10, "sessions", [f"k{i}" for i in range(10)])
+            wait_until(lambda: dispatched(ob, ids) == len(ids), timeout=30, message="the burst dispatched")
+            time.sleep(0.9)
+        assert strict.expired == 0
+        assert reconnects(ob) == before
+    finally:
+        strict.session_ms = None
+    exactly_once_in_key_order(strict.log("sessions"), ids)
+    assert spent(ob) == 0

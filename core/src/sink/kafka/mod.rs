@@ -168,10 +168,7 @@ impl KafkaSink {
             None => self.url.password.clone(),
         };
         self.user = self.url.username.clone().map(|user| (user, password.unwrap_or_default()));
-        let Endpoints::Kafka(servers) = &self.url.endpoints else {
-            unreachable!("a Kafka sink has Kafka servers")
-        };
-        let servers = servers.clone();
+        let servers = self.servers().to_vec();
         let mut failure = SinkError::Connect("no bootstrap server".into());
         for turn in 0..servers.len() {
             let index = (self.first_server + turn) % servers.len();
@@ -190,6 +187,28 @@ impl KafkaSink {
             }
         }
         Err(failure)
+    }
+
+    /// The bootstrap servers, in the URL's order.
+    fn servers(&self) -> &[(String, u16)] {
+        let Endpoints::Kafka(servers) = &self.url.endpoints else {
+            unreachable!("a Kafka sink has Kafka servers")
+        };
+        servers
+    }
+
+    /// Replaces the connections of `session` whose SASL session is near
+    /// its end (KIP-368), before the broker closes them: a leader's is
+    /// dropped (a push opens it again when it needs it), the bootstrap one
+    /// opened again to the same server, authenticating anew. Between
+    /// pushes nothing is in flight on them.
+    fn refresh(&self, session: &mut Session, waiter: &mut dyn Wait) -> Result<(), SinkError> {
+        session.leaders.retain(|_, conn| !conn.expiring());
+        if session.bootstrap.expiring() {
+            let (host, port) = &self.servers()[self.first_server];
+            session.bootstrap = self.open(host, *port, waiter, Instant::now() + self.config.timeout)?;
+        }
+        Ok(())
     }
 
     /// A connection to one broker, authenticated, by `deadline`.
@@ -258,17 +277,18 @@ impl KafkaSink {
     /// An ApiVersions round trip on every connection: any answer proves
     /// it. Drops the connections when one fails.
     pub fn ping(&mut self, waiter: &mut dyn Wait) -> Result<(), SinkError> {
-        let Some(session) = self.session.as_mut() else {
+        let Some(mut session) = self.session.take() else {
             return Err(SinkError::ConnectionLost("not connected".into()));
         };
-        let result = std::iter::once(&mut session.bootstrap)
-            .chain(session.leaders.values_mut())
-            .try_for_each(|conn| {
+        let result = self.refresh(&mut session, waiter).and_then(|()| {
+            std::iter::once(&mut session.bootstrap).chain(session.leaders.values_mut()).try_for_each(|conn| {
                 let deadline = Instant::now() + self.config.timeout;
                 conn.call(&ApiVersionsRequest::default(), 0, waiter, deadline).map(drop)
-            });
-        if result.is_err() {
-            self.disconnect();
+            })
+        });
+        match result {
+            Ok(()) => self.session = Some(session),
+            Err(_) => self.keep(session.producer),
         }
         result
     }
@@ -295,9 +315,12 @@ impl KafkaSink {
             + self.config.timeout.saturating_mul(1 + trips.min(u32::MAX as usize) as u32)
             + self.config.kafka.request_timeout;
         let mut partitions = std::mem::take(&mut self.partitions);
-        let failure =
-            produce::produce(self, &mut session, &mut partitions, batches, &mut deliveries, waiter, until)
-                .err();
+        let failure = self
+            .refresh(&mut session, waiter)
+            .and_then(|()| {
+                produce::produce(self, &mut session, &mut partitions, batches, &mut deliveries, waiter, until)
+            })
+            .err();
         self.partitions = partitions;
         let lost = matches!(
             failure,

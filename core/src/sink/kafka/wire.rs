@@ -86,7 +86,15 @@ pub struct Conn {
     /// The broker asked for no request before this (an answer's
     /// `throttle_time_ms`: a quota; KIP-219).
     quiet_until: Option<Instant>,
+    /// When the connection is to be replaced: most of the way through the
+    /// SASL session the broker granted (SaslAuthenticate's
+    /// `session_lifetime_ms`, KIP-368), after which it closes it.
+    replace_at: Option<Instant>,
 }
+
+/// How far into a SASL session's lifetime its connection is replaced, in
+/// hundredths: Kafka's own client re-authenticates between 85 and 95.
+const REPLACED_AT: u32 = 85;
 
 impl Conn {
     /// Connects to `host:port` (TLS with `tls`) and agrees the versions,
@@ -106,6 +114,7 @@ impl Conn {
             next_correlation: 0,
             versions: Versions::default(),
             quiet_until: None,
+            replace_at: None,
         };
         // Version 0 of ApiVersions: every broker since Kafka 0.10 answers it.
         let offered = conn.call(&ApiVersionsRequest::default(), 0, waiter, deadline).map_err(connecting)?;
@@ -170,13 +179,28 @@ impl Conn {
         let request = SaslAuthenticateRequest::default().with_auth_bytes(Bytes::from(bytes));
         let answer = self.call(&request, version, waiter, deadline).map_err(connecting)?;
         match failed(answer.error_code) {
-            None => Ok(answer.auth_bytes),
+            None => {
+                // A lifetime too long to count from now is none.
+                if let Ok(ms @ 1..) = u64::try_from(answer.session_lifetime_ms) {
+                    self.replace_at = Duration::from_millis(ms)
+                        .checked_mul(REPLACED_AT)
+                        .and_then(|d| Instant::now().checked_add(d / 100));
+                }
+                Ok(answer.auth_bytes)
+            }
             Some(error) => {
                 let message = answer.error_message.as_ref().map_or("", |m| m.as_str());
                 let message = broker_text(&scrub(message, &[Some(password)]));
                 Err(SinkError::Connect(format!("SASL authentication failed: {error}: {message}")))
             }
         }
+    }
+
+    /// Whether the broker's SASL session on this connection is near its
+    /// end: a new connection authenticates again before the broker closes
+    /// this one.
+    pub fn expiring(&self) -> bool {
+        self.replace_at.is_some_and(|at| Instant::now() >= at)
     }
 
     /// Sends `request` (as `version`) and receives its response, by
