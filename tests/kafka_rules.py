@@ -52,7 +52,8 @@ password); with `session_ms`, an authenticated connection's session
 lasts that long (SaslAuthenticate v1's `session_lifetime_ms`, KIP-368),
 and a request on it after that closes it instead, counted in `expired`,
 as Kafka's broker closes it. Each record's append time (monotonic) is in
-its `at`; `producer_ids` counts the ids given."""
+its `at`; `producer_ids` counts the ids given, and `overlap` the most
+nodes that held produce requests at once."""
 
 import struct
 import threading
@@ -154,6 +155,8 @@ class StrictKafka:
         self.producer_ids = 0
         self.session_ms = None
         self.expired = 0
+        self.busy = set()
+        self.overlap = 0
 
     @property
     def url(self):
@@ -237,6 +240,16 @@ class StrictKafka:
             brokers = [(n, "127.0.0.1", listener.port, None) for n, listener in self.listeners.items()]
             return MetadataResponse_v1(brokers=brokers, controller_id=NODES[0], topics=topics)
         request = ProduceRequest_v3.decode(body)
+        with self.lock:
+            self.busy.add(node)
+            self.overlap = max(self.overlap, len(self.busy))
+        try:
+            return self._produce(request, node)
+        finally:
+            with self.lock:
+                self.busy.discard(node)
+
+    def _produce(self, request, node):
         if self.hold:
             topic, seconds = self.hold
             for name, partitions in request.topics:

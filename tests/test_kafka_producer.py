@@ -312,3 +312,23 @@ def test_a_sasl_session_is_renewed_before_the_broker_ends_it(ob, strict):
         strict.session_ms = None
     exactly_once_in_key_order(strict.log("sessions"), ids)
     assert spent(ob) == 0
+
+
+def test_leaders_are_sent_to_at_once(ob, strict):
+    # The topic's two partitions have two leaders, each holding a produce
+    # answer half a second (acks=all). The push sends to both before it
+    # awaits either, as Kafka's producer drains every node's batches at
+    # once: both nodes hold a request at the same time.
+    strict.create_topic("spread", 2)
+    strict.leaders.update({("spread", 0): 1, ("spread", 1): 2})
+    ob.configure(batch_size="40")
+    strict.ack_delay, strict.overlap = 0.5, 0
+    try:
+        ids = enqueue(ob, 40, "spread", [f"k{i}" for i in range(40)])
+        wait_until(lambda: dispatched(ob, ids) == 40, timeout=60, message="every event dispatched")
+    finally:
+        strict.ack_delay = 0.0
+    log = strict.log("spread")
+    assert all(log), "both partitions written"
+    assert strict.overlap == 2
+    exactly_once_in_key_order(log, ids)

@@ -346,30 +346,29 @@ pub fn produce(
                 leaders.push(runs[r].leader);
             }
         }
-        for leader in leaders {
-            let mine: Vec<usize> = going.iter().copied().filter(|&r| runs[r].leader == leader).collect();
-            let requests = requests_of(rounds_of(&runs, &mine), &runs, &records, budget);
-            let sent = Leader {
-                sink,
-                session: &mut *session,
-                runs: &runs,
-                records: &records,
-                partitions: &mut *partitions,
-                refusals: &mut refusals,
-                broken: None,
-            }
-            .send(leader, &requests, deliveries, waiter, until);
-            match sent {
-                Ok(()) => {}
-                Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
-                // A leader not reached or not answered in time: its records stay
-                // unsent, the other leaders' go on; the session goes after the
-                // push (KafkaSink::push).
-                Err(e) => {
-                    session.producer.stale = true;
-                    failure.get_or_insert(e);
-                }
-            }
+        let shares: Vec<(i32, Vec<Vec<Part>>)> = leaders
+            .into_iter()
+            .map(|leader| {
+                let mine: Vec<usize> = going.iter().copied().filter(|&r| runs[r].leader == leader).collect();
+                (leader, requests_of(rounds_of(&runs, &mine), &runs, &records, budget))
+            })
+            .collect();
+        let failed = Leaders {
+            sink,
+            session: &mut *session,
+            runs: &runs,
+            records: &records,
+            partitions: &mut *partitions,
+            refusals: &mut refusals,
+        }
+        .send(&shares, deliveries, waiter, until)?;
+        // A leader not reached, not answered in time, or whose answer broke
+        // the protocol: its records not answered stay unsent, the other
+        // leaders' went on; the session goes after the push
+        // (KafkaSink::push).
+        if let Some(e) = failed {
+            session.producer.stale = true;
+            failure.get_or_insert(e);
         }
         going = (0..runs.len()).filter(|&r| refusals[r].is_some()).collect();
         if going.is_empty() {
@@ -620,8 +619,8 @@ fn requests_of(rounds: Vec<Vec<Part>>, runs: &[Run], records: &[&Record], budget
     requests
 }
 
-/// One leader's share of a push.
-struct Leader<'a> {
+/// A push's requests to its leaders.
+struct Leaders<'a> {
     sink: &'a KafkaSink,
     session: &'a mut Session,
     runs: &'a [Run],
@@ -629,9 +628,6 @@ struct Leader<'a> {
     partitions: &'a mut Partitions,
     /// Each run's chunk refused for a condition of the broker's, if one was.
     refusals: &'a mut [Option<Refusal>],
-    /// An answer that broke the protocol without losing the connection:
-    /// the push's failure once the requests in flight are answered.
-    broken: Option<SinkError>,
 }
 
 /// A produce request sent and not yet answered: its correlation id on its
@@ -644,58 +640,130 @@ struct Sent<'r> {
     request: ProduceRequest,
 }
 
-impl<'r> Leader<'_> {
-    /// Sends `requests` to `leader`, up to [`IN_FLIGHT`] unanswered, each
-    /// answer due a timeout after the one before it (and by `until`), and
-    /// records what each answer says. A request is built as it goes, without
-    /// the batches of partitions that failed meanwhile. A connection lost,
-    /// or an answer not come in time, with requests unanswered: they are
-    /// sent again on a new connection, as they were (the same producer id,
-    /// epoch and sequences: the broker drops what it has already), up to
-    /// [`RESENDS`] times, as Kafka's own producer retries them.
+/// One leader's requests of a push, as they go.
+struct Flight<'r> {
+    leader: i32,
+    version: i16,
+    requests: &'r [Vec<Part>],
+    /// The first request not sent yet.
+    next: usize,
+    in_flight: VecDeque<Sent<'r>>,
+    resends: usize,
+    /// Why the leader's share ended early: its connection's failure, or an
+    /// answer that broke the protocol without losing it (the share goes on
+    /// until the requests in flight are answered).
+    failure: Option<SinkError>,
+    /// Nothing more is sent or waited for.
+    over: bool,
+}
+
+impl<'r> Flight<'r> {
+    fn waiting(&self) -> bool {
+        !self.over && !self.in_flight.is_empty()
+    }
+}
+
+impl<'r> Leaders<'_> {
+    /// Sends each leader its requests (`shares`), all leaders at once: up
+    /// to [`IN_FLIGHT`] unanswered on each connection, the answer awaited
+    /// next always the one whose request went first, so that while one
+    /// leader's is awaited the others' arrive. Each answer is due a request
+    /// timeout after its request went (and by `until`), and what it says is
+    /// recorded. A request is built as it goes, without the batches of
+    /// partitions that failed meanwhile. A connection lost, or an answer
+    /// not come in time, with requests unanswered: they are sent again on
+    /// a new connection, as they were (the same producer id, epoch and
+    /// sequences: the broker drops what it has already), up to [`RESENDS`]
+    /// times, as Kafka's own producer retries them; the other leaders go on
+    /// meanwhile. Returns the first leader's failure, if one failed.
     fn send(
         mut self,
-        leader: i32,
-        requests: &'r [Vec<Part>],
+        shares: &'r [(i32, Vec<Vec<Part>>)],
         deliveries: &mut [Delivery],
         waiter: &mut dyn Wait,
         until: Instant,
-    ) -> Result<(), SinkError> {
-        if !self.session.leaders.contains_key(&leader) {
-            self.connect(leader, waiter, until)?;
-        }
-        let version = self.session.leaders[&leader].versions.of(ApiKey::Produce)?;
+    ) -> Result<Option<SinkError>, SinkError> {
         let mut failed_runs = vec![false; self.runs.len()];
-        let mut in_flight: VecDeque<Sent<'r>> = VecDeque::new();
-        let mut next = 0;
-        let mut resends = 0;
-        while next < requests.len() || !in_flight.is_empty() {
-            let turn = if next < requests.len() && in_flight.len() < IN_FLIGHT {
-                next += 1;
-                self.dispatch(
-                    leader,
-                    version,
-                    &requests[next - 1],
-                    &failed_runs,
-                    &mut in_flight,
-                    waiter,
-                    until,
-                )
-            } else {
-                self.answer(leader, version, &mut in_flight, deliveries, &mut failed_runs, waiter, until)
+        let mut flights: Vec<Flight<'r>> = Vec::new();
+        for (leader, requests) in shares {
+            let mut flight = Flight {
+                leader: *leader,
+                version: 0,
+                requests,
+                next: 0,
+                in_flight: VecDeque::new(),
+                resends: 0,
+                failure: None,
+                over: false,
             };
-            match turn {
-                Err(SinkError::ConnectionLost(_) | SinkError::Timeout)
-                    if resends < RESENDS && !in_flight.is_empty() && Instant::now() < until =>
-                {
-                    resends += 1;
-                    pause(waiter, RETRY_BACKOFF, until)?;
-                    self.resend(leader, version, &mut in_flight, waiter, until)?;
+            let opened = match self.session.leaders.get(leader) {
+                Some(_) => Ok(()),
+                None => self.connect(*leader, waiter, until),
+            };
+            match opened.and_then(|()| self.session.leaders[leader].versions.of(ApiKey::Produce)) {
+                Ok(version) => flight.version = version,
+                Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
+                Err(e) => {
+                    flight.failure = Some(e);
+                    flight.over = true;
                 }
-                turn => turn?,
             }
+            flights.push(flight);
         }
-        self.broken.map_or(Ok(()), Err)
+        loop {
+            for flight in flights.iter_mut().filter(|f| !f.over) {
+                while flight.failure.is_none()
+                    && flight.next < flight.requests.len()
+                    && flight.in_flight.len() < IN_FLIGHT
+                {
+                    flight.next += 1;
+                    let turn = self.dispatch(flight, flight.next - 1, &failed_runs, waiter, until);
+                    self.recover(flight, turn, waiter, until)?;
+                }
+                flight.over |= flight.in_flight.is_empty();
+            }
+            let Some(flight) =
+                flights.iter_mut().filter(|f| f.waiting()).min_by_key(|f| f.in_flight.front().map(|s| s.at))
+            else {
+                break;
+            };
+            let turn = self.answer(flight, deliveries, &mut failed_runs, waiter, until);
+            self.recover(flight, turn, waiter, until)?;
+        }
+        Ok(flights.into_iter().find_map(|f| f.failure))
+    }
+
+    /// What follows a turn of `flight`: after a connection lost or an
+    /// answer not come in time, with requests in flight, a new connection
+    /// that sends them again (up to [`RESENDS`] times); after any other
+    /// failure, the leader's share is over. Only an interruption ends the
+    /// push.
+    fn recover(
+        &mut self,
+        flight: &mut Flight<'r>,
+        turn: Result<(), SinkError>,
+        waiter: &mut dyn Wait,
+        until: Instant,
+    ) -> Result<(), SinkError> {
+        let failure = match turn {
+            Ok(()) => return Ok(()),
+            Err(SinkError::ConnectionLost(_) | SinkError::Timeout)
+                if flight.resends < RESENDS && !flight.in_flight.is_empty() && Instant::now() < until =>
+            {
+                flight.resends += 1;
+                match pause(waiter, RETRY_BACKOFF, until).and_then(|()| self.resend(flight, waiter, until)) {
+                    Ok(()) => return Ok(()),
+                    Err(e) => e,
+                }
+            }
+            Err(e) => e,
+        };
+        if failure == SinkError::Interrupted {
+            return Err(SinkError::Interrupted);
+        }
+        flight.failure = Some(failure);
+        flight.over = true;
+        Ok(())
     }
 
     /// A connection to `leader`, authenticated.
@@ -708,27 +776,26 @@ impl<'r> Leader<'_> {
         Ok(())
     }
 
-    /// Builds and sends the request of `chunks`, if any of its partitions
-    /// has not failed, once the broker's throttle of the connection is over.
-    #[allow(clippy::too_many_arguments)]
+    /// Builds and sends `flight`'s request `index`, if any of its
+    /// partitions has not failed, once the broker's throttle of the
+    /// connection is over.
     fn dispatch(
         &mut self,
-        leader: i32,
-        version: i16,
-        parts: &'r [Part],
+        flight: &mut Flight<'r>,
+        index: usize,
         failed_runs: &[bool],
-        in_flight: &mut VecDeque<Sent<'r>>,
         waiter: &mut dyn Wait,
         until: Instant,
     ) -> Result<(), SinkError> {
-        self.session.leaders.get_mut(&leader).expect("opened").quiet(waiter, until)?;
+        self.session.leaders.get_mut(&flight.leader).expect("opened").quiet(waiter, until)?;
         let deadline = self.sink.step(until)?;
+        let parts = &flight.requests[index];
         let Some(request) = self.request(parts, failed_runs) else { return Ok(()) };
-        let conn = self.session.leaders.get_mut(&leader).expect("opened");
+        let conn = self.session.leaders.get_mut(&flight.leader).expect("opened");
         // Sent or not, it is in flight: a connection lost as it goes sends
         // it again.
-        let sent = conn.send(&request, version, waiter, deadline);
-        in_flight.push_back(Sent {
+        let sent = conn.send(&request, flight.version, waiter, deadline);
+        flight.in_flight.push_back(Sent {
             correlation: *sent.as_ref().unwrap_or(&-1),
             parts,
             at: Instant::now(),
@@ -737,13 +804,11 @@ impl<'r> Leader<'_> {
         sent.map(drop)
     }
 
-    /// Waits for the oldest request's answer, and records what it says.
-    #[allow(clippy::too_many_arguments)]
+    /// Waits for `flight`'s oldest request's answer, and records what it
+    /// says.
     fn answer(
         &mut self,
-        leader: i32,
-        version: i16,
-        in_flight: &mut VecDeque<Sent<'r>>,
+        flight: &mut Flight<'r>,
         deliveries: &mut [Delivery],
         failed_runs: &mut [bool],
         waiter: &mut dyn Wait,
@@ -753,36 +818,36 @@ impl<'r> Leader<'_> {
         // each once its replicas have it: an answer is due a request
         // timeout after its request went, or a timeout after the
         // answer before it came.
-        let oldest = in_flight.front().expect("a request in flight");
+        let oldest = flight.in_flight.front().expect("a request in flight");
         let deadline = self.sink.answer_due(oldest.at, until)?;
-        let conn = self.session.leaders.get_mut(&leader).expect("opened");
-        let answer = conn.receive::<ProduceRequest>(oldest.correlation, version, waiter, deadline)?;
+        let conn = self.session.leaders.get_mut(&flight.leader).expect("opened");
+        let answer = conn.receive::<ProduceRequest>(oldest.correlation, flight.version, waiter, deadline)?;
         conn.throttled(answer.throttle_time_ms);
-        let sent = in_flight.pop_front().expect("a request in flight");
-        self.settle(sent.parts, &answer, deliveries, failed_runs);
+        let sent = flight.in_flight.pop_front().expect("a request in flight");
+        if let Err(broken) = self.settle(sent.parts, &answer, deliveries, failed_runs) {
+            flight.failure.get_or_insert(broken);
+        }
         Ok(())
     }
 
-    /// The old connection to `leader` closed, a new one, and every request
+    /// `flight`'s old connection closed, a new one, and every request
     /// still in flight sent on it again, in order, unchanged.
     fn resend(
         &mut self,
-        leader: i32,
-        version: i16,
-        in_flight: &mut VecDeque<Sent<'r>>,
+        flight: &mut Flight<'r>,
         waiter: &mut dyn Wait,
         until: Instant,
     ) -> Result<(), SinkError> {
-        self.session.leaders.remove(&leader);
-        self.connect(leader, waiter, until)?;
-        let conn = self.session.leaders.get_mut(&leader).expect("opened");
-        if conn.versions.of(ApiKey::Produce)? != version {
+        self.session.leaders.remove(&flight.leader);
+        self.connect(flight.leader, waiter, until)?;
+        let conn = self.session.leaders.get_mut(&flight.leader).expect("opened");
+        if conn.versions.of(ApiKey::Produce)? != flight.version {
             return Err(SinkError::ConnectionLost(
                 "the leader came back speaking another version of Produce".into(),
             ));
         }
-        for sent in in_flight.iter_mut() {
-            sent.correlation = conn.send(&sent.request, version, waiter, self.sink.step(until)?)?;
+        for sent in flight.in_flight.iter_mut() {
+            sent.correlation = conn.send(&sent.request, flight.version, waiter, self.sink.step(until)?)?;
             sent.at = Instant::now();
         }
         Ok(())
@@ -856,14 +921,16 @@ impl<'r> Leader<'_> {
         })
     }
 
-    /// What the answer to one request says of each of its batches.
+    /// What the answer to one request says of each of its batches; an
+    /// error when it broke the protocol (it left out a partition).
     fn settle(
         &mut self,
         parts: &[Part],
         answer: &ProduceResponse,
         deliveries: &mut [Delivery],
         failed_runs: &mut [bool],
-    ) {
+    ) -> Result<(), SinkError> {
+        let mut broken = None;
         let mut answers: HashMap<(&str, i32), (i16, Option<String>)> = HashMap::new();
         for topic in &answer.responses {
             for partition in &topic.partition_responses {
@@ -886,7 +953,7 @@ impl<'r> Leader<'_> {
                 // sent again: an answer came, and said nothing of it).
                 failed_runs[part.run] = true;
                 self.session.producer.stale = true;
-                self.broken.get_or_insert_with(|| {
+                broken.get_or_insert_with(|| {
                     SinkError::ConnectionLost(format!(
                         "Kafka protocol error: the produce answer left out {}[{}]",
                         broker_text(&run.topic),
@@ -928,6 +995,7 @@ impl<'r> Leader<'_> {
                 }
             }
         }
+        broken.map_or(Ok(()), Err)
     }
 }
 
