@@ -28,7 +28,8 @@ Faults are scripted, by the produce requests' count from 1 (`produced`):
 those in `lose` are appended and their answers lost, the connection
 closed instead (a broker that wrote and then died, or a network that
 dropped the answer), and those in `omit` are appended and answered
-without their last partition (a broken broker); with `hold` =
+without their last partition, and those in `repeat` answered with each
+partition twice, its first answer and then success (broken brokers); with `hold` =
 (topic, seconds), the writes to that topic of the first producer id and
 epoch that writes to it wait that long before they are appended (a
 request stuck on its way, or in a slow disk's queue). A quota is
@@ -52,8 +53,10 @@ password); with `session_ms`, an authenticated connection's session
 lasts that long (SaslAuthenticate v1's `session_lifetime_ms`, KIP-368),
 and a request on it after that closes it instead, counted in `expired`,
 as Kafka's broker closes it. Each record's append time (monotonic) is in
-its `at`; `producer_ids` counts the ids given, and `overlap` the most
-nodes that held produce requests at once."""
+its `at`; `producer_ids` counts the ids given, `refused` the partitions
+answered with an error, and `overlap` the most nodes that held produce
+requests at once. A leader of -1 in `leaders` is one being elected: the
+metadata names none, and every node answers `NOT_LEADER_OR_FOLLOWER`."""
 
 import struct
 import threading
@@ -72,7 +75,7 @@ from kafka.record import MemoryRecords
 from harness import Listener
 
 # Kafka's error codes (its `Errors` table).
-NONE, UNKNOWN_TOPIC_OR_PARTITION, NOT_LEADER_OR_FOLLOWER = 0, 3, 6
+NONE, UNKNOWN_TOPIC_OR_PARTITION, NOT_LEADER_OR_FOLLOWER, REQUEST_TIMED_OUT = 0, 3, 6, 7
 NOT_ENOUGH_REPLICAS, NOT_ENOUGH_REPLICAS_AFTER_APPEND = 19, 20
 OUT_OF_ORDER_SEQUENCE_NUMBER, INVALID_PRODUCER_EPOCH, INVALID_RECORD = 45, 47, 87
 # Sequence numbers wrap to 0 after the largest int32.
@@ -157,6 +160,8 @@ class StrictKafka:
         self.expired = 0
         self.busy = set()
         self.overlap = 0
+        self.repeat = set()
+        self.refused = 0
 
     @property
     def url(self):
@@ -296,8 +301,12 @@ class StrictKafka:
             if self.produced in self.lose:
                 self.answers_lost += 1
                 return None
+            self.refused += sum(a[1] != NONE for _, answered in answers for a in answered)
             if self.produced in self.omit:
                 answers[-1][1].pop()
+            if self.produced in self.repeat:
+                answers = [(name, [a for entry in answered for a in (entry, (entry[0], NONE, 0, -1))])
+                           for name, answered in answers]
             self.leaders.update(self.moves.pop(self.produced, {}))
         time.sleep(self.ack_delay)
         return ProduceResponse_v3(topics=answers, throttle_time_ms=self.throttle_ms)

@@ -140,6 +140,8 @@ pub fn push<H: Host>(
     let mut latencies = Vec::with_capacity(events.len());
     let mut failure = pushed.failure;
     let mut unsent = 0;
+    // A refusal counts once a push, however many events it deferred.
+    let mut deferred_for: Vec<Condition> = Vec::new();
     for (delivery, i) in pushed.deliveries.into_iter().zip(members.of.into_iter().flatten()) {
         let event = &events[i];
         match delivery {
@@ -172,7 +174,10 @@ pub fn push<H: Host>(
             // may take it, no retry spent, the session kept.
             Delivery::Deferred(condition, error, delay) => {
                 counters.push_failed(PushFailure::Refused, 1);
-                counters.refused(condition);
+                if !deferred_for.contains(&condition) {
+                    deferred_for.push(condition);
+                    counters.refused(condition);
+                }
                 outcome.failures.push(Failure {
                     id: event.id,
                     position: event.position.clone(),

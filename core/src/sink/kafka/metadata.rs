@@ -107,8 +107,14 @@ impl Cluster {
                 };
                 let state = match failed(topic.error_code) {
                     None => match leaders(topic) {
+                        // A partition without a leader is being elected:
+                        // asked again at the next push, not kept.
                         Some(leaders) => {
-                            self.topics.insert(name.clone(), (leaders.clone(), Instant::now()));
+                            if leaders.iter().all(Option::is_some) {
+                                self.topics.insert(name.clone(), (leaders.clone(), Instant::now()));
+                            } else {
+                                self.topics.remove(&name);
+                            }
                             TopicState::Known(leaders)
                         }
                         None => TopicState::Failed(

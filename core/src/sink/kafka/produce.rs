@@ -377,12 +377,29 @@ pub fn produce(
         for &r in &going {
             runs[r].from = refusals[r].as_ref().expect("refused").chunk;
         }
+        // The runs that need the producer renewed wait for the next push
+        // (back in line, unsent) while others are sent again as they were:
+        // renewing for them would number again a batch the broker may
+        // have written under this epoch.
+        let renewal = |r: &usize| Renewal::of(refusals[*r].as_ref().expect("refused").code);
+        if going.iter().any(|r| renewal(r) == Renewal::Same) {
+            for r in going.iter().filter(|r| renewal(r) != Renewal::Same) {
+                session.producer.stale = true;
+                session.producer.forgotten |= renewal(r) == Renewal::Fresh;
+            }
+            going.retain(|r| renewal(r) == Renewal::Same);
+        }
+        // Sent again only when a whole round, its answer awaited as long as
+        // the broker may hold it, fits in the push.
         let backoff = RETRY_BACKOFF.saturating_mul(1 << retry);
-        let mut again = retry < RETRIES && failure.is_none() && Instant::now() + backoff < until;
+        let round = backoff + sink.config.kafka.request_timeout + sink.config.timeout;
+        let mut again = retry < RETRIES && failure.is_none() && Instant::now() + round < until;
         if again {
             pause(waiter, backoff, until)?;
             match again_after(sink, session, &mut runs, &going, &refusals, waiter, until) {
                 Ok(lost) => {
+                    // Their sequences were taken and not used.
+                    session.producer.stale |= !lost.is_empty();
                     for &r in &lost {
                         defer(&runs[r], LEADER_LOST, partitions, deliveries);
                     }
@@ -397,14 +414,16 @@ pub fn produce(
         }
         if !again {
             // Given up: what the broker has of these runs is not known, so
-            // the next push goes under the next epoch (or a fresh id).
+            // the next push goes under the next epoch (or a fresh id). When
+            // the session goes too, they go back in line (unsent), and the
+            // reconnect paces them; otherwise their partitions rest.
             session.producer.stale = true;
             for &r in &going {
                 let refusal = refusals[r].as_ref().expect("refused");
-                if Renewal::of(refusal.code) == Renewal::Fresh {
-                    session.producer.forgotten = true;
+                session.producer.forgotten |= Renewal::of(refusal.code) == Renewal::Fresh;
+                if failure.is_none() {
+                    defer(&runs[r], (refusal.condition, &refusal.error), partitions, deliveries);
                 }
-                defer(&runs[r], (refusal.condition, &refusal.error), partitions, deliveries);
             }
             break;
         }
@@ -703,8 +722,11 @@ impl<'r> Leaders<'_> {
             match opened.and_then(|()| self.session.leaders[leader].versions.of(ApiKey::Produce)) {
                 Ok(version) => flight.version = version,
                 Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
+                // A leader that cannot be reached, while the rest of the
+                // cluster can: its partitions' batches are refused as a
+                // network fault, and go the way of any refusal (produce).
                 Err(e) => {
-                    flight.failure = Some(e);
+                    self.unreached(requests, &e);
                     flight.over = true;
                 }
             }
@@ -764,6 +786,24 @@ impl<'r> Leaders<'_> {
         flight.failure = Some(failure);
         flight.over = true;
         Ok(())
+    }
+
+    /// The runs of `requests`, whose leader could not be reached (`why`),
+    /// refused from their first chunk not answered, their topics' metadata
+    /// to be asked again.
+    fn unreached(&mut self, requests: &[Vec<Part>], why: &SinkError) {
+        for part in requests.iter().flatten() {
+            let run = &self.runs[part.run];
+            if self.refusals[part.run].is_none() {
+                self.session.cluster.forget(&run.topic);
+                self.refusals[part.run] = Some(Refusal {
+                    chunk: run.from,
+                    code: ResponseError::NetworkException.code(),
+                    condition: Condition::Unavailable,
+                    error: format!("NETWORK_EXCEPTION: {}[{}]: {why}", run.topic, run.partition),
+                });
+            }
+        }
     }
 
     /// A connection to `leader`, authenticated.
@@ -932,11 +972,20 @@ impl<'r> Leaders<'_> {
     ) -> Result<(), SinkError> {
         let mut broken = None;
         let mut answers: HashMap<(&str, i32), (i16, Option<String>)> = HashMap::new();
+        let mut repeated = HashSet::new();
         for topic in &answer.responses {
             for partition in &topic.partition_responses {
                 let message = partition.error_message.as_ref().map(|m| m.to_string());
-                answers.insert((topic.name.0.as_str(), partition.index), (partition.error_code, message));
+                let key = (topic.name.0.as_str(), partition.index);
+                if answers.insert(key, (partition.error_code, message)).is_some() {
+                    repeated.insert(key);
+                }
             }
+        }
+        // A partition answered twice is answered for neither: which is
+        // true is not known.
+        for key in &repeated {
+            answers.remove(key);
         }
         for part in parts {
             let run = &self.runs[part.run];
@@ -947,15 +996,16 @@ impl<'r> Leaders<'_> {
                 continue;
             }
             let Some((code, message)) = answers.remove(&(run.topic.as_str(), run.partition)) else {
-                // Whether the broker wrote it is not known: the partition's
-                // records go back to pending, what follows goes under the
-                // next epoch, and the connection goes after the push (not
-                // sent again: an answer came, and said nothing of it).
+                // Left out or answered twice, whether the broker wrote it is
+                // not known: the partition's records go back to pending,
+                // what follows goes under the next epoch, and the connection
+                // goes after the push (not sent again: an answer came, and
+                // said nothing sure of it).
                 failed_runs[part.run] = true;
                 self.session.producer.stale = true;
                 broken.get_or_insert_with(|| {
                     SinkError::ConnectionLost(format!(
-                        "Kafka protocol error: the produce answer left out {}[{}]",
+                        "Kafka protocol error: the produce answer left out {}[{}], or answered it twice",
                         broker_text(&run.topic),
                         run.partition
                     ))
