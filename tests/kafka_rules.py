@@ -58,6 +58,7 @@ answered with an error, and `overlap` the most nodes that held produce
 requests at once. A leader of -1 in `leaders` is one being elected: the
 metadata names none, and every node answers `NOT_LEADER_OR_FOLLOWER`."""
 
+import select
 import struct
 import threading
 import time
@@ -183,16 +184,15 @@ class StrictKafka:
             listener.close()
 
     def _serve(self, conn, node):
-        stream = conn.makefile("rb")
         quiet_until = 0.0
         session_ends = None
+        last = time.monotonic()
         try:
             while True:
-                conn.settimeout(self.idle)
-                if not (header := stream.read(4)):
+                header = self._read(conn, 4, lambda: self.idle is not None and time.monotonic() - last > self.idle)
+                if not header:
                     break
-                conn.settimeout(None)
-                body = BytesIO(stream.read(struct.unpack(">i", header)[0]))
+                body = BytesIO(self._read(conn, struct.unpack(">i", header)[0]))
                 api, version, correlation, client_len = struct.unpack(">hhih", body.read(10))
                 body.read(max(client_len, 0))
                 if api == 0 and time.monotonic() < quiet_until:
@@ -209,10 +209,27 @@ class StrictKafka:
                 if api == 0:
                     quiet_until = time.monotonic() + self.throttle_ms / 1000
                 conn.sendall(struct.pack(">i", len(frame)) + frame)
+                last = time.monotonic()
         except OSError:
             pass
         finally:
             conn.close()
+
+    @staticmethod
+    def _read(conn, n, idle=lambda: False):
+        """n bytes from `conn`; b"" at its end, or once `idle()` says the
+        connection has been idle too long (then closed, as Kafka closes it)."""
+        data = b""
+        while len(data) < n:
+            if not select.select([conn], [], [], 0.05)[0]:
+                if idle():
+                    return b""
+                continue
+            chunk = conn.recv(n - len(data))
+            if not chunk:
+                return b""
+            data += chunk
+        return data
 
     def _answer(self, api, version, body, node):
         """The response to one request; None to close the connection instead."""

@@ -458,3 +458,28 @@ def test_a_partition_answered_twice_is_taken_as_neither(ob, strict):
     wait_until(lambda: dispatched(ob, ids) == 5, timeout=60, message="every event dispatched")
     exactly_once_in_key_order(strict.log("twice"), ids)
     assert spent(ob) == 0
+
+
+def test_a_bootstrap_connection_closed_while_idle_is_opened_again_for_a_retry(ob, strict):
+    # The broker closes every connection idle for half a second, and the
+    # topic's leader moves meanwhile. The push finds its leader's
+    # connection closed (sent again on a new one), is refused
+    # NOT_LEADER_OR_FOLLOWER, and asks for metadata on a bootstrap
+    # connection the broker closed too: it is opened again, and the
+    # session goes on, no reconnect.
+    strict.create_topic("reopened", 1)
+    warm = enqueue(ob, 1, "reopened", ["w"])
+    wait_until(lambda: dispatched(ob, warm) == 1, message="the metadata known")
+    ob.configure(heartbeat_interval="30s")
+    strict.idle = 0.5
+    try:
+        time.sleep(1.5)
+        strict.leaders[("reopened", 0)] = 2
+        before = reconnects(ob)
+        ids = enqueue(ob, 10, "reopened", [f"k{i}" for i in range(10)])
+        wait_until(lambda: dispatched(ob, ids) == 10, timeout=30, message="every event dispatched")
+        assert reconnects(ob) == before
+    finally:
+        strict.idle = None
+    exactly_once_in_key_order(strict.log("reopened"), warm + ids)
+    assert spent(ob) == 0

@@ -205,10 +205,16 @@ impl KafkaSink {
     fn refresh(&self, session: &mut Session, waiter: &mut dyn Wait) -> Result<(), SinkError> {
         session.leaders.retain(|_, conn| !conn.expiring());
         if session.bootstrap.expiring() {
-            let (host, port) = &self.servers()[self.first_server];
-            session.bootstrap = self.open(host, *port, waiter, Instant::now() + self.config.timeout)?;
+            session.bootstrap = self.reopen(waiter, Instant::now() + self.config.timeout)?;
         }
         Ok(())
+    }
+
+    /// A new connection to the bootstrap server of the session, by
+    /// `deadline`.
+    fn reopen(&self, waiter: &mut dyn Wait, deadline: Instant) -> Result<Conn, SinkError> {
+        let (host, port) = &self.servers()[self.first_server];
+        self.open(host, *port, waiter, deadline)
     }
 
     /// A connection to one broker, authenticated, by `deadline`.

@@ -317,13 +317,11 @@ pub fn produce(
     waiter: &mut dyn Wait,
     until: Instant,
 ) -> Result<(), SinkError> {
-    session.producer.renew(&mut session.bootstrap, waiter, sink.step(until)?)?;
-    let states = session.cluster.states(
-        &mut session.bootstrap,
-        batches.iter().map(|b| b.key.as_str()),
-        waiter,
-        sink.step(until)?,
-    )?;
+    on_bootstrap(sink, session, waiter, until, |session, waiter, deadline| {
+        session.producer.renew(&mut session.bootstrap, waiter, deadline)
+    })?;
+    let topics: Vec<&str> = batches.iter().map(|b| b.key.as_str()).collect();
+    let states = metadata(sink, session, &topics, waiter, until)?;
     let records: Vec<&Record> = batches.iter().flat_map(|b| &b.messages).collect();
     let budget = sink.config.max_batch_bytes.clamp(1, REQUEST_MAX);
     let mut runs = runs_of(batches, &states, &records, partitions, deliveries);
@@ -450,25 +448,16 @@ fn again_after(
     until: Instant,
 ) -> Result<Vec<usize>, SinkError> {
     let renewal = going.iter().map(|&r| Renewal::of(refusals[r].as_ref().expect("refused").code)).max();
-    match renewal {
-        Some(Renewal::Fresh) => {
-            session.producer = Producer::fresh(&mut session.bootstrap, waiter, sink.step(until)?)?;
-        }
-        Some(Renewal::Epoch) => {
-            session.producer.stale = true;
-            session.producer.renew(&mut session.bootstrap, waiter, sink.step(until)?)?;
-        }
-        _ => {}
-    }
     if renewal > Some(Renewal::Same) {
+        session.producer.stale = true;
+        session.producer.forgotten |= renewal == Some(Renewal::Fresh);
+        on_bootstrap(sink, session, waiter, until, |session, waiter, deadline| {
+            session.producer.renew(&mut session.bootstrap, waiter, deadline)
+        })?;
         sequence(&mut session.producer, runs, going);
     }
-    let states = session.cluster.states(
-        &mut session.bootstrap,
-        going.iter().map(|&r| runs[r].topic.as_str()),
-        waiter,
-        sink.step(until)?,
-    )?;
+    let topics: Vec<&str> = going.iter().map(|&r| runs[r].topic.as_str()).collect();
+    let states = metadata(sink, session, &topics, waiter, until)?;
     let mut lost = Vec::new();
     for &r in going {
         let run = &mut runs[r];
@@ -483,6 +472,39 @@ fn again_after(
         }
     }
     Ok(lost)
+}
+
+/// The metadata of `topics`, as the cluster knows it or asks it.
+fn metadata(
+    sink: &KafkaSink,
+    session: &mut Session,
+    topics: &[&str],
+    waiter: &mut dyn Wait,
+    until: Instant,
+) -> Result<HashMap<String, TopicState>, SinkError> {
+    on_bootstrap(sink, session, waiter, until, |session, waiter, deadline| {
+        session.cluster.states(&mut session.bootstrap, topics.iter().copied(), waiter, deadline)
+    })
+}
+
+/// Runs `call` on the bootstrap connection, within a step; one the broker
+/// closed since it was last used (idle past its
+/// `connections.max.idle.ms`) is opened again to the same server, once,
+/// and `call` run again on it.
+fn on_bootstrap<T>(
+    sink: &KafkaSink,
+    session: &mut Session,
+    waiter: &mut dyn Wait,
+    until: Instant,
+    mut call: impl FnMut(&mut Session, &mut dyn Wait, Instant) -> Result<T, SinkError>,
+) -> Result<T, SinkError> {
+    match call(session, waiter, sink.step(until)?) {
+        Err(SinkError::ConnectionLost(_)) => {
+            session.bootstrap = sink.reopen(waiter, sink.step(until)?)?;
+            call(session, waiter, sink.step(until)?)
+        }
+        other => other,
+    }
 }
 
 /// The sequence numbers of the runs `which`, from their first chunk not
