@@ -14,7 +14,7 @@ brokers.json.
   broker, with outbox_dispatch.celery reporting over the same broker:
   BENCH_BROKER_LOOP [20000] events from enabling to the last `processed`.
 - A steady rate: BENCH_STEADY_RATE [10000] events a second for
-  BENCH_STEADY_SECONDS [60], committed BENCH_STEADY_CHUNK [10] to a
+  BENCH_STEADY_SECONDS [60], committed BENCH_STEADY_CHUNK [50] to a
   transaction by two producer processes, to Redis and to Kafka (3
   partitions, no compression) in turn; commit → consumer latency (p50,
   p99, max) from COMMIT's return to a consumer's receipt: BLMPOP on
@@ -45,7 +45,7 @@ BATCH = 1000
 CODECS = ("none", "lz4", "zstd")
 STEADY_RATE = int(os.environ.get("BENCH_STEADY_RATE", 10_000))
 STEADY_SECONDS = int(os.environ.get("BENCH_STEADY_SECONDS", 60))
-STEADY_CHUNK = int(os.environ.get("BENCH_STEADY_CHUNK", 10))
+STEADY_CHUNK = int(os.environ.get("BENCH_STEADY_CHUNK", 50))
 STEADY_PRODUCERS = 2
 RESULTS = ROOT / "bench" / "results"
 SERVER_CONF = {"fsync": "on", "shared_buffers": "'512MB'", "max_wal_size": "'4GB'", "checkpoint_timeout": "'15min'"}

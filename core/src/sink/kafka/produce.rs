@@ -218,6 +218,9 @@ impl Partitions {
     /// What becomes of a record of a partition still resting: deferred
     /// for the rest of it.
     fn resting(&self, topic: &str, partition: i32) -> Option<Delivery> {
+        if self.resting.is_empty() {
+            return None;
+        }
         let rest = self.resting.get(&(topic.to_string(), partition))?;
         let left = rest.until.checked_duration_since(Instant::now()).filter(|d| !d.is_zero())?;
         Some(Delivery::Deferred(
