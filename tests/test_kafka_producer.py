@@ -177,6 +177,18 @@ def test_a_throttled_connection_sends_nothing_until_the_throttle_is_over(ob, str
     assert ob.value("SELECT count(*) FROM outbox.events WHERE retry_count > 0") == 0
 
 
+def kept_once_in_one_session(ob, strict, topic, ids, before):
+    """Every event of `ids` dispatched and once in `topic`, in key order, no
+    retry spent, no reconnect since `before` of them, one producer id and
+    epoch throughout."""
+    wait_until(lambda: dispatched(ob, ids) == len(ids), message="every event dispatched")
+    log = strict.log(topic)
+    exactly_once_in_key_order(log, ids)
+    assert spent(ob) == 0
+    assert reconnects(ob) == before
+    assert len(writers(log)) == 1, writers(log)
+
+
 def test_a_leader_that_moves_is_followed_inside_the_connection(ob, strict):
     # Two of the topic's three partitions move to node 2 mid-push (a
     # rolling restart): node 1 answers NOT_LEADER_OR_FOLLOWER, writing
@@ -187,14 +199,8 @@ def test_a_leader_that_moves_is_followed_inside_the_connection(ob, strict):
     keys, pad = several_in_flight(ob)
     before = reconnects(ob)
     strict.moves = {strict.produced + 4: {("moving", 0): 2, ("moving", 1): 2}}
-    ids = enqueue(ob, 300, "moving", keys, pad)
-    wait_until(lambda: dispatched(ob, ids) == 300, message="every event dispatched")
+    kept_once_in_one_session(ob, strict, "moving", enqueue(ob, 300, "moving", keys, pad), before)
     assert not strict.moves, "the leaders moved mid-drain"
-    log = strict.log("moving")
-    exactly_once_in_key_order(log, ids)
-    assert spent(ob) == 0
-    assert reconnects(ob) == before
-    assert len(writers(log)) == 1, writers(log)
 
 
 def test_a_batch_written_and_then_refused_is_sent_again_under_its_sequence(ob, strict):
@@ -208,14 +214,8 @@ def test_a_batch_written_and_then_refused_is_sent_again_under_its_sequence(ob, s
     keys, pad = several_in_flight(ob)
     strict.appended_then_refused = {"appended": 2}
     before = reconnects(ob)
-    ids = enqueue(ob, 300, "appended", keys, pad)
-    wait_until(lambda: dispatched(ob, ids) == 300, message="every event dispatched")
+    kept_once_in_one_session(ob, strict, "appended", enqueue(ob, 300, "appended", keys, pad), before)
     assert strict.appended_then_refused == {"appended": 0}
-    log = strict.log("appended")
-    exactly_once_in_key_order(log, ids)
-    assert spent(ob) == 0
-    assert reconnects(ob) == before
-    assert len(writers(log)) == 1, writers(log)
 
 
 def test_a_topic_short_of_replicas_never_slows_another(ob, strict):
