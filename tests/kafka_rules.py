@@ -33,7 +33,8 @@ partition twice, its first answer and then success (broken brokers); with `hold`
 (topic, seconds), the writes to that topic of the first producer id and
 epoch that writes to it wait that long before they are appended (a
 request stuck on its way, or in a slow disk's queue). A quota is
-scripted too: with `throttle_ms`, every produce answer says so
+scripted too: with `throttle_ms` (or `throttle_nodes` = {node: ms}, that
+node's alone), every produce answer says so
 (`throttle_time_ms`), and a produce request that comes on that connection
 before the time is up is counted in `early` (Kafka's broker, since
 KIP-219, mutes the connection instead).
@@ -147,6 +148,7 @@ class StrictKafka:
         self.answers_lost = 0
         self.hold = None
         self.throttle_ms = 0
+        self.throttle_nodes = {}
         self.early = 0
         self.held = {}  # topic: the (producer id, epoch) whose writes wait
         self.fenced = 0
@@ -175,6 +177,9 @@ class StrictKafka:
     def log(self, topic):
         with self.lock:
             return [list(p.records) for p in self.topics[topic]]
+
+    def throttle(self, node):
+        return self.throttle_nodes.get(node, self.throttle_ms)
 
     def leader(self, topic, partition):
         return self.leaders.get((topic, partition), NODES[0])
@@ -207,7 +212,7 @@ class StrictKafka:
                     return
                 frame = struct.pack(">i", correlation) + answer.encode()
                 if api == 0:
-                    quiet_until = time.monotonic() + self.throttle_ms / 1000
+                    quiet_until = time.monotonic() + self.throttle(node) / 1000
                 conn.sendall(struct.pack(">i", len(frame)) + frame)
                 last = time.monotonic()
         except OSError:
@@ -326,5 +331,5 @@ class StrictKafka:
                            for name, answered in answers]
             self.leaders.update(self.moves.pop(self.produced, {}))
         time.sleep(self.ack_delay)
-        return ProduceResponse_v3(topics=answers, throttle_time_ms=self.throttle_ms)
+        return ProduceResponse_v3(topics=answers, throttle_time_ms=self.throttle(node))
 

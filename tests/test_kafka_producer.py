@@ -483,3 +483,30 @@ def test_a_bootstrap_connection_closed_while_idle_is_opened_again_for_a_retry(ob
         strict.idle = None
     exactly_once_in_key_order(strict.log("reopened"), warm + ids)
     assert spent(ob) == 0
+
+
+def test_a_throttled_leader_never_holds_back_another(ob, strict):
+    # Node 1 asks for a minute of quiet after every answer (a quota);
+    # node 2 asks for none. A push with records for both sends node 2's at
+    # once and waits for nothing on node 1's account: node 1's partitions
+    # rest, no session is dropped, and node 2's records are written once.
+    strict.create_topic("quota1", 1)
+    strict.create_topic("free2", 1)
+    strict.leaders[("free2", 0)] = 2
+    ob.configure(broker_timeout="1s", kafka_request_timeout="1s")
+    strict.throttle_nodes = {1: 60_000}
+    try:
+        warm = enqueue(ob, 1, "quota1", ["w"])
+        wait_until(lambda: dispatched(ob, warm) == 1, message="node 1 answered, asking for quiet")
+        before = reconnects(ob)
+        with ob.connect() as conn:
+            free = [str(r[0]) for r in conn.execute(
+                "SELECT outbox_enqueue('t', jsonb_build_object('n', i), queue => 'free2', ordering_key => 'f' || i) "
+                "FROM generate_series(0, 9) AS i ORDER BY i")]
+            conn.execute("SELECT outbox_enqueue('t', '{}'::jsonb, queue => 'quota1', ordering_key => 'q')")
+        wait_until(lambda: dispatched(ob, free) == 10, timeout=60, message="node 2's records dispatched")
+        assert reconnects(ob) == before
+    finally:
+        strict.throttle_nodes = {}
+    exactly_once_in_key_order(strict.log("free2"), free)
+    assert spent(ob) == 0

@@ -324,7 +324,7 @@ impl Link {
     /// Appends to `into` what has come and not been read, without waiting;
     /// returns how many bytes that was (0: nothing now). A closed
     /// connection is an error.
-    fn read_now(&mut self, into: &mut Vec<u8>) -> Result<usize, LinkError> {
+    pub fn read_now(&mut self, into: &mut Vec<u8>) -> Result<usize, LinkError> {
         let mut chunk = [0u8; READ_CHUNK];
         let read = match self.tls.as_mut() {
             None => self.socket.read(&mut chunk),

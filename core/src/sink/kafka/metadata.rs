@@ -22,6 +22,11 @@ use crate::sink::{Condition, SinkError};
 /// topic are seen by every dispatcher within this.
 pub const MAX_AGE: Duration = Duration::from_secs(300);
 
+/// How long the metadata of a topic with a partition being elected (no
+/// leader) is used: its partition rests meanwhile, and its next push asks
+/// again, at most this often.
+const LEADERLESS_AGE: Duration = Duration::from_secs(1);
+
 /// How long to wait before asking again of a topic being created.
 const CREATING: Duration = Duration::from_millis(100);
 
@@ -41,6 +46,7 @@ pub enum TopicState {
 #[derive(Default)]
 pub struct Cluster {
     brokers: HashMap<i32, (String, u16)>,
+    /// Each topic's leaders, and until when they are used.
     topics: HashMap<String, (Leaders, Instant)>,
 }
 
@@ -69,7 +75,7 @@ impl Cluster {
         let mut asked: Vec<String> = Vec::new();
         let mut seen = HashSet::new();
         for topic in wanted.filter(|t| seen.insert(*t)) {
-            match self.topics.get(topic).filter(|(_, at)| at.elapsed() < MAX_AGE) {
+            match self.topics.get(topic).filter(|(_, used_until)| Instant::now() < *used_until) {
                 Some((leaders, _)) => {
                     states.insert(topic.to_string(), TopicState::Known(leaders.clone()));
                 }
@@ -108,13 +114,11 @@ impl Cluster {
                 let state = match failed(topic.error_code) {
                     None => match leaders(topic) {
                         // A partition without a leader is being elected:
-                        // asked again at the next push, not kept.
+                        // asked again soon.
                         Some(leaders) => {
-                            if leaders.iter().all(Option::is_some) {
-                                self.topics.insert(name.clone(), (leaders.clone(), Instant::now()));
-                            } else {
-                                self.topics.remove(&name);
-                            }
+                            let age =
+                                if leaders.iter().all(Option::is_some) { MAX_AGE } else { LEADERLESS_AGE };
+                            self.topics.insert(name.clone(), (leaders.clone(), Instant::now() + age));
                             TopicState::Known(leaders)
                         }
                         None => TopicState::Failed(

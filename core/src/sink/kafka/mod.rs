@@ -262,14 +262,15 @@ impl KafkaSink {
         self.due(Instant::now() + self.config.timeout, until)
     }
 
-    /// The deadline of the answer to a produce request sent at `sent`, in
-    /// a push that must be done by `until`: the broker may hold it
+    /// The deadline of the answer to a produce request sent at `sent`, the
+    /// answer before it on its connection having come at `last`, in a push
+    /// that must be done by `until`: the broker may hold it
     /// `outbox.kafka_request_timeout` (`acks=all` waiting for the
     /// replicas), and its way back takes up to a timeout; and a timeout
     /// after the answer before it, as for any step.
-    fn answer_due(&self, sent: Instant, until: Instant) -> Result<Instant, SinkError> {
+    fn answer_due(&self, sent: Instant, last: Instant, until: Instant) -> Result<Instant, SinkError> {
         let held = sent + self.config.kafka.request_timeout + self.config.timeout;
-        self.due(held.max(Instant::now() + self.config.timeout), until)
+        self.due(held.max(last + self.config.timeout), until)
     }
 
     fn due(&self, deadline: Instant, until: Instant) -> Result<Instant, SinkError> {

@@ -215,6 +215,13 @@ impl Partitions {
         rest
     }
 
+    /// Forgets the rests over for longer than [`REST_MAX`]: a partition
+    /// refused again after that starts over at [`REST_FIRST`].
+    fn prune(&mut self) {
+        let now = Instant::now();
+        self.resting.retain(|_, rest| now < rest.until + REST_MAX);
+    }
+
     /// What becomes of a record of a partition still resting: deferred
     /// for the rest of it.
     fn resting(&self, topic: &str, partition: i32) -> Option<Delivery> {
@@ -327,6 +334,7 @@ pub fn produce(
     let states = metadata(sink, session, &topics, waiter, until)?;
     let records: Vec<&Record> = batches.iter().flat_map(|b| &b.messages).collect();
     let budget = sink.config.max_batch_bytes.clamp(1, REQUEST_MAX);
+    partitions.prune();
     let mut runs = runs_of(batches, &states, &records, partitions, deliveries);
     for run in &mut runs {
         let one_by_one = partitions.alone.contains(&(run.topic.clone(), run.partition));
@@ -687,11 +695,15 @@ struct Sent<'r> {
 /// One leader's requests of a push, as they go.
 struct Flight<'r> {
     leader: i32,
-    version: i16,
+    /// The version of Produce its connection speaks; `None` until it is
+    /// connected.
+    version: Option<i16>,
     requests: &'r [Vec<Part>],
     /// The first request not sent yet.
     next: usize,
     in_flight: VecDeque<Sent<'r>>,
+    /// When the connection last answered (or was made).
+    last: Instant,
     resends: usize,
     /// Why the leader's share ended early: its connection's failure, or an
     /// answer that broke the protocol without losing it (the share goes on
@@ -701,25 +713,38 @@ struct Flight<'r> {
     over: bool,
 }
 
-impl<'r> Flight<'r> {
+impl Flight<'_> {
     fn waiting(&self) -> bool {
         !self.over && !self.in_flight.is_empty()
     }
+
+    /// Requests are left to send, and may be sent.
+    fn sending(&self) -> bool {
+        !self.over && self.failure.is_none() && self.next < self.requests.len()
+    }
 }
+
+/// The longest wait on one leader's answer before the others' are looked
+/// at: while one leader is slow, the others' answers are taken and their
+/// windows filled again.
+const SLICE: Duration = Duration::from_millis(20);
 
 impl<'r> Leaders<'_> {
     /// Sends each leader its requests (`shares`), all leaders at once: up
-    /// to [`IN_FLIGHT`] unanswered on each connection, the answer awaited
-    /// next always the one whose request went first, so that while one
-    /// leader's is awaited the others' arrive. Each answer is due a request
+    /// to [`IN_FLIGHT`] unanswered on each connection. Every answer that
+    /// has come is taken as it comes, and the wait for more is on the
+    /// oldest request's connection a [`SLICE`] at a time, so that a slow or
+    /// silent leader holds up no other. Each answer is due a request
     /// timeout after its request went (and by `until`), and what it says is
     /// recorded. A request is built as it goes, without the batches of
     /// partitions that failed meanwhile. A connection lost, or an answer
     /// not come in time, with requests unanswered: they are sent again on
     /// a new connection, as they were (the same producer id, epoch and
     /// sequences: the broker drops what it has already), up to [`RESENDS`]
-    /// times, as Kafka's own producer retries them; the other leaders go on
-    /// meanwhile. Returns the first leader's failure, if one failed.
+    /// times, as Kafka's own producer retries them. A leader that cannot be
+    /// reached, or asks for quiet past the push, has its partitions'
+    /// batches not sent refused (see [`Leaders::unreached`]). Returns the
+    /// first leader's failure, if one failed.
     fn send(
         mut self,
         shares: &'r [(i32, Vec<Vec<Part>>)],
@@ -728,56 +753,143 @@ impl<'r> Leaders<'_> {
         until: Instant,
     ) -> Result<Option<SinkError>, SinkError> {
         let mut failed_runs = vec![false; self.runs.len()];
-        let mut flights: Vec<Flight<'r>> = Vec::new();
-        for (leader, requests) in shares {
-            let mut flight = Flight {
+        let mut flights: Vec<Flight<'r>> = shares
+            .iter()
+            .map(|(leader, requests)| Flight {
                 leader: *leader,
-                version: 0,
+                version: None,
                 requests,
                 next: 0,
                 in_flight: VecDeque::new(),
+                last: Instant::now(),
                 resends: 0,
                 failure: None,
                 over: false,
-            };
-            let opened = match self.session.leaders.get(leader) {
-                Some(_) => Ok(()),
-                None => self.connect(*leader, waiter, until),
-            };
-            match opened.and_then(|()| self.session.leaders[leader].versions.of(ApiKey::Produce)) {
-                Ok(version) => flight.version = version,
-                Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
-                // A leader that cannot be reached, while the rest of the
-                // cluster can: its partitions' batches are refused as a
-                // network fault, and go the way of any refusal (produce).
-                Err(e) => {
-                    self.unreached(requests, &e);
-                    flight.over = true;
-                }
-            }
-            flights.push(flight);
-        }
+            })
+            .collect();
+        // Those connected already first: their answers come while another
+        // leader is connected to.
+        flights.sort_by_key(|f| !self.session.leaders.contains_key(&f.leader));
         loop {
-            for flight in flights.iter_mut().filter(|f| !f.over) {
-                while flight.failure.is_none()
-                    && flight.next < flight.requests.len()
-                    && flight.in_flight.len() < IN_FLIGHT
-                {
-                    flight.next += 1;
-                    let turn = self.dispatch(flight, flight.next - 1, &failed_runs, waiter, until);
-                    self.recover(flight, turn, waiter, until)?;
-                }
-                flight.over |= flight.in_flight.is_empty();
+            for flight in &mut flights {
+                self.fill(flight, &failed_runs, waiter, until)?;
             }
-            let Some(flight) =
-                flights.iter_mut().filter(|f| f.waiting()).min_by_key(|f| f.in_flight.front().map(|s| s.at))
-            else {
-                break;
-            };
-            let turn = self.answer(flight, deliveries, &mut failed_runs, waiter, until);
-            self.recover(flight, turn, waiter, until)?;
+            // Every answer that has come, without waiting.
+            let mut took = false;
+            for flight in flights.iter_mut() {
+                while flight.waiting() {
+                    match self.answer(flight, deliveries, &mut failed_runs, waiter, Instant::now(), until) {
+                        Ok(true) => took = true,
+                        Ok(false) => break,
+                        turn => {
+                            self.recover(flight, turn.map(drop), waiter, until)?;
+                            break;
+                        }
+                    }
+                }
+                flight.over |= flight.in_flight.is_empty() && !flight.sending();
+            }
+            if took {
+                continue;
+            }
+            let quiet = flights
+                .iter()
+                .filter(|f| f.sending())
+                .filter_map(|f| self.session.leaders.get(&f.leader)?.throttled_until())
+                .min();
+            match flights.iter_mut().filter(|f| f.waiting()).min_by_key(|f| f.in_flight.front().map(|s| s.at))
+            {
+                Some(flight) => {
+                    let slice = (Instant::now() + SLICE).min(quiet.unwrap_or(until));
+                    let turn = self.answer(flight, deliveries, &mut failed_runs, waiter, slice, until);
+                    self.recover(flight, turn.map(drop), waiter, until)?;
+                }
+                // Nothing to wait for but a throttle's end.
+                None => match quiet {
+                    Some(end) if end < until => {
+                        pause(waiter, end.saturating_duration_since(Instant::now()), until)?
+                    }
+                    _ => {
+                        for flight in flights.iter_mut().filter(|f| f.sending()) {
+                            let why = SinkError::Timeout;
+                            self.unreached(&flight.requests[flight.next..], "THROTTLED past the push", &why);
+                            flight.over = true;
+                        }
+                        break;
+                    }
+                },
+            }
         }
         Ok(flights.into_iter().find_map(|f| f.failure))
+    }
+
+    /// Sends what `flight` may send now: its connection made first (or
+    /// made again, once its SASL session is near its end and nothing is in
+    /// flight on it), nothing while the broker asks for quiet, and up to
+    /// [`IN_FLIGHT`] requests unanswered. Only an interruption is an error.
+    fn fill(
+        &mut self,
+        flight: &mut Flight<'r>,
+        failed_runs: &[bool],
+        waiter: &mut dyn Wait,
+        until: Instant,
+    ) -> Result<(), SinkError> {
+        if !flight.sending() {
+            return Ok(());
+        }
+        let expiring = self.session.leaders.get(&flight.leader).is_some_and(|c| c.expiring());
+        if expiring && !flight.in_flight.is_empty() {
+            return Ok(());
+        }
+        if expiring {
+            self.session.leaders.remove(&flight.leader);
+        }
+        let opened = match self.session.leaders.get(&flight.leader) {
+            Some(conn) => conn.versions.of(ApiKey::Produce).map(|version| (version, false)),
+            None => self
+                .connect(flight.leader, waiter, until)
+                .and_then(|()| self.session.leaders[&flight.leader].versions.of(ApiKey::Produce))
+                .map(|version| (version, true)),
+        };
+        match opened {
+            Ok((version, _)) if flight.version.is_some_and(|v| v != version) => {
+                flight.failure = Some(SinkError::ConnectionLost(
+                    "the leader came back speaking another version of Produce".into(),
+                ));
+                flight.over = true;
+                return Ok(());
+            }
+            Ok((version, new)) => {
+                flight.version = Some(version);
+                if new {
+                    flight.last = Instant::now();
+                }
+            }
+            Err(SinkError::Interrupted) => return Err(SinkError::Interrupted),
+            // A setting the leader cannot take is the session's.
+            Err(e @ SinkError::InvalidConfig(_)) => {
+                flight.failure = Some(e);
+                flight.over = true;
+                return Ok(());
+            }
+            // A leader that cannot be reached, while the rest of the
+            // cluster can: its partitions' batches are refused as a
+            // network fault, and go the way of any refusal (produce).
+            Err(e) => {
+                self.unreached(&flight.requests[flight.next..], "NETWORK_EXCEPTION", &e);
+                flight.over = true;
+                return Ok(());
+            }
+        }
+        if self.session.leaders[&flight.leader].throttled_until().is_some() {
+            return Ok(());
+        }
+        while flight.sending() && flight.in_flight.len() < IN_FLIGHT {
+            flight.next += 1;
+            let turn = self.dispatch(flight, flight.next - 1, failed_runs, waiter, until);
+            self.recover(flight, turn, waiter, until)?;
+        }
+        Ok(())
     }
 
     /// What follows a turn of `flight`: after a connection lost or an
@@ -813,19 +925,20 @@ impl<'r> Leaders<'_> {
         Ok(())
     }
 
-    /// The runs of `requests`, whose leader could not be reached (`why`),
-    /// refused from their first chunk not answered, their topics' metadata
-    /// to be asked again.
-    fn unreached(&mut self, requests: &[Vec<Part>], why: &SinkError) {
+    /// The runs of `requests`, none of which went, refused from the first
+    /// chunk of each there as `code` for `why` (a leader not reached, or
+    /// not to be sent to within the push), their topics' metadata to be
+    /// asked again.
+    fn unreached(&mut self, requests: &[Vec<Part>], code: &str, why: &SinkError) {
         for part in requests.iter().flatten() {
             let run = &self.runs[part.run];
             if self.refusals[part.run].is_none() {
                 self.session.cluster.forget(&run.topic);
                 self.refusals[part.run] = Some(Refusal {
-                    chunk: run.from,
+                    chunk: part.chunk,
                     code: ResponseError::NetworkException.code(),
                     condition: Condition::Unavailable,
-                    error: format!("NETWORK_EXCEPTION: {}[{}]: {why}", run.topic, run.partition),
+                    error: format!("{code}: {}[{}]: {why}", run.topic, run.partition),
                 });
             }
         }
@@ -852,14 +965,13 @@ impl<'r> Leaders<'_> {
         waiter: &mut dyn Wait,
         until: Instant,
     ) -> Result<(), SinkError> {
-        self.session.leaders.get_mut(&flight.leader).expect("opened").quiet(waiter, until)?;
         let deadline = self.sink.step(until)?;
         let parts = &flight.requests[index];
         let Some(request) = self.request(parts, failed_runs) else { return Ok(()) };
         let conn = self.session.leaders.get_mut(&flight.leader).expect("opened");
         // Sent or not, it is in flight: a connection lost as it goes sends
         // it again.
-        let sent = conn.send(&request, flight.version, waiter, deadline);
+        let sent = conn.send(&request, flight.version.expect("connected"), waiter, deadline);
         flight.in_flight.push_back(Sent {
             correlation: *sent.as_ref().unwrap_or(&-1),
             parts,
@@ -869,30 +981,43 @@ impl<'r> Leaders<'_> {
         sent.map(drop)
     }
 
-    /// Waits for `flight`'s oldest request's answer, and records what it
-    /// says.
+    /// Takes `flight`'s oldest request's answer, waiting for it until
+    /// `wait` at the latest, and records what it says: whether it came. An
+    /// answer not come when due is a timeout, though one that has come is
+    /// still taken then.
+    #[allow(clippy::too_many_arguments)]
     fn answer(
         &mut self,
         flight: &mut Flight<'r>,
         deliveries: &mut [Delivery],
         failed_runs: &mut [bool],
         waiter: &mut dyn Wait,
+        wait: Instant,
         until: Instant,
-    ) -> Result<(), SinkError> {
+    ) -> Result<bool, SinkError> {
         // A broker answers a connection's requests one after another,
         // each once its replicas have it: an answer is due a request
         // timeout after its request went, or a timeout after the
         // answer before it came.
         let oldest = flight.in_flight.front().expect("a request in flight");
-        let deadline = self.sink.answer_due(oldest.at, until)?;
+        let due = self.sink.answer_due(oldest.at, flight.last, until);
+        let deadline = due.as_ref().map_or(Instant::now(), |due| wait.min(*due));
         let conn = self.session.leaders.get_mut(&flight.leader).expect("opened");
-        let answer = conn.receive::<ProduceRequest>(oldest.correlation, flight.version, waiter, deadline)?;
+        let version = flight.version.expect("connected");
+        let answer = match conn.receive::<ProduceRequest>(oldest.correlation, version, waiter, deadline) {
+            Ok(answer) => answer,
+            Err(SinkError::Timeout) if due.is_ok() && Instant::now() < *due.as_ref().expect("due") => {
+                return Ok(false)
+            }
+            Err(e) => return Err(e),
+        };
         conn.throttled(answer.throttle_time_ms);
+        flight.last = Instant::now();
         let sent = flight.in_flight.pop_front().expect("a request in flight");
         if let Err(broken) = self.settle(sent.parts, &answer, deliveries, failed_runs) {
             flight.failure.get_or_insert(broken);
         }
-        Ok(())
+        Ok(true)
     }
 
     /// `flight`'s old connection closed, a new one, and every request
@@ -906,15 +1031,17 @@ impl<'r> Leaders<'_> {
         self.session.leaders.remove(&flight.leader);
         self.connect(flight.leader, waiter, until)?;
         let conn = self.session.leaders.get_mut(&flight.leader).expect("opened");
-        if conn.versions.of(ApiKey::Produce)? != flight.version {
+        let version = flight.version.expect("connected");
+        if conn.versions.of(ApiKey::Produce)? != version {
             return Err(SinkError::ConnectionLost(
                 "the leader came back speaking another version of Produce".into(),
             ));
         }
         for sent in flight.in_flight.iter_mut() {
-            sent.correlation = conn.send(&sent.request, flight.version, waiter, self.sink.step(until)?)?;
+            sent.correlation = conn.send(&sent.request, version, waiter, self.sink.step(until)?)?;
             sent.at = Instant::now();
         }
+        flight.last = Instant::now();
         Ok(())
     }
 
@@ -1151,5 +1278,10 @@ mod tests {
         partitions.written("t", 0, 3);
         assert!(partitions.resting("t", 0).is_none());
         assert_eq!(partitions.rest("t", 0, Condition::LeaderMoved, "moved"), REST_FIRST);
+        // Long over, a rest is forgotten.
+        let rest = partitions.resting.get_mut(&("t".to_string(), 0)).expect("resting");
+        rest.until = rest.until.checked_sub(REST_MAX * 2).expect("a monotonic clock a minute old");
+        partitions.prune();
+        assert!(partitions.resting.is_empty());
     }
 }

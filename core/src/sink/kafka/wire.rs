@@ -239,18 +239,11 @@ impl Conn {
         }
     }
 
-    /// Waits until the broker's throttle is over, on the latch, by
-    /// `deadline`: Kafka's clients send nothing to a broker meanwhile.
-    pub fn quiet(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<(), SinkError> {
-        let Some(until) = self.quiet_until else { return Ok(()) };
-        while Instant::now() < until {
-            if Instant::now() >= deadline {
-                return Err(SinkError::Timeout);
-            }
-            waiter.wait(None, until.min(deadline)).map_err(|_| SinkError::Interrupted)?;
-        }
-        self.quiet_until = None;
-        Ok(())
+    /// Until when the broker asked for quiet on this connection (an
+    /// answer's `throttle_time_ms`), if it still does: Kafka's clients send
+    /// nothing to a broker meanwhile.
+    pub fn throttled_until(&self) -> Option<Instant> {
+        self.quiet_until.filter(|until| Instant::now() < *until)
     }
 
     /// Receives the response to the request sent as `correlation`: the
@@ -267,14 +260,19 @@ impl Conn {
         decode::<R>(frame, api, version, correlation).map_err(not_kafka)
     }
 
-    /// The next size-prefixed frame, whole.
+    /// The next size-prefixed frame, whole; at the deadline, what has come
+    /// already is still taken.
     fn frame(&mut self, waiter: &mut dyn Wait, deadline: Instant) -> Result<Bytes, SinkError> {
         loop {
             if let Some(frame) = take_frame(&mut self.inbox).map_err(not_kafka)? {
                 return Ok(frame);
             }
             if Instant::now() >= deadline {
-                return Err(SinkError::Timeout);
+                let read = self.link.read_now(&mut self.inbox).map_err(|e| SinkError::from_link(e, true))?;
+                if read == 0 {
+                    return Err(SinkError::Timeout);
+                }
+                continue;
             }
             waiter.check().map_err(|_| SinkError::Interrupted)?;
             self.link
