@@ -270,6 +270,17 @@ def test_a_slow_acks_all_is_waited_for_and_not_written_again(ob, strict):
     assert reconnects(ob) == before
 
 
+def bursts(pg, queue, count, size, pause):
+    """`count` bursts of `size` events of as many keys, each dispatched and
+    followed by `pause` seconds of quiet: their ids, in order."""
+    ids = []
+    for _ in range(count):
+        ids += enqueue(pg, size, queue, [f"k{i}" for i in range(size)])
+        wait_until(lambda: dispatched(pg, ids) == len(ids), timeout=30, message="the burst dispatched")
+        time.sleep(pause)
+    return ids
+
+
 def test_connections_the_broker_closes_when_idle_lose_nothing(ob, strict):
     # The broker closes a connection that sent nothing for half a second
     # (connections.max.idle.ms): between bursts, every one the dispatcher
@@ -277,12 +288,8 @@ def test_connections_the_broker_closes_when_idle_lose_nothing(ob, strict):
     strict.create_topic("idle", 3)
     ob.configure(heartbeat_interval="30s")
     strict.idle = 0.5
-    ids = []
     try:
-        for _ in range(3):
-            ids += enqueue(ob, 20, "idle", [f"k{i}" for i in range(20)])
-            wait_until(lambda: dispatched(ob, ids) == len(ids), timeout=30, message="the burst dispatched")
-            time.sleep(1.5)
+        ids = bursts(ob, "idle", 3, 20, 1.5)
     finally:
         strict.idle = None
     exactly_once_in_key_order(strict.log("idle"), ids)
@@ -302,11 +309,7 @@ def test_a_sasl_session_is_renewed_before_the_broker_ends_it(ob, strict):
                      kafka_sasl_mechanism="plain", kafka_sasl_plain_cleartext="on", heartbeat_interval="1s")
         ob.wait_idle()
         before = reconnects(ob)
-        ids = []
-        for _ in range(6):
-            ids += enqueue(ob, 10, "sessions", [f"k{i}" for i in range(10)])
-            wait_until(lambda: dispatched(ob, ids) == len(ids), timeout=30, message="the burst dispatched")
-            time.sleep(0.9)
+        ids = bursts(ob, "sessions", 6, 10, 0.9)
         assert strict.expired == 0
         assert reconnects(ob) == before
     finally:
